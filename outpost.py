@@ -1,0 +1,2911 @@
+"""Outpost: a durable scheduler appliance that wakes coding agents.
+
+Outpost runs as one process on a small always-on machine. It wakes agent CLIs
+(Claude Code, Codex, aider, any script) on schedules and one-shot dispatches; each
+run gets its own git worktree and result branch, and everything a human should look
+at becomes an attention item. The database is the source of truth: a fire that was
+committed survives ``kill -9``, and no occurrence is ever admitted twice.
+
+Usage::
+
+    outpost serve                      # dashboard + API on http://127.0.0.1:8321
+    outpost token                      # the API token
+    outpost schedules create nightly.toml
+    outpost inspect nightly-deps       # "why didn't it run at 09:00?"
+
+The process (section 9 builds it)::
+
+    main()
+     └─ root nursery
+         ├─ signal watcher      SIGTERM/SIGINT -> cancel the root scope
+         ├─ web                 hypercorn + quart-trio (section 8)
+         ├─ cron actor          sleeps until the next due instant, claims occurrences
+         ├─ claim actor         FIFO admission (max_running) -> run supervisors
+         │   └─ runs nursery    worktree, agent subprocess, timeout, settlement
+         ├─ recovery actor      boot reconciliation; periodic hygiene
+         └─ notification actor  settled runs -> failure streak, attention items
+
+Sections of this file (``grep -n '^# [0-9]\\. ' outpost.py``):
+
+    1. imports and constants
+    2. configuration
+    3. errors
+    4. domain (pure)
+    5. store
+    6. executors
+    7. actors
+    8. web
+    9. supervisor, CLI and main()
+"""
+
+###############################################################################
+# 1. Imports and constants.
+###############################################################################
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import trio
+from croniter import croniter
+from croniter.croniter import CroniterBadCronError, CroniterBadDateError
+from pony import orm
+from ulid import ULID
+
+__all__ = [
+    "Config", "OutpostError", "Clock", "WallClock", "TrioClock", "Store", "Deps",
+    "next_fires", "normalize_definition", "confirmation_of", "run_outcome",
+    "cron_actor", "claim_actor", "recovery_actor", "notification_actor",
+    "create_app", "serve", "main",
+]
+
+log = logging.getLogger("outpost")
+log.addHandler(logging.NullHandler())
+
+UTC = timezone.utc
+
+#: Default TCP port of the API and dashboard.
+DEFAULT_PORT = 8321
+#: Runs holding an admission slot at once, unless outpost.toml or --max-running says otherwise.
+DEFAULT_MAX_RUNNING = 2
+#: Seconds an agent process group gets between SIGTERM and SIGKILL.
+GRACE_S = 5.0
+#: Largest request body the API accepts.
+MAX_BODY_BYTES = 1024 * 1024
+#: Largest run log kept on disk; the rest is dropped with a note.
+MAX_LOG_BYTES = 1024 * 1024
+#: How long an Idempotency-Key is remembered.
+IDEMPOTENCY_TTL_S = 24 * 3600
+#: A due slot later than this when the cron actor reaches it counts as missed (downtime).
+MISFIRE_GRACE_S = 60.0
+#: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
+CRON_MAX_SLEEP_S = 300.0
+#: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
+CLEANUP_S = 10.0
+#: Consecutive failures that auto-pause a schedule.
+AUTO_PAUSE_STREAK = 3
+#: Bytes of stderr kept as a failed run's error text.
+ERROR_TAIL_BYTES = 2000
+#: Interval shorter than this draws a compose warning (a typical agent run takes longer).
+SHORT_INTERVAL_S = 300
+#: How far ahead compose looks for DST transitions.
+DST_HORIZON_DAYS = 366
+#: Environment variables an agent may inherit when its profile names no pass_env.
+DEFAULT_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "SHELL", "TMPDIR")
+#: Never handed to an agent, whatever a profile says.
+SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+#: Author of the commit that saves what an agent left uncommitted.
+GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost")
+#: Current schema version of the store (section 5).
+SCHEMA_VERSION = 1
+
+
+###############################################################################
+# 2. Configuration: outpost.toml, environment and flags -> one frozen Config.
+###############################################################################
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AgentProfile:
+    """How to start one kind of agent. ``command`` items may hold {prompt}, {model}, {run_id}."""
+    name: str
+    command: tuple[str, ...]
+    timeout_seconds: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_running: int = DEFAULT_MAX_RUNNING
+    allowed_hosts: tuple[str, ...] = ()
+    agents: tuple[AgentProfile, ...] = ()
+
+    def agent(self, name: str) -> AgentProfile | None:
+        return next((a for a in self.agents if a.name == name), None)
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "outpost.sqlite3"
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("OUTPOST_DATA_DIR")
+    return Path(env) if env else Path.home() / ".local/state/outpost"
+
+
+def demo_profile() -> AgentProfile:
+    """The built-in profile: this very file's simulated agent (section 6)."""
+    return AgentProfile("demo", (sys.executable, str(Path(__file__).resolve()), "demo-agent"),
+                        timeout_seconds=600)
+
+
+class ConfigError(Exception):
+    """outpost.toml cannot be used; the message names the key."""
+
+
+def load_config(data_dir: Path, *, host: str | None = None, port: int | None = None,
+                max_running: int | None = None) -> Config:
+    """Read ``<data dir>/outpost.toml`` (optional) and merge flags over it."""
+    raw: dict[str, Any] = {}
+    path = data_dir / "outpost.toml"
+    if path.exists():
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    settings = raw.get("settings", {})
+    agents = [demo_profile()]
+    for name, spec in raw.get("agents", {}).items():
+        command = spec.get("command")
+        if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+            raise ConfigError(f"{path}: agents.{name}.command must be a non-empty list of strings")
+        env = spec.get("env", {})
+        if not isinstance(env, dict):
+            raise ConfigError(f"{path}: agents.{name}.env must be a table")
+        profile = AgentProfile(
+            name, tuple(command), spec.get("timeout_seconds"),
+            tuple((str(k), str(v)) for k, v in env.items()),
+            tuple(spec.get("pass_env", DEFAULT_PASS_ENV)))
+        agents = [a for a in agents if a.name != name] + [profile]
+    env_port = os.environ.get("OUTPOST_PORT")
+    limit = max_running if max_running is not None else settings.get("max_running", DEFAULT_MAX_RUNNING)
+    if not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"{path}: settings.max_running must be a whole number >= 1")
+    return Config(
+        data_dir=data_dir,
+        host=host or "127.0.0.1",
+        port=port if port is not None else int(env_port) if env_port else DEFAULT_PORT,
+        max_running=limit,
+        allowed_hosts=tuple(settings.get("allowed_hosts", ())),
+        agents=tuple(agents))
+
+
+def api_token(data_dir: Path, *, create: bool) -> str | None:
+    """$OUTPOST_API_TOKEN, else ``<data dir>/api-token`` (made 0600 on first start)."""
+    if os.environ.get("OUTPOST_API_TOKEN"):
+        return os.environ["OUTPOST_API_TOKEN"]
+    path = data_dir / "api-token"
+    if path.exists():
+        return path.read_text().strip()
+    if not create:
+        return None
+    data_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+###############################################################################
+# 3. Errors: one base, one subclass per problem code of API.md.
+###############################################################################
+
+class OutpostError(Exception):
+    """A refusal a user can read: becomes application/problem+json at the API."""
+    status = 400
+    code = "bad_request"
+    title = "Bad request"
+
+    def __init__(self, detail: str, *, errors: list[dict[str, str]] | None = None,
+                 extra: dict[str, Any] | None = None):
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors or []
+        self.extra = extra or {}
+
+    def problem(self) -> dict[str, Any]:
+        body = {"status": self.status, "code": self.code, "title": self.title, "detail": self.detail}
+        if self.errors:
+            body["errors"] = self.errors
+        return body | self.extra
+
+
+class Unauthorized(OutpostError):
+    status, code, title = 401, "unauthorized", "Missing or wrong API token"
+
+
+class ForbiddenHost(OutpostError):
+    status, code, title = 403, "forbidden_host", "Host not allowed"
+
+
+class NotFound(OutpostError):
+    status, code, title = 404, "not_found", "Not found"
+
+
+class Conflict(OutpostError):
+    status, code, title = 409, "conflict", "Conflict"
+
+
+class Archived(OutpostError):
+    status, code, title = 409, "archived", "Schedule is archived"
+
+
+class AutoPaused(OutpostError):
+    status, code, title = 409, "auto_paused", "Schedule is auto-paused"
+
+
+class RevisionMismatch(OutpostError):
+    status, code, title = 412, "revision_mismatch", "Revision mismatch"
+
+
+class PayloadTooLarge(OutpostError):
+    status, code, title = 413, "payload_too_large", "Payload too large"
+
+
+class ValidationFailed(OutpostError):
+    status, code, title = 422, "validation_failed", "Validation failed"
+
+
+class ConfirmationMismatch(OutpostError):
+    status, code, title = 422, "confirmation_mismatch", "Confirmation does not match"
+
+
+class IdempotencyKeyReused(OutpostError):
+    status, code, title = 422, "idempotency_key_reused", "Idempotency key reused"
+
+
+class IdempotencyKeyRequired(OutpostError):
+    status, code, title = 428, "idempotency_key_required", "Idempotency-Key header required"
+
+
+class PreconditionRequired(OutpostError):
+    status, code, title = 428, "precondition_required", "If-Match header required"
+
+
+def invalid(field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+###############################################################################
+# 4. Domain: pure functions and value types. No I/O, no trio, no clock reads.
+###############################################################################
+
+class RunStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    NEEDS_YOU = "needs_you"
+    CANCELLED = "cancelled"
+
+
+#: A schedule with a run in one of these states is "active" for the overlap rules.
+ACTIVE_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
+SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU, RunStatus.CANCELLED)
+
+
+class SlotOutcome(enum.StrEnum):
+    """What became of one due slot of a schedule: the slot ledger."""
+    ADMITTED = "admitted"                 # a run was queued for it
+    SKIPPED_OVERLAP = "skipped_overlap"   # skip_if_active and a run was active
+    COALESCED = "coalesced"               # coalesce_if_active: merged into the active run
+    FOLDED = "folded"                     # missed during downtime, counted into a catch-up
+    SKIPPED_MISSED = "skipped_missed"     # missed during downtime under skip_missed
+    PAUSED = "paused"                     # the schedule was paused when it came due
+
+
+CONCURRENCY_POLICIES = ("skip_if_active", "coalesce_if_active", "always_enqueue")
+CATCH_UP_POLICIES = ("enqueue_missed_with_cap", "skip_missed")
+NOTIFY_POLICIES = ("attention", "failures_only", "always")
+CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
+                "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
+DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
+                     "limits", "notify", "concurrency_policy", "catch_up")
+
+
+# --- instants ----------------------------------------------------------------
+
+def rfc3339(dt: datetime | None) -> str | None:
+    """An aware instant as RFC 3339 UTC with ``Z`` (milliseconds kept when present)."""
+    if dt is None:
+        return None
+    dt = dt.astimezone(UTC)
+    spec = "milliseconds" if dt.microsecond else "seconds"
+    return dt.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
+
+
+def parse_instant(text: str, tz: ZoneInfo | None = None) -> datetime:
+    """ISO 8601 -> aware datetime; without an offset it is wall time in ``tz`` (gap rule applied)."""
+    dt = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    if dt.tzinfo is not None:
+        return dt
+    if tz is None:
+        raise ValueError("needs an offset")
+    instants = wall_instants(dt, tz, follow_real_time=False)
+    return instants[0]
+
+
+def zone(name: Any, field: str = "timing.timezone") -> ZoneInfo:
+    if not isinstance(name, str) or not name:
+        raise invalid(field, "an IANA timezone name is required, e.g. Europe/Berlin")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise invalid(field, f"{name!r} is not an IANA timezone name") from None
+
+
+# --- timing: cron / interval / once, with the DST rules -------------------------
+
+def _gap_end(wall: datetime, tz: ZoneInfo) -> datetime:
+    """First instant after the DST gap that swallows ``wall`` (a wall time that does not exist)."""
+    lo = int(wall.replace(tzinfo=tz, fold=1).timestamp())   # offset after the gap: earlier instant
+    hi = int(wall.replace(tzinfo=tz, fold=0).timestamp())   # offset before the gap: later instant
+    after = wall.replace(tzinfo=tz, fold=0).astimezone(UTC).astimezone(tz).utcoffset()
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if datetime.fromtimestamp(mid, tz).utcoffset() == after:
+            hi = mid
+        else:
+            lo = mid + 1
+    return datetime.fromtimestamp(lo, tz)
+
+
+def wall_instants(wall: datetime, tz: ZoneInfo, *, follow_real_time: bool) -> list[datetime]:
+    """The instants a naive wall time stands for in ``tz``, by API.md's DST rules.
+
+    A time in a gap fires once at the first instant after the gap; a repeated time fires
+    at its first occurrence. Jobs that follow real time (the cron's hour field is ``*``)
+    instead skip the gap and fire in both copies of a repeated hour."""
+    first = wall.replace(tzinfo=tz, fold=0)
+    second = wall.replace(tzinfo=tz, fold=1)
+    if first.utcoffset() == second.utcoffset():
+        return [first]
+    exists = first.astimezone(UTC).astimezone(tz).replace(tzinfo=None) == wall
+    if exists:   # repeated: fold=0 is the first copy
+        return [first, second] if follow_real_time else [first]
+    return [] if follow_real_time else [_gap_end(wall, tz)]
+
+
+def cron_expression(expr: str) -> str:
+    """Normalize a five-field cron or an @alias; raise ValidationFailed otherwise."""
+    if not isinstance(expr, str) or not expr.strip():
+        raise invalid("timing.expression", "a five-field cron expression is required")
+    text = " ".join(expr.split())
+    if text.startswith("@"):
+        if text == "@reboot" or text not in CRON_ALIASES:
+            raise invalid("timing.expression", f"{text} is not supported; use five fields or "
+                          "@hourly, @daily, @weekly, @monthly, @yearly")
+        return text
+    if len(text.split(" ")) != 5:
+        raise invalid("timing.expression", "must have exactly five fields "
+                      "(minute hour day-of-month month day-of-week)")
+    try:
+        croniter(text)
+    except (CroniterBadCronError, ValueError, KeyError) as exc:
+        raise invalid("timing.expression", f"not a valid cron expression: {exc}") from None
+    return text
+
+
+def _cron_fields(expr: str) -> list[str]:
+    return CRON_ALIASES.get(expr, expr).split(" ")
+
+
+def follows_real_time(expr: str) -> bool:
+    """Hourly or finer crons (hour field ``*``) follow real time across DST changes."""
+    return _cron_fields(expr)[1] == "*"
+
+
+def _cron_fires(expr: str, tz: ZoneInfo, after: datetime, count: int) -> list[datetime]:
+    real_time = follows_real_time(expr)
+    # Start a few hours early in wall time: the second copy of a repeated hour maps
+    # to instants that a naive walk from wall(after) would place before ``after``.
+    start = (after.astimezone(tz) - timedelta(hours=3)).replace(tzinfo=None)
+    walk = croniter(CRON_ALIASES.get(expr, expr), start)
+    found: set[datetime] = set()
+    while True:
+        try:
+            wall = walk.get_next(datetime)
+        except CroniterBadDateError:
+            break
+        for instant in wall_instants(wall, tz, follow_real_time=real_time):
+            if instant > after:
+                found.add(instant.astimezone(UTC))
+        if len(found) >= count:
+            kth = sorted(found)[count - 1]
+            if wall - timedelta(hours=3) > kth.astimezone(tz).replace(tzinfo=None):
+                break
+    return sorted(found)[:count]
+
+
+def next_fires(timing: dict[str, Any], after: datetime, count: int = 1,
+               *, anchor: datetime | None = None) -> list[datetime]:
+    """The next ``count`` due instants (UTC) strictly after ``after``.
+
+    ``anchor`` is when an interval schedule was created: it fires at anchor + k*seconds."""
+    kind = timing["kind"]
+    if kind == "cron":
+        return _cron_fires(timing["expression"], ZoneInfo(timing["timezone"]), after, count)
+    if kind == "interval":
+        step = timing["seconds"]
+        base = anchor or after
+        k = max(1, math.floor((after - base).total_seconds() / step) + 1)
+        fires = [base + timedelta(seconds=step * (k + i)) for i in range(count + 1)]
+        return [f.astimezone(UTC) for f in fires if f > after][:count]
+    at = parse_instant(timing["at"])
+    return [at.astimezone(UTC)] if at > after else []
+
+
+def due_slots(timing: dict[str, Any], first_due: datetime, now: datetime,
+              *, anchor: datetime | None, limit: int = 10_000) -> list[datetime]:
+    """Every due instant in [first_due, now], at most ``limit`` (the newest kept)."""
+    if first_due > now:
+        return []
+    slots = [first_due]
+    while len(slots) <= limit:
+        nxt = next_fires(timing, slots[-1], 1, anchor=anchor)
+        if not nxt or nxt[0] > now:
+            break
+        slots.append(nxt[0])
+    return slots[-limit:]
+
+
+def dst_transitions(tz: ZoneInfo, start: datetime, days: int) -> list[datetime]:
+    """Instants in [start, start+days) at which ``tz`` changes its UTC offset."""
+    found = []
+    t = int(start.timestamp())
+    end = t + days * 86400
+    while t < end:
+        nxt = min(t + 86400, end)
+        if datetime.fromtimestamp(t, tz).utcoffset() != datetime.fromtimestamp(nxt, tz).utcoffset():
+            lo, hi = t, nxt
+            before = datetime.fromtimestamp(t, tz).utcoffset()
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if datetime.fromtimestamp(mid, tz).utcoffset() == before:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            found.append(datetime.fromtimestamp(lo, UTC))
+        t = nxt
+    return found
+
+
+def _hhmm(dt: datetime) -> str:
+    return dt.strftime("%H:%M")
+
+
+def dst_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
+    """One sentence per DST transition in the next 12 months that moves or drops a fire."""
+    tz = ZoneInfo(timing["timezone"])
+    name = timing["timezone"]
+    warnings = []
+    for change in dst_transitions(tz, now, DST_HORIZON_DAYS):
+        before = (change - timedelta(seconds=1)).astimezone(tz).replace(tzinfo=None)
+        after = change.astimezone(tz).replace(tzinfo=None)
+        if timing["kind"] == "once":
+            continue
+        if timing["kind"] == "interval":
+            if timing["seconds"] % 3600 == 0 and timing["seconds"] >= 86400:
+                warnings.append(f"On {after:%Y-%m-%d} {name} changes its clocks; this interval follows "
+                                "real time, so its fires move by the change in local time.")
+            continue
+        expr = timing["expression"]
+        real_time = follows_real_time(expr)
+        gap = after > before
+        # Wall times inside the gap, or inside the repeated hour: lo < wall < hi.
+        lo, hi = (before, after) if gap else (after - timedelta(seconds=1), before + timedelta(seconds=1))
+        walk = croniter(CRON_ALIASES.get(expr, expr), lo)
+        walls = []
+        while (wall := walk.get_next(datetime)) < hi:
+            walls.append(wall)
+        if not walls:
+            continue
+        when = (f"{walls[0]:%Y-%m-%d %H:%M}" if len(walls) == 1 else
+                f"{walls[0]:%Y-%m-%d} {len(walls)} fires from {_hhmm(walls[0])} to {_hhmm(walls[-1])}")
+        verb = ("does not exist" if len(walls) == 1 else "do not exist") if gap else (
+            "occurs twice" if len(walls) == 1 else "occur twice")
+        if gap and real_time:
+            outcome = "this hourly schedule follows real time and skips the missing hour"
+        elif gap:
+            outcome = f"that day it fires once, at {_hhmm(after)}"
+        elif real_time:
+            outcome = "this hourly schedule follows real time and fires in both copies"
+        else:
+            outcome = "it fires once, at the first"
+        warnings.append(f"{when} {verb} in {name} (clocks change); {outcome}.")
+    return warnings
+
+
+def timing_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
+    warnings = dst_warnings(timing, now)
+    if timing["kind"] == "cron":
+        fields = _cron_fields(timing["expression"])
+        if fields[2] != "*" and fields[4] != "*":
+            warnings.append("Both day-of-month and day-of-week are restricted: cron fires when "
+                            "EITHER matches, not only when both do.")
+    if timing["kind"] == "interval" and timing["seconds"] < SHORT_INTERVAL_S:
+        warnings.append(f"An interval of {timing['seconds']} s is shorter than a typical agent run; "
+                        "fires that find the previous run still active follow the concurrency policy.")
+    return warnings
+
+
+# --- definitions: validation, normalization, confirmation ------------------------
+
+def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None) -> str:
+    value = d.get(key, default)
+    if not isinstance(value, str):
+        raise invalid(key, "must be a string")
+    if not lo <= len(value) <= hi:
+        raise invalid(key, f"must be {lo}-{hi} characters long")
+    return value
+
+
+def _int(value: Any, field: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(field, "must be a whole number")
+    if not lo <= value <= hi:
+        raise invalid(field, f"must be between {lo} and {hi}")
+    return value
+
+
+def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[str, Any]:
+    if not isinstance(timing, dict):
+        raise invalid("timing", 'must be an object with "kind" cron, interval or once')
+    kind = timing.get("kind")
+    tz = zone(timing.get("timezone"))
+    allowed = {"cron": {"kind", "expression", "timezone"}, "interval": {"kind", "seconds", "timezone"},
+               "once": {"kind", "at", "timezone"}}
+    if kind not in allowed:
+        raise invalid("timing.kind", "must be cron, interval or once")
+    extra = set(timing) - allowed[kind]
+    if extra:
+        raise invalid(f"timing.{sorted(extra)[0]}", f"is not a field of {kind} timing")
+    if kind == "cron":
+        expr = cron_expression(timing.get("expression"))
+        normalized = {"kind": "cron", "expression": expr, "timezone": tz.key}
+        if not next_fires(normalized, now, 1):
+            raise invalid("timing.expression", "never fires")
+        return normalized
+    if kind == "interval":
+        return {"kind": "interval", "seconds": _int(timing.get("seconds"), "timing.seconds", 10, 31622400),
+                "timezone": tz.key}
+    at = timing.get("at")
+    if not isinstance(at, str):
+        raise invalid("timing.at", "an ISO 8601 date and time is required")
+    try:
+        instant = parse_instant(at, tz)
+    except ValueError:
+        raise invalid("timing.at", f"{at!r} is not an ISO 8601 date and time") from None
+    if check_past and instant <= now:
+        raise invalid("timing.at", "is in the past")
+    return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
+
+
+def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
+                         check_past: bool = True) -> dict[str, Any]:
+    """Validate a schedule definition (API.md 4.1) and fill its defaults. Pure: the git
+    checks (repository, source_ref) are the store/executor's, see ``check_repository``."""
+    if not isinstance(raw, dict):
+        raise invalid("definition", "must be a JSON object")
+    unknown = set(raw) - set(DEFINITION_FIELDS)
+    if unknown:
+        raise invalid(sorted(unknown)[0], "is not a field of a schedule definition")
+    d: dict[str, Any] = {"name": _text(raw, "name", 1, 100).strip()}
+    if not d["name"]:
+        raise invalid("name", "must not be blank")
+    d["brief"] = _text(raw, "brief", 1, 32768)
+    repo = _text(raw, "repository", 1, 4096)
+    if not os.path.isabs(repo):
+        raise invalid("repository", "must be an absolute path")
+    d["repository"] = os.path.normpath(repo)
+    workdir = _text(raw, "workdir", 1, 4096, ".")
+    if os.path.isabs(workdir) or ".." in Path(workdir).parts:
+        raise invalid("workdir", "must be a relative path without '..'")
+    d["workdir"] = os.path.normpath(workdir)
+    ref = _text(raw, "source_ref", 1, 255, "HEAD")
+    if ref.startswith("-") or any(c.isspace() or ord(c) < 32 for c in ref):
+        raise invalid("source_ref", "must be a branch, tag or commit (not starting with '-')")
+    d["source_ref"] = ref
+    agent = raw.get("agent", "demo")
+    if agent not in set(agents):
+        raise invalid("agent", f"no agent profile named {agent!r}; known: {', '.join(sorted(agents))}")
+    d["agent"] = agent
+    d["timing"] = normalize_timing(raw.get("timing"), now, check_past=check_past)
+    limits = raw.get("limits") or {}
+    if not isinstance(limits, dict):
+        raise invalid("limits", "must be an object")
+    extra = set(limits) - {"timeout_seconds", "model"}
+    if extra:
+        raise invalid(f"limits.{sorted(extra)[0]}", "is not a field of limits")
+    model = limits.get("model")
+    if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= 200):
+        raise invalid("limits.model", "must be a string of 1-200 characters or null")
+    d["limits"] = {"timeout_seconds": _int(limits.get("timeout_seconds", 3600),
+                                           "limits.timeout_seconds", 1, 86400), "model": model}
+    d["notify"] = raw.get("notify", "attention")
+    if d["notify"] not in NOTIFY_POLICIES:
+        raise invalid("notify", "must be attention, failures_only or always")
+    d["concurrency_policy"] = raw.get("concurrency_policy", "skip_if_active")
+    if d["concurrency_policy"] not in CONCURRENCY_POLICIES:
+        raise invalid("concurrency_policy", "must be " + ", ".join(CONCURRENCY_POLICIES))
+    catch_up = raw.get("catch_up") or {"policy": "enqueue_missed_with_cap", "max": 1}
+    if not isinstance(catch_up, dict) or catch_up.get("policy") not in CATCH_UP_POLICIES:
+        raise invalid("catch_up.policy", "must be enqueue_missed_with_cap or skip_missed")
+    if catch_up["policy"] == "skip_missed":
+        if set(catch_up) - {"policy"}:
+            raise invalid("catch_up.max", "is not used with skip_missed")
+        d["catch_up"] = {"policy": "skip_missed"}
+    else:
+        d["catch_up"] = {"policy": "enqueue_missed_with_cap",
+                         "max": _int(catch_up.get("max", 1), "catch_up.max", 1, 25)}
+    return d
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def confirmation_of(definition: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of the canonical JSON (sorted keys, no spaces, UTF-8)."""
+    return "sha256:" + hashlib.sha256(canonical_json(definition).encode()).hexdigest()
+
+
+def describe_timing(timing: dict[str, Any]) -> str:
+    tz = timing["timezone"]
+    if timing["kind"] == "cron":
+        return f"on cron '{timing['expression']}' in {tz}"
+    if timing["kind"] == "interval":
+        s = timing["seconds"]
+        for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
+            if s % n == 0:
+                count = s // n
+                return f"every {count} {unit}{'s' if count != 1 else ''} ({tz})"
+        return f"every {s} seconds ({tz})"
+    return f"once at {timing['at']} ({tz})"
+
+
+def schedule_summary(d: dict[str, Any], first_fire: datetime | None) -> str:
+    """The one human sentence compose shows before a human confirms."""
+    when = describe_timing(d["timing"])
+    tz = ZoneInfo(d["timing"]["timezone"])
+    first = (f", first at {first_fire.astimezone(tz):%Y-%m-%d %H:%M %Z}" if first_fire else
+             ", and never fires again")
+    ref = f"{d['source_ref']} of {d['repository']}" + (f" (in {d['workdir']})" if d["workdir"] != "." else "")
+    return (f"Runs agent '{d['agent']}' {when}{first} on a fresh worktree of {ref}; "
+            f"{d['concurrency_policy'].replace('_', ' ')}, times out after "
+            f"{d['limits']['timeout_seconds']} s, notifies: {d['notify'].replace('_', ' ')}.")
+
+
+def merge_changes(current: dict[str, Any], changes: Any) -> dict[str, Any]:
+    """An edit: the current definition with the changed top-level fields replaced."""
+    if not isinstance(changes, dict):
+        raise invalid("changes", "must be an object of definition fields")
+    return {**current, **changes}
+
+
+# --- naming, prompts, outcomes -------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{ULID()}"
+
+
+def slug(name: str) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return s[:60].strip("-") or "schedule"
+
+
+def result_branch(schedule_name: str | None, run_id: str) -> str:
+    return f"outpost/{slug(schedule_name) if schedule_name else 'dispatch'}/{run_id}"
+
+
+def render_brief(brief: str, due_at: datetime, tz: ZoneInfo, variables: dict[str, str] | None = None) -> str:
+    """Resolve ``{{date}}``, ``{{datetime}}`` and declared variables; unknown names stay as written."""
+    local = due_at.astimezone(tz)
+    values = {"date": local.date().isoformat(), "datetime": local.isoformat(timespec="seconds")}
+    values |= variables or {}
+    return re.sub(r"\{\{\s*([A-Za-z0-9_.]+)\s*\}\}", lambda m: str(values.get(m[1], m[0])), brief)
+
+
+def catch_up_note(missed_count: int, since: datetime, tz: ZoneInfo) -> str:
+    return (f"\n\n(Outpost: this is a catch-up run; the schedule missed {missed_count} "
+            f"occurrence{'s' if missed_count != 1 else ''} since {since.astimezone(tz):%Y-%m-%d %H:%M %Z}.)")
+
+
+def fill_command(template: Iterable[str], prompt: str, model: str | None, run_id: str) -> tuple[list[str], bool]:
+    """The argv of an agent, and whether the prompt goes on stdin (no ``{prompt}`` in it)."""
+    values = {"prompt": prompt, "model": model or "", "run_id": run_id}
+    argv, uses_prompt = [], False
+    for item in template:
+        uses_prompt |= "{prompt}" in item
+        argv.append(re.sub(r"\{(prompt|model|run_id)\}", lambda m: values[m[1]], item))
+    return argv, not uses_prompt
+
+
+def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dict[str, str]:
+    """The profile's env plus its pass_env allowlist, never a secret of the daemon's."""
+    env = {k: parent[k] for k in profile.pass_env if k in parent}
+    env |= dict(profile.env)
+    env["OUTPOST_RUN_ID"] = run_id
+    for key in list(env):
+        if key in SECRET_ENV or key.startswith("WATCHDOG_"):
+            del env[key]
+    return env
+
+
+def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
+    last = None
+    for line in lines:
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                last = value
+    return last
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    status: RunStatus
+    error: str | None
+
+
+def run_outcome(exit_code: int | None, result: dict[str, Any] | None, stderr_tail: str,
+                *, timed_out: bool = False) -> Outcome:
+    """API.md 5.5: exit 0 succeeds unless the last JSON object says otherwise."""
+    result = result or {}
+    json_error = result.get("error")
+    json_error = json_error if isinstance(json_error, str) else (
+        json.dumps(json_error) if json_error else None)
+    tail = stderr_tail.strip()[-ERROR_TAIL_BYTES:]
+    if timed_out:
+        return Outcome(RunStatus.FAILED, "timeout" + (f": {tail}" if tail else ""))
+    if exit_code != 0:
+        text = "; ".join(t for t in (tail, json_error) if t) or f"exit code {exit_code}"
+        return Outcome(RunStatus.FAILED, text)
+    if (result.get("is_error") is True or result.get("status") == "failed"
+            or result.get("type") in ("turn.failed", "error")):
+        return Outcome(RunStatus.FAILED, "; ".join(t for t in (json_error, tail) if t)
+                       or "the agent reported a failure")
+    if result.get("status") == "needs_you":
+        return Outcome(RunStatus.NEEDS_YOU, None)
+    return Outcome(RunStatus.SUCCEEDED, None)
+
+
+def attention_kinds(notify: str, status: RunStatus, commits: int) -> list[str]:
+    """Attention items one settled run raises under a notify policy (API.md 5.6)."""
+    if status == RunStatus.FAILED:
+        return ["failed"]
+    if status == RunStatus.NEEDS_YOU:
+        return ["needs_you"]
+    if status != RunStatus.SUCCEEDED:
+        return []
+    if commits and notify in ("attention", "always"):
+        return ["changes_returned"]
+    return ["succeeded"] if notify == "always" else []
+
+
+def next_failure_streak(streak: int, status: RunStatus) -> int:
+    if status == RunStatus.SUCCEEDED:
+        return 0
+    if status == RunStatus.FAILED:
+        return streak + 1
+    return streak
+
+
+def request_fingerprint(method: str, path: str, body: bytes) -> str:
+    return hashlib.sha256(method.encode() + b"\0" + path.encode() + b"\0" + body).hexdigest()
+
+
+def valid_idempotency_key(key: str) -> bool:
+    return 1 <= len(key) <= 255 and all(32 <= ord(c) < 127 for c in key)
+
+
+def parse_if_match(value: str | None) -> int:
+    if value is None or not value.strip():
+        raise PreconditionRequired("send If-Match: \"<revision>\" (GET the schedule for its ETag)")
+    text = value.strip()
+    if text.startswith("W/"):
+        text = text[2:]
+    text = text.strip('"')
+    if text == "*" or not text.isdigit():
+        raise PreconditionRequired("If-Match must name one revision, e.g. If-Match: \"3\"")
+    return int(text)
+
+
+###############################################################################
+# 5. Store: Pony entities on SQLite, migrations, synchronous db_session functions.
+###############################################################################
+
+def naive(dt: datetime | None) -> datetime | None:
+    """Aware -> naive UTC for storage (Pony's SQLite converter mangles aware datetimes)."""
+    return dt.astimezone(UTC).replace(tzinfo=None) if dt is not None else None
+
+
+def aware(dt: datetime | None) -> datetime | None:
+    return dt.replace(tzinfo=UTC) if dt is not None else None
+
+
+def define_entities(db: orm.Database) -> None:
+    """The schema. A function of the Database because Pony binds entities once per Database."""
+    Optional, Required, PrimaryKey, Set = orm.Optional, orm.Required, orm.PrimaryKey, orm.Set
+
+    class Schedule(db.Entity):
+        id = PrimaryKey(str)
+        name = Required(str)
+        definition = Required(orm.Json)
+        revision = Required(int, default=1)
+        enabled = Required(bool, default=True)
+        archived = Required(bool, default=False)
+        auto_paused = Required(bool, default=False)
+        failure_streak = Required(int, default=0)
+        next_fire_at = Optional(datetime, index=True)
+        last_fired_at = Optional(datetime)
+        anchored_at = Required(datetime)     # interval schedules fire at anchored_at + k * seconds
+        confirmation = Required(str)
+        confirmed_at = Required(datetime)
+        created_at = Required(datetime)
+        updated_at = Required(datetime)
+        occurrences = Set("Occurrence")
+        runs = Set("Run")
+
+    class Occurrence(db.Entity):
+        """One due slot of a schedule and what became of it: the slot ledger."""
+        id = PrimaryKey(str)
+        schedule = Required(Schedule)
+        due_at = Required(datetime)
+        trigger = Required(str)            # cron | interval | once | manual | catch_up
+        outcome = Required(str)            # SlotOutcome
+        missed_count = Required(int, default=0)
+        run_id = Optional(str, nullable=True)
+        created_at = Required(datetime)
+        orm.composite_key(schedule, due_at)
+
+    class Run(db.Entity):
+        id = PrimaryKey(str)
+        schedule = Optional(Schedule)
+        occurrence_id = Optional(str, nullable=True)
+        agent = Required(str)
+        trigger = Required(str)
+        due_at = Optional(datetime)
+        missed_count = Required(int, default=0)
+        status = Required(str, index=True)
+        owner = Optional(str, nullable=True)
+        prompt = Required(str)
+        repository = Required(str)
+        workdir = Required(str)
+        source_ref = Required(str)
+        timeout_seconds = Required(int)
+        model = Optional(str, nullable=True)
+        notify = Required(str)
+        resolved_commit = Optional(str, nullable=True)
+        result_branch = Required(str)
+        commits = Required(int, default=0)
+        exit_code = Optional(int)
+        error = Optional(str, nullable=True)
+        result = Optional(orm.Json, nullable=True)
+        pid = Optional(int)
+        pid_started = Optional(str, nullable=True)   # /proc start time: a pid alone may be reused
+        resume_requested_at = Optional(datetime)
+        cancel_requested = Required(bool, default=False)
+        notified = Required(bool, default=False)     # attention + failure streak applied
+        queued_at = Required(datetime)
+        started_at = Optional(datetime)
+        finished_at = Optional(datetime)
+
+    class Attention(db.Entity):
+        id = PrimaryKey(str)
+        kind = Required(str)
+        schedule_id = Optional(str, nullable=True)
+        run_id = Optional(str, nullable=True)
+        title = Required(str)
+        detail = Optional(str, nullable=True)
+        created_at = Required(datetime)
+        acknowledged_at = Optional(datetime, index=True)
+
+    class Event(db.Entity):
+        cursor = PrimaryKey(int)
+        type = Required(str)
+        at = Required(datetime)
+        data = Required(orm.Json)
+
+    class EventSequence(db.Entity):
+        """One row: the last event cursor, bumped as the last write of a transaction."""
+        id = PrimaryKey(int)
+        value = Required(int)
+
+    class IdempotencyRecord(db.Entity):
+        key = PrimaryKey(str)
+        fingerprint = Required(str)
+        state = Required(str)              # in_flight | done
+        status = Optional(int)
+        body = Optional(orm.Json, nullable=True)
+        created_at = Required(datetime, index=True)
+
+
+#: SQL run once per schema version, after Pony created the tables of version 1.
+#: Constraints that Pony cannot declare live here, so every rule is in the database.
+SCHEMA_SQL = {
+    1: [
+        'CREATE UNIQUE INDEX IF NOT EXISTS schedule_live_name ON "Schedule"(name) WHERE archived = 0',
+        'CREATE INDEX IF NOT EXISTS run_admission ON "Run"(status, queued_at)',
+        'CREATE INDEX IF NOT EXISTS run_schedule ON "Run"(schedule, status)',
+        'CREATE INDEX IF NOT EXISTS event_at ON "Event"(at)',
+    ],
+}
+
+
+class SchemaTooNew(Exception):
+    """The database was written by a newer Outpost; refuse rather than damage it."""
+
+
+class Store:
+    """Synchronous store functions. Each public method runs in one ``db_session`` and
+    returns plain dicts/dataclasses, never entities. Call them through ``Deps.db``."""
+
+    def __init__(self, path: Path | str):
+        self.db = orm.Database()
+        define_entities(self.db)
+        self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
+
+        @self.db.on_connect(provider="sqlite")
+        def _pragmas(_db, connection):
+            cur = connection.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
+            cur.execute("PRAGMA busy_timeout=5000")
+            cur.execute("PRAGMA foreign_keys=ON")
+
+        fresh = not Path(path).exists() if str(path) != ":memory:" else True
+        self.db.bind(provider="sqlite", filename=str(path), create_db=True)
+        self._migrate(fresh)
+
+    def _migrate(self, fresh: bool) -> None:
+        with orm.db_session:
+            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = self.db.select("SELECT version FROM schema_version")
+            version = row[0] if row else (0 if fresh else None)
+        if version is None:
+            raise SchemaTooNew("the database has no schema_version; it was not made by Outpost")
+        if version > SCHEMA_VERSION:
+            raise SchemaTooNew(f"the database is at schema version {version}, newer than this "
+                               f"Outpost ({SCHEMA_VERSION}); upgrade Outpost")
+        self.db.generate_mapping(create_tables=version == 0)
+        with orm.db_session:
+            for v in range(max(version, 1), SCHEMA_VERSION + 1):
+                for sql in SCHEMA_SQL.get(v, []):
+                    self.db.execute(sql)
+            self.db.execute("DELETE FROM schema_version")
+            self.db.execute(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION})")
+            if not self.db.EventSequence.get(id=1):
+                self.db.EventSequence(id=1, value=0)
+
+    def close(self) -> None:
+        self.db.disconnect()
+
+    # --- plumbing ----------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
+        """Run ``fn`` in one db_session; events it emitted are numbered last, then committed.
+        Returns (result, whether events were written)."""
+        self._pending_events = []
+        with orm.db_session:
+            result = fn(*args, **kwargs)
+            wrote = bool(self._pending_events)
+            if wrote:
+                seq = self.db.EventSequence[1]
+                for type_, data, at in self._pending_events:
+                    seq.value += 1
+                    self.db.Event(cursor=seq.value, type=type_, at=naive(at), data=data)
+        self._pending_events = []
+        return result, wrote
+
+    def returning(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
+        """Run a write with RETURNING; the first column of each row that came back."""
+        return [row[0] for row in self.db.execute(sql, params or {}).fetchall()]
+
+    def emit(self, type_: str, data: dict[str, Any], at: datetime) -> None:
+        self._pending_events.append((type_, data, at))
+
+    # --- views ---------------------------------------------------------------------
+
+    def schedule_view(self, s) -> dict[str, Any]:
+        active = self._active_run(s.id)
+        return {**s.definition, "id": s.id, "revision": s.revision, "enabled": s.enabled,
+                "archived": s.archived, "auto_paused": s.auto_paused, "failure_streak": s.failure_streak,
+                "next_fire_at": rfc3339(aware(s.next_fire_at)), "last_fired_at": rfc3339(aware(s.last_fired_at)),
+                "active_run_id": active.id if active else None,
+                "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at))},
+                "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
+
+    @staticmethod
+    def run_view(r) -> dict[str, Any]:
+        return {"id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
+                "occurrence_id": r.occurrence_id, "agent": r.agent, "trigger": r.trigger,
+                "due_at": rfc3339(aware(r.due_at)), "missed_count": r.missed_count, "status": r.status,
+                "owner": r.owner, "repository": r.repository, "workdir": r.workdir,
+                "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
+                "result_branch": r.result_branch, "changes": {"commits": r.commits},
+                "exit_code": r.exit_code, "error": r.error, "queued_at": rfc3339(aware(r.queued_at)),
+                "started_at": rfc3339(aware(r.started_at)), "finished_at": rfc3339(aware(r.finished_at)),
+                "result": r.result}
+
+    @staticmethod
+    def occurrence_view(o) -> dict[str, Any]:
+        return {"id": o.id, "schedule_id": o.schedule.id, "due_at": rfc3339(aware(o.due_at)),
+                "trigger": o.trigger, "outcome": o.outcome, "missed_count": o.missed_count,
+                "run_id": o.run_id, "recorded_at": rfc3339(aware(o.created_at))}
+
+    @staticmethod
+    def attention_view(a) -> dict[str, Any]:
+        return {"id": a.id, "kind": a.kind, "schedule_id": a.schedule_id, "run_id": a.run_id,
+                "title": a.title, "detail": a.detail, "created_at": rfc3339(aware(a.created_at)),
+                "acknowledged_at": rfc3339(aware(a.acknowledged_at))}
+
+    # --- schedules -----------------------------------------------------------------
+
+    def _schedule(self, schedule_id: str):
+        s = self.db.Schedule.get(id=schedule_id)
+        if s is None:
+            raise NotFound(f"no schedule {schedule_id}")
+        return s
+
+    def _active_run(self, schedule_id: str):
+        return self.db.Run.select(lambda r: r.schedule.id == schedule_id
+                                  and r.status in ("queued", "running", "paused")
+                                  ).order_by(lambda r: r.queued_at).first()
+
+    def _check_name_free(self, name: str, except_id: str | None = None) -> None:
+        clash = self.db.Schedule.get(lambda s: s.name == name and not s.archived and s.id != except_id)
+        if clash:
+            raise Conflict(f"a schedule named {name!r} already exists ({clash.id})",
+                           errors=[{"field": "name", "message": "already used by another schedule"}])
+
+    def create_schedule(self, definition: dict[str, Any], now: datetime) -> dict[str, Any]:
+        self._check_name_free(definition["name"])
+        sid = new_id("sch")
+        first = next_fires(definition["timing"], now, 1, anchor=now)
+        s = self.db.Schedule(id=sid, name=definition["name"], definition=definition,
+                             confirmation=confirmation_of(definition), confirmed_at=naive(now),
+                             next_fire_at=naive(first[0]) if first else None, anchored_at=naive(now),
+                             created_at=naive(now), updated_at=naive(now))
+        self.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
+        return self.schedule_view(s)
+
+    def _guard(self, s, revision: int) -> None:
+        if s.archived:
+            raise Archived(f"schedule {s.id} is archived; create a new one instead")
+        if s.revision != revision:
+            raise RevisionMismatch(f"schedule {s.id} is at revision {s.revision}, not {revision}; "
+                                   "someone else changed it: GET it again",
+                                   extra={"current_revision": s.revision})
+
+    def schedule_definition(self, schedule_id: str) -> dict[str, Any]:
+        s = self._schedule(schedule_id)
+        return {"definition": dict(s.definition), "revision": s.revision, "archived": s.archived}
+
+    def update_schedule(self, schedule_id: str, revision: int, definition: dict[str, Any],
+                        now: datetime) -> dict[str, Any]:
+        s = self._schedule(schedule_id)
+        self._guard(s, revision)
+        self._check_name_free(definition["name"], except_id=s.id)
+        if definition["timing"] != s.definition["timing"]:
+            first = next_fires(definition["timing"], now, 1, anchor=now)
+            s.next_fire_at = naive(first[0]) if first else None
+            s.anchored_at = naive(now)
+        s.name, s.definition = definition["name"], definition
+        s.confirmation, s.confirmed_at = confirmation_of(definition), naive(now)
+        s.revision += 1
+        s.updated_at = naive(now)
+        self.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
+        return self.schedule_view(s)
+
+    def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
+        """enable | pause | resume | archive (``fire`` is fire_manual)."""
+        s = self._schedule(schedule_id)
+        self._guard(s, revision)
+        if action == "enable":
+            if s.auto_paused:
+                raise AutoPaused(f"schedule {s.id} was auto-paused after {s.failure_streak} failures; "
+                                 "inspect its failed runs, then use resume")
+            s.enabled = True
+        elif action == "pause":
+            s.enabled = False
+        elif action == "resume":
+            s.enabled, s.auto_paused, s.failure_streak = True, False, 0
+        elif action == "archive":
+            s.archived, s.enabled, s.next_fire_at = True, False, None
+        else:
+            raise invalid("action", "must be enable, pause, resume, fire or archive")
+        s.revision += 1
+        s.updated_at = naive(now)
+        self.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
+        return self.schedule_view(s)
+
+    def get_schedule(self, schedule_id: str) -> dict[str, Any]:
+        return self.schedule_view(self._schedule(schedule_id))
+
+    def find_schedule_id(self, id_or_name: str) -> str:
+        s = self.db.Schedule.get(id=id_or_name) or self.db.Schedule.select(
+            lambda s: s.name == id_or_name).order_by(lambda s: (s.archived, orm.desc(s.created_at))).first()
+        if s is None:
+            raise NotFound(f"no schedule with id or name {id_or_name!r}")
+        return s.id
+
+    def list_schedules(self, include_archived: bool = False) -> list[dict[str, Any]]:
+        query = self.db.Schedule.select()
+        if not include_archived:
+            query = query.filter(lambda s: not s.archived)
+        return [self.schedule_view(s) for s in query.order_by(lambda s: s.created_at)]
+
+    def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        self._schedule(schedule_id)
+        query = self.db.Occurrence.select(lambda o: o.schedule.id == schedule_id)
+        return [self.occurrence_view(o) for o in query.order_by(lambda o: orm.desc(o.due_at))[:limit]]
+
+    # --- fire: claiming occurrences ------------------------------------------------
+
+    def next_due_at(self) -> datetime | None:
+        due = orm.min(s.next_fire_at for s in self.db.Schedule if not s.archived)
+        return aware(due)
+
+    def _record_slot(self, s, due_at: datetime, trigger: str, outcome: SlotOutcome, now: datetime,
+                     *, run_id: str | None = None, missed_count: int = 0) -> str | None:
+        """Insert one ledger row; None when the slot was already claimed (a second claimer)."""
+        oid = new_id("occ")
+        rows = self.returning(
+            'INSERT INTO "Occurrence" (id, schedule, due_at, trigger, outcome, missed_count, run_id, created_at) '
+            "VALUES ($oid, $sid, $due, $trigger, $outcome, $missed, $run_id, $now) "
+            "ON CONFLICT (schedule, due_at) DO NOTHING RETURNING id",
+            {"oid": oid, "sid": s.id, "due": naive(due_at), "trigger": trigger, "outcome": str(outcome),
+             "missed": missed_count, "run_id": run_id, "now": naive(now)})
+        return rows[0] if rows else None
+
+    def _queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
+                   workdir: str, source_ref: str, limits: dict[str, Any], notify: str, now: datetime,
+                   due_at: datetime | None = None, missed_count: int = 0, occurrence_id: str | None = None):
+        rid = new_id("out")
+        r = self.db.Run(id=rid, schedule=schedule, occurrence_id=occurrence_id, agent=agent, trigger=trigger,
+                        due_at=naive(due_at), missed_count=missed_count, status=str(RunStatus.QUEUED),
+                        prompt=prompt, repository=repository, workdir=workdir, source_ref=source_ref,
+                        timeout_seconds=limits["timeout_seconds"], model=limits.get("model"),
+                        notify=notify, result_branch=result_branch(schedule.name if schedule else None, rid),
+                        queued_at=naive(now))
+        self.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
+                                 "trigger": trigger}, now)
+        return r
+
+    def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime,
+                   missed_count: int = 0, since: datetime | None = None) -> tuple[SlotOutcome, str | None, str | None]:
+        """Apply the overlap rule to one due slot: returns (outcome, run id, occurrence id)."""
+        d = s.definition
+        active = self._active_run(s.id)
+        policy = d["concurrency_policy"]
+        if active is not None and policy == "skip_if_active":
+            outcome, run = SlotOutcome.SKIPPED_OVERLAP, active
+        elif active is not None and policy == "coalesce_if_active":
+            outcome, run = SlotOutcome.COALESCED, active
+        else:
+            outcome, run = SlotOutcome.ADMITTED, None
+        oid = self._record_slot(s, due_at, trigger, outcome, now, run_id=run.id if run else None,
+                                missed_count=missed_count)
+        if oid is None:
+            return outcome, None, None
+        if outcome == SlotOutcome.ADMITTED:
+            tz = ZoneInfo(d["timing"]["timezone"])
+            prompt = render_brief(d["brief"], due_at, tz)
+            if trigger == "catch_up":
+                prompt += catch_up_note(missed_count, since or due_at, tz)
+            run = self._queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
+                                  repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
+                                  limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
+                                  missed_count=missed_count, occurrence_id=oid)
+            self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run.id, "oid": oid})
+            s.last_fired_at = naive(now)
+            self.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
+                                             "run_id": run.id, "trigger": trigger}, now)
+            return outcome, run.id, oid
+        if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
+            run.missed_count += 1
+        self.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
+                                         "outcome": str(outcome), "active_run_id": run.id}, now)
+        return outcome, None, oid
+
+    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S) -> list[str]:
+        """Claim every due slot of every schedule in one transaction; return the queued run ids.
+
+        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``;
+        a paused schedule's slots are recorded as ``paused``. The next fire advances in the
+        same transaction, and the ledger's UNIQUE (schedule, due_at) stops a second claimer."""
+        queued: list[str] = []
+        due = self.db.Schedule.select(lambda s: not s.archived and s.next_fire_at is not None
+                                      and s.next_fire_at <= naive(now))
+        for s in due.order_by(lambda s: s.next_fire_at):
+            timing = s.definition["timing"]
+            anchor = aware(s.anchored_at)
+            first_due = aware(s.next_fire_at)
+            slots = due_slots(timing, first_due, now, anchor=anchor)
+            later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
+            s.next_fire_at = naive(later[0]) if later else None
+            kind = timing["kind"]
+            if not s.enabled:
+                for slot in slots:
+                    self._record_slot(s, slot, kind, SlotOutcome.PAUSED, now)
+                self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused",
+                                                 "count": len(slots)}, now)
+                continue
+            missed = [t for t in slots if (now - t).total_seconds() > grace_s]
+            current = slots[len(missed):]
+            if missed and s.definition["catch_up"]["policy"] == "skip_missed":
+                for slot in missed:
+                    self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
+                self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                                                 "count": len(missed)}, now)
+            elif missed:
+                cap = s.definition["catch_up"]["max"]
+                fired, folded = missed[-cap:], missed[:-cap]
+                outcome, run_id, _ = self._fire_slot(s, fired[0], "catch_up", now,
+                                                     missed_count=len(folded) + 1, since=missed[0])
+                for slot in folded:
+                    self._record_slot(s, slot, kind, SlotOutcome.FOLDED, now, run_id=run_id)
+                queued += [run_id] if run_id else []
+                for slot in fired[1:]:
+                    _, run_id, _ = self._fire_slot(s, slot, "catch_up", now, missed_count=1, since=slot)
+                    queued += [run_id] if run_id else []
+            for slot in current:
+                _, run_id, _ = self._fire_slot(s, slot, kind, now)
+                queued += [run_id] if run_id else []
+        return queued
+
+    def fire_manual(self, schedule_id: str, revision: int, now: datetime) -> dict[str, Any]:
+        s = self._schedule(schedule_id)
+        self._guard(s, revision)
+        due = now
+        while self.db.Occurrence.get(schedule=s, due_at=naive(due)):   # never two fires at one instant
+            due += timedelta(milliseconds=1)
+        outcome, run_id, oid = self._fire_slot(s, due, "manual", now)
+        if outcome == SlotOutcome.ADMITTED:
+            return {"occurrence_id": oid, "outcome": "admitted", "run_id": run_id}
+        active = self._active_run(s.id)   # a manual fire never queues behind active work
+        return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
+
+    def create_dispatch(self, payload: dict[str, Any], now: datetime) -> dict[str, Any]:
+        r = self._queue_run(schedule=None, agent=payload["agent"], trigger="dispatch", prompt=payload["brief"],
+                            repository=payload["repository"], workdir=payload["workdir"],
+                            source_ref=payload["source_ref"], limits=payload["limits"],
+                            notify=payload["notify"], now=now)
+        return {"run_id": r.id}
+
+    # --- admission and settlement -----------------------------------------------------
+
+    def unresolved_runs(self, run_ids: list[str]) -> list[tuple[str, str, str]]:
+        return [(r.id, r.repository, r.source_ref) for r in self.db.Run.select(
+            lambda r: r.id in run_ids and r.resolved_commit is None)]
+
+    def set_resolved_commit(self, run_id: str, commit: str) -> str:
+        """Record the exact commit once; a second resolver gets the first one back."""
+        self.db.execute('UPDATE "Run" SET resolved_commit = $c WHERE id = $rid AND resolved_commit IS NULL',
+                        {"c": commit, "rid": run_id})
+        return self.db.select('SELECT resolved_commit FROM "Run" WHERE id = $rid', {"rid": run_id})[0]
+
+    def admit_next(self, max_running: int, now: datetime) -> tuple[str, bool] | None:
+        """FIFO admission: (run id, is a resume) for the next run to start, or None.
+
+        Paused runs whose resume was asked come first (they started earlier); then queued
+        runs in the order they were queued. The conditional UPDATE lets one claimer win."""
+        running = self.db.select('SELECT COUNT(*) FROM "Run" WHERE status = \'running\'')[0]
+        if running >= max_running:
+            return None
+        rows = self.returning(
+            'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id = '
+            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
+            ' ORDER BY resume_requested_at LIMIT 1) AND status = \'paused\' RETURNING id')
+        if rows:
+            self.emit("run.resumed", {"run_id": rows[0]}, now)
+            return rows[0], True
+        rows = self.returning(
+            'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id = '
+            '(SELECT id FROM "Run" WHERE status = \'queued\' ORDER BY queued_at, rowid LIMIT 1) '
+            "AND status = 'queued' RETURNING id", {"now": naive(now)})
+        if not rows:
+            return None
+        self.emit("run.started", {"run_id": rows[0]}, now)
+        return rows[0], False
+
+    def claim_run(self, run_id: str, now: datetime) -> bool:
+        """Move one queued run to running; False when another claimer got there first."""
+        rows = self.returning('UPDATE "Run" SET status = \'running\', started_at = $now '
+                              "WHERE id = $rid AND status = 'queued' RETURNING id",
+                              {"now": naive(now), "rid": run_id})
+        return bool(rows)
+
+    def launch_info(self, run_id: str) -> dict[str, Any]:
+        r = self.db.Run[run_id]
+        return {"id": r.id, "agent": r.agent, "prompt": r.prompt, "repository": r.repository,
+                "workdir": r.workdir, "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
+                "result_branch": r.result_branch, "timeout_seconds": r.timeout_seconds, "model": r.model,
+                "status": r.status, "pid": r.pid, "pid_started": r.pid_started}
+
+    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None) -> None:
+        r = self.db.Run[run_id]
+        r.pid, r.pid_started = pid, pid_started
+
+    def settle_run(self, run_id: str, status: RunStatus, now: datetime, *, exit_code: int | None = None,
+                   error: str | None = None, result: dict | None = None, commits: int = 0) -> bool:
+        """Record a run's end once. A cancel asked for wins over how the process ended."""
+        r = self.db.Run[run_id]
+        if r.status in SETTLED_RUN_STATUSES:
+            return False
+        if r.cancel_requested and status != RunStatus.SUCCEEDED:
+            status, error = RunStatus.CANCELLED, error if status == RunStatus.CANCELLED else "cancelled"
+        r.status, r.exit_code, r.error, r.result, r.commits = str(status), exit_code, error, result, commits
+        r.finished_at = naive(now)
+        r.resume_requested_at = None
+        self.emit("run.settled", {"run_id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
+                                  "status": str(status), "error": error}, now)
+        return True
+
+    def runs_in(self, statuses: Iterable[str]) -> list[str]:
+        statuses = list(statuses)
+        return [r.id for r in self.db.Run.select(lambda r: r.status in statuses)]
+
+    # --- run control --------------------------------------------------------------------
+
+    def _run(self, run_id: str):
+        r = self.db.Run.get(id=run_id)
+        if r is None:
+            raise NotFound(f"no run {run_id}")
+        return r
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        return self.run_view(self._run(run_id))
+
+    def list_runs(self, schedule_id: str | None, status: str | None, limit: int,
+                  before: str | None) -> dict[str, Any]:
+        query = self.db.Run.select()
+        if schedule_id:
+            query = query.filter(lambda r: r.schedule.id == schedule_id)
+        if status:
+            query = query.filter(lambda r: r.status == status)
+        if before:
+            query = query.filter(lambda r: r.id < before)
+        rows = list(query.order_by(lambda r: orm.desc(r.id))[:limit + 1])
+        return {"runs": [self.run_view(r) for r in rows[:limit]],
+                "next": rows[limit - 1].id if len(rows) > limit else None}
+
+    def adopt_run(self, run_id: str, workspace: str, now: datetime) -> dict[str, Any]:
+        r = self._run(run_id)
+        if r.owner and r.owner != workspace:
+            raise Conflict(f"run {run_id} is already owned by workspace {r.owner!r}")
+        r.owner = workspace
+        self.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
+        return self.run_view(r)
+
+    def control_run(self, run_id: str, action: str, now: datetime) -> dict[str, Any]:
+        """Record a cancel/pause/resume; the supervisor of a live run does the signalling."""
+        r = self._run(run_id)
+        if r.status in SETTLED_RUN_STATUSES:
+            raise Conflict(f"run {run_id} is already settled ({r.status})")
+        if action == "cancel":
+            if r.status == RunStatus.QUEUED:
+                self.settle_run(r.id, RunStatus.CANCELLED, now, error="cancelled before it started")
+            else:
+                r.cancel_requested = True
+        elif action == "pause":
+            if r.status != RunStatus.RUNNING:
+                raise Conflict(f"run {run_id} is {r.status}; only a running run can be paused")
+            r.status = str(RunStatus.PAUSED)
+        elif action == "resume":
+            if r.status != RunStatus.PAUSED:
+                raise Conflict(f"run {run_id} is {r.status}; only a paused run can be resumed")
+            r.resume_requested_at = naive(now)
+        else:
+            raise invalid("action", "must be cancel, pause or resume")
+        self.emit("run.controlled", {"run_id": r.id, "action": action}, now)
+        return self.run_view(r)
+
+    # --- attention and the failure streak --------------------------------------------------
+
+    def unnotified_runs(self) -> list[str]:
+        settled = [str(s) for s in SETTLED_RUN_STATUSES]
+        return [r.id for r in self.db.Run.select(lambda r: r.status in settled and not r.notified)]
+
+    def _raise(self, kind: str, title: str, detail: str | None, now: datetime, *,
+               schedule_id: str | None, run_id: str | None) -> None:
+        aid = new_id("att")
+        self.db.Attention(id=aid, kind=kind, schedule_id=schedule_id, run_id=run_id, title=title,
+                          detail=detail, created_at=naive(now))
+        self.emit("attention.raised", {"attention_id": aid, "kind": kind, "schedule_id": schedule_id,
+                                       "run_id": run_id, "title": title}, now)
+
+    def notify_run(self, run_id: str, now: datetime) -> None:
+        """Apply a settled run once: failure streak, auto-pause, attention items."""
+        r = self.db.Run[run_id]
+        if r.notified or r.status not in SETTLED_RUN_STATUSES:
+            return
+        r.notified = True
+        status = RunStatus(r.status)
+        s = r.schedule
+        label = f"'{s.name}'" if s else "dispatch"
+        titles = {"failed": f"Run of {label} failed", "needs_you": f"Run of {label} needs you",
+                  "changes_returned": f"Run of {label} returned {r.commits} commit{'s' if r.commits != 1 else ''}",
+                  "succeeded": f"Run of {label} succeeded"}
+        details = {"failed": r.error, "needs_you": (r.result or {}).get("question"),
+                   "changes_returned": f"branch {r.result_branch}", "succeeded": (r.result or {}).get("summary")}
+        for kind in attention_kinds(r.notify, status, r.commits):
+            detail = details[kind]
+            self._raise(kind, titles[kind], detail if isinstance(detail, str) else None, now,
+                        schedule_id=s.id if s else None, run_id=r.id)
+        if s is None:
+            return
+        s.failure_streak = next_failure_streak(s.failure_streak, status)
+        if s.failure_streak >= AUTO_PAUSE_STREAK and not s.auto_paused and not s.archived:
+            s.enabled, s.auto_paused = False, True
+            s.revision += 1
+            s.updated_at = naive(now)
+            self._raise("auto_pause", f"Schedule '{s.name}' was paused after {s.failure_streak} failures in a row",
+                        "Inspect its failed runs, fix the definition or repository, then resume it.", now,
+                        schedule_id=s.id, run_id=r.id)
+            self.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
+                                              "revision": s.revision}, now)
+
+    def list_attention(self, open_only: bool) -> list[dict[str, Any]]:
+        query = self.db.Attention.select()
+        if open_only:
+            query = query.filter(lambda a: a.acknowledged_at is None)
+        return [self.attention_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
+
+    def ack_attention(self, attention_id: str, now: datetime) -> dict[str, Any]:
+        a = self.db.Attention.get(id=attention_id)
+        if a is None:
+            raise NotFound(f"no attention item {attention_id}")
+        if a.acknowledged_at is None:
+            a.acknowledged_at = naive(now)
+            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
+        return self.attention_view(a)
+
+    # --- events, snapshot, inspect ------------------------------------------------------------
+
+    def events_after(self, cursor: int, limit: int) -> dict[str, Any]:
+        rows = self.db.Event.select(lambda e: e.cursor > cursor).order_by(lambda e: e.cursor)[:limit]
+        events = [{"cursor": e.cursor, "type": e.type, "at": rfc3339(aware(e.at)), "data": e.data} for e in rows]
+        return {"events": events, "next_cursor": events[-1]["cursor"] if events else cursor}
+
+    def latest_cursor(self) -> int:
+        return self.db.EventSequence[1].value
+
+    def snapshot(self) -> dict[str, Any]:
+        active = self.db.Run.select(lambda r: r.status in ("queued", "running", "paused")).order_by(
+            lambda r: r.queued_at)
+        return {"cursor": self.latest_cursor(), "schedules": self.list_schedules(),
+                "active_runs": [self.run_view(r) for r in active],
+                "open_attention": self.list_attention(open_only=True)}
+
+    def inspect(self, schedule_id: str) -> dict[str, Any]:
+        """The six recovery checks, in order (API.md 5.7)."""
+        s = self._schedule(schedule_id)
+        view = self.schedule_view(s)
+        active = self._active_run(s.id)
+        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
+            lambda o: orm.desc(o.due_at))[:10]
+        runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
+        latest = runs[0] if runs else None
+        auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
+            lambda a: orm.desc(a.created_at)).first()
+        if latest is None:
+            boundary = "no run yet"
+        elif latest.status == RunStatus.QUEUED:
+            boundary = "queued: admitted but not started (it will start, also after a restart)"
+        elif latest.status in (RunStatus.RUNNING, RunStatus.PAUSED):
+            boundary = f"started at {rfc3339(aware(latest.started_at))}, not settled ({latest.status})"
+        else:
+            started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
+            boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
+        return {
+            "schedule_id": s.id, "name": s.name,
+            "checks": [
+                {"check": 1, "title": "definition and next fire",
+                 "data": {k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
+                                               "next_fire_at", "last_fired_at")}},
+                {"check": 2, "title": "active occurrence and recent skips",
+                 "data": {"active_run_id": active.id if active else None,
+                          "active_occurrence_id": active.occurrence_id if active else None,
+                          "recent_skips": [self.occurrence_view(o) for o in skips]}},
+                {"check": 3, "title": "recent runs",
+                 "data": {"runs": [{"run_id": r.id, "status": r.status, "due_at": rfc3339(aware(r.due_at)),
+                                    "resolved_commit": r.resolved_commit} for r in runs]}},
+                {"check": 4, "title": "attempt boundary of the latest run",
+                 "data": {"run_id": latest.id if latest else None, "boundary": boundary}},
+                {"check": 5, "title": "failure streak and auto-pause",
+                 "data": {"failure_streak": s.failure_streak, "auto_paused": s.auto_paused,
+                          "auto_pause_attention_id": auto_item.id if auto_item else None,
+                          "acknowledged": bool(auto_item and auto_item.acknowledged_at)}},
+                {"check": 6, "title": "latest event cursor",
+                 "data": {"cursor": self.latest_cursor()}},
+            ]}
+
+    # --- idempotency ---------------------------------------------------------------------------
+
+    def begin_idempotent(self, key: str, fingerprint: str, now: datetime) -> tuple[int, Any] | None:
+        """Reserve a key; or the stored (status, body) to replay. Raises on reuse / in flight."""
+        horizon = naive(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
+        self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
+                        {"key": key, "h": horizon})
+        rows = self.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, created_at) '
+                              "VALUES ($key, $fp, 'in_flight', $now) ON CONFLICT (key) DO NOTHING RETURNING key",
+                              {"key": key, "fp": fingerprint, "now": naive(now)})
+        if rows:
+            return None
+        rec = self.db.IdempotencyRecord[key]
+        if rec.fingerprint != fingerprint:
+            raise IdempotencyKeyReused("this Idempotency-Key was used for a different request "
+                                       "(method, path or body); use a new key")
+        if rec.state != "done":
+            raise Conflict("a request with this Idempotency-Key is still in flight")
+        return rec.status, rec.body
+
+    def finish_idempotent(self, key: str, status: int, body: Any) -> None:
+        rec = self.db.IdempotencyRecord.get(key=key)
+        if rec is not None:
+            rec.state, rec.status, rec.body = "done", status, body
+
+    def abandon_idempotent(self, key: str) -> None:
+        self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key AND state = 'in_flight'", {"key": key})
+
+    def forget_in_flight(self) -> int:
+        """At boot: an in-flight key belongs to a process that died before committing its action."""
+        return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight'").rowcount
+
+    def purge_expired(self, now: datetime) -> int:
+        horizon = naive(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
+        return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
+
+
+###############################################################################
+# 6. Executors: git worktrees, the agent subprocess, output capture, the demo agent.
+###############################################################################
+
+class LaunchError(Exception):
+    """A run could not start (repository, ref, workdir, command): it fails with this text."""
+
+
+async def git(repo: str | Path, *args: str, check: bool = True) -> str:
+    """Run git with an argument list (never a shell); stdout, or LaunchError with stderr."""
+    try:
+        done = await trio.run_process(["git", "-C", str(repo), *args], capture_stdout=True,
+                                      capture_stderr=True, check=False, stdin=b"")
+    except OSError as exc:
+        raise LaunchError(f"could not run git: {exc}") from None
+    if check and done.returncode != 0:
+        raise LaunchError(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
+    return done.stdout.decode(errors="replace").strip()
+
+
+async def resolve_ref(repository: str, ref: str) -> str:
+    """The exact commit a branch, tag or commit names now."""
+    if not Path(repository).is_dir():
+        raise LaunchError(f"repository {repository} does not exist")
+    try:
+        return await git(repository, "rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}")
+    except LaunchError:
+        if not (Path(repository) / ".git").exists() and not await _is_git_repo(repository):
+            raise LaunchError(f"{repository} is not a git repository") from None
+        raise LaunchError(f"source_ref {ref!r} does not resolve to a commit in {repository}") from None
+
+
+async def _is_git_repo(path: str) -> bool:
+    return (await git(path, "rev-parse", "--git-dir", check=False)) != ""
+
+
+async def check_repository(definition: dict[str, Any]) -> None:
+    """The validation rules that need git: repository exists, source_ref resolves now."""
+    repo = definition["repository"]
+    if not Path(repo).is_dir() or not await _is_git_repo(repo):
+        raise invalid("repository", f"{repo} is not an existing git repository on this machine")
+    try:
+        await resolve_ref(repo, definition["source_ref"])
+    except LaunchError as exc:
+        raise invalid("source_ref", str(exc)) from None
+
+
+async def add_worktree(repository: str, commit: str, branch: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    await git(repository, "worktree", "add", "--quiet", "-b", branch, "--end-of-options", str(path), commit)
+
+
+async def save_leftovers(workspace: Path, run_id: str) -> None:
+    """Commit what the agent left uncommitted to the result branch: never lost."""
+    if not workspace.exists() or not await git(workspace, "status", "--porcelain", check=False):
+        return
+    await git(workspace, "add", "-A")
+    await git(workspace, *GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m",
+              f"outpost: save uncommitted changes of run {run_id}")
+
+
+async def count_commits(repository: str, base: str, branch: str) -> int:
+    out = await git(repository, "rev-list", "--count", f"{base}..{branch}", check=False)
+    return int(out) if out.isdigit() else 0
+
+
+async def remove_worktree(repository: str, path: Path) -> None:
+    if path.exists():
+        await git(repository, "worktree", "remove", "--force", str(path), check=False)
+    await git(repository, "worktree", "prune", check=False)
+
+
+def process_start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat: with the pid, names one process across pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def kill_group(pid: int, sig: int) -> bool:
+    try:
+        os.killpg(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+class LogSink:
+    """The run log: stdout and stderr interleaved, capped at MAX_LOG_BYTES, the cap noted."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "ab")  # noqa: SIM115 (closed by close(), spans many awaits)
+        self.written = 0
+        self.capped = False
+
+    def write(self, data: bytes) -> None:
+        if self.capped:
+            return
+        room = MAX_LOG_BYTES - self.written
+        if len(data) > room:
+            self.file.write(data[:room] + b"\n[outpost: log truncated at 1 MiB; later output dropped]\n")
+            self.capped = True
+        else:
+            self.file.write(data)
+        self.written += len(data)
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@dataclasses.dataclass
+class LiveRun:
+    """A run whose process is alive: what run control needs to signal it."""
+    run_id: str
+    scope: trio.CancelScope
+    pid: int | None = None
+    cancelled: bool = False
+    paused_at: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.scope.cancel()
+
+    def pause(self) -> None:
+        if self.pid and self.paused_at is None:
+            kill_group(self.pid, signal.SIGSTOP)
+            self.paused_at = trio.current_time()
+
+    def resume(self) -> None:
+        if self.pid and self.paused_at is not None:
+            # Time spent paused does not count against the run's timeout.
+            self.scope.deadline += trio.current_time() - self.paused_at
+            self.paused_at = None
+            kill_group(self.pid, signal.SIGCONT)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessResult:
+    exit_code: int | None
+    result: dict[str, Any] | None
+    stderr_tail: str
+    timed_out: bool
+
+
+async def terminate_group(proc: trio.Process, grace_s: float) -> None:
+    """SIGTERM the process group, SIGKILL it after the grace. Shielded: runs during shutdown."""
+    with trio.CancelScope(shield=True):
+        kill_group(proc.pid, signal.SIGTERM)
+        kill_group(proc.pid, signal.SIGCONT)   # a stopped (paused) process must wake to die
+        with trio.move_on_after(grace_s):
+            await proc.wait()
+            return
+        kill_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
+async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin_text: str | None,
+                            timeout_s: float, log_path: Path, live: LiveRun,
+                            on_spawn: Callable[[int], Awaitable[None]], grace_s: float = GRACE_S) -> ProcessResult:
+    """Start the agent in its own process group, capture its output, enforce the timeout.
+
+    Resource handling: the process group is always ended (SIGTERM, then SIGKILL) before
+    this returns or raises, cancellation included. Error handling: a launch failure is
+    a LaunchError; everything the process does is reported in ProcessResult."""
+    sink = LogSink(log_path)
+    stdout_lines: list[str] = []
+    stderr_tail = bytearray()
+    try:
+        try:
+            proc = await trio.lowlevel.open_process(
+                argv, cwd=str(cwd), env=env, start_new_session=True,
+                stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as exc:
+            raise LaunchError(f"could not start agent command {argv[0]!r}: {exc.strerror or exc}") from None
+        live.pid = proc.pid
+        await on_spawn(proc.pid)
+
+        async def feed() -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                async with proc.stdin:
+                    await proc.stdin.send_all(stdin_text.encode())
+
+        async def pump_stdout() -> None:
+            pending = b""
+            async for chunk in proc.stdout:
+                sink.write(chunk)
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                stdout_lines.extend(line.decode(errors="replace") for line in lines
+                                    if line.lstrip().startswith(b"{"))
+                del stdout_lines[:-50]
+            if pending.lstrip().startswith(b"{"):
+                stdout_lines.append(pending.decode(errors="replace"))
+
+        async def pump_stderr() -> None:
+            async for chunk in proc.stderr:
+                sink.write(chunk)
+                stderr_tail.extend(chunk)
+                del stderr_tail[:-ERROR_TAIL_BYTES]
+
+        timed_out = False
+        try:
+            with live.scope:
+                live.scope.deadline = trio.current_time() + timeout_s
+                async with trio.open_nursery() as nursery:
+                    if stdin_text is not None:
+                        nursery.start_soon(feed)
+                    nursery.start_soon(pump_stdout)
+                    nursery.start_soon(pump_stderr)
+                    await proc.wait()
+            if live.scope.cancelled_caught and not live.cancelled:
+                timed_out = True
+        finally:
+            if proc.returncode is None:
+                await terminate_group(proc, grace_s)
+            else:
+                kill_group(proc.pid, signal.SIGKILL)   # leftovers of the group (background children)
+        return ProcessResult(proc.returncode, last_json_object(stdout_lines),
+                             stderr_tail.decode(errors="replace"), timed_out)
+    finally:
+        sink.close()
+
+
+def read_log(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr) -> int:
+    """The built-in simulated agent (API.md 6): obeys the prompt's ``@`` lines."""
+    summary: list[str] = []
+    last_result: dict[str, Any] | None = None
+    for line in prompt.splitlines():
+        if not line.startswith("@"):
+            continue
+        verb, _, rest = line[1:].partition(" ")
+        if verb == "sleep":
+            time.sleep(float(rest or 0))
+            summary.append(f"slept {rest}s")
+        elif verb == "print":
+            print(rest, file=out, flush=True)
+        elif verb == "fail":
+            print(rest, file=err, flush=True)
+            return 1
+        elif verb in ("commit", "edit"):
+            path, _, text = rest.partition(" ")
+            target = cwd / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text + "\n")
+            if verb == "commit":
+                subprocess.run(["git", "add", "--", path], cwd=cwd, check=True)
+                subprocess.run(["git", *GIT_IDENTITY, "commit", "--quiet", "-m", f"demo: write {path}"],
+                               cwd=cwd, check=True)
+            summary.append(f"{'committed' if verb == 'commit' else 'edited'} {path}")
+        elif verb == "needs-you":
+            print(json.dumps({"status": "needs_you", "question": rest}), file=out, flush=True)
+            return 0
+        elif verb == "result":
+            last_result = json.loads(rest)
+            print(json.dumps(last_result), file=out, flush=True)
+    if last_result is None:
+        print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do"}),
+              file=out, flush=True)
+    return 0
+
+
+###############################################################################
+# 7. Actors: cron, claim (+ run supervisor), recovery, notification.
+###############################################################################
+
+class Clock:
+    """Wall time plus trio sleeping. Actors read time only through this."""
+
+    def now(self) -> datetime:
+        raise NotImplementedError
+
+    def deadline(self, instant: datetime) -> float:
+        """The trio deadline at which ``instant`` (wall time) arrives."""
+        return trio.current_time() + max(0.0, (instant - self.now()).total_seconds())
+
+
+class WallClock(Clock):
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+
+class TrioClock(Clock):
+    """Wall time = ``origin`` + trio time elapsed: with MockClock, days pass in milliseconds."""
+
+    def __init__(self, origin: datetime):
+        self.origin = origin
+        self.started = trio.current_time()
+
+    def now(self) -> datetime:
+        return self.origin + timedelta(seconds=trio.current_time() - self.started)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunSettled:
+    run_id: str
+
+
+class Nudge:
+    """A coalescing wake-up: many senders, one waiter; the store holds the actual work."""
+
+    def __init__(self) -> None:
+        self.tx, self.rx = trio.open_memory_channel[None](1)
+
+    def poke(self) -> None:
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self.tx.send_nowait(None)
+
+
+class Hub:
+    """Tells the SSE streams that events were committed (they read them from the store)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def poke(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@dataclasses.dataclass
+class Deps:
+    """What the actors and the web share: config, clock, store access, nudges, live runs."""
+    config: Config
+    store: Store
+    clock: Clock
+    token: str
+    inline_db: bool = False                      # tests with MockClock: no worker thread
+    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=lambda: trio.CapacityLimiter(1))
+    cron_wake: Nudge = dataclasses.field(default_factory=Nudge)
+    claim_wake: Nudge = dataclasses.field(default_factory=Nudge)
+    hub: Hub = dataclasses.field(default_factory=Hub)
+    live: dict[str, LiveRun] = dataclasses.field(default_factory=dict)
+    settled_tx: trio.MemorySendChannel | None = None
+    grace_s: float = GRACE_S
+
+    async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one store function in its own transaction on the one writer thread."""
+        call = functools.partial(self.store.run, fn, *args, **kwargs)
+        if self.inline_db:
+            result, wrote = call()
+        else:
+            result, wrote = await trio.to_thread.run_sync(call, limiter=self.limiter)
+        if wrote:
+            self.hub.poke()
+        return result
+
+    def logs_dir(self) -> Path:
+        return self.config.data_dir / "runs"
+
+    def log_path(self, run_id: str) -> Path:
+        return self.logs_dir() / f"{run_id}.log"
+
+    def worktree(self, run_id: str) -> Path:
+        return self.config.data_dir / "worktrees" / run_id
+
+
+async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
+    """Fire step 2: record the exact commit each new run will use. A ref that does not
+    resolve is left for the supervisor, which fails the run with the reason."""
+    for run_id, repository, ref in await deps.db(deps.store.unresolved_runs, run_ids):
+        with contextlib.suppress(LaunchError):
+            await deps.db(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
+
+
+async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
+    """In: nudges (a schedule changed). Out: queued runs, announced to the claim actor.
+    Sleeps until the earliest next fire (no polling tick), then claims every due slot in
+    one transaction. Ends when cancelled. Errors: a store error ends the process."""
+    clog = log.getChild("cron")
+    while True:
+        now = deps.clock.now()
+        queued = await deps.db(deps.store.claim_due, now)
+        if queued:
+            clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
+            await resolve_new_runs(deps, queued)
+            deps.claim_wake.poke()
+        upcoming = await deps.db(deps.store.next_due_at)
+        wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
+        if upcoming is not None and upcoming < wake_at:
+            wake_at = upcoming
+        with trio.move_on_at(deps.clock.deadline(wake_at)):
+            await wake_in.receive()
+
+
+async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
+    """In: nudges (work may be ready or a slot was freed). Out: one RunSettled per run.
+    Owns: the runs nursery. FIFO admission while fewer than max_running hold a slot.
+    Ends when cancelled; run supervisors then end their processes and record it."""
+    async with trio.open_nursery() as runs:
+        while True:
+            while (admitted := await deps.db(deps.store.admit_next, deps.config.max_running,
+                                             deps.clock.now())) is not None:
+                run_id, is_resume = admitted
+                if is_resume:
+                    live = deps.live.get(run_id)
+                    if live is not None:
+                        live.resume()
+                else:
+                    runs.start_soon(run_supervisor, deps, run_id)
+            await wake_in.receive()
+
+
+async def run_supervisor(deps: Deps, run_id: str) -> None:
+    """One run, from worktree to settlement. Its failures settle the run as failed. When
+    cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
+    before the cancellation goes on."""
+    rlog = log.getChild("run")
+    info = await deps.db(deps.store.launch_info, run_id)
+    workspace = deps.worktree(run_id)
+    live = LiveRun(run_id, trio.CancelScope())
+    deps.live[run_id] = live
+    commit, settled = info["resolved_commit"], False
+    try:
+        exit_code, result = None, None
+        try:
+            commit = commit or await deps.db(
+                deps.store.set_resolved_commit, run_id, await resolve_ref(info["repository"], info["source_ref"]))
+            profile = deps.config.agent(info["agent"])
+            if profile is None:
+                raise LaunchError(f"agent profile {info['agent']!r} is not configured")
+            await add_worktree(info["repository"], commit, info["result_branch"], workspace)
+            cwd = workspace / info["workdir"]
+            if not cwd.is_dir():
+                raise LaunchError(f"workdir {info['workdir']!r} does not exist in commit {commit[:12]}")
+            argv, prompt_on_stdin = fill_command(profile.command, info["prompt"], info["model"], run_id)
+            rlog.info("run %s starting %s in %s", run_id, profile.name, cwd)
+
+            async def on_spawn(pid: int) -> None:
+                await deps.db(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
+
+            done = await run_agent_process(
+                argv, cwd=cwd, env=agent_env(profile, dict(os.environ), run_id),
+                stdin_text=info["prompt"] if prompt_on_stdin else None,
+                timeout_s=info["timeout_seconds"], log_path=deps.log_path(run_id), live=live,
+                on_spawn=on_spawn, grace_s=deps.grace_s)
+            exit_code, result = done.exit_code, done.result
+            outcome = (Outcome(RunStatus.CANCELLED, "cancelled") if live.cancelled else
+                       run_outcome(done.exit_code, done.result, done.stderr_tail, timed_out=done.timed_out))
+        except LaunchError as exc:
+            outcome = Outcome(RunStatus.FAILED, str(exc))
+            sink = LogSink(deps.log_path(run_id))
+            sink.write(f"[outpost] {exc}\n".encode())
+            sink.close()
+        await finish_run(deps, run_id, info, commit, outcome, exit_code, result)
+        settled = True
+    finally:
+        deps.live.pop(run_id, None)
+        if not settled:
+            with trio.move_on_after(CLEANUP_S, shield=True):
+                await finish_run(deps, run_id, info, commit, Outcome(RunStatus.FAILED, "interrupted"), None, None)
+
+
+async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
+                     exit_code: int | None, result: dict | None) -> None:
+    """Fire step 5: keep leftovers, count commits, drop the worktree, record settlement."""
+    workspace = deps.worktree(run_id)
+    commits = 0
+    try:
+        await save_leftovers(workspace, run_id)
+        if commit:
+            commits = await count_commits(info["repository"], commit, info["result_branch"])
+    except LaunchError as exc:
+        log.getChild("run").warning("run %s: could not save leftovers: %s", run_id, exc)
+    await remove_worktree(info["repository"], workspace) if Path(info["repository"]).is_dir() else None
+    settled = await deps.db(deps.store.settle_run, run_id, outcome.status, deps.clock.now(),
+                            exit_code=exit_code, error=outcome.error, result=result, commits=commits)
+    log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
+                             f" ({outcome.error})" if outcome.error else "")
+    if settled and deps.settled_tx is not None:
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            deps.settled_tx.send_nowait(RunSettled(run_id))
+    deps.claim_wake.poke()
+
+
+async def recover_at_boot(deps: Deps) -> None:
+    """API.md 5.2: a run that was running when the daemon died is settled failed/interrupted
+    (its process group ended first if it is still the same process); queued runs stay
+    queued and start normally; half-done idempotent requests are forgotten."""
+    rlog = log.getChild("recovery")
+    forgotten = await deps.db(deps.store.forget_in_flight)
+    if forgotten:
+        rlog.info("forgot %d in-flight idempotency key(s) of the previous process", forgotten)
+    for run_id in await deps.db(deps.store.runs_in, ["running", "paused"]):
+        info = await deps.db(deps.store.launch_info, run_id)
+        pid = info["pid"]
+        if pid and info["pid_started"] and process_start_time(pid) == info["pid_started"]:
+            rlog.warning("run %s: ending its surviving process group %d", run_id, pid)
+            kill_group(pid, signal.SIGTERM)
+            kill_group(pid, signal.SIGCONT)
+            with trio.move_on_after(deps.grace_s):
+                while process_start_time(pid) == info["pid_started"]:
+                    await trio.sleep(0.05)
+            kill_group(pid, signal.SIGKILL)
+        await finish_run(deps, run_id, info, info["resolved_commit"], Outcome(RunStatus.FAILED, "interrupted"),
+                         None, None)
+
+
+async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Boot reconciliation, then hourly hygiene (expired idempotency keys). Reports
+    started once the store is consistent, so admission begins only after it."""
+    await recover_at_boot(deps)
+    task_status.started()
+    while True:
+        await trio.sleep(3600)
+        await deps.db(deps.store.purge_expired, deps.clock.now())
+
+
+async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) -> None:
+    """In: RunSettled. Out: failure streak, auto-pause and attention items (in the store).
+    Applies every settled run exactly once (the run's ``notified`` flag), including runs
+    that settled before a crash. Ends when its channel closes or it is cancelled."""
+    for run_id in await deps.db(deps.store.unnotified_runs):
+        await deps.db(deps.store.notify_run, run_id, deps.clock.now())
+    async with settled_in:
+        async for message in settled_in:
+            await deps.db(deps.store.notify_run, message.run_id, deps.clock.now())
+            deps.cron_wake.poke()   # an auto-pause changes what the cron actor waits for
+
+
+###############################################################################
+# 8. Web: the JSON API, server-sent events and the dashboard.
+###############################################################################
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+#: The Idempotency-Key of the request being handled, for ``commit_idempotent``.
+_idempotency: contextvars.ContextVar[str | None] = contextvars.ContextVar("idempotency", default=None)
+
+
+def problem_response(err: OutpostError):
+    from quart import Response
+    return Response(json.dumps(err.problem()), status=err.status, content_type="application/problem+json")
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None):
+    from quart import Response
+    return Response(json.dumps(body), status=status, content_type="application/json", headers=headers or {})
+
+
+def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        name = host[: host.find("]") + 1] if "]" in host else host
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return name in LOCAL_HOSTS or name in {h.lower() for h in allowed}
+
+
+def create_app(deps: Deps):
+    """The Quart-Trio application: every route of API.md sections 3-6."""
+    import hmac
+
+    from quart import request
+    from quart_trio import QuartTrio
+    from werkzeug.exceptions import HTTPException
+
+    app = QuartTrio("outpost", template_folder=str(Path(__file__).parent / "templates"),
+                    static_folder=str(Path(__file__).parent / "static"))
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    store = deps.store
+    wlog = log.getChild("web")
+
+    @app.before_request
+    async def guard():
+        if not host_allowed(request.headers.get("Host", ""), deps.config.allowed_hosts):
+            raise ForbiddenHost("this Host is not allowed (DNS-rebinding defence); use 127.0.0.1 or "
+                                "name the host in [settings] allowed_hosts")
+        if request.path.startswith("/v1/outpost/"):
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            if not given or not hmac.compare_digest(given.encode(), deps.token.encode()):
+                raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
+        length = request.content_length
+        if length is not None and length > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+
+    @app.after_request
+    async def security_headers(response):
+        response.headers.setdefault("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'")
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        return response
+
+    @app.errorhandler(OutpostError)
+    async def on_outpost_error(err: OutpostError):
+        return problem_response(err)
+
+    @app.errorhandler(HTTPException)
+    async def on_http_error(err: HTTPException):
+        codes = {404: (NotFound, "no such endpoint"), 413: (PayloadTooLarge, "request body over 1 MiB"),
+                 405: (OutpostError, "method not allowed here")}
+        cls, detail = codes.get(err.code, (OutpostError, err.description or err.name))
+        problem = cls(detail)
+        if cls is OutpostError:
+            problem.status, problem.title = err.code or 400, err.name
+        return problem_response(problem)
+
+    @app.errorhandler(Exception)
+    async def on_unexpected(err: Exception):
+        wlog.exception("unexpected error on %s %s", request.method, request.path)
+        error = OutpostError("Outpost hit an internal error; it is in the daemon's log")
+        error.status, error.code, error.title = 500, "internal_error", "Internal error"
+        return problem_response(error)
+
+    # --- request helpers ---------------------------------------------------------------
+
+    async def body_json() -> Any:
+        data = await request.get_data(cache=True)
+        if len(data) > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        if not data.strip():
+            return {}
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise ValidationFailed(f"malformed JSON: {exc}", errors=[{"field": "body", "message": str(exc)}]) from None
+
+    def body_object(value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise invalid("body", "must be a JSON object")
+        return value
+
+    def idempotent(handler):
+        """API.md 3: Idempotency-Key on every write; replay, reuse and in-flight rules.
+        The handler commits its action with ``commit_idempotent`` so that the action and
+        the stored response share one transaction."""
+        @functools.wraps(handler)
+        async def wrapper(*args, **kwargs):
+            key = request.headers.get("Idempotency-Key")
+            if key is None:
+                raise IdempotencyKeyRequired("send an Idempotency-Key header (1-255 printable ASCII)")
+            if not valid_idempotency_key(key):
+                raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters")
+            body = await request.get_data(cache=True)
+            fingerprint = request_fingerprint(request.method, request.path, body)
+            replay = await deps.db(store.begin_idempotent, key, fingerprint, deps.clock.now())
+            if replay is not None:
+                status, stored = replay
+                response = json_response(stored["body"], status, {**stored["headers"], "Idempotent-Replayed": "true"})
+                if status >= 400:
+                    response.content_type = "application/problem+json"
+                return response
+            token = _idempotency.set(key)
+            try:
+                return await handler(*args, **kwargs)
+            except OutpostError as err:
+                await deps.db(store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
+                return problem_response(err)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await deps.db(store.abandon_idempotent, key)
+                raise
+            finally:
+                _idempotency.reset(token)
+        return wrapper
+
+    async def commit_idempotent(fn: Callable[..., Any], *args: Any, status: int = 200,
+                                headers: Callable[[Any], dict[str, str]] | None = None):
+        """Run a store write and record its response under the request's key, atomically."""
+        key = _idempotency.get()
+
+        def action():
+            body = fn(*args)
+            extra = headers(body) if headers else {}
+            store.finish_idempotent(key, status, {"body": body, "headers": extra})
+            return body, extra
+        body, extra = await deps.db(action)
+        return json_response(body, status, extra)
+
+    def etag(view: dict[str, Any]) -> dict[str, str]:
+        return {"ETag": f'"{view["revision"]}"'}
+
+    async def definition_from(raw: Any, *, check_past: bool = True) -> dict[str, Any]:
+        definition = normalize_definition(raw, deps.clock.now(), agents=[a.name for a in deps.config.agents],
+                                          check_past=check_past)
+        await check_repository(definition)
+        return definition
+
+    def check_confirmation(definition: dict[str, Any], given: Any) -> None:
+        expected = confirmation_of(definition)
+        if not isinstance(given, str) or not hmac.compare_digest(given, expected):
+            raise ConfirmationMismatch("the confirmation does not match this definition: compose it, "
+                                       "review the summary, then send the confirmation compose returned",
+                                       errors=[{"field": "confirmation", "message": "does not match"}],
+                                       extra={"expected_for": "the normalized definition"})
+
+    def int_arg(name: str, default: int, lo: int, hi: int) -> int:
+        text = request.args.get(name)
+        if text is None:
+            return default
+        try:
+            return _int(int(text), name, lo, hi)
+        except ValueError:
+            raise invalid(name, "must be a whole number") from None
+
+    # --- health -----------------------------------------------------------------------------
+
+    @app.get("/healthz")
+    async def healthz():
+        cursor = await deps.db(store.latest_cursor)
+        return json_response({"ok": True, "cursor": cursor})
+
+    # --- schedules ----------------------------------------------------------------------------
+
+    @app.post("/v1/outpost/schedules/compose")
+    async def compose():
+        raw = body_object(await body_json())
+        now = deps.clock.now()
+        timing_changed = True
+        if "schedule_id" in raw:
+            changes = dict(raw)
+            current = await deps.db(store.schedule_definition, str(changes.pop("schedule_id")))
+            timing_changed = "timing" in changes and changes["timing"] != current["definition"]["timing"]
+            raw = merge_changes(current["definition"], changes)
+        definition = await definition_from(raw, check_past=timing_changed)
+        after = now
+        if request.args.get("from"):
+            try:
+                after = parse_instant(request.args["from"])
+            except ValueError:
+                raise invalid("from", "must be an RFC 3339 instant") from None
+        count = int_arg("count", 5, 1, 100)
+        fires = next_fires(definition["timing"], after, count, anchor=now)
+        return json_response({
+            "definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
+            "next_fires": [rfc3339(f) for f in fires], "warnings": timing_warnings(definition["timing"], now),
+            "confirmation": confirmation_of(definition)})
+
+    @app.post("/v1/outpost/schedules")
+    @idempotent
+    async def create_schedule():
+        raw = body_object(await body_json())
+        definition = await definition_from(raw.get("definition"))
+        check_confirmation(definition, raw.get("confirmation"))
+        response = await commit_idempotent(store.create_schedule, definition, deps.clock.now(),
+                                           status=201, headers=etag)
+        deps.cron_wake.poke()
+        return response
+
+    @app.get("/v1/outpost/schedules")
+    async def list_schedules():
+        include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
+        return json_response({"schedules": await deps.db(store.list_schedules, include)})
+
+    @app.get("/v1/outpost/schedules/<schedule_id>")
+    async def get_schedule(schedule_id: str):
+        view = await deps.db(store.get_schedule, schedule_id)
+        return json_response(view, headers=etag(view))
+
+    @app.patch("/v1/outpost/schedules/<schedule_id>")
+    @idempotent
+    async def patch_schedule(schedule_id: str):
+        revision = parse_if_match(request.headers.get("If-Match"))
+        raw = body_object(await body_json())
+        current = await deps.db(store.schedule_definition, schedule_id)
+        if current["archived"]:
+            raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
+        changes = raw.get("changes")
+        merged = merge_changes(current["definition"], changes)
+        timing_changed = merged["timing"] != current["definition"]["timing"]
+        definition = await definition_from(merged, check_past=timing_changed)
+        check_confirmation(definition, raw.get("confirmation"))
+        response = await commit_idempotent(store.update_schedule, schedule_id, revision, definition,
+                                           deps.clock.now(), headers=etag)
+        deps.cron_wake.poke()
+        return response
+
+    @app.post("/v1/outpost/schedules/<schedule_id>/control")
+    @idempotent
+    async def control_schedule(schedule_id: str):
+        revision = parse_if_match(request.headers.get("If-Match"))
+        action = body_object(await body_json()).get("action")
+        if action == "fire":
+            response = await commit_idempotent(store.fire_manual, schedule_id, revision, deps.clock.now())
+            fired = json.loads(await response.get_data())
+            if fired["outcome"] == "admitted":
+                await resolve_new_runs(deps, [fired["run_id"]])
+                deps.claim_wake.poke()
+            return response
+        if action not in ("enable", "pause", "resume", "archive"):
+            raise invalid("action", "must be enable, pause, resume, fire or archive")
+        response = await commit_idempotent(store.control_schedule, schedule_id, revision, action,
+                                           deps.clock.now(), headers=etag)
+        deps.cron_wake.poke()
+        return response
+
+    @app.get("/v1/outpost/schedules/<schedule_id>/occurrences")
+    async def schedule_occurrences(schedule_id: str):
+        limit = int_arg("limit", 100, 1, 1000)
+        return json_response({"occurrences": await deps.db(store.occurrences, schedule_id, limit)})
+
+    @app.get("/v1/outpost/schedules/<schedule_id>/inspect")
+    async def inspect_schedule(schedule_id: str):
+        return json_response(await deps.db(store.inspect, schedule_id))
+
+    # --- runs and dispatches -----------------------------------------------------------------
+
+    @app.get("/v1/outpost/runs")
+    async def list_runs():
+        status = request.args.get("status") or None
+        if status and status not in {s.value for s in RunStatus}:
+            raise invalid("status", "must be one of " + ", ".join(s.value for s in RunStatus))
+        return json_response(await deps.db(store.list_runs, request.args.get("schedule_id") or None, status,
+                                           int_arg("limit", 50, 1, 500), request.args.get("before") or None))
+
+    @app.get("/v1/outpost/runs/<run_id>")
+    async def get_run(run_id: str):
+        return json_response(await deps.db(store.get_run, run_id))
+
+    @app.get("/v1/outpost/runs/<run_id>/log")
+    async def run_log(run_id: str):
+        from quart import Response
+        await deps.db(store.get_run, run_id)
+        text = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
+        return Response(text, content_type="text/plain; charset=utf-8")
+
+    @app.post("/v1/outpost/runs/<run_id>/adopt")
+    @idempotent
+    async def adopt_run(run_id: str):
+        workspace = body_object(await body_json()).get("workspace")
+        if not isinstance(workspace, str) or not 1 <= len(workspace) <= 200:
+            raise invalid("workspace", "a workspace name of 1-200 characters is required")
+        return await commit_idempotent(store.adopt_run, run_id, workspace, deps.clock.now())
+
+    @app.post("/v1/outpost/runs/<run_id>/control")
+    @idempotent
+    async def control_run(run_id: str):
+        action = body_object(await body_json()).get("action")
+        if action not in ("cancel", "pause", "resume"):
+            raise invalid("action", "must be cancel, pause or resume")
+        response = await commit_idempotent(store.control_run, run_id, action, deps.clock.now())
+        live = deps.live.get(run_id)
+        if live is not None and action == "cancel":
+            live.cancel()
+        elif live is not None and action == "pause":
+            live.pause()
+        deps.claim_wake.poke()   # pause frees a slot; resume asks for one
+        return response
+
+    @app.post("/v1/outpost/dispatches")
+    @idempotent
+    async def dispatch():
+        raw = body_object(await body_json())
+        unknown = set(raw) - {"brief", "repository", "workdir", "source_ref", "agent", "limits", "notify"}
+        if unknown:
+            raise invalid(sorted(unknown)[0], "is not a field of a dispatch")
+        probe = normalize_definition(
+            {**raw, "name": "dispatch", "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}},
+            deps.clock.now(), agents=[a.name for a in deps.config.agents])
+        await check_repository(probe)
+        response = await commit_idempotent(store.create_dispatch, probe, deps.clock.now(), status=202)
+        await resolve_new_runs(deps, [json.loads(await response.get_data())["run_id"]])
+        deps.claim_wake.poke()
+        return response
+
+    # --- attention, events, snapshot ---------------------------------------------------------------
+
+    @app.get("/v1/outpost/attention")
+    async def list_attention():
+        state = request.args.get("state", "open")
+        if state not in ("open", "all"):
+            raise invalid("state", "must be open or all")
+        return json_response({"attention": await deps.db(store.list_attention, state == "open")})
+
+    @app.post("/v1/outpost/attention/<attention_id>/ack")
+    @idempotent
+    async def ack_attention(attention_id: str):
+        return await commit_idempotent(store.ack_attention, attention_id, deps.clock.now())
+
+    @app.get("/v1/outpost/events")
+    async def events():
+        after = int_arg("after", 0, 0, 2**62)
+        return json_response(await deps.db(store.events_after, after, int_arg("limit", 100, 1, 1000)))
+
+    @app.get("/v1/outpost/events/stream")
+    async def event_stream():
+        from quart import Response
+        last = request.headers.get("Last-Event-ID") or request.args.get("after")
+        cursor = int(last) if last and last.isdigit() else await deps.db(store.latest_cursor)
+
+        async def stream():
+            nonlocal cursor
+            yield b"retry: 2000\n\n"
+            while True:
+                page = await deps.db(store.events_after, cursor, 200)
+                for event in page["events"]:
+                    yield (f"id: {event['cursor']}\nevent: {event['type']}\n"
+                           f"data: {json.dumps(event)}\n\n").encode()
+                cursor = page["next_cursor"]
+                if len(page["events"]) == 200:
+                    continue
+                with trio.move_on_after(15):
+                    await deps.hub.wait()
+                    continue
+                yield b": keep-alive\n\n"
+
+        response = Response(stream(), content_type="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None
+        return response
+
+    @app.get("/v1/outpost/snapshot")
+    async def snapshot():
+        return json_response(await deps.db(store.snapshot))
+
+    return app
+
+
+###############################################################################
+# 9. Supervisor, CLI and main().
+###############################################################################
+
+def open_deps(config: Config, clock: Clock | None = None) -> Deps:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    token = api_token(config.data_dir, create=True)
+    return Deps(config=config, store=Store(config.db_path), clock=clock or WallClock(), token=token)
+
+
+async def serve(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The whole appliance in one root nursery, until cancelled (SIGTERM/SIGINT in main).
+
+    Order: recovery reconciles the store first; then web, cron, claim and notification.
+    On cancellation the run supervisors end their process groups and record it, and the
+    web server stops through its shutdown trigger; the caller closes the store after."""
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    settled_tx, settled_rx = trio.open_memory_channel[RunSettled](1000)
+    deps.settled_tx = settled_tx
+    hc = HypercornConfig()
+    hc.bind = [f"{deps.config.host}:{deps.config.port}"]
+    hc.graceful_timeout = 0.5        # hypercorn under quart-trio keeps idle connections open
+    hc.read_timeout = 60
+    hc.accesslog = None
+    hc.errorlog = log.getChild("hypercorn")
+    stop_web = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recovery_actor, deps)
+        nursery.start_soon(notification_actor, deps, settled_rx)
+        nursery.start_soon(cron_actor, deps, deps.cron_wake.rx)
+        nursery.start_soon(claim_actor, deps, deps.claim_wake.rx)
+        binds = await nursery.start(functools.partial(
+            hypercorn_serve, create_app(deps), hc, shutdown_trigger=stop_web.wait))
+        task_status.started(binds)
+        try:
+            await trio.sleep_forever()
+        finally:
+            stop_web.set()
+
+
+async def run_until_signal(deps: Deps) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            async def on_listening(task_status=trio.TASK_STATUS_IGNORED):
+                binds = await nursery.start(serve, deps)
+                host, port = deps.config.host, deps.config.port
+                if binds:
+                    port = int(binds[0].rsplit(":", 1)[1])
+                print(f"Outpost is listening: dashboard and API on http://{host}:{port}/", flush=True)
+                print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
+            nursery.start_soon(on_listening)
+            async for signum in signals:
+                log.info("received %s: shutting down", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def setup_logging(verbose: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+# --- the CLI that talks to a running daemon ----------------------------------------------------
+
+class CliError(Exception):
+    """A CLI failure: its message is printed as is, ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+#: Exit statuses of the CLI (README lists them).
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2, 3, 4, 5
+
+
+class Client:
+    """A small HTTP client for the daemon's API (stdlib only)."""
+
+    def __init__(self, base_url: str, token: str):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+
+    def call(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
+             idempotent: bool = False, raw: bool = False) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        hdrs = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json", **(headers or {})}
+        if idempotent:
+            hdrs["Idempotency-Key"] = "cli-" + secrets.token_hex(12)
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                payload = resp.read()
+                self.last_headers = dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            try:
+                problem = json.loads(exc.read())
+            except ValueError:
+                problem = {"detail": exc.reason}
+            fields = "; ".join(f"{e['field']}: {e['message']}" for e in problem.get("errors", []))
+            detail = problem.get("detail") or problem.get("title") or str(exc)
+            if fields and fields not in detail:
+                detail += f" ({fields})"
+            raise CliError(f"refused ({exc.code} {problem.get('code', '')}): {detail}", EXIT_REFUSED) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise CliError(f"cannot reach the Outpost daemon at {self.base_url} ({exc}); "
+                           "is `outpost serve` running?", EXIT_UNREACHABLE) from None
+        return payload.decode() if raw else json.loads(payload or b"null")
+
+
+def read_definition_file(path: str) -> dict[str, Any]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
+    try:
+        return json.loads(text) if path.endswith(".json") or text.lstrip().startswith("{") else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise CliError(f"{path} is neither valid JSON nor TOML: {exc}", EXIT_USAGE) from None
+
+
+def print_table(rows: list[list[str]], headers: list[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+    for row in [headers, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+
+
+def local_time(instant: str | None, tz_name: str) -> str:
+    if not instant:
+        return "-"
+    return parse_instant(instant).astimezone(ZoneInfo(tz_name)).strftime("%Y-%m-%d %H:%M %Z")
+
+
+def schedule_state(s: dict[str, Any]) -> str:
+    if s["archived"]:
+        return "archived"
+    if s["auto_paused"]:
+        return "auto-paused"
+    return "enabled" if s["enabled"] else "paused"
+
+
+def confirm(question: str, assume_yes: bool) -> None:
+    if assume_yes:
+        return
+    if not sys.stdin.isatty():
+        raise CliError("not confirmed: stdin is not a terminal (pass --yes to confirm in scripts)", EXIT_DECLINED)
+    if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
+        raise CliError("not confirmed; nothing was changed", EXIT_DECLINED)
+
+
+def show_compose(composed: dict[str, Any]) -> None:
+    tz = composed["definition"]["timing"]["timezone"]
+    print(composed["summary"])
+    print("Next fires:")
+    for instant in composed["next_fires"]:
+        print(f"  {local_time(instant, tz)}   ({instant})")
+    for warning in composed["warnings"]:
+        print(f"Warning: {warning}")
+
+
+def cli_schedules(client: Client, args: argparse.Namespace) -> None:
+    action = args.action
+    if action == "list":
+        schedules = client.call("GET", f"/v1/outpost/schedules?include_archived={str(args.all).lower()}")["schedules"]
+        if args.json:
+            print(json.dumps(schedules, indent=2))
+            return
+        if not schedules:
+            print("No schedules yet. Compose one with `outpost schedules create FILE` (README has an example).")
+            return
+        print_table([[s["id"], s["name"], describe_timing(s["timing"]),
+                      local_time(s["next_fire_at"], s["timing"]["timezone"]), schedule_state(s),
+                      str(s["failure_streak"])] for s in schedules],
+                    ["ID", "NAME", "TIMING", "NEXT FIRE", "STATE", "FAILURES"])
+        return
+    if action == "create":
+        definition = read_definition_file(args.target)
+        composed = client.call("POST", "/v1/outpost/schedules/compose", definition)
+        show_compose(composed)
+        confirm("Create this schedule?", args.yes)
+        created = client.call("POST", "/v1/outpost/schedules", {"definition": composed["definition"],
+                              "confirmation": composed["confirmation"]}, idempotent=True)
+        print(json.dumps(created, indent=2) if args.json else f"Created {created['id']} ({created['name']}).")
+        return
+    sid = resolve_schedule(client, args.target)
+    current = client.call("GET", f"/v1/outpost/schedules/{sid}")
+    if action == "show":
+        occurrences = client.call("GET", f"/v1/outpost/schedules/{sid}/occurrences?limit=20")["occurrences"]
+        if args.json:
+            print(json.dumps({**current, "occurrences": occurrences}, indent=2))
+            return
+        tz = current["timing"]["timezone"]
+        for key in ("id", "name", "revision", "agent", "repository", "source_ref", "workdir"):
+            print(f"{key:>15}: {current[key]}")
+        print(f"{'timing':>15}: {describe_timing(current['timing'])}")
+        print(f"{'state':>15}: {schedule_state(current)} (failure streak {current['failure_streak']})")
+        print(f"{'next fire':>15}: {local_time(current['next_fire_at'], tz)}")
+        print(f"{'active run':>15}: {current['active_run_id'] or '-'}")
+        print("\nSlot ledger (newest first):")
+        if not occurrences:
+            print("  no due slot yet")
+        print_table([[local_time(o["due_at"], tz), o["trigger"], o["outcome"], o["run_id"] or "-",
+                      str(o["missed_count"] or "")] for o in occurrences],
+                    ["DUE", "TRIGGER", "OUTCOME", "RUN", "MISSED"]) if occurrences else None
+        return
+    match_rev = {"If-Match": f'"{current["revision"]}"'}
+    if action == "edit":
+        changes = read_definition_file(args.target_file)
+        composed = client.call("POST", "/v1/outpost/schedules/compose", {"schedule_id": sid, **changes})
+        show_compose(composed)
+        confirm(f"Apply this edit to {current['name']}?", args.yes)
+        updated = client.call("PATCH", f"/v1/outpost/schedules/{sid}", {"changes": changes,
+                              "confirmation": composed["confirmation"]}, headers=match_rev, idempotent=True)
+        print(json.dumps(updated, indent=2) if args.json else f"Updated {sid} to revision {updated['revision']}.")
+        return
+    result = client.call("POST", f"/v1/outpost/schedules/{sid}/control", {"action": action},
+                         headers=match_rev, idempotent=True)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif action == "fire":
+        print(f"{result['outcome']}: run {result['run_id']} (occurrence {result['occurrence_id']})")
+    else:
+        print(f"{current['name']} is now {schedule_state(result)} (revision {result['revision']}).")
+
+
+def resolve_schedule(client: Client, id_or_name: str) -> str:
+    if id_or_name.startswith("sch_"):
+        return id_or_name
+    schedules = client.call("GET", "/v1/outpost/schedules?include_archived=true")["schedules"]
+    matches = [s for s in schedules if s["name"] == id_or_name]
+    live = [s for s in matches if not s["archived"]] or matches
+    if not live:
+        raise CliError(f"no schedule named {id_or_name!r}", EXIT_REFUSED)
+    return live[0]["id"]
+
+
+def cli_runs(client: Client, args: argparse.Namespace) -> None:
+    if args.action == "list":
+        query = urllib.parse.urlencode({k: v for k, v in (("schedule_id", args.schedule), ("status", args.status),
+                                                          ("limit", args.limit)) if v})
+        page = client.call("GET", f"/v1/outpost/runs?{query}")
+        if args.json:
+            print(json.dumps(page, indent=2))
+            return
+        if not page["runs"]:
+            print("No runs yet. Fire a schedule with `outpost schedules fire NAME`.")
+            return
+        print_table([[r["id"], r["status"], r["trigger"], r["queued_at"], str(r["changes"]["commits"]),
+                      (r["error"] or "")[:50]] for r in page["runs"]],
+                    ["ID", "STATUS", "TRIGGER", "QUEUED", "COMMITS", "ERROR"])
+        return
+    if args.target is None:
+        raise CliError(f"`outpost runs {args.action}` needs a run id", EXIT_USAGE)
+    if args.action == "show":
+        run = client.call("GET", f"/v1/outpost/runs/{args.target}")
+        if args.json:
+            print(json.dumps(run, indent=2))
+            return
+        for key, value in run.items():
+            print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else value}")
+    elif args.action == "log":
+        sys.stdout.write(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True))
+    elif args.action == "cancel":
+        run = client.call("POST", f"/v1/outpost/runs/{args.target}/control", {"action": "cancel"}, idempotent=True)
+        print(json.dumps(run, indent=2) if args.json else f"Run {run['id']} is {run['status']}"
+              + (" (cancel requested)" if run["status"] not in SETTLED_RUN_STATUSES else "") + ".")
+
+
+def print_inspect(report: dict[str, Any]) -> None:
+    print(f"Recovery checks for {report['name']} ({report['schedule_id']}):")
+    for check in report["checks"]:
+        print(f"\n{check['check']}. {check['title']}")
+        for key, value in check["data"].items():
+            if isinstance(value, list):
+                print(f"   {key}: {'none' if not value else ''}")
+                for item in value:
+                    print("     - " + ", ".join(f"{k}={v}" for k, v in item.items() if k != "schedule_id"))
+            else:
+                print(f"   {key}: {json.dumps(value) if isinstance(value, dict) else value}")
+
+
+def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
+    """Reads the store directly, so it answers even while the daemon is down."""
+    if not (data_dir / "outpost.sqlite3").exists():
+        raise CliError(f"no Outpost database in {data_dir}", EXIT_USAGE)
+    store = Store(data_dir / "outpost.sqlite3")
+    try:
+        sid = store.run(store.find_schedule_id, target)[0]
+        report = store.run(store.inspect, sid)[0]
+    except NotFound as exc:
+        raise CliError(str(exc), EXIT_REFUSED) from None
+    finally:
+        store.close()
+    print(json.dumps(report, indent=2)) if as_json else print_inspect(report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="outpost", description="Durable scheduler for coding agents.")
+    parser.add_argument("--data-dir", type=Path, default=None, help="state directory (default $OUTPOST_DATA_DIR "
+                        "or ~/.local/state/outpost)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the appliance")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--verbose", action="store_true")
+    p = sub.add_parser("token", help="print the API token")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p = sub.add_parser("inspect", help="print the recovery checks of a schedule (id or name)")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("schedule")
+    p.add_argument("--json", action="store_true")
+    sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
+    for name, actions in (("schedules", ("list", "show", "create", "edit", "fire", "pause", "resume", "archive")),
+                          ("runs", ("list", "show", "log", "cancel"))):
+        p = sub.add_parser(name, help=f"{name}: {', '.join(actions)}")
+        p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+        p.add_argument("action", choices=actions)
+        p.add_argument("target", nargs="?", help="schedule id/name, definition file, or run id")
+        p.add_argument("target_file", nargs="?", help="for edit: the file of changed fields")
+        p.add_argument("--url", default=None, help="daemon URL (default http://127.0.0.1:$OUTPOST_PORT)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--yes", action="store_true", help="confirm without asking")
+        p.add_argument("--all", action="store_true", help="list: include archived")
+        p.add_argument("--schedule", help="runs list: only this schedule id")
+        p.add_argument("--status", help="runs list: only this status")
+        p.add_argument("--limit", type=int, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    data_dir = (args.data_dir or default_data_dir()).expanduser()
+    try:
+        if args.command == "demo-agent":
+            return demo_agent(sys.stdin.read(), Path.cwd())
+        if args.command == "serve":
+            setup_logging(args.verbose)
+            try:
+                config = load_config(data_dir, host=args.host, port=args.port, max_running=args.max_running)
+                deps = open_deps(config)
+            except (ConfigError, SchemaTooNew) as exc:
+                print(f"outpost: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            try:
+                trio.run(run_until_signal, deps)
+            finally:
+                deps.store.close()
+            return 0
+        if args.command == "token":
+            token = api_token(data_dir, create=False)
+            if token is None:
+                raise CliError(f"no token yet in {data_dir}: start `outpost serve` once", EXIT_NO_TOKEN)
+            print(token)
+            return 0
+        if args.command == "inspect":
+            cli_inspect(data_dir, args.schedule, args.json)
+            return 0
+        if args.target is None and args.action not in ("list",):
+            raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)
+        token = api_token(data_dir, create=False)
+        if token is None:
+            raise CliError(f"no API token: set OUTPOST_API_TOKEN or start `outpost serve` once "
+                           f"(it writes {data_dir / 'api-token'})", EXIT_NO_TOKEN)
+        port = os.environ.get("OUTPOST_PORT", str(DEFAULT_PORT))
+        client = Client(args.url or f"http://127.0.0.1:{port}", token)
+        (cli_schedules if args.command == "schedules" else cli_runs)(client, args)
+        return 0
+    except CliError as exc:
+        print(f"outpost: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
