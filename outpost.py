@@ -131,7 +131,8 @@ SCHEMA_VERSION = 1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AgentProfile:
-    """How to start one kind of agent. ``command`` items may hold {prompt}, {model}, {run_id}."""
+    """How to start one kind of agent. ``command`` items may hold {prompt}, {model}, {run_id};
+    ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says."""
     name: str
     command: tuple[str, ...]
     timeout_seconds: int | None = None
@@ -2051,7 +2052,8 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             done = await run_agent_process(
                 argv, cwd=cwd, env=agent_env(profile, dict(os.environ), run_id),
                 stdin_text=info["prompt"] if prompt_on_stdin else None,
-                timeout_s=info["timeout_seconds"], log_path=deps.log_path(run_id), live=live,
+                timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
+                log_path=deps.log_path(run_id), live=live,
                 on_spawn=on_spawn, grace_s=deps.grace_s)
             exit_code, result = done.exit_code, done.result
             outcome = (Outcome(RunStatus.CANCELLED, "cancelled") if live.cancelled else
