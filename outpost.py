@@ -107,6 +107,10 @@ MISFIRE_GRACE_S = 60.0
 CRON_MAX_SLEEP_S = 300.0
 #: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
 CLEANUP_S = 10.0
+#: The notification actor looks for settled runs it was not told about this often.
+NOTIFY_SWEEP_S = 60.0
+#: Due slots of one schedule recorded individually per claim; older missed ones are only counted.
+LEDGER_KEEP = 1000
 #: Consecutive failures that auto-pause a schedule.
 AUTO_PAUSE_STREAK = 3
 #: Bytes of stderr kept as a failed run's error text.
@@ -477,17 +481,19 @@ def next_fires(timing: dict[str, Any], after: datetime, count: int = 1,
 
 
 def due_slots(timing: dict[str, Any], first_due: datetime, now: datetime,
-              *, anchor: datetime | None, limit: int = 10_000) -> list[datetime]:
-    """Every due instant in [first_due, now], at most ``limit`` (the newest kept)."""
-    if first_due > now:
-        return []
-    slots = [first_due]
-    while len(slots) <= limit:
-        nxt = next_fires(timing, slots[-1], 1, anchor=anchor)
-        if not nxt or nxt[0] > now:
+              *, anchor: datetime | None, keep: int = LEDGER_KEEP) -> tuple[int, list[datetime]]:
+    """How many instants are due in [first_due, now], and the newest ``keep`` of them.
+    (A year of downtime on a per-minute cron counts every slot but records the newest.)"""
+    count, recent, slot = 0, [], first_due
+    while slot <= now:
+        count += 1
+        recent.append(slot)
+        del recent[:-keep]
+        nxt = next_fires(timing, slot, 1, anchor=anchor)
+        if not nxt:
             break
-        slots.append(nxt[0])
-    return slots[-limit:]
+        slot = nxt[0]
+    return count, recent
 
 
 def dst_transitions(tz: ZoneInfo, start: datetime, days: int) -> list[datetime]:
@@ -1267,7 +1273,7 @@ class Store:
             timing = s.definition["timing"]
             anchor = aware(s.anchored_at)
             first_due = aware(s.next_fire_at)
-            slots = due_slots(timing, first_due, now, anchor=anchor)
+            total, slots = due_slots(timing, first_due, now, anchor=anchor)
             later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
             s.next_fire_at = naive(later[0]) if later else None
             kind = timing["kind"]
@@ -1275,20 +1281,21 @@ class Store:
                 for slot in slots:
                     self._record_slot(s, slot, kind, SlotOutcome.PAUSED, now)
                 self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused",
-                                                 "count": len(slots)}, now)
+                                                 "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
             current = slots[len(missed):]
+            missed_total = total - len(current)   # slots older than the recorded ones were missed too
             if missed and s.definition["catch_up"]["policy"] == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
                 self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
-                                                 "count": len(missed)}, now)
+                                                 "count": missed_total}, now)
             elif missed:
                 cap = s.definition["catch_up"]["max"]
                 fired, folded = missed[-cap:], missed[:-cap]
                 outcome, run_id, _ = self._fire_slot(s, fired[0], "catch_up", now,
-                                                     missed_count=len(folded) + 1, since=missed[0])
+                                                     missed_count=missed_total - len(fired) + 1, since=first_due)
                 for slot in folded:
                     self._record_slot(s, slot, kind, SlotOutcome.FOLDED, now, run_id=run_id)
                 queued += [run_id] if run_id else []
@@ -2131,12 +2138,18 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
     """In: RunSettled. Out: failure streak, auto-pause and attention items (in the store).
     Applies every settled run exactly once (the run's ``notified`` flag), including runs
     that settled before a crash. Ends when its channel closes or it is cancelled."""
-    for run_id in await deps.db(deps.store.unnotified_runs):
-        await deps.db(deps.store.notify_run, run_id, deps.clock.now())
     async with settled_in:
-        async for message in settled_in:
-            await deps.db(deps.store.notify_run, message.run_id, deps.clock.now())
-            deps.cron_wake.poke()   # an auto-pause changes what the cron actor waits for
+        while True:
+            # Every settled run not yet applied, not only the one announced: a message
+            # dropped on a full channel, or lost in a crash, costs latency, never an item.
+            for run_id in await deps.db(deps.store.unnotified_runs):
+                await deps.db(deps.store.notify_run, run_id, deps.clock.now())
+                deps.cron_wake.poke()   # an auto-pause changes what the cron actor waits for
+            with trio.move_on_after(NOTIFY_SWEEP_S):
+                try:
+                    await settled_in.receive()
+                except trio.EndOfChannel:
+                    return
 
 
 ###############################################################################
@@ -2263,6 +2276,10 @@ def create_app(deps: Deps):
             token = _idempotency.set(key)
             try:
                 return await handler(*args, **kwargs)
+            except (PreconditionRequired, RevisionMismatch) as err:
+                # Nothing happened and the fix is a header: the corrected retry may reuse the key.
+                await deps.db(store.abandon_idempotent, key)
+                return problem_response(err)
             except OutpostError as err:
                 await deps.db(store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
                 return problem_response(err)
@@ -2448,8 +2465,11 @@ def create_app(deps: Deps):
         action = body_object(await body_json()).get("action")
         if action not in ("cancel", "pause", "resume"):
             raise invalid("action", "must be cancel, pause or resume")
-        response = await commit_idempotent(store.control_run, run_id, action, deps.clock.now())
         live = deps.live.get(run_id)
+        if action == "pause" and (live is None or live.pid is None):
+            await deps.db(store.get_run, run_id)   # 404 for an unknown run
+            raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
+        response = await commit_idempotent(store.control_run, run_id, action, deps.clock.now())
         if live is not None and action == "cancel":
             live.cancel()
         elif live is not None and action == "pause":
@@ -2536,12 +2556,13 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     return Deps(config=config, store=Store(config.db_path), clock=clock or WallClock(), token=token)
 
 
-async def serve(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """The whole appliance in one root nursery, until cancelled (SIGTERM/SIGINT in main).
+async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The whole appliance in one root nursery, until ``shutdown`` is set.
 
-    Order: recovery reconciles the store first; then web, cron, claim and notification.
-    On cancellation the run supervisors end their process groups and record it, and the
-    web server stops through its shutdown trigger; the caller closes the store after."""
+    Order: recovery reconciles the store first; then notification, cron, claim and the
+    web server. On shutdown the web server stops through its trigger (never cancelled
+    mid-request), then the actors are cancelled: run supervisors end their process
+    groups and record ``interrupted``. The caller closes the store after this returns."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -2553,36 +2574,46 @@ async def serve(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     hc.read_timeout = 60
     hc.accesslog = None
     hc.errorlog = log.getChild("hypercorn")
-    stop_web = trio.Event()
+    web_done = trio.Event()
+
+    async def web(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await hypercorn_serve(create_app(deps), hc, shutdown_trigger=shutdown.wait, task_status=task_status)
+        finally:
+            web_done.set()
+
     async with trio.open_nursery() as nursery:
         await nursery.start(recovery_actor, deps)
         nursery.start_soon(notification_actor, deps, settled_rx)
         nursery.start_soon(cron_actor, deps, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, deps, deps.claim_wake.rx)
-        binds = await nursery.start(functools.partial(
-            hypercorn_serve, create_app(deps), hc, shutdown_trigger=stop_web.wait))
-        task_status.started(binds)
-        try:
-            await trio.sleep_forever()
-        finally:
-            stop_web.set()
+        task_status.started(await nursery.start(web))
+        await shutdown.wait()
+        log.info("shutting down: stopping the web server, then the actors")
+        with trio.move_on_after(hc.graceful_timeout + 2):
+            await web_done.wait()
+        nursery.cancel_scope.cancel()
 
 
 async def run_until_signal(deps: Deps) -> None:
+    """Serve until SIGTERM or SIGINT; a second signal stops at once."""
+    shutdown = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            async def on_listening(task_status=trio.TASK_STATUS_IGNORED):
-                binds = await nursery.start(serve, deps)
-                host, port = deps.config.host, deps.config.port
-                if binds:
-                    port = int(binds[0].rsplit(":", 1)[1])
-                print(f"Outpost is listening: dashboard and API on http://{host}:{port}/", flush=True)
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as appliance:
+                async def watch_signals() -> None:
+                    async for signum in signals:
+                        log.info("received %s", signal.Signals(signum).name)
+                        if shutdown.is_set():
+                            appliance.cancel_scope.cancel()
+                        shutdown.set()
+
+                outer.start_soon(watch_signals)
+                binds = await appliance.start(serve, deps, shutdown)
+                port = int(binds[0].rsplit(":", 1)[1]) if binds else deps.config.port
+                print(f"Outpost is listening: dashboard and API on http://{deps.config.host}:{port}/", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
-            nursery.start_soon(on_listening)
-            async for signum in signals:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+            outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
 
 
 def setup_logging(verbose: bool = False) -> None:
