@@ -119,6 +119,8 @@ ERROR_TAIL_BYTES = 2000
 SHORT_INTERVAL_S = 300
 #: How far ahead compose looks for DST transitions.
 DST_HORIZON_DAYS = 366
+#: Latest year an instant may name (datetime arithmetic near year 9999 overflows).
+MAX_YEAR = 9000
 #: Environment variables an agent may inherit when its profile names no pass_env.
 DEFAULT_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "SHELL", "TMPDIR")
 #: Never handed to an agent, whatever a profile says.
@@ -374,9 +376,11 @@ def zone(name: Any, field: str = "timing.timezone") -> ZoneInfo:
     if not isinstance(name, str) or not name:
         raise invalid(field, "an IANA timezone name is required, e.g. Europe/Berlin")
     try:
+        if len(name) > 64:
+            raise ValueError(name)
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise invalid(field, f"{name!r} is not an IANA timezone name") from None
+    except (ZoneInfoNotFoundError, ValueError, OSError):   # OSError: "Europe" is a folder of zones
+        raise invalid(field, f"{name[:64]!r} is not an IANA timezone name, e.g. Europe/Berlin") from None
 
 
 # --- timing: cron / interval / once, with the DST rules -------------------------
@@ -416,6 +420,11 @@ def cron_expression(expr: str) -> str:
     if not isinstance(expr, str) or not expr.strip():
         raise invalid("timing.expression", "a five-field cron expression is required")
     text = " ".join(expr.split())
+    names = {"jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
+             "sun", "mon", "tue", "wed", "thu", "fri", "sat"}
+    if not text.startswith("@") and any(word.lower() not in names for word in re.findall(r"[A-Za-z]+", text)):
+        raise invalid("timing.expression", "use numbers, * / , - and month or weekday names only "
+                      "(random R, hashed H and L/W/# fields are not supported)")
     if text.startswith("@"):
         if text == "@reboot" or text not in CRON_ALIASES:
             raise invalid("timing.expression", f"{text} is not supported; use five fields or "
@@ -578,12 +587,40 @@ def timing_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
 
 # --- definitions: validation, normalization, confirmation ------------------------
 
-def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None) -> str:
+def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None, *, single_line: bool = False) -> str:
     value = d.get(key, default)
     if not isinstance(value, str):
         raise invalid(key, "must be a string")
     if not lo <= len(value) <= hi:
         raise invalid(key, f"must be {lo}-{hi} characters long")
+    if single_line and any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise invalid(key, "must not contain control characters")
+    return value
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """Refuse unpaired surrogates (valid JSON escapes, not text) before anything hashes them."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise invalid(path or "body", "contains an unpaired UTF-16 surrogate; send valid Unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path)
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item, path)
+
+
+def _object(raw: dict, key: str) -> dict:
+    """An optional object field: absent or null means its defaults; anything else must be an object."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid(key, "must be an object")
     return value
 
 
@@ -602,7 +639,7 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
     tz = zone(timing.get("timezone"))
     allowed = {"cron": {"kind", "expression", "timezone"}, "interval": {"kind", "seconds", "timezone"},
                "once": {"kind", "at", "timezone"}}
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:
         raise invalid("timing.kind", "must be cron, interval or once")
     extra = set(timing) - allowed[kind]
     if extra:
@@ -621,8 +658,12 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
         raise invalid("timing.at", "an ISO 8601 date and time is required")
     try:
         instant = parse_instant(at, tz)
+        if not 1970 <= instant.astimezone(UTC).year <= MAX_YEAR:
+            raise OverflowError(at)
     except ValueError:
-        raise invalid("timing.at", f"{at!r} is not an ISO 8601 date and time") from None
+        raise invalid("timing.at", f"{at[:40]!r} is not an ISO 8601 date and time") from None
+    except OverflowError:
+        raise invalid("timing.at", f"must be between 1970 and {MAX_YEAR}") from None
     if check_past and instant <= now:
         raise invalid("timing.at", "is in the past")
     return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
@@ -634,6 +675,7 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     checks (repository, source_ref) are the store/executor's, see ``check_repository``."""
     if not isinstance(raw, dict):
         raise invalid("definition", "must be a JSON object")
+    _check_unicode(raw, "")
     unknown = set(raw) - set(DEFINITION_FIELDS)
     if unknown:
         raise invalid(sorted(unknown)[0], "is not a field of a schedule definition")
@@ -641,11 +683,11 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     if not d["name"]:
         raise invalid("name", "must not be blank")
     d["brief"] = _text(raw, "brief", 1, 32768)
-    repo = _text(raw, "repository", 1, 4096)
+    repo = _text(raw, "repository", 1, 4096, single_line=True)
     if not os.path.isabs(repo):
         raise invalid("repository", "must be an absolute path")
     d["repository"] = os.path.normpath(repo)
-    workdir = _text(raw, "workdir", 1, 4096, ".")
+    workdir = _text(raw, "workdir", 1, 4096, ".", single_line=True)
     if os.path.isabs(workdir) or ".." in Path(workdir).parts:
         raise invalid("workdir", "must be a relative path without '..'")
     d["workdir"] = os.path.normpath(workdir)
@@ -654,13 +696,11 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
         raise invalid("source_ref", "must be a branch, tag or commit (not starting with '-')")
     d["source_ref"] = ref
     agent = raw.get("agent", "demo")
-    if agent not in set(agents):
-        raise invalid("agent", f"no agent profile named {agent!r}; known: {', '.join(sorted(agents))}")
+    if not isinstance(agent, str) or agent not in set(agents):
+        raise invalid("agent", f"no agent profile named {str(agent)[:60]!r}; known: {', '.join(sorted(agents))}")
     d["agent"] = agent
     d["timing"] = normalize_timing(raw.get("timing"), now, check_past=check_past)
-    limits = raw.get("limits") or {}
-    if not isinstance(limits, dict):
-        raise invalid("limits", "must be an object")
+    limits = _object(raw, "limits")
     extra = set(limits) - {"timeout_seconds", "model"}
     if extra:
         raise invalid(f"limits.{sorted(extra)[0]}", "is not a field of limits")
@@ -670,13 +710,13 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     d["limits"] = {"timeout_seconds": _int(limits.get("timeout_seconds", 3600),
                                            "limits.timeout_seconds", 1, 86400), "model": model}
     d["notify"] = raw.get("notify", "attention")
-    if d["notify"] not in NOTIFY_POLICIES:
+    if not isinstance(d["notify"], str) or d["notify"] not in NOTIFY_POLICIES:
         raise invalid("notify", "must be attention, failures_only or always")
     d["concurrency_policy"] = raw.get("concurrency_policy", "skip_if_active")
-    if d["concurrency_policy"] not in CONCURRENCY_POLICIES:
+    if not isinstance(d["concurrency_policy"], str) or d["concurrency_policy"] not in CONCURRENCY_POLICIES:
         raise invalid("concurrency_policy", "must be " + ", ".join(CONCURRENCY_POLICIES))
-    catch_up = raw.get("catch_up") or {"policy": "enqueue_missed_with_cap", "max": 1}
-    if not isinstance(catch_up, dict) or catch_up.get("policy") not in CATCH_UP_POLICIES:
+    catch_up = _object(raw, "catch_up") or {"policy": "enqueue_missed_with_cap", "max": 1}
+    if not isinstance(catch_up.get("policy"), str) or catch_up["policy"] not in CATCH_UP_POLICIES:
         raise invalid("catch_up.policy", "must be enqueue_missed_with_cap or skip_missed")
     if catch_up["policy"] == "skip_missed":
         if set(catch_up) - {"policy"}:
@@ -686,6 +726,19 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
         d["catch_up"] = {"policy": "enqueue_missed_with_cap",
                          "max": _int(catch_up.get("max", 1), "catch_up.max", 1, 25)}
     return d
+
+
+DISPATCH_FIELDS = ("brief", "repository", "workdir", "source_ref", "agent", "limits", "notify")
+
+
+def normalize_dispatch(raw: dict[str, Any], now: datetime, *, agents: Iterable[str]) -> dict[str, Any]:
+    """A one-shot dispatch: the run fields of a schedule definition, by the same rules."""
+    unknown = set(raw) - set(DISPATCH_FIELDS)
+    if unknown:
+        raise invalid(sorted(unknown)[0], "is not a field of a dispatch")
+    as_schedule = {**raw, "name": "dispatch", "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}}
+    d = normalize_definition(as_schedule, now, agents=agents)
+    return {k: d[k] for k in DISPATCH_FIELDS}
 
 
 def canonical_json(value: Any) -> str:
@@ -875,6 +928,12 @@ def aware(dt: datetime | None) -> datetime | None:
     return dt.replace(tzinfo=UTC) if dt is not None else None
 
 
+def sql_time(dt: datetime) -> str:
+    """An instant as Pony stores it in SQLite, for raw SQL (sqlite3's own adapter drops
+    ``.000000`` on whole seconds, and then text comparisons with Pony's rows fail)."""
+    return naive(dt).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def define_entities(db: orm.Database) -> None:
     """The schema. A function of the Database because Pony binds entities once per Database."""
     Optional, Required, PrimaryKey, Set = orm.Optional, orm.Required, orm.PrimaryKey, orm.Set
@@ -1038,7 +1097,9 @@ class Store:
         """Run ``fn`` in one db_session; events it emitted are numbered last, then committed.
         Returns (result, whether events were written)."""
         self._pending_events = []
-        with orm.db_session:
+        # serializable: BEGIN IMMEDIATE before the first read, so a claim's reads and
+        # writes are one step that a second process (or connection) cannot interleave.
+        with orm.db_session(serializable=True):
             result = fn(*args, **kwargs)
             wrote = bool(self._pending_events)
             if wrote:
@@ -1157,10 +1218,14 @@ class Store:
             if s.auto_paused:
                 raise AutoPaused(f"schedule {s.id} was auto-paused after {s.failure_streak} failures; "
                                  "inspect its failed runs, then use resume")
+            if not s.enabled:
+                self._settle_paused_slots(s, now)
             s.enabled = True
         elif action == "pause":
             s.enabled = False
         elif action == "resume":
+            if not s.enabled:
+                self._settle_paused_slots(s, now)
             s.enabled, s.auto_paused, s.failure_streak = True, False, 0
         elif action == "archive":
             s.archived, s.enabled, s.next_fire_at = True, False, None
@@ -1206,8 +1271,8 @@ class Store:
             'INSERT INTO "Occurrence" (id, schedule, due_at, trigger, outcome, missed_count, run_id, created_at) '
             "VALUES ($oid, $sid, $due, $trigger, $outcome, $missed, $run_id, $now) "
             "ON CONFLICT (schedule, due_at) DO NOTHING RETURNING id",
-            {"oid": oid, "sid": s.id, "due": naive(due_at), "trigger": trigger, "outcome": str(outcome),
-             "missed": missed_count, "run_id": run_id, "now": naive(now)})
+            {"oid": oid, "sid": s.id, "due": sql_time(due_at), "trigger": trigger, "outcome": str(outcome),
+             "missed": missed_count, "run_id": run_id, "now": sql_time(now)})
         return rows[0] if rows else None
 
     def _queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
@@ -1260,6 +1325,21 @@ class Store:
                                          "outcome": str(outcome), "active_run_id": run.id}, now)
         return outcome, None, oid
 
+    def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
+        for slot in slots:
+            self._record_slot(s, slot, s.definition["timing"]["kind"], SlotOutcome.PAUSED, now)
+        self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
+
+    def _settle_paused_slots(self, s, now: datetime) -> None:
+        """Before a paused schedule is enabled: its slots that came due are ``paused``, not missed."""
+        if s.next_fire_at is None or aware(s.next_fire_at) > now:
+            return
+        timing, anchor = s.definition["timing"], aware(s.anchored_at)
+        total, slots = due_slots(timing, aware(s.next_fire_at), now, anchor=anchor)
+        later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
+        s.next_fire_at = naive(later[0]) if later else None
+        self._record_paused(s, slots, total, now)
+
     def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
 
@@ -1278,15 +1358,15 @@ class Store:
             s.next_fire_at = naive(later[0]) if later else None
             kind = timing["kind"]
             if not s.enabled:
-                for slot in slots:
-                    self._record_slot(s, slot, kind, SlotOutcome.PAUSED, now)
-                self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused",
-                                                 "count": total}, now)
+                self._record_paused(s, slots, total, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
             current = slots[len(missed):]
+            policy = s.definition["catch_up"]["policy"]
+            if missed and policy == "enqueue_missed_with_cap":
+                missed, current = slots, []   # the slot just due joins the catch-up: one run, not two
             missed_total = total - len(current)   # slots older than the recorded ones were missed too
-            if missed and s.definition["catch_up"]["policy"] == "skip_missed":
+            if missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
                 self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
@@ -1356,18 +1436,11 @@ class Store:
         rows = self.returning(
             'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id = '
             '(SELECT id FROM "Run" WHERE status = \'queued\' ORDER BY queued_at, rowid LIMIT 1) '
-            "AND status = 'queued' RETURNING id", {"now": naive(now)})
+            "AND status = 'queued' RETURNING id", {"now": sql_time(now)})
         if not rows:
             return None
         self.emit("run.started", {"run_id": rows[0]}, now)
         return rows[0], False
-
-    def claim_run(self, run_id: str, now: datetime) -> bool:
-        """Move one queued run to running; False when another claimer got there first."""
-        rows = self.returning('UPDATE "Run" SET status = \'running\', started_at = $now '
-                              "WHERE id = $rid AND status = 'queued' RETURNING id",
-                              {"now": naive(now), "rid": run_id})
-        return bool(rows)
 
     def launch_info(self, run_id: str) -> dict[str, Any]:
         r = self.db.Run[run_id]
@@ -1578,12 +1651,12 @@ class Store:
 
     def begin_idempotent(self, key: str, fingerprint: str, now: datetime) -> tuple[int, Any] | None:
         """Reserve a key; or the stored (status, body) to replay. Raises on reuse / in flight."""
-        horizon = naive(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
+        horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
         self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
                         {"key": key, "h": horizon})
         rows = self.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, created_at) '
                               "VALUES ($key, $fp, 'in_flight', $now) ON CONFLICT (key) DO NOTHING RETURNING key",
-                              {"key": key, "fp": fingerprint, "now": naive(now)})
+                              {"key": key, "fp": fingerprint, "now": sql_time(now)})
         if rows:
             return None
         rec = self.db.IdempotencyRecord[key]
@@ -1607,7 +1680,7 @@ class Store:
         return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight'").rowcount
 
     def purge_expired(self, now: datetime) -> int:
-        horizon = naive(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
+        horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
         return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
 
 
@@ -2172,11 +2245,10 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
-    host = host_header.strip().lower()
-    if host.startswith("["):
-        name = host[: host.find("]") + 1] if "]" in host else host
-    else:
-        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    m = re.fullmatch(r"(\[[0-9a-f:.]+\]|[^:\[\]]+)(?::\d{1,5})?", host_header.strip().lower())
+    if m is None:
+        return False
+    name = m[1]
     return name in LOCAL_HOSTS or name in {h.lower() for h in allowed}
 
 
@@ -2245,6 +2317,8 @@ def create_app(deps: Deps):
             return {}
         try:
             return json.loads(data)
+        except RecursionError:
+            raise invalid("body", "JSON nested too deeply") from None
         except ValueError as exc:
             raise ValidationFailed(f"malformed JSON: {exc}", errors=[{"field": "body", "message": str(exc)}]) from None
 
@@ -2307,9 +2381,14 @@ def create_app(deps: Deps):
     def etag(view: dict[str, Any]) -> dict[str, str]:
         return {"ETag": f'"{view["revision"]}"'}
 
-    async def definition_from(raw: Any, *, check_past: bool = True) -> dict[str, Any]:
-        definition = normalize_definition(raw, deps.clock.now(), agents=[a.name for a in deps.config.agents],
-                                          check_past=check_past)
+    async def definition_from(raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Normalize and check a definition; for an edit (``current`` given) a once-instant in
+        the past is refused only when the timing really changed."""
+        now = deps.clock.now()
+        agents = [a.name for a in deps.config.agents]
+        definition = normalize_definition(raw, now, agents=agents, check_past=current is None)
+        if current is not None and definition["timing"] != current["timing"]:
+            normalize_timing(definition["timing"], now, check_past=True)
         await check_repository(definition)
         return definition
 
@@ -2343,19 +2422,20 @@ def create_app(deps: Deps):
     async def compose():
         raw = body_object(await body_json())
         now = deps.clock.now()
-        timing_changed = True
+        current = None
         if "schedule_id" in raw:
             changes = dict(raw)
-            current = await deps.db(store.schedule_definition, str(changes.pop("schedule_id")))
-            timing_changed = "timing" in changes and changes["timing"] != current["definition"]["timing"]
-            raw = merge_changes(current["definition"], changes)
-        definition = await definition_from(raw, check_past=timing_changed)
+            current = (await deps.db(store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
+            raw = merge_changes(current, changes)
+        definition = await definition_from(raw, current)
         after = now
         if request.args.get("from"):
             try:
                 after = parse_instant(request.args["from"])
             except ValueError:
-                raise invalid("from", "must be an RFC 3339 instant") from None
+                raise invalid("from", "must be an RFC 3339 instant with an offset, e.g. 2027-03-27T00:00:00Z") from None
+            if not 1970 <= after.astimezone(UTC).year <= MAX_YEAR:
+                raise invalid("from", f"must be between 1970 and {MAX_YEAR}")
         count = int_arg("count", 5, 1, 100)
         fires = next_fires(definition["timing"], after, count, anchor=now)
         return json_response({
@@ -2392,10 +2472,8 @@ def create_app(deps: Deps):
         current = await deps.db(store.schedule_definition, schedule_id)
         if current["archived"]:
             raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
-        changes = raw.get("changes")
-        merged = merge_changes(current["definition"], changes)
-        timing_changed = merged["timing"] != current["definition"]["timing"]
-        definition = await definition_from(merged, check_past=timing_changed)
+        definition = await definition_from(merge_changes(current["definition"], raw.get("changes")),
+                                           current["definition"])
         check_confirmation(definition, raw.get("confirmation"))
         response = await commit_idempotent(store.update_schedule, schedule_id, revision, definition,
                                            deps.clock.now(), headers=etag)
@@ -2480,15 +2558,10 @@ def create_app(deps: Deps):
     @app.post("/v1/outpost/dispatches")
     @idempotent
     async def dispatch():
-        raw = body_object(await body_json())
-        unknown = set(raw) - {"brief", "repository", "workdir", "source_ref", "agent", "limits", "notify"}
-        if unknown:
-            raise invalid(sorted(unknown)[0], "is not a field of a dispatch")
-        probe = normalize_definition(
-            {**raw, "name": "dispatch", "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}},
-            deps.clock.now(), agents=[a.name for a in deps.config.agents])
-        await check_repository(probe)
-        response = await commit_idempotent(store.create_dispatch, probe, deps.clock.now(), status=202)
+        payload = normalize_dispatch(body_object(await body_json()), deps.clock.now(),
+                                     agents=[a.name for a in deps.config.agents])
+        await check_repository(payload)
+        response = await commit_idempotent(store.create_dispatch, payload, deps.clock.now(), status=202)
         await resolve_new_runs(deps, [json.loads(await response.get_data())["run_id"]])
         deps.claim_wake.poke()
         return response

@@ -1,0 +1,782 @@
+"""One actor at a time, on real channels.
+
+The cron and notification actors run under ``MockClock(autojump_threshold=0)``: a test
+that names ``autojump_clock`` drives days of schedules in milliseconds, each guarded by
+``trio.fail_after`` in mock time. The claim actor and its run supervisors start the real
+demo agent in real git worktrees, so those tests use real time (``WallClock``, store calls
+on the worker thread) under a ``trio.fail_after(30)`` guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from conftest import T0, git, normalized
+
+import outpost
+
+MINUTE = 60
+HOUR = 3600
+DAY = 24 * HOUR
+SETTLED = {str(s) for s in outpost.SETTLED_RUN_STATUSES}
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+def call(store: outpost.Store, fn, *args, **kwargs):
+    """One store function in its own db_session (for test set-up and assertions)."""
+    return store.run(fn, *args, **kwargs)[0]
+
+
+def at(dt: datetime) -> str:
+    return outpost.rfc3339(dt)
+
+
+def ledger(store: outpost.Store, schedule_id: str) -> list[dict]:
+    """The slot ledger of a schedule, oldest first."""
+    return sorted(call(store, store.occurrences, schedule_id, 10_000), key=lambda o: o["due_at"])
+
+
+def runs_of(store: outpost.Store, schedule_id: str) -> list[dict]:
+    return call(store, store.list_runs, schedule_id, None, 10_000, None)["runs"]
+
+
+def mock_deps_at(tmp_path: Path, store: outpost.Store, origin: datetime) -> outpost.Deps:
+    """Like conftest's ``mock_deps`` but with wall time starting at ``origin``."""
+    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
+    return outpost.Deps(config=config, store=store, clock=outpost.TrioClock(origin), token="t", inline_db=True)
+
+
+@contextlib.asynccontextmanager
+async def actor_running(actor, *args):
+    """Run one actor in a nursery for the body of the ``async with``, then cancel it."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor, *args)
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def head_sha(git_repo: Path) -> str:
+    return git(git_repo, "rev-parse", "HEAD")
+
+
+@pytest.fixture
+def no_git_subprocess(monkeypatch, head_sha):
+    """Fire step 2 (resolve source_ref) without a git subprocess.
+
+    Under MockClock with autojump a real subprocess wait lets the clock jump to the next
+    timer (the test's own sleep), so the cron tests resolve refs in-process."""
+    async def resolve_ref(repository: str, ref: str) -> str:
+        return head_sha
+    monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
+
+
+# --- cron actor ----------------------------------------------------------------------------------
+
+async def test_cron_fires_each_five_minutes_over_a_day(autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    with trio.fail_after(DAY + HOUR):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(DAY + 1)
+    slots = ledger(store, sid)
+    assert [o["due_at"] for o in slots] == [at(T0 + timedelta(minutes=5 * k)) for k in range(1, 289)]
+    # Claimed at the due instant, not at the next poll.
+    assert all(o["recorded_at"] == o["due_at"] for o in slots)
+    # No claim actor: the first run stays queued, so every later slot is an overlap skip.
+    runs = runs_of(store, sid)
+    assert len(runs) == 1 and runs[0]["status"] == "queued"
+    assert slots[0]["outcome"] == "admitted" and slots[0]["run_id"] == runs[0]["id"]
+    assert {o["outcome"] for o in slots[1:]} == {"skipped_overlap"}
+    assert {o["run_id"] for o in slots[1:]} == {runs[0]["id"]}
+    assert runs[0]["trigger"] == "cron" and runs[0]["due_at"] == at(T0 + timedelta(minutes=5))
+    assert runs[0]["resolved_commit"] is not None
+    sched = call(store, store.get_schedule, sid)
+    assert sched["next_fire_at"] == at(T0 + timedelta(days=1, minutes=5))
+
+
+async def test_cron_always_enqueue_queues_one_run_per_slot(autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"), T0)["id"]
+    with trio.fail_after(DAY + HOUR):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(DAY + 1)
+    slots = ledger(store, sid)
+    runs = runs_of(store, sid)
+    assert len(slots) == len(runs) == 288
+    assert {o["outcome"] for o in slots} == {"admitted"}
+    assert len({o["run_id"] for o in slots}) == 288
+    assert sorted(r["due_at"] for r in runs) == [o["due_at"] for o in slots]
+    assert {r["status"] for r in runs} == {"queued"}
+
+
+async def test_cron_interval_fires_at_anchor_plus_k_seconds(autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    store = mock_deps.store
+    anchor = T0 + timedelta(seconds=7 * MINUTE + 13)
+    raw = normalized(git_repo, timing={"kind": "interval", "seconds": 4000, "timezone": "UTC"},
+                     concurrency_policy="always_enqueue")
+    with trio.fail_after(DAY + HOUR):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep((anchor - T0).total_seconds())
+            sid = call(store, store.create_schedule, raw, mock_deps.clock.now())["id"]
+            mock_deps.cron_wake.poke()
+            await trio.sleep(DAY)
+    slots = ledger(store, sid)
+    expected = [anchor + timedelta(seconds=4000 * k) for k in range(1, DAY // 4000 + 1)]
+    assert [o["due_at"] for o in slots] == [at(t) for t in expected]
+    assert all(o["recorded_at"] == o["due_at"] and o["trigger"] == "interval" for o in slots)
+    assert len(runs_of(store, sid)) == len(expected)
+
+
+async def test_cron_once_fires_exactly_once(autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    store = mock_deps.store
+    raw = normalized(git_repo, timing={"kind": "once", "at": "2026-11-30T10:30:00", "timezone": "Europe/Berlin"})
+    sid = call(store, store.create_schedule, raw, T0)["id"]
+    assert call(store, store.get_schedule, sid)["next_fire_at"] == "2026-11-30T09:30:00Z"
+    with trio.fail_after(3 * DAY):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(2 * DAY)
+    slots = ledger(store, sid)
+    assert [(o["due_at"], o["recorded_at"], o["trigger"], o["outcome"]) for o in slots] == [
+        ("2026-11-30T09:30:00Z", "2026-11-30T09:30:00Z", "once", "admitted")]
+    assert len(runs_of(store, sid)) == 1
+    assert call(store, store.get_schedule, sid)["next_fire_at"] is None
+
+
+@pytest.mark.parametrize(("origin", "expected"), [
+    # Spring forward: 02:30 does not exist on 2027-03-28, it fires at 03:00 CEST (01:00 UTC).
+    (datetime(2027, 3, 27, 12, tzinfo=UTC),
+     ["2027-03-28T01:00:00Z", "2027-03-29T00:30:00Z", "2027-03-30T00:30:00Z"]),
+    # Fall back: 02:30 occurs twice on 2027-10-31, it fires once, at the first (CEST).
+    (datetime(2027, 10, 30, 12, tzinfo=UTC),
+     ["2027-10-31T00:30:00Z", "2027-11-01T01:30:00Z", "2027-11-02T01:30:00Z"]),
+], ids=["spring-forward", "fall-back"])
+async def test_cron_berlin_daily_across_dst(autojump_clock, tmp_path, store, git_repo, no_git_subprocess,
+                                            origin, expected):
+    deps = mock_deps_at(tmp_path, store, origin)
+    raw = normalized(git_repo, now=origin, concurrency_policy="always_enqueue",
+                     timing={"kind": "cron", "expression": "30 2 * * *", "timezone": "Europe/Berlin"})
+    sid = call(store, store.create_schedule, raw, origin)["id"]
+    with trio.fail_after(4 * DAY):
+        async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+            await trio.sleep(3 * DAY - 1)
+    slots = ledger(store, sid)
+    assert [o["due_at"] for o in slots] == expected
+    assert all(o["recorded_at"] == o["due_at"] and o["outcome"] == "admitted" for o in slots)
+    berlin = [outpost.parse_instant(o["due_at"]).astimezone(outpost.ZoneInfo("Europe/Berlin")) for o in slots]
+    assert len({b.date() for b in berlin}) == 3, "one fire per local day"
+    if origin.month == 3:
+        assert (berlin[0].hour, berlin[0].minute, berlin[0].tzname()) == (3, 0, "CEST")
+    else:
+        assert (berlin[0].hour, berlin[0].minute, berlin[0].tzname()) == (2, 30, "CEST")
+
+
+async def test_cron_paused_schedule_records_paused_slots(autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    call(store, store.control_schedule, sid, 1, "pause", T0)
+    with trio.fail_after(2 * DAY):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(HOUR + 1)
+            paused = ledger(store, sid)
+            assert [o["due_at"] for o in paused] == [at(T0 + timedelta(minutes=5 * k)) for k in range(1, 13)]
+            assert {o["outcome"] for o in paused} == {"paused"}
+            assert runs_of(store, sid) == []
+            call(store, store.control_schedule, sid, 2, "resume", mock_deps.clock.now())
+            mock_deps.cron_wake.poke()
+            await trio.sleep(5 * MINUTE)
+    slots = ledger(store, sid)
+    assert len(slots) == 13
+    assert slots[-1]["due_at"] == at(T0 + timedelta(minutes=65)) and slots[-1]["outcome"] == "admitted"
+    assert len(runs_of(store, sid)) == 1
+
+
+async def test_cron_nudge_picks_up_an_earlier_next_fire(autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    """The actor sleeps up to CRON_MAX_SLEEP_S; a nudge makes it re-read the next fire."""
+    store = mock_deps.store
+    call(store, store.create_schedule, normalized(
+        git_repo, name="far", timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)
+    with trio.fail_after(DAY):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(10)
+            soon = normalized(git_repo, now=mock_deps.clock.now(), name="soon",
+                              timing={"kind": "once", "at": "2026-11-30T08:01:00Z", "timezone": "UTC"})
+            sid = call(store, store.create_schedule, soon, mock_deps.clock.now())["id"]
+            mock_deps.cron_wake.poke()
+            await trio.sleep(2 * MINUTE)
+    assert [(o["due_at"], o["recorded_at"], o["trigger"]) for o in ledger(store, sid)] == [
+        ("2026-11-30T08:01:00Z", "2026-11-30T08:01:00Z", "once")]
+
+
+async def test_cron_without_nudge_notices_a_new_schedule_only_at_its_longest_sleep(
+        autojump_clock, mock_deps, git_repo, no_git_subprocess):
+    store = mock_deps.store
+    call(store, store.create_schedule, normalized(
+        git_repo, name="far", timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)
+    with trio.fail_after(DAY):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(10)
+            soon = normalized(git_repo, now=mock_deps.clock.now(), name="soon",
+                              timing={"kind": "once", "at": "2026-11-30T08:01:00Z", "timezone": "UTC"})
+            sid = call(store, store.create_schedule, soon, mock_deps.clock.now())["id"]
+            await trio.sleep(outpost.CRON_MAX_SLEEP_S + MINUTE)
+    [slot] = ledger(store, sid)
+    assert slot["recorded_at"] == at(T0 + timedelta(seconds=outpost.CRON_MAX_SLEEP_S))
+
+
+class CountingStore(outpost.Store):
+    """A store that counts how often the cron actor asks for due slots."""
+
+    claims = 0
+
+    def claim_due(self, now, grace_s=outpost.MISFIRE_GRACE_S):
+        self.claims += 1
+        return super().claim_due(now, grace_s)
+
+
+async def test_cron_idle_actor_does_not_poll(autojump_clock, tmp_path, git_repo):
+    store = CountingStore(tmp_path / "counting.sqlite3")
+    try:
+        deps = mock_deps_at(tmp_path, store, T0)
+        sid = call(store, store.create_schedule, normalized(
+            git_repo, timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)["id"]
+        with trio.fail_after(DAY):
+            async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+                await trio.sleep(HOUR)
+        assert 1 <= store.claims <= HOUR / outpost.CRON_MAX_SLEEP_S + 2
+        assert ledger(store, sid) == []
+    finally:
+        store.close()
+
+
+# --- "the scheduler was down for 3 hours" ----------------------------------------------------------
+
+@pytest.mark.parametrize("late_s", [
+    30,
+    90,
+], ids=["back-30s-after-a-slot", "back-90s-after-a-slot"])
+async def test_scheduler_down_three_hours_catches_up_once(autojump_clock, tmp_path, store, git_repo,
+                                                          no_git_subprocess, late_s):
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    deps = mock_deps_at(tmp_path, store, T0 + timedelta(hours=3, seconds=late_s))
+    with trio.fail_after(DAY):
+        async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+            await trio.sleep(1)
+    runs = runs_of(store, sid)
+    assert len(runs) == 1, "never a storm"
+    [run] = runs
+    assert run["trigger"] == "catch_up"
+    assert run["missed_count"] == 36
+    prompt = call(store, store.launch_info, run["id"])["prompt"]
+    assert "missed 36 occurrences since 2026-11-30 08:05 UTC" in prompt
+    slots = ledger(store, sid)
+    assert len(slots) == 36
+    assert {o["run_id"] for o in slots} == {run["id"]}
+    assert sum(o["outcome"] == "admitted" for o in slots) == 1
+
+
+async def test_scheduler_down_three_hours_skip_missed(autojump_clock, tmp_path, store, git_repo, no_git_subprocess):
+    sid = call(store, store.create_schedule, normalized(git_repo, catch_up={"policy": "skip_missed"}), T0)["id"]
+    back = T0 + timedelta(hours=3, seconds=30)
+    deps = mock_deps_at(tmp_path, store, back)
+    with trio.fail_after(DAY):
+        async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+            await trio.sleep(1)
+            # The next regular slot (11:05) fires as usual.
+            await trio.sleep(5 * MINUTE)
+    runs = runs_of(store, sid)
+    assert all(r["trigger"] == "cron" for r in runs), "no catch-up run"
+    assert all(outpost.parse_instant(r["due_at"]) >= back - timedelta(seconds=outpost.MISFIRE_GRACE_S)
+               for r in runs), "no run for a slot of the gap"
+    assert len(runs) <= 2, "never a storm"
+    slots = ledger(store, sid)
+    gap = [o for o in slots if outpost.parse_instant(o["due_at"]) < back - timedelta(seconds=outpost.MISFIRE_GRACE_S)]
+    assert len(gap) == 35 and {o["outcome"] for o in gap} == {"skipped_missed"}
+    assert any(o["due_at"] == at(T0 + timedelta(hours=3, minutes=5)) for o in slots)
+
+
+# --- notification actor -----------------------------------------------------------------------------
+
+def settle_fired_run(store: outpost.Store, sid: str, status: str, now: datetime, *, commits: int = 0,
+                     error: str | None = None, result: dict | None = None) -> str:
+    """A manual fire, claimed and settled in the store (the claim actor's part, without a process)."""
+    revision = call(store, store.get_schedule, sid)["revision"]
+    run_id = call(store, store.fire_manual, sid, revision, now)["run_id"]
+    assert call(store, store.admit_next, 100, now)
+    assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, error=error, result=result,
+                commits=commits)
+    return run_id
+
+
+def test_two_manual_fires_at_one_instant_both_queue_a_run(store, git_repo):
+    sid = call(store, store.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"), T0)["id"]
+    first = call(store, store.fire_manual, sid, 1, T0)
+    second = call(store, store.fire_manual, sid, 1, T0)
+    assert first["outcome"] == second["outcome"] == "admitted"
+    assert second["run_id"] is not None and second["run_id"] != first["run_id"]
+    assert sorted(o["due_at"] for o in ledger(store, sid)) == ["2026-11-30T08:00:00.001Z", "2026-11-30T08:00:00Z"]
+
+
+def attention(store: outpost.Store) -> list[dict]:
+    return sorted(call(store, store.list_attention, False), key=lambda a: a["created_at"])
+
+
+async def test_notification_raises_attention_per_outcome(autojump_clock, mock_deps, git_repo):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    tx, rx = trio.open_memory_channel(10)
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            async with tx:
+                now = mock_deps.clock.now()
+                quiet = settle_fired_run(store, sid, "succeeded", now)
+                await tx.send(outpost.RunSettled(quiet))
+                await trio.sleep(1)
+                assert attention(store) == []
+                changes = settle_fired_run(store, sid, "succeeded", mock_deps.clock.now(), commits=2)
+                await tx.send(outpost.RunSettled(changes))
+                await trio.sleep(1)
+                failed = settle_fired_run(store, sid, "failed", mock_deps.clock.now(), error="boom")
+                await tx.send(outpost.RunSettled(failed))
+                await trio.sleep(1)
+                assert call(store, store.get_schedule, sid)["failure_streak"] == 1
+                asked = settle_fired_run(store, sid, "needs_you", mock_deps.clock.now(),
+                                         result={"status": "needs_you", "question": "Which DB?"})
+                await tx.send(outpost.RunSettled(asked))
+                await trio.sleep(1)
+                # The same message twice is applied once.
+                await tx.send(outpost.RunSettled(failed))
+                await trio.sleep(1)
+        # The actor ended on its own when its channel closed.
+    items = attention(store)
+    assert [(a["kind"], a["run_id"]) for a in items] == [
+        ("changes_returned", changes), ("failed", failed), ("needs_you", asked)]
+    assert all(a["schedule_id"] == sid and a["acknowledged_at"] is None for a in items)
+    assert items[1]["detail"] == "boom"
+    assert items[2]["detail"] == "Which DB?"
+    sched = call(store, store.get_schedule, sid)
+    assert sched["failure_streak"] == 1 and sched["enabled"] and not sched["auto_paused"]
+
+
+async def test_notification_success_resets_the_failure_streak(autojump_clock, mock_deps, git_repo):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    tx, rx = trio.open_memory_channel(10)
+    streaks = []
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery, tx:
+            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            for status in ("failed", "failed", "succeeded", "failed"):
+                await tx.send(outpost.RunSettled(settle_fired_run(store, sid, status, mock_deps.clock.now())))
+                await trio.sleep(1)
+                streaks.append(call(store, store.get_schedule, sid)["failure_streak"])
+    assert streaks == [1, 2, 0, 1]
+    assert not call(store, store.get_schedule, sid)["auto_paused"]
+
+
+async def test_notification_three_failures_auto_pause_once(autojump_clock, mock_deps, git_repo):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    tx, rx = trio.open_memory_channel(10)
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery, tx:
+            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            for n in range(1, 5):
+                await tx.send(outpost.RunSettled(settle_fired_run(store, sid, "failed", mock_deps.clock.now(),
+                                                                  error=f"failure {n}")))
+                await trio.sleep(1)
+                sched = call(store, store.get_schedule, sid)
+                assert sched["enabled"] == (n < 3) and sched["auto_paused"] == (n >= 3)
+    kinds = [a["kind"] for a in attention(store)]
+    assert kinds.count("auto_pause") == 1
+    assert kinds.count("failed") == 4
+    sched = call(store, store.get_schedule, sid)
+    assert sched["failure_streak"] == 4
+    # Only resume re-enables it.
+    with pytest.raises(outpost.AutoPaused):
+        call(store, store.control_schedule, sid, sched["revision"], "enable", mock_deps.clock.now())
+    resumed = call(store, store.control_schedule, sid, sched["revision"], "resume", mock_deps.clock.now())
+    assert resumed["enabled"] and not resumed["auto_paused"] and resumed["failure_streak"] == 0
+
+
+async def test_notification_applies_runs_settled_before_a_crash_at_start(autojump_clock, mock_deps, git_repo):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    # Settled by a process that died before its notification actor saw them.
+    before = [settle_fired_run(store, sid, "failed", T0 + timedelta(seconds=n), error=f"lost {n}") for n in range(3)]
+    tx, rx = trio.open_memory_channel(10)
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery, tx:
+            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            await trio.sleep(1)
+            items = attention(store)
+            assert sorted(a["run_id"] for a in items if a["kind"] == "failed") == sorted(before)
+            assert [a["kind"] for a in items].count("auto_pause") == 1
+            # A late message for one of them changes nothing.
+            await tx.send(outpost.RunSettled(before[0]))
+            await trio.sleep(1)
+    assert len(attention(store)) == 4
+    sched = call(store, store.get_schedule, sid)
+    assert sched["failure_streak"] == 3 and sched["auto_paused"]
+    assert call(store, store.unnotified_runs) == []
+
+
+async def test_notification_sweep_applies_a_run_whose_message_was_lost(autojump_clock, mock_deps, git_repo):
+    store = mock_deps.store
+    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    tx, rx = trio.open_memory_channel(10)
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery, tx:
+            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            await trio.sleep(1)
+            lost = settle_fired_run(store, sid, "failed", mock_deps.clock.now(), error="no message")
+            await trio.sleep(outpost.NOTIFY_SWEEP_S + 1)
+            assert [(a["kind"], a["run_id"]) for a in attention(store)] == [("failed", lost)]
+    assert call(store, store.get_schedule, sid)["failure_streak"] == 1
+
+
+# --- claim actor + run supervisor, with the real demo agent (real time) ---------------------------------
+
+ENV_DUMP = outpost.AgentProfile("envdump", ("sh", "-c", "env > env.txt"))
+LEAKY = outpost.AgentProfile("leaky", ("sh", "-c", "env > env.txt"),
+                             env=(("NOTIFY_SOCKET", "/run/notify"), ("WATCHDOG_USEC", "1")),
+                             pass_env=(*outpost.DEFAULT_PASS_ENV, "OUTPOST_API_TOKEN", "SECRET_OF_THE_DAEMON"))
+MISSING = outpost.AgentProfile("missing", ("/nonexistent/agent",))
+
+
+@pytest.fixture
+def real_deps(tmp_path: Path, store: outpost.Store):
+    """Deps on the wall clock with store calls on the worker thread, as in production."""
+    def make(max_running: int = 2) -> outpost.Deps:
+        config = outpost.Config(data_dir=tmp_path / "data", max_running=max_running,
+                                agents=(outpost.demo_profile(), ENV_DUMP, LEAKY, MISSING))
+        return outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="t",
+                            inline_db=False, grace_s=1.0)
+    return make
+
+
+async def queue_dispatch(deps: outpost.Deps, repo: Path, brief: str, *, resolve: bool = True, **fields) -> str:
+    """A one-shot run as POST /v1/outpost/dispatches queues it (resolve=False: the ref is left
+    for the supervisor, as when resolution failed at queue time)."""
+    raw = {"name": "dispatch", "brief": brief, "repository": str(repo), "agent": "demo",
+           "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}, **fields}
+    payload = outpost.normalize_definition(raw, deps.clock.now(), agents=[a.name for a in deps.config.agents])
+    run_id = (await deps.db(deps.store.create_dispatch, payload, deps.clock.now()))["run_id"]
+    if resolve:
+        await outpost.resolve_new_runs(deps, [run_id])
+    deps.claim_wake.poke()
+    return run_id
+
+
+async def get_run(deps: outpost.Deps, run_id: str) -> dict:
+    return await deps.db(deps.store.get_run, run_id)
+
+
+async def until_status(deps: outpost.Deps, run_id: str, statuses=SETTLED) -> dict:
+    while True:
+        run = await get_run(deps, run_id)
+        if run["status"] in statuses:
+            return run
+        await trio.sleep(0.05)
+
+
+async def until(predicate) -> None:
+    while not predicate():
+        await trio.sleep(0.05)
+
+
+def branch_exists(repo: Path, branch: str) -> bool:
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"],
+                          capture_output=True).returncode == 0
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def instant(text: str) -> datetime:
+    return outpost.parse_instant(text)
+
+
+async def test_claim_max_running_one_runs_fifo_one_after_the_other(real_deps, git_repo):
+    deps = real_deps(max_running=1)
+    with trio.fail_after(30):
+        first = await queue_dispatch(deps, git_repo, "@sleep 0.5\n@print first")
+        second = await queue_dispatch(deps, git_repo, "@print second")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            a = await until_status(deps, first)
+            b = await until_status(deps, second)
+    assert a["status"] == b["status"] == "succeeded"
+    assert instant(b["started_at"]) >= instant(a["finished_at"])
+    assert "first" in outpost.read_log(deps.log_path(first))
+
+
+async def test_run_commits_and_leftovers_return_on_the_result_branch(real_deps, git_repo):
+    deps = real_deps()
+    head = git(git_repo, "rev-parse", "HEAD")
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "@commit notes.txt hi\n@edit extra.txt x")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            run = await until_status(deps, run_id)
+    assert run["status"] == "succeeded", run
+    assert run["resolved_commit"] == head
+    assert run["changes"]["commits"] == 2
+    assert run["result"]["status"] == "succeeded"
+    branch = run["result_branch"]
+    assert branch == f"outpost/dispatch/{run_id}"
+    assert branch_exists(git_repo, branch)
+    assert git(git_repo, "show", f"{branch}:notes.txt") == "hi"
+    assert git(git_repo, "show", f"{branch}:extra.txt") == "x"
+    assert git(git_repo, "rev-list", "--count", f"{head}..{branch}") == "2"
+    assert not deps.worktree(run_id).exists()
+    assert str(deps.worktree(run_id)) not in git(git_repo, "worktree", "list")
+    assert git(git_repo, "rev-parse", "HEAD") == head, "the repository's own checkout is untouched"
+
+
+async def test_run_fail_needs_you_and_workdir(real_deps, git_repo):
+    deps = real_deps()
+    with trio.fail_after(30):
+        failed = await queue_dispatch(deps, git_repo, "@print before\n@fail boom")
+        asked = await queue_dispatch(deps, git_repo, "@needs-you Which DB?")
+        in_sub = await queue_dispatch(deps, git_repo, "@edit here.txt y", workdir="sub")
+        no_dir = await queue_dispatch(deps, git_repo, "@print never", workdir="nope/deeper")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            runs = {rid: await until_status(deps, rid) for rid in (failed, asked, in_sub, no_dir)}
+    assert runs[failed]["status"] == "failed" and "boom" in runs[failed]["error"]
+    assert runs[failed]["exit_code"] == 1
+    assert runs[asked]["status"] == "needs_you"
+    assert runs[asked]["result"] == {"status": "needs_you", "question": "Which DB?"}
+    assert runs[in_sub]["status"] == "succeeded"
+    assert git(git_repo, "show", f"{runs[in_sub]['result_branch']}:sub/here.txt") == "y"
+    assert runs[no_dir]["status"] == "failed"
+    assert "workdir" in runs[no_dir]["error"] and "nope/deeper" in runs[no_dir]["error"]
+    assert "workdir" in outpost.read_log(deps.log_path(no_dir))
+    assert not any(deps.worktree(rid).exists() for rid in runs)
+
+
+async def test_run_timeout_fails_and_ends_the_process(real_deps, git_repo):
+    deps = real_deps()
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "@sleep 30", limits={"timeout_seconds": 1})
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            started = time.monotonic()
+            run = await until_status(deps, run_id)
+            elapsed = time.monotonic() - started
+    assert run["status"] == "failed"
+    assert run["error"].startswith("timeout")
+    assert elapsed < 1 + deps.grace_s + 5
+    pid = (await deps.db(deps.store.launch_info, run_id))["pid"]
+    assert pid and not group_alive(pid)
+
+
+async def test_run_cancel_ends_a_running_run_and_a_queued_one_never_starts(real_deps, git_repo):
+    deps = real_deps(max_running=1)
+    store = deps.store
+    with trio.fail_after(30):
+        running = await queue_dispatch(deps, git_repo, "@sleep 30")
+        waiting = await queue_dispatch(deps, git_repo, "@print never")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            await until(lambda: running in deps.live and deps.live[running].pid)
+            pid = deps.live[running].pid
+            cancelled_queued = await deps.db(store.control_run, waiting, "cancel", deps.clock.now())
+            assert cancelled_queued["status"] == "cancelled"
+            await deps.db(store.control_run, running, "cancel", deps.clock.now())
+            deps.live[running].cancel()
+            deps.claim_wake.poke()
+            run = await until_status(deps, running)
+            with pytest.raises(outpost.Conflict):
+                await deps.db(store.control_run, running, "cancel", deps.clock.now())
+    assert run["status"] == "cancelled"
+    assert not group_alive(pid)
+    never = await get_run(deps, waiting)
+    assert never["status"] == "cancelled" and never["started_at"] is None
+    assert not deps.log_path(waiting).exists()
+
+
+async def test_profile_timeout_caps_the_run_limit(real_deps, git_repo, tmp_path, store):
+    config = outpost.Config(data_dir=tmp_path / "capped", agents=(
+        outpost.AgentProfile("demo", outpost.demo_profile().command, timeout_seconds=1),))
+    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="t", grace_s=1.0)
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "@sleep 30", limits={"timeout_seconds": 3600})
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            run = await until_status(deps, run_id)
+    assert run["status"] == "failed" and run["error"].startswith("timeout")
+
+
+async def test_run_missing_agent_command_fails_and_the_actor_keeps_going(real_deps, git_repo):
+    deps = real_deps(max_running=1)
+    with trio.fail_after(30):
+        broken = await queue_dispatch(deps, git_repo, "@print hi", agent="missing")
+        later = await queue_dispatch(deps, git_repo, "@print still here")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            bad = await until_status(deps, broken)
+            good = await until_status(deps, later)
+    assert bad["status"] == "failed"
+    assert "/nonexistent/agent" in bad["error"] and "could not start" in bad["error"]
+    assert good["status"] == "succeeded"
+    assert "still here" in outpost.read_log(deps.log_path(later))
+
+
+async def test_run_repository_deleted_after_queueing(real_deps, git_repo, tmp_path):
+    deps = real_deps()
+    doomed = tmp_path / "doomed"
+    shutil.copytree(git_repo, doomed)
+    with trio.fail_after(30):
+        unresolved = await queue_dispatch(deps, doomed, "@print hi", resolve=False)
+        resolved = await queue_dispatch(deps, doomed, "@print hi")
+        shutil.rmtree(doomed)
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            first = await until_status(deps, unresolved)
+            second = await until_status(deps, resolved)
+    assert first["status"] == "failed" and "does not exist" in first["error"]
+    assert str(doomed) in first["error"]
+    # Resolved at queue time (as the API and the cron actor do): still a clear failure.
+    assert second["status"] == "failed" and second["error"]
+    assert str(doomed) in second["error"]
+
+
+async def test_run_source_ref_deleted_after_queueing(real_deps, git_repo):
+    deps = real_deps()
+    git(git_repo, "branch", "feature")
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "@print hi", resolve=False, source_ref="feature")
+        git(git_repo, "branch", "-D", "feature")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            run = await until_status(deps, run_id)
+    assert run["status"] == "failed"
+    assert "feature" in run["error"] and "does not resolve" in run["error"]
+    assert run["resolved_commit"] is None
+
+
+async def test_cancelling_the_actor_interrupts_the_run_and_keeps_its_edits(real_deps, git_repo):
+    deps = real_deps()
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "@edit wip.txt half done\n@sleep 30")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            await until(lambda: (deps.worktree(run_id) / "wip.txt").exists())
+            pid = deps.live[run_id].pid
+            assert pid and group_alive(pid)
+            nursery.cancel_scope.cancel()
+    run = await get_run(deps, run_id)
+    assert run["status"] == "failed" and run["error"] == "interrupted"
+    assert not group_alive(pid)
+    assert git(git_repo, "show", f"{run['result_branch']}:wip.txt") == "half done"
+    assert run["changes"]["commits"] == 1
+    assert not deps.worktree(run_id).exists()
+    assert deps.live == {}
+
+
+async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, monkeypatch):
+    monkeypatch.setenv("OUTPOST_API_TOKEN", "secret-token-value")
+    monkeypatch.setenv("SECRET_OF_THE_DAEMON", "nope")
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    deps = real_deps()
+    with trio.fail_after(30):
+        plain = await queue_dispatch(deps, git_repo, "dump", agent="envdump")
+        leaky = await queue_dispatch(deps, git_repo, "dump", agent="leaky")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            runs = [await until_status(deps, rid) for rid in (plain, leaky)]
+    for run in runs:
+        assert run["status"] == "succeeded", run
+        env = dict(line.split("=", 1) for line in
+                   git(git_repo, "show", f"{run['result_branch']}:env.txt").splitlines() if "=" in line)
+        assert env["OUTPOST_RUN_ID"] == run["id"]
+        assert "OUTPOST_API_TOKEN" not in env
+        assert "secret-token-value" not in env.values()
+        assert "NOTIFY_SOCKET" not in env
+        assert not any(k.startswith("WATCHDOG_") for k in env)
+    plain_env = git(git_repo, "show", f"{runs[0]['result_branch']}:env.txt")
+    assert "SECRET_OF_THE_DAEMON" not in plain_env
+
+
+async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, git_repo):
+    deps = real_deps(max_running=1)
+    store = deps.store
+    with trio.fail_after(30):
+        paused = await queue_dispatch(deps, git_repo, "@sleep 3\n@print resumed")
+        other = await queue_dispatch(deps, git_repo, "@sleep 1\n@print other")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            await until(lambda: paused in deps.live and deps.live[paused].pid)
+            await deps.db(store.control_run, paused, "pause", deps.clock.now())
+            deps.live[paused].pause()
+            deps.claim_wake.poke()
+            assert (await get_run(deps, paused))["status"] == "paused"
+            # The slot is free: the other queued run starts although max_running is 1.
+            await until_status(deps, other, {"running"})
+            # Resume waits for a free slot.
+            await deps.db(store.control_run, paused, "resume", deps.clock.now())
+            deps.claim_wake.poke()
+            await trio.sleep(0.3)
+            if (await get_run(deps, other))["status"] == "running":
+                assert (await get_run(deps, paused))["status"] == "paused"
+            b = await until_status(deps, other)
+            a = await until_status(deps, paused)
+    assert a["status"] == "succeeded" and b["status"] == "succeeded"
+    assert instant(a["started_at"]) < instant(b["started_at"])
+    assert instant(a["finished_at"]) > instant(b["finished_at"])
+    assert "resumed" in outpost.read_log(deps.log_path(paused))
+
+
+# --- recovery at boot ---------------------------------------------------------------------------------
+
+def spawn_orphan() -> subprocess.Popen:
+    """A process group like an agent's that survived its daemon; a thread reaps it when it dies
+    (the test process is its parent, unlike init for a real orphan)."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    threading.Thread(target=proc.wait, daemon=True).start()
+    return proc
+
+
+async def test_recover_at_boot_settles_running_runs_and_ends_their_process_group(tmp_path, store, git_repo):
+    config = outpost.Config(data_dir=tmp_path / "data", agents=(outpost.demo_profile(),))
+    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="t", inline_db=True)
+    now = datetime.now(UTC)
+    survivor = spawn_orphan()
+    stranger = spawn_orphan()     # a live process whose start time does not match: pid reuse
+    try:
+        with trio.fail_after(30):
+            alive = await queue_dispatch(deps, git_repo, "@sleep 60")
+            reused = await queue_dispatch(deps, git_repo, "@sleep 60")
+            waiting = await queue_dispatch(deps, git_repo, "@print later")
+            for run_id, proc, start in ((alive, survivor, outpost.process_start_time(survivor.pid)),
+                                        (reused, stranger, "1")):
+                assert call(store, store.admit_next, 100, now)
+                call(store, store.mark_spawned, run_id, proc.pid, start)
+            assert call(store, store.begin_idempotent, "half-done", "fp1", now) is None
+            assert call(store, store.begin_idempotent, "done", "fp2", now) is None
+            call(store, store.finish_idempotent, "done", 202, {"body": {"run_id": waiting}, "headers": {}})
+            await outpost.recover_at_boot(deps)
+        for run_id in (alive, reused):
+            run = call(store, store.get_run, run_id)
+            assert (run["status"], run["error"]) == ("failed", "interrupted")
+        survivor.wait(5)
+        assert survivor.returncode == -signal.SIGTERM
+        assert stranger.poll() is None, "a reused pid is not ours to kill"
+        assert call(store, store.get_run, waiting)["status"] == "queued"
+        # The in-flight key is forgotten (reserved afresh); the finished one still replays.
+        assert call(store, store.begin_idempotent, "half-done", "fp1", now) is None
+        assert call(store, store.begin_idempotent, "done", "fp2", now) == (202, {"body": {"run_id": waiting},
+                                                                              "headers": {}})
+    finally:
+        for proc in (survivor, stranger):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,681 @@
+"""Section 5 of outpost.py: the Store on a temporary SQLite file.
+
+Every call goes through ``Store.run`` (one db_session each, events numbered last), the way
+the daemon calls it. Races use two Store objects on one file: two connections, two threads."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import T0, normalized
+
+import outpost
+from outpost import RunStatus
+
+REPO = "/srv/app"
+MIN = timedelta(minutes=1)
+SEC = timedelta(seconds=1)
+
+
+class Tx:
+    """``tx.claim_due(now)`` is ``store.run(store.claim_due, now)[0]``: one transaction per call."""
+
+    def __init__(self, store: outpost.Store):
+        self.store = store
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.store, name)
+        return lambda *args, **kwargs: self.store.run(fn, *args, **kwargs)[0]
+
+
+@pytest.fixture
+def tx(store) -> Tx:
+    return Tx(store)
+
+
+@pytest.fixture
+def claimers(store, tmp_path: Path):
+    """Two more Store objects on the same database file as ``store``: two more connections."""
+    pair = [outpost.Store(tmp_path / "outpost.sqlite3") for _ in range(2)]
+    yield [Tx(s) for s in pair]
+    for s in pair:
+        s.close()
+
+
+def race(*calls: Callable[[], Any]) -> list[Any]:
+    """Start the calls at the same moment, one thread each; each call's result or exception."""
+    barrier = threading.Barrier(len(calls), timeout=10)
+    results: list[Any] = [None] * len(calls)
+
+    def go(i: int, call: Callable[[], Any]) -> None:
+        barrier.wait()
+        try:
+            results[i] = call()
+        except Exception as exc:  # the test inspects what each claimer got
+            results[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a claimer hung"
+    return results
+
+
+def schedule(tx: Tx, **overrides) -> dict:
+    """A */5 UTC cron schedule created at T0: its first fire is 08:05."""
+    return tx.create_schedule(normalized(REPO, **overrides), T0)
+
+
+def dispatch(tx: Tx, at) -> str:
+    payload = {"brief": "@print hi", "repository": REPO, "workdir": ".", "source_ref": "HEAD", "agent": "demo",
+               "limits": {"timeout_seconds": 60, "model": None}, "notify": "attention"}
+    return tx.create_dispatch(payload, at)["run_id"]
+
+
+def runs_of(tx: Tx, schedule_id: str) -> list[dict]:
+    return tx.list_runs(schedule_id, None, 500, None)["runs"]
+
+
+def outcomes(tx: Tx, schedule_id: str) -> Counter:
+    return Counter(o["outcome"] for o in tx.occurrences(schedule_id, 1000))
+
+
+def run_due_slot(tx: Tx, now, status: RunStatus, *, commits: int = 0, error: str | None = None,
+                 result: dict | None = None) -> str:
+    """The one slot due at ``now``: claimed, admitted, settled with ``status``, notified."""
+    [run_id] = tx.claim_due(now)
+    assert tx.admit_next(100, now) == (run_id, False)
+    exit_code = 1 if status == RunStatus.FAILED else 0
+    assert tx.settle_run(run_id, status, now, exit_code=exit_code, error=error, result=result, commits=commits)
+    tx.notify_run(run_id, now)
+    return run_id
+
+
+###############################################################################
+# Schedules
+###############################################################################
+
+@pytest.mark.parametrize(("timing", "first_fire"), [
+    ({"kind": "cron", "expression": "*/5 * * * *", "timezone": "UTC"}, "2026-11-30T08:05:00Z"),
+    ({"kind": "cron", "expression": "0 9 * * *", "timezone": "Europe/Berlin"}, "2026-12-01T08:00:00Z"),
+    ({"kind": "interval", "seconds": 600, "timezone": "UTC"}, "2026-11-30T08:10:00Z"),
+    ({"kind": "once", "at": "2026-12-01T09:00:00", "timezone": "Europe/Berlin"}, "2026-12-01T08:00:00Z"),
+])
+def test_create_schedule_sets_its_first_fire(tx, timing, first_fire):
+    definition = normalized(REPO, timing=timing)
+    s = tx.create_schedule(definition, T0)
+    assert s["next_fire_at"] == first_fire
+    assert (s["revision"], s["enabled"], s["archived"], s["auto_paused"], s["failure_streak"]) == (
+        1, True, False, False, 0)
+    assert s["active_run_id"] is None and s["last_fired_at"] is None
+    assert s["authority"] == {"confirmation": outpost.confirmation_of(definition),
+                              "confirmed_at": "2026-11-30T08:00:00Z"}
+    assert tx.get_schedule(s["id"]) == s
+
+
+def test_schedule_name_is_unique_among_live_schedules_and_free_again_after_archive(tx):
+    first = schedule(tx)
+    with pytest.raises(outpost.Conflict) as caught:
+        schedule(tx)
+    assert caught.value.problem()["status"] == 409
+    tx.control_schedule(first["id"], 1, "archive", T0)
+    second = schedule(tx)
+    assert second["id"] != first["id"]
+    with pytest.raises(outpost.Conflict):
+        schedule(tx)
+    assert [s["id"] for s in tx.list_schedules()] == [second["id"]]
+    assert {s["id"] for s in tx.list_schedules(True)} == {first["id"], second["id"]}
+
+
+###############################################################################
+# Claiming due slots
+###############################################################################
+
+def test_a_due_slot_creates_one_occurrence_and_one_queued_run_once(tx):
+    s = schedule(tx)
+    assert tx.claim_due(T0 + 5 * MIN - SEC) == []
+    [run_id] = tx.claim_due(T0 + 5 * MIN)
+    [occurrence] = tx.occurrences(s["id"])
+    assert (occurrence["due_at"], occurrence["outcome"], occurrence["run_id"], occurrence["trigger"]) == (
+        "2026-11-30T08:05:00Z", "admitted", run_id, "cron")
+    run = tx.get_run(run_id)
+    assert (run["status"], run["trigger"], run["due_at"], run["schedule_id"], run["occurrence_id"]) == (
+        "queued", "cron", "2026-11-30T08:05:00Z", s["id"], occurrence["id"])
+    assert run["result_branch"] == f"outpost/nightly/{run_id}"
+    assert tx.claim_due(T0 + 5 * MIN) == []                                 # the same instant again: nothing
+    assert len(tx.occurrences(s["id"])) == 1 and len(runs_of(tx, s["id"])) == 1
+    view = tx.get_schedule(s["id"])
+    assert (view["next_fire_at"], view["active_run_id"]) == ("2026-11-30T08:10:00Z", run_id)
+
+
+@pytest.mark.parametrize("active", ["queued", "running"])
+@pytest.mark.parametrize(("policy", "outcome", "run_count"), [
+    ("skip_if_active", "skipped_overlap", 1),
+    ("coalesce_if_active", "coalesced", 1),
+    ("always_enqueue", "admitted", 2),
+])
+def test_a_slot_due_while_a_run_is_active_follows_the_concurrency_policy(tx, policy, outcome, run_count, active):
+    s = schedule(tx, concurrency_policy=policy)
+    [first] = tx.claim_due(T0 + 5 * MIN)
+    if active == "running":
+        assert tx.admit_next(2, T0 + 5 * MIN) == (first, False)
+    tx.claim_due(T0 + 10 * MIN)
+    [later] = [o for o in tx.occurrences(s["id"]) if o["due_at"] == "2026-11-30T08:10:00Z"]
+    assert later["outcome"] == outcome
+    if outcome != "admitted":
+        assert later["run_id"] == first                                   # the ledger points at the active run
+    assert len(runs_of(tx, s["id"])) == run_count
+
+
+def test_skip_if_active_admits_again_once_the_active_run_settled(tx):
+    s = schedule(tx)
+    first = run_due_slot(tx, T0 + 5 * MIN, RunStatus.SUCCEEDED)
+    [second] = tx.claim_due(T0 + 10 * MIN)
+    assert second != first
+    assert outcomes(tx, s["id"]) == {"admitted": 2}
+
+
+def test_two_claimers_racing_for_one_due_slot_admit_it_exactly_once(tx, claimers):
+    a, b = claimers
+    now = T0 + 5 * MIN + SEC
+    for i in range(20):
+        s = schedule(tx, name=f"race-{i}")
+        results = race(lambda: a.claim_due(now), lambda: b.claim_due(now))
+        assert len(tx.occurrences(s["id"])) == 1
+        [run] = runs_of(tx, s["id"])
+        assert [r for r in results if isinstance(r, list) and r] == [[run["id"]]]
+
+
+def test_the_losing_claimer_claims_nothing_instead_of_failing(tx, claimers):
+    a, b = claimers
+    now = T0 + 5 * MIN + SEC
+    for i in range(20):
+        schedule(tx, name=f"race-{i}")
+        results = race(lambda: a.claim_due(now), lambda: b.claim_due(now))
+        assert not [r for r in results if isinstance(r, Exception)], results
+        assert sorted(len(r) for r in results) == [0, 1]
+
+
+def test_two_claimers_racing_for_one_queued_run_start_it_exactly_once(tx, claimers):
+    a, b = claimers
+    for _ in range(20):
+        run_id = dispatch(tx, T0)
+        results = race(lambda: a.admit_next(100, T0), lambda: b.admit_next(100, T0))
+        assert sorted(results, key=repr) == [(run_id, False), None]
+        assert tx.get_run(run_id)["status"] == "running"
+
+
+def test_two_claimers_racing_never_exceed_max_running(tx, claimers):
+    a, b = claimers
+    for _ in range(20):
+        dispatch(tx, T0)
+        dispatch(tx, T0 + SEC)
+        race(lambda: a.admit_next(1, T0), lambda: b.admit_next(1, T0))
+        running = tx.runs_in(["running"])
+        assert len(running) <= 1, running
+        for run_id in running:
+            tx.settle_run(run_id, RunStatus.SUCCEEDED, T0)
+        for run_id in tx.runs_in(["queued"]):
+            tx.control_run(run_id, "cancel", T0)
+
+
+###############################################################################
+# Downtime and catch-up (API.md 5.2)
+###############################################################################
+
+#: Back at 11:07:30 after the 08:05 run: the slots 08:10 ... 11:05 were missed.
+RESTART = T0 + timedelta(hours=3, minutes=7, seconds=30)
+MISSED = 36
+
+
+def down_for_three_hours(tx, **overrides) -> tuple[str, list[str], list[dict]]:
+    """Fire 08:05, go down, claim again at RESTART: (schedule id, new run ids, ledger rows of the gap)."""
+    s = schedule(tx, **overrides)
+    before = run_due_slot(tx, T0 + 5 * MIN, RunStatus.SUCCEEDED)
+    queued = tx.claim_due(RESTART)
+    assert set(queued) == {r["id"] for r in runs_of(tx, s["id"])} - {before}
+    gap = [o for o in tx.occurrences(s["id"], 1000) if o["due_at"] != "2026-11-30T08:05:00Z"]
+    assert len(gap) == MISSED                                          # every missed slot recorded once
+    assert tx.get_schedule(s["id"])["next_fire_at"] == "2026-11-30T11:10:00Z"
+    return s["id"], queued, gap
+
+
+def test_restart_after_three_hours_queues_one_catch_up_run_carrying_the_missed_count(tx):
+    _, queued, gap = down_for_three_hours(tx)
+    [run_id] = queued
+    run = tx.get_run(run_id)
+    assert (run["trigger"], run["missed_count"]) == ("catch_up", MISSED)
+    assert Counter(o["outcome"] for o in gap) == {"admitted": 1, "folded": MISSED - 1}
+    assert all(o["run_id"] == run_id for o in gap)
+    assert f"missed {MISSED} occurrences since 2026-11-30 08:10" in tx.launch_info(run_id)["prompt"]
+
+
+def test_restart_under_skip_missed_queues_nothing_for_the_gap(tx):
+    _, queued, gap = down_for_three_hours(tx, catch_up={"policy": "skip_missed"})
+    assert queued == []
+    assert Counter(o["outcome"] for o in gap) == {"skipped_missed": MISSED}
+
+
+@pytest.mark.parametrize(("policy", "expected_runs"), [("skip_if_active", 1), ("always_enqueue", 3)])
+def test_restart_with_catch_up_max_3_queues_at_most_three_runs(tx, policy, expected_runs):
+    _, queued, _ = down_for_three_hours(tx, concurrency_policy=policy,
+                                        catch_up={"policy": "enqueue_missed_with_cap", "max": 3})
+    runs = [tx.get_run(r) for r in queued]
+    assert len(runs) == expected_runs
+    assert all(r["trigger"] == "catch_up" for r in runs)
+    if policy == "always_enqueue":
+        assert sum(r["missed_count"] for r in runs) == MISSED
+
+
+def test_a_slot_late_by_less_than_the_grace_fires_normally(tx):
+    s = schedule(tx)
+    [run_id] = tx.claim_due(T0 + 5 * MIN + 30 * SEC)
+    assert (tx.get_run(run_id)["trigger"], tx.get_run(run_id)["missed_count"]) == ("cron", 0)
+    assert outcomes(tx, s["id"]) == {"admitted": 1}
+
+
+###############################################################################
+# Pause, enable, admission
+###############################################################################
+
+def test_a_paused_schedule_records_its_slots_as_paused_and_enable_does_not_replay_them(tx):
+    s = schedule(tx)
+    tx.control_schedule(s["id"], 1, "pause", T0)
+    assert tx.claim_due(T0 + 31 * MIN) == []
+    assert outcomes(tx, s["id"]) == {"paused": 6}                     # 08:05 ... 08:30
+    assert runs_of(tx, s["id"]) == []
+    tx.control_schedule(s["id"], 2, "enable", T0 + 31 * MIN)
+    assert tx.claim_due(T0 + 31 * MIN) == []
+    [run_id] = tx.claim_due(T0 + 35 * MIN)
+    assert tx.get_run(run_id)["due_at"] == "2026-11-30T08:35:00Z"
+    assert outcomes(tx, s["id"]) == {"paused": 6, "admitted": 1}
+
+
+def test_admission_is_fifo_by_queued_at_within_max_running(tx):
+    third, first, second = dispatch(tx, T0 + 3 * SEC), dispatch(tx, T0 + SEC), dispatch(tx, T0 + 2 * SEC)
+    assert tx.admit_next(2, T0) == (first, False)
+    assert tx.admit_next(2, T0) == (second, False)
+    assert tx.admit_next(2, T0) is None
+    assert tx.get_run(third)["status"] == "queued"
+    tx.settle_run(first, RunStatus.SUCCEEDED, T0)
+    assert tx.admit_next(2, T0) == (third, False)
+    assert tx.admit_next(2, T0) is None
+
+
+def test_a_paused_run_frees_its_slot_and_a_resumed_run_goes_before_queued_ones(tx):
+    now = T0 + timedelta(microseconds=250_000)                         # a wall clock: never a whole second
+    a, b, c = dispatch(tx, now + SEC), dispatch(tx, now + 2 * SEC), dispatch(tx, now + 3 * SEC)
+    assert tx.admit_next(1, now) == (a, False)
+    assert tx.admit_next(1, now) is None
+    assert tx.control_run(a, "pause", now)["status"] == "paused"
+    assert tx.admit_next(1, now) == (b, False)                         # a's slot is free
+    tx.control_run(a, "resume", now)
+    assert tx.admit_next(1, now) is None                               # b holds the only slot
+    assert tx.get_run(a)["status"] == "paused"
+    tx.settle_run(b, RunStatus.SUCCEEDED, now)
+    assert tx.admit_next(1, now) == (a, True)                          # before c, queued earlier than the resume
+    assert tx.get_run(a)["status"] == "running"
+    tx.settle_run(a, RunStatus.SUCCEEDED, now)
+    assert tx.admit_next(1, now) == (c, False)
+
+
+@pytest.mark.parametrize("action", ["pause", "cancel", "adopt"])
+def test_a_run_admitted_at_a_whole_second_can_be_paused_cancelled_and_adopted(tx, action):
+    run_id = dispatch(tx, T0)
+    assert tx.admit_next(1, T0) == (run_id, False)
+    if action == "adopt":
+        assert tx.adopt_run(run_id, "ws-1", T0 + SEC)["owner"] == "ws-1"
+    else:
+        assert tx.control_run(run_id, action, T0 + SEC)["id"] == run_id
+
+
+###############################################################################
+# Settlement, failure streak, attention (API.md 5.3, 5.6)
+###############################################################################
+
+def test_failure_streak_counts_failures_and_a_success_resets_it(tx):
+    s = schedule(tx)
+    streaks = []
+    for i, status in enumerate([RunStatus.FAILED, RunStatus.FAILED, RunStatus.SUCCEEDED, RunStatus.FAILED,
+                                RunStatus.NEEDS_YOU, RunStatus.FAILED]):
+        run_due_slot(tx, T0 + (i + 1) * 5 * MIN, status)
+        streaks.append(tx.get_schedule(s["id"])["failure_streak"])
+    assert streaks == [1, 2, 0, 1, 1, 2]
+    view = tx.get_schedule(s["id"])
+    assert view["enabled"] and not view["auto_paused"]
+
+
+def test_three_failures_in_a_row_auto_pause_with_exactly_one_attention_item(tx):
+    s = schedule(tx)
+    last = None
+    for i in range(3):
+        last = run_due_slot(tx, T0 + (i + 1) * 5 * MIN, RunStatus.FAILED, error="tests failed")
+    tx.notify_run(last, T0 + 16 * MIN)
+    view = tx.get_schedule(s["id"])
+    assert (view["enabled"], view["auto_paused"], view["failure_streak"]) == (False, True, 3)
+    items = tx.list_attention(False)
+    assert Counter(a["kind"] for a in items) == {"failed": 3, "auto_pause": 1}
+    [auto] = [a for a in items if a["kind"] == "auto_pause"]
+    assert auto["schedule_id"] == s["id"]
+    assert tx.claim_due(T0 + 26 * MIN) == []                           # auto-paused: its slots fire nothing
+    assert outcomes(tx, s["id"])["paused"] == 2
+    with pytest.raises(outpost.AutoPaused) as caught:
+        tx.control_schedule(s["id"], view["revision"], "enable", T0 + 26 * MIN)
+    assert caught.value.problem()["code"] == "auto_paused"
+    view = tx.control_schedule(s["id"], view["revision"], "resume", T0 + 26 * MIN)
+    assert (view["enabled"], view["auto_paused"], view["failure_streak"]) == (True, False, 0)
+    assert len(tx.claim_due(T0 + 30 * MIN)) == 1
+
+
+def test_a_run_failing_after_the_auto_pause_raises_no_second_auto_pause_item(tx):
+    s = schedule(tx, concurrency_policy="always_enqueue")
+    queued = [run for i in range(4) for run in tx.claim_due(T0 + (i + 1) * 5 * MIN)]
+    assert len(queued) == 4
+    for run_id in queued:
+        tx.settle_run(run_id, RunStatus.FAILED, T0 + 21 * MIN, exit_code=1, error="boom")
+        tx.notify_run(run_id, T0 + 21 * MIN)
+    assert tx.get_schedule(s["id"])["failure_streak"] == 4
+    assert Counter(a["kind"] for a in tx.list_attention(False)) == {"failed": 4, "auto_pause": 1}
+
+
+@pytest.mark.parametrize(("notify", "status", "commits", "kinds"), [
+    ("attention", RunStatus.SUCCEEDED, 0, []),
+    ("attention", RunStatus.SUCCEEDED, 2, ["changes_returned"]),
+    ("attention", RunStatus.FAILED, 0, ["failed"]),
+    ("attention", RunStatus.NEEDS_YOU, 0, ["needs_you"]),
+    ("failures_only", RunStatus.SUCCEEDED, 2, []),
+    ("failures_only", RunStatus.FAILED, 0, ["failed"]),
+    ("failures_only", RunStatus.NEEDS_YOU, 0, ["needs_you"]),
+    ("always", RunStatus.SUCCEEDED, 0, ["succeeded"]),
+    ("always", RunStatus.SUCCEEDED, 1, ["changes_returned"]),
+    ("always", RunStatus.FAILED, 0, ["failed"]),
+])
+def test_a_settled_run_raises_the_attention_its_notify_policy_asks_for(tx, notify, status, commits, kinds):
+    s = schedule(tx, notify=notify)
+    result = {"status": "needs_you", "question": "Which database?"} if status == RunStatus.NEEDS_YOU else None
+    run_id = run_due_slot(tx, T0 + 5 * MIN, status, commits=commits, error="exit 1: tests failed", result=result)
+    items = tx.list_attention(True)
+    assert [(a["kind"], a["run_id"], a["schedule_id"]) for a in items] == [(k, run_id, s["id"]) for k in kinds]
+    details = {a["kind"]: a["detail"] for a in items}
+    if "failed" in details:
+        assert details["failed"] == "exit 1: tests failed"
+    if "needs_you" in details:
+        assert details["needs_you"] == "Which database?"
+    if "changes_returned" in details:
+        assert tx.get_run(run_id)["result_branch"] in details["changes_returned"]
+
+
+def test_notify_run_applies_a_settled_run_exactly_once(tx):
+    s = schedule(tx)
+    [run_id] = tx.claim_due(T0 + 5 * MIN)
+    tx.admit_next(1, T0 + 5 * MIN)
+    tx.notify_run(run_id, T0 + 5 * MIN)                                # not settled yet: nothing to apply
+    assert tx.list_attention(False) == [] and tx.unnotified_runs() == []
+    tx.settle_run(run_id, RunStatus.FAILED, T0 + 6 * MIN, exit_code=1, error="boom")
+    assert tx.unnotified_runs() == [run_id]
+    for _ in range(3):
+        tx.notify_run(run_id, T0 + 6 * MIN)
+    assert tx.unnotified_runs() == []
+    assert [a["kind"] for a in tx.list_attention(False)] == ["failed"]
+    assert tx.get_schedule(s["id"])["failure_streak"] == 1
+
+
+def test_settle_run_records_the_first_end_only(tx):
+    schedule(tx)
+    [run_id] = tx.claim_due(T0 + 5 * MIN)
+    tx.admit_next(1, T0 + 5 * MIN)
+    assert tx.settle_run(run_id, RunStatus.FAILED, T0 + 6 * MIN, exit_code=1, error="boom")
+    assert not tx.settle_run(run_id, RunStatus.SUCCEEDED, T0 + 7 * MIN, exit_code=0)
+    run = tx.get_run(run_id)
+    assert (run["status"], run["exit_code"], run["error"], run["finished_at"]) == (
+        "failed", 1, "boom", "2026-11-30T08:06:00Z")
+
+
+###############################################################################
+# Control and manual fire (API.md 4.4)
+###############################################################################
+
+@pytest.mark.parametrize(("before", "action", "enabled"), [
+    ([], "pause", False), (["pause"], "enable", True), (["pause"], "resume", True), ([], "archive", False),
+])
+def test_each_state_changing_control_adds_one_to_the_revision(tx, before, action, enabled):
+    s = schedule(tx)
+    for earlier in before:
+        tx.control_schedule(s["id"], tx.get_schedule(s["id"])["revision"], earlier, T0)
+    revision = tx.get_schedule(s["id"])["revision"]
+    view = tx.control_schedule(s["id"], revision, action, T0 + MIN)
+    assert (view["revision"], view["enabled"], view["updated_at"]) == (revision + 1, enabled, "2026-11-30T08:01:00Z")
+    assert tx.get_schedule(s["id"]) == view
+
+
+def test_resume_clears_the_failure_streak(tx):
+    s = schedule(tx)
+    run_due_slot(tx, T0 + 5 * MIN, RunStatus.FAILED)
+    run_due_slot(tx, T0 + 10 * MIN, RunStatus.FAILED)
+    assert tx.control_schedule(s["id"], 1, "resume", T0 + 11 * MIN)["failure_streak"] == 0
+
+
+def test_stale_revision_is_refused_with_the_current_revision(tx):
+    s = schedule(tx)
+    tx.control_schedule(s["id"], 1, "pause", T0)
+    with pytest.raises(outpost.RevisionMismatch) as caught:
+        tx.control_schedule(s["id"], 1, "enable", T0)
+    problem = caught.value.problem()
+    assert (problem["status"], problem["code"], problem["current_revision"]) == (412, "revision_mismatch", 2)
+    view = tx.get_schedule(s["id"])
+    assert (view["revision"], view["enabled"]) == (2, False)
+    with pytest.raises(outpost.RevisionMismatch):
+        tx.fire_manual(s["id"], 1, T0)
+    assert runs_of(tx, s["id"]) == []
+
+
+@pytest.mark.parametrize("action", ["enable", "pause", "resume", "archive", "fire", "update"])
+def test_archive_is_terminal(tx, action):
+    s = schedule(tx)
+    tx.control_schedule(s["id"], 1, "archive", T0)
+    assert tx.get_schedule(s["id"])["next_fire_at"] is None
+    with pytest.raises(outpost.Archived) as caught:
+        if action == "fire":
+            tx.fire_manual(s["id"], 2, T0 + MIN)
+        elif action == "update":
+            tx.update_schedule(s["id"], 2, normalized(REPO, brief="@print again"), T0 + MIN)
+        else:
+            tx.control_schedule(s["id"], 2, action, T0 + MIN)
+    assert caught.value.problem()["status"] == 409 and caught.value.problem()["code"] == "archived"
+    assert tx.claim_due(T0 + 10 * MIN) == []
+    assert tx.occurrences(s["id"]) == [] and runs_of(tx, s["id"]) == []
+
+
+def test_manual_fire_is_admitted_then_skipped_while_its_run_is_active(tx):
+    s = schedule(tx)
+    first = tx.fire_manual(s["id"], 1, T0 + SEC)
+    assert first["outcome"] == "admitted"
+    run = tx.get_run(first["run_id"])
+    assert (run["trigger"], run["occurrence_id"], run["status"]) == ("manual", first["occurrence_id"], "queued")
+    queued = tx.fire_manual(s["id"], 1, T0 + 2 * SEC)
+    assert (queued["outcome"], queued["run_id"]) == ("skipped_overlap", first["run_id"])
+    assert tx.admit_next(1, T0 + 3 * SEC) == (first["run_id"], False)
+    running = tx.fire_manual(s["id"], 1, T0 + 4 * SEC)
+    assert (running["outcome"], running["run_id"]) == ("skipped_overlap", first["run_id"])
+    tx.settle_run(first["run_id"], RunStatus.SUCCEEDED, T0 + 5 * SEC)
+    again = tx.fire_manual(s["id"], 1, T0 + 6 * SEC)
+    assert again["outcome"] == "admitted" and again["run_id"] != first["run_id"]
+    assert tx.get_schedule(s["id"])["revision"] == 1                    # fire is not a change of the schedule
+    assert outcomes(tx, s["id"]) == {"admitted": 2, "skipped_overlap": 2}
+
+
+def test_manual_fire_at_the_instant_of_an_already_claimed_slot_still_queues_a_run(tx):
+    s = schedule(tx)
+    slot = T0 + 5 * MIN
+    run_due_slot(tx, slot, RunStatus.SUCCEEDED)
+    fired = tx.fire_manual(s["id"], 1, slot)
+    assert fired["outcome"] == "admitted"
+    assert fired["run_id"] is not None and fired["occurrence_id"] is not None
+    assert tx.get_run(fired["run_id"])["trigger"] == "manual"
+
+
+###############################################################################
+# Idempotency keys (API.md 3)
+###############################################################################
+
+STORED = {"body": {"id": "sch_1"}, "headers": {"ETag": '"1"'}}
+
+
+def test_idempotency_key_is_reserved_then_replayed_for_24_hours(tx):
+    assert tx.begin_idempotent("key-1", "fp", T0) is None
+    tx.finish_idempotent("key-1", 201, STORED)
+    assert tx.begin_idempotent("key-1", "fp", T0 + MIN) == (201, STORED)
+    assert tx.begin_idempotent("key-1", "fp", T0 + timedelta(hours=23, minutes=59)) == (201, STORED)
+
+
+def test_idempotency_key_expires_after_24_hours(tx):
+    for key, at in (("old", T0), ("young", T0 + timedelta(hours=12))):
+        tx.begin_idempotent(key, "fp", at)
+        tx.finish_idempotent(key, 201, STORED)
+    later = T0 + timedelta(hours=24, seconds=1)
+    assert tx.begin_idempotent("old", "another request", later) is None     # free for a new request
+    assert tx.begin_idempotent("young", "fp", later) == (201, STORED)
+    assert tx.purge_expired(T0 + timedelta(hours=36, seconds=1)) == 1         # "young" goes, "old" was renewed
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_same_key_for_a_different_request_is_refused(tx, finished):
+    tx.begin_idempotent("key-1", "fp-create", T0)
+    if finished:
+        tx.finish_idempotent("key-1", 201, STORED)
+    with pytest.raises(outpost.IdempotencyKeyReused) as caught:
+        tx.begin_idempotent("key-1", "fp-other", T0 + MIN)
+    assert caught.value.problem()["status"] == 422 and caught.value.problem()["code"] == "idempotency_key_reused"
+
+
+def test_a_repeat_while_the_first_request_is_in_flight_is_a_conflict(tx):
+    tx.begin_idempotent("key-1", "fp", T0)
+    with pytest.raises(outpost.Conflict) as caught:
+        tx.begin_idempotent("key-1", "fp", T0 + SEC)
+    assert caught.value.problem()["status"] == 409
+
+
+def test_forget_in_flight_frees_the_keys_of_a_process_that_died(tx):
+    tx.begin_idempotent("died", "fp", T0)
+    tx.begin_idempotent("done", "fp", T0)
+    tx.finish_idempotent("done", 200, STORED)
+    assert tx.forget_in_flight() == 1
+    assert tx.begin_idempotent("died", "fp", T0 + MIN) is None
+    assert tx.begin_idempotent("done", "fp", T0 + MIN) == (200, STORED)
+
+
+def test_idempotency_keys_survive_a_restart(tmp_path):
+    first = outpost.Store(tmp_path / "db.sqlite3")
+    Tx(first).begin_idempotent("key-1", "fp", T0)
+    Tx(first).finish_idempotent("key-1", 201, STORED)
+    first.close()
+    again = outpost.Store(tmp_path / "db.sqlite3")
+    try:
+        assert Tx(again).begin_idempotent("key-1", "fp", T0 + MIN) == (201, STORED)
+    finally:
+        again.close()
+
+
+###############################################################################
+# Events (API.md 5.7)
+###############################################################################
+
+def busy_morning(tx: Tx) -> str:
+    """A mix of writes, refused writes and reads; the schedule id."""
+    s = schedule(tx)
+    with pytest.raises(outpost.Conflict):
+        schedule(tx)
+    run_due_slot(tx, T0 + 5 * MIN, RunStatus.FAILED, error="boom")
+    with pytest.raises(outpost.RevisionMismatch):
+        tx.control_schedule(s["id"], 7, "pause", T0 + 6 * MIN)
+    tx.get_schedule(s["id"])
+    tx.fire_manual(s["id"], 1, T0 + 7 * MIN)
+    tx.control_schedule(s["id"], 1, "pause", T0 + 8 * MIN)
+    return s["id"]
+
+
+def test_event_cursors_increase_by_one_without_gaps(tx):
+    busy_morning(tx)
+    page = tx.events_after(0, 1000)
+    cursors = [e["cursor"] for e in page["events"]]
+    assert cursors == list(range(1, len(cursors) + 1))
+    assert page["next_cursor"] == cursors[-1] == tx.latest_cursor()
+    assert {"schedule.created", "occurrence.claimed", "run.queued", "run.started", "run.settled",
+            "attention.raised", "schedule.controlled"} <= {e["type"] for e in page["events"]}
+
+
+def test_events_after_pages_through_the_whole_log(tx):
+    busy_morning(tx)
+    everything = tx.events_after(0, 1000)["events"]
+    assert len(everything) > 6
+    pages, cursor = [], 0
+    while page := tx.events_after(cursor, 3)["events"]:
+        assert len(page) <= 3
+        assert tx.events_after(cursor, 3)["next_cursor"] == page[-1]["cursor"]
+        pages += page
+        cursor = page[-1]["cursor"]
+    assert pages == everything
+    assert tx.events_after(cursor, 3) == {"events": [], "next_cursor": cursor}
+
+
+def test_store_run_reports_whether_events_were_written(store):
+    s, wrote = store.run(store.create_schedule, normalized(REPO), T0)
+    assert wrote
+    assert store.run(store.get_schedule, s["id"]) == (s, False)
+    assert store.run(store.claim_due, T0 + MIN) == ([], False)
+    assert store.run(store.claim_due, T0 + 5 * MIN)[1]
+
+
+###############################################################################
+# Migrations
+###############################################################################
+
+def test_reopening_the_database_keeps_its_data(tmp_path):
+    path = tmp_path / "outpost.sqlite3"
+    first = outpost.Store(path)
+    s = Tx(first).create_schedule(normalized(REPO), T0)
+    [run_id] = Tx(first).claim_due(T0 + 5 * MIN)
+    cursor = Tx(first).latest_cursor()
+    first.close()
+    again = outpost.Store(path)
+    try:
+        tx = Tx(again)
+        assert tx.get_schedule(s["id"])["next_fire_at"] == "2026-11-30T08:10:00Z"
+        assert tx.get_run(run_id)["status"] == "queued"
+        assert tx.latest_cursor() == cursor
+        assert tx.claim_due(T0 + 5 * MIN) == []                       # the claimed slot stays claimed
+        tx.control_schedule(s["id"], 1, "pause", T0 + 6 * MIN)
+        assert [e["cursor"] for e in tx.events_after(cursor, 10)["events"]] == [cursor + 1]
+    finally:
+        again.close()
+
+
+def test_a_database_from_a_newer_outpost_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "outpost.sqlite3"
+    first = outpost.Store(path)
+    Tx(first).create_schedule(normalized(REPO), T0)
+    first.close()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE schema_version SET version = ?", (outpost.SCHEMA_VERSION + 1,))
+    with pytest.raises(outpost.SchemaTooNew):
+        outpost.Store(path)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(outpost.SCHEMA_VERSION + 1,)]
+        assert db.execute('SELECT COUNT(*) FROM "Schedule"').fetchone() == (1,)
+
+
+def test_a_sqlite_file_not_made_by_outpost_is_refused(tmp_path):
+    path = tmp_path / "other.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE notes (text TEXT)")
+    with pytest.raises(outpost.SchemaTooNew):
+        outpost.Store(path)

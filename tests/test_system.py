@@ -1,0 +1,415 @@
+"""The real appliance: ``outpost serve`` as a subprocess on 127.0.0.1:0 with its own data
+dir, a real git repository, the demo agent, signals, restarts and the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import OUTPOST_PY, Server, definition, git, wait_for
+
+import outpost
+
+#: A timing that never fires by itself while a test runs: runs come from manual fires.
+YEARLY = {"kind": "cron", "expression": "0 0 1 1 *", "timezone": "UTC"}
+SETTLED = ("succeeded", "failed", "needs_you", "cancelled")
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+_keys = iter(range(1, 1_000_000))
+
+
+def key() -> dict[str, str]:
+    return {"Idempotency-Key": f"test-{time.time_ns()}-{next(_keys)}"}
+
+
+def create_schedule(client: httpx.Client, raw: dict) -> dict:
+    """Compose, then confirm (API.md 4.2)."""
+    composed = client.post("/v1/outpost/schedules/compose", json=raw)
+    assert composed.status_code == 200, composed.text
+    body = composed.json()
+    created = client.post("/v1/outpost/schedules", headers=key(),
+                          json={"definition": body["definition"], "confirmation": body["confirmation"]})
+    assert created.status_code == 201, created.text
+    assert created.headers["ETag"] == '"1"'
+    return created.json()
+
+
+def fire(client: httpx.Client, schedule_id: str) -> dict:
+    etag = client.get(f"/v1/outpost/schedules/{schedule_id}").headers["ETag"]
+    fired = client.post(f"/v1/outpost/schedules/{schedule_id}/control", json={"action": "fire"},
+                        headers={**key(), "If-Match": etag})
+    assert fired.status_code == 200, fired.text
+    assert fired.json()["outcome"] == "admitted"
+    return fired.json()
+
+
+def dispatch(client: httpx.Client, repo: Path, brief: str, idempotency_key: str | None = None) -> httpx.Response:
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else key()
+    return client.post("/v1/outpost/dispatches", headers=headers,
+                       json={"brief": brief, "repository": str(repo), "agent": "demo"})
+
+
+def get_run(client: httpx.Client, run_id: str) -> dict:
+    response = client.get(f"/v1/outpost/runs/{run_id}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_status(client: httpx.Client, run_id: str, statuses=SETTLED, timeout_s: float = 20) -> dict:
+    return wait_for(lambda: (run := get_run(client, run_id))["status"] in statuses and run, timeout_s)
+
+
+def spawn_record(data_dir: Path, run_id: str) -> tuple[int | None, str | None]:
+    """The pid and start time the daemon recorded for a run (read-only, beside the live daemon)."""
+    db = sqlite3.connect(f"file:{data_dir / 'outpost.sqlite3'}?mode=ro", uri=True, timeout=5)
+    try:
+        row = db.execute('SELECT pid, pid_started FROM "Run" WHERE id = ?', (run_id,)).fetchone()
+    finally:
+        db.close()
+    return (row[0], row[1]) if row else (None, None)
+
+
+def process_running(pid: int, start: str) -> bool:
+    """The same process (pid and start time), alive. An orphan that init has not reaped yet is
+    a zombie: it has ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0] != "Z" and fields[19] == start
+
+
+def group_running(pgid: int) -> bool:
+    """Any live (non-zombie) member of the process group."""
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def runs_of(client: httpx.Client, schedule_id: str | None = None) -> list[dict]:
+    params = {"schedule_id": schedule_id} if schedule_id else {}
+    return client.get("/v1/outpost/runs", params={**params, "limit": 500}).json()["runs"]
+
+
+# --- the full flow ------------------------------------------------------------------------------------
+
+def test_full_flow_compose_create_fire_settle(server_factory, git_repo):
+    server = server_factory()
+    head = git(git_repo, "rev-parse", "HEAD")
+    with server.client() as client:
+        assert client.get("/healthz").status_code == 200
+        schedule = create_schedule(client, definition(
+            git_repo, name="Full Flow", brief="@print hello-from-demo\n@commit notes.txt hi", timing=YEARLY))
+        assert schedule["revision"] == 1 and schedule["enabled"]
+        fired = fire(client, schedule["id"])
+        run = wait_status(client, fired["run_id"])
+        assert run["status"] == "succeeded", run
+        assert run["trigger"] == "manual" and run["schedule_id"] == schedule["id"]
+        assert run["occurrence_id"] == fired["occurrence_id"]
+        assert run["resolved_commit"] == head
+        assert run["result_branch"] == f"outpost/full-flow/{run['id']}"
+        assert run["changes"] == {"commits": 1}
+        assert run["exit_code"] == 0
+        assert git(git_repo, "show", f"{run['result_branch']}:notes.txt") == "hi"
+        assert git(git_repo, "log", "-1", "--format=%s", run["result_branch"]) == "demo: write notes.txt"
+        assert not (server.data_dir / "worktrees" / run["id"]).exists()
+
+        log = client.get(f"/v1/outpost/runs/{run['id']}/log")
+        assert log.status_code == 200 and log.headers["content-type"].startswith("text/plain")
+        assert "hello-from-demo" in log.text
+
+        items = client.get("/v1/outpost/attention").json()["attention"]
+        assert [(a["kind"], a["run_id"]) for a in items] == [("changes_returned", run["id"])]
+
+        events = client.get("/v1/outpost/events", params={"after": 0, "limit": 1000}).json()["events"]
+        cursors = [e["cursor"] for e in events]
+        assert cursors == sorted(cursors) and len(set(cursors)) == len(cursors)
+        mine = [e["type"] for e in events if e["data"].get("run_id") == run["id"] and e["type"].startswith("run.")]
+        assert mine == ["run.queued", "run.started", "run.settled"]
+        types = [e["type"] for e in events]
+        assert types.index("schedule.created") < types.index("occurrence.claimed") < types.index("run.settled")
+        assert types.index("run.settled") < types.index("attention.raised")
+
+        ids, names = [], []
+        with client.stream("GET", "/v1/outpost/events/stream?after=0", timeout=10) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            for line in stream.iter_lines():
+                if line.startswith("id:"):
+                    ids.append(int(line[3:].strip()))
+                elif line.startswith("event:"):
+                    names.append(line[6:].strip())
+                    if len(names) >= len(events):
+                        break
+        assert ids == cursors
+        assert names == types
+
+
+# --- shutdown and crashes ---------------------------------------------------------------------------
+
+def test_sigterm_while_a_run_sleeps_shuts_down_cleanly(server_factory, git_repo):
+    server = server_factory("--max-running", "1")
+    with server.client() as client:
+        schedule = create_schedule(client, definition(git_repo, brief="@sleep 60", timing=YEARLY))
+        run_id = fire(client, schedule["id"])["run_id"]
+        wait_status(client, run_id, ("running",))
+        pid, start = wait_for(lambda: (rec := spawn_record(server.data_dir, run_id))[0] and rec)
+        assert process_running(pid, start)
+        started_at = get_run(client, run_id)["started_at"]
+        queued = dispatch(client, git_repo, "@print queued-at-shutdown").json()["run_id"]
+    began = time.monotonic()
+    assert server.stop(signal.SIGTERM, timeout_s=15) == 0
+    assert time.monotonic() - began < 10
+    assert "Traceback" not in server.logs()
+    assert not process_running(pid, start)
+    assert not group_running(pid)
+
+    again = server_factory(data_dir=server.data_dir)
+    with again.client() as client:
+        run = get_run(client, run_id)
+        assert (run["status"], run["error"]) == ("failed", "interrupted")
+        # The run that was queued at shutdown starts now; the interrupted one does not.
+        assert wait_status(client, queued)["status"] == "succeeded"
+        run = get_run(client, run_id)
+        assert run["started_at"] == started_at
+        assert [r["id"] for r in runs_of(client, schedule["id"])] == [run_id]
+    assert again.stop() == 0
+
+
+def test_sigterm_kills_an_agent_that_ignores_sigterm_after_the_grace(server_factory, git_repo, tmp_path):
+    """SIGTERM, then SIGKILL after GRACE_S; an open event stream does not hold the shutdown up."""
+    data = tmp_path / "stubborn-data"
+    data.mkdir()
+    (data / "outpost.toml").write_text('[agents.stubborn]\ncommand = ["sh", "-c", "trap \'\' TERM; sleep 60"]\n')
+    server = server_factory(data_dir=data)
+    streamed: list[str] = []
+
+    def listen() -> None:
+        with contextlib.suppress(httpx.HTTPError), server.client() as sse, \
+                sse.stream("GET", "/v1/outpost/events/stream?after=0", timeout=30) as stream:
+            streamed.extend(stream.iter_lines())
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    with server.client() as client:
+        response = client.post("/v1/outpost/dispatches", headers=key(),
+                               json={"brief": "ignored", "repository": str(git_repo), "agent": "stubborn"})
+        assert response.status_code == 202, response.text
+        run_id = response.json()["run_id"]
+        wait_status(client, run_id, ("running",))
+        pid, start = wait_for(lambda: (rec := spawn_record(data, run_id))[0] and rec)
+        time.sleep(0.3)   # the shell has set its trap
+    began = time.monotonic()
+    assert server.stop(signal.SIGTERM, timeout_s=20) == 0
+    took = time.monotonic() - began
+    assert outpost.GRACE_S - 1 < took < outpost.GRACE_S + 7, f"SIGKILL after the grace, took {took:.1f} s"
+    assert "Traceback" not in server.logs()
+    assert not group_running(pid)
+    listener.join(5)
+    assert not listener.is_alive()
+    assert any(line.startswith("id:") for line in streamed)
+
+    again = server_factory(data_dir=data)
+    with again.client() as client:
+        run = get_run(client, run_id)
+        assert (run["status"], run["error"]) == ("failed", "interrupted")
+
+
+def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_repo):
+    server = server_factory("--max-running", "1")
+    with server.client() as client:
+        schedule = create_schedule(client, definition(git_repo, brief="@edit wip.txt x\n@sleep 60", timing=YEARLY))
+        long_run = fire(client, schedule["id"])["run_id"]
+        wait_status(client, long_run, ("running",))
+        pid, start = wait_for(lambda: (rec := spawn_record(server.data_dir, long_run))[0] and rec)
+        queued = dispatch(client, git_repo, "@print after-restart")
+        assert queued.status_code == 202, queued.text
+        queued_id = queued.json()["run_id"]
+        time.sleep(0.3)
+        assert get_run(client, queued_id)["status"] == "queued"
+        started_at = get_run(client, long_run)["started_at"]
+    server.stop(signal.SIGKILL)
+    assert process_running(pid, start), "the agent outlives a kill -9 of its daemon"
+
+    again = server_factory("--max-running", "1", data_dir=server.data_dir)
+    with again.client() as client:
+        run = get_run(client, long_run)
+        assert (run["status"], run["error"]) == ("failed", "interrupted")
+        assert run["started_at"] == started_at
+        assert not process_running(pid, start), "the orphaned agent was ended"
+        assert not group_running(pid)
+        # Its uncommitted edit is kept on the result branch.
+        assert git(git_repo, "show", f"{run['result_branch']}:wip.txt") == "x"
+
+        after = wait_status(client, queued_id)
+        assert after["status"] == "succeeded", after
+        assert "after-restart" in client.get(f"/v1/outpost/runs/{queued_id}/log").text
+
+        assert [r["id"] for r in runs_of(client, schedule["id"])] == [long_run]
+        occurrences = client.get(f"/v1/outpost/schedules/{schedule['id']}/occurrences").json()["occurrences"]
+        assert [(o["outcome"], o["run_id"]) for o in occurrences] == [("admitted", long_run)]
+        assert get_run(client, long_run)["started_at"] == started_at
+    assert "Traceback" not in again.logs()
+
+
+def test_idempotency_key_survives_a_restart(server_factory, git_repo):
+    server = server_factory()
+    with server.client() as client:
+        first = dispatch(client, git_repo, "@print once", idempotency_key="dispatch-once")
+        assert first.status_code == 202, first.text
+        assert "Idempotent-Replayed" not in first.headers
+        wait_status(client, first.json()["run_id"])
+    assert server.stop() == 0
+
+    again = server_factory(data_dir=server.data_dir)
+    with again.client() as client:
+        replay = dispatch(client, git_repo, "@print once", idempotency_key="dispatch-once")
+        assert replay.status_code == 202
+        assert replay.headers.get("Idempotent-Replayed") == "true"
+        assert replay.json() == first.json()
+        assert [r["id"] for r in runs_of(client)] == [first.json()["run_id"]]
+        reused = dispatch(client, git_repo, "@print something else", idempotency_key="dispatch-once")
+        assert reused.status_code == 422 and reused.json()["code"] == "idempotency_key_reused"
+
+
+# --- the CLI against the real daemon -------------------------------------------------------------------
+
+def cli(data_dir: Path, *args: str, port: int | None = None, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUTPOST_API_TOKEN", "OUTPOST_PORT")}
+    if port is not None:
+        env["OUTPOST_PORT"] = str(port)
+    return subprocess.run([sys.executable, str(OUTPOST_PY), "--data-dir", str(data_dir), *args],
+                          capture_output=True, text=True, env=env, stdin=stdin, timeout=60)
+
+
+def port_of(server: Server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+TOML_DEFINITION = """\
+name = "cli-toml"
+brief = "@print from-the-cli"
+repository = "{repo}"
+agent = "demo"
+
+[timing]
+kind = "cron"
+expression = "0 0 1 1 *"
+timezone = "Europe/Berlin"
+"""
+
+
+def test_cli_against_the_real_daemon(server_factory, git_repo, tmp_path):
+    server = server_factory()
+    data, port = server.data_dir, port_of(server)
+    toml_file = tmp_path / "nightly.toml"
+    toml_file.write_text(TOML_DEFINITION.format(repo=git_repo))
+    json_file = tmp_path / "weekly.json"
+    json_file.write_text(json.dumps(definition(git_repo, name="cli-json", timing=YEARLY)))
+
+    created = cli(data, "schedules", "create", str(toml_file), "--yes", port=port)
+    assert created.returncode == 0, created.stderr
+    assert "Runs agent 'demo'" in created.stdout and "Created sch_" in created.stdout
+    created = cli(data, "schedules", "create", str(json_file), "--yes", "--json", port=port)
+    assert created.returncode == 0, created.stderr
+    as_json = json.loads(created.stdout[created.stdout.index("\n{") + 1:])
+    assert as_json["name"] == "cli-json" and as_json["revision"] == 1
+
+    listed = cli(data, "schedules", "list", port=port)
+    assert listed.returncode == 0 and "cli-toml" in listed.stdout and "cli-json" in listed.stdout
+    assert "NAME" in listed.stdout.splitlines()[0]
+    listed = cli(data, "schedules", "list", "--json", port=port)
+    assert sorted(s["name"] for s in json.loads(listed.stdout)) == ["cli-json", "cli-toml"]
+
+    shown = cli(data, "schedules", "show", "cli-toml", port=port)
+    assert shown.returncode == 0 and "Slot ledger" in shown.stdout and "Europe/Berlin" in shown.stdout
+
+    fired = cli(data, "schedules", "fire", "cli-toml", port=port)
+    assert fired.returncode == 0, fired.stderr
+    assert fired.stdout.startswith("admitted: run out_")
+    run_id = fired.stdout.split()[2]
+    with server.client() as client:
+        assert wait_status(client, run_id)["status"] == "succeeded"
+
+    paused = cli(data, "schedules", "pause", "cli-toml", port=port)
+    assert paused.returncode == 0 and "is now paused" in paused.stdout, paused.stderr
+    resumed = cli(data, "schedules", "resume", "cli-toml", "--json", port=port)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["enabled"] is True
+
+    runs = cli(data, "runs", "list", port=port)
+    assert runs.returncode == 0 and run_id in runs.stdout and "succeeded" in runs.stdout
+    assert [r["id"] for r in json.loads(cli(data, "runs", "list", "--json", port=port).stdout)["runs"]] == [run_id]
+    shown_run = cli(data, "runs", "show", run_id, port=port)
+    assert shown_run.returncode == 0 and "succeeded" in shown_run.stdout
+    assert json.loads(cli(data, "runs", "show", run_id, "--json", port=port).stdout)["status"] == "succeeded"
+    run_log = cli(data, "runs", "log", run_id, port=port)
+    assert run_log.returncode == 0 and "from-the-cli" in run_log.stdout
+
+    # Declined: stdin is not a terminal and there is no --yes; nothing is created.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(definition(git_repo, name="never-confirmed", timing=YEARLY)))
+    declined = cli(data, "schedules", "create", str(other), port=port)
+    assert declined.returncode == 5
+    assert "--yes" in declined.stderr and "Traceback" not in declined.stderr
+    with server.client() as client:
+        names = [s["name"] for s in client.get("/v1/outpost/schedules").json()["schedules"]]
+    assert "never-confirmed" not in names
+
+    token = cli(data, "token")
+    assert token.returncode == 0 and token.stdout.strip() == server.token
+
+    # No daemon listens there.
+    unreachable = cli(data, "schedules", "list", port=free_port())
+    assert unreachable.returncode == 3
+    assert "cannot reach" in unreachable.stderr and "Traceback" not in unreachable.stderr
+
+    # No token: a fresh data dir.
+    fresh = tmp_path / "fresh"
+    no_token = cli(fresh, "schedules", "list", port=port)
+    assert no_token.returncode == 4
+    assert "token" in no_token.stderr and "Traceback" not in no_token.stderr
+    assert cli(fresh, "token").returncode == 4
+
+    assert server.stop() == 0
+    inspected = cli(data, "inspect", "cli-toml")
+    assert inspected.returncode == 0, inspected.stderr
+    starts = [inspected.stdout.find(f"\n{n}. ") for n in range(1, 7)]
+    assert all(s >= 0 for s in starts) and starts == sorted(starts), inspected.stdout
+    assert run_id in inspected.stdout
+    as_json = json.loads(cli(data, "inspect", "cli-toml", "--json").stdout)
+    assert [c["check"] for c in as_json["checks"]] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("args", [("schedules", "list"), ("runs", "list")])
+def test_cli_without_a_daemon_exits_3(tmp_path, args):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "api-token").write_text("some-token\n")
+    done = cli(data, *args, port=free_port())
+    assert done.returncode == 3
+    assert "is `outpost serve` running?" in done.stderr
