@@ -111,6 +111,10 @@ CLEANUP_S = 10.0
 NOTIFY_SWEEP_S = 60.0
 #: Due slots of one schedule recorded individually per claim; older missed ones are only counted.
 LEDGER_KEEP = 1000
+#: How long a dashboard sign-in lasts.
+SESSION_TTL_S = 30 * 86400
+#: How long the one-time sign-in link that ``outpost serve`` prints stays usable.
+SIGNIN_CODE_TTL_S = 15 * 60
 #: Consecutive failures that auto-pause a schedule.
 AUTO_PAUSE_STREAK = 3
 #: Bytes of stderr kept as a failed run's error text.
@@ -128,7 +132,7 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: Author of the commit that saves what an agent left uncommitted.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2      # 2: dashboard sessions and one-time sign-in codes
 
 
 ###############################################################################
@@ -306,6 +310,10 @@ class IdempotencyKeyRequired(OutpostError):
 
 class PreconditionRequired(OutpostError):
     status, code, title = 428, "precondition_required", "If-Match header required"
+
+
+class CrossSiteRefused(OutpostError):
+    status, code, title = 403, "forbidden", "Request refused"
 
 
 def invalid(field: str, message: str) -> ValidationFailed:
@@ -1022,6 +1030,19 @@ def define_entities(db: orm.Database) -> None:
         id = PrimaryKey(int)
         value = Required(int)
 
+    class DashboardSession(db.Entity):
+        """A signed-in browser. ``id`` is the SHA-256 of the cookie, so a database leak is no login."""
+        id = PrimaryKey(str)
+        csrf = Required(str)
+        created_at = Required(datetime)
+        expires_at = Required(datetime, index=True)
+
+    class SigninCode(db.Entity):
+        """A one-time sign-in link printed by ``outpost serve`` (stored as its SHA-256)."""
+        id = PrimaryKey(str)
+        expires_at = Required(datetime)
+        used_at = Optional(datetime)
+
     class IdempotencyRecord(db.Entity):
         key = PrimaryKey(str)
         fingerprint = Required(str)
@@ -1031,8 +1052,8 @@ def define_entities(db: orm.Database) -> None:
         created_at = Required(datetime, index=True)
 
 
-#: SQL run once per schema version, after Pony created the tables of version 1.
-#: Constraints that Pony cannot declare live here, so every rule is in the database.
+#: SQL run once per schema version, after Pony created the tables that are missing
+#: (new entities). Constraints Pony cannot declare live here, so every rule is in the database.
 SCHEMA_SQL = {
     1: [
         'CREATE UNIQUE INDEX IF NOT EXISTS schedule_live_name ON "Schedule"(name) WHERE archived = 0',
@@ -1078,9 +1099,11 @@ class Store:
         if version > SCHEMA_VERSION:
             raise SchemaTooNew(f"the database is at schema version {version}, newer than this "
                                f"Outpost ({SCHEMA_VERSION}); upgrade Outpost")
-        self.db.generate_mapping(create_tables=version == 0)
+        # Pony creates the tables of entities that are new since ``version`` and leaves
+        # existing ones alone; what changes an existing table is SQL in SCHEMA_SQL.
+        self.db.generate_mapping(create_tables=True)
         with orm.db_session:
-            for v in range(max(version, 1), SCHEMA_VERSION + 1):
+            for v in range(version + 1, SCHEMA_VERSION + 1):
                 for sql in SCHEMA_SQL.get(v, []):
                     self.db.execute(sql)
             self.db.execute("DELETE FROM schema_version")
@@ -1675,12 +1698,58 @@ class Store:
     def abandon_idempotent(self, key: str) -> None:
         self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key AND state = 'in_flight'", {"key": key})
 
+    # --- dashboard sessions ---------------------------------------------------------------
+
+    def create_session(self, now: datetime) -> tuple[str, str]:
+        """A new signed-in browser: (cookie value, CSRF token)."""
+        cookie, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(24)
+        self.db.DashboardSession(id=hashlib.sha256(cookie.encode()).hexdigest(), csrf=csrf, created_at=naive(now),
+                                 expires_at=naive(now + timedelta(seconds=SESSION_TTL_S)))
+        return cookie, csrf
+
+    def session_csrf(self, cookie: str, now: datetime) -> str | None:
+        """The CSRF token of a live session, or None (unknown or expired cookie)."""
+        found = self.db.DashboardSession.get(id=hashlib.sha256(cookie.encode()).hexdigest())
+        return found.csrf if found and aware(found.expires_at) > now else None
+
+    def end_session(self, cookie: str) -> None:
+        self.db.execute('DELETE FROM "DashboardSession" WHERE id = $sid',
+                        {"sid": hashlib.sha256(cookie.encode()).hexdigest()})
+
+    def create_signin_code(self, now: datetime) -> str:
+        code = secrets.token_urlsafe(24)
+        self.db.SigninCode(id=hashlib.sha256(code.encode()).hexdigest(),
+                           expires_at=naive(now + timedelta(seconds=SIGNIN_CODE_TTL_S)))
+        return code
+
+    def use_signin_code(self, code: str, now: datetime) -> bool:
+        """True once per code, within its lifetime (a conditional UPDATE: one use only)."""
+        return bool(self.returning(
+            'UPDATE "SigninCode" SET used_at = $now WHERE id = $cid AND used_at IS NULL AND expires_at > $now '
+            "RETURNING id", {"now": sql_time(now), "cid": hashlib.sha256(code.encode()).hexdigest()}))
+
+    def open_attention_count(self) -> int:
+        return orm.count(a for a in self.db.Attention if a.acknowledged_at is None)
+
+    def ack_all_attention(self, now: datetime) -> int:
+        items = list(self.db.Attention.select(lambda a: a.acknowledged_at is None))
+        for a in items:
+            a.acknowledged_at = naive(now)
+            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
+        return len(items)
+
+    def schedule_zones(self) -> dict[str, tuple[str, str]]:
+        """schedule id -> (name, timezone), for pages that list runs of many schedules."""
+        return {s.id: (s.name, s.definition["timing"]["timezone"]) for s in self.db.Schedule.select()}
+
     def forget_in_flight(self) -> int:
         """At boot: an in-flight key belongs to a process that died before committing its action."""
         return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight'").rowcount
 
     def purge_expired(self, now: datetime) -> int:
         horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
+        self.db.execute('DELETE FROM "DashboardSession" WHERE expires_at < $now', {"now": sql_time(now)})
+        self.db.execute('DELETE FROM "SigninCode" WHERE expires_at < $now', {"now": sql_time(now)})
         return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
 
 
@@ -1912,11 +1981,23 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
         sink.close()
 
 
-def read_log(path: Path) -> str:
+def read_log(path: Path, offset: int = 0) -> tuple[str, int]:
+    """The log from byte ``offset`` on, and the log's size (a live page asks for what is new)."""
     try:
-        return path.read_bytes().decode(errors="replace")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
     except FileNotFoundError:
+        return "", 0
+    return data.decode(errors="replace"), offset + len(data)
+
+
+async def changes_summary(repository: str, base: str, branch: str) -> str:
+    """``git log --stat`` of what a run added to its result branch (capped)."""
+    if not Path(repository).is_dir():
         return ""
+    text = await git(repository, "log", "--stat", "--format=%h %s (%an, %ar)", f"{base}..{branch}", check=False)
+    return text[:20000]
 
 
 def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr) -> int:
@@ -2230,6 +2311,11 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
 ###############################################################################
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+#: The dashboard's session cookie (HttpOnly, SameSite=Strict).
+SESSION_COOKIE = "outpost_session"
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+#: No inline script or style, no framing, forms post only here.
+CSP = "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'; object-src 'none'"
 #: The Idempotency-Key of the request being handled, for ``commit_idempotent``.
 _idempotency: contextvars.ContextVar[str | None] = contextvars.ContextVar("idempotency", default=None)
 
@@ -2252,11 +2338,371 @@ def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
     return name in LOCAL_HOSTS or name in {h.lower() for h in allowed}
 
 
+def local_time(instant: str | datetime | None, tz_name: str = "UTC") -> str:
+    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``."""
+    if not instant:
+        return "-"
+    dt = parse_instant(instant) if isinstance(instant, str) else instant
+    local = dt.astimezone(ZoneInfo(tz_name))
+    offset = local.strftime("%z")
+    return f"{local:%Y-%m-%d %H:%M} {local.tzname()} ({offset[:3]}:{offset[3:]})"
+
+
+def schedule_state(s: dict[str, Any]) -> str:
+    if s["archived"]:
+        return "archived"
+    if s["auto_paused"]:
+        return "auto-paused"
+    return "enabled" if s["enabled"] else "paused"
+
+
+def definition_from_form(form: dict[str, str]) -> dict[str, Any]:
+    """The dashboard's compose form -> a raw definition (validation is normalize_definition's)."""
+    def number(name: str, default: str = "") -> Any:
+        text = (form.get(name) or default).strip()
+        return int(text) if re.fullmatch(r"-?\d{1,12}", text) else text
+
+    kind = form.get("timing_kind", "cron")
+    timing: dict[str, Any] = {"kind": kind, "timezone": form.get("timezone", "").strip()}
+    if kind == "cron":
+        timing["expression"] = form.get("expression", "")
+    elif kind == "interval":
+        amount, unit = number("interval_amount"), INTERVAL_UNITS.get(form.get("interval_unit", ""), 1)
+        timing["seconds"] = amount * unit if isinstance(amount, int) else amount
+    else:
+        timing["at"] = form.get("at", "")
+    catch_up: dict[str, Any] = {"policy": form.get("catch_up_policy", "enqueue_missed_with_cap")}
+    if catch_up["policy"] == "enqueue_missed_with_cap":
+        catch_up["max"] = number("catch_up_max", "1")
+    return {
+        "name": form.get("name", ""), "brief": form.get("brief", "").replace("\r\n", "\n"),
+        "repository": form.get("repository", "").strip(), "workdir": form.get("workdir", "").strip() or ".",
+        "source_ref": form.get("source_ref", "").strip() or "HEAD", "agent": form.get("agent", "demo"),
+        "timing": timing,
+        "limits": {"timeout_seconds": number("timeout_seconds", "3600"), "model": form.get("model") or None},
+        "notify": form.get("notify", "attention"),
+        "concurrency_policy": form.get("concurrency_policy", "skip_if_active"),
+        "catch_up": catch_up}
+
+
+def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
+    """A stored definition -> the compose form's fields (for edit)."""
+    t = d["timing"]
+    form = {k: str(d[k]) for k in ("name", "brief", "repository", "workdir", "source_ref", "agent", "notify",
+                                    "concurrency_policy")}
+    form |= {"timing_kind": t["kind"], "timezone": t["timezone"], "expression": t.get("expression", ""),
+             "timeout_seconds": str(d["limits"]["timeout_seconds"]), "model": d["limits"]["model"] or "",
+             "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1))}
+    if t["kind"] == "interval":
+        unit = next(u for u, n in reversed(INTERVAL_UNITS.items()) if t["seconds"] % n == 0)
+        form |= {"interval_amount": str(t["seconds"] // INTERVAL_UNITS[unit]), "interval_unit": unit}
+    if t["kind"] == "once":
+        form["at"] = parse_instant(t["at"]).astimezone(ZoneInfo(t["timezone"])).strftime("%Y-%m-%dT%H:%M")
+    return form
+
+
+INTERVAL_UNITS = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}
+#: Short notices a redirect can ask the next page to show (``?done=``).
+DONE_NOTICES = {
+    "created": "Schedule created. It fires on its timing; use Fire now to run it at once.",
+    "updated": "Schedule updated.", "enable": "Schedule enabled.", "pause": "Schedule paused.",
+    "resume": "Schedule resumed: enabled, failure streak cleared.", "archive": "Schedule archived.",
+    "admitted": "Fired: a run is queued.", "skipped_overlap": "Not fired: a run of this schedule is still active.",
+    "cancel": "Cancel requested.", "run_pause": "Run paused: its slot is free.",
+    "resume_run": "Resume requested: the run continues when a slot is free.",
+    "acked": "Acknowledged.", "acked_all": "All open items acknowledged.",
+}
+
+
+def register_dashboard(app, deps: Deps):
+    """The browser dashboard: server-rendered pages whose forms post back here; the pages
+    call the same store functions as the JSON API. Returns the page renderer."""
+    import hmac
+
+    from quart import g, redirect, render_template, request
+
+    store = deps.store
+    zones = sorted(zoneinfo_names())
+    app.jinja_env.filters["local"] = local_time
+    app.jinja_env.filters["timing_words"] = describe_timing
+    app.jinja_env.filters["state"] = schedule_state
+    app.jinja_env.filters["pretty"] = lambda v: json.dumps(v, indent=2, ensure_ascii=False)
+
+    async def render_page(template: str, *, status: int = 200, section: str | None = None, live: bool = False,
+                          **context: Any):
+        signed_in = bool(getattr(g, "csrf", None))
+        counts = await deps.db(lambda: (store.open_attention_count(), store.latest_cursor())) if signed_in else (0, 0)
+        notice = DONE_NOTICES.get(request.args.get("done", ""))
+        html = await render_template(template, signed_in=signed_in, csrf=getattr(g, "csrf", None), section=section,
+                                     live=live, open_attention=counts[0], cursor=counts[1],
+                                     flash={"kind": "ok", "text": notice} if notice else None, **context)
+        return html, status, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
+
+    async def form_data() -> dict[str, str]:
+        return dict((await request.form).items())
+
+    def errors_by_field(err: OutpostError) -> dict[str, str]:
+        return {e["field"]: e["message"] for e in err.errors} or {"form": err.detail}
+
+    async def normalize_form(raw: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+        now = deps.clock.now()
+        definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
+                                          check_past=current is None)
+        if current is not None and definition["timing"] != current["timing"]:
+            normalize_timing(definition["timing"], now, check_past=True)
+        await check_repository(definition)
+        return definition
+
+    def form_context(form: dict[str, str], errors: dict[str, str], **extra: Any) -> dict[str, Any]:
+        return {"form": form, "errors": errors, "zones": zones, "agents": [a.name for a in deps.config.agents],
+                "units": list(INTERVAL_UNITS), **extra}
+
+    # --- sign-in ------------------------------------------------------------------------------
+
+    def signed_in_response(target: str):
+        async def finish():
+            cookie, _ = await deps.db(store.create_session, deps.clock.now())
+            response = redirect(target if target.startswith("/") and not target.startswith("//") else "/schedules")
+            response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict",
+                                path="/")
+            return response
+        return finish()
+
+    @app.get("/signin")
+    async def signin_page():
+        return await render_page("signin.html", next=request.args.get("next", "/schedules"))
+
+    @app.post("/signin")
+    async def signin():
+        form = await form_data()
+        token = form.get("token", "").strip()
+        if not token or not hmac.compare_digest(token.encode(), deps.token.encode()):
+            log.getChild("web").warning("dashboard sign-in refused from %s", request.remote_addr)
+            return await render_page("signin.html", status=401, next=form.get("next", "/schedules"),
+                                     error="That is not the API token. `outpost token` prints it.")
+        return await signed_in_response(form.get("next", "/schedules"))
+
+    @app.get("/signin/<code>")
+    async def signin_link(code: str):
+        if not await deps.db(store.use_signin_code, code, deps.clock.now()):
+            return await render_page("signin.html", status=401, next="/schedules",
+                                     error="This sign-in link was used already or has expired. Paste the token.")
+        return await signed_in_response("/schedules")
+
+    @app.post("/signout")
+    async def signout():
+        await deps.db(store.end_session, request.cookies.get(SESSION_COOKIE, ""))
+        response = redirect("/signin")
+        response.delete_cookie(SESSION_COOKIE, path="/")
+        return response
+
+    # --- schedules ------------------------------------------------------------------------------
+
+    @app.get("/")
+    async def home():
+        return redirect("/schedules")
+
+    @app.get("/schedules")
+    async def schedules_page():
+        show_archived = request.args.get("archived") == "1"
+        schedules = await deps.db(store.list_schedules, show_archived)
+        last = await deps.db(lambda: {s["id"]: store.list_runs(s["id"], None, 1, None)["runs"] for s in schedules})
+        return await render_page("schedules.html", section="schedules", live=True, schedules=schedules,
+                                 last_runs={k: v[0] if v else None for k, v in last.items()},
+                                 show_archived=show_archived)
+
+    @app.get("/schedules/new")
+    async def new_schedule_page():
+        defaults = {"timing_kind": "cron", "expression": "0 9 * * 1-5", "timezone": "UTC", "agent": "demo",
+                    "brief": "Say hello and leave a note.\n@print hello from {{date}}\n@commit notes.txt hello",
+                    "timeout_seconds": "3600", "notify": "attention", "concurrency_policy": "skip_if_active",
+                    "catch_up_policy": "enqueue_missed_with_cap", "catch_up_max": "1", "workdir": ".",
+                    "source_ref": "HEAD", "interval_amount": "1", "interval_unit": "hours"}
+        return await render_page("schedule_form.html", section="schedules", **form_context(defaults, {}, edit=None))
+
+    async def review(form: dict[str, str], edit: dict[str, Any] | None):
+        current = edit["definition"] if edit else None
+        try:
+            definition = await normalize_form(definition_from_form(form), current)
+        except OutpostError as err:
+            return await render_page("schedule_form.html", status=422, section="schedules",
+                                     **form_context(form, errors_by_field(err), edit=edit))
+        now = deps.clock.now()
+        fires = next_fires(definition["timing"], now, 5, anchor=now)
+        return await render_page(
+            "schedule_review.html", section="schedules", definition=definition, edit=edit,
+            definition_json=canonical_json(definition), confirmation=confirmation_of(definition),
+            summary=schedule_summary(definition, fires[0] if fires else None),
+            fires=[local_time(f, definition["timing"]["timezone"]) for f in fires],
+            warnings=timing_warnings(definition["timing"], now), form=form)
+
+    @app.post("/schedules/review")
+    async def review_new():
+        return await review(await form_data(), None)
+
+    async def confirmed_definition(form: dict[str, str], current: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            raw = json.loads(form.get("definition", ""))
+        except ValueError:
+            raise invalid("definition", "the reviewed definition is missing; compose it again") from None
+        definition = await normalize_form(raw, current)
+        if not hmac.compare_digest(form.get("confirmation", ""), confirmation_of(definition)):
+            raise ConfirmationMismatch("what you confirmed is not what was reviewed; compose it again")
+        return definition
+
+    @app.post("/schedules")
+    async def confirm_new():
+        form = await form_data()
+        definition = await confirmed_definition(form, None)
+        try:
+            created = await deps.db(store.create_schedule, definition, deps.clock.now())
+        except Conflict as err:
+            return await render_page("schedule_form.html", status=409, section="schedules",
+                                     **form_context(form_from_definition(definition), errors_by_field(err), edit=None))
+        deps.cron_wake.poke()
+        return redirect(f"/schedules/{created['id']}?done=created")
+
+    @app.get("/schedules/<schedule_id>")
+    async def schedule_page(schedule_id: str):
+        schedule = await deps.db(store.get_schedule, schedule_id)
+        ledger = await deps.db(store.occurrences, schedule_id, 50)
+        runs = (await deps.db(store.list_runs, schedule_id, None, 20, None))["runs"]
+        report = await deps.db(store.inspect, schedule_id)
+        return await render_page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
+                                 runs=runs, checks=report["checks"], tz=schedule["timing"]["timezone"])
+
+    @app.get("/schedules/<schedule_id>/edit")
+    async def edit_schedule_page(schedule_id: str):
+        current = await deps.db(store.schedule_definition, schedule_id)
+        if current["archived"]:
+            raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
+        edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
+        return await render_page("schedule_form.html", section="schedules",
+                                 **form_context(form_from_definition(current["definition"]), {}, edit=edit))
+
+    async def edit_from(schedule_id: str, form: dict[str, str]) -> dict[str, Any]:
+        try:
+            base = json.loads(form.get("base", ""))
+            revision = int(form.get("revision", ""))
+        except ValueError:
+            raise invalid("revision", "the edit form is incomplete; open Edit again") from None
+        return {"id": schedule_id, "revision": revision, "definition": base}
+
+    @app.post("/schedules/<schedule_id>/review")
+    async def review_edit(schedule_id: str):
+        form = await form_data()
+        return await review(form, await edit_from(schedule_id, form))
+
+    @app.post("/schedules/<schedule_id>")
+    async def confirm_edit(schedule_id: str):
+        form = await form_data()
+        edit = await edit_from(schedule_id, form)
+        definition = await confirmed_definition(form, edit["definition"])
+        try:
+            await deps.db(store.update_schedule, schedule_id, edit["revision"], definition, deps.clock.now())
+        except RevisionMismatch:
+            current = await deps.db(store.get_schedule, schedule_id)
+            fields = sorted(set(DEFINITION_FIELDS))
+            diff = [{"field": f, "base": edit["definition"].get(f), "now": current[f], "yours": definition[f]}
+                    for f in fields if edit["definition"].get(f) != current[f] or definition[f] != current[f]]
+            return await render_page("schedule_stale.html", status=412, section="schedules", s=current,
+                                     edit=edit, diff=diff)
+        deps.cron_wake.poke()
+        return redirect(f"/schedules/{schedule_id}?done=updated")
+
+    @app.post("/schedules/<schedule_id>/control")
+    async def schedule_control(schedule_id: str):
+        form = await form_data()
+        action = form.get("action", "")
+        try:
+            revision = int(form.get("revision", ""))
+        except ValueError:
+            raise invalid("revision", "the form has no revision; reload the page") from None
+        now = deps.clock.now()
+        if action == "fire":
+            fired = await deps.db(store.fire_manual, schedule_id, revision, now)
+            if fired["outcome"] == "admitted":
+                await resolve_new_runs(deps, [fired["run_id"]])
+                deps.claim_wake.poke()
+            return redirect(f"/schedules/{schedule_id}?done={fired['outcome']}")
+        await deps.db(store.control_schedule, schedule_id, revision, action, now)
+        deps.cron_wake.poke()
+        return redirect(f"/schedules/{schedule_id}?done={action}")
+
+    # --- runs -------------------------------------------------------------------------------------
+
+    @app.get("/runs")
+    async def runs_page():
+        schedule_id = request.args.get("schedule_id") or None
+        status = request.args.get("status") or None
+        if status and status not in {s.value for s in RunStatus}:
+            raise invalid("status", "must be one of " + ", ".join(s.value for s in RunStatus))
+        page = await deps.db(store.list_runs, schedule_id, status, 50, request.args.get("before") or None)
+        return await render_page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
+                                 schedules=await deps.db(store.schedule_zones), schedule_id=schedule_id,
+                                 status=status, statuses=[s.value for s in RunStatus])
+
+    @app.get("/runs/<run_id>")
+    async def run_page(run_id: str):
+        run = await deps.db(store.get_run, run_id)
+        zones_by_schedule = await deps.db(store.schedule_zones)
+        name, tz = zones_by_schedule.get(run["schedule_id"], ("dispatch", "UTC"))
+        log_text, log_size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
+        changes = ""
+        if run["changes"]["commits"] and run["resolved_commit"]:
+            changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
+        return await render_page("run.html", section="runs", live=run["status"] in ("queued", "running", "paused"),
+                                 run=run, schedule_name=name, tz=tz, log_text=log_text, log_size=log_size,
+                                 changes=changes)
+
+    @app.post("/runs/<run_id>/control")
+    async def run_control(run_id: str):
+        action = (await form_data()).get("action", "")
+        live = deps.live.get(run_id)
+        if action == "pause" and (live is None or live.pid is None):
+            raise Conflict(f"run {run_id} has no running process to pause")
+        await deps.db(store.control_run, run_id, action, deps.clock.now())
+        if live is not None and action == "cancel":
+            live.cancel()
+        elif live is not None and action == "pause":
+            live.pause()
+        deps.claim_wake.poke()
+        notice = {"cancel": "cancel", "pause": "run_pause", "resume": "resume_run"}.get(action, "")
+        return redirect(f"/runs/{run_id}?done={notice}")
+
+    # --- attention --------------------------------------------------------------------------------
+
+    @app.get("/attention")
+    async def attention_page():
+        items = await deps.db(store.list_attention, False)
+        open_items = [a for a in items if not a["acknowledged_at"]]
+        done_items = [a for a in items if a["acknowledged_at"]][:50]
+        return await render_page("attention.html", section="attention", live=True, open_items=open_items,
+                                 done_items=done_items, schedules=await deps.db(store.schedule_zones))
+
+    @app.post("/attention/<attention_id>/ack")
+    async def attention_ack(attention_id: str):
+        await deps.db(store.ack_attention, attention_id, deps.clock.now())
+        return redirect("/attention?done=acked")
+
+    @app.post("/attention/ack-all")
+    async def attention_ack_all():
+        await deps.db(store.ack_all_attention, deps.clock.now())
+        return redirect("/attention?done=acked_all")
+
+    return render_page
+
+
+def zoneinfo_names() -> set[str]:
+    import zoneinfo
+    return {z for z in zoneinfo.available_timezones() if "/" in z or z == "UTC"}
+
+
 def create_app(deps: Deps):
     """The Quart-Trio application: every route of API.md sections 3-6."""
     import hmac
 
-    from quart import request
+    from quart import g, redirect, request
     from quart_trio import QuartTrio
     from werkzeug.exceptions import HTTPException
 
@@ -2271,24 +2717,57 @@ def create_app(deps: Deps):
         if not host_allowed(request.headers.get("Host", ""), deps.config.allowed_hosts):
             raise ForbiddenHost("this Host is not allowed (DNS-rebinding defence); use 127.0.0.1 or "
                                 "name the host in [settings] allowed_hosts")
-        if request.path.startswith("/v1/outpost/"):
-            auth = request.headers.get("Authorization", "")
-            given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            if not given or not hmac.compare_digest(given.encode(), deps.token.encode()):
-                raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
         length = request.content_length
         if length is not None and length > MAX_BODY_BYTES:
             raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        path = request.path
+        g.csrf = None
+        if path == "/healthz" or path.startswith(("/static/", "/signin")):
+            return None
+        auth = request.headers.get("Authorization")
+        if auth is not None:
+            given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            if not given or not hmac.compare_digest(given.encode(), deps.token.encode()):
+                raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
+            return None
+        cookie = request.cookies.get(SESSION_COOKIE)
+        g.csrf = cookie and await deps.db(store.session_csrf, cookie, deps.clock.now())
+        if not g.csrf:
+            if path.startswith("/v1/outpost/"):
+                raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
+            if request.method == "GET":
+                return redirect("/signin?next=" + urllib.parse.quote(request.full_path.rstrip("?")))
+            raise Unauthorized("sign in to the dashboard first")
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            check_same_origin()
+            form = await request.form if request.mimetype in FORM_TYPES else {}
+            given = request.headers.get("X-CSRF-Token") or form.get("csrf", "")
+            if not hmac.compare_digest(given.encode(), g.csrf.encode()):
+                raise CrossSiteRefused("the form's CSRF token is missing or stale: reload the page and try again")
+        return None
+
+    def check_same_origin() -> None:
+        site = request.headers.get("Sec-Fetch-Site")
+        if site is not None and site not in ("same-origin", "none"):
+            raise CrossSiteRefused(f"cross-site request refused (Sec-Fetch-Site: {site})")
+        origin = request.headers.get("Origin")
+        if origin is not None and urllib.parse.urlsplit(origin).netloc != request.headers.get("Host", ""):
+            raise CrossSiteRefused(f"request from another origin refused ({origin[:100]})")
 
     @app.after_request
     async def security_headers(response):
-        response.headers.setdefault("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'")
+        response.headers.setdefault("Content-Security-Policy", CSP)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         return response
 
     @app.errorhandler(OutpostError)
     async def on_outpost_error(err: OutpostError):
+        if wants_html():
+            return await render_page("error.html", status=err.status, error=err, section=None)
         return problem_response(err)
+
+    def wants_html() -> bool:
+        return not request.path.startswith("/v1/") and "text/html" in request.headers.get("Accept", "")
 
     @app.errorhandler(HTTPException)
     async def on_http_error(err: HTTPException):
@@ -2526,8 +3005,8 @@ def create_app(deps: Deps):
     async def run_log(run_id: str):
         from quart import Response
         await deps.db(store.get_run, run_id)
-        text = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
-        return Response(text, content_type="text/plain; charset=utf-8")
+        text, size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id), int_arg("offset", 0, 0, 2**40))
+        return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
 
     @app.post("/v1/outpost/runs/<run_id>/adopt")
     @idempotent
@@ -2616,6 +3095,7 @@ def create_app(deps: Deps):
     async def snapshot():
         return json_response(await deps.db(store.snapshot))
 
+    render_page = register_dashboard(app, deps)
     return app
 
 
@@ -2684,7 +3164,10 @@ async def run_until_signal(deps: Deps) -> None:
                 outer.start_soon(watch_signals)
                 binds = await appliance.start(serve, deps, shutdown)
                 port = int(binds[0].rsplit(":", 1)[1]) if binds else deps.config.port
-                print(f"Outpost is listening: dashboard and API on http://{deps.config.host}:{port}/", flush=True)
+                base = f"http://{deps.config.host}:{port}"
+                code = await deps.db(deps.store.create_signin_code, deps.clock.now())
+                print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
+                print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
             outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
 
@@ -2762,20 +3245,6 @@ def print_table(rows: list[list[str]], headers: list[str]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
     for row in [headers, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
-
-
-def local_time(instant: str | None, tz_name: str) -> str:
-    if not instant:
-        return "-"
-    return parse_instant(instant).astimezone(ZoneInfo(tz_name)).strftime("%Y-%m-%d %H:%M %Z")
-
-
-def schedule_state(s: dict[str, Any]) -> str:
-    if s["archived"]:
-        return "archived"
-    if s["auto_paused"]:
-        return "auto-paused"
-    return "enabled" if s["enabled"] else "paused"
 
 
 def confirm(question: str, assume_yes: bool) -> None:

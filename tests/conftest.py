@@ -82,6 +82,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.token = ""
+        self.signin_link = ""
 
     def start(self, timeout_s: float = 20) -> Server:
         self.log_path = self.data_dir.parent / f"serve-{time.time_ns()}.log"
@@ -97,6 +98,7 @@ class Server:
             m = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
             if m:
                 self.url = f"http://127.0.0.1:{m[1]}"
+                self.signin_link = self.proc.stdout.readline().split()[-1]   # printed right after
                 break
         self.token = (self.data_dir / "api-token").read_text().strip()
         return self

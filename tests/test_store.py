@@ -679,3 +679,44 @@ def test_a_sqlite_file_not_made_by_outpost_is_refused(tmp_path):
         db.execute("CREATE TABLE notes (text TEXT)")
     with pytest.raises(outpost.SchemaTooNew):
         outpost.Store(path)
+
+
+def test_a_version_1_database_is_upgraded_in_place_keeping_its_data(tmp_path):
+    """Version 2 added the dashboard's session and sign-in tables; a v1 file gains them at start."""
+    path = tmp_path / "outpost.sqlite3"
+    first = outpost.Store(path)
+    s = Tx(first).create_schedule(normalized(REPO), T0)
+    first.close()
+    with sqlite3.connect(path) as db:   # make it the file an Outpost of schema version 1 left behind
+        db.execute('DROP TABLE "DashboardSession"')
+        db.execute('DROP TABLE "SigninCode"')
+        db.execute("UPDATE schema_version SET version = 1")
+    upgraded = outpost.Store(path)
+    try:
+        tx = Tx(upgraded)
+        assert tx.get_schedule(s["id"])["name"] == s["name"]
+        cookie, csrf = tx.create_session(T0)
+        assert tx.session_csrf(cookie, T0) == csrf
+    finally:
+        upgraded.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(outpost.SCHEMA_VERSION,)]
+
+
+def test_a_signin_code_works_once_and_only_while_fresh(store):
+    tx = Tx(store)
+    code = tx.create_signin_code(T0)
+    assert tx.use_signin_code(code, T0 + MIN) is True
+    assert tx.use_signin_code(code, T0 + MIN) is False
+    late = tx.create_signin_code(T0)
+    assert tx.use_signin_code(late, T0 + timedelta(seconds=outpost.SIGNIN_CODE_TTL_S + 1)) is False
+    assert tx.use_signin_code("guessed", T0) is False
+
+
+def test_a_session_ends_on_sign_out_and_on_expiry(store):
+    tx = Tx(store)
+    cookie, csrf = tx.create_session(T0)
+    assert tx.session_csrf(cookie, T0 + timedelta(seconds=outpost.SESSION_TTL_S - 1)) == csrf
+    assert tx.session_csrf(cookie, T0 + timedelta(seconds=outpost.SESSION_TTL_S + 1)) is None
+    tx.end_session(cookie)
+    assert tx.session_csrf(cookie, T0) is None

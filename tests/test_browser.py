@@ -1,0 +1,222 @@
+"""The dashboard in a real browser: Debian's Chromium driven by Playwright, against the real
+server and a real git repository. Screenshots of the main pages land in tests/artifacts/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import Server, git
+
+CHROMIUM = os.environ.get("OUTPOST_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install -e '.[test]')")
+if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+    pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run installs it)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("browser") / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "README").write_text("hello\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("browser-data") / "data").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                          "--disable-component-update", "--no-first-run", "--disable-sync"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def sign_in(page, server: Server) -> None:
+    page.goto(server.url + "/schedules")
+    assert page.url.endswith("/signin?next=/schedules")
+    page.fill("input[name=token]", server.token)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/schedules")
+
+
+def compose(page, server: Server, repo: Path, name: str, brief: str) -> str:
+    """Compose, review, confirm through the pages; the new schedule's id."""
+    page.goto(server.url + "/schedules/new")
+    page.fill("input[name=name]", name)
+    page.fill("textarea[name=brief]", brief)
+    page.fill("input[name=repository]", str(repo))
+    page.check("input[name=timing_kind][value=cron]")
+    page.fill("input[name=expression]", "30 2 * * *")
+    page.fill("input[name=timezone]", "Europe/Berlin")
+    page.click("#review-button")
+    page.wait_for_selector("#review-summary")
+    page.click("#confirm-button")
+    page.wait_for_selector("#schedule-controls")
+    return page.url.rsplit("/", 1)[1].split("?")[0]
+
+
+def test_sign_in_with_the_token_then_sign_out(page, server):
+    page.goto(server.url + "/signin")
+    page.fill("input[name=token]", "not-the-token")
+    page.click("button[type=submit]")
+    assert "not the API token" in page.inner_text("#signin-error")
+    shot(page, "signin")
+    sign_in(page, server)
+    assert "No schedules yet" in page.inner_text("#main")
+    shot(page, "schedules-empty")
+    cookie = next(c for c in page.context.cookies() if c["name"] == "outpost_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    page.click("text=Sign out")
+    page.wait_for_url("**/signin")
+    page.goto(server.url + "/runs")
+    assert "/signin" in page.url
+
+
+def test_the_one_time_sign_in_link_works_once(page, server):
+    assert "/signin/" in server.signin_link
+    page.goto(server.signin_link)
+    page.wait_for_url("**/schedules")
+    assert page.query_selector("#attention-count") is not None
+    page.context.clear_cookies()
+    page.goto(server.signin_link)
+    assert "used already or has expired" in page.inner_text("#signin-error")
+
+
+def test_compose_review_confirm_fire_and_watch_the_run_live(page, server, repo):
+    sign_in(page, server)
+    page.goto(server.url + "/schedules/new")
+    shot(page, "compose")
+    page.fill("input[name=name]", "bad one")
+    page.fill("input[name=repository]", "relative/path")
+    page.click("#review-button")
+    assert "must be an absolute path" in page.inner_text("[data-error-for=repository]")
+
+    page.fill("input[name=name]", "nightly-notes")
+    page.fill("textarea[name=brief]", "Leave a note.\n@print working on {{date}}\n@sleep 2\n@commit notes.txt hello")
+    page.fill("input[name=repository]", str(repo))
+    page.fill("input[name=expression]", "30 2 * * *")
+    page.fill("input[name=timezone]", "Europe/Berlin")
+    page.click("#review-button")
+    summary = page.inner_text("#review-summary")
+    assert "Runs agent 'demo'" in summary and "Europe/Berlin" in summary
+    assert len(page.query_selector_all("#review-fires li")) == 5
+    assert "02:30 CE" in page.inner_text("#review-fires")
+    assert "does not exist in Europe/Berlin" in page.inner_text("#review-warnings")
+    shot(page, "review")
+    page.click("#confirm-button")
+    page.wait_for_selector("#schedule-controls")
+    assert "Schedule created" in page.inner_text("#flash")
+    shot(page, "schedule")
+
+    page.click("button[data-action=fire]")
+    assert "Fired: a run is queued" in page.inner_text("#flash")
+    page.click("#schedule-runs a")
+    page.evaluate("window.__notReloaded = true")
+    sync_api.expect(page.locator("#run-status")).to_have_text("running", timeout=15_000)
+    sync_api.expect(page.locator("#run-status")).to_have_text("succeeded", timeout=30_000)
+    assert page.evaluate("window.__notReloaded") is True, "the page reloaded instead of updating live"
+    assert "working on" in page.inner_text("#run-log")
+    assert page.inner_text("#commit-count") == "1"
+    assert "notes.txt" in page.inner_text("#changes-stat")
+    head = git(repo, "rev-parse", "HEAD")
+    assert page.inner_text("#resolved-commit") == head
+    shot(page, "run")
+
+    page.goto(server.url + "/runs")
+    assert "succeeded" in page.inner_text("#runs-table")
+    shot(page, "runs")
+
+
+def test_acknowledge_the_attention_item(page, server, repo):
+    sign_in(page, server)
+    page.goto(server.url + "/attention")
+    assert int(page.inner_text("#attention-count")) >= 1
+    shot(page, "attention")
+    first = page.query_selector("#attention-open tr")
+    assert "returned 1 commit" in first.inner_text()
+    while page.query_selector("#attention-open [data-ack]"):
+        page.click("#attention-open [data-ack]")
+    assert page.inner_text("#attention-count") == "0"
+    assert "Nothing needs you" in page.inner_text("#attention-empty")
+
+
+def test_a_stale_edit_is_refused_and_shows_the_difference(page, server, repo):
+    sign_in(page, server)
+    sid = compose(page, server, repo, "stale-demo", "@print v1")
+    page.goto(f"{server.url}/schedules/{sid}/edit")
+    page.fill("textarea[name=brief]", "@print mine")
+
+    with server.client() as api:   # someone else edits the same schedule meanwhile
+        compose_reply = api.post("/v1/outpost/schedules/compose", json={"schedule_id": sid, "brief": "@print theirs"})
+        api.patch(f"/v1/outpost/schedules/{sid}", headers={"If-Match": '"1"', "Idempotency-Key": "other-edit"},
+                  json={"changes": {"brief": "@print theirs"},
+                        "confirmation": compose_reply.json()["confirmation"]}).raise_for_status()
+
+    page.click("#review-button")
+    page.click("#confirm-button")
+    assert "Someone else changed stale-demo" in page.inner_text("#stale-edit")
+    diff = page.inner_text("#stale-diff")
+    assert "@print theirs" in diff and "@print mine" in diff
+    shot(page, "stale-edit")
+    with server.client() as api:
+        assert api.get(f"/v1/outpost/schedules/{sid}").json()["brief"] == "@print theirs"
+
+
+def test_a_cross_origin_post_is_refused(page, server, repo):
+    sign_in(page, server)
+    page.goto(server.url + "/attention")
+    csrf = page.get_attribute('meta[name="csrf-token"]', "content")
+    request = page.context.request
+    cross = request.post(server.url + "/attention/ack-all", form={"csrf": csrf},
+                         headers={"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"})
+    assert cross.status == 403
+    missing = request.post(server.url + "/attention/ack-all", form={})
+    assert missing.status == 403
+    same = request.post(server.url + "/attention/ack-all", form={"csrf": csrf}, headers={"Origin": server.url})
+    assert same.ok
+
+
+def test_pages_fit_a_phone(page, server):
+    sign_in(page, server)
+    page.set_viewport_size({"width": 390, "height": 800})
+    for path, name in (("/schedules", "phone-schedules"), ("/runs", "phone-runs")):
+        page.goto(server.url + path)
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 400, f"{path} scrolls sideways on a phone ({width}px)"
+        shot(page, name)
