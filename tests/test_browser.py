@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import Server, git
 
 CHROMIUM = os.environ.get("OUTPOST_CHROMIUM", "/usr/bin/chromium")
