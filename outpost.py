@@ -3103,6 +3103,44 @@ def create_app(deps: Deps):
 # 9. Supervisor, CLI and main().
 ###############################################################################
 
+def sd_notify(state: str) -> bool:
+    """Tell systemd about our state (READY=1, STOPPING=1, WATCHDOG=1): one datagram to
+    $NOTIFY_SOCKET, no library. False when not under a notify-type unit."""
+    import socket
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]   # abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(state.encode())
+        except OSError as exc:
+            log.warning("sd_notify %s failed: %s", state.split("=")[0], exc)
+            return False
+    return True
+
+
+def watchdog_interval_s() -> float | None:
+    """Half of systemd's WatchdogSec, when the watchdog is meant for this process."""
+    usec, pid = os.environ.get("WATCHDOG_USEC"), os.environ.get("WATCHDOG_PID")
+    if not usec or not usec.isdigit() or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 2e6
+
+
+async def watchdog_actor() -> None:
+    """Pings systemd's watchdog from the trio loop: a blocked loop stops the pings and
+    systemd restarts the service. Ends when cancelled."""
+    interval = watchdog_interval_s()
+    if interval is None:
+        return
+    while True:
+        sd_notify("WATCHDOG=1")
+        await trio.sleep(interval)
+
+
 def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     token = api_token(config.data_dir, create=True)
@@ -3141,7 +3179,10 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(cron_actor, deps, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, deps, deps.claim_wake.rx)
         task_status.started(await nursery.start(web))
+        nursery.start_soon(watchdog_actor)
+        sd_notify("READY=1\nSTATUS=listening")
         await shutdown.wait()
+        sd_notify("STOPPING=1")
         log.info("shutting down: stopping the web server, then the actors")
         with trio.move_on_after(hc.graceful_timeout + 2):
             await web_done.wait()
@@ -3172,10 +3213,18 @@ async def run_until_signal(deps: Deps) -> None:
             outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
 
 
+class JournalFormatter(logging.Formatter):
+    """journald adds the time; a ``<N>`` prefix gives it the level (sd-daemon(3))."""
+    PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self.PRIORITIES.get(record.levelno, 6)}>{super().format(record)}"
+
+
 def setup_logging(verbose: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if os.environ.get("JOURNAL_STREAM"):
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(JournalFormatter("%(levelname)s %(name)s: %(message)s"))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)

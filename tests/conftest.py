@@ -77,8 +77,7 @@ class Server:
     def __init__(self, data_dir: Path, extra_args: tuple[str, ...] = (), env: dict | None = None):
         self.data_dir = data_dir
         self.extra_args = extra_args
-        self.env = {**os.environ, **(env or {})}
-        self.env.pop("OUTPOST_API_TOKEN", None)
+        self.env = {k: v for k, v in os.environ.items() if k != "OUTPOST_API_TOKEN"} | (env or {})
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.token = ""
@@ -100,7 +99,7 @@ class Server:
                 self.url = f"http://127.0.0.1:{m[1]}"
                 self.signin_link = self.proc.stdout.readline().split()[-1]   # printed right after
                 break
-        self.token = (self.data_dir / "api-token").read_text().strip()
+        self.token = self.env.get("OUTPOST_API_TOKEN") or (self.data_dir / "api-token").read_text().strip()
         return self
 
     def client(self) -> httpx.Client:

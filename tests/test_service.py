@@ -1,0 +1,112 @@
+"""Outpost under systemd: sd_notify readiness, watchdog and stopping over a real notify
+socket, secrets kept out of agents' environments, journald log lines, and the unit file."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import OUTPOST_PY, wait_for
+
+UNIT = Path(__file__).resolve().parent.parent / "outpost.service"
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path):
+    """A datagram socket standing in for systemd's NOTIFY_SOCKET; yields (path, messages())."""
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(0.05)
+    received: list[str] = []
+
+    def messages() -> list[str]:
+        while True:
+            try:
+                received.append(sock.recv(4096).decode())
+            except TimeoutError:
+                return received
+
+    yield path, messages
+    sock.close()
+
+
+def test_ready_watchdog_and_stopping_reach_the_notify_socket(server_factory, notify_socket, git_repo, tmp_path):
+    path, messages = notify_socket
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "outpost.toml").write_text(
+        '[agents.envdump]\ncommand = ["sh", "-c", "env"]\n'
+        'pass_env = ["PATH", "HOME", "NOTIFY_SOCKET", "WATCHDOG_USEC", "OUTPOST_API_TOKEN"]\n')
+    server = server_factory(data_dir=data_dir, env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000",
+                                                    "OUTPOST_API_TOKEN": "secret-token-for-test"})
+    ready = wait_for(lambda: [m for m in messages() if m.startswith("READY=1")], timeout_s=10)
+    assert ready
+    time.sleep(1.0)
+    pings = [m for m in messages() if m == "WATCHDOG=1"]
+    assert len(pings) >= 3, f"expected a ping every 0.2 s, got {messages()}"
+
+    with server.client() as api:
+        run_id = api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": "env-1"},
+                          json={"brief": "dump", "repository": str(git_repo), "agent": "envdump"}).json()["run_id"]
+        wait_for(lambda: api.get(f"/v1/outpost/runs/{run_id}").json()["status"] == "succeeded")
+        env = api.get(f"/v1/outpost/runs/{run_id}/log").text
+    assert f"OUTPOST_RUN_ID={run_id}" in env
+    for secret in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "OUTPOST_API_TOKEN", "secret-token-for-test"):
+        assert secret not in env, f"{secret} leaked into the agent's environment"
+
+    assert server.stop(signal.SIGTERM) == 0
+    assert "STOPPING=1" in messages()
+    assert messages().index("STOPPING=1") > messages().index(ready[0])
+
+
+def test_no_watchdog_pings_when_the_watchdog_is_for_another_process(server_factory, notify_socket):
+    path, messages = notify_socket
+    server_factory(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"})
+    wait_for(lambda: "READY=1\nSTATUS=listening" in messages(), timeout_s=10)
+    time.sleep(0.6)
+    assert "WATCHDOG=1" not in messages()
+
+
+def test_under_journald_log_lines_carry_a_priority_and_no_timestamp(server_factory, git_repo):
+    server = server_factory(env={"JOURNAL_STREAM": "8:12345"})
+    with server.client() as api:
+        api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": "j-1"},
+                 json={"brief": "@print hi", "repository": str(git_repo)}).raise_for_status()
+        wait_for(lambda: "settled" in server.logs())
+    assert server.stop() == 0
+    lines = [line for line in server.logs().splitlines() if line.strip()]
+    assert lines and all(line.startswith(("<6>INFO", "<4>WARNING", "<7>DEBUG")) for line in lines), lines
+    settled = next(line for line in lines if "settled" in line)
+    assert settled.startswith("<6>INFO outpost.run: run out_")
+
+
+def test_the_unit_file_declares_notify_watchdog_and_hardening():
+    unit = UNIT.read_text()
+    for directive in ("Type=notify", "NotifyAccess=main", "WatchdogSec=", "User=outpost", "StateDirectory=outpost",
+                      "Restart=on-failure", "KillMode=control-group", "TimeoutStopSec=30", "NoNewPrivileges=yes",
+                      "ProtectSystem=strict", "ReadWritePaths=", "PrivateTmp=yes", "PrivateDevices=yes",
+                      "CapabilityBoundingSet=\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077"):
+        assert directive in unit, directive
+    for explained in ("MemoryDenyWriteExecute", "ProtectHome"):
+        assert f"# - {explained}" in unit, f"the unit must say why {explained} is left off"
+    stop_s = int(unit.split("TimeoutStopSec=")[1].split()[0])
+    assert stop_s > 5 + 5, "TimeoutStopSec must outlast the agents' grace plus settlement"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_systemd_analyze_verify_passes(tmp_path):
+    outpost_bin = Path(sys.executable).parent / "outpost"
+    exec_start = str(outpost_bin) if outpost_bin.exists() else f"{sys.executable} {OUTPOST_PY}"
+    unit = tmp_path / "outpost.service"
+    unit.write_text(UNIT.read_text().replace("/opt/outpost/.venv/bin/outpost", exec_start))
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "outpost.service" not in done.stderr, done.stderr
+
