@@ -525,7 +525,7 @@ async def test_claim_max_running_one_runs_fifo_one_after_the_other(real_deps, gi
             b = await until_status(deps, second)
     assert a["status"] == b["status"] == "succeeded"
     assert instant(b["started_at"]) >= instant(a["finished_at"])
-    assert "first" in outpost.read_log(deps.log_path(first))
+    assert "first" in outpost.read_log(deps.log_path(first))[0]
 
 
 async def test_run_commits_and_leftovers_return_on_the_result_branch(real_deps, git_repo):
@@ -567,7 +567,7 @@ async def test_run_fail_needs_you_and_workdir(real_deps, git_repo):
     assert git(git_repo, "show", f"{runs[in_sub]['result_branch']}:sub/here.txt") == "y"
     assert runs[no_dir]["status"] == "failed"
     assert "workdir" in runs[no_dir]["error"] and "nope/deeper" in runs[no_dir]["error"]
-    assert "workdir" in outpost.read_log(deps.log_path(no_dir))
+    assert "workdir" in outpost.read_log(deps.log_path(no_dir))[0]
     assert not any(deps.worktree(rid).exists() for rid in runs)
 
 
@@ -632,7 +632,7 @@ async def test_run_missing_agent_command_fails_and_the_actor_keeps_going(real_de
     assert bad["status"] == "failed"
     assert "/nonexistent/agent" in bad["error"] and "could not start" in bad["error"]
     assert good["status"] == "succeeded"
-    assert "still here" in outpost.read_log(deps.log_path(later))
+    assert "still here" in outpost.read_log(deps.log_path(later))[0]
 
 
 async def test_run_repository_deleted_after_queueing(real_deps, git_repo, tmp_path):
@@ -733,7 +733,7 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
     assert a["status"] == "succeeded" and b["status"] == "succeeded"
     assert instant(a["started_at"]) < instant(b["started_at"])
     assert instant(a["finished_at"]) > instant(b["finished_at"])
-    assert "resumed" in outpost.read_log(deps.log_path(paused))
+    assert "resumed" in outpost.read_log(deps.log_path(paused))[0]
 
 
 # --- recovery at boot ---------------------------------------------------------------------------------
