@@ -101,10 +101,14 @@ MAX_BODY_BYTES = 1024 * 1024
 MAX_LOG_BYTES = 1024 * 1024
 #: How long an Idempotency-Key is remembered.
 IDEMPOTENCY_TTL_S = 24 * 3600
+#: An in-flight key older than this belongs to a request that died (its action never committed).
+IN_FLIGHT_STALE_S = 60
 #: A due slot later than this when the cron actor reaches it counts as missed (downtime).
 MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
 CRON_MAX_SLEEP_S = 300.0
+#: How long an actor waits before retrying a store that was locked or full.
+STORE_RETRY_S = 2.0
 #: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
 CLEANUP_S = 10.0
 #: The notification actor looks for settled runs it was not told about this often.
@@ -310,6 +314,11 @@ class IdempotencyKeyRequired(OutpostError):
 
 class PreconditionRequired(OutpostError):
     status, code, title = 428, "precondition_required", "If-Match header required"
+
+
+class StoreUnavailable(OutpostError):
+    """The database cannot take a write now (locked by another process, disk full): retry."""
+    status, code, title = 503, "unavailable", "Temporarily unavailable"
 
 
 class CrossSiteRefused(OutpostError):
@@ -1687,7 +1696,10 @@ class Store:
             raise IdempotencyKeyReused("this Idempotency-Key was used for a different request "
                                        "(method, path or body); use a new key")
         if rec.state != "done":
-            raise Conflict("a request with this Idempotency-Key is still in flight")
+            if aware(rec.created_at) > now - timedelta(seconds=IN_FLIGHT_STALE_S):
+                raise Conflict("a request with this Idempotency-Key is still in flight")
+            rec.created_at = naive(now)   # its request died without an answer (it changed nothing): retry
+            return None
         return rec.status, rec.body
 
     def finish_idempotent(self, key: str, status: int, body: Any) -> None:
@@ -1855,16 +1867,21 @@ class LogSink:
         if self.capped:
             return
         room = MAX_LOG_BYTES - self.written
-        if len(data) > room:
-            self.file.write(data[:room] + b"\n[outpost: log truncated at 1 MiB; later output dropped]\n")
+        try:
+            if len(data) > room:
+                self.file.write(data[:room] + b"\n[outpost: log truncated at 1 MiB; later output dropped]\n")
+                self.capped = True
+            else:
+                self.file.write(data)
+            self.written += len(data)
+            self.file.flush()
+        except OSError as exc:   # a full disk loses log lines, never the run
             self.capped = True
-        else:
-            self.file.write(data)
-        self.written += len(data)
-        self.file.flush()
+            log.getChild("run").warning("run log %s: %s; later output dropped", self.file.name, exc)
 
     def close(self) -> None:
-        self.file.close()
+        with contextlib.suppress(OSError):
+            self.file.close()
 
 
 @dataclasses.dataclass
@@ -2118,13 +2135,29 @@ class Deps:
     async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one store function in its own transaction on the one writer thread."""
         call = functools.partial(self.store.run, fn, *args, **kwargs)
-        if self.inline_db:
-            result, wrote = call()
-        else:
-            result, wrote = await trio.to_thread.run_sync(call, limiter=self.limiter)
+        try:
+            if self.inline_db:
+                result, wrote = call()
+            else:
+                result, wrote = await trio.to_thread.run_sync(call, limiter=self.limiter)
+        except (orm.dbapiprovider.OperationalError, orm.CommitException) as exc:   # a failed commit is wrapped
+            text = str(exc).lower()
+            if "locked" in text or "busy" in text or "full" in text or "disk" in text:
+                raise StoreUnavailable(f"the database cannot be written now ({exc}); nothing was changed, "
+                                       "retry shortly") from None
+            raise
         if wrote:
             self.hub.poke()
         return result
+
+    async def db_retrying(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A store call an actor must make: waits out a locked or full database."""
+        while True:
+            try:
+                return await self.db(fn, *args, **kwargs)
+            except StoreUnavailable as exc:
+                log.warning("%s: %s; retrying in %.0f s", fn.__name__, exc.detail, STORE_RETRY_S)
+                await trio.sleep(STORE_RETRY_S)
 
     def logs_dir(self) -> Path:
         return self.config.data_dir / "runs"
@@ -2139,9 +2172,10 @@ class Deps:
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
     """Fire step 2: record the exact commit each new run will use. A ref that does not
     resolve is left for the supervisor, which fails the run with the reason."""
-    for run_id, repository, ref in await deps.db(deps.store.unresolved_runs, run_ids):
-        with contextlib.suppress(LaunchError):
-            await deps.db(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
+    with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
+        for run_id, repository, ref in await deps.db(deps.store.unresolved_runs, run_ids):
+            with contextlib.suppress(LaunchError):
+                await deps.db(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
 
 
 async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
@@ -2151,12 +2185,12 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     clog = log.getChild("cron")
     while True:
         now = deps.clock.now()
-        queued = await deps.db(deps.store.claim_due, now)
+        queued = await deps.db_retrying(deps.store.claim_due, now)
         if queued:
             clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
             await resolve_new_runs(deps, queued)
             deps.claim_wake.poke()
-        upcoming = await deps.db(deps.store.next_due_at)
+        upcoming = await deps.db_retrying(deps.store.next_due_at)
         wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
         if upcoming is not None and upcoming < wake_at:
             wake_at = upcoming
@@ -2170,7 +2204,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     Ends when cancelled; run supervisors then end their processes and record it."""
     async with trio.open_nursery() as runs:
         while True:
-            while (admitted := await deps.db(deps.store.admit_next, deps.config.max_running,
+            while (admitted := await deps.db_retrying(deps.store.admit_next, deps.config.max_running,
                                              deps.clock.now())) is not None:
                 run_id, is_resume = admitted
                 if is_resume:
@@ -2187,7 +2221,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
-    info = await deps.db(deps.store.launch_info, run_id)
+    info = await deps.db_retrying(deps.store.launch_info, run_id)
     workspace = deps.worktree(run_id)
     live = LiveRun(run_id, trio.CancelScope())
     deps.live[run_id] = live
@@ -2195,7 +2229,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     try:
         exit_code, result = None, None
         try:
-            commit = commit or await deps.db(
+            commit = commit or await deps.db_retrying(
                 deps.store.set_resolved_commit, run_id, await resolve_ref(info["repository"], info["source_ref"]))
             profile = deps.config.agent(info["agent"])
             if profile is None:
@@ -2208,7 +2242,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             rlog.info("run %s starting %s in %s", run_id, profile.name, cwd)
 
             async def on_spawn(pid: int) -> None:
-                await deps.db(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
+                await deps.db_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
 
             done = await run_agent_process(
                 argv, cwd=cwd, env=agent_env(profile, dict(os.environ), run_id),
@@ -2245,7 +2279,7 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
     except LaunchError as exc:
         log.getChild("run").warning("run %s: could not save leftovers: %s", run_id, exc)
     await remove_worktree(info["repository"], workspace) if Path(info["repository"]).is_dir() else None
-    settled = await deps.db(deps.store.settle_run, run_id, outcome.status, deps.clock.now(),
+    settled = await deps.db_retrying(deps.store.settle_run, run_id, outcome.status, deps.clock.now(),
                             exit_code=exit_code, error=outcome.error, result=result, commits=commits)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
@@ -2260,11 +2294,11 @@ async def recover_at_boot(deps: Deps) -> None:
     (its process group ended first if it is still the same process); queued runs stay
     queued and start normally; half-done idempotent requests are forgotten."""
     rlog = log.getChild("recovery")
-    forgotten = await deps.db(deps.store.forget_in_flight)
+    forgotten = await deps.db_retrying(deps.store.forget_in_flight)
     if forgotten:
         rlog.info("forgot %d in-flight idempotency key(s) of the previous process", forgotten)
-    for run_id in await deps.db(deps.store.runs_in, ["running", "paused"]):
-        info = await deps.db(deps.store.launch_info, run_id)
+    for run_id in await deps.db_retrying(deps.store.runs_in, ["running", "paused"]):
+        info = await deps.db_retrying(deps.store.launch_info, run_id)
         pid = info["pid"]
         if pid and info["pid_started"] and process_start_time(pid) == info["pid_started"]:
             rlog.warning("run %s: ending its surviving process group %d", run_id, pid)
@@ -2285,7 +2319,7 @@ async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) ->
     task_status.started()
     while True:
         await trio.sleep(3600)
-        await deps.db(deps.store.purge_expired, deps.clock.now())
+        await deps.db_retrying(deps.store.purge_expired, deps.clock.now())
 
 
 async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) -> None:
@@ -2296,8 +2330,8 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
         while True:
             # Every settled run not yet applied, not only the one announced: a message
             # dropped on a full channel, or lost in a crash, costs latency, never an item.
-            for run_id in await deps.db(deps.store.unnotified_runs):
-                await deps.db(deps.store.notify_run, run_id, deps.clock.now())
+            for run_id in await deps.db_retrying(deps.store.unnotified_runs):
+                await deps.db_retrying(deps.store.notify_run, run_id, deps.clock.now())
                 deps.cron_wake.poke()   # an auto-pause changes what the cron actor waits for
             with trio.move_on_after(NOTIFY_SWEEP_S):
                 try:
@@ -2322,7 +2356,9 @@ _idempotency: contextvars.ContextVar[str | None] = contextvars.ContextVar("idemp
 
 def problem_response(err: OutpostError):
     from quart import Response
-    return Response(json.dumps(err.problem()), status=err.status, content_type="application/problem+json")
+    headers = {"Retry-After": "5"} if isinstance(err, StoreUnavailable) else {}
+    return Response(json.dumps(err.problem()), status=err.status, content_type="application/problem+json",
+                    headers=headers)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None):
@@ -2829,9 +2865,10 @@ def create_app(deps: Deps):
             token = _idempotency.set(key)
             try:
                 return await handler(*args, **kwargs)
-            except (PreconditionRequired, RevisionMismatch) as err:
-                # Nothing happened and the fix is a header: the corrected retry may reuse the key.
-                await deps.db(store.abandon_idempotent, key)
+            except (PreconditionRequired, RevisionMismatch, StoreUnavailable) as err:
+                # Nothing happened and the fix is a header or a retry: the retry may reuse the key.
+                with contextlib.suppress(StoreUnavailable):
+                    await deps.db(store.abandon_idempotent, key)
                 return problem_response(err)
             except OutpostError as err:
                 await deps.db(store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
@@ -2892,8 +2929,8 @@ def create_app(deps: Deps):
 
     @app.get("/healthz")
     async def healthz():
-        cursor = await deps.db(store.latest_cursor)
-        return json_response({"ok": True, "cursor": cursor})
+        # Answered by the event loop alone: it stays up while another process locks the database.
+        return json_response({"ok": True, "live_runs": len(deps.live)})
 
     # --- schedules ----------------------------------------------------------------------------
 
