@@ -437,6 +437,8 @@ def cron_expression(expr: str) -> str:
     if not isinstance(expr, str) or not expr.strip():
         raise invalid("timing.expression", "a five-field cron expression is required")
     text = " ".join(expr.split())
+    if len(text) > 200:
+        raise invalid("timing.expression", "is longer than 200 characters")
     names = {"jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec",
              "sun", "mon", "tue", "wed", "thu", "fri", "sat"}
     if not text.startswith("@") and any(word.lower() not in names for word in re.findall(r"[A-Za-z]+", text)):
@@ -917,7 +919,13 @@ def request_fingerprint(method: str, path: str, body: bytes) -> str:
 
 
 def valid_idempotency_key(key: str) -> bool:
-    return 1 <= len(key) <= 255 and all(32 <= ord(c) < 127 for c in key)
+    """1-255 printable ASCII, without outer spaces (" a" and "a" would be one key)."""
+    return 1 <= len(key) <= 255 and key == key.strip() and all(32 <= ord(c) < 127 for c in key)
+
+
+def parse_count(text: str | None) -> int | None:
+    """A non-negative integer of ASCII digits (not '²', not 5,000 digits), else None."""
+    return int(text) if text and re.fullmatch(r"[0-9]{1,18}", text) else None
 
 
 def parse_if_match(value: str | None) -> int:
@@ -926,10 +934,10 @@ def parse_if_match(value: str | None) -> int:
     text = value.strip()
     if text.startswith("W/"):
         text = text[2:]
-    text = text.strip('"')
-    if text == "*" or not text.isdigit():
+    revision = parse_count(text.strip('"'))
+    if revision is None:
         raise PreconditionRequired("If-Match must name one revision, e.g. If-Match: \"3\"")
-    return int(text)
+    return revision
 
 
 ###############################################################################
@@ -1151,12 +1159,15 @@ class Store:
 
     # --- views ---------------------------------------------------------------------
 
-    def schedule_view(self, s) -> dict[str, Any]:
-        active = self._active_run(s.id)
+    def schedule_view(self, s, active_run_id: str | None | bool = False) -> dict[str, Any]:
+        """The API's schedule. ``active_run_id`` may be given by a caller that looked up many at once."""
+        if active_run_id is False:
+            active = self._active_run(s.id)
+            active_run_id = active.id if active else None
         return {**s.definition, "id": s.id, "revision": s.revision, "enabled": s.enabled,
                 "archived": s.archived, "auto_paused": s.auto_paused, "failure_streak": s.failure_streak,
                 "next_fire_at": rfc3339(aware(s.next_fire_at)), "last_fired_at": rfc3339(aware(s.last_fired_at)),
-                "active_run_id": active.id if active else None,
+                "active_run_id": active_run_id,
                 "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at))},
                 "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
 
@@ -1282,7 +1293,15 @@ class Store:
         query = self.db.Schedule.select()
         if not include_archived:
             query = query.filter(lambda s: not s.archived)
-        return [self.schedule_view(s) for s in query.order_by(lambda s: s.created_at)]
+        active = dict(self.db.select(   # one query for every schedule's active run, not one each
+            "SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN ('queued', 'running', 'paused') "
+            "AND schedule IS NOT NULL GROUP BY schedule"))
+        return [self.schedule_view(s, active.get(s.id)) for s in query.order_by(lambda s: s.created_at)]
+
+    def last_runs(self) -> dict[str, dict[str, Any]]:
+        """Each schedule's newest run, in one query (the schedules page)."""
+        newest = self.db.select('SELECT MAX(id) FROM "Run" WHERE schedule IS NOT NULL GROUP BY schedule')
+        return {r.schedule.id: self.run_view(r) for r in self.db.Run.select(lambda r: r.id in newest)}
 
     def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
         self._schedule(schedule_id)
@@ -2235,7 +2254,9 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             if profile is None:
                 raise LaunchError(f"agent profile {info['agent']!r} is not configured")
             await add_worktree(info["repository"], commit, info["result_branch"], workspace)
-            cwd = workspace / info["workdir"]
+            cwd = (workspace / info["workdir"]).resolve()
+            if not cwd.is_relative_to(workspace.resolve()):   # a symlink in the tree pointing elsewhere
+                raise LaunchError(f"workdir {info['workdir']!r} leads outside the worktree (a symlink); refused")
             if not cwd.is_dir():
                 raise LaunchError(f"workdir {info['workdir']!r} does not exist in commit {commit[:12]}")
             argv, prompt_on_stdin = fill_command(profile.command, info["prompt"], info["model"], run_id)
@@ -2357,6 +2378,8 @@ _idempotency: contextvars.ContextVar[str | None] = contextvars.ContextVar("idemp
 def problem_response(err: OutpostError):
     from quart import Response
     headers = {"Retry-After": "5"} if isinstance(err, StoreUnavailable) else {}
+    if isinstance(err, PayloadTooLarge):
+        headers["Connection"] = "close"   # the unread rest of the body must not be taken for a request
     return Response(json.dumps(err.problem()), status=err.status, content_type="application/problem+json",
                     headers=headers)
 
@@ -2542,10 +2565,9 @@ def register_dashboard(app, deps: Deps):
     async def schedules_page():
         show_archived = request.args.get("archived") == "1"
         schedules = await deps.db(store.list_schedules, show_archived)
-        last = await deps.db(lambda: {s["id"]: store.list_runs(s["id"], None, 1, None)["runs"] for s in schedules})
+        last = await deps.db(store.last_runs)
         return await render_page("schedules.html", section="schedules", live=True, schedules=schedules,
-                                 last_runs={k: v[0] if v else None for k, v in last.items()},
-                                 show_archived=show_archived)
+                                 last_runs=last, show_archived=show_archived)
 
     @app.get("/schedules/new")
     async def new_schedule_page():
@@ -2582,7 +2604,7 @@ def register_dashboard(app, deps: Deps):
         except ValueError:
             raise invalid("definition", "the reviewed definition is missing; compose it again") from None
         definition = await normalize_form(raw, current)
-        if not hmac.compare_digest(form.get("confirmation", ""), confirmation_of(definition)):
+        if not hmac.compare_digest(form.get("confirmation", "").encode(), confirmation_of(definition).encode()):
             raise ConfirmationMismatch("what you confirmed is not what was reviewed; compose it again")
         return definition
 
@@ -2758,6 +2780,8 @@ def create_app(deps: Deps):
             raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
         path = request.path
         g.csrf = None
+        if path.startswith("/signin") and request.method == "POST":
+            check_same_origin()   # no login CSRF
         if path == "/healthz" or path.startswith(("/static/", "/signin")):
             return None
         auth = request.headers.get("Authorization")
@@ -2831,7 +2855,9 @@ def create_app(deps: Deps):
         if not data.strip():
             return {}
         try:
-            return json.loads(data)
+            value = json.loads(data)
+            _check_unicode(value, "")
+            return value
         except RecursionError:
             raise invalid("body", "JSON nested too deeply") from None
         except ValueError as exc:
@@ -2852,7 +2878,7 @@ def create_app(deps: Deps):
             if key is None:
                 raise IdempotencyKeyRequired("send an Idempotency-Key header (1-255 printable ASCII)")
             if not valid_idempotency_key(key):
-                raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters")
+                raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
             body = await request.get_data(cache=True)
             fingerprint = request_fingerprint(request.method, request.path, body)
             replay = await deps.db(store.begin_idempotent, key, fingerprint, deps.clock.now())
@@ -2910,7 +2936,7 @@ def create_app(deps: Deps):
 
     def check_confirmation(definition: dict[str, Any], given: Any) -> None:
         expected = confirmation_of(definition)
-        if not isinstance(given, str) or not hmac.compare_digest(given, expected):
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
             raise ConfirmationMismatch("the confirmation does not match this definition: compose it, "
                                        "review the summary, then send the confirmation compose returned",
                                        errors=[{"field": "confirmation", "message": "does not match"}],
@@ -2948,10 +2974,12 @@ def create_app(deps: Deps):
         if request.args.get("from"):
             try:
                 after = parse_instant(request.args["from"])
+                if not 1970 <= after.astimezone(UTC).year <= MAX_YEAR:
+                    raise OverflowError(request.args["from"])
             except ValueError:
                 raise invalid("from", "must be an RFC 3339 instant with an offset, e.g. 2027-03-27T00:00:00Z") from None
-            if not 1970 <= after.astimezone(UTC).year <= MAX_YEAR:
-                raise invalid("from", f"must be between 1970 and {MAX_YEAR}")
+            except OverflowError:
+                raise invalid("from", f"must be between 1970 and {MAX_YEAR}") from None
         count = int_arg("count", 5, 1, 100)
         fires = next_fires(definition["timing"], after, count, anchor=now)
         return json_response({
@@ -3105,7 +3133,11 @@ def create_app(deps: Deps):
     async def event_stream():
         from quart import Response
         last = request.headers.get("Last-Event-ID") or request.args.get("after")
-        cursor = int(last) if last and last.isdigit() else await deps.db(store.latest_cursor)
+        cursor = parse_count(last)
+        if last and cursor is None:
+            raise invalid("after", "must be an event cursor (a whole number)")
+        if cursor is None:
+            cursor = await deps.db(store.latest_cursor)
 
         async def stream():
             nonlocal cursor
