@@ -17,13 +17,19 @@ The process (section 9 builds it)::
 
     main()
      └─ root nursery
-         ├─ signal watcher      SIGTERM/SIGINT -> cancel the root scope
-         ├─ web                 hypercorn + quart-trio (section 8)
+         ├─ signal watcher      SIGTERM/SIGINT -> shutdown (a second signal: at once)
+         ├─ web                 hypercorn + quart-trio: JSON API, SSE, dashboard (section 8)
          ├─ cron actor          sleeps until the next due instant, claims occurrences
          ├─ claim actor         FIFO admission (max_running) -> run supervisors
          │   └─ runs nursery    worktree, agent subprocess, timeout, settlement
          ├─ recovery actor      boot reconciliation; periodic hygiene
-         └─ notification actor  settled runs -> failure streak, attention items
+         ├─ notification actor  settled runs -> failure streak, attention items
+         └─ watchdog actor      systemd WATCHDOG=1 from the loop (under Type=notify)
+
+Shutdown: the web server stops through its trigger, then the actors are cancelled; run
+supervisors end their agents' process groups and record them ``interrupted``; the store
+closes last. A database locked by another process or a full disk answers 503 at the API
+while the actors wait it out.
 
 Sections of this file (``grep -n '^# [0-9]\\. ' outpost.py``):
 
