@@ -142,7 +142,7 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: Author of the commit that saves what an agent left uncommitted.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 2      # 2: dashboard sessions and one-time sign-in codes
+SCHEMA_VERSION = 3      # 2: dashboard sessions and one-time sign-in codes; 3: Run(schedule, id) index
 
 
 ###############################################################################
@@ -1084,6 +1084,9 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS run_schedule ON "Run"(schedule, status)',
         'CREATE INDEX IF NOT EXISTS event_at ON "Event"(at)',
     ],
+    3: [   # each schedule's newest run without reading all runs (the schedules page)
+        'CREATE INDEX IF NOT EXISTS run_schedule_newest ON "Run"(schedule, id)',
+    ],
 }
 
 
@@ -1306,8 +1309,11 @@ class Store:
 
     def last_runs(self) -> dict[str, dict[str, Any]]:
         """Each schedule's newest run, in one query (the schedules page)."""
-        newest = self.db.select('SELECT MAX(id) FROM "Run" WHERE schedule IS NOT NULL GROUP BY schedule')
-        return {r.schedule.id: self.run_view(r) for r in self.db.Run.select(lambda r: r.id in newest)}
+        rows = self.db.select(
+            'SELECT s.id, r.id, r.status, r.queued_at FROM "Schedule" s JOIN "Run" r ON r.id = '
+            '(SELECT MAX(id) FROM "Run" WHERE schedule = s.id)')
+        return {sid: {"id": rid, "status": status, "queued_at": rfc3339(aware(datetime.fromisoformat(queued)))}
+                for sid, rid, status, queued in rows}
 
     def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
         self._schedule(schedule_id)
@@ -1456,11 +1462,12 @@ class Store:
         active = self._active_run(s.id)   # a manual fire never queues behind active work
         return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
 
-    def create_dispatch(self, payload: dict[str, Any], now: datetime) -> dict[str, Any]:
+    def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None) -> dict[str, Any]:
         r = self._queue_run(schedule=None, agent=payload["agent"], trigger="dispatch", prompt=payload["brief"],
                             repository=payload["repository"], workdir=payload["workdir"],
                             source_ref=payload["source_ref"], limits=payload["limits"],
                             notify=payload["notify"], now=now)
+        r.resolved_commit = commit
         return {"run_id": r.id}
 
     # --- admission and settlement -----------------------------------------------------
@@ -1777,7 +1784,8 @@ class Store:
 
     def schedule_zones(self) -> dict[str, tuple[str, str]]:
         """schedule id -> (name, timezone), for pages that list runs of many schedules."""
-        return {s.id: (s.name, s.definition["timing"]["timezone"]) for s in self.db.Schedule.select()}
+        rows = self.db.select("SELECT id, name, json_extract(definition, '$$.timing.timezone') FROM \"Schedule\"")
+        return {sid: (name, tz) for sid, name, tz in rows}
 
     def forget_in_flight(self) -> int:
         """At boot: an in-flight key belongs to a process that died before committing its action."""
@@ -1826,15 +1834,18 @@ async def _is_git_repo(path: str) -> bool:
     return (await git(path, "rev-parse", "--git-dir", check=False)) != ""
 
 
-async def check_repository(definition: dict[str, Any]) -> None:
-    """The validation rules that need git: repository exists, source_ref resolves now."""
+async def check_repository(definition: dict[str, Any]) -> str:
+    """The validation rules that need git: repository exists, source_ref resolves now.
+    Returns the commit it resolves to (a dispatch records it: fire step 2)."""
     repo = definition["repository"]
-    if not Path(repo).is_dir() or not await _is_git_repo(repo):
+    if not Path(repo).is_dir():
         raise invalid("repository", f"{repo} is not an existing git repository on this machine")
     try:
-        await resolve_ref(repo, definition["source_ref"])
+        return await resolve_ref(repo, definition["source_ref"])
     except LaunchError as exc:
-        raise invalid("source_ref", str(exc)) from None
+        field = "repository" if "not a git repository" in str(exc) else "source_ref"
+        raise invalid(field, str(exc) if field == "source_ref" else
+                      f"{repo} is not an existing git repository on this machine") from None
 
 
 async def add_worktree(repository: str, commit: str, branch: str, path: Path) -> None:
@@ -3110,9 +3121,8 @@ def create_app(deps: Deps):
     async def dispatch():
         payload = normalize_dispatch(body_object(await body_json()), deps.clock.now(),
                                      agents=[a.name for a in deps.config.agents])
-        await check_repository(payload)
-        response = await commit_idempotent(store.create_dispatch, payload, deps.clock.now(), status=202)
-        await resolve_new_runs(deps, [json.loads(await response.get_data())["run_id"]])
+        commit = await check_repository(payload)   # resolved once, recorded with the run: one transaction
+        response = await commit_idempotent(store.create_dispatch, payload, deps.clock.now(), commit, status=202)
         deps.claim_wake.poke()
         return response
 

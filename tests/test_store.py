@@ -701,6 +701,8 @@ def test_a_version_1_database_is_upgraded_in_place_keeping_its_data(tmp_path):
         upgraded.close()
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT version FROM schema_version").fetchall() == [(outpost.SCHEMA_VERSION,)]
+        indexes = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert "run_schedule_newest" in indexes   # version 3's index, added in place
 
 
 def test_a_signin_code_works_once_and_only_while_fresh(store):

@@ -1,0 +1,295 @@
+"""Evidence for the rows of run.py that miss their target: where the time goes, and what the
+proposed design change would buy. outpost.py is never modified: experiments monkeypatch a copy
+of the process (a patched ``outpost serve`` launcher) or call the real store functions in a
+different transaction shape.
+
+Usage::
+
+    .venv/bin/python tests/bench/profile_misses.py [fire_lag,intake,drain,dashboard]
+
+Prints one section per miss. Takes about 2 minutes; only 127.0.0.1; bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as B  # noqa: E402  (the benchmark's helpers)
+import trio  # noqa: E402
+
+import outpost  # noqa: E402
+
+UTC = timezone.utc
+
+# --- a patched `outpost serve` (the launcher mode of this file) --------------------------------
+
+
+def patched_serve(argv: list[str]) -> int:
+    """``outpost serve`` with counters and optional experiments (env BENCH_PATCH):
+    ``gitcache``: check_repository/resolve_ref remembered per (repository, ref) for 5 s."""
+    mode = os.environ.get("BENCH_PATCH", "")
+    counts: collections.Counter[str] = collections.Counter()
+    orig_run = outpost.Store.run
+
+    def counting_run(self, fn, *a, **k):
+        counts[getattr(fn, "__name__", "?")] += 1
+        return orig_run(self, fn, *a, **k)
+    outpost.Store.run = counting_run
+    orig_git = outpost.git
+
+    async def counting_git(repo, *args, check=True):
+        counts[f"git {args[0]}"] += 1
+        return await orig_git(repo, *args, check=check)
+    outpost.git = counting_git
+    if "gitcache" in mode:
+        cache: dict[tuple, tuple] = {}
+        orig_resolve, orig_check = outpost.resolve_ref, outpost.check_repository
+
+        async def resolve_ref(repo, ref):
+            hit = cache.get((repo, ref))
+            if hit and time.monotonic() - hit[1] < 5:
+                return hit[0]
+            value = await orig_resolve(repo, ref)
+            cache[(repo, ref)] = (value, time.monotonic())
+            return value
+
+        async def check_repository(d):
+            key = ("check", d["repository"], d["source_ref"])
+            if key in cache and time.monotonic() - cache[key][1] < 5:
+                return
+            await orig_check(d)
+            cache[key] = (None, time.monotonic())
+        outpost.resolve_ref, outpost.check_repository = resolve_ref, check_repository
+    try:
+        return outpost.main(argv)
+    finally:
+        Path(os.environ["BENCH_COUNTS"]).write_text(json.dumps(counts))
+
+
+# --- sections ---------------------------------------------------------------------------------
+
+
+def fire_lag(work: Path) -> None:
+    """Full size (1,000 schedules, 200 due over 10 s). Splits each fire's lag into: the cron actor
+    waking late (Occurrence.created_at - due), the claim transaction, and what the actor did
+    between claims (resolve_new_runs: git rev-parse + 2 transactions, then next_due_at)."""
+    from pyinstrument import Profiler
+    repo = B.make_repo(work / "repo")
+    prof = Profiler(interval=0.0005)
+    durs: list[float] = []
+    gits: list[tuple[float, float]] = []
+    orig_git = outpost.git
+
+    async def timed_git(repo_, *args, check=True):
+        t0 = time.time()
+        try:
+            return await orig_git(repo_, *args, check=check)
+        finally:
+            gits.append((t0, (time.time() - t0) * 1000))
+    outpost.git = timed_git
+
+    class Profiled(B.TimedStore):
+        def run(self, fn, *a, **k):
+            if getattr(fn, "__name__", "") != "claim_due":
+                return super().run(fn, *a, **k)
+            t0 = time.perf_counter()
+            prof.start()
+            try:
+                return super().run(fn, *a, **k)
+            finally:
+                prof.stop()
+                durs.append((time.perf_counter() - t0) * 1000)
+    store = Profiled(work / "o.sqlite3")
+    B.add_far_schedules(store, repo, 800)
+    B.add_interval_due(store, repo, B.fire_instants(200, 10.0, 1.0))
+    deps = outpost.Deps(config=outpost.Config(data_dir=work), store=store, clock=outpost.WallClock(), token="x")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(12)
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+    outpost.git = orig_git
+    with outpost.orm.db_session:
+        rows = store.db.select('SELECT r.id, r.due_at, o.created_at FROM "Run" r JOIN "Occurrence" o '
+                               'ON o.id = r.occurrence_id')
+    store.close()
+    committed = {rid: t for t, rids in store.claims for rid in rids}
+
+    def ts(v) -> float:
+        return datetime.fromisoformat(str(v)).replace(tzinfo=UTC).timestamp()
+    wake = [(ts(c) - ts(d)) * 1000 for _, d, c in rows]
+    total = sorted(((committed[r] - ts(d)) * 1000, ts(d)) for r, d, _ in rows)
+    git_ms = [g for _, g in gits]
+    print(f"fires {len(rows)}; lag p50 {B.pct([t for t, _ in total], 50):.1f} ms, "
+          f"p99 {B.pct([t for t, _ in total], 99):.1f}, max {total[-1][0]:.1f}")
+    print(f"  woke late (created_at - due): p50 {B.pct(wake, 50):.1f} ms, p99 {B.pct(wake, 99):.1f}, "
+          f"max {max(wake):.1f}")
+    print(f"  claim_due transaction (profiler on): p50 {statistics.median(durs):.2f} ms, "
+          f"p99 {B.pct(durs, 99):.2f}, max {max(durs):.2f}")
+    print(f"  git calls made by the cron actor between claims: {len(gits)}, p50 {statistics.median(git_ms):.1f} ms, "
+          f"p99 {B.pct(git_ms, 99):.1f}, max {max(git_ms):.1f}")
+    for lag, due in total[-3:]:
+        before = [g for t0, g in gits if due - 0.5 < t0 < due]
+        print(f"  worst fire: lag {lag:.1f} ms; git calls in the 0.5 s before its due instant: "
+              f"{[round(g, 1) for g in before]}")
+    print(prof.output_text(unicode=False, color=False, short_mode=True))
+
+
+def intake(work: Path) -> None:
+    launcher = work / "serve.sh"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} --serve \"$@\"\n")
+    launcher.chmod(0o755)
+    B.OUTPOST_BIN = launcher
+    for mode in ("", "gitcache"):
+        d = work / (mode or "baseline")
+        d.mkdir()
+        os.environ["BENCH_PATCH"], os.environ["BENCH_COUNTS"] = mode, str(d / "counts.json")
+        repo = B.make_repo(d / "repo")
+        body = json.dumps({"brief": "bench intake", "repository": str(repo), "agent": "hold"}).encode()
+        n = 300
+        with B.Server(d / "data", max_running=1, toml=B.HOLD_TOML) as srv:
+            rates = []
+            for rep in range(3):
+                el, st = asyncio.run(B.http_load(srv.port, "POST", "/v1/outpost/dispatches", srv.headers(),
+                                                 [body] * n, 16, f"r{rep}"))
+                assert set(st) == {202}, st
+                rates.append(n / el)
+        counts = json.loads((d / "counts.json").read_text())
+        per = {k: round(v / (3 * n), 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if v >= n}
+        print(f"{mode or 'baseline'}: {statistics.median(rates):.0f} dispatches/s "
+              f"[{min(rates):.0f}..{max(rates):.0f}]; per request: {per}")
+
+
+def drain(work: Path) -> None:
+    repo = B.make_repo(work / "repo")
+    n, agents_n = 5000, 50
+    for batched in (False, True):
+        store = outpost.Store(work / f"d{int(batched)}.sqlite3")
+        B.queue_dispatches(store, B.dispatch_payload(repo), n)
+
+        def admit_many(store: outpost.Store = store) -> list[str]:
+            out = []
+            while len(out) < agents_n:
+                a = store.admit_next(agents_n, B.now_utc())
+                if a is None:
+                    break
+                out.append(a[0])
+            return out
+        done, t0 = 0, time.perf_counter()
+        while True:
+            if batched:
+                admitted = store.run(admit_many)[0]
+                store.run(lambda ids=admitted, st=store: [st.settle_run(r, outpost.RunStatus.SUCCEEDED, B.now_utc(),
+                                                                        exit_code=0) for r in ids])
+            else:
+                admitted = []
+                while len(admitted) < agents_n and (a := store.run(store.admit_next, agents_n, B.now_utc())[0]):
+                    admitted.append(a[0])
+                for r in admitted:
+                    store.run(store.settle_run, r, outpost.RunStatus.SUCCEEDED, B.now_utc(), exit_code=0)
+            if not admitted:
+                break
+            done += len(admitted)
+        store.close()
+        shape = ("50 admissions / 50 settlements per transaction" if batched
+                 else "one transaction per admission and per settlement (today)")
+        print(f"{shape}: {done / (time.perf_counter() - t0):.0f} runs/s")
+
+
+def dashboard(work: Path) -> None:
+    repo = B.make_repo(work / "repo")
+    db = work / "outpost.sqlite3"
+    store = outpost.Store(db)
+    B.add_far_schedules(store, repo, 1000)
+    ids = [s["id"] for s in store.run(store.list_schedules)[0]]
+    B.queue_dispatches(store, B.dispatch_payload(repo), 1)
+    store.close()
+    B.bulk_runs(db, 100000, status="succeeded", schedule_ids=ids)
+    store = outpost.Store(db)
+
+    def timed(label: str, fn, *a) -> object:
+        ts, result = [], None
+        for _ in range(3):
+            t0 = time.perf_counter()
+            result = store.run(fn, *a)[0]
+            ts.append((time.perf_counter() - t0) * 1000)
+        print(f"  {label}: {statistics.median(ts):.1f} ms")
+        return result
+    print("GET /schedules today (store time):")
+    schedules = timed("store.list_schedules (every Schedule entity hydrated)", store.list_schedules, False)
+    if hasattr(store, "last_runs"):   # outpost.py since 8181999: one GROUP BY query
+        timed("store.last_runs (MAX(id) GROUP BY schedule, then hydrate those runs)", store.last_runs)
+    else:
+        timed("schedules_page last-run loop (store.list_runs per schedule)",
+              lambda: {s["id"]: store.list_runs(s["id"], None, 1, None) for s in schedules})
+    print("GET /runs today (store time):")
+    timed("store.list_runs(None, None, 50)", store.list_runs, None, None, 50, None)
+    timed("store.schedule_zones (every schedule hydrated)", store.schedule_zones)
+    store.close()
+    con = sqlite3.connect(db)
+    one = ('SELECT s.id, s.name, s.definition, s.next_fire_at, '
+           '(SELECT r.id FROM "Run" r WHERE r.schedule = s.id AND r.status IN (\'queued\',\'running\',\'paused\') '
+           'ORDER BY r.queued_at LIMIT 1), '
+           '(SELECT r.id || \'|\' || r.status || \'|\' || r.queued_at FROM "Run" r WHERE r.schedule = s.id '
+           'ORDER BY r.id DESC LIMIT 1) FROM "Schedule" s WHERE s.archived = 0 ORDER BY s.created_at')
+
+    def q(label: str, sql: str) -> None:
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            rows = con.execute(sql).fetchall()
+            if len(rows[0]) > 3:
+                [json.loads(r[2]) for r in rows]
+            ts.append((time.perf_counter() - t0) * 1000)
+        print(f"  {label}: {statistics.median(ts):.1f} ms")
+    print("proposed:")
+    print("  plan of the per-schedule last-run query:",
+          con.execute('EXPLAIN QUERY PLAN SELECT id FROM "Run" WHERE schedule = ? ORDER BY id DESC LIMIT 1',
+                      ("x",)).fetchall())
+    print("  plan of last_runs' GROUP BY:", con.execute(
+        'EXPLAIN QUERY PLAN SELECT MAX(id) FROM "Run" WHERE schedule IS NOT NULL GROUP BY schedule').fetchall())
+    q("last_runs' GROUP BY alone, current indexes",
+      'SELECT MAX(id) FROM "Run" WHERE schedule IS NOT NULL GROUP BY schedule')
+    q("one query for the whole schedules list, current indexes", one)
+    con.execute('CREATE INDEX bench_run_schedule_id ON "Run"(schedule, id)')
+    q("same + index Run(schedule, id)", one)
+    q("last_runs' GROUP BY alone + index Run(schedule, id)",
+      'SELECT MAX(id) FROM "Run" WHERE schedule IS NOT NULL GROUP BY schedule')
+    q("schedule zones with json_extract (no hydration)",
+      'SELECT id, name, json_extract(definition, \'$.timing.timezone\') FROM "Schedule"')
+    con.close()
+
+
+SECTIONS = {"fire_lag": fire_lag, "intake": intake, "drain": drain, "dashboard": dashboard}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        return patched_serve(sys.argv[2:])
+    chosen = sys.argv[1].split(",") if len(sys.argv) > 1 else list(SECTIONS)
+    with tempfile.TemporaryDirectory(prefix="outpost-profile-") as tmp:
+        for name in chosen:
+            print(f"\n=== {name} ===", flush=True)
+            work = Path(tmp) / name
+            work.mkdir()
+            SECTIONS[name](work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
