@@ -121,6 +121,8 @@ CLEANUP_S = 10.0
 NOTIFY_SWEEP_S = 60.0
 #: Due slots of one schedule recorded individually per claim; older missed ones are only counted.
 LEDGER_KEEP = 1000
+#: Schedules per page of the dashboard's list.
+SCHEDULES_PAGE = 100
 #: How long a dashboard sign-in lasts.
 SESSION_TTL_S = 30 * 86400
 #: How long the one-time sign-in link that ``outpost serve`` prints stays usable.
@@ -1298,14 +1300,20 @@ class Store:
             raise NotFound(f"no schedule with id or name {id_or_name!r}")
         return s.id
 
-    def list_schedules(self, include_archived: bool = False) -> list[dict[str, Any]]:
+    def list_schedules(self, include_archived: bool = False, page: int | None = None) -> list[dict[str, Any]]:
+        """All schedules, oldest first; or one ``page`` of SCHEDULES_PAGE (the dashboard)."""
         query = self.db.Schedule.select()
         if not include_archived:
             query = query.filter(lambda s: not s.archived)
+        query = query.order_by(lambda s: s.created_at)
+        rows = query.page(page, SCHEDULES_PAGE) if page else query
         active = dict(self.db.select(   # one query for every schedule's active run, not one each
             "SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN ('queued', 'running', 'paused') "
             "AND schedule IS NOT NULL GROUP BY schedule"))
-        return [self.schedule_view(s, active.get(s.id)) for s in query.order_by(lambda s: s.created_at)]
+        return [self.schedule_view(s, active.get(s.id)) for s in rows]
+
+    def count_schedules(self, include_archived: bool = False) -> int:
+        return orm.count(s for s in self.db.Schedule if include_archived or not s.archived)
 
     def last_runs(self) -> dict[str, dict[str, Any]]:
         """Each schedule's newest run, in one query (the schedules page)."""
@@ -2581,10 +2589,13 @@ def register_dashboard(app, deps: Deps):
     @app.get("/schedules")
     async def schedules_page():
         show_archived = request.args.get("archived") == "1"
-        schedules = await deps.db(store.list_schedules, show_archived)
+        page = parse_count(request.args.get("page")) or 1
+        schedules = await deps.db(store.list_schedules, show_archived, page)
+        total = await deps.db(store.count_schedules, show_archived)
         last = await deps.db(store.last_runs)
         return await render_page("schedules.html", section="schedules", live=True, schedules=schedules,
-                                 last_runs=last, show_archived=show_archived)
+                                 last_runs=last, show_archived=show_archived, page=page, total=total,
+                                 pages=max(1, math.ceil(total / SCHEDULES_PAGE)), per_page=SCHEDULES_PAGE)
 
     @app.get("/schedules/new")
     async def new_schedule_page():
