@@ -351,8 +351,8 @@ class RunStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-#: A schedule with a run in one of these states is "active" for the overlap rules.
-ACTIVE_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
+#: A run in one of these states is over; a schedule whose run is queued, running or paused is
+#: "active" for the overlap rules (the store's queries spell those three out).
 SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU, RunStatus.CANCELLED)
 
 
@@ -2203,11 +2203,8 @@ class Deps:
                 log.warning("%s: %s; retrying in %.0f s", fn.__name__, exc.detail, STORE_RETRY_S)
                 await trio.sleep(STORE_RETRY_S)
 
-    def logs_dir(self) -> Path:
-        return self.config.data_dir / "runs"
-
     def log_path(self, run_id: str) -> Path:
-        return self.logs_dir() / f"{run_id}.log"
+        return self.config.data_dir / "runs" / f"{run_id}.log"
 
     def worktree(self, run_id: str) -> Path:
         return self.config.data_dir / "worktrees" / run_id
@@ -3358,7 +3355,6 @@ class Client:
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 payload = resp.read()
-                self.last_headers = dict(resp.headers)
         except urllib.error.HTTPError as exc:
             try:
                 problem = json.loads(exc.read())

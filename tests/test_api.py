@@ -959,7 +959,7 @@ async def test_run_log_is_text_plain(api):
     assert reply.status == 200
     assert reply.mimetype == "text/plain"
     assert reply.body == ""
-    api.deps.logs_dir().mkdir(parents=True, exist_ok=True)
+    api.deps.log_path("x").parent.mkdir(parents=True, exist_ok=True)
     api.deps.log_path(fired["run_id"]).write_text("hello\nworld\n")
     assert (await api.get(f"/v1/outpost/runs/{fired['run_id']}/log")).body == "hello\nworld\n"
 
