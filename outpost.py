@@ -57,6 +57,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -775,6 +776,14 @@ def canonical_json(value: Any) -> str:
 def confirmation_of(definition: dict[str, Any]) -> str:
     """``sha256:<hex>`` of the canonical JSON (sorted keys, no spaces, UTF-8)."""
     return "sha256:" + hashlib.sha256(canonical_json(definition).encode()).hexdigest()
+
+
+def check_confirmation(definition: dict[str, Any], given: Any) -> None:
+    """The human-confirmed digest must be this definition's (compared as bytes, in constant time)."""
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), confirmation_of(definition).encode()):
+        raise ConfirmationMismatch("the confirmation does not match this definition: compose it, "
+                                   "review the summary, then confirm what compose returned",
+                                   errors=[{"field": "confirmation", "message": "does not match"}])
 
 
 def describe_timing(timing: dict[str, Any]) -> str:
@@ -2219,6 +2228,29 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
                 await deps.db(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
 
 
+async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
+    """A manual fire was committed: resolve the new run's commit and wake admission."""
+    if fired["outcome"] == "admitted":
+        await resolve_new_runs(deps, [fired["run_id"]])
+        deps.claim_wake.poke()
+
+
+def pausable(deps: Deps, run_id: str) -> bool:
+    """Only a run whose process is alive can be paused (SIGSTOP needs a process group)."""
+    live = deps.live.get(run_id)
+    return live is not None and live.pid is not None
+
+
+def signal_run(deps: Deps, run_id: str, action: str) -> None:
+    """Run control was recorded: signal the live process. Pause frees a slot, resume asks for one."""
+    live = deps.live.get(run_id)
+    if live is not None and action == "cancel":
+        live.cancel()
+    elif live is not None and action == "pause":
+        live.pause()
+    deps.claim_wake.poke()
+
+
 async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     """In: nudges (a schedule changed). Out: queued runs, announced to the claim actor.
     Sleeps until the earliest next fire (no polling tick), then claims every due slot in
@@ -2495,11 +2527,21 @@ DONE_NOTICES = {
 }
 
 
+async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Normalize a definition and run the git checks. For an edit (``current`` given) a
+    once-instant in the past is refused only when the timing really changed."""
+    now = deps.clock.now()
+    definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
+                                      check_past=current is None)
+    if current is not None and definition["timing"] != current["timing"]:
+        normalize_timing(definition["timing"], now, check_past=True)
+    await check_repository(definition)
+    return definition
+
+
 def register_dashboard(app, deps: Deps):
     """The browser dashboard: server-rendered pages whose forms post back here; the pages
     call the same store functions as the JSON API. Returns the page renderer."""
-    import hmac
-
     from quart import g, redirect, render_template, request
 
     store = deps.store
@@ -2524,15 +2566,6 @@ def register_dashboard(app, deps: Deps):
 
     def errors_by_field(err: OutpostError) -> dict[str, str]:
         return {e["field"]: e["message"] for e in err.errors} or {"form": err.detail}
-
-    async def normalize_form(raw: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
-        now = deps.clock.now()
-        definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
-                                          check_past=current is None)
-        if current is not None and definition["timing"] != current["timing"]:
-            normalize_timing(definition["timing"], now, check_past=True)
-        await check_repository(definition)
-        return definition
 
     def form_context(form: dict[str, str], errors: dict[str, str], **extra: Any) -> dict[str, Any]:
         return {"form": form, "errors": errors, "zones": zones, "agents": [a.name for a in deps.config.agents],
@@ -2606,7 +2639,7 @@ def register_dashboard(app, deps: Deps):
     async def review(form: dict[str, str], edit: dict[str, Any] | None):
         current = edit["definition"] if edit else None
         try:
-            definition = await normalize_form(definition_from_form(form), current)
+            definition = await checked_definition(deps, definition_from_form(form), current)
         except OutpostError as err:
             return await render_page("schedule_form.html", status=422, section="schedules",
                                      **form_context(form, errors_by_field(err), edit=edit))
@@ -2628,9 +2661,8 @@ def register_dashboard(app, deps: Deps):
             raw = json.loads(form.get("definition", ""))
         except ValueError:
             raise invalid("definition", "the reviewed definition is missing; compose it again") from None
-        definition = await normalize_form(raw, current)
-        if not hmac.compare_digest(form.get("confirmation", "").encode(), confirmation_of(definition).encode()):
-            raise ConfirmationMismatch("what you confirmed is not what was reviewed; compose it again")
+        definition = await checked_definition(deps, raw, current)
+        check_confirmation(definition, form.get("confirmation"))
         return definition
 
     @app.post("/schedules")
@@ -2704,9 +2736,7 @@ def register_dashboard(app, deps: Deps):
         now = deps.clock.now()
         if action == "fire":
             fired = await deps.db(store.fire_manual, schedule_id, revision, now)
-            if fired["outcome"] == "admitted":
-                await resolve_new_runs(deps, [fired["run_id"]])
-                deps.claim_wake.poke()
+            await after_fire(deps, fired)
             return redirect(f"/schedules/{schedule_id}?done={fired['outcome']}")
         await deps.db(store.control_schedule, schedule_id, revision, action, now)
         deps.cron_wake.poke()
@@ -2741,15 +2771,10 @@ def register_dashboard(app, deps: Deps):
     @app.post("/runs/<run_id>/control")
     async def run_control(run_id: str):
         action = (await form_data()).get("action", "")
-        live = deps.live.get(run_id)
-        if action == "pause" and (live is None or live.pid is None):
+        if action == "pause" and not pausable(deps, run_id):
             raise Conflict(f"run {run_id} has no running process to pause")
         await deps.db(store.control_run, run_id, action, deps.clock.now())
-        if live is not None and action == "cancel":
-            live.cancel()
-        elif live is not None and action == "pause":
-            live.pause()
-        deps.claim_wake.poke()
+        signal_run(deps, run_id, action)
         notice = {"cancel": "cancel", "pause": "run_pause", "resume": "resume_run"}.get(action, "")
         return redirect(f"/runs/{run_id}?done={notice}")
 
@@ -2783,8 +2808,6 @@ def zoneinfo_names() -> set[str]:
 
 def create_app(deps: Deps):
     """The Quart-Trio application: every route of API.md sections 3-6."""
-    import hmac
-
     from quart import g, redirect, request
     from quart_trio import QuartTrio
     from werkzeug.exceptions import HTTPException
@@ -2948,25 +2971,6 @@ def create_app(deps: Deps):
     def etag(view: dict[str, Any]) -> dict[str, str]:
         return {"ETag": f'"{view["revision"]}"'}
 
-    async def definition_from(raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Normalize and check a definition; for an edit (``current`` given) a once-instant in
-        the past is refused only when the timing really changed."""
-        now = deps.clock.now()
-        agents = [a.name for a in deps.config.agents]
-        definition = normalize_definition(raw, now, agents=agents, check_past=current is None)
-        if current is not None and definition["timing"] != current["timing"]:
-            normalize_timing(definition["timing"], now, check_past=True)
-        await check_repository(definition)
-        return definition
-
-    def check_confirmation(definition: dict[str, Any], given: Any) -> None:
-        expected = confirmation_of(definition)
-        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
-            raise ConfirmationMismatch("the confirmation does not match this definition: compose it, "
-                                       "review the summary, then send the confirmation compose returned",
-                                       errors=[{"field": "confirmation", "message": "does not match"}],
-                                       extra={"expected_for": "the normalized definition"})
-
     def int_arg(name: str, default: int, lo: int, hi: int) -> int:
         text = request.args.get(name)
         if text is None:
@@ -2994,7 +2998,7 @@ def create_app(deps: Deps):
             changes = dict(raw)
             current = (await deps.db(store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
             raw = merge_changes(current, changes)
-        definition = await definition_from(raw, current)
+        definition = await checked_definition(deps, raw, current)
         after = now
         if request.args.get("from"):
             try:
@@ -3016,7 +3020,7 @@ def create_app(deps: Deps):
     @idempotent
     async def create_schedule():
         raw = body_object(await body_json())
-        definition = await definition_from(raw.get("definition"))
+        definition = await checked_definition(deps, raw.get("definition"))
         check_confirmation(definition, raw.get("confirmation"))
         response = await commit_idempotent(store.create_schedule, definition, deps.clock.now(),
                                            status=201, headers=etag)
@@ -3041,7 +3045,7 @@ def create_app(deps: Deps):
         current = await deps.db(store.schedule_definition, schedule_id)
         if current["archived"]:
             raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
-        definition = await definition_from(merge_changes(current["definition"], raw.get("changes")),
+        definition = await checked_definition(deps, merge_changes(current["definition"], raw.get("changes")),
                                            current["definition"])
         check_confirmation(definition, raw.get("confirmation"))
         response = await commit_idempotent(store.update_schedule, schedule_id, revision, definition,
@@ -3056,10 +3060,7 @@ def create_app(deps: Deps):
         action = body_object(await body_json()).get("action")
         if action == "fire":
             response = await commit_idempotent(store.fire_manual, schedule_id, revision, deps.clock.now())
-            fired = json.loads(await response.get_data())
-            if fired["outcome"] == "admitted":
-                await resolve_new_runs(deps, [fired["run_id"]])
-                deps.claim_wake.poke()
+            await after_fire(deps, json.loads(await response.get_data()))
             return response
         if action not in ("enable", "pause", "resume", "archive"):
             raise invalid("action", "must be enable, pause, resume, fire or archive")
@@ -3112,16 +3113,11 @@ def create_app(deps: Deps):
         action = body_object(await body_json()).get("action")
         if action not in ("cancel", "pause", "resume"):
             raise invalid("action", "must be cancel, pause or resume")
-        live = deps.live.get(run_id)
-        if action == "pause" and (live is None or live.pid is None):
+        if action == "pause" and not pausable(deps, run_id):
             await deps.db(store.get_run, run_id)   # 404 for an unknown run
             raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
         response = await commit_idempotent(store.control_run, run_id, action, deps.clock.now())
-        if live is not None and action == "cancel":
-            live.cancel()
-        elif live is not None and action == "pause":
-            live.pause()
-        deps.claim_wake.poke()   # pause frees a slot; resume asks for one
+        signal_run(deps, run_id, action)
         return response
 
     @app.post("/v1/outpost/dispatches")
