@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import signal
@@ -10,6 +12,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,18 +31,39 @@ def git(repo: Path, *args: str) -> str:
                           text=True).stdout.strip()
 
 
+def make_repo(path: Path, symlinks: dict[str, Path] | None = None) -> Path:
+    """A real git repository at ``path``: one commit on ``main`` with ``README``, ``sub/keep``
+    and the given symlinks (name -> target)."""
+    path.mkdir(parents=True)
+    git(path, "init", "-q", "-b", "main")
+    (path / "README").write_text("hello\n")
+    (path / "sub").mkdir()
+    (path / "sub" / "keep").write_text("x\n")
+    for name, target in (symlinks or {}).items():
+        os.symlink(target, path / name)
+    git(path, "add", "-A")
+    git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    return path
+
+
 @pytest.fixture
 def git_repo(tmp_path: Path) -> Path:
-    """A real git repository with one commit on ``main`` and a ``sub/`` folder."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
-    (repo / "README").write_text("hello\n")
-    (repo / "sub").mkdir()
-    (repo / "sub" / "keep").write_text("x\n")
-    git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
-    return repo
+    return make_repo(tmp_path / "repo")
+
+
+@dataclasses.dataclass
+class Reply:
+    """An HTTP answer reduced to what assertions look at (in-process or real server)."""
+    status: int
+    text: str
+    mimetype: str
+    headers: Any
+
+    @property
+    def body(self) -> Any:
+        if self.mimetype in ("application/json", "application/problem+json"):
+            return json.loads(self.text)
+        return self.text
 
 
 def definition(repo: Path | str, **overrides) -> dict:
@@ -145,4 +169,4 @@ def wait_for(predicate, timeout_s: float = 20, interval_s: float = 0.05):
     raise AssertionError(f"condition not met within {timeout_s} s")
 
 
-__all__ = ["T0", "definition", "normalized", "git", "wait_for", "trio"]
+__all__ = ["T0", "Reply", "definition", "make_repo", "normalized", "git", "wait_for", "trio"]

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import Server, git, wait_for
+from conftest import Reply, Server, make_repo, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,29 +38,6 @@ SETTLED = ("succeeded", "failed", "needs_you", "cancelled")
 
 
 
-def make_repo(path: Path, symlinks: dict[str, Path] | None = None) -> Path:
-    path.mkdir(parents=True)
-    git(path, "init", "-q", "-b", "main")
-    (path / "README").write_text("hello\n")
-    (path / "sub").mkdir()
-    (path / "sub" / "keep").write_text("x\n")
-    for name, target in (symlinks or {}).items():
-        os.symlink(target, path / name)
-    git(path, "add", "-A")
-    git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
-    return path
-
-
-@dataclass
-class Reply:
-    status: int
-    text: str
-    mimetype: str
-    headers: Any
-
-    @property
-    def body(self) -> Any:
-        return json.loads(self.text) if self.mimetype in ("application/json", PROBLEM) else self.text
 
 
 class Adv:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import Server, git, wait_for
+from conftest import Reply, Server, make_repo, wait_for
 
 import outpost
 
@@ -42,30 +42,11 @@ SETTLED = ("succeeded", "failed", "needs_you", "cancelled")
 REQUEST_TIMEOUT_S = 10
 
 
-def make_repo(path: Path) -> Path:
-    path.mkdir(parents=True)
-    git(path, "init", "-q", "-b", "main")
-    (path / "README").write_text("hello\n")
-    git(path, "add", "-A")
-    git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
-    return path
-
 
 def csp_ok(headers) -> bool:
     policy = headers.get("Content-Security-Policy", "")
     return "frame-ancestors 'none'" in policy and "default-src 'self'" in policy
 
-
-@dataclass
-class Reply:
-    status: int
-    text: str
-    mimetype: str
-    headers: Any
-
-    @property
-    def body(self) -> Any:
-        return json.loads(self.text)
 
 
 class Web:
