@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,31 @@ def test_pages_fit_a_phone(page, server):
         width = page.evaluate("document.documentElement.scrollWidth")
         assert width <= 400, f"{path} scrolls sideways on a phone ({width}px)"
         shot(page, name)
+
+
+def test_live_updates_resume_after_the_daemon_restarts(browser, repo, tmp_path_factory):
+    """The page keeps its event stream across a daemon restart: new runs appear without a reload."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    data_dir = tmp_path_factory.mktemp("restart") / "data"
+    first = Server(data_dir, ("--port", str(port))).start()
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    try:
+        sign_in(page, first)
+        page.goto(first.url + "/runs")
+        assert page.query_selector("#runs-empty") is not None
+        page.evaluate("window.__notReloaded = true")
+        assert first.stop() == 0
+        second = Server(data_dir, ("--port", str(port))).start()
+        try:
+            with second.client() as api:
+                api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": "after-restart"},
+                         json={"brief": "@print back", "repository": str(repo)}).raise_for_status()
+            sync_api.expect(page.locator("#runs-table")).to_contain_text("succeeded", timeout=20_000)
+            assert page.evaluate("window.__notReloaded") is True, "the page reloaded instead of reconnecting"
+        finally:
+            second.stop()
+    finally:
+        context.close()
