@@ -62,6 +62,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import secrets
 import signal
@@ -145,7 +146,19 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: Author of the commit that saves what an agent left uncommitted.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 3      # 2: dashboard sessions and one-time sign-in codes; 3: Run(schedule, id) index
+SCHEMA_VERSION = 4      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office
+#: The workspace Office resources belong to unless a request names another.
+DEFAULT_WORKSPACE = "ws_default"
+#: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
+COALESCING_WINDOW_S = 5
+#: Wakeups the dispatcher takes through the pipeline in one transaction.
+DISPATCH_BATCH = 200
+#: Share of an agent's run budget at which its coordinators get a budget_alert wakeup.
+BUDGET_ALERT_PCT = 80
+#: Time limit of an Office run whose agent profile names none.
+OFFICE_RUN_TIMEOUT_S = 3600
+#: Comments of its task an Office prompt shows (the newest).
+PROMPT_COMMENTS = 10
 
 
 ###############################################################################
@@ -155,12 +168,15 @@ SCHEMA_VERSION = 3      # 2: dashboard sessions and one-time sign-in codes; 3: R
 @dataclasses.dataclass(frozen=True, slots=True)
 class AgentProfile:
     """How to start one kind of agent. ``command`` items may hold {prompt}, {model}, {run_id};
-    ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says."""
+    ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says.
+    ``resume`` (optional) is the command that continues an earlier session: it may also hold
+    {session_id}, the ``session_id`` the agent printed in its last JSON object."""
     name: str
     command: tuple[str, ...]
     timeout_seconds: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
+    resume: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,8 +203,8 @@ def default_data_dir() -> Path:
 
 def demo_profile() -> AgentProfile:
     """The built-in profile: this very file's simulated agent (section 6)."""
-    return AgentProfile("demo", (sys.executable, str(Path(__file__).resolve()), "demo-agent"),
-                        timeout_seconds=600)
+    command = (sys.executable, str(Path(__file__).resolve()), "demo-agent")
+    return AgentProfile("demo", command, timeout_seconds=600, resume=(*command, "--resume", "{session_id}"))
 
 
 class ConfigError(Exception):
@@ -214,10 +230,13 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
         env = spec.get("env", {})
         if not isinstance(env, dict):
             raise ConfigError(f"{path}: agents.{name}.env must be a table")
+        resume = spec.get("resume", [])
+        if not (isinstance(resume, list) and all(isinstance(c, str) for c in resume)):
+            raise ConfigError(f"{path}: agents.{name}.resume must be a list of strings")
         profile = AgentProfile(
             name, tuple(command), spec.get("timeout_seconds"),
             tuple((str(k), str(v)) for k, v in env.items()),
-            tuple(spec.get("pass_env", DEFAULT_PASS_ENV)))
+            tuple(spec.get("pass_env", DEFAULT_PASS_ENV)), tuple(resume))
         agents = [a for a in agents if a.name != name] + [profile]
     env_port = os.environ.get("OUTPOST_PORT")
     limit = max_running if max_running is not None else settings.get("max_running", DEFAULT_MAX_RUNNING)
@@ -275,6 +294,10 @@ class OutpostError(Exception):
 
 class Unauthorized(OutpostError):
     status, code, title = 401, "unauthorized", "Missing or wrong API token"
+
+
+class Forbidden(OutpostError):
+    status, code, title = 403, "forbidden", "Not allowed for this caller"
 
 
 class ForbiddenHost(OutpostError):
@@ -847,14 +870,28 @@ def catch_up_note(missed_count: int, since: datetime, tz: ZoneInfo) -> str:
             f"occurrence{'s' if missed_count != 1 else ''} since {since.astimezone(tz):%Y-%m-%d %H:%M %Z}.)")
 
 
-def fill_command(template: Iterable[str], prompt: str, model: str | None, run_id: str) -> tuple[list[str], bool]:
+def fill_command(template: Iterable[str], prompt: str, model: str | None, run_id: str,
+                 session_id: str | None = None) -> tuple[list[str], bool]:
     """The argv of an agent, and whether the prompt goes on stdin (no ``{prompt}`` in it)."""
-    values = {"prompt": prompt, "model": model or "", "run_id": run_id}
+    values = {"prompt": prompt, "model": model or "", "run_id": run_id, "session_id": session_id or ""}
     argv, uses_prompt = [], False
     for item in template:
         uses_prompt |= "{prompt}" in item
-        argv.append(re.sub(r"\{(prompt|model|run_id)\}", lambda m: values[m[1]], item))
+        argv.append(re.sub(r"\{(prompt|model|run_id|session_id)\}", lambda m: values[m[1]], item))
     return argv, not uses_prompt
+
+
+def run_token(key: bytes, run_id: str) -> str:
+    """The run-scoped token an Office agent acts with: its run id, signed. Nothing is stored;
+    it is honoured only while that run is running (see Store.run_agent_context)."""
+    return f"{run_id}.{hmac.new(key, run_id.encode(), hashlib.sha256).hexdigest()}"
+
+
+def run_of_token(key: bytes, token: str) -> str | None:
+    run_id, _, signature = token.partition(".")
+    if not run_id or not hmac.compare_digest(token.encode(), run_token(key, run_id).encode()):
+        return None
+    return run_id
 
 
 def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dict[str, str]:
@@ -913,7 +950,7 @@ def run_outcome(exit_code: int | None, result: dict[str, Any] | None, stderr_tai
 def attention_kinds(notify: str, status: RunStatus, commits: int) -> list[str]:
     """Attention items one settled run raises under a notify policy (API.md 5.6)."""
     if status == RunStatus.FAILED:
-        return ["failed"]
+        return [] if notify == "wakeup" else ["failed"]   # an Office failure is retried, then escalated
     if status == RunStatus.NEEDS_YOU:
         return ["needs_you"]
     if status != RunStatus.SUCCEEDED:
@@ -957,6 +994,555 @@ def parse_if_match(value: str | None) -> int:
     return revision
 
 
+# --- Office: agents, tasks and the wakeup queue (office-scheduler spec) ------------------------
+
+class WakeupSource(enum.StrEnum):
+    ROUTINE = "routine"
+    COMMENT = "comment"
+    AGENT_ERROR = "agent_error"
+    SELF = "self"
+    USER = "user"
+    TASK_ASSIGNED = "task_assigned"
+    TASK_BLOCKERS_RESOLVED = "task_blockers_resolved"
+    TASK_CHILDREN_COMPLETED = "task_children_completed"
+    APPROVAL_RESOLVED = "approval_resolved"
+    BUDGET_ALERT = "budget_alert"
+
+
+class WakeupStatus(enum.StrEnum):
+    QUEUED = "queued"          # waiting; with scheduled_retry_at it is a scheduled retry
+    CLAIMED = "claimed"        # the dispatcher took it; its run is queued or running
+    COALESCED = "coalesced"    # merged into another wakeup's run
+    SKIPPED = "skipped"        # checkout lost or budget exhausted: no run, no retry
+    FINISHED = "finished"
+    FAILED = "failed"          # retries exhausted, escalated
+    CANCELLED = "cancelled"    # stale: see CancelReason
+
+
+class CancelReason(enum.StrEnum):
+    TASK_NOT_FOUND = "task_not_found"
+    ASSIGNEE_CHANGED = "assignee_changed"
+    TASK_TERMINAL = "task_terminal"
+    REVIEW_PARTICIPANT_CHANGED = "review_participant_changed"
+    RETRY_STALE_ASSIGNEE = "retry_stale_assignee"
+    RETRY_TASK_CANCELLED = "retry_task_cancelled"
+
+
+class TaskState(enum.StrEnum):
+    TODO = "TODO"
+    IN_PROGRESS = "IN_PROGRESS"
+    IN_REVIEW = "IN_REVIEW"
+    DONE = "DONE"
+    CANCELLED = "CANCELLED"
+
+
+TERMINAL_TASK_STATES = (TaskState.DONE, TaskState.CANCELLED)
+#: Tasks that give an agent something to do (the idle skip counts these).
+ACTIONABLE_TASK_STATES = (TaskState.TODO, TaskState.IN_PROGRESS)
+AGENT_ROLES = ("coordinator", "worker", "specialist", "assistant")
+AGENT_STATUSES = ("idle", "working", "paused", "stopped")
+#: Coordinators wake to coordinate, not to work a task, so their idle wakes are never skipped.
+SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, "assistant": True}
+#: Workflows of a task: only office (and routine) tasks wake agents; kanban tasks are the user's own.
+TASK_WORKFLOWS = ("office", "kanban")
+#: Wakeup reason of a reviewer woken by a move to In Review (its staleness follows the reviewers).
+REVIEW_REASON = "review_requested"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoutinePayload:
+    routine_id: str
+    variables: dict[str, Any] = dataclasses.field(default_factory=dict)
+    missed_ticks: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommentPayload:
+    task_id: str
+    comment_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AgentErrorPayload:
+    agent_profile_id: str
+    run_id: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SelfPayload:
+    reason: str
+    payload: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UserPayload:
+    user_id: str
+    context: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskAssignedPayload:
+    task_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskBlockersResolvedPayload:
+    task_id: str
+    resolved_blocker_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskChildrenCompletedPayload:
+    task_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ApprovalResolvedPayload:
+    approval_id: str
+    status: str
+    decision_note: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BudgetAlertPayload:
+    agent_instance_id: str
+    budget_pct: int
+
+
+WAKEUP_PAYLOADS: dict[WakeupSource, type] = {
+    WakeupSource.ROUTINE: RoutinePayload, WakeupSource.COMMENT: CommentPayload,
+    WakeupSource.AGENT_ERROR: AgentErrorPayload, WakeupSource.SELF: SelfPayload, WakeupSource.USER: UserPayload,
+    WakeupSource.TASK_ASSIGNED: TaskAssignedPayload,
+    WakeupSource.TASK_BLOCKERS_RESOLVED: TaskBlockersResolvedPayload,
+    WakeupSource.TASK_CHILDREN_COMPLETED: TaskChildrenCompletedPayload,
+    WakeupSource.APPROVAL_RESOLVED: ApprovalResolvedPayload, WakeupSource.BUDGET_ALERT: BudgetAlertPayload,
+}
+
+
+def wakeup_payload(source: str, raw: Any):
+    """The typed payload of one source, checked at the boundary: unknown or missing keys and
+    wrong types are a ValueError naming them."""
+    cls = WAKEUP_PAYLOADS[WakeupSource(source)]
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source} payload must be an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise ValueError(f"{source} payload has unknown keys: {', '.join(sorted(unknown))}")
+    hints = {"str": str, "int": int, "dict[str, Any]": dict, "list[str]": list,
+             "dict[str, Any] | None": (dict, type(None)), "str | None": (str, type(None))}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{source} payload needs {name}")
+            continue
+        value = raw[name]
+        if not isinstance(value, hints[f.type]) or isinstance(value, bool):
+            raise ValueError(f"{source} payload: {name} has the wrong type")
+    return cls(**raw)
+
+
+def payload_task_id(payload: dict[str, Any]) -> str | None:
+    """The task a wakeup is about (its scope); None for a taskless wakeup."""
+    task_id = payload.get("task_id")
+    return task_id if isinstance(task_id, str) and task_id else None
+
+
+def wakeup_idempotency_key(source: str, payload: dict[str, Any], agent_id: str) -> str | None:
+    """Source-level dedup keys (spec "Coalescing", layer 1). None: every request counts."""
+    match source:
+        case WakeupSource.COMMENT:
+            return f"comment:{payload['comment_id']}"
+        case WakeupSource.TASK_ASSIGNED:
+            return f"task_assigned:{payload['task_id']}:{agent_id}"
+        case WakeupSource.TASK_BLOCKERS_RESOLVED:
+            return f"task_blockers_resolved:{payload['task_id']}:{','.join(sorted(payload['resolved_blocker_ids']))}"
+        case WakeupSource.APPROVAL_RESOLVED:
+            return f"approval_resolved:{payload['approval_id']}"
+        case WakeupSource.AGENT_ERROR:
+            return f"agent_error:{payload['run_id']}:{agent_id}"
+    return None
+
+
+def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) -> str:
+    return f"routine:{routine_id}:{trigger_id}:{int(due_at.timestamp()) // 60}"
+
+
+#: Merged wakeups a context snapshot keeps in full; older ones are only counted.
+SNAPSHOT_KEEP = 20
+
+
+def merge_context(snapshot: dict[str, Any], source: str, reason: str, payload: dict[str, Any],
+                  requested_at: datetime) -> dict[str, Any]:
+    """Claim-time merge: a coalesced wakeup's payload joins the in-flight one's context."""
+    wakeups = [*snapshot.get("wakeups", []),
+               {"source": source, "reason": reason, "payload": payload, "requested_at": rfc3339(requested_at)}]
+    dropped = snapshot.get("dropped", 0) + max(0, len(wakeups) - SNAPSHOT_KEEP)
+    merged = {**snapshot, "wakeups": wakeups[-SNAPSHOT_KEEP:]}
+    if dropped:
+        merged["dropped"] = dropped
+    return merged
+
+
+def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool) -> CancelReason | None:
+    """The staleness check: is the task scope of a wakeup still this agent's to act on?"""
+    if task is None:
+        return CancelReason.TASK_NOT_FOUND
+    terminal = task["state"] in TERMINAL_TASK_STATES or task["archived_at"] is not None
+    if review:
+        if terminal:
+            return CancelReason.TASK_TERMINAL
+        if task["state"] != TaskState.IN_REVIEW or agent_id not in task["reviewers"]:
+            return CancelReason.REVIEW_PARTICIPANT_CHANGED
+        return None
+    if task["assignee_agent_id"] != agent_id:
+        return CancelReason.ASSIGNEE_CHANGED
+    return CancelReason.TASK_TERMINAL if terminal else None
+
+
+def retry_stale_reason(task: dict[str, Any] | None, agent_id: str) -> CancelReason | None:
+    """Retry promotion: a scheduled retry is dropped once its task changed hands or was cancelled."""
+    if task is None or task["state"] == TaskState.CANCELLED:
+        return CancelReason.RETRY_TASK_CANCELLED
+    if task["assignee_agent_id"] != agent_id:
+        return CancelReason.RETRY_STALE_ASSIGNEE
+    return None
+
+
+def idle_skip_applies(source: str, payload: dict[str, Any], skip_idle_wakeups: bool, actionable: int) -> bool:
+    """Only a periodic (lightweight routine) wake is skippable; event wakes always proceed."""
+    return (source == WakeupSource.ROUTINE and payload_task_id(payload) is None
+            and skip_idle_wakeups and actionable == 0)
+
+
+def is_office_task(workflow: str, project_id: str | None) -> bool:
+    """Office identity: a task on the office workflow or in a project; an ordinary kanban
+    task with an assignee wakes nobody."""
+    return workflow != "kanban" or bool(project_id)
+
+
+def resolve_executor(task_override: str | None, agent_preference: str | None, project_executor: str | None,
+                     workspace_default: str | None) -> str | None:
+    """Executor resolution at launch: task override -> agent -> project -> workspace default."""
+    return task_override or agent_preference or project_executor or workspace_default
+
+
+# --- Office: failures, retries and rate limits ----------------------------------------------
+
+#: Backoff of a failed wakeup's retries (spec: 2m, 10m, 30m, 2h), each +-25% jitter.
+RETRY_BACKOFF_S = (120, 600, 1800, 7200)
+RETRY_JITTER = 0.25
+#: Failed attempts retried before a wakeup is escalated to the coordinator.
+MAX_RETRY_COUNT = 4
+#: Added to a parsed rate-limit reset time.
+RATE_LIMIT_BUFFER_S = 30
+RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "429", "too many requests", "quota exceeded")
+
+
+def is_rate_limit(error: str) -> bool:
+    text = error.lower()
+    return any(word in text for word in RATE_LIMIT_WORDS)
+
+
+def parse_rate_limit_reset(error: str, now: datetime) -> datetime | None:
+    """The reset instant a rate-limit message names, plus the 30 s buffer; None when no
+    pattern matches or the instant is already past."""
+    reset = None
+    if m := re.search(r"resets at (\d{1,2}):(\d{2})\s*([AaPp][Mm])?(?:\s+([A-Za-z_]+(?:/[A-Za-z_]+)*))?", error):
+        hour, minute = int(m[1]), int(m[2])
+        if m[3]:
+            hour = hour % 12 + (12 if m[3].lower() == "pm" else 0)
+        try:
+            tz = ZoneInfo(m[4]) if m[4] else UTC
+        except (ZoneInfoNotFoundError, ValueError):
+            tz = UTC
+        if hour < 24 and minute < 60:
+            local = now.astimezone(tz)
+            reset = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+            if reset <= local:
+                reset += timedelta(days=1)   # the next occurrence of that wall-clock time
+    elif m := re.search(r"retry-after:\s*(\d{1,9})", error, re.IGNORECASE):
+        reset = now + timedelta(seconds=int(m[1]))
+    elif m := re.search(r"try again in (\d{1,9}(?:\.\d+)?)\s*(second|sec|s|minute|min|m|hour|h)\w*\b",
+                        error, re.IGNORECASE):
+        unit = m[2].lower()
+        scale = 3600 if unit.startswith("h") else 60 if unit.startswith("m") else 1
+        reset = now + timedelta(seconds=float(m[1]) * scale)
+    elif m := re.search(r"reset_time\W{0,3}(\d{9,11})", error, re.IGNORECASE):
+        reset = datetime.fromtimestamp(int(m[1]), UTC)
+    if reset is None:
+        return None
+    reset = reset.astimezone(UTC) + timedelta(seconds=RATE_LIMIT_BUFFER_S)
+    return reset if reset > now else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetryPlan:
+    retry_count: int
+    retry_at: datetime | None      # None: retries exhausted, escalate
+    source: str                    # rate_limit_parsed | backoff | escalated
+
+
+def plan_retry(error: str, retry_count: int, now: datetime, jitter: float) -> RetryPlan:
+    """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]."""
+    count = retry_count + 1
+    if count > MAX_RETRY_COUNT:
+        return RetryPlan(count, None, "escalated")
+    if is_rate_limit(error) and (reset := parse_rate_limit_reset(error, now)) is not None:
+        return RetryPlan(count, reset, "rate_limit_parsed")
+    delay = RETRY_BACKOFF_S[count - 1] * (1 + RETRY_JITTER * max(-1.0, min(1.0, jitter)))
+    return RetryPlan(count, now + timedelta(seconds=delay), "backoff")
+
+
+# --- Office: prompts and the continuation summary --------------------------------------------
+
+#: Characters of the continuation summary placed in a prompt.
+SUMMARY_PROMPT_CHARS = 1500
+#: Largest continuation summary kept.
+SUMMARY_MAX_BYTES = 8 * 1024
+#: Decisions the summary remembers, and blockers it lists (lines are capped at 300 chars: < 8 KB).
+SUMMARY_DECISIONS = 5
+SUMMARY_BLOCKERS = 15
+WAKE_WORDS = {
+    "routine": "a routine fired", "comment": "a new comment on your task", "agent_error": "an agent's work failed",
+    "self": "you asked to be woken", "user": "the user woke you", "task_assigned": "a task was assigned to you",
+    "task_blockers_resolved": "the blockers of your task are done",
+    "task_children_completed": "every subtask of your task is finished",
+    "approval_resolved": "an approval you asked for was resolved", "budget_alert": "an agent is near its budget",
+}
+
+
+def wake_line(source: str, reason: str, payload: dict[str, Any]) -> str:
+    detail = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in payload.items()
+                       if v not in (None, "", {}))
+    label = WAKE_WORDS.get(source, source) + (f" ({reason})" if reason and reason != source else "")
+    return f"- {source}: {label}" + (f"; {detail}" if detail else "")
+
+
+def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], task: dict[str, Any] | None,
+                    comments: list[dict[str, Any]], blockers: list[dict[str, Any]], summary: str,
+                    resume: bool, dropped: int = 0) -> str:
+    """What the agent reads: why it woke, the task and its new comments, the summary slice.
+    A resumed session already holds the instructions, so it gets only this delta."""
+    parts = []
+    if not resume:
+        parts.append(f"You are {agent['name']}, a {agent['role']} agent woken by Outpost Office.")
+        if agent.get("instructions"):
+            parts.append(agent["instructions"])
+    parts.append("## Why you woke" + ("" if not resume else " (since your last run)"))
+    parts += [wake_line(w["source"], w["reason"], w["payload"]) for w in wakeups]
+    if dropped:
+        parts.append(f"- ... and {dropped} earlier wake reasons")
+    if task is not None:
+        parts.append(f"## Task {task['id']}: {task['title']}\nState: {task['state']}")
+        if not resume and task["description"]:
+            parts.append(task["description"])
+        if blockers:
+            parts.append("Blocked by: " + ", ".join(f"{b['id']} ({b['state']})" for b in blockers))
+    if comments:
+        parts.append("## " + ("New comments" if resume else "Comments"))
+        parts += [f"{c['author']} at {c['created_at']}:\n{c['body']}" for c in comments]
+    if summary:
+        parts.append("## Continuation summary\n" + summary[:SUMMARY_PROMPT_CHARS])
+    if not resume:
+        parts.append("## Acting on Outpost\nYour run token is in $OUTPOST_RUN_TOKEN and the API in $OUTPOST_API_URL: "
+                     "POST /api/agent/comments, /api/agent/tasks/<id>/move, /api/agent/tasks, "
+                     "/api/agent/approvals and /api/agent/wake (Authorization: Bearer $OUTPOST_RUN_TOKEN).")
+    return "\n\n".join(parts) + "\n"
+
+
+def result_text(result: dict[str, Any] | None) -> str | None:
+    """The summary builder's fallback chain: summary -> result -> message -> error."""
+    for key in ("summary", "result", "message", "error"):
+        value = (result or {}).get(key)
+        if isinstance(value, str) and value.strip():
+            return " ".join(value.split())
+    return None
+
+
+def _section(markdown: str, title: str) -> list[str]:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", markdown, re.MULTILINE | re.DOTALL)
+    return [line for line in (m[1].strip().splitlines() if m else []) if line.strip()]
+
+
+def build_summary(previous: str, result: dict[str, Any] | None, stats: dict[str, int],
+                  blockers: list[str], now: datetime) -> str:
+    """The continuation summary, composed deterministically from structured inputs (the
+    same inputs give the same text): four markdown sections, capped at 8 KB."""
+    focus = (f"{stats.get('open_tasks', 0)} open tasks ({stats.get('in_progress', 0)} in progress, "
+             f"{stats.get('in_review', 0)} in review); {stats.get('failed_runs', 0)} failed runs and "
+             f"{stats.get('escalations', 0)} agent errors in the last 24 h.")
+    decisions = [line for line in _section(previous, "Recent decisions") if line.startswith("- ")]
+    text = result_text(result)
+    if text:
+        decisions.append(f"- {now.date().isoformat()}: {text[:300]}")
+    decisions = decisions[-SUMMARY_DECISIONS:]
+    if stats.get("escalations"):
+        next_action = "Look into the agent errors and reassign or retry the failed work."
+    elif blockers:
+        next_action = "Unblock the blocked tasks above."
+    elif stats.get("in_review"):
+        next_action = "Follow up on the tasks waiting in review."
+    else:
+        next_action = "Continue monitoring."
+    shown = [f"- {b[:300]}" for b in blockers[:SUMMARY_BLOCKERS]] or ["None."]
+    if len(blockers) > SUMMARY_BLOCKERS:
+        shown.append(f"- ... and {len(blockers) - SUMMARY_BLOCKERS} more")
+    body = ["## Active focus", focus, "", "## Open blockers", *shown,
+            "", "## Recent decisions", *(decisions or ["- None yet."]), "", "## Next action", next_action]
+    return ("\n".join(body) + "\n").encode()[:SUMMARY_MAX_BYTES].decode(errors="ignore")
+
+
+# --- Office: checking what the API is given ----------------------------------------------------
+
+AGENT_FIELDS = ("workspace_id", "name", "role", "status", "executor", "instructions", "max_concurrent_sessions",
+                "cooldown_sec", "skip_idle_wakeups", "budget_runs_per_day")
+TASK_FIELDS = ("workspace_id", "title", "description", "state", "assignee_agent_id", "parent_id", "blocked_by",
+               "requires_approval", "reviewers", "project_id", "workflow", "executor", "archived")
+SETTINGS_FIELDS = ("name", "timezone", "repository", "source_ref", "default_executor",
+                   "recovery_lookback_hours", "budget_runs_per_day")
+#: recovery_lookback_hours is clamped into this range on write (spec: 1-720).
+LOOKBACK_HOURS = (1, 720)
+
+
+def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise invalid(sorted(unknown)[0], f"is not a field of {what}")
+
+
+def _optional_name(raw: dict, key: str, allowed: Iterable[str], what: str) -> str | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    allowed = set(allowed)
+    if not isinstance(value, str) or value not in allowed:
+        raise invalid(key, f"no {what} named {str(value)[:60]!r}; known: {', '.join(sorted(allowed))}")
+    return value
+
+
+def _ids(raw: dict, key: str, limit: int = 50) -> list[str]:
+    value = raw.get(key) or []
+    if not isinstance(value, list) or len(value) > limit or not all(isinstance(v, str) and v for v in value):
+        raise invalid(key, f"must be a list of at most {limit} ids")
+    return list(dict.fromkeys(value))
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise invalid(key, "must be true or false")
+    return value
+
+
+def _optional_int(raw: dict, key: str, lo: int, hi: int) -> int | None:
+    return None if raw.get(key) is None else _int(raw[key], key, lo, hi)
+
+
+def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An agent's fields with their defaults (role defaults for skip_idle_wakeups). With
+    ``current`` it is an edit: only the fields given change."""
+    if not isinstance(raw, dict):
+        raise invalid("body", "must be a JSON object")
+    _check_unicode(raw, "")
+    _unknown(raw, AGENT_FIELDS, "an agent")
+    if current is not None and "workspace_id" in raw:
+        raise invalid("workspace_id", "an agent cannot move to another workspace")
+    merged = {**(current or {}), **raw}
+    a: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
+    if not a["name"]:
+        raise invalid("name", "must not be blank")
+    role = merged.get("role", "worker")
+    role = "coordinator" if role == "ceo" else role
+    if role not in AGENT_ROLES:
+        raise invalid("role", "must be " + ", ".join(AGENT_ROLES) + " (or ceo)")
+    a["role"] = role
+    status = merged.get("status", "idle")
+    if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
+        raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
+    a["status"] = status
+    a["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
+    a["instructions"] = _text(merged, "instructions", 0, 20000, "") if merged.get("instructions") else None
+    a["max_concurrent_sessions"] = _int(merged.get("max_concurrent_sessions", 1), "max_concurrent_sessions", 1, 16)
+    a["cooldown_sec"] = _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, 86400)
+    a["skip_idle_wakeups"] = _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role])
+    a["budget_runs_per_day"] = _optional_int(merged, "budget_runs_per_day", 1, 100000)
+    return a
+
+
+def normalize_task(raw: Any, *, profiles: Iterable[str], current: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A task's fields with their defaults; with ``current``, an edit (state moves through /move)."""
+    if not isinstance(raw, dict):
+        raise invalid("body", "must be a JSON object")
+    _check_unicode(raw, "")
+    _unknown(raw, TASK_FIELDS, "a task")
+    if current is not None:
+        for key in ("workspace_id", "state", "parent_id", "workflow"):
+            if key in raw:
+                raise invalid(key, "cannot be changed by an edit" + (" (POST .../move)" if key == "state" else ""))
+    merged = {**(current or {}), **raw}
+    t: dict[str, Any] = {"title": _text(merged, "title", 1, 200, single_line=True).strip()}
+    if not t["title"]:
+        raise invalid("title", "must not be blank")
+    t["description"] = _text(merged, "description", 0, 100_000, "")
+    state = merged.get("state", TaskState.TODO)
+    if state not in (TaskState.TODO, TaskState.IN_PROGRESS) and current is None:
+        raise invalid("state", "a new task starts in TODO or IN_PROGRESS")
+    t["state"] = state
+    for key in ("assignee_agent_id", "parent_id", "project_id"):
+        value = merged.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise invalid(key, "must be an id or null")
+        t[key] = value
+    t["blocked_by"] = _ids(merged, "blocked_by")
+    t["reviewers"] = _ids(merged, "reviewers", 10)
+    t["requires_approval"] = _bool(merged, "requires_approval", False)
+    workflow = merged.get("workflow", "office")
+    if workflow not in TASK_WORKFLOWS:
+        raise invalid("workflow", "must be office or kanban")
+    t["workflow"] = workflow
+    t["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
+    if "archived" in raw:
+        t["archived"] = _bool(raw, "archived", False)
+    return t
+
+
+def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, Any]) -> dict[str, Any]:
+    """Workspace settings; recovery_lookback_hours is clamped to 1-720, not refused."""
+    if not isinstance(raw, dict):
+        raise invalid("body", "must be a JSON object")
+    _check_unicode(raw, "")
+    _unknown(raw, SETTINGS_FIELDS, "the workspace settings")
+    merged = {**current, **raw}
+    s = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
+    zone(merged.get("timezone", "UTC"), "timezone")
+    s["timezone"] = merged.get("timezone", "UTC")
+    repo = merged.get("repository")
+    if repo is not None:
+        repo = _text(merged, "repository", 1, 4096, single_line=True)
+        if not os.path.isabs(repo):
+            raise invalid("repository", "must be an absolute path")
+        repo = os.path.normpath(repo)
+    s["repository"] = repo
+    ref = _text(merged, "source_ref", 1, 255, "HEAD")
+    if ref.startswith("-") or any(c.isspace() or ord(c) < 32 for c in ref):
+        raise invalid("source_ref", "must be a branch, tag or commit (not starting with '-')")
+    s["source_ref"] = ref
+    s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
+    hours = merged.get("recovery_lookback_hours", 24)
+    if isinstance(hours, bool) or not isinstance(hours, int | float) or not math.isfinite(hours):
+        raise invalid("recovery_lookback_hours", "must be a number of hours")
+    s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
+    s["budget_runs_per_day"] = _optional_int(merged, "budget_runs_per_day", 1, 1_000_000)
+    return s
+
+
+def summary_scope(payload: dict[str, Any]) -> str:
+    """The continuation summary a taskless run reads and updates: one chain per routine."""
+    return f"routine:{payload['routine_id']}" if payload.get("routine_id") else "taskless"
+
+
 ###############################################################################
 # 5. Store: Pony entities on SQLite, migrations, synchronous db_session functions.
 ###############################################################################
@@ -968,6 +1554,11 @@ def naive(dt: datetime | None) -> datetime | None:
 
 def aware(dt: datetime | None) -> datetime | None:
     return dt.replace(tzinfo=UTC) if dt is not None else None
+
+
+def sql_instant(value: str | datetime) -> datetime:
+    """An instant read by raw SQL (text in SQLite) as an aware datetime."""
+    return aware(datetime.fromisoformat(value) if isinstance(value, str) else value)
 
 
 def sql_time(dt: datetime) -> str:
@@ -1085,6 +1676,148 @@ def define_entities(db: orm.Database) -> None:
         body = Optional(orm.Json, nullable=True)
         created_at = Required(datetime, index=True)
 
+    # --- Office (office-scheduler spec): workspaces, agents, tasks, the wakeup queue ----------
+
+    class Workspace(db.Entity):
+        id = PrimaryKey(str)
+        name = Required(str, unique=True)
+        timezone = Required(str, default="UTC")
+        repository = Optional(str, nullable=True)          # where Office runs get their worktrees
+        source_ref = Required(str, default="HEAD")
+        default_executor = Optional(str, nullable=True)
+        recovery_lookback_hours = Required(int, default=24)
+        budget_runs_per_day = Optional(int)
+        created_at = Required(datetime)
+
+    class Project(db.Entity):
+        id = PrimaryKey(str)
+        workspace_id = Required(str, index=True)
+        name = Required(str)
+        repository = Optional(str, nullable=True)
+        executor = Optional(str, nullable=True)
+        created_at = Required(datetime)
+
+    class Agent(db.Entity):
+        id = PrimaryKey(str)
+        workspace_id = Required(str, index=True)
+        name = Required(str)
+        role = Required(str)
+        status = Required(str)                             # idle | working | paused | stopped
+        executor = Optional(str, nullable=True)            # agent profile name
+        instructions = Optional(str, nullable=True)
+        max_concurrent_sessions = Required(int, default=1)
+        cooldown_sec = Required(int, default=10)
+        skip_idle_wakeups = Required(bool)
+        budget_runs_per_day = Optional(int)
+        last_wakeup_finished_at = Optional(datetime)
+        created_at = Required(datetime)
+        updated_at = Required(datetime)
+
+    class Task(db.Entity):
+        id = PrimaryKey(str)
+        workspace_id = Required(str, index=True)
+        project_id = Optional(str, nullable=True)
+        workflow = Required(str, default="office")         # office | kanban (see is_office_task)
+        title = Required(str)
+        description = Optional(str, default="")
+        state = Required(str)
+        assignee_agent_id = Optional(str, nullable=True)
+        parent_id = Optional(str, nullable=True, index=True)
+        blocked_by = Optional(orm.Json)
+        requires_approval = Required(bool, default=False)
+        reviewers = Optional(orm.Json)
+        executor = Optional(str, nullable=True)
+        checkout_agent_id = Optional(str, nullable=True)   # the atomic checkout lock
+        checkout_at = Optional(datetime)
+        archived_at = Optional(datetime)
+        created_at = Required(datetime)
+        updated_at = Required(datetime)
+
+    class Comment(db.Entity):
+        id = PrimaryKey(str)
+        task_id = Required(str, index=True)
+        author_agent_id = Optional(str, nullable=True)     # None: the user
+        body = Required(str)
+        created_at = Required(datetime)
+
+    class Approval(db.Entity):
+        id = PrimaryKey(str)
+        workspace_id = Required(str, index=True)
+        task_id = Required(str)
+        requested_by_agent_id = Optional(str, nullable=True)
+        note = Optional(str, default="")
+        status = Required(str)                             # pending | approved | rejected
+        decision_note = Optional(str, default="")
+        created_at = Required(datetime)
+        resolved_at = Optional(datetime)
+
+    class Wakeup(db.Entity):
+        id = PrimaryKey(str)
+        workspace_id = Required(str)
+        agent_id = Required(str)
+        source = Required(str)
+        reason = Required(str)
+        payload = Required(orm.Json)
+        task_id = Optional(str, nullable=True)             # the scope: coalescing never crosses it
+        status = Required(str)
+        cancel_reason = Optional(str, nullable=True)
+        note = Optional(str, nullable=True)                # why a wakeup ended without a run
+        coalesced_count = Required(int, default=1)
+        coalesced_into = Optional(str, nullable=True)
+        idempotency_key = Optional(str, nullable=True)     # UNIQUE (SCHEMA_SQL 4)
+        retry_count = Required(int, default=0)
+        scheduled_retry_at = Optional(datetime)
+        wake_at = Optional(datetime)                       # a self-wake asked for later
+        context_snapshot = Required(orm.Json)
+        run_id = Optional(str, nullable=True)
+        last_error = Optional(str, nullable=True)
+        requested_at = Required(datetime)
+        claimed_at = Optional(datetime)
+        finished_at = Optional(datetime)
+
+    class OfficeRun(db.Entity):
+        """The Office facts of a run that a wakeup produced (the run itself is a Run)."""
+        run_id = PrimaryKey(str)
+        wakeup_id = Required(str)
+        agent_id = Required(str)
+        workspace_id = Required(str)
+        task_id = Optional(str, nullable=True)
+        assembled_prompt = Required(str)
+        summary_injected = Optional(str, default="")
+        context_snapshot = Required(orm.Json)
+        session_id = Optional(str, nullable=True)          # the session resumed, else the one it reported
+        resumed = Required(bool, default=False)
+        queued_at = Required(datetime)
+
+    class AgentSession(db.Entity):
+        """The agent CLI session of a (task, agent) pair, resumed by the next task-bound wakeup."""
+        agent_id = Required(str)
+        task_id = Required(str)
+        PrimaryKey(agent_id, task_id)
+        session_id = Required(str)
+        run_id = Required(str)
+        updated_at = Required(datetime)
+
+    class ContinuationSummary(db.Entity):
+        agent_id = Required(str)
+        scope = Required(str)                              # routine:<id>, or taskless
+        PrimaryKey(agent_id, scope)
+        content = Optional(str, default="")
+        content_tokens = Required(int, default=0)
+        updated_at = Required(datetime)
+        updated_by_run_id = Optional(str, default="")
+
+    class Activity(db.Entity):
+        id = PrimaryKey(int, auto=True)
+        workspace_id = Required(str)
+        code = Required(str)
+        agent_id = Optional(str, nullable=True)
+        task_id = Optional(str, nullable=True)
+        wakeup_id = Optional(str, nullable=True)
+        run_id = Optional(str, nullable=True)
+        data = Optional(orm.Json)
+        created_at = Required(datetime)
+
 
 #: SQL run once per schema version, after Pony created the tables that are missing
 #: (new entities). Constraints Pony cannot declare live here, so every rule is in the database.
@@ -1097,6 +1830,19 @@ SCHEMA_SQL = {
     ],
     3: [   # each schedule's newest run without reading all runs (the schedules page)
         'CREATE INDEX IF NOT EXISTS run_schedule_newest ON "Run"(schedule, id)',
+    ],
+    4: [   # Office: source-level dedup is a constraint; the claim query and the boards are indexed
+        'CREATE UNIQUE INDEX IF NOT EXISTS wakeup_idempotency ON "Wakeup"(idempotency_key) '
+        'WHERE idempotency_key IS NOT NULL',
+        'CREATE INDEX IF NOT EXISTS wakeup_queue ON "Wakeup"(status, requested_at)',
+        'CREATE INDEX IF NOT EXISTS wakeup_agent ON "Wakeup"(agent_id, status, requested_at)',
+        'CREATE INDEX IF NOT EXISTS wakeup_scope ON "Wakeup"(task_id, status)',
+        'CREATE INDEX IF NOT EXISTS wakeup_coalesced ON "Wakeup"(coalesced_into)',
+        'CREATE UNIQUE INDEX IF NOT EXISTS agent_name ON "Agent"(workspace_id, name)',
+        'CREATE INDEX IF NOT EXISTS task_assignee ON "Task"(assignee_agent_id, state)',
+        'CREATE INDEX IF NOT EXISTS office_run_agent ON "OfficeRun"(agent_id, queued_at)',
+        'CREATE INDEX IF NOT EXISTS office_run_workspace ON "OfficeRun"(workspace_id, queued_at)',
+        'CREATE INDEX IF NOT EXISTS activity_feed ON "Activity"(workspace_id, code, id)',
     ],
 }
 
@@ -1147,6 +1893,8 @@ class Store:
             self.db.execute(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION})")
             if not self.db.EventSequence.get(id=1):
                 self.db.EventSequence(id=1, value=0)
+            if not self.db.Workspace.get(id=DEFAULT_WORKSPACE):
+                self.db.Workspace(id=DEFAULT_WORKSPACE, name="Default", created_at=naive(datetime.now(UTC)))
 
     def close(self) -> None:
         self.db.disconnect()
@@ -1357,13 +2105,14 @@ class Store:
 
     def _queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
                    workdir: str, source_ref: str, limits: dict[str, Any], notify: str, now: datetime,
-                   due_at: datetime | None = None, missed_count: int = 0, occurrence_id: str | None = None):
+                   due_at: datetime | None = None, missed_count: int = 0, occurrence_id: str | None = None,
+                   label: str | None = None):
         rid = new_id("out")
         r = self.db.Run(id=rid, schedule=schedule, occurrence_id=occurrence_id, agent=agent, trigger=trigger,
                         due_at=naive(due_at), missed_count=missed_count, status=str(RunStatus.QUEUED),
                         prompt=prompt, repository=repository, workdir=workdir, source_ref=source_ref,
                         timeout_seconds=limits["timeout_seconds"], model=limits.get("model"),
-                        notify=notify, result_branch=result_branch(schedule.name if schedule else None, rid),
+                        notify=notify, result_branch=result_branch(schedule.name if schedule else label, rid),
                         queued_at=naive(now))
         self.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
                                  "trigger": trigger}, now)
@@ -1525,10 +2274,13 @@ class Store:
 
     def launch_info(self, run_id: str) -> dict[str, Any]:
         r = self.db.Run[run_id]
+        o = self.db.OfficeRun.get(run_id=run_id) if r.trigger == "wakeup" else None
         return {"id": r.id, "agent": r.agent, "prompt": r.prompt, "repository": r.repository,
                 "workdir": r.workdir, "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
                 "result_branch": r.result_branch, "timeout_seconds": r.timeout_seconds, "model": r.model,
-                "status": r.status, "pid": r.pid, "pid_started": r.pid_started}
+                "status": r.status, "pid": r.pid, "pid_started": r.pid_started,
+                "office": o is not None, "task_id": o.task_id if o else None,
+                "resume_session": o.session_id if o and o.resumed else None}
 
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None) -> None:
         r = self.db.Run[run_id]
@@ -1547,6 +2299,8 @@ class Store:
         r.resume_requested_at = None
         self.emit("run.settled", {"run_id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
                                   "status": str(status), "error": error}, now)
+        if r.trigger == "wakeup":
+            self._settle_office_run(r, status, now)
         return True
 
     def runs_in(self, statuses: Iterable[str]) -> list[str]:
@@ -1814,6 +2568,842 @@ class Store:
         self.db.execute('DELETE FROM "SigninCode" WHERE expires_at < $now', {"now": sql_time(now)})
         return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
 
+    # --- office: views ----------------------------------------------------------------------
+
+    @staticmethod
+    def agent_view(a) -> dict[str, Any]:
+        return {"id": a.id, "workspace_id": a.workspace_id, "name": a.name, "role": a.role, "status": a.status,
+                "executor": a.executor, "instructions": a.instructions,
+                "max_concurrent_sessions": a.max_concurrent_sessions, "cooldown_sec": a.cooldown_sec,
+                "skip_idle_wakeups": a.skip_idle_wakeups, "budget_runs_per_day": a.budget_runs_per_day,
+                "last_wakeup_finished_at": rfc3339(aware(a.last_wakeup_finished_at)),
+                "created_at": rfc3339(aware(a.created_at)), "updated_at": rfc3339(aware(a.updated_at))}
+
+    @staticmethod
+    def task_view(t) -> dict[str, Any]:
+        return {"id": t.id, "workspace_id": t.workspace_id, "title": t.title, "description": t.description,
+                "state": t.state, "assignee_agent_id": t.assignee_agent_id, "parent_id": t.parent_id,
+                "blocked_by": t.blocked_by or [], "requires_approval": t.requires_approval,
+                "reviewers": t.reviewers or [], "project_id": t.project_id, "workflow": t.workflow,
+                "executor": t.executor, "checkout_agent_id": t.checkout_agent_id,
+                "archived_at": rfc3339(aware(t.archived_at)), "created_at": rfc3339(aware(t.created_at)),
+                "updated_at": rfc3339(aware(t.updated_at))}
+
+    @staticmethod
+    def wakeup_view(w) -> dict[str, Any]:
+        return {"id": w.id, "workspace_id": w.workspace_id, "agent_id": w.agent_id, "source": w.source,
+                "reason": w.reason, "status": w.status, "cancel_reason": w.cancel_reason, "note": w.note,
+                "coalesced_count": w.coalesced_count, "coalesced_into": w.coalesced_into,
+                "retry_count": w.retry_count, "scheduled_retry_at": rfc3339(aware(w.scheduled_retry_at)),
+                "wake_at": rfc3339(aware(w.wake_at)), "idempotency_key": w.idempotency_key, "payload": w.payload,
+                "task_id": w.task_id, "run_id": w.run_id, "last_error": w.last_error,
+                "requested_at": rfc3339(aware(w.requested_at)), "claimed_at": rfc3339(aware(w.claimed_at)),
+                "finished_at": rfc3339(aware(w.finished_at))}
+
+    @staticmethod
+    def comment_view(c) -> dict[str, Any]:
+        return {"id": c.id, "task_id": c.task_id, "author_agent_id": c.author_agent_id, "body": c.body,
+                "created_at": rfc3339(aware(c.created_at))}
+
+    @staticmethod
+    def approval_view(a) -> dict[str, Any]:
+        return {"id": a.id, "workspace_id": a.workspace_id, "task_id": a.task_id,
+                "requested_by_agent_id": a.requested_by_agent_id, "note": a.note, "status": a.status,
+                "decision_note": a.decision_note, "created_at": rfc3339(aware(a.created_at)),
+                "resolved_at": rfc3339(aware(a.resolved_at))}
+
+    @staticmethod
+    def workspace_view(ws) -> dict[str, Any]:
+        return {"id": ws.id, "name": ws.name, "timezone": ws.timezone, "repository": ws.repository,
+                "source_ref": ws.source_ref, "default_executor": ws.default_executor,
+                "recovery_lookback_hours": ws.recovery_lookback_hours,
+                "budget_runs_per_day": ws.budget_runs_per_day}
+
+    @staticmethod
+    def activity_view(x) -> dict[str, Any]:
+        return {"id": x.id, "workspace_id": x.workspace_id, "code": x.code, "agent_id": x.agent_id,
+                "task_id": x.task_id, "wakeup_id": x.wakeup_id, "run_id": x.run_id, "data": x.data or {},
+                "created_at": rfc3339(aware(x.created_at))}
+
+    # --- office: workspaces, projects, agents ------------------------------------------------
+
+    def _workspace(self, workspace_id: str | None):
+        ws = self.db.Workspace.get(id=workspace_id or DEFAULT_WORKSPACE)
+        if ws is None:
+            raise NotFound(f"no workspace {workspace_id}")
+        return ws
+
+    def _in_workspace(self, entity_name: str, entity_id: str, workspace_id: str, field: str):
+        """An entity of the workspace, else a 422 naming the field: nothing crosses workspaces."""
+        row = getattr(self.db, entity_name).get(id=entity_id)
+        if row is None or row.workspace_id != workspace_id:
+            raise invalid(field, f"no {entity_name.lower()} {entity_id} in this workspace")
+        return row
+
+    def list_workspaces(self) -> list[dict[str, Any]]:
+        return [self.workspace_view(ws) for ws in self.db.Workspace.select().order_by(lambda ws: ws.created_at)]
+
+    def create_workspace(self, name: str, now: datetime) -> dict[str, Any]:
+        if self.db.Workspace.get(name=name):
+            raise Conflict(f"a workspace named {name!r} exists", errors=[{"field": "name", "message": "already used"}])
+        return self.workspace_view(self.db.Workspace(id=new_id("ws"), name=name, created_at=naive(now)))
+
+    def office_settings(self, workspace_id: str | None) -> dict[str, Any]:
+        return self.workspace_view(self._workspace(workspace_id))
+
+    def update_office_settings(self, workspace_id: str | None, settings: dict[str, Any]) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        clash = self.db.Workspace.get(name=settings["name"])
+        if clash and clash.id != ws.id:
+            raise Conflict(f"a workspace named {settings['name']!r} exists",
+                           errors=[{"field": "name", "message": "already used"}])
+        ws.set(**settings)
+        return self.workspace_view(ws)
+
+    def create_project(self, workspace_id: str | None, name: str, repository: str | None, executor: str | None,
+                       now: datetime) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        p = self.db.Project(id=new_id("prj"), workspace_id=ws.id, name=name, repository=repository,
+                            executor=executor, created_at=naive(now))
+        return {"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
+                "executor": p.executor}
+
+    def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        return [{"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
+                 "executor": p.executor} for p in self.db.Project.select(lambda p: p.workspace_id == ws.id)]
+
+    def _agent(self, agent_id: str):
+        a = self.db.Agent.get(id=agent_id)
+        if a is None:
+            raise NotFound(f"no agent {agent_id}")
+        return a
+
+    def _check_agent_name(self, workspace_id: str, name: str, except_id: str | None = None) -> None:
+        clash = self.db.Agent.get(lambda a: a.workspace_id == workspace_id and a.name == name and a.id != except_id)
+        if clash:
+            raise Conflict(f"an agent named {name!r} already exists ({clash.id})",
+                           errors=[{"field": "name", "message": "already used by another agent"}])
+
+    def create_agent(self, workspace_id: str | None, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        self._check_agent_name(ws.id, fields["name"])
+        a = self.db.Agent(id=new_id("agt"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now),
+                          **fields)
+        self.emit("agent.created", {"agent_id": a.id, "role": a.role}, now)
+        return self.agent_view(a)
+
+    def agent_fields(self, agent_id: str) -> dict[str, Any]:
+        view = self.agent_view(self._agent(agent_id))
+        return {k: view[k] for k in AGENT_FIELDS if k != "workspace_id"}
+
+    def update_agent(self, agent_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        a = self._agent(agent_id)
+        self._check_agent_name(a.workspace_id, fields["name"], a.id)
+        if fields["status"] == "working" or (fields["status"] == "idle" and a.status == "working"):
+            fields = {**fields, "status": a.status}   # working and idle follow the agent's sessions
+        elif fields["status"] == "idle" and self._active_sessions(a.id):
+            fields = {**fields, "status": "working"}
+        a.set(updated_at=naive(now), **fields)
+        self.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
+        return self.agent_view(a)
+
+    def get_agent(self, agent_id: str) -> dict[str, Any]:
+        return self.agent_view(self._agent(agent_id))
+
+    def list_agents(self, workspace_id: str | None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        return [self.agent_view(a) for a in
+                self.db.Agent.select(lambda a: a.workspace_id == ws.id).order_by(lambda a: a.created_at)]
+
+    def _active_sessions(self, agent_id: str) -> int:
+        """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
+        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND status = \'claimed\'',
+                              {"a": agent_id})[0]
+
+    # --- office: tasks, comments, approvals ------------------------------------------------------
+
+    def _task(self, task_id: str, workspace_id: str | None = None):
+        t = self.db.Task.get(id=task_id)
+        if t is None or (workspace_id is not None and t.workspace_id != workspace_id):
+            raise NotFound(f"no task {task_id}")
+        return t
+
+    def _check_task_refs(self, workspace_id: str, fields: dict[str, Any], task_id: str | None) -> None:
+        if fields.get("assignee_agent_id"):
+            self._in_workspace("Agent", fields["assignee_agent_id"], workspace_id, "assignee_agent_id")
+        if fields.get("parent_id"):
+            if fields["parent_id"] == task_id:
+                raise invalid("parent_id", "a task cannot be its own parent")
+            self._in_workspace("Task", fields["parent_id"], workspace_id, "parent_id")
+        if fields.get("project_id"):
+            self._in_workspace("Project", fields["project_id"], workspace_id, "project_id")
+        for reviewer in fields.get("reviewers", []):
+            self._in_workspace("Agent", reviewer, workspace_id, "reviewers")
+        seen, todo = set(), list(fields.get("blocked_by", []))
+        while todo:   # no task may (transitively) wait on itself
+            blocker_id = todo.pop()
+            if blocker_id == task_id:
+                raise invalid("blocked_by", "would make the task wait on itself")
+            if blocker_id not in seen:
+                seen.add(blocker_id)
+                todo += self._in_workspace("Task", blocker_id, workspace_id, "blocked_by").blocked_by or []
+
+    def create_task(self, workspace_id: str | None, fields: dict[str, Any], now: datetime,
+                    by_agent: str | None = None) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        self._check_task_refs(ws.id, fields, None)
+        fields = {k: v for k, v in fields.items() if k != "archived"}
+        t = self.db.Task(id=new_id("tsk"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now), **fields)
+        self.emit("task.created", {"task_id": t.id, "by_agent": by_agent}, now)
+        if t.assignee_agent_id:
+            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+        return self.task_view(t)
+
+    def task_fields(self, task_id: str) -> dict[str, Any]:
+        view = self.task_view(self._task(task_id))
+        return {k: view[k] for k in TASK_FIELDS if k in view and k not in ("workspace_id", "state")}
+
+    def update_task(self, task_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        """An edit. A new assignee is woken (task_assigned); the previous one's scheduled
+        retries for this task are cancelled now (retry_stale_assignee), its lock released."""
+        t = self._task(task_id)
+        self._check_task_refs(t.workspace_id, fields, t.id)
+        previous = t.assignee_agent_id
+        archived = fields.pop("archived", None)
+        if archived is not None:
+            t.archived_at = (t.archived_at or naive(now)) if archived else None
+        t.set(updated_at=naive(now), **{k: v for k, v in fields.items() if k not in ("state", "parent_id", "workflow")})
+        self.emit("task.updated", {"task_id": t.id}, now)
+        if previous != t.assignee_agent_id:
+            if previous:
+                task_id = t.id
+                for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
+                                               and w.status == "queued" and w.retry_count > 0):
+                    self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
+                self._release_checkout(t.id, previous)
+            if t.assignee_agent_id:
+                self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+        return self.task_view(t)
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        t = self._task(task_id)
+        view = self.task_view(t)
+        view["comments"] = [self.comment_view(c) for c in
+                            self.db.Comment.select(lambda c: c.task_id == t.id).order_by(lambda c: c.created_at)]
+        view["approvals"] = [self.approval_view(a) for a in
+                             self.db.Approval.select(lambda a: a.task_id == t.id).order_by(lambda a: a.created_at)]
+        view["subtasks"] = [self.task_view(c) for c in
+                            self.db.Task.select(lambda c: c.parent_id == t.id).order_by(lambda c: c.created_at)]
+        return view
+
+    def list_tasks(self, workspace_id: str | None, assignee: str | None = None, state: str | None = None,
+                   include_archived: bool = False) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Task.select(lambda t: t.workspace_id == ws.id)
+        if assignee:
+            query = query.filter(lambda t: t.assignee_agent_id == assignee)
+        if state:
+            query = query.filter(lambda t: t.state == state)
+        if not include_archived:
+            query = query.filter(lambda t: t.archived_at is None)
+        return [self.task_view(t) for t in query.order_by(lambda t: t.created_at)]
+
+    def _wake_assignee(self, t, source: WakeupSource, payload: dict[str, Any], now: datetime,
+                       reason: str | None = None) -> None:
+        """Office event subscribers: only an Office task with an assignee wakes anyone."""
+        if (t.assignee_agent_id and t.archived_at is None and t.state not in TERMINAL_TASK_STATES
+                and is_office_task(t.workflow, t.project_id)):
+            self.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason)
+
+    def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
+                  workspace_id: str | None = None) -> dict[str, Any]:
+        """The board's drag and drop (and an agent's move), with the spec's four move rules."""
+        if state not in set(TaskState):
+            raise invalid("state", "must be " + ", ".join(TaskState))
+        t = self._task(task_id, workspace_id)
+        if by_agent is not None and t.assignee_agent_id != by_agent:
+            raise Forbidden(f"task {t.id} is not assigned to this agent")
+        previous = t.state
+        if state == TaskState.DONE and by_agent is not None and t.requires_approval:
+            state = TaskState.IN_REVIEW   # the approval gate: the user decides when it is done
+            self._request_approval(t, by_agent, "The agent finished this task; approve to mark it done.", now)
+        if state == previous:
+            return self.task_view(t)
+        t.state, t.updated_at = str(state), naive(now)
+        self.emit("task.moved", {"task_id": t.id, "from": previous, "to": str(state)}, now)
+        if not is_office_task(t.workflow, t.project_id):
+            return self.task_view(t)
+        if state == TaskState.IN_PROGRESS and previous == TaskState.IN_REVIEW:
+            c = self._comment(t, "Moved back from In Review to In Progress: changes are needed.", now, None)
+            self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now,
+                                reason="review_rejected")
+        elif state == TaskState.IN_PROGRESS:
+            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+        elif state == TaskState.IN_REVIEW:
+            for reviewer in t.reviewers or []:
+                if self.db.Agent.get(id=reviewer, workspace_id=t.workspace_id):
+                    self.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
+                                        now, reason=REVIEW_REASON)
+        elif state in TERMINAL_TASK_STATES:
+            self._release_checkout(t.id, None)
+            self._resolve_dependents(t, now)
+        return self.task_view(t)
+
+    def _resolve_dependents(self, t, now: datetime) -> None:
+        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
+        (task_blockers_resolved) and the parent whose children are all finished
+        (task_children_completed)."""
+        blocked = self.db.select('SELECT id FROM "Task" WHERE workspace_id = $ws AND EXISTS '
+                                 '(SELECT 1 FROM json_each("Task".blocked_by) WHERE value = $tid)',
+                                 {"ws": t.workspace_id, "tid": t.id})
+        for dependent in (self.db.Task[i] for i in blocked):
+            blockers = dependent.blocked_by or []
+            states = self.db.select('SELECT state FROM "Task" WHERE id IN (SELECT value FROM json_each($ids))',
+                                    {"ids": json.dumps(blockers)})
+            if all(s in TERMINAL_TASK_STATES for s in states):
+                self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
+                                    {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
+        if t.parent_id and (parent := self.db.Task.get(id=t.parent_id)) is not None:
+            open_children = self.db.select('SELECT COUNT(*) FROM "Task" WHERE parent_id = $p AND state NOT IN '
+                                           "('DONE', 'CANCELLED')", {"p": parent.id})[0]
+            if open_children == 0:
+                self._wake_assignee(parent, WakeupSource.TASK_CHILDREN_COMPLETED, {"task_id": parent.id}, now)
+
+    def _comment(self, t, body: str, now: datetime, author_agent_id: str | None):
+        c = self.db.Comment(id=new_id("cmt"), task_id=t.id, author_agent_id=author_agent_id, body=body,
+                            created_at=naive(now))
+        self.emit("comment.created", {"comment_id": c.id, "task_id": t.id, "author_agent_id": author_agent_id}, now)
+        return c
+
+    def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
+                    workspace_id: str | None = None) -> dict[str, Any]:
+        """A comment wakes the task's assignee unless the assignee wrote it."""
+        t = self._task(task_id, workspace_id)
+        c = self._comment(t, body, now, author_agent_id)
+        if t.assignee_agent_id != author_agent_id:
+            self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now)
+        return self.comment_view(c)
+
+    def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
+        a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
+                             requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
+        self._raise("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None, run_id=None)
+        self.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
+        return a
+
+    def request_approval(self, task_id: str, agent_id: str, note: str, now: datetime,
+                         workspace_id: str) -> dict[str, Any]:
+        t = self._task(task_id, workspace_id)
+        if t.assignee_agent_id != agent_id:
+            raise Forbidden(f"task {t.id} is not assigned to this agent")
+        return self.approval_view(self._request_approval(t, agent_id, note, now))
+
+    def list_approvals(self, workspace_id: str | None, status: str | None = None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Approval.select(lambda a: a.workspace_id == ws.id)
+        if status:
+            query = query.filter(lambda a: a.status == status)
+        return [self.approval_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
+
+    def resolve_approval(self, approval_id: str, status: str, decision_note: str, now: datetime) -> dict[str, Any]:
+        """The user decides: approved moves an In Review task to Done (its dependents wake);
+        rejected sends it back to In Progress. The requesting agent gets approval_resolved."""
+        if status not in ("approved", "rejected"):
+            raise invalid("status", "must be approved or rejected")
+        a = self.db.Approval.get(id=approval_id)
+        if a is None:
+            raise NotFound(f"no approval {approval_id}")
+        if a.status != "pending":
+            raise Conflict(f"approval {a.id} was already {a.status}")
+        a.status, a.decision_note, a.resolved_at = status, decision_note, naive(now)
+        self.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
+        t = self.db.Task.get(id=a.task_id)
+        if t is not None and t.state == TaskState.IN_REVIEW:
+            if status == "approved":
+                self.move_task(t.id, TaskState.DONE, now)
+            else:
+                t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
+                self.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
+        if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
+            self.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
+                                {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
+        return self.approval_view(a)
+
+    def wake_agent(self, agent_id: str, source: WakeupSource, payload: dict[str, Any], now: datetime, *,
+                   reason: str | None = None, wake_at: datetime | None = None,
+                   workspace_id: str | None = None) -> dict[str, Any]:
+        """A user wake from the UI, or an agent's self-wake (possibly for later)."""
+        a = self._agent(agent_id)
+        if workspace_id is not None and a.workspace_id != workspace_id:
+            raise NotFound(f"no agent {agent_id}")
+        return self.wakeup_view(self.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
+                                                    reason=reason, wake_at=wake_at))
+
+    # --- office: the wakeup queue ------------------------------------------------------------------
+
+    def _activity(self, code: str, workspace_id: str, now: datetime, *, agent_id: str | None = None,
+                  task_id: str | None = None, wakeup_id: str | None = None, run_id: str | None = None,
+                  **data: Any) -> None:
+        self.db.Activity(workspace_id=workspace_id, code=code, agent_id=agent_id, task_id=task_id,
+                         wakeup_id=wakeup_id, run_id=run_id, data=data, created_at=naive(now))
+        self.emit("office.activity", {"code": code, "agent_id": agent_id, "task_id": task_id}, now)
+
+    def _unstarted_target(self, agent_id: str, task_id: str | None, now: datetime):
+        """A wakeup of this agent and scope whose run has not started: claimed with its run
+        still queued, or waiting for a scheduled retry. New context can still reach it."""
+        same_scope = (lambda w: w.task_id == task_id) if task_id else (lambda w: w.task_id is None)
+        for w in self.db.Wakeup.select(lambda w: w.agent_id == agent_id and w.status in ("claimed", "queued")
+                                       ).filter(same_scope).order_by(lambda w: w.requested_at):
+            if w.status == "claimed" and w.run_id and self.db.Run[w.run_id].status == RunStatus.QUEUED:
+                return w
+            if w.status == "queued" and w.scheduled_retry_at is not None and aware(w.scheduled_retry_at) > now:
+                return w
+        return None
+
+    def _window_target(self, agent_id: str, source: str, task_id: str | None, now: datetime):
+        """The coalescing window: a queued wakeup of the same agent, source and scope from the last 5 s."""
+        since = naive(now - timedelta(seconds=COALESCING_WINDOW_S))
+        same_scope = (lambda w: w.task_id == task_id) if task_id else (lambda w: w.task_id is None)
+        return self.db.Wakeup.select(lambda w: w.agent_id == agent_id and w.status == "queued"
+                                     and w.source == source and w.requested_at >= since
+                                     and w.scheduled_retry_at is None and w.wake_at is None
+                                     ).filter(same_scope).order_by(lambda w: w.requested_at).first()
+
+    def _coalesce(self, target, w, now: datetime) -> None:
+        """Merge ``w`` into ``target``: its payload joins the context the agent will read."""
+        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, target.run_id, naive(now)
+        target.context_snapshot = merge_context(target.context_snapshot, w.source, w.reason, w.payload,
+                                                aware(w.requested_at))
+        target.coalesced_count += 1
+        if target.run_id and (o := self.db.OfficeRun.get(run_id=target.run_id)) is not None:
+            o.context_snapshot = target.context_snapshot
+            o.assembled_prompt = self._office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
+                                                     summary=o.summary_injected)
+            self.db.Run[o.run_id].prompt = o.assembled_prompt
+        self.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
+
+    def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
+                       now: datetime, *, reason: str | None = None, wake_at: datetime | None = None):
+        """Insert a wakeup request (spec: Enqueue). A key seen in the last 24 h returns the
+        earlier request and inserts nothing; a request for an agent whose run of the same
+        scope has not started merges into it; otherwise it is queued."""
+        payload = dataclasses.asdict(wakeup_payload(source, payload))
+        key = wakeup_idempotency_key(source, payload, agent_id)
+        if key is not None and (earlier := self.db.Wakeup.get(idempotency_key=key)) is not None:
+            if aware(earlier.requested_at) > now - timedelta(seconds=IDEMPOTENCY_TTL_S):
+                return earlier
+            earlier.idempotency_key = None   # outside the 24 h window: the key is free again
+        task_id = payload_task_id(payload)
+        w = self.db.Wakeup(id=new_id("wk"), workspace_id=workspace_id, agent_id=agent_id, source=str(source),
+                           reason=reason or str(source), payload=payload, task_id=task_id, status="queued",
+                           idempotency_key=key, wake_at=naive(wake_at), requested_at=naive(now),
+                           context_snapshot=merge_context({}, str(source), reason or str(source), payload, now))
+        target = None if wake_at else (self._unstarted_target(agent_id, task_id, now)
+                                       or self._window_target(agent_id, str(source), task_id, now))
+        if target is not None and target.id != w.id:
+            self.flush()
+            self._coalesce(target, w, now)
+        else:
+            self.emit("wakeup.queued", {"wakeup_id": w.id, "agent_id": agent_id, "source": str(source)}, now)
+        return w
+
+    def flush(self) -> None:
+        orm.flush()
+
+    def _release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
+        """Drop the checkout lock of a task (held by ``agent_id``, or by anyone when None)."""
+        t = self.db.Task.get(id=task_id) if task_id else None
+        if t is not None and t.checkout_agent_id is not None and agent_id in (None, t.checkout_agent_id):
+            t.checkout_agent_id, t.checkout_at = None, None
+
+    def _end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
+                    cancel_reason: str | None = None) -> None:
+        w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
+        self.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
+                                   "cancel_reason": cancel_reason}, now)
+
+    def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
+        """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
+        log.getChild("office").info("wakeup %s cancelled: %s (task %s, agent %s)", w.id, reason, w.task_id, w.agent_id)
+        self._release_checkout(w.task_id, w.agent_id)
+        self._end_wakeup(w, "cancelled", now, cancel_reason=str(reason))
+        data = {"reason": str(reason)} if code == "wakeup_stale_cancelled" else {"reason": str(reason),
+                                                                                  "old_agent": w.agent_id}
+        self._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
+
+    def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
+        t = self.db.Task.get(id=task_id)
+        return self.task_view(t) if t is not None and t.workspace_id == workspace_id else None
+
+    def _checkout(self, task_id: str, agent_id: str, now: datetime) -> bool:
+        """The atomic checkout (CAS): one agent at a time works a task. Pony writes it as
+        UPDATE ... WHERE checkout_agent_id IS NULL (its optimistic check), inside the
+        transaction's write lock."""
+        t = self.db.Task[task_id]
+        if t.checkout_agent_id is not None:
+            return False
+        t.checkout_agent_id, t.checkout_at = agent_id, naive(now)
+        return True
+
+    def _runs_last_day(self, now: datetime, *, agent_id: str | None = None, workspace_id: str | None = None) -> int:
+        since = naive(now - timedelta(days=1))
+        if agent_id:
+            return orm.count(o for o in self.db.OfficeRun if o.agent_id == agent_id and o.queued_at >= since)
+        return orm.count(o for o in self.db.OfficeRun if o.workspace_id == workspace_id and o.queued_at >= since)
+
+    def _budget_exceeded(self, agent, ws, now: datetime) -> str | None:
+        """Pre-execution budget check (workspace, then agent): a run budget per 24 h."""
+        if ws.budget_runs_per_day and self._runs_last_day(now, workspace_id=ws.id) >= ws.budget_runs_per_day:
+            return f"workspace budget of {ws.budget_runs_per_day} runs per day is used up"
+        if agent.budget_runs_per_day and self._runs_last_day(now, agent_id=agent.id) >= agent.budget_runs_per_day:
+            return f"agent budget of {agent.budget_runs_per_day} runs per day is used up"
+        return None
+
+    def _coordinators(self, workspace_id: str, except_id: str):
+        return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
+                                    and a.id != except_id)
+
+    def _budget_alert(self, agent, now: datetime) -> None:
+        """When a run takes an agent across 80% of its budget, its coordinators hear of it."""
+        if not agent.budget_runs_per_day:
+            return
+        used = self._runs_last_day(now, agent_id=agent.id)
+        threshold = math.ceil(agent.budget_runs_per_day * BUDGET_ALERT_PCT / 100)
+        if used == threshold:
+            for c in self._coordinators(agent.workspace_id, agent.id):
+                self.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
+                                    {"agent_instance_id": agent.id,
+                                     "budget_pct": round(100 * used / agent.budget_runs_per_day)}, now)
+
+    def _office_prompt(self, agent, w, *, resumed: bool, summary: str) -> str:
+        """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
+        into the run before it starts). A resumed session gets comments since its last run."""
+        task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
+        since = None
+        if resumed and (session := self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id)):
+            since = session.updated_at
+        comments = []
+        if task is not None:
+            task_id = task["id"]
+            query = self.db.Comment.select(lambda c: c.task_id == task_id)
+            if since is not None:
+                query = query.filter(lambda c: c.created_at > since)
+            names = dict(self.db.select('SELECT id, name FROM "Agent" WHERE workspace_id = $ws',
+                                        {"ws": w.workspace_id}))
+            comments = [{"author": names.get(c.author_agent_id, "agent") if c.author_agent_id else "user",
+                         "created_at": rfc3339(aware(c.created_at)), "body": c.body}
+                        for c in query.order_by(lambda c: orm.desc(c.created_at))[:PROMPT_COMMENTS]][::-1]
+        blockers = []
+        if task is not None and task["blocked_by"]:
+            ids = task["blocked_by"]
+            blockers = [{"id": b.id, "state": b.state} for b in self.db.Task.select(lambda b: b.id in ids)]
+        snapshot = w.context_snapshot
+        return assemble_prompt(
+            agent={"name": agent.name, "role": agent.role, "instructions": agent.instructions},
+            wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
+            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0))
+
+    def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
+                         limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
+        """The dispatcher's claim query: every queued wakeup that may be claimed now, oldest
+        first, through process_wakeup, in one transaction. A wakeup whose agent is at
+        max_concurrent_sessions or in its cooldown, or whose retry or wake time is ahead,
+        stays queued. Returns (runs queued, wakeups processed)."""
+        due = sql_time(now)
+        waiting = self.db.select('SELECT DISTINCT agent_id FROM "Wakeup" WHERE status = \'queued\' '
+                                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
+                                 'AND (wake_at IS NULL OR wake_at <= $due)', {"due": due})
+        active = dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'claimed\' '
+                                     'GROUP BY agent_id'))
+        candidates: list[tuple[Any, str]] = []
+        for a in self.db.Agent.select(lambda a: a.id in waiting):
+            if a.status in ("paused", "stopped"):
+                room = limit   # the status guard finishes these without a session
+            elif (a.last_wakeup_finished_at is not None
+                  and aware(a.last_wakeup_finished_at) + timedelta(seconds=a.cooldown_sec) > now):
+                continue
+            else:
+                room = a.max_concurrent_sessions - active.get(a.id, 0)
+            if room <= 0:
+                continue
+            candidates += self.db.select(
+                'SELECT requested_at, id FROM "Wakeup" w WHERE agent_id = $agent AND status = \'queued\' '
+                'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
+                'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
+                'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
+                'ORDER BY requested_at, rowid LIMIT $room', {"agent": a.id, "due": due, "room": room})
+        queued, processed = [], 0
+        for _, wakeup_id in sorted(candidates)[:limit]:
+            outcome = self.process_wakeup(wakeup_id, now, profiles)
+            processed += outcome is not False
+            queued += [outcome] if outcome else []
+        return queued, processed
+
+    def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> str | None | bool:
+        """The twelve-step pipeline up to launch (spec processWakeup); launch and finish are the
+        run supervisor's and ``settle_run``'s. Returns the run queued, None when the wakeup
+        ended without one, False when another claimer had it."""
+        olog = log.getChild("office")
+        # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
+        w = self.db.Wakeup[wakeup_id]
+        if w.status != "queued":
+            return False
+        w.status, w.claimed_at = "claimed", naive(now)
+        agent = self.db.Agent.get(id=w.agent_id)
+        task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
+        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id)):   # retry promotion
+            self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
+            return None
+        # 2. Guard: agent status.
+        if agent is None or agent.status in ("paused", "stopped"):
+            self._end_wakeup(w, "finished", now, note=f"agent {agent.status if agent else 'deleted'}: no session")
+            return None
+        # 3. Staleness check.
+        if w.task_id and (reason := stale_reason(task, w.agent_id, review=w.reason == REVIEW_REASON)):
+            self.cancel_stale(w, reason, now)
+            return None
+        if w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]:
+            waiting = self.db.select('SELECT id FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
+                                     "AND state NOT IN ('DONE', 'CANCELLED')", {"ids": json.dumps(task["blocked_by"])})
+            if waiting:   # held: task_blockers_resolved wakes the agent when they are done
+                self._end_wakeup(w, "finished", now, note="held until its blockers are done: " + ", ".join(waiting))
+                return None
+        # 4. Idle skip.
+        if w.source == WakeupSource.ROUTINE and not w.task_id and agent.skip_idle_wakeups:
+            actionable = self.db.select(
+                'SELECT COUNT(*) FROM "Task" WHERE assignee_agent_id = $a AND state IN (\'TODO\', \'IN_PROGRESS\') '
+                "AND archived_at IS NULL", {"a": agent.id})[0]
+            if idle_skip_applies(w.source, w.payload, agent.skip_idle_wakeups, actionable):
+                olog.info("wakeup_idle_skipped wakeup_id=%s agent_instance_id=%s agent_name=%s "
+                          "reason=no_actionable_tasks", w.id, agent.id, agent.name)
+                self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)")
+                self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
+                               reason="no_actionable_tasks")
+                return None
+        # 5. Checkout.
+        if w.task_id and not self._checkout(w.task_id, agent.id, now):
+            holder = self.db.Task[w.task_id].checkout_agent_id
+            self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
+            return None
+        # 6. Budget pre-check.
+        ws = self.db.Workspace[w.workspace_id]
+        if blocked := self._budget_exceeded(agent, ws, now):
+            agent.status, agent.updated_at = "paused", naive(now)
+            self._release_checkout(w.task_id, agent.id)
+            self._end_wakeup(w, "skipped", now, note=blocked)
+            self._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
+                           wakeup_id=w.id, detail=blocked)
+            self._raise("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
+                        "Raise the budget or wait, then set the agent back to idle.", now,
+                        schedule_id=None, run_id=None)
+            return None
+        # 7. Build context: same-scope wakeups still queued join this one (claim-time merge).
+        agent_id, scope = agent.id, w.task_id
+        same_scope = (lambda q: q.task_id == scope) if scope else (lambda q: q.task_id is None)
+        for other in self.db.Wakeup.select(lambda q: q.agent_id == agent_id and q.status == "queued"
+                                           and q.wake_at is None and q.id != wakeup_id).filter(same_scope):
+            self._coalesce(w, other, now)
+        # 8. Resolve executor (task override -> agent -> project -> workspace default), and the repository.
+        t = self.db.Task.get(id=w.task_id) if w.task_id else None
+        project = self.db.Project.get(id=t.project_id) if t is not None and t.project_id else None
+        executor = resolve_executor(t.executor if t else None, agent.executor,
+                                    project.executor if project else None, ws.default_executor)
+        repository = (project.repository if project else None) or ws.repository
+        problem = (None if executor in profiles else
+                   f"agent profile {executor!r} is not configured" if executor else
+                   "no executor: set one on the agent, the task, its project or the workspace settings")
+        if problem is None and not repository:
+            problem = "the workspace has no repository: set one in Office settings"
+        if problem is not None:
+            self.handle_wakeup_failure(w, problem, now)
+            return None
+        # 9-10. The run: one per claimed wakeup, on the shared FIFO admission queue.
+        profile = profiles[executor]
+        session = self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id) if w.task_id else None
+        resumed = bool(session and profile.resume)
+        row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
+        summary = row.content[:SUMMARY_PROMPT_CHARS] if row else ""
+        prompt = self._office_prompt(agent, w, resumed=resumed, summary=summary)
+        run = self._queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt, repository=repository,
+                              workdir=".", source_ref=ws.source_ref, notify="wakeup", now=now, label=agent.name,
+                              limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
+                                      "model": None})
+        self.db.OfficeRun(run_id=run.id, wakeup_id=w.id, agent_id=agent.id, workspace_id=w.workspace_id,
+                          task_id=w.task_id, assembled_prompt=prompt, summary_injected=summary,
+                          context_snapshot=w.context_snapshot, resumed=resumed,
+                          session_id=session.session_id if resumed else None, queued_at=naive(now))
+        w.run_id = run.id
+        for other in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id):
+            other.run_id = run.id
+        agent.status = "working"
+        self._budget_alert(agent, now)
+        self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run.id}, now)
+        return run.id
+
+    def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None) -> None:
+        """Spec HandleWakeupFailure: a parsed rate-limit reset (+30 s), else the backoff
+        table; after MAX_RETRY_COUNT retries, escalateFailure."""
+        plan = plan_retry(error, w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter)
+        self._release_checkout(w.task_id, w.agent_id)
+        w.retry_count, w.last_error = plan.retry_count, error[:ERROR_TAIL_BYTES]
+        if plan.retry_at is None:
+            self._escalate_failure(w, error, now)
+            return
+        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, naive(plan.retry_at)
+        log.getChild("office").info("wakeup %s retry %d at %s source=%s%s", w.id, plan.retry_count,
+                                    rfc3339(plan.retry_at), plan.source,
+                                    f" parsed_reset_at={rfc3339(plan.retry_at)}" if plan.source ==
+                                    "rate_limit_parsed" else "")
+        self.emit("wakeup.retry_scheduled", {"wakeup_id": w.id, "retry_count": w.retry_count,
+                                             "scheduled_retry_at": rfc3339(plan.retry_at), "source": plan.source}, now)
+
+    def _escalate_failure(self, w, error: str, now: datetime) -> None:
+        """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
+        the workspace's coordinators get an agent_error wakeup."""
+        self._end_wakeup(w, "failed", now, note=f"failed {w.retry_count} times; escalated")
+        agent = self.db.Agent.get(id=w.agent_id)
+        name = agent.name if agent else w.agent_id
+        self._raise("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})", error[:ERROR_TAIL_BYTES],
+                    now, schedule_id=None, run_id=w.run_id)
+        for c in self._coordinators(w.workspace_id, w.agent_id):
+            self.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
+                                {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
+                                 "error": error[:ERROR_TAIL_BYTES]}, now)
+
+    def _settle_office_run(self, r, status: RunStatus, now: datetime) -> None:
+        """Pipeline step 12, in the run's settlement transaction: the wakeup finishes (or
+        is retried), the lock is released, the session and the summary are kept."""
+        o = self.db.OfficeRun.get(run_id=r.id)
+        w = self.db.Wakeup.get(id=o.wakeup_id) if o is not None else None
+        if w is None or w.status != "claimed" or w.run_id != r.id:
+            return
+        agent = self.db.Agent.get(id=o.agent_id)
+        self._release_checkout(o.task_id, o.agent_id)
+        result = r.result if isinstance(r.result, dict) else {}
+        if status in (RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU):
+            self._end_wakeup(w, "finished", now)
+            session_id = result.get("session_id")
+            if o.task_id and isinstance(session_id, str) and 0 < len(session_id) <= 200:
+                o.session_id = session_id
+                row = self.db.AgentSession.get(agent_id=o.agent_id, task_id=o.task_id)
+                if row is None:
+                    self.db.AgentSession(agent_id=o.agent_id, task_id=o.task_id, session_id=session_id,
+                                         run_id=r.id, updated_at=naive(now))
+                else:
+                    row.set(session_id=session_id, run_id=r.id, updated_at=naive(now))
+            if not o.task_id and status == RunStatus.SUCCEEDED:
+                self._update_summary(o, w, result, now)
+        elif status == RunStatus.CANCELLED:
+            self._end_wakeup(w, "finished", now, note="its run was cancelled")
+        else:
+            self.handle_wakeup_failure(w, r.error or "the run failed", now)
+        if agent is not None:
+            agent.last_wakeup_finished_at = naive(now)
+            if agent.status == "working" and not self._active_sessions(agent.id):
+                agent.status = "idle"
+
+    def _update_summary(self, o, w, result: dict[str, Any], now: datetime) -> None:
+        """Upsert the continuation summary of a successful taskless run; on a builder
+        failure the last good summary stays."""
+        scope = summary_scope(w.payload)
+        row = self.db.ContinuationSummary.get(agent_id=o.agent_id, scope=scope)
+        try:
+            stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
+                "SELECT COUNT(*), COALESCE(SUM(state = 'IN_PROGRESS'), 0), COALESCE(SUM(state = 'IN_REVIEW'), 0) "
+                "FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN ('DONE', 'CANCELLED') "
+                "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
+            since = naive(now - timedelta(days=1))
+            stats["failed_runs"] = orm.count(x for x in self.db.Run for y in self.db.OfficeRun
+                                             if x.id == y.run_id and y.workspace_id == o.workspace_id
+                                             and x.status == "failed" and x.finished_at >= since)
+            stats["escalations"] = orm.count(a for a in self.db.Attention if a.kind == "agent_error"
+                                             and a.created_at >= since)
+            blockers = [f"{t.title} ({t.id}) waits on {', '.join(t.blocked_by)}, since {t.created_at:%Y-%m-%d}"
+                        for t in self.db.Task.select(lambda t: t.workspace_id == o.workspace_id
+                                                     and t.state not in ("DONE", "CANCELLED")
+                                                     and t.archived_at is None).order_by(lambda t: t.created_at)
+                        if t.blocked_by and self.db.select(
+                            'SELECT COUNT(*) FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
+                            "AND state NOT IN ('DONE', 'CANCELLED')", {"ids": json.dumps(t.blocked_by)})[0]]
+            content = build_summary(row.content if row else "", result, stats, blockers, now)
+        except Exception:   # noqa: BLE001 - last-good wins; the next successful run rebuilds
+            log.getChild("office").exception("summary builder failed for agent %s scope %s", o.agent_id, scope)
+            return
+        fields = {"content": content, "content_tokens": len(content) // 4, "updated_at": naive(now),
+                  "updated_by_run_id": o.run_id}
+        if row is None:
+            self.db.ContinuationSummary(agent_id=o.agent_id, scope=scope, **fields)
+        else:
+            row.set(**fields)
+
+    def next_wakeup_at(self, now: datetime) -> datetime | None:
+        """When the dispatcher next has something to claim without being nudged: a retry or
+        self-wake coming due, or a busy agent's cooldown ending."""
+        due = sql_time(now)
+        times = [sql_instant(t) for t in self.db.select(
+            'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'queued\' AND scheduled_retry_at > $due '
+            'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'queued\' AND wake_at > $due',
+            {"due": due}) if t]
+        for last, cooldown in self.db.select(
+                'SELECT a.last_wakeup_finished_at, a.cooldown_sec FROM "Agent" a WHERE a.last_wakeup_finished_at '
+                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id AND w.status = \'queued\')'):
+            ends = sql_instant(last) + timedelta(seconds=cooldown)
+            if ends > now:
+                times.append(ends)
+        return min(times, default=None)
+
+    def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
+                     source: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Wakeup.select(lambda w: w.workspace_id == ws.id)
+        if agent_id:
+            query = query.filter(lambda w: w.agent_id == agent_id)
+        if status:
+            query = query.filter(lambda w: w.status == status)
+        if source:
+            query = query.filter(lambda w: w.source == source)
+        return [self.wakeup_view(w) for w in query.order_by(lambda w: orm.desc(w.requested_at))[:limit]]
+
+    def office_run(self, run_id: str) -> dict[str, Any]:
+        """RunDetail: the run, and what the agent was given and gave back."""
+        o = self.db.OfficeRun.get(run_id=run_id)
+        if o is None:
+            raise NotFound(f"no Office run {run_id}")
+        r = self.db.Run[run_id]
+        return {**self.run_view(r), "agent_id": o.agent_id, "workspace_id": o.workspace_id,
+                "wakeup_id": o.wakeup_id, "task_id": o.task_id, "assembled_prompt": o.assembled_prompt,
+                "summary_injected": o.summary_injected, "result_json": r.result or {},
+                "context_snapshot": o.context_snapshot, "session_id": o.session_id, "resumed": o.resumed,
+                "coalesced_wakeups": [w.id for w in self.db.Wakeup.select(lambda w: w.coalesced_into == o.wakeup_id)]}
+
+    def agent_runs(self, agent_id: str, limit: int = 50) -> list[dict[str, Any]]:
+        self._agent(agent_id)
+        rows = orm.select((r, o) for r in self.db.Run for o in self.db.OfficeRun
+                          if r.id == o.run_id and o.agent_id == agent_id).order_by(lambda r, o: orm.desc(r.id))[:limit]
+        return [{**self.run_view(r), "task_id": o.task_id, "wakeup_id": o.wakeup_id} for r, o in rows]
+
+    def list_activity(self, workspace_id: str | None, code: str | None = None,
+                      limit: int = 100) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Activity.select(lambda x: x.workspace_id == ws.id)
+        if code:
+            query = query.filter(lambda x: x.code == code)
+        return [self.activity_view(x) for x in query.order_by(lambda x: orm.desc(x.id))[:limit]]
+
+    def summary_of(self, agent_id: str) -> list[dict[str, Any]]:
+        return [{"scope": s.scope, "content": s.content, "content_tokens": s.content_tokens,
+                 "updated_at": rfc3339(aware(s.updated_at)), "updated_by_run_id": s.updated_by_run_id}
+                for s in self.db.ContinuationSummary.select(lambda s: s.agent_id == agent_id)]
+
+    def run_agent_context(self, run_id: str) -> dict[str, Any] | None:
+        """Who a run token speaks for: only an Office run that is running right now."""
+        o = self.db.OfficeRun.get(run_id=run_id)
+        r = self.db.Run.get(id=run_id)
+        if o is None or r is None or r.status != RunStatus.RUNNING:
+            return None
+        return {"run_id": run_id, "agent_id": o.agent_id, "workspace_id": o.workspace_id, "task_id": o.task_id}
+
 
 ###############################################################################
 # 6. Executors: git worktrees, the agent subprocess, output capture, the demo agent.
@@ -2070,10 +3660,23 @@ async def changes_summary(repository: str, base: str, branch: str) -> str:
     return text[:20000]
 
 
-def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr) -> int:
-    """The built-in simulated agent (API.md 6): obeys the prompt's ``@`` lines."""
+def demo_office_call(path: str, body: dict[str, Any]) -> None:
+    """An Office agent's call on the agent API, with its run-scoped token."""
+    request = urllib.request.Request(
+        os.environ["OUTPOST_API_URL"] + path, data=json.dumps(body).encode(), method="POST",
+        headers={"Authorization": "Bearer " + os.environ["OUTPOST_RUN_TOKEN"], "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+
+
+def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_id: str | None = None) -> int:
+    """The built-in simulated agent (API.md 6): obeys the prompt's ``@`` lines. In an Office
+    run it also knows ``@comment TEXT`` and ``@move STATE`` (on its task, through the agent
+    API), and it reports a session id that a resumed run continues."""
     summary: list[str] = []
     last_result: dict[str, Any] | None = None
+    session_id = session_id or f"demo-{secrets.token_hex(8)}"
+    task_id = os.environ.get("OUTPOST_TASK_ID")
     for line in prompt.splitlines():
         if not line.startswith("@"):
             continue
@@ -2102,9 +3705,15 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr) -> int:
         elif verb == "result":
             last_result = json.loads(rest)
             print(json.dumps(last_result), file=out, flush=True)
+        elif verb in ("comment", "move") and task_id and "OUTPOST_RUN_TOKEN" in os.environ:
+            if verb == "comment":
+                demo_office_call("/api/agent/comments", {"task_id": task_id, "body": rest})
+            else:
+                demo_office_call(f"/api/agent/tasks/{task_id}/move", {"state": rest.strip()})
+            summary.append(f"{verb} {rest.strip()[:60]}")
     if last_result is None:
-        print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do"}),
-              file=out, flush=True)
+        print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do",
+                          "session_id": session_id}), file=out, flush=True)
     return 0
 
 
@@ -2184,6 +3793,15 @@ class Deps:
     live: dict[str, LiveRun] = dataclasses.field(default_factory=dict)
     settled_tx: trio.MemorySendChannel | None = None
     grace_s: float = GRACE_S
+    api_url: str = ""                            # where Office agents reach the agent API (set by serve)
+
+    @functools.cached_property
+    def run_token_key(self) -> bytes:
+        return hashlib.sha256(b"outpost run token\0" + self.token.encode()).digest()
+
+    @functools.cached_property
+    def profiles(self) -> dict[str, AgentProfile]:
+        return {a.name: a for a in self.config.agents}
 
     async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one store function in its own transaction on the one writer thread."""
@@ -2277,6 +3895,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     Ends when cancelled; run supervisors then end their processes and record it."""
     async with trio.open_nursery() as runs:
         while True:
+            await dispatch_wakeups(deps)
             while (admitted := await deps.db_retrying(deps.store.admit_next, deps.config.max_running,
                                              deps.clock.now())) is not None:
                 run_id, is_resume = admitted
@@ -2286,7 +3905,22 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                         live.resume()
                 else:
                     runs.start_soon(run_supervisor, deps, run_id)
-            await wake_in.receive()
+            # Asleep until nudged, or until a scheduled retry, a self-wake or a cooldown comes due.
+            wake_at = await deps.db_retrying(deps.store.next_wakeup_at, deps.clock.now())
+            with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
+                await wake_in.receive()
+
+
+async def dispatch_wakeups(deps: Deps) -> None:
+    """The Office dispatcher: claimable wakeups through process_wakeup, a batch per
+    transaction, until none is left that may be claimed now; their runs join admission."""
+    while True:
+        queued, processed = await deps.db_retrying(deps.store.dispatch_wakeups, deps.clock.now(), deps.profiles)
+        if queued:
+            log.getChild("office").info("dispatched %d wakeup run(s)", len(queued))
+            await resolve_new_runs(deps, queued)
+        if not processed:
+            return
 
 
 async def run_supervisor(deps: Deps, run_id: str) -> None:
@@ -2313,14 +3947,20 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                 raise LaunchError(f"workdir {info['workdir']!r} leads outside the worktree (a symlink); refused")
             if not cwd.is_dir():
                 raise LaunchError(f"workdir {info['workdir']!r} does not exist in commit {commit[:12]}")
-            argv, prompt_on_stdin = fill_command(profile.command, info["prompt"], info["model"], run_id)
-            rlog.info("run %s starting %s in %s", run_id, profile.name, cwd)
+            session = info["resume_session"]
+            argv, prompt_on_stdin = fill_command(profile.resume if session else profile.command, info["prompt"],
+                                                 info["model"], run_id, session)
+            env = agent_env(profile, dict(os.environ), run_id)
+            if info["office"]:   # the agent acts on Office through the run-scoped token
+                env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url,
+                        "OUTPOST_TASK_ID": info["task_id"] or ""}
+            rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
 
             async def on_spawn(pid: int) -> None:
                 await deps.db_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
 
             done = await run_agent_process(
-                argv, cwd=cwd, env=agent_env(profile, dict(os.environ), run_id),
+                argv, cwd=cwd, env=env,
                 stdin_text=info["prompt"] if prompt_on_stdin else None,
                 timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
                 log_path=deps.log_path(run_id), live=live,
@@ -2833,6 +4473,13 @@ def create_app(deps: Deps):
         if path == "/healthz" or path.startswith(("/static/", "/signin")):
             return None
         auth = request.headers.get("Authorization")
+        if path.startswith("/api/agent/"):   # only a live Office run's own token speaks for an agent
+            given = auth[7:].strip() if auth and auth.lower().startswith("bearer ") else ""
+            run_id = run_of_token(deps.run_token_key, given)
+            g.agent = run_id and await deps.db(store.run_agent_context, run_id)
+            if not g.agent:
+                raise Unauthorized("the agent API takes the run token of a running Office run ($OUTPOST_RUN_TOKEN)")
+            return None
         if auth is not None:
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
             if not given or not hmac.compare_digest(given.encode(), deps.token.encode()):
@@ -2923,6 +4570,8 @@ def create_app(deps: Deps):
         @functools.wraps(handler)
         async def wrapper(*args, **kwargs):
             key = request.headers.get("Idempotency-Key")
+            if key is None and request.path.startswith("/api/"):
+                return await handler(*args, **kwargs)   # optional on the Office API (API.md 3)
             if key is None:
                 raise IdempotencyKeyRequired("send an Idempotency-Key header (1-255 printable ASCII)")
             if not valid_idempotency_key(key):
@@ -2963,7 +4612,8 @@ def create_app(deps: Deps):
         def action():
             body = fn(*args)
             extra = headers(body) if headers else {}
-            store.finish_idempotent(key, status, {"body": body, "headers": extra})
+            if key is not None:
+                store.finish_idempotent(key, status, {"body": body, "headers": extra})
             return body, extra
         body, extra = await deps.db(action)
         return json_response(body, status, extra)
@@ -3184,6 +4834,241 @@ def create_app(deps: Deps):
     async def snapshot():
         return json_response(await deps.db(store.snapshot))
 
+
+    # --- Office API (API.md 7): workspaces, agents, tasks, approvals, the wakeup queue ---------------
+
+    profile_names = [a.name for a in deps.config.agents]
+
+    def workspace_arg() -> str | None:
+        return request.args.get("workspace_id") or None
+
+    async def office_write(fn: Callable[..., Any], *args: Any, status: int = 200, **kwargs: Any):
+        """An Office write: one transaction (with the Idempotency-Key's response when one was
+        sent), then the dispatcher is nudged, as new wakeups may be waiting."""
+        response = await commit_idempotent(functools.partial(fn, *args, **kwargs), status=status)
+        deps.claim_wake.poke()
+        return response
+
+    def text_field(raw: dict[str, Any], key: str, hi: int, default: str | None = None) -> str:
+        value = _text(raw, key, 0 if default is not None else 1, hi, default)
+        if default is None and not value.strip():
+            raise invalid(key, "must not be blank")
+        return value
+
+    @app.get("/api/office/workspaces")
+    async def office_workspaces():
+        return json_response({"workspaces": await deps.db(store.list_workspaces)})
+
+    @app.post("/api/office/workspaces")
+    @idempotent
+    async def office_create_workspace():
+        raw = body_object(await body_json())
+        return await office_write(store.create_workspace, text_field(raw, "name", 100).strip(), deps.clock.now(),
+                                  status=201)
+
+    @app.get("/api/office/projects")
+    async def office_projects():
+        return json_response({"projects": await deps.db(store.list_projects, workspace_arg())})
+
+    @app.post("/api/office/projects")
+    @idempotent
+    async def office_create_project():
+        raw = body_object(await body_json())
+        _unknown(raw, ("workspace_id", "name", "repository", "executor"), "a project")
+        checked = normalize_settings({"repository": raw.get("repository")}, profiles=profile_names,
+                                     current={"name": "project"})
+        executor = _optional_name(raw, "executor", profile_names, "agent profile")
+        return await office_write(store.create_project, raw.get("workspace_id"), text_field(raw, "name", 100),
+                                  checked["repository"], executor, deps.clock.now(), status=201)
+
+    @app.get("/api/office/agents")
+    async def office_agents():
+        return json_response({"agents": await deps.db(store.list_agents, workspace_arg())})
+
+    @app.post("/api/office/agents")
+    @idempotent
+    async def office_create_agent():
+        raw = body_object(await body_json())
+        fields = normalize_agent(raw, profiles=profile_names)
+        return await office_write(store.create_agent, raw.get("workspace_id"), fields, deps.clock.now(), status=201)
+
+    @app.get("/api/office/agents/<agent_id>")
+    async def office_agent(agent_id: str):
+        def detail():
+            view = store.get_agent(agent_id)
+            view["continuation_summaries"] = store.summary_of(agent_id)
+            return view
+        return json_response(await deps.db(detail))
+
+    @app.patch("/api/office/agents/<agent_id>")
+    @idempotent
+    async def office_patch_agent(agent_id: str):
+        raw = body_object(await body_json())
+        fields = normalize_agent(raw, profiles=profile_names, current=await deps.db(store.agent_fields, agent_id))
+        return await office_write(store.update_agent, agent_id, fields, deps.clock.now())
+
+    @app.get("/api/office/agents/<agent_id>/runs")
+    async def office_agent_runs(agent_id: str):
+        return json_response({"runs": await deps.db(store.agent_runs, agent_id, int_arg("limit", 50, 1, 500))})
+
+    @app.post("/api/office/agents/<agent_id>/wake")
+    @idempotent
+    async def office_wake_agent(agent_id: str):
+        raw = body_object(await body_json())
+        _unknown(raw, ("context",), "a wake")
+        context = _text(raw, "context", 0, 20000, "") or None
+        return await office_write(store.wake_agent, agent_id, WakeupSource.USER,
+                                  {"user_id": "dashboard", "context": context}, deps.clock.now(), status=202)
+
+    @app.get("/api/office/tasks")
+    async def office_tasks():
+        state = request.args.get("state")
+        if state and state not in set(TaskState):
+            raise invalid("state", "must be " + ", ".join(TaskState))
+        include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
+        return json_response({"tasks": await deps.db(store.list_tasks, workspace_arg(),
+                                                     request.args.get("assignee_agent_id"), state, include)})
+
+    @app.post("/api/office/tasks")
+    @idempotent
+    async def office_create_task():
+        raw = body_object(await body_json())
+        fields = normalize_task(raw, profiles=profile_names)
+        return await office_write(store.create_task, raw.get("workspace_id"), fields, deps.clock.now(), status=201)
+
+    @app.get("/api/office/tasks/<task_id>")
+    async def office_task(task_id: str):
+        return json_response(await deps.db(store.get_task, task_id))
+
+    @app.patch("/api/office/tasks/<task_id>")
+    @idempotent
+    async def office_patch_task(task_id: str):
+        raw = body_object(await body_json())
+        fields = normalize_task(raw, profiles=profile_names, current=await deps.db(store.task_fields, task_id))
+        return await office_write(store.update_task, task_id, fields, deps.clock.now())
+
+    @app.post("/api/office/tasks/<task_id>/move")
+    @idempotent
+    async def office_move_task(task_id: str):
+        raw = body_object(await body_json())
+        return await office_write(store.move_task, task_id, raw.get("state"), deps.clock.now())
+
+    @app.post("/api/office/tasks/<task_id>/comments")
+    @idempotent
+    async def office_comment(task_id: str):
+        raw = body_object(await body_json())
+        _unknown(raw, ("body",), "a comment")
+        return await office_write(store.add_comment, task_id, text_field(raw, "body", 20000), deps.clock.now(),
+                                  status=201)
+
+    @app.get("/api/office/approvals")
+    async def office_approvals():
+        return json_response({"approvals": await deps.db(store.list_approvals, workspace_arg(),
+                                                         request.args.get("status"))})
+
+    @app.post("/api/office/approvals/<approval_id>/resolve")
+    @idempotent
+    async def office_resolve_approval(approval_id: str):
+        raw = body_object(await body_json())
+        _unknown(raw, ("status", "decision_note"), "a decision")
+        return await office_write(store.resolve_approval, approval_id, raw.get("status"),
+                                  _text(raw, "decision_note", 0, 20000, ""), deps.clock.now())
+
+    @app.get("/api/office/wakeups")
+    async def office_wakeups():
+        status, source = request.args.get("status"), request.args.get("source")
+        if status and status not in set(WakeupStatus):
+            raise invalid("status", "must be " + ", ".join(WakeupStatus))
+        if source and source not in set(WakeupSource):
+            raise invalid("source", "must be " + ", ".join(WakeupSource))
+        return json_response({"wakeups": await deps.db(store.list_wakeups, workspace_arg(),
+                                                       request.args.get("agent_id"), status, source,
+                                                       int_arg("limit", 100, 1, 1000))})
+
+    @app.get("/api/office/runs/<run_id>")
+    async def office_run(run_id: str):
+        return json_response(await deps.db(store.office_run, run_id))
+
+    @app.get("/api/office/activity")
+    async def office_activity():
+        return json_response({"activity": await deps.db(store.list_activity, workspace_arg(),
+                                                        request.args.get("code"), int_arg("limit", 100, 1, 1000))})
+
+    @app.get("/api/office/settings")
+    async def office_settings():
+        return json_response(await deps.db(store.office_settings, workspace_arg()))
+
+    @app.patch("/api/office/settings")
+    @idempotent
+    async def office_patch_settings():
+        raw = body_object(await body_json())
+        current = await deps.db(store.office_settings, workspace_arg())
+        settings = normalize_settings(raw, profiles=profile_names, current=current)
+        return await office_write(store.update_office_settings, workspace_arg(), settings)
+
+    # --- agent API: what a running Office agent may do, with its run token ----------------------------
+
+    def own_task(raw: dict[str, Any]) -> str:
+        task_id = raw.get("task_id") or g.agent["task_id"]
+        if not isinstance(task_id, str) or not task_id:
+            raise invalid("task_id", "this run has no task; name one")
+        return task_id
+
+    @app.get("/api/agent/me")
+    async def agent_me():
+        ctx = g.agent
+
+        def me():
+            view = {**ctx, "agent": store.get_agent(ctx["agent_id"])}
+            if ctx["task_id"]:
+                view["task"] = store.get_task(ctx["task_id"])
+            return view
+        return json_response(await deps.db(me))
+
+    @app.post("/api/agent/comments")
+    async def agent_comment():
+        raw = body_object(await body_json())
+        _unknown(raw, ("task_id", "body"), "a comment")
+        return await office_write(store.add_comment, own_task(raw), text_field(raw, "body", 20000),
+                                  deps.clock.now(), g.agent["agent_id"], g.agent["workspace_id"], status=201)
+
+    @app.post("/api/agent/tasks/<task_id>/move")
+    async def agent_move(task_id: str):
+        raw = body_object(await body_json())
+        return await office_write(store.move_task, task_id, raw.get("state"), deps.clock.now(),
+                                  by_agent=g.agent["agent_id"], workspace_id=g.agent["workspace_id"])
+
+    @app.post("/api/agent/tasks")
+    async def agent_create_task():
+        raw = body_object(await body_json())
+        if "workspace_id" in raw or "workflow" in raw:
+            raise invalid(sorted({"workspace_id", "workflow"} & set(raw))[0], "is the run's own")
+        fields = normalize_task({"parent_id": g.agent["task_id"], **raw}, profiles=profile_names)
+        return await office_write(store.create_task, g.agent["workspace_id"], fields, deps.clock.now(),
+                                  g.agent["agent_id"], status=201)
+
+    @app.post("/api/agent/approvals")
+    async def agent_request_approval():
+        raw = body_object(await body_json())
+        _unknown(raw, ("task_id", "note"), "an approval request")
+        return await office_write(store.request_approval, own_task(raw), g.agent["agent_id"],
+                                  _text(raw, "note", 0, 20000, ""), deps.clock.now(), g.agent["workspace_id"],
+                                  status=201)
+
+    @app.post("/api/agent/wake")
+    async def agent_self_wake():
+        raw = body_object(await body_json())
+        _unknown(raw, ("reason", "payload", "delay_sec"), "a self-wake")
+        payload = raw.get("payload")
+        if payload is not None and not isinstance(payload, dict):
+            raise invalid("payload", "must be an object or null")
+        delay = _int(raw.get("delay_sec", 0), "delay_sec", 0, 7 * 86400)
+        now = deps.clock.now()
+        return await office_write(store.wake_agent, g.agent["agent_id"], WakeupSource.SELF,
+                                  {"reason": text_field(raw, "reason", 200), "payload": payload}, now,
+                                  wake_at=now + timedelta(seconds=delay) if delay else None,
+                                  workspace_id=g.agent["workspace_id"], status=202)
+
     render_page = register_dashboard(app, deps)
     return app
 
@@ -3267,7 +5152,9 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(notification_actor, deps, settled_rx)
         nursery.start_soon(cron_actor, deps, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, deps, deps.claim_wake.rx)
-        task_status.started(await nursery.start(web))
+        binds = await nursery.start(web)
+        deps.api_url = binds[0] if binds else f"http://{deps.config.host}:{deps.config.port}"
+        task_status.started(binds)
         nursery.start_soon(watchdog_actor)
         sd_notify("READY=1\nSTATUS=listening")
         await shutdown.wait()
@@ -3556,7 +5443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p.add_argument("schedule")
     p.add_argument("--json", action="store_true")
-    sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
+    demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
+    demo.add_argument("--resume", metavar="SESSION_ID", help="continue this session (Office resumes)")
     for name, actions in (("schedules", ("list", "show", "create", "edit", "fire", "pause", "resume", "archive")),
                           ("runs", ("list", "show", "log", "cancel"))):
         p = sub.add_parser(name, help=f"{name}: {', '.join(actions)}")
@@ -3579,7 +5467,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = (args.data_dir or default_data_dir()).expanduser()
     try:
         if args.command == "demo-agent":
-            return demo_agent(sys.stdin.read(), Path.cwd())
+            return demo_agent(sys.stdin.read(), Path.cwd(), session_id=args.resume)
         if args.command == "serve":
             setup_logging(args.verbose)
             try:
