@@ -4164,7 +4164,28 @@ DONE_NOTICES = {
     "cancel": "Cancel requested.", "run_pause": "Run paused: its slot is free.",
     "resume_run": "Resume requested: the run continues when a slot is free.",
     "acked": "Acknowledged.", "acked_all": "All open items acknowledged.",
+    "agent_created": "Agent created. Assign it a task on the board to wake it.", "agent_updated": "Agent saved.",
+    "woken": "Wakeup queued: the agent wakes as soon as it has room.", "task_created": "Task created.",
+    "task_updated": "Task saved.", "moved": "Task moved.", "commented": "Comment posted.",
+    "approval_resolved": "Decision recorded.", "settings_saved": "Settings saved.",
 }
+#: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
+CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
+                 "retry_task_cancelled": "Cancelled - task cancelled",
+                 "retry_stale_assignee": "Cancelled - retry stale", "task_not_found": "Cancelled - task not found",
+                 "review_participant_changed": "Cancelled - reviewer changed"}
+
+
+def wakeup_label(w: dict[str, Any]) -> str:
+    if w["status"] == "cancelled":
+        return CANCEL_LABELS.get(w["cancel_reason"], "Cancelled")
+    if w["status"] == "queued" and w["scheduled_retry_at"]:
+        return f"Retry {w['retry_count']}/{MAX_RETRY_COUNT} scheduled"
+    if w["status"] == "queued" and w["wake_at"]:
+        return "Waiting to wake"
+    if w["status"] == "coalesced":
+        return f"Merged into {w['coalesced_into'][-6:]}"
+    return w["status"].capitalize()
 
 
 async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -4437,6 +4458,227 @@ def register_dashboard(app, deps: Deps):
     async def attention_ack_all():
         await deps.db(store.ack_all_attention, deps.clock.now())
         return redirect("/attention?done=acked_all")
+
+    # --- Office: agents, the task board, wakeups, run inspection, settings -------------------------
+
+    app.jinja_env.filters["wakeup_label"] = wakeup_label
+    profile_names = [a.name for a in deps.config.agents]
+
+    async def office_page(template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
+        def common():
+            return {"settings": store.office_settings(None),
+                    "agents_by_id": {a["id"]: a for a in store.list_agents(None)}}
+        shared = await deps.db(common)
+        return await render_page(template, status=status, section="office", live=live, tab=tab,
+                                 tz=shared["settings"]["timezone"], profiles=profile_names,
+                                 task_states=list(TaskState), **shared, **context)
+
+    async def office_form(action: Callable[[Any], Awaitable[str]], on_error: Callable[..., Awaitable[Any]]):
+        """A dashboard form: the action's redirect, or its page again with the error by field."""
+        form = await request.form
+        try:
+            target = await action(form)
+        except OutpostError as err:
+            return await on_error(form=form, errors=errors_by_field(err), status=err.status)
+        deps.claim_wake.poke()
+        return redirect(target)
+
+    def checkbox(form: dict[str, str], name: str) -> bool:
+        return form.get(name) in ("1", "on", "true")
+
+    def agent_form(form: dict[str, str]) -> dict[str, Any]:
+        raw: dict[str, Any] = {k: form[k] for k in ("name", "role", "status", "instructions") if form.get(k)}
+        raw["executor"] = form.get("executor") or None
+        for key in ("max_concurrent_sessions", "cooldown_sec", "budget_runs_per_day"):
+            if form.get(key, "").strip():
+                value = parse_count(form[key].strip())
+                if value is None:
+                    raise invalid(key, "must be a whole number")
+                raw[key] = value
+            elif key == "budget_runs_per_day":
+                raw[key] = None
+        if form.get("skip_idle_wakeups") in ("yes", "no"):
+            raw["skip_idle_wakeups"] = form["skip_idle_wakeups"] == "yes"
+        return raw
+
+    @app.get("/office")
+    async def office_home():
+        return redirect("/office/agents")
+
+    @app.get("/office/agents")
+    async def office_agents_page(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                                 status: int = 200):
+        def data():
+            agents = store.list_agents(None)
+            active = dict(store.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'claimed\' '
+                                          'GROUP BY agent_id'))
+            queued = dict(store.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'queued\' '
+                                          'GROUP BY agent_id'))
+            return agents, active, queued
+        agents, active, queued = await deps.db(data)
+        return await office_page("office_agents.html", tab="agents", status=status, agents=agents, active=active,
+                                 queued=queued, form=form or {}, errors=errors or {})
+
+    @app.post("/office/agents")
+    async def office_agents_create():
+        async def create(form):
+            fields = normalize_agent(agent_form(form), profiles=profile_names)
+            agent = await deps.db(store.create_agent, None, fields, deps.clock.now())
+            return f"/office/agents/{agent['id']}?done=agent_created"
+        return await office_form(create, office_agents_page)
+
+    @app.get("/office/agents/<agent_id>")
+    async def office_agent_page(agent_id: str, form: dict[str, str] | None = None,
+                                errors: dict[str, str] | None = None, status: int = 200):
+        def data():
+            return (store.get_agent(agent_id), store.agent_runs(agent_id, 30),
+                    store.list_wakeups(None, agent_id, None, None, 30), store.summary_of(agent_id),
+                    store.list_tasks(None, agent_id))
+        agent, runs, wakeups, summaries, tasks = await deps.db(data)
+        return await office_page("office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
+                                 wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks, form=form or agent,
+                                 errors=errors or {})
+
+    @app.post("/office/agents/<agent_id>")
+    async def office_agent_save(agent_id: str):
+        async def save(form):
+            current = await deps.db(store.agent_fields, agent_id)
+            fields = normalize_agent(agent_form(form), profiles=profile_names, current=current)
+            await deps.db(store.update_agent, agent_id, fields, deps.clock.now())
+            return f"/office/agents/{agent_id}?done=agent_updated"
+        return await office_form(save, functools.partial(office_agent_page, agent_id))
+
+    @app.post("/office/agents/<agent_id>/wake")
+    async def office_agent_wake(agent_id: str):
+        async def wake(form):
+            context = _text(form, "context", 0, 20000, "") or None
+            await deps.db(store.wake_agent, agent_id, WakeupSource.USER, {"user_id": "dashboard", "context": context},
+                          deps.clock.now())
+            return f"/office/agents/{agent_id}?done=woken"
+        return await office_form(wake, functools.partial(office_agent_page, agent_id))
+
+    def task_form(form, fields: tuple[str, ...]) -> dict[str, Any]:
+        raw: dict[str, Any] = {k: form.get(k, "") for k in fields if k in ("title", "description")}
+        for key in ("assignee_agent_id", "parent_id", "executor"):
+            if key in fields:
+                raw[key] = form.get(key) or None
+        if "blocked_by" in fields:
+            raw["blocked_by"] = [t for t in form.getlist("blocked_by") if t]
+        if "requires_approval" in fields:
+            raw["requires_approval"] = checkbox(form, "requires_approval")
+        return raw
+
+    @app.get("/office/board")
+    async def office_board(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                           status: int = 200):
+        tasks = await deps.db(store.list_tasks, None)
+        columns = {state: [t for t in tasks if t["state"] == state] for state in TaskState}
+        return await office_page("office_board.html", tab="board", status=status, tasks=tasks, columns=columns,
+                                 form=form or {}, errors=errors or {})
+
+    @app.post("/office/tasks")
+    async def office_task_create():
+        async def create(form):
+            raw = task_form(form, ("title", "description", "assignee_agent_id", "parent_id", "blocked_by",
+                                   "requires_approval"))
+            task = await deps.db(store.create_task, None, normalize_task(raw, profiles=profile_names),
+                                 deps.clock.now())
+            return f"/office/tasks/{task['id']}?done=task_created"
+        return await office_form(create, office_board)
+
+    @app.get("/office/tasks/<task_id>")
+    async def office_task_page(task_id: str, form: dict[str, str] | None = None,
+                               errors: dict[str, str] | None = None, status: int = 200):
+        def data():
+            return (store.get_task(task_id), store.list_tasks(None),
+                    store.list_wakeups(None, None, None, None, 200))
+        task, tasks, wakeups = await deps.db(data)
+        wakeups = [w for w in wakeups if w["task_id"] == task_id]
+        return await office_page("office_task.html", tab="board", status=status, task=task, tasks=tasks,
+                                 titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
+                                 form=form or {}, errors=errors or {})
+
+    @app.post("/office/tasks/<task_id>")
+    async def office_task_save(task_id: str):
+        async def save(form):
+            raw = task_form(form, ("title", "description", "assignee_agent_id", "blocked_by", "requires_approval",
+                                   "executor"))
+            current = await deps.db(store.task_fields, task_id)
+            await deps.db(store.update_task, task_id, normalize_task(raw, profiles=profile_names, current=current),
+                          deps.clock.now())
+            return f"/office/tasks/{task_id}?done=task_updated"
+        return await office_form(save, functools.partial(office_task_page, task_id))
+
+    @app.post("/office/tasks/<task_id>/move")
+    async def office_task_move(task_id: str):
+        async def move(form):
+            await deps.db(store.move_task, task_id, form.get("state", ""), deps.clock.now())
+            return form.get("next") if form.get("next") == "/office/board" else f"/office/tasks/{task_id}?done=moved"
+        return await office_form(move, functools.partial(office_task_page, task_id))
+
+    @app.post("/office/tasks/<task_id>/comments")
+    async def office_task_comment(task_id: str):
+        async def comment(form):
+            body = _text(form, "body", 1, 20000)
+            if not body.strip():
+                raise invalid("body", "write something first")
+            await deps.db(store.add_comment, task_id, body, deps.clock.now())
+            return f"/office/tasks/{task_id}?done=commented#comments"
+        return await office_form(comment, functools.partial(office_task_page, task_id))
+
+    @app.post("/office/approvals/<approval_id>/resolve")
+    async def office_approval_resolve(approval_id: str):
+        form = await form_data()
+        approval = await deps.db(store.resolve_approval, approval_id, form.get("status", ""),
+                                 _text(form, "decision_note", 0, 20000, ""), deps.clock.now())
+        deps.claim_wake.poke()
+        return redirect(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
+
+    @app.get("/office/wakeups")
+    async def office_wakeups_page():
+        agent_id = request.args.get("agent_id") or None
+        status = request.args.get("status") or None
+        if status and status not in set(WakeupStatus):
+            raise invalid("status", "must be " + ", ".join(WakeupStatus))
+        wakeups = await deps.db(store.list_wakeups, None, agent_id, status, None, 200)
+        return await office_page("office_wakeups.html", tab="wakeups", wakeups=wakeups, agent_id=agent_id,
+                                 status_filter=status, statuses=list(WakeupStatus))
+
+    @app.get("/office/runs/<run_id>")
+    async def office_run_page(run_id: str):
+        run = await deps.db(store.office_run, run_id)
+        log_text, log_size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
+        return await office_page("office_run.html", tab="agents", live=run["status"] in ("queued", "running", "paused"),
+                                 run=run, log_text=log_text, log_size=log_size)
+
+    @app.get("/office/activity")
+    async def office_activity_page():
+        code = request.args.get("code") or None
+        return await office_page("office_activity.html", tab="activity",
+                                 activity=await deps.db(store.list_activity, None, code, 200), code=code)
+
+    @app.get("/office/settings")
+    async def office_settings_page(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                                   status: int = 200):
+        return await office_page("office_settings.html", tab="settings", status=status, live=False, zones=zones,
+                                 form=form, errors=errors or {})
+
+    @app.post("/office/settings")
+    async def office_settings_save():
+        async def save(form):
+            raw: dict[str, Any] = {k: form[k] for k in ("name", "timezone", "source_ref") if form.get(k)}
+            raw["repository"] = form.get("repository", "").strip() or None
+            raw["default_executor"] = form.get("default_executor") or None
+            for key in ("recovery_lookback_hours", "budget_runs_per_day"):
+                text = form.get(key, "").strip()
+                if text and parse_count(text) is None:
+                    raise invalid(key, "must be a whole number")
+                raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
+            current = await deps.db(store.office_settings, None)
+            await deps.db(store.update_office_settings, None,
+                          normalize_settings(raw, profiles=profile_names, current=current))
+            return "/office/settings?done=settings_saved"
+        return await office_form(save, office_settings_page)
 
     return render_page
 

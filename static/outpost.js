@@ -19,9 +19,59 @@
     show();
   }
 
+  // --- Office task board: drag a card to a column, which calls the same /move as the API ----
+  function setupBoard(root) {
+    const board = root.querySelector("#board");
+    if (!board) return;
+    board.querySelectorAll(".card").forEach((card) => {
+      card.addEventListener("dragstart", (e) => {
+        e.dataTransfer.setData("text/plain", card.dataset.task);
+        card.classList.add("dragging");
+      });
+      card.addEventListener("dragend", () => card.classList.remove("dragging"));
+    });
+    board.querySelectorAll(".column").forEach((column) => {
+      column.addEventListener("dragover", (e) => { e.preventDefault(); column.classList.add("drop-target"); });
+      column.addEventListener("dragleave", () => column.classList.remove("drop-target"));
+      column.addEventListener("drop", async (e) => {
+        e.preventDefault();
+        column.classList.remove("drop-target");
+        const task = e.dataTransfer.getData("text/plain");
+        const card = document.getElementById("card-" + task);
+        if (!task || !card || card.closest(".column") === column) return;
+        column.appendChild(card);   // at once; the refresh below shows what the server made of it
+        const reply = await fetch(`/api/office/tasks/${task}/move`, {
+          method: "POST", credentials: "same-origin",
+          headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf() },
+          body: JSON.stringify({ state: column.dataset.state }),
+        });
+        if (!reply.ok) {
+          const problem = await reply.json().catch(() => ({}));
+          window.alert("Not moved: " + (problem.detail || reply.statusText));
+        }
+        refresh(true);
+      });
+    });
+  }
+
+  // --- tabs (run inspection): without JavaScript every panel shows, one under another --------
+  function setupTabs(root) {
+    const tabs = root.querySelectorAll(".tabs [data-tab]");
+    if (!tabs.length) return;
+    const show = (name) => {
+      tabs.forEach((t) => t.classList.toggle("active", t.dataset.tab === name));
+      root.querySelectorAll("[data-panel]").forEach((p) => p.classList.toggle("shown", p.dataset.panel === name));
+    };
+    tabs.forEach((t) => t.addEventListener("click", (e) => { e.preventDefault(); show(t.dataset.tab); }));
+    show(location.hash.startsWith("#tab-") ? location.hash.slice(5) : "overview");
+  }
+
   // --- small behaviours: confirm before destructive actions, "back" keeps form input -------
   function setupPage(root) {
     setupTimingPicker(root);
+    setupBoard(root);
+    setupTabs(root);
+    root.querySelectorAll("form.stack").forEach((f) => f.addEventListener("input", () => { f.dataset.dirty = "1"; }));
     root.querySelectorAll("button[data-confirm]").forEach((b) =>
       b.addEventListener("click", (e) => { if (!window.confirm(b.dataset.confirm)) e.preventDefault(); }));
     root.querySelectorAll("a[data-back]").forEach((a) =>
@@ -30,9 +80,10 @@
 
   // --- live updates: the event stream refreshes pages that show live state -------------------
   let refreshTimer = null;
-  async function refresh() {
+  async function refresh(always) {
     const main = document.getElementById("main");
-    if (!main || !main.dataset.live) return;
+    if (!main || (!main.dataset.live && !always)) return;
+    if (!always && main.querySelector("form[data-dirty], form :focus")) return;   // never wipe what is being typed
     const reply = await fetch(location.href, { credentials: "same-origin", headers: { Accept: "text/html" } });
     if (!reply.ok || reply.redirected) return;
     const page = new DOMParser().parseFromString(await reply.text(), "text/html");
@@ -69,7 +120,10 @@
     source.onmessage = scheduleRefresh;
     ["schedule.created", "schedule.updated", "schedule.controlled", "occurrence.claimed", "occurrence.skipped",
       "run.queued", "run.started", "run.controlled", "run.resumed", "run.settled", "attention.raised",
-      "attention.acknowledged"].forEach((type) => source.addEventListener(type, scheduleRefresh));
+      "attention.acknowledged", "agent.created", "agent.updated", "task.created", "task.updated", "task.moved",
+      "comment.created", "approval.requested", "approval.resolved", "wakeup.queued", "wakeup.coalesced",
+      "wakeup.claimed", "wakeup.ended", "wakeup.retry_scheduled", "office.activity"
+    ].forEach((type) => source.addEventListener(type, scheduleRefresh));
     source.addEventListener("attention.raised", notify);
   }
 
@@ -114,6 +168,7 @@
   }
 
   window.outpost = { csrf, refresh };
+  document.documentElement.classList.add("js");
   document.addEventListener("DOMContentLoaded", () => {
     setupPage(document);
     setupNotifications();
