@@ -4185,6 +4185,8 @@ def wakeup_label(w: dict[str, Any]) -> str:
         return "Waiting to wake"
     if w["status"] == "coalesced":
         return f"Merged into {w['coalesced_into'][-6:]}"
+    if w["status"] == "finished" and not w["run_id"]:
+        return "Finished, no run"   # held, idle-skipped or agent paused: the note says which
     return w["status"].capitalize()
 
 

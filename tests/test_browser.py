@@ -242,3 +242,84 @@ def test_live_updates_resume_after_the_daemon_restarts(browser, repo, tmp_path_f
             second.stop()
     finally:
         context.close()
+
+
+# --- Office: the user journey of issue 4, from the dashboard alone --------------------------------
+
+def wait_for_text(page, selector: str, text: str, timeout_s: float = 30) -> None:
+    """Live pages refresh themselves from the event stream; reload as a fallback."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while text not in (page.inner_text(selector) if page.query_selector(selector) else ""):
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {selector}: {page.inner_text('#main')[:2000]}"
+        page.wait_for_timeout(500)
+        if int(time.monotonic() * 2) % 10 == 0:
+            page.reload()
+
+
+def test_office_agent_wakes_on_assignment_comment_and_resolved_blocker(page, server, repo):
+    sign_in(page, server)
+    page.goto(server.url + "/office/board")
+    assert "Set the workspace repository" in page.inner_text("#no-repository")
+    page.goto(server.url + "/office/settings")
+    page.fill("#repository", str(repo))
+    page.click("#save-settings")
+    page.wait_for_selector("#flash")
+    page.goto(server.url + "/office/agents")
+    assert page.query_selector("#agents-empty")
+    page.fill("#agent-form input[name=name]", "builder")
+    page.select_option("#agent-form select[name=executor]", "demo")
+    page.fill("#agent-form input[name=cooldown_sec]", "0")
+    page.click("#create-agent")
+    page.wait_for_selector("#agent-status")
+    shot(page, "office-agent")
+
+    # Create and assign a task: the agent wakes, runs, and comments through its run token.
+    page.goto(server.url + "/office/board")
+    page.fill("#task-form input[name=title]", "Write the notes")
+    page.fill("#task-form textarea[name=description]", "@print hello from office\n@comment first pass done")
+    page.select_option("#task-form select[name=assignee_agent_id]", label="builder")
+    page.click("#create-task")
+    page.wait_for_selector("#task-state")
+    wait_for_text(page, "#comments", "first pass done")
+    wait_for_text(page, ".wakeups", "Finished")
+    shot(page, "office-task")
+
+    # A user comment wakes it again; the resumed session reads only the new comment.
+    page.fill("#comment-form textarea[name=body]", "@comment second pass done")
+    page.click("#post-comment")
+    wait_for_text(page, "#comments", "second pass done")
+    assert "comment" in page.inner_text(".wakeups")
+
+    # A blocked task is held; moving its blocker to Done on the board wakes its agent.
+    page.goto(server.url + "/office/board")
+    page.fill("#task-form input[name=title]", "Blocker")
+    page.select_option("#task-form select[name=assignee_agent_id]", label="builder")
+    page.click("#create-task")
+    page.wait_for_selector("#task-state")
+    blocker_id = page.url.rsplit("/", 1)[1].split("?")[0]
+    page.goto(server.url + "/office/board")
+    page.fill("#task-form input[name=title]", "Blocked work")
+    page.fill("#task-form textarea[name=description]", "@comment unblocked and done")
+    page.select_option("#task-form select[name=assignee_agent_id]", label="builder")
+    page.select_option("#task-form select[name=blocked_by]", blocker_id)
+    page.click("#create-task")
+    wait_for_text(page, ".wakeups", "held until its blockers are done")
+    blocked_url = page.url.split("?")[0]
+    page.goto(server.url + "/office/board")
+    page.drag_and_drop(f"#card-{blocker_id}", ".column[data-state=DONE]")
+    page.wait_for_selector(f".column[data-state=DONE] #card-{blocker_id}")
+    shot(page, "office-board")
+    page.goto(blocked_url)
+    wait_for_text(page, "#comments", "unblocked and done")
+    assert "task_blockers_resolved" in page.inner_text(".wakeups")
+    page.goto(server.url + "/office/wakeups")
+    shot(page, "office-wakeups")
+
+    # Run inspection: the Prompt tab shows what the agent read.
+    run_link = page.query_selector(".wakeups td:last-child a")
+    run_link.click()
+    page.click("#prompt-tab")
+    assert page.is_visible("#assembled-prompt")
+    assert "Why you woke" in page.inner_text("#assembled-prompt")
+    shot(page, "office-run-prompt")
