@@ -3891,7 +3891,9 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
 
 async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     """In: nudges (work may be ready or a slot was freed). Out: one RunSettled per run.
-    Owns: the runs nursery. FIFO admission while fewer than max_running hold a slot.
+    Owns: the runs nursery. Each pass first dispatches the Office wakeups that may be
+    claimed (their runs join the queue), then admits FIFO while fewer than max_running
+    hold a slot. Sleeps until nudged or until a retry, self-wake or cooldown comes due.
     Ends when cancelled; run supervisors then end their processes and record it."""
     async with trio.open_nursery() as runs:
         while True:
