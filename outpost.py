@@ -146,7 +146,7 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: Author of the commit that saves what an agent left uncommitted.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 4      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office
+SCHEMA_VERSION = 5      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
@@ -159,6 +159,8 @@ BUDGET_ALERT_PCT = 80
 OFFICE_RUN_TIMEOUT_S = 3600
 #: Comments of its task an Office prompt shows (the newest).
 PROMPT_COMMENTS = 10
+#: How often the recovery actor runs the Office recovery sweep (unstarted assigned tasks).
+RECOVERY_SWEEP_S = 300
 
 
 ###############################################################################
@@ -1322,7 +1324,7 @@ def wake_line(source: str, reason: str, payload: dict[str, Any]) -> str:
 
 def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], task: dict[str, Any] | None,
                     comments: list[dict[str, Any]], blockers: list[dict[str, Any]], summary: str,
-                    resume: bool, dropped: int = 0) -> str:
+                    resume: bool, dropped: int = 0, routine: dict[str, Any] | None = None) -> str:
     """What the agent reads: why it woke, the task and its new comments, the summary slice.
     A resumed session already holds the instructions, so it gets only this delta."""
     parts = []
@@ -1334,6 +1336,9 @@ def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], tas
     parts += [wake_line(w["source"], w["reason"], w["payload"]) for w in wakeups]
     if dropped:
         parts.append(f"- ... and {dropped} earlier wake reasons")
+    if routine is not None:
+        parts.append(f"## Routine: {routine['name']}"
+                     + (f"\n{routine['description']}" if routine["description"] else ""))
     if task is not None:
         parts.append(f"## Task {task['id']}: {task['title']}\nState: {task['state']}")
         if not resume and task["description"]:
@@ -1541,6 +1546,271 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
 def summary_scope(payload: dict[str, Any]) -> str:
     """The continuation summary a taskless run reads and updates: one chain per routine."""
     return f"routine:{payload['routine_id']}" if payload.get("routine_id") else "taskless"
+
+
+# --- Office routines: templates, variables, triggers, webhook signatures ----------------------
+
+ROUTINE_STATUSES = ("active", "paused", "archived")
+TRIGGER_KINDS = ("schedule", "webhook", "manual")
+SIGNING_MODES = ("none", "bearer", "hmac_sha256", "github")
+VARIABLE_TYPES = ("text", "number", "boolean", "select")
+BUILTIN_VARIABLES = ("date", "datetime")
+ROUTINE_FIELDS = ("workspace_id", "name", "description", "assignee_agent_id", "status", "concurrency_policy",
+                  "catch_up_policy", "catch_up_max", "priority", "task_template", "variables", "triggers")
+#: A webhook signature (hmac_sha256) is valid this long around its timestamp, and remembered as long.
+WEBHOOK_TOLERANCE_S = 300
+#: A GitHub delivery id is remembered this long (its redeliveries are not fired again).
+GITHUB_DELIVERY_TTL_S = 24 * 3600
+#: After a secret rotation the old secret is still accepted this long.
+SECRET_ROTATION_GRACE_S = 24 * 3600
+TEMPLATE_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_-]+)*)\s*\}\}")
+
+
+def template_variables(*texts: str) -> list[str]:
+    """The ``{{name}}`` variables a template uses, in order, without the built-ins."""
+    names = [m for text in texts for m in TEMPLATE_VARIABLE.findall(text or "")]
+    return [n for n in dict.fromkeys(names) if n not in BUILTIN_VARIABLES]
+
+
+def _variable(raw: Any, i: int) -> dict[str, Any]:
+    field = f"variables[{i}]"
+    if not isinstance(raw, dict):
+        raise invalid(field, "must be an object with name and type")
+    _unknown(raw, ("name", "type", "default", "required", "options", "description"), "a variable")
+    name = raw.get("name")
+    if not isinstance(name, str) or not TEMPLATE_VARIABLE.fullmatch("{{" + name + "}}"):
+        raise invalid(f"{field}.name", "must be a name like branch or repository.full_name")
+    if name in BUILTIN_VARIABLES:
+        raise invalid(f"{field}.name", f"{name} is built in")
+    kind = raw.get("type", "text")
+    if kind not in VARIABLE_TYPES:
+        raise invalid(f"{field}.type", "must be " + ", ".join(VARIABLE_TYPES))
+    options = raw.get("options") or []
+    if kind == "select" and (not isinstance(options, list) or not options
+                             or not all(isinstance(o, str) and o for o in options)):
+        raise invalid(f"{field}.options", "a select variable needs a list of options")
+    v = {"name": name, "type": kind, "default": None, "required": _bool(raw, "required", False),
+         "options": options if kind == "select" else [], "description": _text(raw, "description", 0, 500, "")}
+    if raw.get("default") is not None:
+        v["default"] = coerce_variable(v, raw["default"], f"{field}.default")
+    return v
+
+
+def coerce_variable(v: dict[str, Any], value: Any, field: str) -> Any:
+    """A provided value in its declared type (a webhook sends JSON; a form sends text)."""
+    kind = v["type"]
+    if kind == "number":
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else int(value)
+            except ValueError:
+                raise invalid(field, "must be a number") from None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise invalid(field, "must be a number")
+        return value
+    if kind == "boolean":
+        if isinstance(value, str) and value.lower() in ("true", "false", "on", "off", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "on", "1", "yes")
+        if not isinstance(value, bool):
+            raise invalid(field, "must be true or false")
+        return value
+    if isinstance(value, dict | list):
+        raise invalid(field, "must be text, not an object or a list")
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > 10000:
+        raise invalid(field, "must be at most 10000 characters")
+    if kind == "select" and text not in v["options"]:
+        raise invalid(field, "must be one of " + ", ".join(v["options"]))
+    return text
+
+
+def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A routine's fields with their defaults. Saving a template that uses a new
+    ``{{var}}`` declares it (text, no default, not required). Triggers are checked by
+    ``normalize_trigger``; an edit does not take them (they have their own endpoints)."""
+    if not isinstance(raw, dict):
+        raise invalid("body", "must be a JSON object")
+    _check_unicode(raw, "")
+    _unknown(raw, ROUTINE_FIELDS, "a routine")
+    if current is not None:
+        for key in ("workspace_id", "triggers"):
+            if key in raw:
+                raise invalid(key, "cannot be changed by an edit" + (
+                    " (use .../triggers)" if key == "triggers" else ""))
+    merged = {**(current or {}), **raw}
+    r: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
+    if not r["name"]:
+        raise invalid("name", "must not be blank")
+    r["description"] = _text(merged, "description", 0, 10000, "")
+    assignee = merged.get("assignee_agent_id")
+    if not isinstance(assignee, str) or not assignee:
+        raise invalid("assignee_agent_id", "a routine wakes one agent: name it")
+    r["assignee_agent_id"] = assignee
+    for key, allowed, default in (("status", ROUTINE_STATUSES, "active"),
+                                  ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
+                                  ("catch_up_policy", CATCH_UP_POLICIES, "enqueue_missed_with_cap")):
+        value = merged.get(key, default)
+        if value not in allowed:
+            raise invalid(key, "must be " + ", ".join(allowed))
+        r[key] = value
+    if current is not None and current["status"] == "archived" and r["status"] != "archived":
+        raise invalid("status", "an archived routine stays archived")
+    r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
+    r["priority"] = _int(merged.get("priority", 0), "priority", -1000, 1000)
+    template = merged.get("task_template")
+    if template in (None, "", {}):
+        template = {}
+    if not isinstance(template, dict):
+        raise invalid("task_template", 'must be {"title", "description"}, or empty for a taskless routine')
+    _unknown(template, ("title", "description"), "a task template")
+    r["task_template"] = {k: _text(template, k, 0, 100_000 if k == "description" else 200, "")
+                          for k in ("title", "description") if k in template} if template else {}
+    declared = merged.get("variables") or []
+    if not isinstance(declared, list) or len(declared) > 50:
+        raise invalid("variables", "must be a list of at most 50 variables")
+    variables = [_variable(v, i) for i, v in enumerate(declared)]
+    names = [v["name"] for v in variables]
+    if len(set(names)) != len(names):
+        raise invalid("variables", "declares a name twice")
+    for name in template_variables(r["task_template"].get("title", ""), r["task_template"].get("description", "")):
+        if name not in names:
+            variables.append({"name": name, "type": "text", "default": None, "required": False, "options": [],
+                              "description": ""})
+    r["variables"] = variables
+    return r
+
+
+def normalize_trigger(raw: Any, i: int, now: datetime, default_tz: str) -> dict[str, Any]:
+    field = f"triggers[{i}]"
+    if not isinstance(raw, dict):
+        raise invalid(field, 'must be an object with "kind": schedule, webhook or manual')
+    _unknown(raw, ("kind", "cron_expression", "timezone", "signing_mode", "enabled"), "a trigger")
+    kind = raw.get("kind")
+    if kind not in TRIGGER_KINDS:
+        raise invalid(f"{field}.kind", "must be schedule, webhook or manual")
+    t: dict[str, Any] = {"kind": kind, "enabled": _bool(raw, "enabled", True)}
+    if kind == "schedule":
+        try:
+            timing = normalize_timing({"kind": "cron", "expression": raw.get("cron_expression"),
+                                       "timezone": raw.get("timezone") or default_tz}, now, check_past=False)
+        except ValidationFailed as err:
+            name = {"timing.expression": "cron_expression", "timing.timezone": "timezone"}
+            raise invalid(f"{field}.{name.get(err.errors[0]['field'], 'cron_expression')}",
+                          err.errors[0]["message"]) from None
+        t |= {"cron_expression": timing["expression"], "timezone": timing["timezone"]}
+    elif kind == "webhook":
+        mode = raw.get("signing_mode", "hmac_sha256")
+        if mode not in SIGNING_MODES:
+            raise invalid(f"{field}.signing_mode", "must be " + ", ".join(SIGNING_MODES))
+        t["signing_mode"] = mode
+    extra = {"cron_expression", "timezone"} & set(raw) if kind != "schedule" else set()
+    extra |= {"signing_mode"} & set(raw) if kind != "webhook" else set()
+    if extra:
+        raise invalid(f"{field}.{sorted(extra)[0]}", f"is not used by a {kind} trigger")
+    return t
+
+
+def trigger_timing(cron: str, tz: str) -> dict[str, Any]:
+    """A schedule trigger's timing in the schedules' own terms: one timing engine for both."""
+    return {"kind": "cron", "expression": cron, "timezone": tz}
+
+
+def lookup_path(values: dict[str, Any], path: str) -> Any:
+    """``repository.full_name`` in a webhook body: top-level keys by name, nested by dots."""
+    if path in values:
+        return values[path]
+    value: Any = values
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def resolve_variables(declared: list[dict[str, Any]], provided: dict[str, Any], now: datetime,
+                      tz: ZoneInfo) -> dict[str, Any]:
+    """Resolution order: built-ins, then declared defaults, then provided values (later wins).
+    A required variable with no value refuses the fire."""
+    local = now.astimezone(tz)
+    values: dict[str, Any] = {"date": local.date().isoformat(), "datetime": local.isoformat(timespec="seconds")}
+    missing = []
+    for v in declared:
+        given = lookup_path(provided, v["name"])
+        if given is not None:
+            values[v["name"]] = coerce_variable(v, given, f"variables.{v['name']}")
+        elif v["default"] is not None:
+            values[v["name"]] = v["default"]
+        elif v["required"]:
+            missing.append(v["name"])
+    if missing:
+        raise ValidationFailed("required variables have no value: " + ", ".join(missing),
+                               errors=[{"field": f"variables.{n}", "message": "is required"} for n in missing])
+    return values
+
+
+def render_variables(text: str, values: dict[str, Any]) -> str:
+    """``{{name}}`` -> its value (booleans as true/false); unknown names stay as written."""
+    def value(m: re.Match) -> str:
+        v = values.get(m[1], m[0])
+        return json.dumps(v) if isinstance(v, bool) else str(v)
+    return TEMPLATE_VARIABLE.sub(value, text)
+
+
+def dispatch_fingerprint(routine_id: str, title: str, description: str, assignee: str) -> str:
+    return hashlib.sha256(canonical_json([routine_id, title, description, assignee]).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookCheck:
+    ok: bool
+    reason: str = ""
+    replay_key: str | None = None          # remembered after acceptance; a repeat is a replay
+    replay_ttl_s: int = 0
+
+
+def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body: bytes, now: datetime) -> WebhookCheck:
+    """API.md 7.2, pure: which deliveries a trigger accepts. ``secrets_`` holds the current
+    secret and, during a rotation's grace period, the previous one. Compared in constant time."""
+    def any_match(expected: Callable[[str], str], given: str) -> bool:
+        return any(hmac.compare_digest(expected(s).encode(), given.encode()) for s in secrets_)
+
+    if mode == "none":
+        return WebhookCheck(True)
+    if mode == "bearer":
+        auth = headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        return WebhookCheck(True) if given and any_match(lambda s: s, given) else WebhookCheck(
+            False, "missing or wrong bearer secret")
+    if mode == "github":
+        given = headers.get("x-hub-signature-256", "")
+        if not given.startswith("sha256="):
+            return WebhookCheck(False, "missing X-Hub-Signature-256")
+        if not any_match(lambda s: "sha256=" + hmac.new(s.encode(), body, hashlib.sha256).hexdigest(), given):
+            return WebhookCheck(False, "bad signature")
+        delivery = headers.get("x-github-delivery", "")[:200]
+        return WebhookCheck(True, replay_key=f"github:{delivery}" if delivery else None,
+                            replay_ttl_s=GITHUB_DELIVERY_TTL_S)
+    header = headers.get("x-outpost-signature", "")
+    parts = dict(p.strip().partition("=")[::2] for p in header.split(",") if "=" in p)
+    stamp, given = parts.get("t", ""), parts.get("v1", "")
+    if not stamp.isdigit() or not given:
+        return WebhookCheck(False, "missing X-Outpost-Signature (t=<unix seconds>,v1=<hex>)")
+    if abs(now.timestamp() - int(stamp[:12])) > WEBHOOK_TOLERANCE_S:
+        return WebhookCheck(False, "stale timestamp")
+    signed = stamp.encode() + b"." + body
+    if not any_match(lambda s: hmac.new(s.encode(), signed, hashlib.sha256).hexdigest(), given):
+        return WebhookCheck(False, "bad signature")
+    return WebhookCheck(True, replay_key=f"hmac:{given.lower()}", replay_ttl_s=WEBHOOK_TOLERANCE_S)
+
+
+def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> tuple[list[datetime], int]:
+    """Which missed ticks a routine fires after downtime, and how many it drops (they are
+    summarized into the next prompt): skip_missed fires the current tick only;
+    enqueue_missed_with_cap the newest ``cap``."""
+    if policy == "skip_missed":
+        return slots[-1:], 0
+    fired = slots[-cap:]
+    return fired, total - len(fired)
 
 
 ###############################################################################
@@ -1818,6 +2088,72 @@ def define_entities(db: orm.Database) -> None:
         data = Optional(orm.Json)
         created_at = Required(datetime)
 
+    class Routine(db.Entity):
+        """A task template (or taskless wake) with triggers: the Office side of a schedule."""
+        id = PrimaryKey(str)
+        workspace_id = Required(str, index=True)
+        name = Required(str)
+        description = Optional(str, default="")
+        assignee_agent_id = Required(str)
+        status = Required(str)                             # active | paused | archived
+        concurrency_policy = Required(str)
+        catch_up_policy = Required(str)
+        catch_up_max = Required(int, default=25)
+        priority = Required(int, default=0)
+        task_template = Optional(orm.Json)                 # {} -> lightweight (taskless) routine
+        variables = Optional(orm.Json)
+        created_at = Required(datetime)
+        updated_at = Required(datetime)
+
+    class RoutineTrigger(db.Entity):
+        id = PrimaryKey(str)
+        routine_id = Required(str, index=True)
+        kind = Required(str)                               # schedule | webhook | manual
+        cron_expression = Optional(str, nullable=True)
+        timezone = Optional(str, nullable=True)
+        next_run_at = Optional(datetime, index=True)       # advanced in the claim's transaction
+        last_fired_at = Optional(datetime)
+        public_id = Optional(str, nullable=True, unique=True)
+        signing_mode = Optional(str, nullable=True)
+        secret = Optional(str, nullable=True)              # never shown again after creation
+        previous_secret = Optional(str, nullable=True)     # still accepted until previous_secret_until
+        previous_secret_until = Optional(datetime)
+        enabled = Required(bool, default=True)
+        created_at = Required(datetime)
+
+    class RoutineRun(db.Entity):
+        """One firing of a routine trigger: the routine's history (and, for cron, its ledger:
+        UNIQUE (trigger_id, due_at) in SCHEMA_SQL 5 means a tick fires once)."""
+        id = PrimaryKey(str)
+        routine_id = Required(str, index=True)
+        trigger_id = Required(str)
+        source = Required(str)                             # cron | webhook | manual
+        status = Required(str)                             # received | task_created | skipped | coalesced | failed
+        due_at = Optional(datetime)
+        missed_ticks = Required(int, default=0)
+        trigger_payload = Optional(orm.Json)
+        linked_task_id = Optional(str, nullable=True)
+        wakeup_id = Optional(str, nullable=True)
+        coalesced_into_run_id = Optional(str, nullable=True)
+        dispatch_fingerprint = Required(str)
+        error = Optional(str, nullable=True)
+        started_at = Required(datetime)
+        completed_at = Optional(datetime)
+
+    class WebhookRefusal(db.Entity):
+        id = PrimaryKey(int, auto=True)
+        trigger_id = Required(str, index=True)
+        reason = Required(str)
+        source_address = Optional(str, nullable=True)
+        size = Required(int)
+        created_at = Required(datetime)
+
+    class WebhookReplay(db.Entity):
+        """Signatures and GitHub delivery ids already accepted: a repeat is refused, by key."""
+        key = PrimaryKey(str)
+        routine_run_id = Required(str)
+        expires_at = Required(datetime, index=True)
+
 
 #: SQL run once per schema version, after Pony created the tables that are missing
 #: (new entities). Constraints Pony cannot declare live here, so every rule is in the database.
@@ -1843,6 +2179,12 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS office_run_agent ON "OfficeRun"(agent_id, queued_at)',
         'CREATE INDEX IF NOT EXISTS office_run_workspace ON "OfficeRun"(workspace_id, queued_at)',
         'CREATE INDEX IF NOT EXISTS activity_feed ON "Activity"(workspace_id, code, id)',
+    ],
+    5: [   # routines: a cron tick of a trigger fires once, by constraint
+        'CREATE UNIQUE INDEX IF NOT EXISTS routine_run_tick ON "RoutineRun"(trigger_id, due_at) '
+        'WHERE due_at IS NOT NULL',
+        'CREATE INDEX IF NOT EXISTS routine_run_history ON "RoutineRun"(routine_id, started_at)',
+        'CREATE INDEX IF NOT EXISTS trigger_schedule ON "RoutineTrigger"(kind, next_run_at)',
     ],
 }
 
@@ -2984,12 +3326,13 @@ class Store:
         self.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
 
     def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
-                       now: datetime, *, reason: str | None = None, wake_at: datetime | None = None):
+                       now: datetime, *, reason: str | None = None, wake_at: datetime | None = None,
+                       idempotency_key: str | None = None):
         """Insert a wakeup request (spec: Enqueue). A key seen in the last 24 h returns the
         earlier request and inserts nothing; a request for an agent whose run of the same
         scope has not started merges into it; otherwise it is queued."""
         payload = dataclasses.asdict(wakeup_payload(source, payload))
-        key = wakeup_idempotency_key(source, payload, agent_id)
+        key = idempotency_key or wakeup_idempotency_key(source, payload, agent_id)
         if key is not None and (earlier := self.db.Wakeup.get(idempotency_key=key)) is not None:
             if aware(earlier.requested_at) > now - timedelta(seconds=IDEMPOTENCY_TTL_S):
                 return earlier
@@ -3099,10 +3442,14 @@ class Store:
             ids = task["blocked_by"]
             blockers = [{"id": b.id, "state": b.state} for b in self.db.Task.select(lambda b: b.id in ids)]
         snapshot = w.context_snapshot
+        routine = None
+        if w.source == WakeupSource.ROUTINE and (r := self.db.Routine.get(id=w.payload.get("routine_id"))):
+            routine = {"name": r.name, "description": render_variables(r.description or "", {
+                **resolve_variables([], {}, aware(w.requested_at), UTC), **(w.payload.get("variables") or {})})}
         return assemble_prompt(
             agent={"name": agent.name, "role": agent.role, "instructions": agent.instructions},
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
-            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0))
+            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine)
 
     def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
                          limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
@@ -3294,6 +3641,9 @@ class Store:
                     row.set(session_id=session_id, run_id=r.id, updated_at=naive(now))
             if not o.task_id and status == RunStatus.SUCCEEDED:
                 self._update_summary(o, w, result, now)
+            t = self.db.Task.get(id=o.task_id) if o.task_id else None
+            if t is not None and t.workflow == "routine" and status == RunStatus.SUCCEEDED:
+                self.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
         elif status == RunStatus.CANCELLED:
             self._end_wakeup(w, "finished", now, note="its run was cancelled")
         else:
@@ -3403,6 +3753,348 @@ class Store:
         if o is None or r is None or r.status != RunStatus.RUNNING:
             return None
         return {"run_id": run_id, "agent_id": o.agent_id, "workspace_id": o.workspace_id, "task_id": o.task_id}
+
+    # --- office: routines ---------------------------------------------------------------------------
+
+    @staticmethod
+    def trigger_view(t) -> dict[str, Any]:
+        view = {"id": t.id, "routine_id": t.routine_id, "kind": t.kind, "cron_expression": t.cron_expression,
+                "timezone": t.timezone, "next_run_at": rfc3339(aware(t.next_run_at)),
+                "last_fired_at": rfc3339(aware(t.last_fired_at)), "public_id": t.public_id,
+                "signing_mode": t.signing_mode, "enabled": t.enabled,
+                "previous_secret_valid_until": rfc3339(aware(t.previous_secret_until))}
+        if t.public_id:
+            view["fire_path"] = f"/api/routine-triggers/{t.public_id}/fire"
+        return view
+
+    @staticmethod
+    def routine_run_view(x) -> dict[str, Any]:
+        return {"id": x.id, "routine_id": x.routine_id, "trigger_id": x.trigger_id, "source": x.source,
+                "status": x.status, "due_at": rfc3339(aware(x.due_at)), "missed_ticks": x.missed_ticks,
+                "trigger_payload": x.trigger_payload or {}, "linked_task_id": x.linked_task_id,
+                "wakeup_id": x.wakeup_id, "coalesced_into_run_id": x.coalesced_into_run_id,
+                "dispatch_fingerprint": x.dispatch_fingerprint, "error": x.error,
+                "started_at": rfc3339(aware(x.started_at)), "completed_at": rfc3339(aware(x.completed_at))}
+
+    def routine_view(self, r, *, detail: bool = False) -> dict[str, Any]:
+        routine_id = r.id
+        triggers = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id).order_by(
+            lambda t: t.created_at)
+        runs = self.db.RoutineRun.select(lambda x: x.routine_id == routine_id).order_by(
+            lambda x: orm.desc(x.started_at))
+        view = {"id": r.id, "workspace_id": r.workspace_id, "name": r.name, "description": r.description,
+                "assignee_agent_id": r.assignee_agent_id, "status": r.status,
+                "concurrency_policy": r.concurrency_policy, "catch_up_policy": r.catch_up_policy,
+                "catch_up_max": r.catch_up_max, "priority": r.priority, "task_template": r.task_template or {},
+                "variables": r.variables or [], "triggers": [self.trigger_view(t) for t in triggers],
+                "created_at": rfc3339(aware(r.created_at)), "updated_at": rfc3339(aware(r.updated_at))}
+        last = runs.first()
+        view["last_run"] = self.routine_run_view(last) if last else None
+        if detail:
+            view["runs"] = [self.routine_run_view(x) for x in runs[:50]]
+            for t in view["triggers"]:
+                if t["kind"] == "webhook":
+                    t["refused_deliveries"] = self._refusals(t["id"])
+        return view
+
+    def _refusals(self, trigger_id: str) -> list[dict[str, Any]]:
+        return [{"at": rfc3339(aware(f.created_at)), "reason": f.reason, "source_address": f.source_address,
+                 "size": f.size} for f in self.db.WebhookRefusal.select(lambda f: f.trigger_id == trigger_id)
+                .order_by(lambda f: orm.desc(f.id))[:50]]
+
+    def _routine(self, routine_id: str):
+        r = self.db.Routine.get(id=routine_id)
+        if r is None:
+            raise NotFound(f"no routine {routine_id}")
+        return r
+
+    def _add_trigger(self, r, trigger: dict[str, Any], now: datetime) -> dict[str, Any]:
+        """A new trigger; a webhook's secret is in this answer and never again."""
+        t = self.db.RoutineTrigger(id=new_id("trg"), routine_id=r.id, created_at=naive(now), **trigger)
+        secret = None
+        if t.kind == "schedule":
+            t.next_run_at = naive(next_fires(trigger_timing(t.cron_expression, t.timezone), now, 1)[0])
+        elif t.kind == "webhook":
+            t.public_id = secrets.token_urlsafe(18)
+            if t.signing_mode != "none":
+                secret = t.secret = secrets.token_urlsafe(32)
+        self.flush()
+        view = self.trigger_view(t)
+        if secret:
+            view["secret"] = secret
+        return view
+
+    def create_routine(self, workspace_id: str | None, fields: dict[str, Any], triggers: list[dict[str, Any]],
+                       now: datetime) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        self._in_workspace("Agent", fields["assignee_agent_id"], ws.id, "assignee_agent_id")
+        r = self.db.Routine(id=new_id("rtn"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now),
+                            **fields)
+        created = [self._add_trigger(r, t, now) for t in triggers]
+        self.emit("routine.created", {"routine_id": r.id}, now)
+        view = self.routine_view(r)
+        view["triggers"] = created   # with the secrets, this once
+        return view
+
+    def routine_fields(self, routine_id: str) -> dict[str, Any]:
+        view = self.routine_view(self._routine(routine_id))
+        return {k: view[k] for k in ROUTINE_FIELDS if k in view and k not in ("workspace_id", "triggers")}
+
+    def update_routine(self, routine_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        r = self._routine(routine_id)
+        self._in_workspace("Agent", fields["assignee_agent_id"], r.workspace_id, "assignee_agent_id")
+        r.set(updated_at=naive(now), **fields)
+        self.emit("routine.updated", {"routine_id": r.id, "status": r.status}, now)
+        return self.routine_view(r, detail=True)
+
+    def delete_routine(self, routine_id: str, now: datetime) -> None:
+        r = self._routine(routine_id)
+        for t in self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id):
+            t.delete()
+        for x in self.db.RoutineRun.select(lambda x: x.routine_id == routine_id):
+            x.delete()
+        r.delete()
+        self.emit("routine.deleted", {"routine_id": routine_id}, now)
+
+    def get_routine(self, routine_id: str) -> dict[str, Any]:
+        return self.routine_view(self._routine(routine_id), detail=True)
+
+    def list_routines(self, workspace_id: str | None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        return [self.routine_view(r) for r in
+                self.db.Routine.select(lambda r: r.workspace_id == ws.id).order_by(lambda r: r.created_at)]
+
+    def add_trigger(self, routine_id: str, trigger: dict[str, Any], now: datetime) -> dict[str, Any]:
+        r = self._routine(routine_id)
+        view = self._add_trigger(r, trigger, now)
+        self.emit("routine.updated", {"routine_id": r.id}, now)
+        return view
+
+    def _trigger(self, routine_id: str, trigger_id: str):
+        t = self.db.RoutineTrigger.get(id=trigger_id)
+        if t is None or t.routine_id != routine_id:
+            raise NotFound(f"no trigger {trigger_id} on routine {routine_id}")
+        return t
+
+    def delete_trigger(self, routine_id: str, trigger_id: str, now: datetime) -> None:
+        self._trigger(routine_id, trigger_id).delete()
+        self.emit("routine.updated", {"routine_id": routine_id}, now)
+
+    def rotate_secret(self, routine_id: str, trigger_id: str, now: datetime) -> dict[str, Any]:
+        """A new webhook secret (shown this once); the old one is accepted for a grace period."""
+        t = self._trigger(routine_id, trigger_id)
+        if t.kind != "webhook" or not t.secret:
+            raise Conflict("only a signed webhook trigger has a secret to rotate")
+        t.previous_secret, t.previous_secret_until = t.secret, naive(now + timedelta(seconds=SECRET_ROTATION_GRACE_S))
+        t.secret = secrets.token_urlsafe(32)
+        self.emit("routine.updated", {"routine_id": routine_id}, now)
+        return {**self.trigger_view(t), "secret": t.secret}
+
+    def scheduled_wakeups(self, agent_id: str) -> int:
+        """Enabled schedule triggers of active routines that wake this agent (the coordinator banner)."""
+        return self.db.select('SELECT COUNT(*) FROM "RoutineTrigger" t JOIN "Routine" r ON r.id = t.routine_id '
+                              "WHERE r.assignee_agent_id = $a AND r.status = 'active' AND t.kind = 'schedule' "
+                              "AND t.enabled = 1", {"a": agent_id})[0]
+
+    def install_heartbeat(self, agent_id: str, now: datetime) -> dict[str, Any]:
+        """The pre-installed coordinator routine, exactly as the spec lists it; an ordinary
+        routine the user may edit, pause or delete."""
+        a = self._agent(agent_id)
+        ws = self._workspace(a.workspace_id)
+        fields = {"name": "Coordinator heartbeat",
+                  "description": "Wakes the coordinator every 5 minutes to check workspace activity, react to errors "
+                                 "and budget signals, and decide what to do next.",
+                  "assignee_agent_id": a.id, "status": "active", "concurrency_policy": "coalesce_if_active",
+                  "catch_up_policy": "enqueue_missed_with_cap", "catch_up_max": 25, "priority": 0,
+                  "task_template": {}, "variables": []}
+        trigger = {"kind": "schedule", "cron_expression": "*/5 * * * *", "timezone": ws.timezone or "UTC",
+                   "enabled": True}
+        return self.create_routine(ws.id, fields, [trigger], now)
+
+    def _active_routine_run(self, r):
+        """The routine's newest run whose task (heavy) or wakeup (lightweight) is not over."""
+        routine_id = r.id
+        for x in self.db.RoutineRun.select(lambda x: x.routine_id == routine_id and x.status in (
+                "received", "task_created")).order_by(lambda x: orm.desc(x.started_at))[:20]:
+            if x.linked_task_id:
+                t = self.db.Task.get(id=x.linked_task_id)
+                if t is not None and t.state not in TERMINAL_TASK_STATES and t.archived_at is None:
+                    return x
+            elif x.wakeup_id:
+                w = self.db.Wakeup.get(id=x.wakeup_id)
+                target = self.db.Wakeup.get(id=w.coalesced_into) if w is not None and w.coalesced_into else w
+                if target is not None and target.status in ("queued", "claimed"):
+                    return x
+        return None
+
+    def fire_routine(self, routine_id: str, trigger_id: str | None, source: str, provided: dict[str, Any],
+                     now: datetime, *, due_at: datetime | None = None, missed_ticks: int = 0,
+                     since: datetime | None = None) -> dict[str, Any]:
+        """One firing: variables resolved (a missing required one refuses it), the concurrency
+        policy applied by fingerprint, then a fresh task (heavy) or a taskless routine wakeup
+        (lightweight). Recorded as a routine run either way."""
+        r = self._routine(routine_id)
+        if r.status != "active":
+            raise Conflict(f"routine {r.id} is {r.status}; a {r.status} routine never fires")
+        ws = self._workspace(r.workspace_id)
+        tz = ZoneInfo(ws.timezone)
+        fired_at = due_at or now
+        values = resolve_variables(r.variables or [], provided, fired_at, tz)
+        template = r.task_template or {}
+        title = render_variables(template.get("title") or f"{r.name} - {{{{date}}}}", values)[:200]
+        description = render_variables(template.get("description", ""), values)
+        missed_note = (f"missed {missed_ticks} tick{'s' if missed_ticks != 1 else ''} since "
+                       f"{(since or fired_at).astimezone(tz):%Y-%m-%d %H:%M %Z}") if missed_ticks else ""
+        x = self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id or "manual", source=source,
+                               status="received", due_at=naive(due_at), missed_ticks=missed_ticks,
+                               trigger_payload={k: v for k, v in values.items() if k not in BUILTIN_VARIABLES},
+                               dispatch_fingerprint=dispatch_fingerprint(r.id, title, description,
+                                                                         r.assignee_agent_id),
+                               started_at=naive(now))
+        if trigger_id and (t := self.db.RoutineTrigger.get(id=trigger_id)) is not None:
+            t.last_fired_at = naive(now)
+        active = None if r.concurrency_policy == "always_enqueue" else self._active_routine_run(r)
+        agent = self.db.Agent.get(id=r.assignee_agent_id)
+        if active is not None and active.id != x.id:
+            x.status = "skipped" if r.concurrency_policy == "skip_if_active" else "coalesced"
+            x.coalesced_into_run_id = active.id if x.status == "coalesced" else None
+            x.completed_at = naive(now)
+        elif agent is None or agent.workspace_id != r.workspace_id:
+            x.status, x.error, x.completed_at = "failed", "the routine's assignee no longer exists", naive(now)
+        elif template:
+            if missed_note:
+                description += f"\n\n(Outpost: {missed_note}.)"
+            task = self.create_task(r.workspace_id, {
+                "title": title, "description": description, "state": str(TaskState.IN_PROGRESS),
+                "assignee_agent_id": agent.id, "parent_id": None, "project_id": None, "blocked_by": [],
+                "reviewers": [], "requires_approval": False, "workflow": "routine", "executor": None}, now)
+            x.status, x.linked_task_id, x.completed_at = "task_created", task["id"], naive(now)
+        else:
+            payload = {"routine_id": r.id, "variables": x.trigger_payload, "missed_ticks": missed_ticks}
+            key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
+            w = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
+                                    reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
+                                    idempotency_key=key)
+            x.wakeup_id = w.id
+        self.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
+                                    "status": x.status}, now)
+        return self.routine_run_view(x)
+
+    def _record_failed_fire(self, r, trigger_id: str, due_at: datetime, error: str, now: datetime) -> None:
+        self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron", status="failed",
+                           due_at=naive(due_at), dispatch_fingerprint="", error=error[:ERROR_TAIL_BYTES],
+                           started_at=naive(now), completed_at=naive(now))
+
+    def claim_due_routines(self, now: datetime) -> int:
+        """The routines' part of the cron actor's claim: every due schedule trigger, its
+        next_run_at advanced in the same transaction, through the same timing functions
+        as schedules (``next_fires``, ``due_slots``). Catch-up follows the routine's policy.
+        Paused or archived routines, and disabled triggers, advance without firing."""
+        fired = 0
+        due = self.db.RoutineTrigger.select(lambda t: t.kind == "schedule" and t.next_run_at is not None
+                                            and t.next_run_at <= naive(now))
+        for t in due.order_by(lambda t: t.next_run_at):
+            timing = trigger_timing(t.cron_expression, t.timezone)
+            first_due = aware(t.next_run_at)
+            total, slots = due_slots(timing, first_due, now, anchor=None, keep=1000)
+            later = next_fires(timing, slots[-1], 1) if slots else []
+            t.next_run_at = naive(later[0]) if later else None
+            r = self.db.Routine.get(id=t.routine_id)
+            if r is None or r.status != "active" or not t.enabled:
+                continue
+            plan, dropped = catch_up_plan(r.catch_up_policy, r.catch_up_max, slots, total)
+            for i, slot in enumerate(plan):
+                if self.db.RoutineRun.get(trigger_id=t.id, due_at=naive(slot)):
+                    continue   # this tick fired already (the ledger is UNIQUE on it)
+                try:
+                    self.fire_routine(r.id, t.id, "cron", {}, now, due_at=slot,
+                                      missed_ticks=dropped if i == 0 else 0, since=first_due)
+                except OutpostError as err:   # e.g. a required variable with no default
+                    self._record_failed_fire(r, t.id, slot, err.detail, now)
+                fired += 1
+        return fired
+
+    def next_routine_due_at(self) -> datetime | None:
+        return aware(orm.min(t.next_run_at for t in self.db.RoutineTrigger if t.kind == "schedule"))
+
+    def webhook_trigger(self, public_id: str, now: datetime) -> dict[str, Any]:
+        t = self.db.RoutineTrigger.get(public_id=public_id)
+        if t is None or t.kind != "webhook":
+            raise NotFound("no webhook trigger at this address")
+        r = self.db.Routine.get(id=t.routine_id)
+        secrets_ = [t.secret] if t.secret else []
+        if t.previous_secret and t.previous_secret_until and aware(t.previous_secret_until) > now:
+            secrets_.append(t.previous_secret)
+        return {"trigger_id": t.id, "routine_id": t.routine_id, "signing_mode": t.signing_mode, "secrets": secrets_,
+                "enabled": t.enabled, "routine_status": r.status if r else "archived"}
+
+    def refuse_webhook(self, trigger_id: str, reason: str, source_address: str | None, size: int,
+                       now: datetime) -> None:
+        self.db.WebhookRefusal(trigger_id=trigger_id, reason=reason[:500], source_address=source_address,
+                               size=size, created_at=naive(now))
+        self.emit("webhook.refused", {"trigger_id": trigger_id, "reason": reason[:200]}, now)
+
+    def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_key: str | None, replay_ttl_s: int,
+                     now: datetime) -> tuple[dict[str, Any] | None, str | None]:
+        """(routine run, None) when fired; (None, earlier routine run id) when the signature
+        or delivery id was accepted before. The replay key and the run share a transaction."""
+        if replay_key:
+            earlier = self.db.WebhookReplay.get(key=replay_key)
+            if earlier is not None and aware(earlier.expires_at) > now:
+                return None, earlier.routine_run_id
+            if earlier is not None:
+                earlier.delete()
+                self.flush()
+        t = self.db.RoutineTrigger[trigger_id]
+        run = self.fire_routine(t.routine_id, t.id, "webhook", provided, now)
+        if replay_key:
+            self.db.WebhookReplay(key=replay_key, routine_run_id=run["id"],
+                                  expires_at=naive(now + timedelta(seconds=replay_ttl_s)))
+        return run, None
+
+    def recovery_sweep(self, now: datetime) -> int:
+        """Office maintenance (not the queue drain): authoritative Office TODO tasks with an
+        assignee, created inside the workspace's lookback, that have no queued, running or
+        finished run of any age (failed and cancelled ones do not count) are dispatched as
+        task_assigned. Skipped entirely when no workspace uses Office (has an agent)."""
+        if not self.db.select('SELECT EXISTS (SELECT 1 FROM "Agent")')[0]:
+            return 0
+        total = 0
+        for ws in self.db.Workspace.select():
+            if not self.db.select('SELECT EXISTS (SELECT 1 FROM "Agent" WHERE workspace_id = $w)', {"w": ws.id})[0]:
+                continue
+            since = sql_time(now - timedelta(hours=ws.recovery_lookback_hours))
+            candidates = self.db.select(
+                'SELECT t.id FROM "Task" t WHERE t.workspace_id = $ws AND t.state = \'TODO\' '
+                "AND t.assignee_agent_id IS NOT NULL AND (t.workflow != 'kanban' OR t.project_id IS NOT NULL) "
+                "AND t.archived_at IS NULL AND t.created_at >= $since AND NOT EXISTS ("
+                '  SELECT 1 FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.task_id = t.id '
+                "  AND r.status IN ('queued', 'running', 'paused', 'succeeded', 'needs_you')) "
+                "ORDER BY t.created_at", {"ws": ws.id, "since": since})
+            dispatched = 0
+            for task_id in candidates:
+                t = self.db.Task[task_id]
+                agent = self.db.Agent.get(id=t.assignee_agent_id)
+                if agent is None or agent.status in ("paused", "stopped"):
+                    continue
+                if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t AND status IN '
+                                  "('queued', 'claimed')", {"t": task_id})[0]:
+                    continue
+                if self._budget_exceeded(agent, ws, now):
+                    continue
+                waiting = self.db.select('SELECT COUNT(*) FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
+                                         "AND state NOT IN ('DONE', 'CANCELLED')",
+                                         {"ids": json.dumps(t.blocked_by or [])})[0]
+                if waiting:
+                    continue   # task_blockers_resolved wakes it when its blockers are done
+                self.enqueue_wakeup(ws.id, agent.id, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
+                                    reason="recovery", idempotency_key=f"recovery:{t.id}:{agent.id}:"
+                                                                       f"{int(now.timestamp()) // 3600}")
+                self._activity("recovery_dispatch", ws.id, now, agent_id=agent.id, task_id=t.id)
+                dispatched += 1
+            self._activity("recovery_sweep_complete", ws.id, now, dispatched_count=dispatched)
+            total += dispatched
+        return total
 
 
 ###############################################################################
@@ -3870,9 +4562,10 @@ def signal_run(deps: Deps, run_id: str, action: str) -> None:
 
 
 async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
-    """In: nudges (a schedule changed). Out: queued runs, announced to the claim actor.
-    Sleeps until the earliest next fire (no polling tick), then claims every due slot in
-    one transaction. Ends when cancelled. Errors: a store error ends the process."""
+    """In: nudges (a schedule or routine changed). Out: queued runs and routine wakeups,
+    announced to the claim actor. One timing engine for both: sleeps until the earliest
+    next fire of a schedule or a routine's schedule trigger (no polling tick), then claims
+    every due slot of each kind in one transaction. Ends when cancelled. Errors: a store error ends the process."""
     clog = log.getChild("cron")
     while True:
         now = deps.clock.now()
@@ -3881,7 +4574,11 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
             await resolve_new_runs(deps, queued)
             deps.claim_wake.poke()
-        upcoming = await deps.db_retrying(deps.store.next_due_at)
+        if fired := await deps.db_retrying(deps.store.claim_due_routines, now):
+            clog.info("fired %d routine tick(s)", fired)
+            deps.claim_wake.poke()   # their wakeups wait for the dispatcher
+        upcoming = min((t for t in (await deps.db_retrying(deps.store.next_due_at),
+                                    await deps.db_retrying(deps.store.next_routine_due_at)) if t), default=None)
         wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
         if upcoming is not None and upcoming < wake_at:
             wake_at = upcoming
@@ -4030,13 +4727,20 @@ async def recover_at_boot(deps: Deps) -> None:
 
 
 async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Boot reconciliation, then hourly hygiene (expired idempotency keys). Reports
+    """Boot reconciliation, then Office maintenance every 5 minutes (the recovery sweep of
+    unstarted assigned tasks) and hourly hygiene (expired idempotency keys). Reports
     started once the store is consistent, so admission begins only after it."""
     await recover_at_boot(deps)
     task_status.started()
+    purge_at = trio.current_time() + 3600
     while True:
-        await trio.sleep(3600)
-        await deps.db_retrying(deps.store.purge_expired, deps.clock.now())
+        if dispatched := await deps.db_retrying(deps.store.recovery_sweep, deps.clock.now()):
+            log.getChild("recovery").info("recovery sweep dispatched %d unstarted task(s)", dispatched)
+            deps.claim_wake.poke()
+        if trio.current_time() >= purge_at:
+            await deps.db_retrying(deps.store.purge_expired, deps.clock.now())
+            purge_at += 3600
+        await trio.sleep(RECOVERY_SWEEP_S)
 
 
 async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) -> None:
@@ -4716,8 +5420,8 @@ def create_app(deps: Deps):
         g.csrf = None
         if path.startswith("/signin") and request.method == "POST":
             check_same_origin()   # no login CSRF
-        if path == "/healthz" or path.startswith(("/static/", "/signin")):
-            return None
+        if path == "/healthz" or path.startswith(("/static/", "/signin", "/api/routine-triggers/")):
+            return None   # webhook fires carry their own signatures (API.md 7.2)
         auth = request.headers.get("Authorization")
         if path.startswith("/api/agent/"):   # only a live Office run's own token speaks for an agent
             given = auth[7:].strip() if auth and auth.lower().startswith("bearer ") else ""
@@ -5136,7 +5840,20 @@ def create_app(deps: Deps):
     async def office_create_agent():
         raw = body_object(await body_json())
         fields = normalize_agent(raw, profiles=profile_names)
-        return await office_write(store.create_agent, raw.get("workspace_id"), fields, deps.clock.now(), status=201)
+        response = await office_write(store.create_agent, raw.get("workspace_id"), fields, deps.clock.now(),
+                                      status=201)
+        if fields["role"] == "coordinator":
+            await install_heartbeat(json.loads(await response.get_data())["id"])
+        return response
+
+    async def install_heartbeat(agent_id: str) -> None:
+        """A new coordinator gets the "Coordinator heartbeat" routine. Its own transaction: if
+        it fails the agent stays created and its page shows the no-wake-ups banner."""
+        try:
+            await deps.db(store.install_heartbeat, agent_id, deps.clock.now())
+            deps.cron_wake.poke()
+        except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
+            wlog.warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
 
     @app.get("/api/office/agents/<agent_id>")
     async def office_agent(agent_id: str):
@@ -5251,6 +5968,124 @@ def create_app(deps: Deps):
         current = await deps.db(store.office_settings, workspace_arg())
         settings = normalize_settings(raw, profiles=profile_names, current=current)
         return await office_write(store.update_office_settings, workspace_arg(), settings)
+
+
+    # --- routines (API.md 7): triggers, firing, webhooks ----------------------------------------------
+
+    def routine_input(raw: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
+        return normalize_routine(raw, current=current)
+
+    async def checked_triggers(raw: Any, workspace_id: str | None) -> list[dict[str, Any]]:
+        if raw is None:
+            return []
+        if not isinstance(raw, list) or len(raw) > 20:
+            raise invalid("triggers", "must be a list of at most 20 triggers")
+        tz = (await deps.db(store.office_settings, workspace_id))["timezone"]
+        return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
+
+    async def routine_write(fn: Callable[..., Any], *args: Any, status: int = 200, **kwargs: Any):
+        response = await office_write(fn, *args, status=status, **kwargs)
+        deps.cron_wake.poke()   # a trigger's next fire may have changed
+        return response
+
+    @app.get("/api/office/routines")
+    async def office_routines():
+        return json_response({"routines": await deps.db(store.list_routines, workspace_arg())})
+
+    @app.post("/api/office/routines")
+    @idempotent
+    async def office_create_routine():
+        raw = body_object(await body_json())
+        triggers = await checked_triggers(raw.get("triggers"), raw.get("workspace_id"))
+        fields = routine_input({k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")}, None)
+        return await routine_write(store.create_routine, raw.get("workspace_id"), fields, triggers, deps.clock.now(),
+                                   status=201)
+
+    @app.get("/api/office/routines/<routine_id>")
+    async def office_routine(routine_id: str):
+        return json_response(await deps.db(store.get_routine, routine_id))
+
+    @app.patch("/api/office/routines/<routine_id>")
+    @idempotent
+    async def office_patch_routine(routine_id: str):
+        raw = body_object(await body_json())
+        fields = routine_input(raw, await deps.db(store.routine_fields, routine_id))
+        return await routine_write(store.update_routine, routine_id, fields, deps.clock.now())
+
+    @app.delete("/api/office/routines/<routine_id>")
+    @idempotent
+    async def office_delete_routine(routine_id: str):
+        await routine_write(store.delete_routine, routine_id, deps.clock.now())
+        return "", 204
+
+    @app.post("/api/office/routines/<routine_id>/fire")
+    @idempotent
+    async def office_fire_routine(routine_id: str):
+        raw = body_object(await body_json())
+        _unknown(raw, ("variables",), "a fire")
+        variables = raw.get("variables") or {}
+        if not isinstance(variables, dict):
+            raise invalid("variables", "must be an object of name: value")
+        return await office_write(store.fire_routine, routine_id, None, "manual", variables, deps.clock.now(),
+                                  status=202)
+
+    @app.post("/api/office/routines/<routine_id>/triggers")
+    @idempotent
+    async def office_add_trigger(routine_id: str):
+        routine = await deps.db(store.get_routine, routine_id)
+        trigger = (await checked_triggers([body_object(await body_json())], routine["workspace_id"]))[0]
+        return await routine_write(store.add_trigger, routine_id, trigger, deps.clock.now(), status=201)
+
+    @app.delete("/api/office/routines/<routine_id>/triggers/<trigger_id>")
+    @idempotent
+    async def office_delete_trigger(routine_id: str, trigger_id: str):
+        await routine_write(store.delete_trigger, routine_id, trigger_id, deps.clock.now())
+        return "", 204
+
+    @app.post("/api/office/routines/<routine_id>/triggers/<trigger_id>/rotate")
+    @idempotent
+    async def office_rotate_secret(routine_id: str, trigger_id: str):
+        return await office_write(store.rotate_secret, routine_id, trigger_id, deps.clock.now())
+
+    @app.post("/api/routine-triggers/<public_id>/fire")
+    async def webhook_fire(public_id: str):
+        """API.md 7.2. No API token: the trigger's signing mode decides. Every refusal is
+        recorded (time, reason, source address, size; never the secret)."""
+        now = deps.clock.now()
+        body = await request.get_data(cache=True)
+        target = await deps.db(store.webhook_trigger, public_id, now)
+
+        async def refuse(err: OutpostError, reason: str):
+            await deps.db(store.refuse_webhook, target["trigger_id"], reason, request.remote_addr, len(body), now)
+            return problem_response(err)
+
+        check = verify_webhook(target["signing_mode"], target["secrets"],
+                               {k.lower(): v for k, v in request.headers.items()}, body, now)
+        if not check.ok:
+            return await refuse(Unauthorized(f"webhook refused: {check.reason}"), check.reason)
+        if target["routine_status"] != "active" or not target["enabled"]:
+            state = "disabled" if target["routine_status"] == "active" else target["routine_status"]
+            return await refuse(Conflict(f"this trigger's routine is {state}; it does not fire"), f"routine {state}")
+        try:
+            provided = body_object(json.loads(body) if body.strip() else {})
+            _check_unicode(provided, "")
+        except (ValueError, RecursionError):
+            return await refuse(invalid("body", "must be a JSON object (its keys are the variables)"),
+                                "body is not a JSON object")
+        except OutpostError as err:
+            return await refuse(err, err.detail)
+        try:
+            run, earlier = await deps.db(store.fire_webhook, target["trigger_id"], provided, check.replay_key,
+                                         check.replay_ttl_s, now)
+        except ValidationFailed as err:
+            return await refuse(err, err.detail)
+        if earlier is not None and target["signing_mode"] == "github":
+            return json_response({"routine_run_id": earlier, "status": "duplicate"}, 200)
+        if earlier is not None:
+            return await refuse(Unauthorized("webhook refused: this signature was already used (replay)"),
+                                "replayed signature")
+        deps.claim_wake.poke()
+        return json_response({"routine_run_id": run["id"], "status": run["status"]}, 202)
 
     # --- agent API: what a running Office agent may do, with its run token ----------------------------
 
