@@ -3945,9 +3945,10 @@ class Store:
         description = render_variables(template.get("description", ""), values)
         missed_note = (f"missed {missed_ticks} tick{'s' if missed_ticks != 1 else ''} since "
                        f"{(since or fired_at).astimezone(tz):%Y-%m-%d %H:%M %Z}") if missed_ticks else ""
+        provided_values = {k: v for k, v in values.items() if k not in BUILTIN_VARIABLES}
         x = self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id or "manual", source=source,
                                status="received", due_at=naive(due_at), missed_ticks=missed_ticks,
-                               trigger_payload={k: v for k, v in values.items() if k not in BUILTIN_VARIABLES},
+                               trigger_payload=provided_values,
                                dispatch_fingerprint=dispatch_fingerprint(r.id, title, description,
                                                                          r.assignee_agent_id),
                                started_at=naive(now))
@@ -3970,7 +3971,7 @@ class Store:
                 "reviewers": [], "requires_approval": False, "workflow": "routine", "executor": None}, now)
             x.status, x.linked_task_id, x.completed_at = "task_created", task["id"], naive(now)
         else:
-            payload = {"routine_id": r.id, "variables": x.trigger_payload, "missed_ticks": missed_ticks}
+            payload = {"routine_id": r.id, "variables": provided_values, "missed_ticks": missed_ticks}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
             w = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
                                     reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
@@ -4874,12 +4875,44 @@ DONE_NOTICES = {
     "woken": "Wakeup queued: the agent wakes as soon as it has room.", "task_created": "Task created.",
     "task_updated": "Task saved.", "moved": "Task moved.", "commented": "Comment posted.",
     "approval_resolved": "Decision recorded.", "settings_saved": "Settings saved.",
+    "routine_created": "Routine created.", "routine_updated": "Routine saved.", "routine_deleted": "Routine deleted.",
+    "trigger_added": "Trigger added.", "trigger_deleted": "Trigger removed.",
+    "fired_received": "Fired: the agent's wakeup is queued.", "fired_task_created": "Fired: a task was created.",
+    "fired_skipped": "Not fired: the routine's previous run is still active (skip_if_active).",
+    "fired_coalesced": "Merged into the routine's active run (coalesce_if_active).",
 }
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
 CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
                  "retry_task_cancelled": "Cancelled - task cancelled",
                  "retry_stale_assignee": "Cancelled - retry stale", "task_not_found": "Cancelled - task not found",
                  "review_participant_changed": "Cancelled - reviewer changed"}
+
+
+async def install_heartbeat(deps: Deps, agent_id: str) -> None:
+    """A new coordinator gets the "Coordinator heartbeat" routine, in its own transaction: if
+    that fails the agent stays created and its page shows the no-scheduled-wake-ups banner."""
+    try:
+        await deps.db(deps.store.install_heartbeat, agent_id, deps.clock.now())
+        deps.cron_wake.poke()
+    except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
+        log.getChild("office").warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
+
+
+def curl_example(url: str, mode: str) -> str:
+    """A copyable curl command that fires a webhook trigger with a valid signature."""
+    body = '{"branch": "main"}'
+    if mode == "none":
+        return f"curl -X POST {url} -H 'Content-Type: application/json' -d '{body}'"
+    if mode == "bearer":
+        return (f"curl -X POST {url} -H \"Authorization: Bearer $SECRET\" -H 'Content-Type: application/json' "
+                f"-d '{body}'")
+    if mode == "github":
+        return (f"BODY='{body}'; SIG=$(printf %s \"$BODY\" | openssl dgst -sha256 -hmac \"$SECRET\" | sed 's/^.* //')\n"
+                f"curl -X POST {url} -H \"X-Hub-Signature-256: sha256=$SIG\" -H \"X-GitHub-Delivery: $(uuidgen)\" "
+                f"-H 'Content-Type: application/json' -d \"$BODY\"")
+    return (f"BODY='{body}'; T=$(date +%s); SIG=$(printf %s \"$T.$BODY\" | openssl dgst -sha256 -hmac \"$SECRET\" "
+            f"| sed 's/^.* //')\ncurl -X POST {url} -H \"X-Outpost-Signature: t=$T,v1=$SIG\" "
+            f"-H 'Content-Type: application/json' -d \"$BODY\"")
 
 
 def wakeup_label(w: dict[str, Any]) -> str:
@@ -4893,6 +4926,8 @@ def wakeup_label(w: dict[str, Any]) -> str:
         return f"Merged into {w['coalesced_into'][-6:]}"
     if w["status"] == "finished" and not w["run_id"]:
         return "Finished, no run"   # held, idle-skipped or agent paused: the note says which
+    if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
+        return "Recovered"
     return w["status"].capitalize()
 
 
@@ -5232,6 +5267,8 @@ def register_dashboard(app, deps: Deps):
         async def create(form):
             fields = normalize_agent(agent_form(form), profiles=profile_names)
             agent = await deps.db(store.create_agent, None, fields, deps.clock.now())
+            if fields["role"] == "coordinator":
+                await install_heartbeat(deps, agent["id"])
             return f"/office/agents/{agent['id']}?done=agent_created"
         return await office_form(create, office_agents_page)
 
@@ -5241,10 +5278,11 @@ def register_dashboard(app, deps: Deps):
         def data():
             return (store.get_agent(agent_id), store.agent_runs(agent_id, 30),
                     store.list_wakeups(None, agent_id, None, None, 30), store.summary_of(agent_id),
-                    store.list_tasks(None, agent_id))
-        agent, runs, wakeups, summaries, tasks = await deps.db(data)
+                    store.list_tasks(None, agent_id), store.scheduled_wakeups(agent_id))
+        agent, runs, wakeups, summaries, tasks, scheduled = await deps.db(data)
         return await office_page("office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
-                                 wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks, form=form or agent,
+                                 wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks,
+                                 scheduled_wakeups=scheduled, form=form or agent,
                                  errors=errors or {})
 
     @app.post("/office/agents/<agent_id>")
@@ -5279,10 +5317,14 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/board")
     async def office_board(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                            status: int = 200):
+        show_routine = request.args.get("routine") == "1"
         tasks = await deps.db(store.list_tasks, None)
-        columns = {state: [t for t in tasks if t["state"] == state] for state in TaskState}
-        return await office_page("office_board.html", tab="board", status=status, tasks=tasks, columns=columns,
-                                 form=form or {}, errors=errors or {})
+        hidden = sum(t["workflow"] == "routine" for t in tasks)
+        shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
+        columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
+        return await office_page("office_board.html", tab="board", status=status, tasks=shown, columns=columns,
+                                 show_routine=show_routine, hidden_routine=hidden, form=form or {},
+                                 errors=errors or {})
 
     @app.post("/office/tasks")
     async def office_task_create():
@@ -5364,6 +5406,132 @@ def register_dashboard(app, deps: Deps):
         code = request.args.get("code") or None
         return await office_page("office_activity.html", tab="activity",
                                  activity=await deps.db(store.list_activity, None, code, 200), code=code)
+
+
+    # --- Office routines: list, create, detail with triggers and history, Run now -------------------
+
+    app.jinja_env.filters["curl_example"] = curl_example
+
+    def routine_form(form) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The routine dialog's fields, as the API takes them (variables: one per line,
+        ``name:type:default:required``, options of a select after ``|``)."""
+        raw: dict[str, Any] = {k: form.get(k, "") for k in ("name", "description", "assignee_agent_id",
+                                                            "concurrency_policy", "catch_up_policy")}
+        raw["catch_up_max"] = parse_count(form.get("catch_up_max", "25").strip()) or 0
+        title, body = form.get("template_title", ""), form.get("template_description", "")
+        raw["task_template"] = {"title": title, "description": body} if form.get("heavy") else {}
+        variables = []
+        for line in form.get("variables", "").splitlines():
+            if line.strip():
+                name, kind, default, required = [*(p.strip() for p in line.split(":")), "", "", "", ""][:4]
+                kind, _, options = kind.partition("|")
+                variables.append({"name": name, "type": kind or "text", "default": default or None,
+                                  "required": required in ("required", "yes", "true"),
+                                  "options": [o.strip() for o in options.split(",") if o.strip()]})
+        raw["variables"] = variables
+        triggers = []
+        if form.get("cron_expression", "").strip():
+            triggers.append({"kind": "schedule", "cron_expression": form["cron_expression"].strip(),
+                             "timezone": form.get("timezone") or None})
+        if form.get("webhook_mode"):
+            triggers.append({"kind": "webhook", "signing_mode": form["webhook_mode"]})
+        return raw, triggers
+
+    @app.get("/office/routines")
+    async def office_routines_page(form: Any = None, errors: dict[str, str] | None = None, status: int = 200):
+        return await office_page("office_routines.html", tab="routines", status=status, zones=zones,
+                                 routines=await deps.db(store.list_routines, None), form=form or {},
+                                 errors=errors or {})
+
+    @app.post("/office/routines")
+    async def office_routines_create():
+        async def create(form):
+            raw, triggers = routine_form(form)
+            tz = (await deps.db(store.office_settings, None))["timezone"]
+            checked = [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(triggers)]
+            routine = await deps.db(store.create_routine, None, normalize_routine(raw), checked, deps.clock.now())
+            deps.cron_wake.poke()
+            secrets_ = {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
+            g.new_secrets = secrets_
+            return f"/office/routines/{routine['id']}?done=routine_created"
+        response = await office_form(create, office_routines_page)
+        if getattr(g, "new_secrets", None):   # shown once: on the page this redirect leads to
+            return await office_routine_page(response.location.split("/")[-1].split("?")[0],
+                                             new_secrets=g.new_secrets, status=201)
+        return response
+
+    @app.get("/office/routines/<routine_id>")
+    async def office_routine_page(routine_id: str, form: Any = None, errors: dict[str, str] | None = None,
+                                  status: int = 200, new_secrets: dict[str, str] | None = None):
+        routine = await deps.db(store.get_routine, routine_id)
+        return await office_page("office_routine.html", tab="routines", status=status, live=False, zones=zones,
+                                 routine=routine, base_url=request.host_url.rstrip("/"), form=form,
+                                 errors=errors or {}, new_secrets=new_secrets or {})
+
+    @app.post("/office/routines/<routine_id>")
+    async def office_routine_save(routine_id: str):
+        async def save(form):
+            raw, _ = routine_form(form)
+            raw["status"] = form.get("status", "active")
+            current = await deps.db(store.routine_fields, routine_id)
+            await deps.db(store.update_routine, routine_id, normalize_routine(raw, current=current), deps.clock.now())
+            deps.cron_wake.poke()
+            return f"/office/routines/{routine_id}?done=routine_updated"
+        return await office_form(save, functools.partial(office_routine_page, routine_id))
+
+    @app.post("/office/routines/<routine_id>/status")
+    async def office_routine_status(routine_id: str):
+        form = await form_data()
+        current = await deps.db(store.routine_fields, routine_id)
+        fields = normalize_routine({"status": form.get("status", "")}, current=current)
+        await deps.db(store.update_routine, routine_id, fields, deps.clock.now())
+        deps.cron_wake.poke()
+        return redirect(form.get("next") if form.get("next") == "/office/routines" else
+                        f"/office/routines/{routine_id}?done=routine_updated")
+
+    @app.post("/office/routines/<routine_id>/delete")
+    async def office_routine_delete(routine_id: str):
+        await deps.db(store.delete_routine, routine_id, deps.clock.now())
+        deps.cron_wake.poke()
+        return redirect("/office/routines?done=routine_deleted")
+
+    @app.post("/office/routines/<routine_id>/fire")
+    async def office_routine_fire(routine_id: str):
+        async def fire(form):
+            variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
+            run = await deps.db(store.fire_routine, routine_id, None, "manual", variables, deps.clock.now())
+            return f"/office/routines/{routine_id}?done=fired_{run['status']}"
+        return await office_form(fire, functools.partial(office_routine_page, routine_id))
+
+    @app.post("/office/routines/<routine_id>/triggers")
+    async def office_routine_add_trigger(routine_id: str):
+        async def add(form):
+            raw = {"kind": form.get("kind", "")}
+            if raw["kind"] == "schedule":
+                raw |= {"cron_expression": form.get("cron_expression", ""), "timezone": form.get("timezone") or None}
+            elif raw["kind"] == "webhook":
+                raw["signing_mode"] = form.get("signing_mode", "hmac_sha256")
+            tz = (await deps.db(store.office_settings, None))["timezone"]
+            trigger = await deps.db(store.add_trigger, routine_id, normalize_trigger(raw, 0, deps.clock.now(), tz),
+                                    deps.clock.now())
+            deps.cron_wake.poke()
+            g.new_secrets = {trigger["id"]: trigger["secret"]} if trigger.get("secret") else {}
+            return f"/office/routines/{routine_id}?done=trigger_added"
+        response = await office_form(add, functools.partial(office_routine_page, routine_id))
+        if getattr(g, "new_secrets", None):
+            return await office_routine_page(routine_id, new_secrets=g.new_secrets)
+        return response
+
+    @app.post("/office/routines/<routine_id>/triggers/<trigger_id>/delete")
+    async def office_routine_delete_trigger(routine_id: str, trigger_id: str):
+        await deps.db(store.delete_trigger, routine_id, trigger_id, deps.clock.now())
+        deps.cron_wake.poke()
+        return redirect(f"/office/routines/{routine_id}?done=trigger_deleted")
+
+    @app.post("/office/routines/<routine_id>/triggers/<trigger_id>/rotate")
+    async def office_routine_rotate(routine_id: str, trigger_id: str):
+        trigger = await deps.db(store.rotate_secret, routine_id, trigger_id, deps.clock.now())
+        return await office_routine_page(routine_id, new_secrets={trigger_id: trigger["secret"]})
 
     @app.get("/office/settings")
     async def office_settings_page(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
@@ -5843,17 +6011,8 @@ def create_app(deps: Deps):
         response = await office_write(store.create_agent, raw.get("workspace_id"), fields, deps.clock.now(),
                                       status=201)
         if fields["role"] == "coordinator":
-            await install_heartbeat(json.loads(await response.get_data())["id"])
+            await install_heartbeat(deps, json.loads(await response.get_data())["id"])
         return response
-
-    async def install_heartbeat(agent_id: str) -> None:
-        """A new coordinator gets the "Coordinator heartbeat" routine. Its own transaction: if
-        it fails the agent stays created and its page shows the no-wake-ups banner."""
-        try:
-            await deps.db(store.install_heartbeat, agent_id, deps.clock.now())
-            deps.cron_wake.poke()
-        except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
-            wlog.warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
 
     @app.get("/api/office/agents/<agent_id>")
     async def office_agent(agent_id: str):
