@@ -811,10 +811,43 @@ def check_confirmation(definition: dict[str, Any], given: Any) -> None:
                                    errors=[{"field": "confirmation", "message": "does not match"}])
 
 
+WEEKDAYS = ("Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def cron_words(expr: str) -> str | None:
+    """Common cron shapes in words ("every 5 minutes", "at 09:00 on Monday-Friday"); None
+    for the rest, which are shown as written."""
+    fields = expr.split()
+    if len(fields) != 5:
+        return None
+    minute, hour, day, month, weekday = fields
+    if (m := re.fullmatch(r"\*/(\d+)", minute)) and hour == day == month == weekday == "*":
+        return "every minute" if m[1] == "1" else f"every {int(m[1])} minutes"
+    if minute == hour == day == month == weekday == "*":
+        return "every minute"
+    if not (minute.isdigit() and month == "*"):
+        return None
+    if hour == "*" and day == weekday == "*":
+        return f"every hour at :{int(minute):02d}"
+    if not hour.isdigit():
+        return None
+    at = f"at {int(hour):02d}:{int(minute):02d}"
+    if day == "*" and weekday == "*":
+        return f"{at} every day"
+    if day == "*" and (m := re.fullmatch(r"([0-7])(?:-([0-7]))?", weekday)):
+        days = WEEKDAYS[int(m[1])] + (f"-{WEEKDAYS[int(m[2])]}" if m[2] else "")
+        return f"{at} on {days}"
+    if weekday == "*" and day.isdigit():
+        return f"{at} on day {int(day)} of every month"
+    return None
+
+
 def describe_timing(timing: dict[str, Any]) -> str:
     tz = timing["timezone"]
     if timing["kind"] == "cron":
-        return f"on cron '{timing['expression']}' in {tz}"
+        words = cron_words(timing["expression"])
+        expr = timing["expression"]
+        return f"{words} (cron '{expr}', {tz})" if words else f"on cron '{expr}' in {tz}"
     if timing["kind"] == "interval":
         s = timing["seconds"]
         for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
@@ -1536,7 +1569,8 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
     s["source_ref"] = ref
     s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
     hours = merged.get("recovery_lookback_hours", 24)
-    if isinstance(hours, bool) or not isinstance(hours, int | float) or not math.isfinite(hours):
+    if isinstance(hours, bool) or not isinstance(hours, int | float) or (isinstance(hours, float)
+                                                                         and not math.isfinite(hours)):
         raise invalid("recovery_lookback_hours", "must be a number of hours")
     s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
     s["budget_runs_per_day"] = _optional_int(merged, "budget_runs_per_day", 1, 1_000_000)
@@ -3161,7 +3195,7 @@ class Store:
     def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
                   workspace_id: str | None = None) -> dict[str, Any]:
         """The board's drag and drop (and an agent's move), with the spec's four move rules."""
-        if state not in set(TaskState):
+        if not isinstance(state, str) or state not in set(TaskState):
             raise invalid("state", "must be " + ", ".join(TaskState))
         t = self._task(task_id, workspace_id)
         if by_agent is not None and t.assignee_agent_id != by_agent:
@@ -3605,6 +3639,20 @@ class Store:
         self.emit("wakeup.retry_scheduled", {"wakeup_id": w.id, "retry_count": w.retry_count,
                                              "scheduled_retry_at": rfc3339(plan.retry_at), "source": plan.source}, now)
 
+    def _requeue_interrupted(self, w, now: datetime) -> None:
+        """The daemon stopped or died under a running session: not the agent's failure, so
+        the wakeup is claimed again at once (spec: claimed wakeups are re-claimed on
+        restart). It still counts as an attempt, so a session that kills the daemon each
+        time is escalated after MAX_RETRY_COUNT like any failure."""
+        self._release_checkout(w.task_id, w.agent_id)
+        w.retry_count += 1
+        if w.retry_count > MAX_RETRY_COUNT:
+            self._escalate_failure(w, "interrupted by a restart every time", now)
+            return
+        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.note = "its run was interrupted by a shutdown or crash; claimed again"
+        self.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
+
     def _escalate_failure(self, w, error: str, now: datetime) -> None:
         """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
         the workspace's coordinators get an agent_error wakeup."""
@@ -3646,6 +3694,8 @@ class Store:
                 self.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
         elif status == RunStatus.CANCELLED:
             self._end_wakeup(w, "finished", now, note="its run was cancelled")
+        elif r.error == "interrupted":
+            self._requeue_interrupted(w, now)
         else:
             self.handle_wakeup_failure(w, r.error or "the run failed", now)
         if agent is not None:
@@ -5695,7 +5745,7 @@ def create_app(deps: Deps):
             if not valid_idempotency_key(key):
                 raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
             body = await request.get_data(cache=True)
-            fingerprint = request_fingerprint(request.method, request.path, body)
+            fingerprint = request_fingerprint(request.method, request.full_path.rstrip("?"), body)
             replay = await deps.db(store.begin_idempotent, key, fingerprint, deps.clock.now())
             if replay is not None:
                 status, stored = replay
@@ -5957,8 +6007,12 @@ def create_app(deps: Deps):
 
     profile_names = [a.name for a in deps.config.agents]
 
-    def workspace_arg() -> str | None:
-        return request.args.get("workspace_id") or None
+    def workspace_arg(raw: dict[str, Any] | None = None) -> str | None:
+        """The workspace a request names: the body's workspace_id, else ?workspace_id=, else the default."""
+        value = (raw or {}).get("workspace_id", request.args.get("workspace_id"))
+        if value is not None and (not isinstance(value, str) or not value):
+            raise invalid("workspace_id", "must be a workspace id")
+        return value
 
     async def office_write(fn: Callable[..., Any], *args: Any, status: int = 200, **kwargs: Any):
         """An Office write: one transaction (with the Idempotency-Key's response when one was
@@ -5996,7 +6050,7 @@ def create_app(deps: Deps):
         checked = normalize_settings({"repository": raw.get("repository")}, profiles=profile_names,
                                      current={"name": "project"})
         executor = _optional_name(raw, "executor", profile_names, "agent profile")
-        return await office_write(store.create_project, raw.get("workspace_id"), text_field(raw, "name", 100),
+        return await office_write(store.create_project, workspace_arg(raw), text_field(raw, "name", 100),
                                   checked["repository"], executor, deps.clock.now(), status=201)
 
     @app.get("/api/office/agents")
@@ -6008,7 +6062,7 @@ def create_app(deps: Deps):
     async def office_create_agent():
         raw = body_object(await body_json())
         fields = normalize_agent(raw, profiles=profile_names)
-        response = await office_write(store.create_agent, raw.get("workspace_id"), fields, deps.clock.now(),
+        response = await office_write(store.create_agent, workspace_arg(raw), fields, deps.clock.now(),
                                       status=201)
         if fields["role"] == "coordinator":
             await install_heartbeat(deps, json.loads(await response.get_data())["id"])
@@ -6056,7 +6110,7 @@ def create_app(deps: Deps):
     async def office_create_task():
         raw = body_object(await body_json())
         fields = normalize_task(raw, profiles=profile_names)
-        return await office_write(store.create_task, raw.get("workspace_id"), fields, deps.clock.now(), status=201)
+        return await office_write(store.create_task, workspace_arg(raw), fields, deps.clock.now(), status=201)
 
     @app.get("/api/office/tasks/<task_id>")
     async def office_task(task_id: str):
@@ -6073,6 +6127,7 @@ def create_app(deps: Deps):
     @idempotent
     async def office_move_task(task_id: str):
         raw = body_object(await body_json())
+        _unknown(raw, ("state",), "a move")
         return await office_write(store.move_task, task_id, raw.get("state"), deps.clock.now())
 
     @app.post("/api/office/tasks/<task_id>/comments")
@@ -6155,9 +6210,9 @@ def create_app(deps: Deps):
     @idempotent
     async def office_create_routine():
         raw = body_object(await body_json())
-        triggers = await checked_triggers(raw.get("triggers"), raw.get("workspace_id"))
+        triggers = await checked_triggers(raw.get("triggers"), workspace_arg(raw))
         fields = routine_input({k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")}, None)
-        return await routine_write(store.create_routine, raw.get("workspace_id"), fields, triggers, deps.clock.now(),
+        return await routine_write(store.create_routine, workspace_arg(raw), fields, triggers, deps.clock.now(),
                                    status=201)
 
     @app.get("/api/office/routines/<routine_id>")
@@ -6275,6 +6330,7 @@ def create_app(deps: Deps):
     @app.post("/api/agent/tasks/<task_id>/move")
     async def agent_move(task_id: str):
         raw = body_object(await body_json())
+        _unknown(raw, ("state",), "a move")
         return await office_write(store.move_task, task_id, raw.get("state"), deps.clock.now(),
                                   by_agent=g.agent["agent_id"], workspace_id=g.agent["workspace_id"])
 
