@@ -298,6 +298,10 @@ class Unauthorized(OutpostError):
     status, code, title = 401, "unauthorized", "Missing or wrong API token"
 
 
+class WebhookRefused(OutpostError):
+    status, code, title = 401, "unauthorized", "Webhook delivery refused"
+
+
 class Forbidden(OutpostError):
     status, code, title = 403, "forbidden", "Not allowed for this caller"
 
@@ -6276,7 +6280,7 @@ def create_app(deps: Deps):
         check = verify_webhook(target["signing_mode"], target["secrets"],
                                {k.lower(): v for k, v in request.headers.items()}, body, now)
         if not check.ok:
-            return await refuse(Unauthorized(f"webhook refused: {check.reason}"), check.reason)
+            return await refuse(WebhookRefused(f"webhook refused: {check.reason}"), check.reason)
         if target["routine_status"] != "active" or not target["enabled"]:
             state = "disabled" if target["routine_status"] == "active" else target["routine_status"]
             return await refuse(Conflict(f"this trigger's routine is {state}; it does not fire"), f"routine {state}")
@@ -6296,7 +6300,7 @@ def create_app(deps: Deps):
         if earlier is not None and target["signing_mode"] == "github":
             return json_response({"routine_run_id": earlier, "status": "duplicate"}, 200)
         if earlier is not None:
-            return await refuse(Unauthorized("webhook refused: this signature was already used (replay)"),
+            return await refuse(WebhookRefused("webhook refused: this signature was already used (replay)"),
                                 "replayed signature")
         deps.claim_wake.poke()
         return json_response({"routine_run_id": run["id"], "status": run["status"]}, 202)
