@@ -143,6 +143,20 @@ def web(tmp_path_factory):
     assert dispatched.status == 202, dispatched.text
     env.dispatch_rid = dispatched.body["run_id"]
     env.aid = env.db(env.store.list_attention, True)[0]["id"]
+    # Office: the same markup in an agent's name, a task, a comment, an approval and a routine.
+    office = env.db(env.store.create_agent, None, outpost.normalize_agent({"name": XSS, "executor": "demo"},
+                                                                          profiles=["demo"]), now)
+    env.agent_id = office["id"]
+    task = env.db(env.store.create_task, None, outpost.normalize_task(
+        {"title": XSS, "description": XSS, "assignee_agent_id": env.agent_id}, profiles=["demo"]), now)
+    env.task_id = task["id"]
+    env.db(env.store.add_comment, env.task_id, XSS, now)
+    env.approval_id = env.db(env.store.request_approval, env.task_id, env.agent_id, XSS, now, "ws_default")["id"]
+    routine = env.db(env.store.create_routine, None, outpost.normalize_routine(
+        {"name": XSS, "description": XSS, "assignee_agent_id": env.agent_id}),
+        [{"kind": "webhook", "signing_mode": "hmac_sha256", "enabled": True}], now)
+    env.routine_id, env.trigger_id = routine["id"], routine["triggers"][0]["id"]
+    env.public_id = routine["triggers"][0]["public_id"]
     yield env
     env.store.close()
 
@@ -150,7 +164,9 @@ def web(tmp_path_factory):
 def rule_paths(web: Web) -> list[tuple[str, set[str], str]]:
     """Every route of the app (from its url_map) with real ids filled in: (rule, methods, path)."""
     values = {"schedule_id": web.sid, "run_id": web.rid, "attention_id": web.aid, "code": "nope",
-              "filename": "outpost.css"}
+              "filename": "outpost.css", "agent_id": web.agent_id, "task_id": web.task_id,
+              "approval_id": web.approval_id, "routine_id": web.routine_id, "trigger_id": web.trigger_id,
+              "public_id": web.public_id}
     routes = []
     for rule in web.app.url_map.iter_rules():
         path = rule.rule
@@ -213,11 +229,18 @@ CROSS_SITE = {
 }
 
 
+#: Routes that never take the session cookie: a webhook fire (its own signature) and the agent
+#: API (a run token). A cookie alone gets 401 there; see the test right after this one.
+COOKIELESS = ("/api/routine-triggers/", "/api/agent/")
+
+
 @pytest.mark.parametrize("variant", list(CROSS_SITE))
 def test_cross_site_unsafe_requests_with_a_session_are_403_and_change_nothing(web, variant):
     before = web.state()
     wrong = []
     for rule, methods, path in rule_paths(web):
+        if rule.startswith(COOKIELESS):
+            continue
         for method in ("POST", "PUT", "PATCH", "DELETE"):
             for body, ctype in [(b'{"action": "archive", "workspace": "evil"}', "text/plain"),
                                 (f"action=archive&revision=1&csrf={web.csrf}&token=guess".encode(),
@@ -234,6 +257,23 @@ def test_cross_site_unsafe_requests_with_a_session_are_403_and_change_nothing(we
                     wrong.append(f"{method} {rule} ({ctype}): {reply.status} {reply.text[:120]!r}")
     assert not wrong, "\n".join(wrong)
     assert web.state() == before, "a refused cross-site request changed the store"
+
+
+def test_a_session_cookie_does_not_open_webhooks_or_the_agent_api(web):
+    """Cross-site with a valid cookie: the agent API refuses (no run token) and changes
+    nothing; a webhook without a signature is refused, fires nothing, and only its refusal
+    is recorded (the audit trail of API.md 7.2)."""
+    runs_before = web.db(web.store.get_routine, web.routine_id)["runs"]
+    for rule, methods, path in rule_paths(web):
+        if not rule.startswith(COOKIELESS):
+            continue
+        for method in methods - {"GET", "HEAD", "OPTIONS"}:
+            reply = web.request(method, path, data=b'{"body": "x", "state": "DONE"}', cookie=True, headers={
+                "Content-Type": "application/json", "X-CSRF-Token": web.csrf, **CROSS_SITE["both"]})
+            assert reply.status == 401, (rule, reply.status, reply.text)
+    detail = web.db(web.store.get_routine, web.routine_id)
+    assert detail["runs"] == runs_before
+    assert detail["triggers"][0]["refused_deliveries"][0]["reason"].startswith("missing X-Outpost-Signature")
 
 
 def test_cross_site_sign_in_post_is_403(web):
@@ -295,12 +335,20 @@ def pages(web: Web) -> dict[str, Reply]:
         "dispatch run detail": web.page(f"/runs/{web.dispatch_rid}"),
         "attention": web.page("/attention"),
         "error page": web.page("/schedules/" + urllib.parse.quote(XSS_IMG, safe="")),   # 404 page echoes the id
+        "office agents": web.page("/office/agents"),
+        "office agent": web.page(f"/office/agents/{web.agent_id}"),
+        "office board": web.page("/office/board"),
+        "office task": web.page(f"/office/tasks/{web.task_id}"),
+        "office wakeups": web.page("/office/wakeups"),
+        "office routines": web.page("/office/routines"),
+        "office routine": web.page(f"/office/routines/{web.routine_id}"),
     }
 
 
 #: Pages that must show the markup (escaped): a test that never rendered it would prove nothing.
 SHOWN = {"schedules list", "schedule detail", "schedule edit", "review", "runs", "runs of the schedule", "run detail",
-         "attention"}
+         "attention", "office agents", "office agent", "office board", "office task", "office wakeups",
+         "office routines", "office routine"}
 
 
 def test_markup_in_names_and_briefs_renders_escaped_on_every_page(web):
