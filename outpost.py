@@ -1177,7 +1177,8 @@ def wakeup_payload(source: str, raw: Any):
                 raise ValueError(f"{source} payload needs {name}")
             continue
         value = raw[name]
-        if not isinstance(value, hints[f.type]) or isinstance(value, bool):
+        if not isinstance(value, hints[f.type]) or isinstance(value, bool) or (
+                f.type == "list[str]" and not all(isinstance(item, str) for item in value)):
             raise ValueError(f"{source} payload: {name} has the wrong type")
     return cls(**raw)
 
@@ -1299,7 +1300,7 @@ def parse_rate_limit_reset(error: str, now: datetime) -> datetime | None:
         if hour < 24 and minute < 60:
             local = now.astimezone(tz)
             reset = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
-            if reset <= local:
+            if reset + timedelta(seconds=RATE_LIMIT_BUFFER_S) <= local:
                 reset += timedelta(days=1)   # the next occurrence of that wall-clock time
     elif m := re.search(r"retry-after:\s*(\d{1,9})", error, re.IGNORECASE):
         reset = now + timedelta(seconds=int(m[1]))
@@ -3190,11 +3191,12 @@ class Store:
         return [self.task_view(t) for t in query.order_by(lambda t: t.created_at)]
 
     def _wake_assignee(self, t, source: WakeupSource, payload: dict[str, Any], now: datetime,
-                       reason: str | None = None) -> None:
+                       reason: str | None = None, idempotency_key: str | None = None) -> None:
         """Office event subscribers: only an Office task with an assignee wakes anyone."""
         if (t.assignee_agent_id and t.archived_at is None and t.state not in TERMINAL_TASK_STATES
                 and is_office_task(t.workflow, t.project_id)):
-            self.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason)
+            self.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason,
+                                idempotency_key=idempotency_key)
 
     def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
                   workspace_id: str | None = None) -> dict[str, Any]:
@@ -3218,13 +3220,16 @@ class Store:
             c = self._comment(t, "Moved back from In Review to In Progress: changes are needed.", now, None)
             self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now,
                                 reason="review_rejected")
-        elif state == TaskState.IN_PROGRESS:
-            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+        elif state == TaskState.IN_PROGRESS and by_agent != t.assignee_agent_id:
+            # A move is its own event: not deduplicated against the assignment's key.
+            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now, reason="moved_in_progress",
+                                idempotency_key=f"task_moved:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
         elif state == TaskState.IN_REVIEW:
             for reviewer in t.reviewers or []:
                 if self.db.Agent.get(id=reviewer, workspace_id=t.workspace_id):
                     self.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
-                                        now, reason=REVIEW_REASON)
+                                        now, reason=REVIEW_REASON,   # each review round wakes the reviewer
+                                        idempotency_key=f"review:{t.id}:{reviewer}:{now.timestamp():.3f}")
         elif state in TERMINAL_TASK_STATES:
             self._release_checkout(t.id, None)
             self._resolve_dependents(t, now)
@@ -3461,9 +3466,10 @@ class Store:
         """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
         into the run before it starts). A resumed session gets comments since its last run."""
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
-        since = None
+        since = None   # a resumed session has read the comments up to its previous run's prompt
         if resumed and (session := self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id)):
-            since = session.updated_at
+            previous = self.db.OfficeRun.get(run_id=session.run_id)
+            since = previous.queued_at if previous else session.updated_at
         comments = []
         if task is not None:
             task_id = task["id"]
@@ -3534,7 +3540,7 @@ class Store:
         w = self.db.Wakeup[wakeup_id]
         if w.status != "queued":
             return False
-        w.status, w.claimed_at = "claimed", naive(now)
+        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         agent = self.db.Agent.get(id=w.agent_id)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id)):   # retry promotion
@@ -3566,8 +3572,8 @@ class Store:
                 self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return None
-        # 5. Checkout.
-        if w.task_id and not self._checkout(w.task_id, agent.id, now):
+        # 5. Checkout (a reviewer reads the task; only the one working it takes the lock).
+        if w.task_id and w.reason != REVIEW_REASON and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
             self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
             return None
@@ -3668,7 +3674,8 @@ class Store:
         for c in self._coordinators(w.workspace_id, w.agent_id):
             self.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
                                 {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
-                                 "error": error[:ERROR_TAIL_BYTES]}, now)
+                                 "error": error[:ERROR_TAIL_BYTES]}, now,
+                                idempotency_key=f"agent_error:{w.run_id or w.id}:{c.id}")   # no run: the wakeup
 
     def _settle_office_run(self, r, status: RunStatus, now: datetime) -> None:
         """Pipeline step 12, in the run's settlement transaction: the wakeup finishes (or
