@@ -310,13 +310,14 @@ async def test_assigning_a_task_wakes_its_agent_once(office):
     assert wakeup["idempotency_key"] == f"task_assigned:{task['id']}:{agent['id']}"
     assert (wakeup["coalesced_count"], wakeup["retry_count"], wakeup["run_id"]) == (1, 0, None)
     assert RFC3339_Z.match(wakeup["requested_at"]) and wakeup["finished_at"] is None
-    # Moving it to In Progress asks again: the same source key within 24 h inserts nothing.
+    # Moving it to In Progress asks again (a move is its own event); still queued, it merges: one run.
     await office.post(f"/api/office/tasks/{task['id']}/move", {"state": "IN_PROGRESS"})
-    assert len(await office.wakeups()) == 1
+    moved, first = await office.wakeups()
+    assert (moved["status"], moved["coalesced_into"], first["coalesced_count"]) == ("coalesced", wakeup["id"], 2)
     # An unassigned or kanban task wakes nobody.
     await office.task("loose")
     await office.task("kanban", assignee_agent_id=agent["id"], workflow="kanban")
-    assert len(await office.wakeups()) == 1
+    assert len(await office.wakeups()) == 2
 
 
 async def test_a_comment_is_stored_and_wakes_the_assignee(office):
