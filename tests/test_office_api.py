@@ -312,7 +312,9 @@ async def test_assigning_a_task_wakes_its_agent_once(office):
     assert RFC3339_Z.match(wakeup["requested_at"]) and wakeup["finished_at"] is None
     # Moving it to In Progress asks again (a move is its own event); still queued, it merges: one run.
     await office.post(f"/api/office/tasks/{task['id']}/move", {"state": "IN_PROGRESS"})
-    moved, first = await office.wakeups()
+    rows = {w["id"]: w for w in await office.wakeups()}
+    first = rows.pop(wakeup["id"])
+    [moved] = rows.values()
     assert (moved["status"], moved["coalesced_into"], first["coalesced_count"]) == ("coalesced", wakeup["id"], 2)
     # An unassigned or kanban task wakes nobody.
     await office.task("loose")
