@@ -115,6 +115,14 @@ def adv(tmp_path_factory):
     env = Adv(tmp_path_factory.mktemp("adversarial"))
     env.sid, env.rid, env.aid = env.failed_run_with_attention()
     env.live_rid = env.fire(env.schedule(concurrency_policy="always_enqueue")["id"])   # stays queued
+    env.agent_id = env.request("POST", "/api/office/agents", {"name": "fuzzed", "executor": "demo"}).body["id"]
+    env.task_id = env.request("POST", "/api/office/tasks", {"title": "t", "assignee_agent_id": env.agent_id}).body["id"]
+    routine = env.request("POST", "/api/office/routines", {
+        "name": "r", "assignee_agent_id": env.agent_id, "variables": [{"name": "n", "type": "number"}],
+        "triggers": [{"kind": "webhook", "signing_mode": "hmac_sha256"}, {"kind": "webhook", "signing_mode": "none"},
+                     {"kind": "schedule", "cron_expression": "0 9 * * *"}]}).body
+    env.routine_id = routine["id"]
+    env.webhooks = [t["public_id"] for t in routine["triggers"] if t["kind"] == "webhook"]
     yield env
     env.store.close()
 
@@ -746,3 +754,96 @@ def test_non_ascii_if_match_bytes_are_4xx(live, value):
 def test_real_server_is_still_healthy_after_the_abuse(live):
     with live.fresh_client() as client:
         assert client.get("/healthz").json()["ok"] is True
+
+
+###############################################################################
+# Hypothesis on the Office API (API.md 7): every write, no 500, no hang.
+###############################################################################
+
+def office_writes(adv: Adv) -> dict[str, tuple[str, str, Any]]:
+    """Each Office write: (method, path, plausible body strategy with hostile values)."""
+    ids = st.sampled_from([adv.agent_id, adv.task_id, "nope", "", "agt_" + "0" * 26]) | any_value
+    states = st.sampled_from(["TODO", "IN_PROGRESS", "IN_REVIEW", "DONE", "CANCELLED", "done", ""]) | any_value
+    agent = {"name": hostile_strings, "role": st.sampled_from(["worker", "ceo", "coordinator", "boss"]),
+             "status": st.sampled_from(["idle", "working", "paused", "stopped", "x"]),
+             "executor": st.sampled_from(["demo", "nope", None]), "max_concurrent_sessions": st.integers(),
+             "cooldown_sec": st.integers(), "skip_idle_wakeups": any_value, "budget_runs_per_day": st.integers(),
+             "instructions": hostile_strings, "workspace_id": ids}
+    task = {"title": hostile_strings, "description": hostile_strings, "state": states, "assignee_agent_id": ids,
+            "parent_id": ids, "blocked_by": st.lists(ids, max_size=3) | any_value,
+            "reviewers": st.lists(ids) | any_value,
+            "requires_approval": any_value, "workflow": st.sampled_from(["office", "kanban", "routine"]),
+            "executor": st.sampled_from(["demo", None, "x"]), "archived": any_value, "project_id": ids}
+    routine = {"name": hostile_strings, "assignee_agent_id": ids, "status": st.sampled_from(["active", "paused", "x"]),
+               "concurrency_policy": any_value, "catch_up_policy": any_value, "catch_up_max": st.integers(),
+               "task_template": st.one_of(st.just({}), st.just(""), st.fixed_dictionaries(
+                   {"title": hostile_strings}, optional={"description": hostile_strings})) | any_value,
+               "variables": st.lists(st.fixed_dictionaries({"name": hostile_strings}, optional={
+                   "type": st.sampled_from(["text", "number", "boolean", "select", "x"]), "default": any_value,
+                   "required": any_value, "options": any_value}), max_size=3) | any_value,
+               "triggers": st.lists(st.fixed_dictionaries({"kind": st.sampled_from(["schedule", "webhook", "x"])},
+                                                          optional={"cron_expression": hostile_strings,
+                                                                    "timezone": hostile_strings,
+                                                                    "signing_mode": any_value}), max_size=2)}
+    return {
+        "create agent": ("POST", "/api/office/agents", patched({"name": "a"}, agent)),
+        "edit agent": ("PATCH", f"/api/office/agents/{adv.agent_id}", patched({"cooldown_sec": 5}, agent)),
+        "wake agent": ("POST", f"/api/office/agents/{adv.agent_id}/wake", patched({"context": "x"},
+                                                                                  {"context": any_value})),
+        "create task": ("POST", "/api/office/tasks", patched({"title": "t"}, task)),
+        "edit task": ("PATCH", f"/api/office/tasks/{adv.task_id}", patched({"title": "t2"}, task)),
+        "move task": ("POST", f"/api/office/tasks/{adv.task_id}/move", patched({"state": "TODO"}, {"state": states})),
+        "comment": ("POST", f"/api/office/tasks/{adv.task_id}/comments", patched({"body": "hi"},
+                                                                                 {"body": hostile_strings})),
+        "resolve approval": ("POST", "/api/office/approvals/apr_nope/resolve", patched(
+            {"status": "approved"}, {"status": any_value, "decision_note": any_value})),
+        "settings": ("PATCH", "/api/office/settings", patched({"name": "Default"}, {
+            "timezone": hostile_strings, "repository": hostile_strings, "source_ref": hostile_strings,
+            "recovery_lookback_hours": st.integers() | st.floats(), "default_executor": any_value,
+            "budget_runs_per_day": st.integers()})),
+        "workspace": ("POST", "/api/office/workspaces", patched({"name": "w"}, {"name": hostile_strings})),
+        "project": ("POST", "/api/office/projects", patched({"name": "p"}, {"repository": hostile_strings,
+                                                                           "executor": any_value})),
+        "create routine": ("POST", "/api/office/routines", patched({"name": "r", "assignee_agent_id": adv.agent_id},
+                                                                   routine)),
+        "edit routine": ("PATCH", f"/api/office/routines/{adv.routine_id}", patched({"name": "r"}, {
+            k: v for k, v in routine.items() if k != "triggers"})),
+        "fire routine": ("POST", f"/api/office/routines/{adv.routine_id}/fire", patched(
+            {"variables": {"n": 1}},
+            {"variables": st.dictionaries(st.sampled_from(["n", "x"]), any_value) | any_value})),
+        "add trigger": ("POST", f"/api/office/routines/{adv.routine_id}/triggers", patched(
+            {"kind": "webhook"}, {"kind": any_value, "cron_expression": hostile_strings, "signing_mode": any_value})),
+    }
+
+
+OFFICE_WRITES = ["create agent", "edit agent", "wake agent", "create task", "edit task", "move task", "comment",
+                 "resolve approval", "settings", "workspace", "project", "create routine", "edit routine",
+                 "fire routine", "add trigger"]
+
+
+@pytest.mark.parametrize("which", OFFICE_WRITES)
+@settings(max_examples=25, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz_office_writes(adv, which, data):
+    method, path, plausible = office_writes(adv)[which]
+    query = data.draw(st.sampled_from(["", "", "?workspace_id=nope", "?workspace_id="]))
+    assert_sane(adv.request(method, path + query, raw=data.draw(bodies(plausible)),
+                            content_type=data.draw(content_types), key=data.draw(idempotency_keys)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_webhook_fires(adv, data):
+    """Anyone on the network can call a webhook: hostile bodies and signature headers."""
+    public_id = data.draw(st.sampled_from(adv.webhooks) | path_ids("nope"))
+    headers = data.draw(st.fixed_dictionaries({}, optional={
+        "X-Outpost-Signature": st.sampled_from(["", "t=,v1=", "t=1,v1=00", "v1=zz", "t=99999999999999999999,v1=a",
+                                                "t=-5,v1=00"]) | st.text(alphabet=PRINTABLE, max_size=40),
+        "X-Hub-Signature-256": st.sampled_from(["sha256=", "sha256=00", "md5=x"]) | st.text(alphabet=PRINTABLE,
+                                                                                             max_size=20),
+        "X-GitHub-Delivery": st.text(alphabet=PRINTABLE, max_size=300),
+        "Authorization": st.sampled_from(["Bearer ", "Bearer x", "Basic eA=="])}))
+    body = data.draw(bodies(st.dictionaries(st.sampled_from(["n", "branch", "a.b"]), any_value, max_size=3)))
+    reply = adv.request("POST", f"/api/routine-triggers/{quoted(public_id)}/fire", raw=body, headers=headers,
+                        content_type=data.draw(content_types), key=MISSING, auth=False)
+    assert_sane(reply)
