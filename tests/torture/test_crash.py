@@ -55,6 +55,18 @@ def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
     marker_profile(data_dir, marker, work_s=0.4)
     acked_schedules: set[str] = set()
     acked_runs: set[str] = set()
+    acked_routine_runs: set[str] = set()
+    # Office: a routine whose webhook wakes an agent on the marker profile (set up before the kills).
+    server = Server(data_dir).start()
+    with server.client() as api:
+        api.patch("/api/office/settings", json={"repository": str(git_repo)}).raise_for_status()
+        agent = api.post("/api/office/agents", json={"name": "torture", "executor": "mark", "cooldown_sec": 0,
+                                                     "max_concurrent_sessions": 2}).json()
+        routine = api.post("/api/office/routines", json={
+            "name": "hook", "assignee_agent_id": agent["id"], "concurrency_policy": "always_enqueue",
+            "triggers": [{"kind": "webhook", "signing_mode": "none"}]}).json()
+    hook = routine["triggers"][0]["fire_path"]
+    assert server.stop() == 0
     counter = 0
     for _ in range(KILLS):
         server = Server(data_dir).start()
@@ -69,11 +81,15 @@ def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
                     sid = create_schedule(api, git_repo, f"s{counter}")
                     if sid:
                         acked_schedules.add(sid)
-                elif op < 0.7:
+                elif op < 0.55:
                     reply = api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": f"d{counter}"},
                                      json={"brief": f"job {counter}", "repository": str(git_repo), "agent": "mark"})
                     if reply.status_code == 202:
                         acked_runs.add(reply.json()["run_id"])
+                elif op < 0.75:
+                    reply = api.post(hook, json={"n": counter})   # a webhook fire: 202 only after its commit
+                    if reply.status_code == 202:
+                        acked_routine_runs.add(reply.json()["routine_run_id"])
                 else:
                     sid = rng.choice(sorted(acked_schedules))
                     revision = api.get(f"/v1/outpost/schedules/{sid}").json()["revision"]
@@ -97,8 +113,14 @@ def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     schedules = {row[0] for row in db.execute('SELECT id FROM "Schedule"')}
     runs = dict(db.execute('SELECT id, status FROM "Run"').fetchall())
-    lost = (acked_schedules - schedules) | (acked_runs - set(runs))
+    routine_runs = dict(db.execute('SELECT id, wakeup_id FROM "RoutineRun"').fetchall())
+    lost = (acked_schedules - schedules) | (acked_runs - set(runs)) | (acked_routine_runs - set(routine_runs))
     assert not lost, f"acknowledged but missing (seed {SEED}): {lost}"
+    wakeups = dict(db.execute('SELECT id, status FROM "Wakeup"').fetchall())
+    assert all(routine_runs[r] in wakeups for r in acked_routine_runs), "a webhook fire without its wakeup"
+    assert set(wakeups.values()) <= {"queued", "claimed", "finished", "coalesced"}, Counter(wakeups.values())
+    for wakeup_id, run_id in db.execute('SELECT id, run_id FROM "Wakeup" WHERE status = \'claimed\''):
+        assert runs[run_id] == "queued", (wakeup_id, runs[run_id])   # claimed: its run waits for admission
     doubled = db.execute('SELECT occurrence_id, COUNT(*) FROM "Run" WHERE occurrence_id IS NOT NULL '
                          "GROUP BY occurrence_id HAVING COUNT(*) > 1").fetchall()
     assert not doubled, f"occurrences with two runs: {doubled}"
@@ -108,7 +130,7 @@ def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
     for run_id in started:   # every run that started is settled, never queued again
         assert runs[run_id] in map(str, outpost.SETTLED_RUN_STATUSES), (run_id, runs[run_id])
     assert not agents_alive(marker), "orphaned agent processes survived the restarts"
-    assert len(acked_runs) >= KILLS, "the driver acknowledged too little to prove anything"
+    assert len(acked_runs) >= KILLS and acked_routine_runs, "the driver acknowledged too little to prove anything"
 
 
 def test_sigterm_under_load_exits_cleanly(tmp_path, git_repo):
