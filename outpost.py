@@ -1711,7 +1711,8 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
     names = [v["name"] for v in variables]
     if len(set(names)) != len(names):
         raise invalid("variables", "declares a name twice")
-    for name in template_variables(r["task_template"].get("title", ""), r["task_template"].get("description", "")):
+    for name in template_variables(r["description"], r["task_template"].get("title", ""),
+                                   r["task_template"].get("description", "")):
         if name not in names:
             variables.append({"name": name, "type": "text", "default": None, "required": False, "options": [],
                               "description": ""})
@@ -3488,8 +3489,8 @@ class Store:
         snapshot = w.context_snapshot
         routine = None
         if w.source == WakeupSource.ROUTINE and (r := self.db.Routine.get(id=w.payload.get("routine_id"))):
-            routine = {"name": r.name, "description": render_variables(r.description or "", {
-                **resolve_variables([], {}, aware(w.requested_at), UTC), **(w.payload.get("variables") or {})})}
+            routine = {"name": r.name, "description": render_variables(r.description or "",
+                                                                       dict(w.payload.get("variables") or {}))}
         return assemble_prompt(
             agent={"name": agent.name, "role": agent.role, "instructions": agent.instructions},
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
@@ -3550,6 +3551,11 @@ class Store:
         if agent is None or agent.status in ("paused", "stopped"):
             self._end_wakeup(w, "finished", now, note=f"agent {agent.status if agent else 'deleted'}: no session")
             return None
+        if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
+            r = self.db.Routine.get(id=w.payload.get("routine_id"))
+            if r is None or r.status != "active":
+                self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session")
+                return None
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=w.reason == REVIEW_REASON)):
             self.cancel_stale(w, reason, now)
@@ -3972,11 +3978,13 @@ class Store:
                    "enabled": True}
         return self.create_routine(ws.id, fields, [trigger], now)
 
-    def _active_routine_run(self, r):
-        """The routine's newest run whose task (heavy) or wakeup (lightweight) is not over."""
+    def _active_routine_run(self, r, fingerprint: str):
+        """The routine's newest run with this dispatch fingerprint whose task (heavy) or
+        wakeup (lightweight) is not over: what the concurrency policy is about."""
         routine_id = r.id
         for x in self.db.RoutineRun.select(lambda x: x.routine_id == routine_id and x.status in (
-                "received", "task_created")).order_by(lambda x: orm.desc(x.started_at))[:20]:
+                "received", "task_created") and x.dispatch_fingerprint == fingerprint).order_by(
+                lambda x: orm.desc(x.started_at))[:20]:
             if x.linked_task_id:
                 t = self.db.Task.get(id=x.linked_task_id)
                 if t is not None and t.state not in TERMINAL_TASK_STATES and t.archived_at is None:
@@ -4001,21 +4009,25 @@ class Store:
         tz = ZoneInfo(ws.timezone)
         fired_at = due_at or now
         values = resolve_variables(r.variables or [], provided, fired_at, tz)
+        provided_values = {k: v for k, v in values.items() if k not in BUILTIN_VARIABLES}
         template = r.task_template or {}
-        title = render_variables(template.get("title") or f"{r.name} - {{{{date}}}}", values)[:200]
+        title_template = template.get("title") or f"{r.name} - {{{{date}}}}"
+        title = render_variables(title_template, values)[:200]
         description = render_variables(template.get("description", ""), values)
+        # What the fire would do, without the date built-ins: "release/2.0" and "release/3.0" differ,
+        # yesterday's and today's tick of the same routine do not.
+        fingerprint = dispatch_fingerprint(r.id, render_variables(title_template, provided_values) if template else "",
+                                           render_variables(template.get("description", r.description or ""),
+                                                            provided_values), r.assignee_agent_id)
         missed_note = (f"missed {missed_ticks} tick{'s' if missed_ticks != 1 else ''} since "
                        f"{(since or fired_at).astimezone(tz):%Y-%m-%d %H:%M %Z}") if missed_ticks else ""
-        provided_values = {k: v for k, v in values.items() if k not in BUILTIN_VARIABLES}
         x = self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id or "manual", source=source,
                                status="received", due_at=naive(due_at), missed_ticks=missed_ticks,
-                               trigger_payload=provided_values,
-                               dispatch_fingerprint=dispatch_fingerprint(r.id, title, description,
-                                                                         r.assignee_agent_id),
+                               trigger_payload=provided_values, dispatch_fingerprint=fingerprint,
                                started_at=naive(now))
         if trigger_id and (t := self.db.RoutineTrigger.get(id=trigger_id)) is not None:
             t.last_fired_at = naive(now)
-        active = None if r.concurrency_policy == "always_enqueue" else self._active_routine_run(r)
+        active = None if r.concurrency_policy == "always_enqueue" else self._active_routine_run(r, fingerprint)
         agent = self.db.Agent.get(id=r.assignee_agent_id)
         if active is not None and active.id != x.id:
             x.status = "skipped" if r.concurrency_policy == "skip_if_active" else "coalesced"
@@ -4032,7 +4044,7 @@ class Store:
                 "reviewers": [], "requires_approval": False, "workflow": "routine", "executor": None}, now)
             x.status, x.linked_task_id, x.completed_at = "task_created", task["id"], naive(now)
         else:
-            payload = {"routine_id": r.id, "variables": provided_values, "missed_ticks": missed_ticks}
+            payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks}   # with {{date}}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
             w = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
                                     reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
@@ -4044,8 +4056,25 @@ class Store:
 
     def _record_failed_fire(self, r, trigger_id: str, due_at: datetime, error: str, now: datetime) -> None:
         self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron", status="failed",
-                           due_at=naive(due_at), dispatch_fingerprint="", error=error[:ERROR_TAIL_BYTES],
-                           started_at=naive(now), completed_at=naive(now))
+                           due_at=naive(due_at), error=error[:ERROR_TAIL_BYTES], started_at=naive(now),
+                           dispatch_fingerprint=dispatch_fingerprint(r.id, "", "", r.assignee_agent_id),
+                           completed_at=naive(now))
+
+    def skip_due_routines(self, now: datetime, error: str) -> int:
+        """After an unexpected error claiming routine ticks: every due schedule trigger moves
+        on without firing, each skipped tick recorded as a failed routine run with the error,
+        so one broken routine can neither stop the cron actor nor make it spin."""
+        skipped = 0
+        for t in self.db.RoutineTrigger.select(lambda t: t.kind == "schedule" and t.next_run_at is not None
+                                               and t.next_run_at <= naive(now)):
+            timing = trigger_timing(t.cron_expression, t.timezone)
+            due = aware(t.next_run_at)
+            later = next_fires(timing, max(due, now), 1)
+            t.next_run_at = naive(later[0]) if later else None
+            if (r := self.db.Routine.get(id=t.routine_id)) is not None:
+                self._record_failed_fire(r, t.id, due, f"internal error, tick skipped: {error}", now)
+                skipped += 1
+        return skipped
 
     def claim_due_routines(self, now: datetime) -> int:
         """The routines' part of the cron actor's claim: every due schedule trigger, its
@@ -4636,7 +4665,12 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
             await resolve_new_runs(deps, queued)
             deps.claim_wake.poke()
-        if fired := await deps.db_retrying(deps.store.claim_due_routines, now):
+        try:
+            fired = await deps.db_retrying(deps.store.claim_due_routines, now)
+        except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
+            clog.exception("claiming routine ticks failed; skipping the due ticks")
+            fired = await deps.db_retrying(deps.store.skip_due_routines, now, f"{type(exc).__name__}: {exc}"[:300])
+        if fired:
             clog.info("fired %d routine tick(s)", fired)
             deps.claim_wake.poke()   # their wakeups wait for the dispatcher
         upcoming = min((t for t in (await deps.db_retrying(deps.store.next_due_at),

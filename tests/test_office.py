@@ -108,6 +108,15 @@ def enqueue(store: outpost.Store, agent_id: str, source, payload: dict, now: dat
 
 
 def routine_wake(store: outpost.Store, agent_id: str, now: datetime, routine_id: str = "r1", **payload) -> str:
+    """A lightweight routine's wakeup, as its fire queues it (the routine row exists: a wakeup of a
+    deleted or paused routine ends without a session)."""
+    def ensure_routine():
+        if store.db.Routine.get(id=routine_id) is None:
+            store.db.Routine(id=routine_id, workspace_id=WS, name=routine_id, assignee_agent_id=agent_id,
+                             status="active", concurrency_policy="always_enqueue", catch_up_policy="skip_missed",
+                             task_template={}, variables=[], created_at=outpost.naive(now),
+                             updated_at=outpost.naive(now))
+    store.run(ensure_routine)
     return enqueue(store, agent_id, outpost.WakeupSource.ROUTINE, {"routine_id": routine_id, **payload}, now)
 
 
