@@ -323,3 +323,41 @@ def test_office_agent_wakes_on_assignment_comment_and_resolved_blocker(page, ser
     assert page.is_visible("#assembled-prompt")
     assert "Why you woke" in page.inner_text("#assembled-prompt")
     shot(page, "office-run-prompt")
+
+
+def test_office_routine_run_now_asks_for_a_required_variable_first(page, server, repo):
+    sign_in(page, server)
+    page.goto(server.url + "/office/settings")
+    page.fill("#repository", str(repo))
+    page.click("#save-settings")
+    page.goto(server.url + "/office/agents")
+    page.fill("#agent-form input[name=name]", "router")
+    page.select_option("#agent-form select[name=role]", "coordinator")
+    page.click("#create-agent")
+    page.wait_for_selector("#agent-status")
+    assert not page.query_selector("#coordinator-empty-state"), "its heartbeat routine was installed"
+    page.goto(server.url + "/office/routines")
+    assert "Coordinator heartbeat" in page.inner_text("#routines-table")
+    assert "every 5 minutes" in page.inner_text("#routines-table")
+    page.fill("#routine-form input[name=name]", "Explain")
+    page.select_option("#routine-form select[name=assignee_agent_id]", label="router (coordinator)")
+    page.fill("#routine-form textarea[name=description]", "@print because {{reason}}")
+    page.fill("#routine-form textarea[name=variables]", "reason:text::required")
+    page.select_option("#routine-form select[name=webhook_mode]", "hmac_sha256")
+    page.click("#create-routine")
+    secret = page.inner_text("#new-secret pre")
+    assert len(secret) > 30
+    assert "openssl dgst -sha256 -hmac" in page.inner_text(".curl")
+    shot(page, "office-routine")
+    # Run now without the required value: the browser asks for it and nothing is fired.
+    page.click("#fire-routine")
+    assert page.evaluate("document.querySelector('input[name=var_reason]').validity.valueMissing")
+    assert "Not fired yet" in page.inner_text("#history")
+    page.fill("input[name=var_reason]", "it was asked")
+    page.click("#fire-routine")
+    page.wait_for_selector("#flash")
+    assert "wakeup is queued" in page.inner_text("#flash")
+    assert "reason=it was asked" in page.inner_text("#routine-runs")
+    # The secret is not shown again.
+    page.reload()
+    assert secret not in page.content()
