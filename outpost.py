@@ -927,7 +927,7 @@ def run_token(key: bytes, run_id: str) -> str:
 
 
 def run_of_token(key: bytes, token: str) -> str | None:
-    run_id, _, signature = token.partition(".")
+    run_id = token.partition(".")[0]
     if not run_id or not hmac.compare_digest(token.encode(), run_token(key, run_id).encode()):
         return None
     return run_id
@@ -3568,9 +3568,8 @@ class Store:
                 return None
         # 4. Idle skip.
         if w.source == WakeupSource.ROUTINE and not w.task_id and agent.skip_idle_wakeups:
-            actionable = self.db.select(
-                'SELECT COUNT(*) FROM "Task" WHERE assignee_agent_id = $a AND state IN (\'TODO\', \'IN_PROGRESS\') '
-                "AND archived_at IS NULL", {"a": agent.id})[0]
+            actionable = orm.count(t for t in self.db.Task if t.assignee_agent_id == agent.id
+                                   and t.state in ACTIONABLE_TASK_STATES and t.archived_at is None)
             if idle_skip_applies(w.source, w.payload, agent.skip_idle_wakeups, actionable):
                 olog.info("wakeup_idle_skipped wakeup_id=%s agent_instance_id=%s agent_name=%s "
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
