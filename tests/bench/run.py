@@ -21,8 +21,9 @@ subprocess over loopback HTTP. Everything lives in a temporary directory and tal
 127.0.0.1; every loop is bounded and every wait has a deadline, so the script always ends.
 
 Rows: fire lag (vs a trio ``sleep_until`` + raw sqlite3 limit and APScheduler 3), due -> agent
-process started, durable intake, queue drain (vs SqliteHuey), cost growth (claim latency, idle
-cron CPU), restart, memory, dashboard.
+process started, durable intake, queue drain (vs SqliteHuey), wakeup drain (the Office wakeup
+queue, vs SqliteHuey end-to-end), cost growth (claim latency, idle cron CPU), restart, memory,
+dashboard.
 """
 
 from __future__ import annotations
@@ -668,11 +669,131 @@ def bench_drain(q: bool, work: Path) -> list[dict[str, Any]]:
     ratio = statistics.median(o) / statistics.median(h)
     return [row("queue drain (run admission queue)", statistics.median(o), "runs/s", ">= 1.0x Huey",
                 ratio >= 1.0, vals=o, peer="SqliteHuey (fsync=True)", peer_value=statistics.median(h), peer_vals=h,
-                note=f"{n} queued; ratio {ratio:.2f}x. The Office wakeup queue does not exist yet (a later "
-                     f"issue): this is the run admission queue, null executor (store.admit_next with "
+                note=f"{n} queued; ratio {ratio:.2f}x. The run admission queue (the Office wakeup queue is "
+                     f"the wakeup drain row), null executor (store.admit_next with "
                      f"max_running {agents_n} + store.settle_run, one transaction each), queued -> claimed -> "
                      f"settled. Huey: {workers} thread workers, enqueue done beforehand "
                      f"({statistics.median(he):.0f} enqueues/s)")]
+
+
+# --------------------------------------------------------------------------------------------
+# 4b. wakeup drain vs Huey
+# --------------------------------------------------------------------------------------------
+
+WAKEUP_AGENTS = 50
+WAKEUP_COOLDOWNS_S = (0, 1, 5, 10)
+WAKEUP_T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)   # virtual time: cooldowns cost steps, not wall time
+OFFICE_PROFILES = {"demo": outpost.demo_profile()}
+
+
+def office_template(d: Path, repo: Path, n: int) -> list[tuple[str, str]]:
+    """A store with the workspace repository set, 50 agents (max_concurrent_sessions 1-3, cooldown
+    0/1/5/10 s, executor demo) and n Office tasks, n / 50 assigned to each agent. Fixture only: the
+    tasks are created through store.create_task and assigned without a wakeup, which the timed part
+    enqueues. Returns (agent id, task id) per wakeup to come."""
+    store = outpost.Store(d / "outpost.sqlite3")
+    current = store.run(store.office_settings, None)[0]
+    store.run(store.update_office_settings, None,
+              outpost.normalize_settings({"repository": str(repo)}, profiles=OFFICE_PROFILES, current=current))
+    agents = []
+    for i in range(WAKEUP_AGENTS):
+        raw = {"name": f"agent-{i:02d}", "executor": "demo", "max_concurrent_sessions": 1 + i % 3,
+               "cooldown_sec": WAKEUP_COOLDOWNS_S[(i // 3) % len(WAKEUP_COOLDOWNS_S)]}
+        agents.append(store.run(store.create_agent, None, outpost.normalize_agent(raw, profiles=OFFICE_PROFILES),
+                                WAKEUP_T0)[0]["id"])
+    pairs: list[tuple[str, str]] = []
+
+    def batch(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            fields = outpost.normalize_task({"title": f"task {i}"}, profiles=OFFICE_PROFILES)
+            task_id = store.create_task(None, fields, WAKEUP_T0)["id"]
+            store.db.Task[task_id].assignee_agent_id = agents[i % len(agents)]
+            pairs.append((agents[i % len(agents)], task_id))
+    for lo in range(0, n, 500):
+        store.run(batch, lo, min(n, lo + 500))
+    store.close()
+    return pairs
+
+
+def outpost_wakeup_drain(d: Path, pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """Enqueue: one task_assigned wakeup per task, one transaction each (store.enqueue_wakeup, the
+    call an assignment makes). Drain, as the claim actor does it with a null executor: dispatch_wakeups
+    until it processes nothing, admit_next until None, settle_run (succeeded) each admitted run, one
+    transaction each; when nothing is claimable the virtual clock jumps to store.next_wakeup_at (the
+    actor's sleep). Every wakeup gets its own run (one task each: nothing coalesces)."""
+    n = len(pairs)
+    store = outpost.Store(d / "outpost.sqlite3")
+    max_running = 3 * WAKEUP_AGENTS   # admission never holds a run back: the agents' limits decide
+    now = WAKEUP_T0
+    t0 = time.perf_counter()
+    for agent_id, task_id in pairs:
+        store.run(store.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id, outpost.WakeupSource.TASK_ASSIGNED,
+                  {"task_id": task_id}, now)
+    t_enq = time.perf_counter() - t0
+    now += timedelta(seconds=1)
+    runs = steps = 0
+    t0 = time.perf_counter()
+    while True:
+        steps += 1
+        processed = 0
+        while (p := store.run(store.dispatch_wakeups, now, OFFICE_PROFILES)[0][1]):
+            processed += p
+        admitted = []
+        while (a := store.run(store.admit_next, max_running, now)[0]) is not None:
+            admitted.append(a[0])
+        for run_id in admitted:
+            store.run(store.settle_run, run_id, outpost.RunStatus.SUCCEEDED, now, exit_code=0)
+        runs += len(admitted)
+        if not processed and not admitted:
+            later = store.run(store.next_wakeup_at, now)[0]
+            if later is None:
+                break
+            now = later
+    t_drain = time.perf_counter() - t0
+    with outpost.orm.db_session:
+        statuses = dict(store.db.select('SELECT status, COUNT(*) FROM "Wakeup" GROUP BY status'))
+    store.close()
+    assert statuses == {"finished": n} and runs == n, f"{statuses}, {runs} runs for {n} wakeups"
+    return {"enqueue": n / t_enq, "drain": n / t_drain, "e2e": n / (t_enq + t_drain), "steps": steps,
+            "virtual_s": (now - WAKEUP_T0).total_seconds()}
+
+
+def bench_wakeup_drain(q: bool, work: Path) -> list[dict[str, Any]]:
+    import logging
+    logging.getLogger("huey").setLevel(logging.WARNING)
+    n = 1500 if q else 10000
+    workers = 2
+    repo = make_repo(work / "repo")
+    tpl = work / "tpl"
+    tpl.mkdir()
+    pairs = office_template(tpl, repo, n)
+    out: list[dict[str, float]] = []
+    h, he, h2e = [], [], []
+    for rep in range(REPS):
+        d = work / f"rep{rep}"
+        shutil.copytree(tpl, d)
+        out.append(outpost_wakeup_drain(d, pairs))
+        hr, enq = huey_drain(d, n, workers)
+        h.append(hr)
+        he.append(enq)
+        h2e.append(n / (n / enq + n / hr))
+        log(f"wakeup drain rep {rep}: outpost end-to-end {out[-1]['e2e']:.0f}/s (enqueue {out[-1]['enqueue']:.0f}/s, "
+            f"drain {out[-1]['drain']:.0f}/s); huey end-to-end {h2e[-1]:.0f}/s (enqueue {enq:.0f}/s, drain {hr:.0f}/s)")
+    o = [r["e2e"] for r in out]
+    med = {k: statistics.median(r[k] for r in out) for k in ("enqueue", "drain", "steps", "virtual_s")}
+    ratio = statistics.median(o) / statistics.median(h2e)
+    drain_ratio = med["drain"] / statistics.median(h)
+    return [row("wakeup drain (Office wakeup queue)", statistics.median(o), "wakeups/s", ">= 1.0x Huey",
+                ratio >= 1.0, vals=o, peer="SqliteHuey (fsync=True), end-to-end",
+                peer_value=statistics.median(h2e), peer_vals=h2e,
+                note=f"{n:,} task_assigned wakeups across {WAKEUP_AGENTS} agents (max_concurrent_sessions 1-3, "
+                     f"cooldown 0/1/5/10 s), one task each so none coalesce; ratio {ratio:.2f}x. End-to-end = "
+                     f"enqueue (store.enqueue_wakeup, one transaction each: {med['enqueue']:.0f}/s) + drain "
+                     f"(in-process null executor: store.dispatch_wakeups, admit_next, settle_run; claimed -> run "
+                     f"-> finished: {med['drain']:.0f}/s, {drain_ratio:.2f}x Huey's drain of "
+                     f"{statistics.median(h):.0f}/s), {med['steps']:.0f} dispatch steps over {med['virtual_s']:.0f} s "
+                     f"of virtual time (cooldowns jumped via next_wakeup_at). Huey: {n:,} no-op tasks enqueued "
+                     f"({statistics.median(he):.0f}/s) then drained by {workers} thread workers")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -914,6 +1035,7 @@ BENCHES: dict[str, Callable[[bool, Path], list[dict[str, Any]]]] = {
     "due_to_start": bench_due_to_start,
     "intake": bench_intake,
     "drain": bench_drain,
+    "wakeup_drain": bench_wakeup_drain,
     "cost": bench_cost,
     "restart": bench_restart,
     "memory": bench_memory,
