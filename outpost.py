@@ -1410,7 +1410,7 @@ def _section(markdown: str, title: str) -> list[str]:
 
 
 def build_summary(previous: str, result: dict[str, Any] | None, stats: dict[str, int],
-                  blockers: list[str], now: datetime) -> str:
+                  blockers: list[str], now: datetime, more: int = 0) -> str:
     """The continuation summary, composed deterministically from structured inputs (the
     same inputs give the same text): four markdown sections, capped at 8 KB."""
     focus = (f"{stats.get('open_tasks', 0)} open tasks ({stats.get('in_progress', 0)} in progress, "
@@ -1430,8 +1430,9 @@ def build_summary(previous: str, result: dict[str, Any] | None, stats: dict[str,
     else:
         next_action = "Continue monitoring."
     shown = [f"- {b[:300]}" for b in blockers[:SUMMARY_BLOCKERS]] or ["None."]
-    if len(blockers) > SUMMARY_BLOCKERS:
-        shown.append(f"- ... and {len(blockers) - SUMMARY_BLOCKERS} more")
+    more += max(0, len(blockers) - SUMMARY_BLOCKERS)   # ``more``: open blockers not even passed in
+    if more:
+        shown.append(f"- ... and {more} more")
     body = ["## Active focus", focus, "", "## Open blockers", *shown,
             "", "## Recent decisions", *(decisions or ["- None yet."]), "", "## Next action", next_action]
     return ("\n".join(body) + "\n").encode()[:SUMMARY_MAX_BYTES].decode(errors="ignore")
@@ -2211,6 +2212,10 @@ SCHEMA_SQL = {
         'CREATE UNIQUE INDEX IF NOT EXISTS wakeup_idempotency ON "Wakeup"(idempotency_key) '
         'WHERE idempotency_key IS NOT NULL',
         'CREATE INDEX IF NOT EXISTS wakeup_queue ON "Wakeup"(status, requested_at)',
+        'CREATE INDEX IF NOT EXISTS wakeup_retry_due ON "Wakeup"(status, scheduled_retry_at)',
+        'CREATE INDEX IF NOT EXISTS wakeup_wake_due ON "Wakeup"(status, wake_at)',
+        'CREATE INDEX IF NOT EXISTS wakeup_window ON "Wakeup"(agent_id, task_id, status, requested_at)',
+        'CREATE INDEX IF NOT EXISTS task_open ON "Task"(workspace_id, state)',
         'CREATE INDEX IF NOT EXISTS wakeup_agent ON "Wakeup"(agent_id, status, requested_at)',
         'CREATE INDEX IF NOT EXISTS wakeup_scope ON "Wakeup"(task_id, status)',
         'CREATE INDEX IF NOT EXISTS wakeup_coalesced ON "Wakeup"(coalesced_into)',
@@ -3503,9 +3508,10 @@ class Store:
         max_concurrent_sessions or in its cooldown, or whose retry or wake time is ahead,
         stays queued. Returns (runs queued, wakeups processed)."""
         due = sql_time(now)
-        waiting = self.db.select('SELECT DISTINCT agent_id FROM "Wakeup" WHERE status = \'queued\' '
-                                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
-                                 'AND (wake_at IS NULL OR wake_at <= $due)', {"due": due})
+        waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
+            'SELECT a.id FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
+            "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
+            "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
         active = dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'claimed\' '
                                      'GROUP BY agent_id'))
         candidates: list[tuple[Any, str]] = []
@@ -3729,20 +3735,24 @@ class Store:
                 "SELECT COUNT(*), COALESCE(SUM(state = 'IN_PROGRESS'), 0), COALESCE(SUM(state = 'IN_REVIEW'), 0) "
                 "FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN ('DONE', 'CANCELLED') "
                 "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
-            since = naive(now - timedelta(days=1))
-            stats["failed_runs"] = orm.count(x for x in self.db.Run for y in self.db.OfficeRun
-                                             if x.id == y.run_id and y.workspace_id == o.workspace_id
-                                             and x.status == "failed" and x.finished_at >= since)
-            stats["escalations"] = orm.count(a for a in self.db.Attention if a.kind == "agent_error"
-                                             and a.created_at >= since)
-            blockers = [f"{t.title} ({t.id}) waits on {', '.join(t.blocked_by)}, since {t.created_at:%Y-%m-%d}"
-                        for t in self.db.Task.select(lambda t: t.workspace_id == o.workspace_id
-                                                     and t.state not in ("DONE", "CANCELLED")
-                                                     and t.archived_at is None).order_by(lambda t: t.created_at)
-                        if t.blocked_by and self.db.select(
-                            'SELECT COUNT(*) FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
-                            "AND state NOT IN ('DONE', 'CANCELLED')", {"ids": json.dumps(t.blocked_by)})[0]]
-            content = build_summary(row.content if row else "", result, stats, blockers, now)
+            since = sql_time(now - timedelta(days=1))
+            stats["failed_runs"] = self.db.select(
+                'SELECT COUNT(*) FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.workspace_id = $ws '
+                "AND o.queued_at >= $since AND r.status = 'failed'", {"ws": o.workspace_id, "since": since})[0]
+            stats["escalations"] = self.db.select(
+                'SELECT COUNT(*) FROM "Attention" WHERE kind = \'agent_error\' AND created_at >= $since',
+                {"since": since})[0]
+            # Open tasks waiting on an open blocker: one query, only what the summary shows, however
+            # many tasks the workspace has (this runs inside the settlement's write transaction).
+            blocked = ('FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN (\'DONE\', \'CANCELLED\') '
+                       "AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM json_each(t.blocked_by) j "
+                       "JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN ('DONE', 'CANCELLED'))")
+            blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
+                        for tid, title, ids, created in self.db.select(
+                            f"SELECT t.id, t.title, t.blocked_by, t.created_at {blocked} "
+                            "ORDER BY t.created_at LIMIT $n", {"ws": o.workspace_id, "n": SUMMARY_BLOCKERS})]
+            more = self.db.select(f"SELECT COUNT(*) {blocked}", {"ws": o.workspace_id})[0] - len(blockers)
+            content = build_summary(row.content if row else "", result, stats, blockers, now, more=more)
         except Exception:   # noqa: BLE001 - last-good wins; the next successful run rebuilds
             log.getChild("office").exception("summary builder failed for agent %s scope %s", o.agent_id, scope)
             return
