@@ -2635,29 +2635,34 @@ class Store:
                         {"c": commit, "rid": run_id})
         return self.db.select('SELECT resolved_commit FROM "Run" WHERE id = $rid', {"rid": run_id})[0]
 
-    def admit_next(self, max_running: int, now: datetime) -> tuple[str, bool] | None:
-        """FIFO admission: (run id, is a resume) for the next run to start, or None.
+    def admit_ready(self, max_running: int, now: datetime, limit: int | None = None) -> list[tuple[str, bool]]:
+        """FIFO admission: (run id, is a resume) for every run that may start now, as many as
+        there are free slots (at most ``limit``), in one transaction.
 
         Paused runs whose resume was asked come first (they started earlier); then queued
-        runs in the order they were queued. The conditional UPDATE lets one claimer win."""
+        runs in the order they were queued. The conditional UPDATEs let one claimer win."""
         running = self.db.select('SELECT COUNT(*) FROM "Run" WHERE status = \'running\'')[0]
-        if running >= max_running:
-            return None
-        rows = self.returning(
-            'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id = '
+        free = min(max_running - running, limit if limit is not None else max_running)
+        if free <= 0:
+            return []
+        resumed = self.returning(
+            'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
             '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
-            ' ORDER BY resume_requested_at LIMIT 1) AND status = \'paused\' RETURNING id')
-        if rows:
-            self.emit("run.resumed", {"run_id": rows[0]}, now)
-            return rows[0], True
-        rows = self.returning(
-            'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id = '
-            '(SELECT id FROM "Run" WHERE status = \'queued\' ORDER BY queued_at, rowid LIMIT 1) '
-            "AND status = 'queued' RETURNING id", {"now": sql_time(now)})
-        if not rows:
-            return None
-        self.emit("run.started", {"run_id": rows[0]}, now)
-        return rows[0], False
+            ' ORDER BY resume_requested_at LIMIT $free) AND status = \'paused\' RETURNING id', {"free": free})
+        for run_id in resumed:
+            self.emit("run.resumed", {"run_id": run_id}, now)
+        started = self.returning(
+            'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id IN '
+            '(SELECT id FROM "Run" WHERE status = \'queued\' ORDER BY queued_at, rowid LIMIT $left) '
+            "AND status = 'queued' RETURNING id", {"now": sql_time(now), "left": free - len(resumed)})
+        for run_id in sorted(started):   # run ids are ULIDs: queue order
+            self.emit("run.started", {"run_id": run_id}, now)
+        return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
+
+    def admit_next(self, max_running: int, now: datetime) -> tuple[str, bool] | None:
+        """One admission at a time (what a single claim costs; tests and the benchmark's claim latency)."""
+        admitted = self.admit_ready(max_running, now, limit=1)
+        return admitted[0] if admitted else None
 
     def launch_info(self, run_id: str) -> dict[str, Any]:
         r = self.db.Run[run_id]
@@ -4694,15 +4699,14 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
 async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     """In: nudges (work may be ready or a slot was freed). Out: one RunSettled per run.
     Owns: the runs nursery. Each pass first dispatches the Office wakeups that may be
-    claimed (their runs join the queue), then admits FIFO while fewer than max_running
-    hold a slot. Sleeps until nudged or until a retry, self-wake or cooldown comes due.
+    claimed (their runs join the queue), then admits FIFO as many runs as there are free
+    slots of max_running, in one transaction. Sleeps until nudged or until a retry, self-wake or cooldown comes due.
     Ends when cancelled; run supervisors then end their processes and record it."""
     async with trio.open_nursery() as runs:
         while True:
             await dispatch_wakeups(deps)
-            while (admitted := await deps.db_retrying(deps.store.admit_next, deps.config.max_running,
-                                             deps.clock.now())) is not None:
-                run_id, is_resume = admitted
+            for run_id, is_resume in await deps.db_retrying(deps.store.admit_ready, deps.config.max_running,
+                                                            deps.clock.now()):
                 if is_resume:
                     live = deps.live.get(run_id)
                     if live is not None:

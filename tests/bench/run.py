@@ -595,19 +595,14 @@ def bench_intake(q: bool, work: Path) -> list[dict[str, Any]]:
 
 def outpost_drain(d: Path, repo: Path, n: int, agents_n: int) -> float:
     """n runs queued (create_dispatch in batches); the null executor admits up to ``agents_n``
-    (store.admit_next, one transaction each, as the claim actor does) and settles each
-    (store.settle_run). Returns runs per second from the first claim to the last settlement."""
+    (store.admit_ready: every free slot in one transaction, as the claim actor does) and settles
+    each (store.settle_run). Returns runs per second from the first claim to the last settlement."""
     store = outpost.Store(d / "outpost.sqlite3")
     queue_dispatches(store, dispatch_payload(repo), n)
     done = 0
     t0 = time.perf_counter()
     while True:
-        admitted = []
-        while len(admitted) < agents_n:
-            a = store.run(store.admit_next, agents_n, now_utc())[0]
-            if a is None:
-                break
-            admitted.append(a[0])
+        admitted = [run_id for run_id, _ in store.run(store.admit_ready, agents_n, now_utc())[0]]
         if not admitted:
             break
         for rid in admitted:
@@ -670,7 +665,7 @@ def bench_drain(q: bool, work: Path) -> list[dict[str, Any]]:
     return [row("queue drain (run admission queue)", statistics.median(o), "runs/s", ">= 1.0x Huey",
                 ratio >= 1.0, vals=o, peer="SqliteHuey (fsync=True)", peer_value=statistics.median(h), peer_vals=h,
                 note=f"{n} queued; ratio {ratio:.2f}x. The run admission queue (the Office wakeup queue is "
-                     f"the wakeup drain row), null executor (store.admit_next with "
+                     f"the wakeup drain row), null executor (store.admit_ready with "
                      f"max_running {agents_n} + store.settle_run, one transaction each), queued -> claimed -> "
                      f"settled. Huey: {workers} thread workers, enqueue done beforehand "
                      f"({statistics.median(he):.0f} enqueues/s)")]
@@ -718,9 +713,10 @@ def office_template(d: Path, repo: Path, n: int) -> list[tuple[str, str]]:
 def outpost_wakeup_drain(d: Path, pairs: list[tuple[str, str]]) -> dict[str, float]:
     """Enqueue: one task_assigned wakeup per task, one transaction each (store.enqueue_wakeup, the
     call an assignment makes). Drain, as the claim actor does it with a null executor: dispatch_wakeups
-    until it processes nothing, admit_next until None, settle_run (succeeded) each admitted run, one
-    transaction each; when nothing is claimable the virtual clock jumps to store.next_wakeup_at (the
-    actor's sleep). Every wakeup gets its own run (one task each: nothing coalesces)."""
+    until it processes nothing, admit_ready (every free slot in one transaction), settle_run
+    (succeeded) each admitted run, one transaction each; when nothing is claimable the virtual
+    clock jumps to store.next_wakeup_at (the actor's sleep). Every wakeup gets its own run (one
+    task each: nothing coalesces)."""
     n = len(pairs)
     store = outpost.Store(d / "outpost.sqlite3")
     max_running = 3 * WAKEUP_AGENTS   # admission never holds a run back: the agents' limits decide
@@ -738,9 +734,7 @@ def outpost_wakeup_drain(d: Path, pairs: list[tuple[str, str]]) -> dict[str, flo
         processed = 0
         while (p := store.run(store.dispatch_wakeups, now, OFFICE_PROFILES)[0][1]):
             processed += p
-        admitted = []
-        while (a := store.run(store.admit_next, max_running, now)[0]) is not None:
-            admitted.append(a[0])
+        admitted = [run_id for run_id, _ in store.run(store.admit_ready, max_running, now)[0]]
         for run_id in admitted:
             store.run(store.settle_run, run_id, outpost.RunStatus.SUCCEEDED, now, exit_code=0)
         runs += len(admitted)
@@ -789,7 +783,7 @@ def bench_wakeup_drain(q: bool, work: Path) -> list[dict[str, Any]]:
                 note=f"{n:,} task_assigned wakeups across {WAKEUP_AGENTS} agents (max_concurrent_sessions 1-3, "
                      f"cooldown 0/1/5/10 s), one task each so none coalesce; ratio {ratio:.2f}x. End-to-end = "
                      f"enqueue (store.enqueue_wakeup, one transaction each: {med['enqueue']:.0f}/s) + drain "
-                     f"(in-process null executor: store.dispatch_wakeups, admit_next, settle_run; claimed -> run "
+                     f"(in-process null executor: store.dispatch_wakeups, admit_ready, settle_run; claimed -> run "
                      f"-> finished: {med['drain']:.0f}/s, {drain_ratio:.2f}x Huey's drain of "
                      f"{statistics.median(h):.0f}/s), {med['steps']:.0f} dispatch steps over {med['virtual_s']:.0f} s "
                      f"of virtual time (cooldowns jumped via next_wakeup_at). Huey: {n:,} no-op tasks enqueued "
