@@ -2297,11 +2297,14 @@ class Store:
         with orm.db_session(serializable=True):
             result = fn(*args, **kwargs)
             wrote = bool(self._pending_events)
-            if wrote:
-                seq = self.db.EventSequence[1]
-                for type_, data, at in self._pending_events:
-                    seq.value += 1
-                    self.db.Event(cursor=seq.value, type=type_, at=naive(at), data=data)
+            if wrote:   # plain SQL: a transaction's events are its last writes, at no ORM cost
+                last = self.returning('UPDATE "EventSequence" SET value = value + $n WHERE id = 1 RETURNING value',
+                                      {"n": len(self._pending_events)})[0]
+                first = last - len(self._pending_events) + 1
+                for cursor, (type_, data, at) in enumerate(self._pending_events, first):
+                    self.db.execute('INSERT INTO "Event" (cursor, type, at, data) VALUES ($cursor, $type_, $at, $data)',
+                                    {"cursor": cursor, "type_": type_, "at": sql_time(at),
+                                     "data": json.dumps(data, ensure_ascii=False)})
         self._pending_events = []
         return result, wrote
 
@@ -3348,14 +3351,12 @@ class Store:
     def _unstarted_target(self, agent_id: str, task_id: str | None, now: datetime):
         """A wakeup of this agent and scope whose run has not started: claimed with its run
         still queued, or waiting for a scheduled retry. New context can still reach it."""
-        same_scope = (lambda w: w.task_id == task_id) if task_id else (lambda w: w.task_id is None)
-        for w in self.db.Wakeup.select(lambda w: w.agent_id == agent_id and w.status in ("claimed", "queued")
-                                       ).filter(same_scope).order_by(lambda w: w.requested_at):
-            if w.status == "claimed" and w.run_id and self.db.Run[w.run_id].status == RunStatus.QUEUED:
-                return w
-            if w.status == "queued" and w.scheduled_retry_at is not None and aware(w.scheduled_retry_at) > now:
-                return w
-        return None
+        rows = self.db.select(
+            'SELECT w.id FROM "Wakeup" w LEFT JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
+            "AND (w.task_id = $t OR (w.task_id IS NULL AND $t IS NULL)) AND ((w.status = 'claimed' AND "
+            "r.status = 'queued') OR (w.status = 'queued' AND w.scheduled_retry_at > $now)) "
+            "ORDER BY w.requested_at LIMIT 1", {"a": agent_id, "t": task_id, "now": sql_time(now)})
+        return self.db.Wakeup[rows[0]] if rows else None
 
     def _window_target(self, agent_id: str, source: str, task_id: str | None, now: datetime):
         """The coalescing window: a queued wakeup of the same agent, source and scope from the last 5 s."""
