@@ -6471,9 +6471,11 @@ async def watchdog_actor() -> None:
 
 
 def open_deps(config: Config, clock: Clock | None = None) -> Deps:
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = api_token(config.data_dir, create=True)
-    return Deps(config=config, store=Store(config.db_path), clock=clock or WallClock(), token=token)
+    store = Store(config.db_path)
+    os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
+    return Deps(config=config, store=store, clock=clock or WallClock(), token=token)
 
 
 async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
