@@ -170,3 +170,13 @@ def wait_for(predicate, timeout_s: float = 20, interval_s: float = 0.05):
 
 
 __all__ = ["T0", "Reply", "definition", "make_repo", "normalized", "git", "wait_for", "trio"]
+
+
+def call(store: outpost.Store, fn, *args, **kwargs):
+    """One store function in its own transaction (test set-up and assertions); its result."""
+    return store.run(fn, *args, **kwargs)[0]
+
+
+def instant(text: str | None) -> datetime | None:
+    """An RFC 3339 instant of a view, as an aware datetime (None stays None)."""
+    return outpost.parse_instant(text) if text else None

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import T0, git, normalized
+from conftest import T0, call, git, instant, normalized
 
 import outpost
 
@@ -33,11 +33,6 @@ SETTLED = {str(s) for s in outpost.SETTLED_RUN_STATUSES}
 
 
 # --- helpers -------------------------------------------------------------------------------------
-
-def call(store: outpost.Store, fn, *args, **kwargs):
-    """One store function in its own db_session (for test set-up and assertions)."""
-    return store.run(fn, *args, **kwargs)[0]
-
 
 def at(dt: datetime) -> str:
     return outpost.rfc3339(dt)
@@ -509,10 +504,6 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def instant(text: str) -> datetime:
-    return outpost.parse_instant(text)
 
 
 async def test_claim_max_running_one_runs_fifo_one_after_the_other(real_deps, git_repo):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import T0
+from conftest import T0, call, instant
 
 import outpost
 
@@ -26,17 +26,8 @@ BACKOFF = (2 * MINUTE, 10 * MINUTE, 30 * MINUTE, 2 * HOUR)
 
 # --- helpers -------------------------------------------------------------------------------------
 
-def call(store: outpost.Store, fn, *args, **kwargs):
-    """One store function in its own transaction."""
-    return store.run(fn, *args, **kwargs)[0]
-
-
 def at(seconds: float = 0, base: datetime = T0) -> datetime:
     return base + timedelta(seconds=seconds)
-
-
-def instant(text: str | None) -> datetime | None:
-    return outpost.parse_instant(text) if text else None
 
 
 def set_repository(store: outpost.Store, repo: Path | str | None, workspace_id: str | None = None, **more) -> None:

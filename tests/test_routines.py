@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import T0, normalized
+from conftest import T0, call, instant, normalized
 
 import outpost
 
@@ -42,16 +42,8 @@ PROBLEM = "application/problem+json"
 
 # --- store helpers (one transaction per call, explicit ``now``) ---------------------------------------
 
-def call(store: outpost.Store, fn, *args, **kwargs):
-    return store.run(fn, *args, **kwargs)[0]
-
-
 def at(seconds: float = 0, base: datetime = T0) -> datetime:
     return base + timedelta(seconds=seconds)
-
-
-def instant(text: str | None) -> datetime | None:
-    return outpost.parse_instant(text) if text else None
 
 
 def set_settings(store: outpost.Store, workspace_id: str | None = None, **raw) -> dict:

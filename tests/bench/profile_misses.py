@@ -5,7 +5,7 @@ different transaction shape.
 
 Usage::
 
-    .venv/bin/python tests/bench/profile_misses.py [fire_lag,intake,drain,dashboard]
+    .venv/bin/python tests/bench/profile_misses.py [fire_lag,intake,drain,dashboard,webhook]
 
 Prints one section per miss. Takes about 2 minutes; only 127.0.0.1; bounded.
 """
@@ -39,7 +39,11 @@ UTC = timezone.utc
 
 def patched_serve(argv: list[str]) -> int:
     """``outpost serve`` with counters and optional experiments (env BENCH_PATCH):
-    ``gitcache``: check_repository/resolve_ref remembered per (repository, ref) for 5 s."""
+    ``gitcache``: check_repository/resolve_ref remembered per (repository, ref) for 5 s;
+    ``probe``: Store._unstarted_target as two index probes (``task_id IS $t``, one status per
+    branch) instead of a scan of every wakeup the agent ever had;
+    ``hookcache``: the webhook route's trigger lookup (store.webhook_trigger) remembered per
+    public id for 1 s, so a fire costs one transaction instead of two."""
     mode = os.environ.get("BENCH_PATCH", "")
     counts: collections.Counter[str] = collections.Counter()
     orig_run = outpost.Store.run
@@ -73,10 +77,43 @@ def patched_serve(argv: list[str]) -> int:
             await orig_check(d)
             cache[key] = (None, time.monotonic())
         outpost.resolve_ref, outpost.check_repository = resolve_ref, check_repository
+    if "probe" in mode:
+        outpost.Store._unstarted_target = probe_unstarted_target
+    if "hookcache" in mode:
+        orig_db = outpost.Deps.db
+        hooks: dict[str, tuple] = {}
+
+        async def db(self, fn, *args, **kwargs):
+            if getattr(fn, "__name__", "") != "webhook_trigger":
+                return await orig_db(self, fn, *args, **kwargs)
+            hit = hooks.get(args[0])
+            if hit is None or time.monotonic() - hit[1] >= 1.0:
+                hit = hooks[args[0]] = (await orig_db(self, fn, *args, **kwargs), time.monotonic())
+            return hit[0]
+        outpost.Deps.db = db
     try:
         return outpost.main(argv)
     finally:
         Path(os.environ["BENCH_COUNTS"]).write_text(json.dumps(counts))
+
+
+UNSTARTED_AS_IS = (   # outpost.Store._unstarted_target's statement, task_id NULL (a taskless wakeup)
+    'SELECT w.id FROM "Wakeup" w LEFT JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = ? '
+    "AND (w.task_id = ? OR (w.task_id IS NULL AND ? IS NULL)) AND ((w.status = 'claimed' AND "
+    "r.status = 'queued') OR (w.status = 'queued' AND w.scheduled_retry_at > ?)) "
+    "ORDER BY w.requested_at LIMIT 1")
+UNSTARTED_PROBE = (
+    'SELECT id FROM (SELECT w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
+    "WHERE w.agent_id = $a AND w.task_id IS $t AND w.status = 'claimed' AND r.status = 'queued' "
+    'UNION ALL SELECT id, requested_at FROM "Wakeup" WHERE agent_id = $a AND task_id IS $t '
+    "AND status = 'queued' AND scheduled_retry_at > $now) ORDER BY requested_at LIMIT 1")
+
+
+def probe_unstarted_target(self, agent_id: str, task_id: str | None, now: datetime):
+    """The same answer as Store._unstarted_target (``a = $t OR (a IS NULL AND $t IS NULL)`` is
+    ``a IS $t``), written so that each branch is an index probe."""
+    rows = self.db.select(UNSTARTED_PROBE, {"a": agent_id, "t": task_id, "now": outpost.sql_time(now)})
+    return self.db.Wakeup[rows[0]] if rows else None
 
 
 # --- sections ---------------------------------------------------------------------------------
@@ -275,7 +312,90 @@ def dashboard(work: Path) -> None:
     con.close()
 
 
-SECTIONS = {"fire_lag": fire_lag, "intake": intake, "drain": drain, "dashboard": dashboard}
+def webhook(work: Path) -> None:
+    """The webhook-fire intake row (run.py ``durable intake (webhook fires)``). Over HTTP: fires/s
+    in successive batches (the wakeup history grows), the server's CPU per fire (it is one
+    GIL-bound process) and its store calls per fire, today and with the ``probe`` and
+    ``hookcache`` patches. In-process, on the database the baseline server left: every SQL
+    statement of one fire, timed, and the growth of _unstarted_target with the history."""
+    import psutil
+    from pony.orm import dbapiprovider
+    launcher = work / "serve.sh"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} --serve \"$@\"\n")
+    launcher.chmod(0o755)
+    B.OUTPOST_BIN = launcher
+    repo = B.make_repo(work / "repo")
+    n, batches = 1000, 3
+    for mode in ("", "probe", "probe,hookcache"):
+        d = work / (mode.replace(",", "+") or "baseline")
+        d.mkdir()
+        os.environ["BENCH_PATCH"], os.environ["BENCH_COUNTS"] = mode, str(d / "counts.json")
+        with B.Server(d / "data", max_running=1, toml=B.HOLD_TOML) as srv:
+            fire_path, secret = B.webhook_routine(srv, repo)
+            proc = psutil.Process(srv.proc.pid)
+            rates, cpu = [], []
+            for k in range(batches):
+                bodies, sigs = B.signed_deliveries(secret, f"b{k}", n)
+                c0 = sum(proc.cpu_times()[:2])
+                el, st = asyncio.run(B.http_load(srv.port, "POST", fire_path, {}, bodies, 16, None, sigs))
+                assert set(st) == {202}, st
+                rates.append(n / el)
+                cpu.append((sum(proc.cpu_times()[:2]) - c0) * 1000 / n)
+            if not mode:
+                c0 = sum(proc.cpu_times()[:2])
+                el, st = asyncio.run(B.http_load(srv.port, "GET", "/healthz", {}, [b""] * 3000, 16, None))
+                print(f"GET /healthz (no transaction): {3000 / el:.0f}/s, server CPU "
+                      f"{(sum(proc.cpu_times()[:2]) - c0) * 1000 / 3000:.2f} ms per request")
+        counts = json.loads((d / "counts.json").read_text())
+        per = {k: round(v / (n * batches), 2) for k, v in counts.items() if v >= n}
+        print(f"{mode or 'baseline'}: fires/s per successive {n}: {[round(r) for r in rates]}; server CPU per fire "
+              f"{[round(c, 2) for c in cpu]} ms; store calls per fire {per}", flush=True)
+    db = work / "baseline" / "data" / "outpost.sqlite3"
+    con = sqlite3.connect(db)
+    agent = con.execute('SELECT agent_id, COUNT(*) FROM "Wakeup" GROUP BY agent_id').fetchone()
+    probe = UNSTARTED_PROBE.replace("$a", ":a").replace("$t", ":t").replace("$now", ":now")
+    for label, sql, args in (("as-is", UNSTARTED_AS_IS, (agent[0], None, None, "2000-01-01")),
+                             ("index probes", probe, {"a": agent[0], "t": None, "now": "2000-01-01"})):
+        plan = [r[3] for r in con.execute("EXPLAIN QUERY PLAN " + sql, args)]
+        t0 = time.perf_counter()
+        for _ in range(100):
+            con.execute(sql, args).fetchall()
+        print(f"_unstarted_target {label} with {agent[1]} wakeups of history: "
+              f"{(time.perf_counter() - t0) * 10:.3f} ms; plan {plan}")
+    con.close()
+    store = outpost.Store(db)
+    public_id = store.run(lambda: store.db.select('SELECT public_id FROM "RoutineTrigger" '
+                                                  "WHERE kind = 'webhook'"))[0][0]
+    stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    orig = dbapiprovider.DBAPIProvider.execute
+
+    def timed(self, cursor, sql, arguments=None, returning_id=False):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, cursor, sql, arguments, returning_id)
+        finally:
+            s = stats[" ".join(sql.split())[:150]]
+            s[0] += 1
+            s[1] += time.perf_counter() - t0
+    dbapiprovider.DBAPIProvider.execute = timed
+    k = 300
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(k):   # the two transactions of the route: the trigger lookup, then the fire
+        t = store.run(store.webhook_trigger, public_id, B.now_utc())[0]
+        store.run(store.fire_webhook, t["trigger_id"], {"n": f"p{i}"}, f"hmac:p{i:062x}", 300, B.now_utc())
+    el, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    dbapiprovider.DBAPIProvider.execute = orig
+    store.close()
+    in_sql = sum(v[1] for v in stats.values())
+    print(f"in-process, the route's two store calls: {k / el:.0f} fires/s, {cpu_s * 1000 / k:.2f} ms CPU per fire, "
+          f"{sum(v[0] for v in stats.values()) / k:.0f} statements per fire taking {in_sql * 1000 / k:.2f} ms "
+          f"(the rest is Pony: entity loads, JSON columns wrapped in TrackedDict, datetime parsing, commit):")
+    for sql, (c, s) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:10]:
+        print(f"  {s * 1000 / k:6.3f} ms  x{c / k:.0f}  {sql}")
+
+
+SECTIONS = {"fire_lag": fire_lag, "intake": intake, "drain": drain, "dashboard": dashboard,
+            "webhook": webhook}
 
 
 def main() -> int:

@@ -513,10 +513,12 @@ def bench_due_to_start(q: bool, work: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 async def http_load(port: int, method: str, path: str, headers: dict[str, str], bodies: list[bytes],
-                    concurrency: int, tag: str) -> tuple[float, dict[int, int]]:
+                    concurrency: int, tag: str | None, extra: list[str] | None = None) -> tuple[float, dict[int, int]]:
     """``concurrency`` keep-alive HTTP/1.1 connections to 127.0.0.1, one request in flight on each.
     A minimal asyncio client: httpx's AsyncClient tops out near 350 requests/s on this 2-core box
-    (it then measures itself, not the server), this one near 1,000+ with ~10% of a core."""
+    (it then measures itself, not the server), this one near 1,000+ with ~10% of a core.
+    Request i carries ``Idempotency-Key: <tag>-<i>`` (no key when ``tag`` is None) and, when
+    given, ``extra[i]``: its own header lines (a webhook delivery's signature), built beforehand."""
     statuses: dict[int, int] = {}
     it = iter(enumerate(bodies))
     fixed = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -525,9 +527,9 @@ async def http_load(port: int, method: str, path: str, headers: dict[str, str], 
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             for i, body in it:
-                head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{fixed}"
-                        f"Idempotency-Key: {tag}-{i}\r\nContent-Type: application/json\r\n"
-                        f"Content-Length: {len(body)}\r\n\r\n")
+                own = (f"Idempotency-Key: {tag}-{i}\r\n" if tag is not None else "") + (extra[i] if extra else "")
+                head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{fixed}{own}"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
                 writer.write(head.encode() + body)
                 await writer.drain()
                 resp = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
@@ -557,36 +559,101 @@ async def httpx_get_rate(url: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
+def webhook_routine(srv: Server, repo: Path) -> tuple[str, str]:
+    """Through the Office API: the workspace's repository, an agent (the demo executor), a
+    lightweight routine (no task template: a fire is a routine run + a taskless wakeup) with
+    ``always_enqueue`` and one hmac_sha256 webhook trigger. The agent is paused only after the
+    routine exists: each wakeup is then ended by the dispatcher's agent-status guard (no session,
+    no agent process), so the fires are measured, not agents. Returns (fire path, secret)."""
+    import httpx
+    with httpx.Client(base_url=srv.url, headers=srv.headers(), timeout=30) as c:
+        c.patch("/api/office/settings", json={"repository": str(repo)}).raise_for_status()
+        agent = c.post("/api/office/agents", json={"name": "hook", "executor": "demo"})
+        agent.raise_for_status()
+        agent_id = agent.json()["id"]
+        routine = c.post("/api/office/routines", json={
+            "name": "bench webhook", "assignee_agent_id": agent_id, "concurrency_policy": "always_enqueue",
+            "variables": [{"name": "n", "type": "text"}],
+            "triggers": [{"kind": "webhook", "signing_mode": "hmac_sha256"}]})
+        routine.raise_for_status()
+        trigger = routine.json()["triggers"][0]
+        c.patch(f"/api/office/agents/{agent_id}", json={"status": "paused"}).raise_for_status()
+    return trigger["fire_path"], trigger["secret"]
+
+
+def signed_deliveries(secret: str, tag: str, n: int) -> tuple[list[bytes], list[str]]:
+    """n distinct hmac_sha256 deliveries (a counter in each body, so none is a replay of another),
+    signed just before they are sent: ``X-Outpost-Signature: t=<now>,v1=HMAC(secret, "<t>.<body>")``."""
+    import hashlib
+    import hmac
+    t = str(int(time.time()))
+    bodies = [json.dumps({"n": f"{tag}-{i}"}).encode() for i in range(n)]
+    sigs = [f"X-Outpost-Signature: t={t},v1="
+            f"{hmac.new(secret.encode(), t.encode() + b'.' + b, hashlib.sha256).hexdigest()}\r\n" for b in bodies]
+    return bodies, sigs
+
+
 def bench_intake(q: bool, work: Path) -> list[dict[str, Any]]:
+    """One `outpost serve`; each rep sends n dispatches, then n signed webhook fires, then 3n
+    GET /healthz (the web stack's ceiling), so both kinds meet the same machine load."""
     n, conc = (300, 16) if q else (1500, 16)
     repo = make_repo(work / "repo")
-    rates, health = [], []
+    rates, hooks, health = [], [], []
     body = json.dumps({"brief": "bench intake", "repository": str(repo), "agent": "hold"}).encode()
     with Server(work / "data", max_running=1, toml=HOLD_TOML) as srv:
         path = "/v1/outpost/dispatches"
         asyncio.run(http_load(srv.port, "POST", path, srv.headers(), [body] * 20, 4, "warm"))
+        fire_path, secret = webhook_routine(srv, repo)
+        bodies, sigs = signed_deliveries(secret, "warm", 20)
+        _, st = asyncio.run(http_load(srv.port, "POST", fire_path, {}, bodies, 4, None, sigs))
+        if set(st) != {202}:
+            raise RuntimeError(f"webhook warm-up answered {st}")
         for rep in range(REPS):
             el, st = asyncio.run(http_load(srv.port, "POST", path, srv.headers(), [body] * n, conc, f"r{rep}"))
             if set(st) != {202}:
                 raise RuntimeError(f"intake answered {st}")
             rates.append(n / el)
+            bodies, sigs = signed_deliveries(secret, f"r{rep}", n)
+            wel, st = asyncio.run(http_load(srv.port, "POST", fire_path, {}, bodies, conc, None, sigs))
+            if set(st) != {202}:
+                raise RuntimeError(f"webhook fires answered {st}")
+            hooks.append(n / wel)
             hel, st = asyncio.run(http_load(srv.port, "GET", "/healthz", {}, [b""] * (3 * n), conc, f"h{rep}"))
             health.append(3 * n / hel)
-            log(f"intake rep {rep}: {n} dispatches in {el:.2f} s = {rates[-1]:.0f}/s; /healthz {health[-1]:.0f}/s")
+            log(f"intake rep {rep}: {n} dispatches in {el:.2f} s = {rates[-1]:.0f}/s; {n} webhook fires in "
+                f"{wel:.2f} s = {hooks[-1]:.0f}/s; /healthz {health[-1]:.0f}/s")
         hx = asyncio.run(httpx_get_rate(srv.url + "/healthz", 600 if q else 1500, conc))
         con = sqlite3.connect(srv.data_dir / "outpost.sqlite3")
         queued = con.execute("SELECT COUNT(*) FROM \"Run\" WHERE trigger = 'dispatch'").fetchone()[0]
+        fired = con.execute("SELECT COUNT(*) FROM \"RoutineRun\" WHERE source = 'webhook' "
+                            "AND status = 'received' AND wakeup_id IS NOT NULL").fetchone()[0]
+        refused = con.execute("SELECT COUNT(*) FROM \"WebhookRefusal\"").fetchone()[0]
+        wakeups = dict(con.execute("SELECT status, COUNT(*) FROM \"Wakeup\" GROUP BY status").fetchall())
         con.close()
     assert queued == 20 + REPS * n, f"{queued} runs committed for {20 + REPS * n} 202s"
-    v = statistics.median(rates)
-    return [row("durable intake (dispatches)", v, "req/s", ">= 1,000 per s", v >= 1000, vals=rates,
-                peer="GET /healthz, same server+client", peer_value=statistics.median(health), peer_vals=health,
-                note=f"{conc} concurrent keep-alive clients, {n} POST /v1/outpost/dispatches per rep against "
-                     f"`outpost serve` (max-running 1, the one slot held by a sleeping agent: runs queue); "
-                     f"all 202, every one counted back in the database. The peer column is the web stack's "
-                     f"ceiling (one read transaction per request). httpx AsyncClient as the load generator "
-                     f"reaches only {hx:.0f} GET /healthz per s here, so a minimal asyncio client is used. "
-                     f"Webhook fires do not exist yet (a later issue): dispatches only")]
+    assert fired == 20 + REPS * n and not refused, f"{fired} routine runs ({refused} refused) for {20 + REPS * n} 202s"
+    v, w, h = statistics.median(rates), statistics.median(hooks), statistics.median(health)
+    ceiling = (f"The peer column is the web stack's ceiling (one read transaction per request). httpx "
+               f"AsyncClient as the load generator reaches only {hx:.0f} GET /healthz per s here, so a minimal "
+               f"asyncio client is used")
+    return [
+        row("durable intake (dispatches)", v, "req/s", ">= 1,000 per s", v >= 1000, vals=rates,
+            peer="GET /healthz, same server+client", peer_value=h, peer_vals=health,
+            note=f"{conc} concurrent keep-alive clients, {n} POST /v1/outpost/dispatches per rep against "
+                 f"`outpost serve` (max-running 1, the one slot held by a sleeping agent: runs queue); "
+                 f"all 202, every one counted back in the database. {ceiling}. Webhook fires: the next row, "
+                 f"same server, each rep right after this one's"),
+        row("durable intake (webhook fires)", w, "req/s", ">= 1,000 per s", w >= 1000, vals=hooks,
+            peer="GET /healthz, same server+client", peer_value=h, peer_vals=health,
+            note=f"{conc} concurrent keep-alive clients, {n} POST /api/routine-triggers/<public_id>/fire per rep "
+                 f"(hmac_sha256, the default signing mode: each delivery its own body with a counter, signed "
+                 f"with t=now, so none is a replay) to a lightweight routine (no task template, always_enqueue, "
+                 f"one declared variable) on the same server, right after each dispatch rep; all 202, each "
+                 f"counted back as a RoutineRun (source webhook, with its wakeup), no refusal recorded. The "
+                 f"routine's agent (demo executor) was paused after the routine was created, so the dispatcher "
+                 f"ends its wakeups by the agent-status guard and no agent process competes with the intake "
+                 f"(wakeups by status at the end: {wakeups}). {w / v:.2f}x the dispatch rate. {ceiling}"),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
