@@ -3351,12 +3351,13 @@ class Store:
     def _unstarted_target(self, agent_id: str, task_id: str | None, now: datetime):
         """A wakeup of this agent and scope whose run has not started: claimed with its run
         still queued, or waiting for a scheduled retry. New context can still reach it."""
-        rows = self.db.select(
-            'SELECT w.id FROM "Wakeup" w LEFT JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
-            "AND (w.task_id = $t OR (w.task_id IS NULL AND $t IS NULL)) AND ((w.status = 'claimed' AND "
-            "r.status = 'queued') OR (w.status = 'queued' AND w.scheduled_retry_at > $now)) "
-            "ORDER BY w.requested_at LIMIT 1", {"a": agent_id, "t": task_id, "now": sql_time(now)})
-        return self.db.Wakeup[rows[0]] if rows else None
+        rows = self.db.select(   # two index probes (agent, scope, status), never the agent's whole history
+            'SELECT id, requested_at FROM (SELECT w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
+            "WHERE w.agent_id = $a AND w.task_id IS $t AND w.status = 'claimed' AND r.status = 'queued' "
+            'UNION ALL SELECT w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND w.task_id IS $t '
+            "AND w.status = 'queued' AND w.scheduled_retry_at > $now) ORDER BY requested_at LIMIT 1",
+            {"a": agent_id, "t": task_id, "now": sql_time(now)})
+        return self.db.Wakeup[rows[0][0]] if rows else None
 
     def _window_target(self, agent_id: str, source: str, task_id: str | None, now: datetime):
         """The coalescing window: a queued wakeup of the same agent, source and scope from the last 5 s."""

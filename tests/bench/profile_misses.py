@@ -16,6 +16,7 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import sqlite3
 import statistics
 import sys
@@ -317,7 +318,8 @@ def webhook(work: Path) -> None:
     in successive batches (the wakeup history grows), the server's CPU per fire (it is one
     GIL-bound process) and its store calls per fire, today and with the ``probe`` and
     ``hookcache`` patches. In-process, on the database the baseline server left: every SQL
-    statement of one fire, timed, and the growth of _unstarted_target with the history."""
+    statement of one fire, timed; _unstarted_target as-is and as index probes; and the CPU of the
+    route's two store calls per fire as the history grows, as-is and with ``probe``."""
     import psutil
     from pony.orm import dbapiprovider
     launcher = work / "serve.sh"
@@ -326,7 +328,7 @@ def webhook(work: Path) -> None:
     B.OUTPOST_BIN = launcher
     repo = B.make_repo(work / "repo")
     n, batches = 1000, 3
-    for mode in ("", "probe", "probe,hookcache"):
+    for mode in ("", "probe,hookcache"):
         d = work / (mode.replace(",", "+") or "baseline")
         d.mkdir()
         os.environ["BENCH_PATCH"], os.environ["BENCH_COUNTS"] = mode, str(d / "counts.json")
@@ -364,8 +366,7 @@ def webhook(work: Path) -> None:
               f"{(time.perf_counter() - t0) * 10:.3f} ms; plan {plan}")
     con.close()
     store = outpost.Store(db)
-    public_id = store.run(lambda: store.db.select('SELECT public_id FROM "RoutineTrigger" '
-                                                  "WHERE kind = 'webhook'"))[0][0]
+    public_id = public_id_of(store)
     stats: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     orig = dbapiprovider.DBAPIProvider.execute
 
@@ -392,6 +393,28 @@ def webhook(work: Path) -> None:
           f"(the rest is Pony: entity loads, JSON columns wrapped in TrackedDict, datetime parsing, commit):")
     for sql, (c, s) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:10]:
         print(f"  {s * 1000 / k:6.3f} ms  x{c / k:.0f}  {sql}")
+    as_is = outpost.Store._unstarted_target
+    for label, fn in (("as-is", as_is), ("probe", probe_unstarted_target)):
+        outpost.Store._unstarted_target = fn
+        copy = work / f"growth-{label}.sqlite3"
+        shutil.copy(work / "probe+hookcache" / "data" / "outpost.sqlite3", copy)
+        store = outpost.Store(copy)
+        trigger_id = store.run(store.webhook_trigger, public_id_of(store), B.now_utc())[0]["trigger_id"]
+        cpu = []
+        for b in range(4):
+            c0 = time.process_time()
+            for i in range(500):
+                store.run(store.webhook_trigger, public_id_of(store), B.now_utc())
+                store.run(store.fire_webhook, trigger_id, {"n": f"g{b}-{i}"}, f"hmac:g{b}:{i:060x}", 300, B.now_utc())
+            cpu.append(round((time.process_time() - c0) * 2, 2))
+        store.close()
+        print(f"in-process CPU per fire, {label} _unstarted_target, per successive 500 from "
+              f"{n * batches} wakeups of history: {cpu} ms")
+    outpost.Store._unstarted_target = as_is
+
+
+def public_id_of(store: outpost.Store) -> str:
+    return store.run(lambda: store.db.select('SELECT public_id FROM "RoutineTrigger" WHERE kind = \'webhook\''))[0][0]
 
 
 SECTIONS = {"fire_lag": fire_lag, "intake": intake, "drain": drain, "dashboard": dashboard,
