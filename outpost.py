@@ -2643,7 +2643,9 @@ class Store:
         there are free slots (at most ``limit``), in one transaction.
 
         Paused runs whose resume was asked come first (they started earlier); then queued
-        runs in the order they were queued. The conditional UPDATEs let one claimer win."""
+        runs in the order they were queued. The conditional UPDATEs let one claimer win; their
+        ``+status`` keeps SQLite on the primary key for the few ids chosen (with a plain
+        ``status`` it walks every queued run: 31 ms at 100,000 queued instead of 1 ms)."""
         running = self.db.select('SELECT COUNT(*) FROM "Run" WHERE status = \'running\'')[0]
         free = min(max_running - running, limit if limit is not None else max_running)
         if free <= 0:
@@ -2651,13 +2653,13 @@ class Store:
         resumed = self.returning(
             'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
             '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
-            ' ORDER BY resume_requested_at LIMIT $free) AND status = \'paused\' RETURNING id', {"free": free})
+            ' ORDER BY resume_requested_at LIMIT $free) AND +status = \'paused\' RETURNING id', {"free": free})
         for run_id in resumed:
             self.emit("run.resumed", {"run_id": run_id}, now)
         started = self.returning(
             'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id IN '
             '(SELECT id FROM "Run" WHERE status = \'queued\' ORDER BY queued_at, rowid LIMIT $left) '
-            "AND status = 'queued' RETURNING id", {"now": sql_time(now), "left": free - len(resumed)})
+            "AND +status = 'queued' RETURNING id", {"now": sql_time(now), "left": free - len(resumed)})
         for run_id in sorted(started):   # run ids are ULIDs: queue order
             self.emit("run.started", {"run_id": run_id}, now)
         return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
