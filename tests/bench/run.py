@@ -1159,7 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     # Measure Outpost as installed: with its bytecode cached. A server that must compile the
     # 280 KB source at every start (PYTHONDONTWRITEBYTECODE, or a read-only install never
-    # compiled) holds about 23 MB more RSS and starts about 0.15 s later.
+    # compiled) held 60.4 MB idle instead of 53.7 MB, and restarted in 0.85 s instead of 0.64 s.
     py_compile.compile(str(Path(outpost.__file__)), doraise=True)
     with tempfile.TemporaryDirectory(prefix="outpost-bench-") as tmp:
         for name in chosen:
