@@ -5516,8 +5516,11 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/activity")
     async def office_activity_page():
         code = request.args.get("code") or None
-        return await office_page("office_activity.html", tab="activity",
-                                 activity=await deps.db(store.list_activity, None, code, 200), code=code)
+        activity = await deps.db(store.list_activity, None, code, 1000)
+        if code is None:   # a sweep every 5 minutes that found nothing would bury everything else
+            activity = [x for x in activity if x["code"] != "recovery_sweep_complete" or x["data"].get(
+                "dispatched_count")]
+        return await office_page("office_activity.html", tab="activity", activity=activity[:200], code=code)
 
 
     # --- Office routines: list, create, detail with triggers and history, Run now -------------------
