@@ -27,3 +27,25 @@ async def test_the_schedules_page_shows_a_hundred_at_a_time(tmp_path):
     assert re.findall(r'href="/schedules/sch_\w+">(s\d{3})</a>', second) == ["s100"]
     assert "?page=1" in second and "?page=3" not in second
     store.close()
+
+
+async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(tmp_path):
+    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
+    store = outpost.Store(tmp_path / "db.sqlite3")
+    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+    paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
+    agent = store.run(store.create_agent, None, paused, T0)[0]
+    store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
+                                                              profiles=["demo"]), T0)
+    store.run(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run, the task unstarted
+    store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
+    for minutes in range(0, 60, 5):   # a sweep every 5 minutes: the first recovers the task, the rest find it queued
+        store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=minutes))
+    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
+    client = outpost.create_app(deps).test_client()
+    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    page = await (await client.get("/office/activity")).get_data(as_text=True)
+    assert "recovery_dispatch" in page and page.count("recovery_sweep_complete</span>") == 1   # the one that found it
+    filtered = await (await client.get("/office/activity?code=recovery_sweep_complete")).get_data(as_text=True)
+    assert filtered.count("recovery_sweep_complete</span>") == 12
+    store.close()
