@@ -3512,10 +3512,30 @@ class Store:
 
     def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
                          limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
-        """The dispatcher's claim query: every queued wakeup that may be claimed now, oldest
-        first, through process_wakeup, in one transaction. A wakeup whose agent is at
-        max_concurrent_sessions or in its cooldown, or whose retry or wake time is ahead,
-        stays queued. Returns (runs queued, wakeups processed)."""
+        """The dispatcher: every queued wakeup that may be claimed now, oldest first, through
+        process_wakeup, in one transaction. Returns (runs queued, wakeups processed)."""
+        queued, processed = [], 0
+        for wakeup_id in self._claimable_wakeups(now, limit):
+            outcome = self.process_wakeup(wakeup_id, now, profiles)
+            processed += outcome is not False
+            queued += [outcome] if outcome else []
+        return queued, processed
+
+    def fail_first_claimable(self, now: datetime, error: str) -> str | None:
+        """After process_wakeup raised on its own (a bug, not a store error): the wakeup that
+        would be claimed first is failed with the error, so one bad request cannot stop the
+        dispatcher or crash the daemon again at every start. Returns its id."""
+        for wakeup_id in self._claimable_wakeups(now, 1):
+            w = self.db.Wakeup[wakeup_id]
+            self._end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
+            self._raise("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched", error[:500], now,
+                        schedule_id=None, run_id=None)
+            return wakeup_id
+        return None
+
+    def _claimable_wakeups(self, now: datetime, limit: int) -> list[str]:
+        """The claim query, oldest first: a wakeup whose agent is at max_concurrent_sessions
+        or in its cooldown, or whose retry or wake time is ahead, stays queued."""
         due = sql_time(now)
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
             'SELECT a.id FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
@@ -3540,12 +3560,7 @@ class Store:
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
                 'ORDER BY requested_at, rowid LIMIT $room', {"agent": a.id, "due": due, "room": room})
-        queued, processed = [], 0
-        for _, wakeup_id in sorted(candidates)[:limit]:
-            outcome = self.process_wakeup(wakeup_id, now, profiles)
-            processed += outcome is not False
-            queued += [outcome] if outcome else []
-        return queued, processed
+        return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> str | None | bool:
         """The twelve-step pipeline up to launch (spec processWakeup); launch and finish are the
@@ -4727,7 +4742,18 @@ async def dispatch_wakeups(deps: Deps) -> None:
     """The Office dispatcher: claimable wakeups through process_wakeup, a batch per
     transaction, until none is left that may be claimed now; their runs join admission."""
     while True:
-        queued, processed = await deps.db_retrying(deps.store.dispatch_wakeups, deps.clock.now(), deps.profiles)
+        try:
+            queued, processed = await deps.db_retrying(deps.store.dispatch_wakeups, deps.clock.now(), deps.profiles)
+        except Exception as exc:   # noqa: BLE001 - a bug in one wakeup must not stop every agent
+            log.getChild("office").exception("dispatching wakeups failed; finding the wakeup that fails")
+            try:   # one at a time: the batch that failed, without the wakeup that makes it fail
+                queued, processed = await deps.db_retrying(deps.store.dispatch_wakeups, deps.clock.now(),
+                                                           deps.profiles, 1)
+            except Exception:   # noqa: BLE001
+                failed = await deps.db_retrying(deps.store.fail_first_claimable, deps.clock.now(),
+                                                f"{type(exc).__name__}: {exc}")
+                log.getChild("office").error("wakeup %s failed: it could not be dispatched", failed)
+                queued, processed = [], 1
         if queued:
             log.getChild("office").info("dispatched %d wakeup run(s)", len(queued))
             await resolve_new_runs(deps, queued)

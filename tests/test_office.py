@@ -1516,3 +1516,30 @@ async def test_actor_rate_limited_run_is_retried_at_the_parsed_reset(autojump_cl
     # The actor slept until the parsed reset (+30 s), not less.
     assert instant(run2["started_at"]) >= instant(first["scheduled_retry_at"])
     assert instant(run2["started_at"]) < instant(first["scheduled_retry_at"]) + timedelta(seconds=10)
+
+
+async def test_a_wakeup_that_breaks_the_pipeline_is_failed_and_the_others_go_on(autojump_clock, mock_deps, git_repo,
+                                                                                 monkeypatch):
+    """A bug in one request (simulated: process_wakeup raises for it) must not stop the
+    dispatcher, nor crash the daemon at every start: that wakeup fails, visibly, and the
+    rest are dispatched."""
+    deps = office_deps(mock_deps, git_repo)
+    store = deps.store
+    a, b = new_agent(store, "A", deps.clock.now()), new_agent(store, "B", deps.clock.now())
+    bad = new_task(store, "bad", deps.clock.now(), assignee_agent_id=a)
+    good = new_task(store, "good", deps.clock.now(), assignee_agent_id=b)
+    bad_wakeup, good_wakeup = only(wakeups(store, a)), only(wakeups(store, b))
+    real = outpost.Store.process_wakeup
+
+    def broken(self, wakeup_id, now, profiles):
+        if self.db.Wakeup[wakeup_id].task_id == bad:
+            raise KeyError("a bug")
+        return real(self, wakeup_id, now, profiles)
+    monkeypatch.setattr(outpost.Store, "process_wakeup", broken)
+    await outpost.dispatch_wakeups(deps)
+    failed = wakeup(store, bad_wakeup["id"])
+    assert (failed["status"], failed["run_id"]) == ("failed", None)
+    assert "internal error while dispatching: KeyError" in failed["note"]
+    assert [x["kind"] for x in attention(store, "agent_error")] == ["agent_error"]
+    assert wakeup(store, good_wakeup["id"])["status"] == "claimed"
+    assert task(store, good)["checkout_agent_id"] == b
