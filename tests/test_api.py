@@ -5,7 +5,6 @@ Time is a ``FixedClock`` at ``T0`` so next fires and timestamps are exact."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import T0, definition, git
+from conftest import T0, Reply, definition, git
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -37,14 +36,6 @@ class FixedClock(outpost.Clock):
 
     def now(self):
         return self.at
-
-
-@dataclasses.dataclass
-class Reply:
-    status: int
-    body: Any
-    headers: Any
-    mimetype: str
 
 
 class Api:
@@ -72,11 +63,8 @@ class Api:
         if data is not None:
             sent.setdefault("Content-Type", "application/json")
         response = await self.client.open(path, method=method, headers=sent, data=data)
-        text = await response.get_data(as_text=True)
-        parsed: Any = text
-        if response.mimetype in ("application/json", PROBLEM):
-            parsed = json.loads(text)
-        return Reply(response.status_code, parsed, response.headers, response.mimetype)
+        return Reply(response.status_code, await response.get_data(as_text=True), response.mimetype,
+                     response.headers)
 
     async def get(self, path: str, **kw) -> Reply:
         return await self.request("GET", path, **kw)
@@ -86,6 +74,9 @@ class Api:
 
     async def patch(self, path: str, body: Any = None, **kw) -> Reply:
         return await self.request("PATCH", path, body, **kw)
+
+    async def delete(self, path: str, **kw) -> Reply:
+        return await self.request("DELETE", path, **kw)
 
     # --- the usual conversations ----------------------------------------------------
 

@@ -11,7 +11,6 @@ real ``outpost serve`` with curl, as the README shows it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -29,7 +28,9 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from conftest import T0, call, instant, normalized
+from conftest import T0, Reply, call, instant, normalized
+from test_api import make_deps
+from test_office_api import OfficeApi
 
 import outpost
 
@@ -182,57 +183,9 @@ async def until(predicate, poll_s: float = 0.05):
 
 # --- the HTTP API in process (Quart's test client, FixedClock) ----------------------------------------
 
-class FixedClock(outpost.Clock):
-    """Wall time that moves only when a test sets ``at``."""
-
-    def __init__(self, at: datetime = T0):
-        self.at = at
-
-    def now(self) -> datetime:
-        return self.at
-
-
-@dataclasses.dataclass
-class Reply:
-    status: int
-    body: Any
-    text: str
-    headers: Any
-    mimetype: str
-
-
-class Api:
-    def __init__(self, tmp_path: Path):
-        config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-        self.clock = FixedClock()
-        self.deps = outpost.Deps(config=config, store=outpost.Store(tmp_path / "db.sqlite3"), clock=self.clock,
-                                 token=TOKEN)
-        self.store = self.deps.store
-        self.client = outpost.create_app(self.deps).test_client()
-
-    async def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-                      headers: dict[str, str] | None = None, auth: bool = True) -> Reply:
-        sent = {"Authorization": f"Bearer {TOKEN}"} if auth else {}
-        sent.update(headers or {})
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        if data is not None:
-            sent.setdefault("Content-Type", "application/json")
-        response = await self.client.open(path, method=method, headers=sent, data=data)
-        text = await response.get_data(as_text=True)
-        parsed = json.loads(text) if response.mimetype in ("application/json", PROBLEM) else text
-        return Reply(response.status_code, parsed, text, response.headers, response.mimetype)
-
-    async def get(self, path: str, **kw) -> Reply:
-        return await self.request("GET", path, **kw)
-
-    async def post(self, path: str, body: Any = None, **kw) -> Reply:
-        return await self.request("POST", path, body, **kw)
-
-    async def patch(self, path: str, body: Any = None, **kw) -> Reply:
-        return await self.request("PATCH", path, body, **kw)
-
-    async def delete(self, path: str, **kw) -> Reply:
-        return await self.request("DELETE", path, **kw)
+class RoutinesApi(OfficeApi):
+    """The in-process Office client (FixedClock at T0, no Idempotency-Key unless sent), with the
+    conversations the routine tests share."""
 
     async def agent(self, name: str, **fields) -> dict:
         reply = await self.post("/api/office/agents", {"name": name, "executor": "demo", **fields})
@@ -264,7 +217,7 @@ class Api:
 
 @pytest.fixture
 async def api(tmp_path: Path):
-    client = Api(tmp_path)
+    client = RoutinesApi(make_deps(tmp_path), tmp_path / "repo")
     set_settings(client.store, repository=str(tmp_path / "repo"))
     yield client
     client.store.close()
@@ -571,7 +524,7 @@ def test_a_cron_tick_fires_once_even_when_claimed_again(office):
 # Webhook triggers (API.md 7.2): signatures, refusals, GitHub deliveries, secrets.
 ###############################################################################
 
-async def webhook_routine(api: Api, mode: str = "hmac_sha256", **fields) -> tuple[dict, dict]:
+async def webhook_routine(api: RoutinesApi, mode: str = "hmac_sha256", **fields) -> tuple[dict, dict]:
     """A routine with one webhook trigger: (routine, trigger with its secret)."""
     worker = await api.agent(f"Worker {uuid.uuid4().hex[:6]}")
     fields.setdefault("task_template", {"title": "Release {{branch}}"})
