@@ -4928,6 +4928,15 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(json.dumps(body), status=status, content_type="application/json", headers=headers or {})
 
 
+def choice_arg(args, name: str, choices: Iterable[str]) -> str | None:
+    """An optional query filter that must be one of ``choices``; a 422 naming it otherwise."""
+    value = args.get(name) or None
+    choices = [str(c) for c in choices]
+    if value is not None and value not in choices:
+        raise invalid(name, "must be one of " + ", ".join(choices))
+    return value
+
+
 def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
     m = re.fullmatch(r"(\[[0-9a-f:.]+\]|[^:\[\]]+)(?::\d{1,5})?", host_header.strip().lower())
     if m is None:
@@ -5289,9 +5298,7 @@ def register_dashboard(app, deps: Deps):
     @app.get("/runs")
     async def runs_page():
         schedule_id = request.args.get("schedule_id") or None
-        status = request.args.get("status") or None
-        if status and status not in {s.value for s in RunStatus}:
-            raise invalid("status", "must be one of " + ", ".join(s.value for s in RunStatus))
+        status = choice_arg(request.args, "status", RunStatus)
         page = await deps.db(store.list_runs, schedule_id, status, 50, request.args.get("before") or None)
         return await render_page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
                                  schedules=await deps.db(store.schedule_zones), schedule_id=schedule_id,
@@ -5525,9 +5532,7 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/wakeups")
     async def office_wakeups_page():
         agent_id = request.args.get("agent_id") or None
-        status = request.args.get("status") or None
-        if status and status not in set(WakeupStatus):
-            raise invalid("status", "must be " + ", ".join(WakeupStatus))
+        status = choice_arg(request.args, "status", WakeupStatus)
         wakeups = await deps.db(store.list_wakeups, None, agent_id, status, None, 200)
         return await office_page("office_wakeups.html", tab="wakeups", wakeups=wakeups, agent_id=agent_id,
                                  status_filter=status, statuses=list(WakeupStatus))
@@ -5991,9 +5996,7 @@ def create_app(deps: Deps):
 
     @app.get("/v1/outpost/runs")
     async def list_runs():
-        status = request.args.get("status") or None
-        if status and status not in {s.value for s in RunStatus}:
-            raise invalid("status", "must be one of " + ", ".join(s.value for s in RunStatus))
+        status = choice_arg(request.args, "status", RunStatus)
         return json_response(await deps.db(store.list_runs, request.args.get("schedule_id") or None, status,
                                            int_arg("limit", 50, 1, 500), request.args.get("before") or None))
 
@@ -6189,9 +6192,7 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/tasks")
     async def office_tasks():
-        state = request.args.get("state")
-        if state and state not in set(TaskState):
-            raise invalid("state", "must be " + ", ".join(TaskState))
+        state = choice_arg(request.args, "state", TaskState)
         include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
         return json_response({"tasks": await deps.db(store.list_tasks, workspace_arg(),
                                                      request.args.get("assignee_agent_id"), state, include)})
@@ -6231,8 +6232,8 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/approvals")
     async def office_approvals():
-        return json_response({"approvals": await deps.db(store.list_approvals, workspace_arg(),
-                                                         request.args.get("status"))})
+        status = choice_arg(request.args, "status", ("pending", "approved", "rejected"))
+        return json_response({"approvals": await deps.db(store.list_approvals, workspace_arg(), status)})
 
     @app.post("/api/office/approvals/<approval_id>/resolve")
     @idempotent
@@ -6244,11 +6245,8 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/wakeups")
     async def office_wakeups():
-        status, source = request.args.get("status"), request.args.get("source")
-        if status and status not in set(WakeupStatus):
-            raise invalid("status", "must be " + ", ".join(WakeupStatus))
-        if source and source not in set(WakeupSource):
-            raise invalid("source", "must be " + ", ".join(WakeupSource))
+        status = choice_arg(request.args, "status", WakeupStatus)
+        source = choice_arg(request.args, "source", WakeupSource)
         return json_response({"wakeups": await deps.db(store.list_wakeups, workspace_arg(),
                                                        request.args.get("agent_id"), status, source,
                                                        int_arg("limit", 100, 1, 1000))})
