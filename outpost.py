@@ -384,6 +384,8 @@ class RunStatus(enum.StrEnum):
 #: A run in one of these states is over; a schedule whose run is queued, running or paused is
 #: "active" for the overlap rules (the store's queries spell those three out).
 SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU, RunStatus.CANCELLED)
+#: The error of a run whose daemon stopped or died under it (not the agent's failure).
+INTERRUPTED = "interrupted"
 
 
 class SlotOutcome(enum.StrEnum):
@@ -3740,7 +3742,7 @@ class Store:
                 self.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
         elif status == RunStatus.CANCELLED:
             self._end_wakeup(w, "finished", now, note="its run was cancelled")
-        elif r.error == "interrupted":
+        elif r.error == INTERRUPTED:
             self._requeue_interrupted(w, now)
         else:
             self.handle_wakeup_failure(w, r.error or "the run failed", now)
@@ -4817,7 +4819,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         deps.live.pop(run_id, None)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
-                await finish_run(deps, run_id, info, commit, Outcome(RunStatus.FAILED, "interrupted"), None, None)
+                await finish_run(deps, run_id, info, commit, Outcome(RunStatus.FAILED, INTERRUPTED), None, None)
 
 
 async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
@@ -4861,7 +4863,7 @@ async def recover_at_boot(deps: Deps) -> None:
                 while process_start_time(pid) == info["pid_started"]:
                     await trio.sleep(0.05)
             kill_group(pid, signal.SIGKILL)
-        await finish_run(deps, run_id, info, info["resolved_commit"], Outcome(RunStatus.FAILED, "interrupted"),
+        await finish_run(deps, run_id, info, info["resolved_commit"], Outcome(RunStatus.FAILED, INTERRUPTED),
                          None, None)
 
 
