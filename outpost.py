@@ -83,6 +83,7 @@ import trio
 from croniter import croniter
 from croniter.croniter import CroniterBadCronError, CroniterBadDateError
 from pony import orm
+from pony.orm.dbproviders.sqlite import SQLiteDatetimeConverter
 from ulid import ULID
 
 __all__ = [
@@ -1880,6 +1881,18 @@ def sql_time(dt: datetime) -> str:
     return naive(dt).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
+class StoredInstant(SQLiteDatetimeConverter):
+    """Pony reads every datetime column with ``time.strptime`` (about 15 µs each, a tenth of
+    the CPU of loading a wakeup); the text it wrote is ISO 8601, which ``fromisoformat`` reads
+    in well under a microsecond."""
+
+    def sql2py(self, val):
+        try:
+            return datetime.fromisoformat(val)
+        except (TypeError, ValueError):
+            return super().sql2py(val)
+
+
 def define_entities(db: orm.Database) -> None:
     """The schema. A function of the Database because Pony binds entities once per Database."""
     Optional, Required, PrimaryKey, Set = orm.Optional, orm.Required, orm.PrimaryKey, orm.Set
@@ -2259,6 +2272,7 @@ class Store:
 
         fresh = not Path(path).exists() if str(path) != ":memory:" else True
         self.db.bind(provider="sqlite", filename=str(path), create_db=True)
+        self.db.provider.converter_classes = [(datetime, StoredInstant), *self.db.provider.converter_classes]
         self._migrate(fresh)
 
     def _migrate(self, fresh: bool) -> None:

@@ -338,6 +338,15 @@ def test_a_run_admitted_at_a_whole_second_can_be_paused_cancelled_and_adopted(tx
         assert tx.control_run(run_id, action, T0 + SEC)["id"] == run_id
 
 
+def test_instants_read_back_exactly_whichever_way_the_row_was_written(tx, store):
+    at = T0 + timedelta(microseconds=123456)
+    run_id = dispatch(tx, at)
+    assert tx.get_run(run_id)["queued_at"] == outpost.rfc3339(at)
+    with outpost.orm.db_session:   # as sqlite3's own adapter writes a whole second: no fraction
+        store.db.execute('UPDATE "Run" SET queued_at = $t WHERE id = $r', {"t": "2026-11-30 09:00:05", "r": run_id})
+    assert tx.get_run(run_id)["queued_at"] == outpost.rfc3339(T0.replace(hour=9, minute=0, second=5))
+
+
 ###############################################################################
 # Settlement, failure streak, attention (API.md 5.3, 5.6)
 ###############################################################################
