@@ -41,6 +41,7 @@ UTC = timezone.utc
 def patched_serve(argv: list[str]) -> int:
     """``outpost serve`` with counters and optional experiments (env BENCH_PATCH):
     ``gitcache``: check_repository/resolve_ref remembered per (repository, ref) for 5 s;
+    ``nofsync``: PRAGMA synchronous=OFF on every connection (what the commits' fsyncs cost);
     ``probe``: Store._unstarted_target as two index probes (``task_id IS $t``, one status per
     branch) instead of a scan of every wakeup the agent ever had;
     ``hookcache``: the webhook route's trigger lookup (store.webhook_trigger) remembered per
@@ -78,6 +79,14 @@ def patched_serve(argv: list[str]) -> int:
             await orig_check(d)
             cache[key] = (None, time.monotonic())
         outpost.resolve_ref, outpost.check_repository = resolve_ref, check_repository
+    if "nofsync" in mode:   # how much of a request is waiting for the disk (a measurement, never a setting)
+        orig_init = outpost.Store.__init__
+
+        def init(self, path):
+            orig_init(self, path)
+            self.db.on_connect(provider="sqlite")(lambda _db, con: con.execute("PRAGMA synchronous=OFF"))
+            self.db.disconnect()   # the writer thread's connection is opened later, with both hooks
+        outpost.Store.__init__ = init
     if "probe" in mode:
         outpost.Store._unstarted_target = probe_unstarted_target
     if "hookcache" in mode:
@@ -193,8 +202,8 @@ def intake(work: Path) -> None:
     launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} --serve \"$@\"\n")
     launcher.chmod(0o755)
     B.OUTPOST_BIN = launcher
-    for mode in ("", "gitcache"):
-        d = work / (mode or "baseline")
+    for mode in ("", "gitcache", "nofsync", "gitcache,nofsync"):
+        d = work / (mode.replace(",", "+") or "baseline")
         d.mkdir()
         os.environ["BENCH_PATCH"], os.environ["BENCH_COUNTS"] = mode, str(d / "counts.json")
         repo = B.make_repo(d / "repo")
