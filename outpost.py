@@ -4678,11 +4678,16 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
                 await deps.db(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
 
 
+async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
+    """Fired runs: record their commits, then wake admission."""
+    await resolve_new_runs(deps, run_ids)
+    deps.claim_wake.poke()
+
+
 async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
     """A manual fire was committed: resolve the new run's commit and wake admission."""
     if fired["outcome"] == "admitted":
-        await resolve_new_runs(deps, [fired["run_id"]])
-        deps.claim_wake.poke()
+        await resolve_and_admit(deps, [fired["run_id"]])
 
 
 def pausable(deps: Deps, run_id: str) -> bool:
@@ -4707,28 +4712,28 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     next fire of a schedule or a routine's schedule trigger (no polling tick), then claims
     every due slot of each kind in one transaction. Ends when cancelled. Errors: a store error ends the process."""
     clog = log.getChild("cron")
-    while True:
-        now = deps.clock.now()
-        queued = await deps.db_retrying(deps.store.claim_due, now)
-        if queued:
-            clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
-            await resolve_new_runs(deps, queued)
-            deps.claim_wake.poke()
-        try:
-            fired = await deps.db_retrying(deps.store.claim_due_routines, now)
-        except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
-            clog.exception("claiming routine ticks failed; skipping the due ticks")
-            fired = await deps.db_retrying(deps.store.skip_due_routines, now, f"{type(exc).__name__}: {exc}"[:300])
-        if fired:
-            clog.info("fired %d routine tick(s)", fired)
-            deps.claim_wake.poke()   # their wakeups wait for the dispatcher
-        upcoming = min((t for t in (await deps.db_retrying(deps.store.next_due_at),
-                                    await deps.db_retrying(deps.store.next_routine_due_at)) if t), default=None)
-        wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
-        if upcoming is not None and upcoming < wake_at:
-            wake_at = upcoming
-        with trio.move_on_at(deps.clock.deadline(wake_at)):
-            await wake_in.receive()
+    async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
+        while True:
+            now = deps.clock.now()
+            queued = await deps.db_retrying(deps.store.claim_due, now)
+            if queued:
+                clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
+                resolving.start_soon(resolve_and_admit, deps, queued)
+            try:
+                fired = await deps.db_retrying(deps.store.claim_due_routines, now)
+            except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
+                clog.exception("claiming routine ticks failed; skipping the due ticks")
+                fired = await deps.db_retrying(deps.store.skip_due_routines, now, f"{type(exc).__name__}: {exc}"[:300])
+            if fired:
+                clog.info("fired %d routine tick(s)", fired)
+                deps.claim_wake.poke()   # their wakeups wait for the dispatcher
+            upcoming = min((t for t in (await deps.db_retrying(deps.store.next_due_at),
+                                        await deps.db_retrying(deps.store.next_routine_due_at)) if t), default=None)
+            wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
+            if upcoming is not None and upcoming < wake_at:
+                wake_at = upcoming
+            with trio.move_on_at(deps.clock.deadline(wake_at)):
+                await wake_in.receive()
 
 
 async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:

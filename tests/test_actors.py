@@ -150,6 +150,27 @@ async def test_cron_once_fires_exactly_once(autojump_clock, mock_deps, git_repo,
     assert call(store, store.get_schedule, sid)["next_fire_at"] is None
 
 
+async def test_a_slow_git_does_not_hold_back_the_next_fire(autojump_clock, mock_deps, git_repo, head_sha,
+                                                           monkeypatch):
+    """Fire step 2 (resolve source_ref) runs beside the cron actor, not in its way: a fire due
+    while git is still resolving the previous one is claimed at its due instant."""
+    async def slow_resolve_ref(repository: str, ref: str) -> str:
+        await trio.sleep(5)
+        return head_sha
+    monkeypatch.setattr(outpost, "resolve_ref", slow_resolve_ref)
+    store = mock_deps.store
+    dues = {"first": "2026-11-30T09:00:00Z", "second": "2026-11-30T09:00:01Z"}
+    ids = {name: call(store, store.create_schedule, normalized(
+        git_repo, name=name, timing={"kind": "once", "at": due[:-1], "timezone": "UTC"}), T0)["id"]
+        for name, due in dues.items()}
+    with trio.fail_after(DAY):
+        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+            await trio.sleep(2 * HOUR)
+    for name, sid in ids.items():
+        assert [(o["due_at"], o["recorded_at"]) for o in ledger(store, sid)] == [(dues[name], dues[name])]
+        assert runs_of(store, sid)[0]["resolved_commit"] == head_sha
+
+
 @pytest.mark.parametrize(("origin", "expected"), [
     # Spring forward: 02:30 does not exist on 2027-03-28, it fires at 03:00 CEST (01:00 UTC).
     (datetime(2027, 3, 27, 12, tzinfo=UTC),
