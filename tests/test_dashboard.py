@@ -13,8 +13,9 @@ async def test_the_schedules_page_shows_a_hundred_at_a_time(tmp_path):
     config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
     store = outpost.Store(tmp_path / "db.sqlite3")
     deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
-    for i in range(outpost.SCHEDULES_PAGE + 1):
-        store.run(store.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)
+    ids = [store.run(store.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)[0]["id"]
+           for i in range(outpost.SCHEDULES_PAGE + 1)]
+    fired = store.run(store.fire_manual, ids[-1], 1, T0)[0]["run_id"]   # the newest run, on page 2
     cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
     client = outpost.create_app(deps).test_client()
     client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
@@ -25,6 +26,8 @@ async def test_the_schedules_page_shows_a_hundred_at_a_time(tmp_path):
     assert "1-100 of 101" in first and "?page=2" in first
     second = await (await client.get("/schedules?page=2")).get_data(as_text=True)
     assert re.findall(r'href="/schedules/sch_\w+">(s\d{3})</a>', second) == ["s100"]
+    assert f'href="/runs/{fired}"' in second and "never ran" not in second
+    assert first.count("never ran") == 100
     assert "?page=1" in second and "?page=3" not in second
     store.close()
 

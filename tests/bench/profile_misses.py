@@ -279,11 +279,9 @@ def dashboard(work: Path) -> None:
         return result
     print("GET /schedules today (store time):")
     schedules = timed("store.list_schedules (every Schedule entity hydrated)", store.list_schedules, False)
-    if hasattr(store, "last_runs"):   # outpost.py since 8181999: one GROUP BY query
-        timed("store.last_runs (MAX(id) GROUP BY schedule, then hydrate those runs)", store.last_runs)
-    else:
-        timed("schedules_page last-run loop (store.list_runs per schedule)",
-              lambda: {s["id"]: store.list_runs(s["id"], None, 1, None) for s in schedules})
+    timed("store.last_runs of every schedule (before 2026-11-30 the page asked for all)", store.last_runs,
+          [s["id"] for s in schedules])
+    timed("store.schedules_page(False, 1): what the page reads now, one transaction", store.schedules_page, False, 1)
     print("GET /runs today (store time):")
     timed("store.list_runs(None, None, 50)", store.list_runs, None, None, 50, None)
     timed("store.schedule_zones (every schedule hydrated)", store.schedule_zones)
