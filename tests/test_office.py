@@ -519,24 +519,18 @@ def test_rate_limit_reset_just_passed_still_schedules_within_the_buffer():
             == datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC))
 
 
-def test_retry_after_3600(office):
+@pytest.mark.parametrize(("error", "wait"), [
+    ("HTTP 429 Too Many Requests. Retry-After: 3600", timedelta(seconds=3600)),
+    ("Rate limit reached for requests. Please try again in 5 minutes.", timedelta(minutes=5)),
+], ids=["retry-after-3600", "try-again-in-5-minutes"])
+def test_a_rate_limit_message_schedules_the_retry_30_s_after_the_wait_it_names(office, error, wait):
     worker = new_agent(office, "Worker")
     new_task(office, "t", assignee_agent_id=worker)
     (w,) = wakeups(office, worker)
     now = at(MINUTE)
-    w = fail_and_reschedule(office, w["id"], now, "HTTP 429 Too Many Requests. Retry-After: 3600")
+    w = fail_and_reschedule(office, w["id"], now, error)
     assert (w["status"], w["retry_count"]) == ("queued", 1)
-    assert instant(w["scheduled_retry_at"]) == now + timedelta(seconds=3630)
-
-
-def test_try_again_in_5_minutes(office):
-    worker = new_agent(office, "Worker")
-    new_task(office, "t", assignee_agent_id=worker)
-    (w,) = wakeups(office, worker)
-    now = at(MINUTE)
-    w = fail_and_reschedule(office, w["id"], now, "Rate limit reached for requests. Please try again in 5 minutes.")
-    assert (w["status"], w["retry_count"]) == ("queued", 1)
-    assert instant(w["scheduled_retry_at"]) == now + timedelta(minutes=5, seconds=30)
+    assert instant(w["scheduled_retry_at"]) == now + wait + timedelta(seconds=30)
 
 
 def test_generic_failure_uses_backoff_and_escalates_after_4_retries(office):
