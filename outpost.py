@@ -3283,9 +3283,7 @@ class Store:
                                  {"ws": t.workspace_id, "tid": t.id})
         for dependent in (self.db.Task[i] for i in blocked):
             blockers = dependent.blocked_by or []
-            states = self.db.select('SELECT state FROM "Task" WHERE id IN (SELECT value FROM json_each($ids))',
-                                    {"ids": json.dumps(blockers)})
-            if all(s in TERMINAL_TASK_STATES for s in states):
+            if not self._open_blockers(blockers):
                 self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
                                     {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
         if t.parent_id and (parent := self.db.Task.get(id=t.parent_id)) is not None:
@@ -3456,6 +3454,11 @@ class Store:
                                                                                   "old_agent": w.agent_id}
         self._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
 
+    def _open_blockers(self, blocker_ids: list[str]) -> list[str]:
+        """The blockers not yet Done or Cancelled (a deleted blocker blocks nothing)."""
+        return self.db.select('SELECT id FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
+                              "AND state NOT IN ('DONE', 'CANCELLED')", {"ids": json.dumps(blocker_ids)})
+
     def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
         t = self.db.Task.get(id=task_id)
         return self.task_view(t) if t is not None and t.workspace_id == workspace_id else None
@@ -3613,12 +3616,11 @@ class Store:
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=w.reason == REVIEW_REASON)):
             self.cancel_stale(w, reason, now)
             return None
-        if w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]:
-            waiting = self.db.select('SELECT id FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
-                                     "AND state NOT IN ('DONE', 'CANCELLED')", {"ids": json.dumps(task["blocked_by"])})
-            if waiting:   # held: task_blockers_resolved wakes the agent when they are done
-                self._end_wakeup(w, "finished", now, note="held until its blockers are done: " + ", ".join(waiting))
-                return None
+        # Held while blocked: task_blockers_resolved wakes the agent when the blockers are done.
+        if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
+                and (waiting := self._open_blockers(task["blocked_by"]))):
+            self._end_wakeup(w, "finished", now, note="held until its blockers are done: " + ", ".join(waiting))
+            return None
         # 4. Idle skip.
         if w.source == WakeupSource.ROUTINE and not w.task_id and agent.skip_idle_wakeups:
             actionable = orm.count(t for t in self.db.Task if t.assignee_agent_id == agent.id
@@ -4229,10 +4231,7 @@ class Store:
                     continue
                 if self._budget_exceeded(agent, ws, now):
                     continue
-                waiting = self.db.select('SELECT COUNT(*) FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
-                                         "AND state NOT IN ('DONE', 'CANCELLED')",
-                                         {"ids": json.dumps(t.blocked_by or [])})[0]
-                if waiting:
+                if self._open_blockers(t.blocked_by or []):
                     continue   # task_blockers_resolved wakes it when its blockers are done
                 self.enqueue_wakeup(ws.id, agent.id, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     reason="recovery", idempotency_key=f"recovery:{t.id}:{agent.id}:"
