@@ -658,6 +658,28 @@ def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None, *, si
     return value
 
 
+def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise invalid(sorted(unknown)[0], f"is not a field of {what}")
+
+
+def _repository(d: dict) -> str:
+    """An absolute path, normalized; whether it is a git repository is asked of git."""
+    repo = _text(d, "repository", 1, 4096, single_line=True)
+    if not os.path.isabs(repo):
+        raise invalid("repository", "must be an absolute path")
+    return os.path.normpath(repo)
+
+
+def _source_ref(d: dict) -> str:
+    """A branch, tag or commit name, never one git could read as an option."""
+    ref = _text(d, "source_ref", 1, 255, "HEAD")
+    if ref.startswith("-") or any(c.isspace() or ord(c) < 32 for c in ref):
+        raise invalid("source_ref", "must be a branch, tag or commit (not starting with '-')")
+    return ref
+
+
 def _check_unicode(value: Any, path: str) -> None:
     """Refuse unpaired surrogates (valid JSON escapes, not text) before anything hashes them."""
     if isinstance(value, str):
@@ -736,25 +758,17 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     if not isinstance(raw, dict):
         raise invalid("definition", "must be a JSON object")
     _check_unicode(raw, "")
-    unknown = set(raw) - set(DEFINITION_FIELDS)
-    if unknown:
-        raise invalid(sorted(unknown)[0], "is not a field of a schedule definition")
+    _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
     d: dict[str, Any] = {"name": _text(raw, "name", 1, 100).strip()}
     if not d["name"]:
         raise invalid("name", "must not be blank")
     d["brief"] = _text(raw, "brief", 1, 32768)
-    repo = _text(raw, "repository", 1, 4096, single_line=True)
-    if not os.path.isabs(repo):
-        raise invalid("repository", "must be an absolute path")
-    d["repository"] = os.path.normpath(repo)
+    d["repository"] = _repository(raw)
     workdir = _text(raw, "workdir", 1, 4096, ".", single_line=True)
     if os.path.isabs(workdir) or ".." in Path(workdir).parts:
         raise invalid("workdir", "must be a relative path without '..'")
     d["workdir"] = os.path.normpath(workdir)
-    ref = _text(raw, "source_ref", 1, 255, "HEAD")
-    if ref.startswith("-") or any(c.isspace() or ord(c) < 32 for c in ref):
-        raise invalid("source_ref", "must be a branch, tag or commit (not starting with '-')")
-    d["source_ref"] = ref
+    d["source_ref"] = _source_ref(raw)
     agent = raw.get("agent", "demo")
     if not isinstance(agent, str) or agent not in set(agents):
         raise invalid("agent", f"no agent profile named {str(agent)[:60]!r}; known: {', '.join(sorted(agents))}")
@@ -793,9 +807,7 @@ DISPATCH_FIELDS = ("brief", "repository", "workdir", "source_ref", "agent", "lim
 
 def normalize_dispatch(raw: dict[str, Any], now: datetime, *, agents: Iterable[str]) -> dict[str, Any]:
     """A one-shot dispatch: the run fields of a schedule definition, by the same rules."""
-    unknown = set(raw) - set(DISPATCH_FIELDS)
-    if unknown:
-        raise invalid(sorted(unknown)[0], "is not a field of a dispatch")
+    _unknown(raw, DISPATCH_FIELDS, "a dispatch")
     as_schedule = {**raw, "name": "dispatch", "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}}
     d = normalize_definition(as_schedule, now, agents=agents)
     return {k: d[k] for k in DISPATCH_FIELDS}
@@ -1453,12 +1465,6 @@ SETTINGS_FIELDS = ("name", "timezone", "repository", "source_ref", "default_exec
 LOOKBACK_HOURS = (1, 720)
 
 
-def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise invalid(sorted(unknown)[0], f"is not a field of {what}")
-
-
 def _optional_name(raw: dict, key: str, allowed: Iterable[str], what: str) -> str | None:
     value = raw.get(key)
     if value is None:
@@ -1565,17 +1571,8 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
     s = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
     zone(merged.get("timezone", "UTC"), "timezone")
     s["timezone"] = merged.get("timezone", "UTC")
-    repo = merged.get("repository")
-    if repo is not None:
-        repo = _text(merged, "repository", 1, 4096, single_line=True)
-        if not os.path.isabs(repo):
-            raise invalid("repository", "must be an absolute path")
-        repo = os.path.normpath(repo)
-    s["repository"] = repo
-    ref = _text(merged, "source_ref", 1, 255, "HEAD")
-    if ref.startswith("-") or any(c.isspace() or ord(c) < 32 for c in ref):
-        raise invalid("source_ref", "must be a branch, tag or commit (not starting with '-')")
-    s["source_ref"] = ref
+    s["repository"] = _repository(merged) if merged.get("repository") is not None else None
+    s["source_ref"] = _source_ref(merged)
     s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
     hours = merged.get("recovery_lookback_hours", 24)
     if isinstance(hours, bool) or not isinstance(hours, int | float) or (isinstance(hours, float)
@@ -6166,11 +6163,10 @@ def create_app(deps: Deps):
     async def office_create_project():
         raw = body_object(await body_json())
         _unknown(raw, ("workspace_id", "name", "repository", "executor"), "a project")
-        checked = normalize_settings({"repository": raw.get("repository")}, profiles=profile_names,
-                                     current={"name": "project"})
+        repository = _repository(raw) if raw.get("repository") is not None else None
         executor = _optional_name(raw, "executor", profile_names, "agent profile")
         return await office_write(store.create_project, workspace_arg(raw), text_field(raw, "name", 100),
-                                  checked["repository"], executor, deps.clock.now(), status=201)
+                                  repository, executor, deps.clock.now(), status=201)
 
     @app.get("/api/office/agents")
     async def office_agents():
