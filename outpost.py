@@ -3856,11 +3856,15 @@ class Store:
         return [{**self.run_view(r), "task_id": o.task_id, "wakeup_id": o.wakeup_id} for r, o in rows]
 
     def list_activity(self, workspace_id: str | None, code: str | None = None,
-                      limit: int = 100) -> list[dict[str, Any]]:
+                      limit: int = 100, *, empty_sweeps: bool = True) -> list[dict[str, Any]]:
+        """Newest first. Without ``empty_sweeps``, the recovery sweeps that dispatched nothing
+        (one every 5 minutes) are left out, in the query, so they cannot bury the rest."""
         ws = self._workspace(workspace_id)
         query = self.db.Activity.select(lambda x: x.workspace_id == ws.id)
         if code:
             query = query.filter(lambda x: x.code == code)
+        if not empty_sweeps:
+            query = query.filter(lambda x: x.code != "recovery_sweep_complete" or x.data["dispatched_count"] != 0)
         return [self.activity_view(x) for x in query.order_by(lambda x: orm.desc(x.id))[:limit]]
 
     def summary_of(self, agent_id: str) -> list[dict[str, Any]]:
@@ -5569,11 +5573,8 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/activity")
     async def office_activity_page():
         code = request.args.get("code") or None
-        activity = await deps.db(store.list_activity, None, code, 1000)
-        if code is None:   # a sweep every 5 minutes that found nothing would bury everything else
-            activity = [x for x in activity if x["code"] != "recovery_sweep_complete" or x["data"].get(
-                "dispatched_count")]
-        return await office_page("office_activity.html", tab="activity", activity=activity[:200], code=code)
+        activity = await deps.db(store.list_activity, None, code, 200, empty_sweeps=code is not None)
+        return await office_page("office_activity.html", tab="activity", activity=activity, code=code)
 
 
     # --- Office routines: list, create, detail with triggers and history, Run now -------------------

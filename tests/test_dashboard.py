@@ -52,3 +52,25 @@ async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(tmp
     filtered = await (await client.get("/office/activity?code=recovery_sweep_complete")).get_data(as_text=True)
     assert filtered.count("recovery_sweep_complete</span>") == 12
     store.close()
+
+
+async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(tmp_path):
+    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
+    store = outpost.Store(tmp_path / "db.sqlite3")
+    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+    paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
+    agent = store.run(store.create_agent, None, paused, T0)[0]
+    store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
+                                                              profiles=["demo"]), T0)
+    store.run(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run, the task unstarted
+    store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
+    for k in range(1101):   # the first sweep recovers the task; then four days of sweeps that find nothing
+        store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
+    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
+    client = outpost.create_app(deps).test_client()
+    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    page = await (await client.get("/office/activity")).get_data(as_text=True)
+    assert "recovery_dispatch</span>" in page and page.count("recovery_sweep_complete</span>") == 1
+    newest = store.run(store.list_activity, None, None, 1000)[0]
+    assert {x["code"] for x in newest} == {"recovery_sweep_complete"}   # the API still lists every sweep
+    store.close()
