@@ -3826,11 +3826,13 @@ class Store:
         return min(times, default=None)
 
     def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
-                     source: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+                     source: str | None = None, limit: int = 100, task_id: str | None = None) -> list[dict[str, Any]]:
         ws = self._workspace(workspace_id)
         query = self.db.Wakeup.select(lambda w: w.workspace_id == ws.id)
         if agent_id:
             query = query.filter(lambda w: w.agent_id == agent_id)
+        if task_id:
+            query = query.filter(lambda w: w.task_id == task_id)
         if status:
             query = query.filter(lambda w: w.status == status)
         if source:
@@ -5512,9 +5514,8 @@ def register_dashboard(app, deps: Deps):
                                errors: dict[str, str] | None = None, status: int = 200):
         def data():
             return (store.get_task(task_id), store.list_tasks(None),
-                    store.list_wakeups(None, None, None, None, 200))
+                    store.list_wakeups(None, None, None, None, 200, task_id))
         task, tasks, wakeups = await deps.db(data)
-        wakeups = [w for w in wakeups if w["task_id"] == task_id]
         return await office_page("office_task.html", tab="board", status=status, task=task, tasks=tasks,
                                  titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
                                  form=form or {}, errors=errors or {})

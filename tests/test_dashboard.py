@@ -74,3 +74,25 @@ async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(tmp_p
     newest = store.run(store.list_activity, None, None, 1000)[0]
     assert {x["code"] for x in newest} == {"recovery_sweep_complete"}   # the API still lists every sweep
     store.close()
+
+
+async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_workspace_has(tmp_path):
+    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
+    store = outpost.Store(tmp_path / "db.sqlite3")
+    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+    agent = store.run(store.create_agent, None, outpost.normalize_agent({"name": "w", "executor": "demo"},
+                                                                       profiles=["demo"]), T0)[0]
+
+    def assigned(title: str, minutes: int) -> str:
+        fields = outpost.normalize_task({"title": title, "assignee_agent_id": agent["id"]}, profiles=["demo"])
+        return store.run(store.create_task, None, fields, T0 + outpost.timedelta(minutes=minutes))[0]["id"]
+    first = assigned("first", 0)
+    for k in range(1, 251):   # newer wakeups of other tasks
+        assigned(f"other {k}", k)
+    (own,) = store.run(store.list_wakeups, None, None, None, None, 1000, first)[0]
+    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
+    client = outpost.create_app(deps).test_client()
+    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    page = await (await client.get(f"/office/tasks/{first}")).get_data(as_text=True)
+    assert page.count("data-wakeup=") == 1 and f'data-wakeup="{own["id"]}"' in page
+    store.close()
