@@ -993,6 +993,43 @@ async def test_coordinator_page_shows_no_scheduled_wakeups_banner_after_heartbea
     assert "This coordinator has no scheduled wake-ups" in page
 
 
+async def test_coordinator_is_created_with_the_banner_when_its_heartbeat_cannot_be_installed(api, monkeypatch):
+    def broken(self, agent_id, now):
+        raise RuntimeError("disk trouble")
+    monkeypatch.setattr(outpost.Store, "install_heartbeat", broken)
+    lead = await api.agent("Lead", role="coordinator")
+    assert (await api.get(f"/api/office/agents/{lead['id']}")).status == 200
+    assert (await api.get("/api/office/routines")).body["routines"] == []
+    _, page = await api.page(f"/office/agents/{lead['id']}")
+    assert "This coordinator has no scheduled wake-ups" in page
+
+
+async def test_a_deleted_webhook_trigger_answers_404_and_fires_nothing(api):
+    worker = await api.agent("Worker")
+    r = await api.routine(name="Hook", assignee_agent_id=worker["id"],
+                          triggers=[{"kind": "webhook", "signing_mode": "none"}])
+    (trigger,) = r["triggers"]
+    assert (await api.delete(f"/api/office/routines/{r['id']}/triggers/{trigger['id']}")).status == 204
+    reply = await api.deliver(trigger["public_id"], b"{}", {})
+    assert reply.status == 404
+    detail = await api.detail(r["id"])
+    assert detail["triggers"] == [] and detail["runs"] == []
+
+
+async def test_the_wakeups_page_labels_cancelled_held_and_recovered_wakeups(api):
+    profiles = {"demo": outpost.demo_profile()}
+    a, b = await api.agent("A"), await api.agent("B", status="paused")
+    moved = (await api.post("/api/office/tasks", {"title": "moved", "assignee_agent_id": a["id"]})).body
+    assert (await api.patch(f"/api/office/tasks/{moved['id']}", {"assignee_agent_id": b["id"]})).status == 200
+    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)   # A's stale; B paused: no session
+    assert (await api.patch(f"/api/office/agents/{b['id']}", {"status": "idle"})).status == 200
+    assert call(api.store, api.store.recovery_sweep, api.clock.now()) == 1
+    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
+    _, page = await api.page("/office/wakeups")
+    for label in ("Cancelled - assignee changed", "Finished, no run", "Recovered"):
+        assert label in page, label
+
+
 async def test_two_routines_same_coordinator_within_window_coalesce(autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
