@@ -2480,7 +2480,7 @@ class Store:
         rows = self.db.select(
             'SELECT s.value, r.id, r.status, r.queued_at FROM json_each($ids) s JOIN "Run" r ON r.id = '
             '(SELECT MAX(id) FROM "Run" WHERE schedule = s.value)', {"ids": json.dumps(schedule_ids)})
-        return {sid: {"id": rid, "status": status, "queued_at": rfc3339(aware(datetime.fromisoformat(queued)))}
+        return {sid: {"id": rid, "status": status, "queued_at": rfc3339(sql_instant(queued))}
                 for sid, rid, status, queued in rows}
 
     def schedules_page(self, include_archived: bool, page: int) -> dict[str, Any]:
@@ -3082,13 +3082,16 @@ class Store:
         ws = self._workspace(workspace_id)
         p = self.db.Project(id=new_id("prj"), workspace_id=ws.id, name=name, repository=repository,
                             executor=executor, created_at=naive(now))
-        return {"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
-                "executor": p.executor}
+        return self.project_view(p)
 
     def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
         ws = self._workspace(workspace_id)
-        return [{"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
-                 "executor": p.executor} for p in self.db.Project.select(lambda p: p.workspace_id == ws.id)]
+        return [self.project_view(p) for p in self.db.Project.select(lambda p: p.workspace_id == ws.id)]
+
+    @staticmethod
+    def project_view(p) -> dict[str, Any]:
+        return {"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
+                "executor": p.executor}
 
     def _agent(self, agent_id: str):
         a = self.db.Agent.get(id=agent_id)
@@ -4169,6 +4172,10 @@ class Store:
     def next_routine_due_at(self) -> datetime | None:
         return aware(orm.min(t.next_run_at for t in self.db.RoutineTrigger if t.kind == "schedule"))
 
+    def next_fire_at(self) -> datetime | None:
+        """The cron actor's wake-up: the earliest next fire of a schedule or a routine trigger."""
+        return min((t for t in (self.next_due_at(), self.next_routine_due_at()) if t), default=None)
+
     def webhook_trigger(self, public_id: str, now: datetime) -> dict[str, Any]:
         t = self.db.RoutineTrigger.get(public_id=public_id)
         if t is None or t.kind != "webhook":
@@ -4736,8 +4743,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             if fired:
                 clog.info("fired %d routine tick(s)", fired)
                 deps.claim_wake.poke()   # their wakeups wait for the dispatcher
-            upcoming = min((t for t in (await deps.db_retrying(deps.store.next_due_at),
-                                        await deps.db_retrying(deps.store.next_routine_due_at)) if t), default=None)
+            upcoming = await deps.db_retrying(deps.store.next_fire_at)
             wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming

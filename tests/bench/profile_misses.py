@@ -132,7 +132,7 @@ def probe_unstarted_target(self, agent_id: str, task_id: str | None, now: dateti
 def fire_lag(work: Path) -> None:
     """Full size (1,000 schedules, 200 due over 10 s). Splits each fire's lag into: the cron actor
     waking late (Occurrence.created_at - due), the claim transaction, and what the actor did
-    between claims (resolve_new_runs: git rev-parse + 2 transactions, then next_due_at)."""
+    between claims (resolve_new_runs: git rev-parse + 2 transactions, then next_fire_at)."""
     from pyinstrument import Profiler
     repo = B.make_repo(work / "repo")
     prof = Profiler(interval=0.0005)
