@@ -3567,8 +3567,7 @@ class Store:
             'SELECT a.id FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
             "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
-        active = dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'claimed\' '
-                                     'GROUP BY agent_id'))
+        active = self.wakeups_by_agent("claimed")
         candidates: list[tuple[Any, str]] = []
         for a in self.db.Agent.select(lambda a: a.id in waiting):
             if a.status in ("paused", "stopped"):
@@ -3587,6 +3586,11 @@ class Store:
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
                 'ORDER BY requested_at, rowid LIMIT $room', {"agent": a.id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
+
+    def wakeups_by_agent(self, status: str) -> dict[str, int]:
+        """How many wakeups in ``status`` each agent has (claimed ones are its sessions)."""
+        return dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = $s GROUP BY agent_id',
+                                   {"s": status}))
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> str | None | bool:
         """The twelve-step pipeline up to launch (spec processWakeup); launch and finish are the
@@ -5431,12 +5435,7 @@ def register_dashboard(app, deps: Deps):
     async def office_agents_page(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                                  status: int = 200):
         def data():
-            agents = store.list_agents(None)
-            active = dict(store.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'claimed\' '
-                                          'GROUP BY agent_id'))
-            queued = dict(store.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = \'queued\' '
-                                          'GROUP BY agent_id'))
-            return agents, active, queued
+            return store.list_agents(None), store.wakeups_by_agent("claimed"), store.wakeups_by_agent("queued")
         agents, active, queued = await deps.db(data)
         return await office_page("office_agents.html", tab="agents", status=status, agents=agents, active=active,
                                  queued=queued, form=form or {}, errors=errors or {})
