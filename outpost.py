@@ -1809,6 +1809,12 @@ class WebhookCheck:
     replay_ttl_s: int = 0
 
 
+def bearer(authorization: str | None) -> str:
+    """The credential of an ``Authorization: Bearer <credential>`` header; "" for anything else."""
+    auth = authorization or ""
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
 def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body: bytes, now: datetime) -> WebhookCheck:
     """API.md 7.2, pure: which deliveries a trigger accepts. ``secrets_`` holds the current
     secret and, during a rotation's grace period, the previous one. Compared in constant time."""
@@ -1818,8 +1824,7 @@ def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body
     if mode == "none":
         return WebhookCheck(True)
     if mode == "bearer":
-        auth = headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        given = bearer(headers.get("authorization"))
         return WebhookCheck(True) if given and any_match(lambda s: s, given) else WebhookCheck(
             False, "missing or wrong bearer secret")
     if mode == "github":
@@ -5767,14 +5772,13 @@ def create_app(deps: Deps):
             return None   # webhook fires carry their own signatures (API.md 7.2)
         auth = request.headers.get("Authorization")
         if path.startswith("/api/agent/"):   # only a live Office run's own token speaks for an agent
-            given = auth[7:].strip() if auth and auth.lower().startswith("bearer ") else ""
-            run_id = run_of_token(deps.run_token_key, given)
+            run_id = run_of_token(deps.run_token_key, bearer(auth))
             g.agent = run_id and await deps.db(store.run_agent_context, run_id)
             if not g.agent:
                 raise Unauthorized("the agent API takes the run token of a running Office run ($OUTPOST_RUN_TOKEN)")
             return None
         if auth is not None:
-            given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            given = bearer(auth)
             if not given or not hmac.compare_digest(given.encode(), deps.token.encode()):
                 raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
             return None
@@ -6303,9 +6307,6 @@ def create_app(deps: Deps):
 
     # --- routines (API.md 7): triggers, firing, webhooks ----------------------------------------------
 
-    def routine_input(raw: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
-        return normalize_routine(raw, current=current)
-
     async def checked_triggers(raw: Any, workspace_id: str | None) -> list[dict[str, Any]]:
         if raw is None:
             return []
@@ -6328,7 +6329,8 @@ def create_app(deps: Deps):
     async def office_create_routine():
         raw = body_object(await body_json())
         triggers = await checked_triggers(raw.get("triggers"), workspace_arg(raw))
-        fields = routine_input({k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")}, None)
+        fields = normalize_routine({k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")},
+                                   current=None)
         return await routine_write(store.create_routine, workspace_arg(raw), fields, triggers, deps.clock.now(),
                                    status=201)
 
@@ -6340,7 +6342,7 @@ def create_app(deps: Deps):
     @idempotent
     async def office_patch_routine(routine_id: str):
         raw = body_object(await body_json())
-        fields = routine_input(raw, await deps.db(store.routine_fields, routine_id))
+        fields = normalize_routine(raw, current=await deps.db(store.routine_fields, routine_id))
         return await routine_write(store.update_routine, routine_id, fields, deps.clock.now())
 
     @app.delete("/api/office/routines/<routine_id>")
