@@ -911,12 +911,27 @@ def result_branch(schedule_name: str | None, run_id: str) -> str:
     return f"outpost/{slug(schedule_name) if schedule_name else 'dispatch'}/{run_id}"
 
 
+#: ``{{name}}`` (or ``{{dotted.path}}`` into a webhook body) in a brief or a routine template.
+TEMPLATE_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_-]+)*)\s*\}\}")
+
+
+def builtin_variables(at: datetime, tz: ZoneInfo) -> dict[str, str]:
+    """``{{date}}`` and ``{{datetime}}``: the fire's instant in the schedule's or workspace's timezone."""
+    local = at.astimezone(tz)
+    return {"date": local.date().isoformat(), "datetime": local.isoformat(timespec="seconds")}
+
+
+def render_variables(text: str, values: dict[str, Any]) -> str:
+    """``{{name}}`` -> its value (booleans as true/false); unknown names stay as written."""
+    def value(m: re.Match) -> str:
+        v = values.get(m[1], m[0])
+        return json.dumps(v) if isinstance(v, bool) else str(v)
+    return TEMPLATE_VARIABLE.sub(value, text)
+
+
 def render_brief(brief: str, due_at: datetime, tz: ZoneInfo, variables: dict[str, str] | None = None) -> str:
     """Resolve ``{{date}}``, ``{{datetime}}`` and declared variables; unknown names stay as written."""
-    local = due_at.astimezone(tz)
-    values = {"date": local.date().isoformat(), "datetime": local.isoformat(timespec="seconds")}
-    values |= variables or {}
-    return re.sub(r"\{\{\s*([A-Za-z0-9_.]+)\s*\}\}", lambda m: str(values.get(m[1], m[0])), brief)
+    return render_variables(brief, builtin_variables(due_at, tz) | (variables or {}))
 
 
 def catch_up_note(missed_count: int, since: datetime, tz: ZoneInfo) -> str:
@@ -1603,7 +1618,6 @@ WEBHOOK_TOLERANCE_S = 300
 GITHUB_DELIVERY_TTL_S = 24 * 3600
 #: After a secret rotation the old secret is still accepted this long.
 SECRET_ROTATION_GRACE_S = 24 * 3600
-TEMPLATE_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_-]+)*)\s*\}\}")
 
 
 def template_variables(*texts: str) -> list[str]:
@@ -1772,8 +1786,7 @@ def resolve_variables(declared: list[dict[str, Any]], provided: dict[str, Any], 
                       tz: ZoneInfo) -> dict[str, Any]:
     """Resolution order: built-ins, then declared defaults, then provided values (later wins).
     A required variable with no value refuses the fire."""
-    local = now.astimezone(tz)
-    values: dict[str, Any] = {"date": local.date().isoformat(), "datetime": local.isoformat(timespec="seconds")}
+    values: dict[str, Any] = builtin_variables(now, tz)
     missing = []
     for v in declared:
         given = lookup_path(provided, v["name"])
@@ -1787,14 +1800,6 @@ def resolve_variables(declared: list[dict[str, Any]], provided: dict[str, Any], 
         raise ValidationFailed("required variables have no value: " + ", ".join(missing),
                                errors=[{"field": f"variables.{n}", "message": "is required"} for n in missing])
     return values
-
-
-def render_variables(text: str, values: dict[str, Any]) -> str:
-    """``{{name}}`` -> its value (booleans as true/false); unknown names stay as written."""
-    def value(m: re.Match) -> str:
-        v = values.get(m[1], m[0])
-        return json.dumps(v) if isinstance(v, bool) else str(v)
-    return TEMPLATE_VARIABLE.sub(value, text)
 
 
 def dispatch_fingerprint(routine_id: str, title: str, description: str, assignee: str) -> str:
