@@ -5140,6 +5140,16 @@ async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | Non
     return definition
 
 
+async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> list[dict[str, Any]]:
+    """A routine's triggers, validated; a schedule trigger without a timezone takes the workspace's."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > 20:
+        raise invalid("triggers", "must be a list of at most 20 triggers")
+    tz = (await deps.db(deps.store.office_settings, workspace_id))["timezone"]
+    return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
+
+
 def register_dashboard(app, deps: Deps):
     """The browser dashboard: server-rendered pages whose forms post back here; the pages
     call the same store functions as the JSON API. Returns the page renderer."""
@@ -5632,8 +5642,7 @@ def register_dashboard(app, deps: Deps):
     async def office_routines_create():
         async def create(form):
             raw, triggers = routine_form(form)
-            tz = (await deps.db(store.office_settings, None))["timezone"]
-            checked = [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(triggers)]
+            checked = await checked_triggers(deps, triggers, None)
             routine = await deps.db(store.create_routine, None, normalize_routine(raw), checked, deps.clock.now())
             deps.cron_wake.poke()
             secrets_ = {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
@@ -5696,9 +5705,8 @@ def register_dashboard(app, deps: Deps):
                 raw |= {"cron_expression": form.get("cron_expression", ""), "timezone": form.get("timezone") or None}
             elif raw["kind"] == "webhook":
                 raw["signing_mode"] = form.get("signing_mode", "hmac_sha256")
-            tz = (await deps.db(store.office_settings, None))["timezone"]
-            trigger = await deps.db(store.add_trigger, routine_id, normalize_trigger(raw, 0, deps.clock.now(), tz),
-                                    deps.clock.now())
+            (checked,) = await checked_triggers(deps, [raw], None)
+            trigger = await deps.db(store.add_trigger, routine_id, checked, deps.clock.now())
             deps.cron_wake.poke()
             g.new_secrets = {trigger["id"]: trigger["secret"]} if trigger.get("secret") else {}
             return f"/office/routines/{routine_id}?done=trigger_added"
@@ -6312,14 +6320,6 @@ def create_app(deps: Deps):
 
     # --- routines (API.md 7): triggers, firing, webhooks ----------------------------------------------
 
-    async def checked_triggers(raw: Any, workspace_id: str | None) -> list[dict[str, Any]]:
-        if raw is None:
-            return []
-        if not isinstance(raw, list) or len(raw) > 20:
-            raise invalid("triggers", "must be a list of at most 20 triggers")
-        tz = (await deps.db(store.office_settings, workspace_id))["timezone"]
-        return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
-
     async def routine_write(fn: Callable[..., Any], *args: Any, status: int = 200, **kwargs: Any):
         response = await office_write(fn, *args, status=status, **kwargs)
         deps.cron_wake.poke()   # a trigger's next fire may have changed
@@ -6333,7 +6333,7 @@ def create_app(deps: Deps):
     @idempotent
     async def office_create_routine():
         raw = body_object(await body_json())
-        triggers = await checked_triggers(raw.get("triggers"), workspace_arg(raw))
+        triggers = await checked_triggers(deps, raw.get("triggers"), workspace_arg(raw))
         fields = normalize_routine({k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")},
                                    current=None)
         return await routine_write(store.create_routine, workspace_arg(raw), fields, triggers, deps.clock.now(),
@@ -6371,7 +6371,7 @@ def create_app(deps: Deps):
     @idempotent
     async def office_add_trigger(routine_id: str):
         routine = await deps.db(store.get_routine, routine_id)
-        trigger = (await checked_triggers([body_object(await body_json())], routine["workspace_id"]))[0]
+        (trigger,) = await checked_triggers(deps, [body_object(await body_json())], routine["workspace_id"])
         return await routine_write(store.add_trigger, routine_id, trigger, deps.clock.now(), status=201)
 
     @app.delete("/api/office/routines/<routine_id>/triggers/<trigger_id>")
