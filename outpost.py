@@ -5645,13 +5645,12 @@ def register_dashboard(app, deps: Deps):
             checked = await checked_triggers(deps, triggers, None)
             routine = await deps.db(store.create_routine, None, normalize_routine(raw), checked, deps.clock.now())
             deps.cron_wake.poke()
-            secrets_ = {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
-            g.new_secrets = secrets_
+            g.new_routine = routine["id"], {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
             return f"/office/routines/{routine['id']}?done=routine_created"
         response = await office_form(create, office_routines_page)
-        if getattr(g, "new_secrets", None):   # shown once: on the page this redirect leads to
-            return await office_routine_page(response.location.split("/")[-1].split("?")[0],
-                                             new_secrets=g.new_secrets, status=201)
+        routine_id, new_secrets = getattr(g, "new_routine", (None, None))
+        if new_secrets:   # shown once: on the page itself rather than after the redirect
+            return await office_routine_page(routine_id, new_secrets=new_secrets, status=201)
         return response
 
     @app.get("/office/routines/<routine_id>")
