@@ -23,29 +23,22 @@ import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
 from conftest import T0, Reply, call, instant, normalized
 from test_api import make_deps
+from test_office import HOUR, MINUTE, PROFILES, activity, at, dispatch, office_run, only, task, until, wakeup, wakeups
 from test_office_api import OfficeApi
 
 import outpost
 
-PROFILES = {"demo": outpost.demo_profile()}
-MINUTE = 60
-HOUR = 3600
 TOKEN = "tok"
 PROBLEM = "application/problem+json"
 
 
 # --- store helpers (one transaction per call, explicit ``now``) ---------------------------------------
-
-def at(seconds: float = 0, base: datetime = T0) -> datetime:
-    return base + timedelta(seconds=seconds)
-
 
 def set_settings(store: outpost.Store, workspace_id: str | None = None, **raw) -> dict:
     current = call(store, store.office_settings, workspace_id)
@@ -100,38 +93,8 @@ def fire(store: outpost.Store, routine_id: str, now: datetime, variables: dict |
     return call(store, store.fire_routine, routine_id, None, "manual", variables or {}, now)
 
 
-def wakeups(store: outpost.Store, agent_id: str | None = None, *, source: str | None = None,
-            status: str | None = None, workspace_id: str | None = None) -> list[dict]:
-    rows = call(store, store.list_wakeups, workspace_id, agent_id, status, source, 10_000)
-    return sorted(rows, key=lambda w: (w["requested_at"], w["id"]))
-
-
-def wakeup(store: outpost.Store, wakeup_id: str) -> dict:
-    (w,) = [w for w in wakeups(store) if w["id"] == wakeup_id]
-    return w
-
-
 def tasks(store: outpost.Store, agent_id: str | None = None, workspace_id: str | None = None) -> list[dict]:
     return call(store, store.list_tasks, workspace_id, agent_id)
-
-
-def task(store: outpost.Store, task_id: str) -> dict:
-    return call(store, store.get_task, task_id)
-
-
-def only(rows: list) -> Any:
-    assert len(rows) == 1, rows
-    return rows[0]
-
-
-def dispatch(store: outpost.Store, now: datetime) -> list[str]:
-    """The dispatcher at ``now`` until nothing more can be claimed: the runs it queued."""
-    queued = []
-    while True:
-        runs, processed = call(store, store.dispatch_wakeups, now, PROFILES)
-        queued += runs
-        if not processed:
-            return queued
 
 
 def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) -> None:
@@ -139,15 +102,6 @@ def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) 
     while call(store, store.get_run, run_id)["status"] == "queued":
         assert call(store, store.admit_next, 100, now) is not None
     assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, **kw)
-
-
-def activity(store: outpost.Store, code: str, workspace_id: str | None = None) -> list[dict]:
-    """Activity entries of one code, oldest first."""
-    return call(store, store.list_activity, workspace_id, code, 1000)[::-1]
-
-
-def office_run(store: outpost.Store, run_id: str) -> dict:
-    return call(store, store.office_run, run_id)
 
 
 @pytest.fixture
@@ -172,13 +126,6 @@ async def run_actors(deps: outpost.Deps, until: datetime, *actors) -> None:
                 nursery.start_soon(actor, deps)
         await trio.sleep(max(0.0, (until - deps.clock.now()).total_seconds()))
         nursery.cancel_scope.cancel()
-
-
-async def until(predicate, poll_s: float = 0.05):
-    """Poll (in mock time) until ``predicate()`` is truthy; returns its value."""
-    while not (value := predicate()):
-        await trio.sleep(poll_s)
-    return value
 
 
 # --- the HTTP API in process (Quart's test client, FixedClock) ----------------------------------------
