@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import T0, normalized
 
 import outpost
 
 
-async def test_the_schedules_page_shows_a_hundred_at_a_time(tmp_path):
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-    store = outpost.Store(tmp_path / "db.sqlite3")
-    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+@pytest.fixture
+def signed_in(tmp_path, store):
+    """Makes an in-process dashboard client on ``store`` with a signed-in session (wall clock)."""
+    def client():
+        config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
+        deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+        cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
+        c = outpost.create_app(deps).test_client()
+        c.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+        return c
+    return client
+
+
+async def test_the_schedules_page_shows_a_hundred_at_a_time(store, signed_in):
     ids = [store.run(store.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)[0]["id"]
            for i in range(outpost.SCHEDULES_PAGE + 1)]
     fired = store.run(store.fire_manual, ids[-1], 1, T0)[0]["run_id"]   # the newest run, on page 2
-    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
-    client = outpost.create_app(deps).test_client()
-    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    client = signed_in()
 
     first = await (await client.get("/schedules", headers={"Accept": "text/html"})).get_data(as_text=True)
     names = re.findall(r'href="/schedules/sch_\w+">(s\d{3})</a>', first)
@@ -29,13 +38,9 @@ async def test_the_schedules_page_shows_a_hundred_at_a_time(tmp_path):
     assert f'href="/runs/{fired}"' in second and "never ran" not in second
     assert first.count("never ran") == 100
     assert "?page=1" in second and "?page=3" not in second
-    store.close()
 
 
-async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(tmp_path):
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-    store = outpost.Store(tmp_path / "db.sqlite3")
-    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(store, signed_in):
     paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
     agent = store.run(store.create_agent, None, paused, T0)[0]
     store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
@@ -44,20 +49,14 @@ async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(tmp
     store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
     for minutes in range(0, 60, 5):   # a sweep every 5 minutes: the first recovers the task, the rest find it queued
         store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=minutes))
-    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
-    client = outpost.create_app(deps).test_client()
-    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    client = signed_in()
     page = await (await client.get("/office/activity")).get_data(as_text=True)
     assert "recovery_dispatch" in page and page.count("recovery_sweep_complete</span>") == 1   # the one that found it
     filtered = await (await client.get("/office/activity?code=recovery_sweep_complete")).get_data(as_text=True)
     assert filtered.count("recovery_sweep_complete</span>") == 12
-    store.close()
 
 
-async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(tmp_path):
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-    store = outpost.Store(tmp_path / "db.sqlite3")
-    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(store, signed_in):
     paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
     agent = store.run(store.create_agent, None, paused, T0)[0]
     store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
@@ -66,20 +65,14 @@ async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(tmp_p
     store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
     for k in range(1101):   # the first sweep recovers the task; then four days of sweeps that find nothing
         store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
-    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
-    client = outpost.create_app(deps).test_client()
-    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    client = signed_in()
     page = await (await client.get("/office/activity")).get_data(as_text=True)
     assert "recovery_dispatch</span>" in page and page.count("recovery_sweep_complete</span>") == 1
     newest = store.run(store.list_activity, None, None, 1000)[0]
     assert {x["code"] for x in newest} == {"recovery_sweep_complete"}   # the API still lists every sweep
-    store.close()
 
 
-async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_workspace_has(tmp_path):
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-    store = outpost.Store(tmp_path / "db.sqlite3")
-    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
+async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_workspace_has(store, signed_in):
     agent = store.run(store.create_agent, None, outpost.normalize_agent({"name": "w", "executor": "demo"},
                                                                        profiles=["demo"]), T0)[0]
 
@@ -90,9 +83,6 @@ async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_wor
     for k in range(1, 251):   # newer wakeups of other tasks
         assigned(f"other {k}", k)
     (own,) = store.run(store.list_wakeups, None, None, None, None, 1000, first)[0]
-    cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
-    client = outpost.create_app(deps).test_client()
-    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    client = signed_in()
     page = await (await client.get(f"/office/tasks/{first}")).get_data(as_text=True)
     assert page.count("data-wakeup=") == 1 and f'data-wakeup="{own["id"]}"' in page
-    store.close()
