@@ -40,15 +40,21 @@ async def test_the_schedules_page_shows_a_hundred_at_a_time(store, signed_in):
     assert "?page=1" in second and "?page=3" not in second
 
 
-async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(store, signed_in):
+def sweep_every_5_minutes(store: outpost.Store, sweeps: int) -> None:
+    """A task its paused agent never started, the agent back to idle, then ``sweeps`` recovery
+    sweeps 5 minutes apart: the first recovers the task, the rest find its wakeup queued."""
     paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
     agent = store.run(store.create_agent, None, paused, T0)[0]
     store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
                                                               profiles=["demo"]), T0)
     store.run(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run, the task unstarted
     store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
-    for minutes in range(0, 60, 5):   # a sweep every 5 minutes: the first recovers the task, the rest find it queued
-        store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=minutes))
+    for k in range(sweeps):
+        store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
+
+
+async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(store, signed_in):
+    sweep_every_5_minutes(store, 12)
     client = signed_in()
     page = await (await client.get("/office/activity")).get_data(as_text=True)
     assert "recovery_dispatch" in page and page.count("recovery_sweep_complete</span>") == 1   # the one that found it
@@ -57,14 +63,7 @@ async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(sto
 
 
 async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(store, signed_in):
-    paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
-    agent = store.run(store.create_agent, None, paused, T0)[0]
-    store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
-                                                              profiles=["demo"]), T0)
-    store.run(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run, the task unstarted
-    store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
-    for k in range(1101):   # the first sweep recovers the task; then four days of sweeps that find nothing
-        store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
+    sweep_every_5_minutes(store, 1101)   # four days of sweeps that find nothing after the first
     client = signed_in()
     page = await (await client.get("/office/activity")).get_data(as_text=True)
     assert "recovery_dispatch</span>" in page and page.count("recovery_sweep_complete</span>") == 1
