@@ -2262,7 +2262,7 @@ class SchemaTooNew(Exception):
 
 class Store:
     """Synchronous store functions. Each public method runs in one ``db_session`` and
-    returns plain dicts/dataclasses, never entities. Call them through ``Deps.db``."""
+    returns plain dicts/dataclasses, never entities. Call them through ``Deps.transaction``."""
 
     def __init__(self, path: Path | str):
         self.db = orm.Database()
@@ -2311,7 +2311,7 @@ class Store:
 
     # --- plumbing ----------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
+    def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
         """Run ``fn`` in one db_session; events it emitted are numbered last, then committed.
         Returns (result, whether events were written)."""
         self._pending_events = []
@@ -2795,7 +2795,7 @@ class Store:
         settled = [str(s) for s in SETTLED_RUN_STATUSES]
         return [r.id for r in self.db.Run.select(lambda r: r.status in settled and not r.notified)]
 
-    def _raise(self, kind: str, title: str, detail: str | None, now: datetime, *,
+    def raise_attention(self, kind: str, title: str, detail: str | None, now: datetime, *,
                schedule_id: str | None, run_id: str | None) -> None:
         aid = new_id("att")
         self.db.Attention(id=aid, kind=kind, schedule_id=schedule_id, run_id=run_id, title=title,
@@ -2819,8 +2819,8 @@ class Store:
                    "changes_returned": f"branch {r.result_branch}", "succeeded": (r.result or {}).get("summary")}
         for kind in attention_kinds(r.notify, status, r.commits):
             detail = details[kind]
-            self._raise(kind, titles[kind], detail if isinstance(detail, str) else None, now,
-                        schedule_id=s.id if s else None, run_id=r.id)
+            self.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
+                                 schedule_id=s.id if s else None, run_id=r.id)
         if s is None:
             return
         s.failure_streak = next_failure_streak(s.failure_streak, status)
@@ -2828,9 +2828,10 @@ class Store:
             s.enabled, s.auto_paused = False, True
             s.revision += 1
             s.updated_at = naive(now)
-            self._raise("auto_pause", f"Schedule '{s.name}' was paused after {s.failure_streak} failures in a row",
-                        "Inspect its failed runs, fix the definition or repository, then resume it.", now,
-                        schedule_id=s.id, run_id=r.id)
+            self.raise_attention("auto_pause",
+                                 f"Schedule '{s.name}' was paused after {s.failure_streak} failures in a row",
+                                 "Inspect its failed runs, fix the definition or repository, then resume it.", now,
+                                 schedule_id=s.id, run_id=r.id)
             self.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
                                               "revision": s.revision}, now)
 
@@ -3320,7 +3321,7 @@ class Store:
     def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
         a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
                              requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
-        self._raise("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None, run_id=None)
+        self.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None, run_id=None)
         self.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
         return a
 
@@ -3564,8 +3565,9 @@ class Store:
         for wakeup_id in self._claimable_wakeups(now, 1):
             w = self.db.Wakeup[wakeup_id]
             self._end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
-            self._raise("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched", error[:500], now,
-                        schedule_id=None, run_id=None)
+            self.raise_attention("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched", error[:500],
+                                 now,
+                                 schedule_id=None, run_id=None)
             return wakeup_id
         return None
 
@@ -3659,9 +3661,9 @@ class Store:
             self._end_wakeup(w, "skipped", now, note=blocked)
             self._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                            wakeup_id=w.id, detail=blocked)
-            self._raise("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
-                        "Raise the budget or wait, then set the agent back to idle.", now,
-                        schedule_id=None, run_id=None)
+            self.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
+                                 "Raise the budget or wait, then set the agent back to idle.", now,
+                                 schedule_id=None, run_id=None)
             return None
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge).
         agent_id, scope = agent.id, w.task_id
@@ -3743,8 +3745,9 @@ class Store:
         self._end_wakeup(w, "failed", now, note=f"failed {w.retry_count} times; escalated")
         agent = self.db.Agent.get(id=w.agent_id)
         name = agent.name if agent else w.agent_id
-        self._raise("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})", error[:ERROR_TAIL_BYTES],
-                    now, schedule_id=None, run_id=w.run_id)
+        self.raise_attention("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})",
+                             error[:ERROR_TAIL_BYTES],
+                             now, schedule_id=None, run_id=w.run_id)
         for c in self._coordinators(w.workspace_id, w.agent_id):
             self.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
                                 {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
@@ -4665,9 +4668,9 @@ class Deps:
     def profiles(self) -> dict[str, AgentProfile]:
         return {a.name: a for a in self.config.agents}
 
-    async def db(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one store function in its own transaction on the one writer thread."""
-        call = functools.partial(self.store.run, fn, *args, **kwargs)
+        call = functools.partial(self.store.transaction, fn, *args, **kwargs)
         try:
             if self.inline_db:
                 result, wrote = call()
@@ -4683,11 +4686,11 @@ class Deps:
             self.hub.poke()
         return result
 
-    async def db_retrying(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def transaction_retrying(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call an actor must make: waits out a locked or full database."""
         while True:
             try:
-                return await self.db(fn, *args, **kwargs)
+                return await self.transaction(fn, *args, **kwargs)
             except StoreUnavailable as exc:
                 log.warning("%s: %s; retrying in %.0f s", fn.__name__, exc.detail, STORE_RETRY_S)
                 await trio.sleep(STORE_RETRY_S)
@@ -4703,9 +4706,9 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
     """Fire step 2: record the exact commit each new run will use. A ref that does not
     resolve is left for the supervisor, which fails the run with the reason."""
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
-        for run_id, repository, ref in await deps.db(deps.store.unresolved_runs, run_ids):
+        for run_id, repository, ref in await deps.transaction(deps.store.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
-                await deps.db(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
+                await deps.transaction(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
 
 
 async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
@@ -4745,19 +4748,19 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
             now = deps.clock.now()
-            queued = await deps.db_retrying(deps.store.claim_due, now)
+            queued = await deps.transaction_retrying(deps.store.claim_due, now)
             if queued:
                 clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
                 resolving.start_soon(resolve_and_admit, deps, queued)
             try:
-                fired = await deps.db_retrying(deps.store.claim_due_routines, now)
+                fired = await deps.transaction_retrying(deps.store.claim_due_routines, now)
             except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
                 clog.exception("claiming routine ticks failed; skipping the due ticks")
-                fired = await deps.db_retrying(deps.store.skip_due_routines, now, f"{type(exc).__name__}: {exc}"[:300])
+                fired = await deps.transaction_retrying(deps.store.skip_due_routines, now, f"{type(exc).__name__}: {exc}"[:300])
             if fired:
                 clog.info("fired %d routine tick(s)", fired)
                 deps.claim_wake.poke()   # their wakeups wait for the dispatcher
-            upcoming = await deps.db_retrying(deps.store.next_fire_at)
+            upcoming = await deps.transaction_retrying(deps.store.next_fire_at)
             wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
@@ -4774,7 +4777,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     async with trio.open_nursery() as runs:
         while True:
             await dispatch_wakeups(deps)
-            for run_id, is_resume in await deps.db_retrying(deps.store.admit_ready, deps.config.max_running,
+            for run_id, is_resume in await deps.transaction_retrying(deps.store.admit_ready, deps.config.max_running,
                                                             deps.clock.now()):
                 if is_resume:
                     live = deps.live.get(run_id)
@@ -4783,7 +4786,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                 else:
                     runs.start_soon(run_supervisor, deps, run_id)
             # Asleep until nudged, or until a scheduled retry, a self-wake or a cooldown comes due.
-            wake_at = await deps.db_retrying(deps.store.next_wakeup_at, deps.clock.now())
+            wake_at = await deps.transaction_retrying(deps.store.next_wakeup_at, deps.clock.now())
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
 
@@ -4793,14 +4796,14 @@ async def dispatch_wakeups(deps: Deps) -> None:
     transaction, until none is left that may be claimed now; their runs join admission."""
     while True:
         try:
-            queued, processed = await deps.db_retrying(deps.store.dispatch_wakeups, deps.clock.now(), deps.profiles)
+            queued, processed = await deps.transaction_retrying(deps.store.dispatch_wakeups, deps.clock.now(), deps.profiles)
         except Exception as exc:   # noqa: BLE001 - a bug in one wakeup must not stop every agent
             log.getChild("office").exception("dispatching wakeups failed; finding the wakeup that fails")
             try:   # one at a time: the batch that failed, without the wakeup that makes it fail
-                queued, processed = await deps.db_retrying(deps.store.dispatch_wakeups, deps.clock.now(),
+                queued, processed = await deps.transaction_retrying(deps.store.dispatch_wakeups, deps.clock.now(),
                                                            deps.profiles, 1)
             except Exception:   # noqa: BLE001
-                failed = await deps.db_retrying(deps.store.fail_first_claimable, deps.clock.now(),
+                failed = await deps.transaction_retrying(deps.store.fail_first_claimable, deps.clock.now(),
                                                 f"{type(exc).__name__}: {exc}")
                 log.getChild("office").error("wakeup %s failed: it could not be dispatched", failed)
                 queued, processed = [], 1
@@ -4816,7 +4819,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
-    info = await deps.db_retrying(deps.store.launch_info, run_id)
+    info = await deps.transaction_retrying(deps.store.launch_info, run_id)
     workspace = deps.worktree(run_id)
     live = LiveRun(run_id, trio.CancelScope())
     deps.live[run_id] = live
@@ -4824,7 +4827,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     try:
         exit_code, result = None, None
         try:
-            commit = commit or await deps.db_retrying(
+            commit = commit or await deps.transaction_retrying(
                 deps.store.set_resolved_commit, run_id, await resolve_ref(info["repository"], info["source_ref"]))
             profile = deps.config.agent(info["agent"])
             if profile is None:
@@ -4845,7 +4848,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
 
             async def on_spawn(pid: int) -> None:
-                await deps.db_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
+                await deps.transaction_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
 
             done = await run_agent_process(
                 argv, cwd=cwd, env=env,
@@ -4882,7 +4885,7 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
     except LaunchError as exc:
         log.getChild("run").warning("run %s: could not save leftovers: %s", run_id, exc)
     await remove_worktree(info["repository"], workspace) if Path(info["repository"]).is_dir() else None
-    settled = await deps.db_retrying(deps.store.settle_run, run_id, outcome.status, deps.clock.now(),
+    settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome.status, deps.clock.now(),
                             exit_code=exit_code, error=outcome.error, result=result, commits=commits)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
@@ -4897,11 +4900,11 @@ async def recover_at_boot(deps: Deps) -> None:
     (its process group ended first if it is still the same process); queued runs stay
     queued and start normally; half-done idempotent requests are forgotten."""
     rlog = log.getChild("recovery")
-    forgotten = await deps.db_retrying(deps.store.forget_in_flight)
+    forgotten = await deps.transaction_retrying(deps.store.forget_in_flight)
     if forgotten:
         rlog.info("forgot %d in-flight idempotency key(s) of the previous process", forgotten)
-    for run_id in await deps.db_retrying(deps.store.runs_in, ["running", "paused"]):
-        info = await deps.db_retrying(deps.store.launch_info, run_id)
+    for run_id in await deps.transaction_retrying(deps.store.runs_in, ["running", "paused"]):
+        info = await deps.transaction_retrying(deps.store.launch_info, run_id)
         pid = info["pid"]
         if pid and info["pid_started"] and process_start_time(pid) == info["pid_started"]:
             rlog.warning("run %s: ending its surviving process group %d", run_id, pid)
@@ -4923,11 +4926,11 @@ async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) ->
     task_status.started()
     purge_at = trio.current_time() + 3600
     while True:
-        if dispatched := await deps.db_retrying(deps.store.recovery_sweep, deps.clock.now()):
+        if dispatched := await deps.transaction_retrying(deps.store.recovery_sweep, deps.clock.now()):
             log.getChild("recovery").info("recovery sweep dispatched %d unstarted task(s)", dispatched)
             deps.claim_wake.poke()
         if trio.current_time() >= purge_at:
-            await deps.db_retrying(deps.store.purge_expired, deps.clock.now())
+            await deps.transaction_retrying(deps.store.purge_expired, deps.clock.now())
             purge_at += 3600
         await trio.sleep(RECOVERY_SWEEP_S)
 
@@ -4940,8 +4943,8 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
         while True:
             # Every settled run not yet applied, not only the one announced: a message
             # dropped on a full channel, or lost in a crash, costs latency, never an item.
-            for run_id in await deps.db_retrying(deps.store.unnotified_runs):
-                await deps.db_retrying(deps.store.notify_run, run_id, deps.clock.now())
+            for run_id in await deps.transaction_retrying(deps.store.unnotified_runs):
+                await deps.transaction_retrying(deps.store.notify_run, run_id, deps.clock.now())
                 deps.cron_wake.poke()   # an auto-pause changes what the cron actor waits for
             with trio.move_on_after(NOTIFY_SWEEP_S):
                 try:
@@ -5089,7 +5092,7 @@ async def install_heartbeat(deps: Deps, agent_id: str) -> None:
     """A new coordinator gets the "Coordinator heartbeat" routine, in its own transaction: if
     that fails the agent stays created and its page shows the no-scheduled-wake-ups banner."""
     try:
-        await deps.db(deps.store.install_heartbeat, agent_id, deps.clock.now())
+        await deps.transaction(deps.store.install_heartbeat, agent_id, deps.clock.now())
         deps.cron_wake.poke()
     except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
         log.getChild("office").warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
@@ -5146,7 +5149,7 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
         return []
     if not isinstance(raw, list) or len(raw) > 20:
         raise invalid("triggers", "must be a list of at most 20 triggers")
-    tz = (await deps.db(deps.store.office_settings, workspace_id))["timezone"]
+    tz = (await deps.transaction(deps.store.office_settings, workspace_id))["timezone"]
     return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
 
 
@@ -5165,7 +5168,7 @@ def register_dashboard(app, deps: Deps):
     async def render_page(template: str, *, status: int = 200, section: str | None = None, live: bool = False,
                           **context: Any):
         signed_in = bool(getattr(g, "csrf", None))
-        counts = await deps.db(lambda: (store.open_attention_count(), store.latest_cursor())) if signed_in else (0, 0)
+        counts = await deps.transaction(lambda: (store.open_attention_count(), store.latest_cursor())) if signed_in else (0, 0)
         notice = DONE_NOTICES.get(request.args.get("done", ""))
         html = await render_template(template, signed_in=signed_in, csrf=getattr(g, "csrf", None), section=section,
                                      live=live, open_attention=counts[0], cursor=counts[1],
@@ -5186,7 +5189,7 @@ def register_dashboard(app, deps: Deps):
 
     def signed_in_response(target: str):
         async def finish():
-            cookie, _ = await deps.db(store.create_session, deps.clock.now())
+            cookie, _ = await deps.transaction(store.create_session, deps.clock.now())
             response = redirect(target if target.startswith("/") and not target.startswith("//") else "/schedules")
             response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict",
                                 path="/")
@@ -5209,14 +5212,14 @@ def register_dashboard(app, deps: Deps):
 
     @app.get("/signin/<code>")
     async def signin_link(code: str):
-        if not await deps.db(store.use_signin_code, code, deps.clock.now()):
+        if not await deps.transaction(store.use_signin_code, code, deps.clock.now()):
             return await render_page("signin.html", status=401, next="/schedules",
                                      error="This sign-in link was used already or has expired. Paste the token.")
         return await signed_in_response("/schedules")
 
     @app.post("/signout")
     async def signout():
-        await deps.db(store.end_session, request.cookies.get(SESSION_COOKIE, ""))
+        await deps.transaction(store.end_session, request.cookies.get(SESSION_COOKIE, ""))
         response = redirect("/signin")
         response.delete_cookie(SESSION_COOKIE, path="/")
         return response
@@ -5231,7 +5234,7 @@ def register_dashboard(app, deps: Deps):
     async def schedules_page():
         show_archived = request.args.get("archived") == "1"
         page = parse_count(request.args.get("page")) or 1
-        listed = await deps.db(store.schedules_page, show_archived, page)
+        listed = await deps.transaction(store.schedules_page, show_archived, page)
         return await render_page("schedules.html", section="schedules", live=True, **listed,
                                  show_archived=show_archived, page=page,
                                  pages=max(1, math.ceil(listed["total"] / SCHEDULES_PAGE)), per_page=SCHEDULES_PAGE)
@@ -5279,7 +5282,7 @@ def register_dashboard(app, deps: Deps):
         form = await form_data()
         definition = await confirmed_definition(form, None)
         try:
-            created = await deps.db(store.create_schedule, definition, deps.clock.now())
+            created = await deps.transaction(store.create_schedule, definition, deps.clock.now())
         except Conflict as err:
             return await render_page("schedule_form.html", status=409, section="schedules",
                                      **form_context(form_from_definition(definition), errors_by_field(err), edit=None))
@@ -5288,16 +5291,16 @@ def register_dashboard(app, deps: Deps):
 
     @app.get("/schedules/<schedule_id>")
     async def schedule_page(schedule_id: str):
-        schedule = await deps.db(store.get_schedule, schedule_id)
-        ledger = await deps.db(store.occurrences, schedule_id, 50)
-        runs = (await deps.db(store.list_runs, schedule_id, None, 20, None))["runs"]
-        report = await deps.db(store.inspect, schedule_id)
+        schedule = await deps.transaction(store.get_schedule, schedule_id)
+        ledger = await deps.transaction(store.occurrences, schedule_id, 50)
+        runs = (await deps.transaction(store.list_runs, schedule_id, None, 20, None))["runs"]
+        report = await deps.transaction(store.inspect, schedule_id)
         return await render_page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
                                  runs=runs, checks=report["checks"], tz=schedule["timing"]["timezone"])
 
     @app.get("/schedules/<schedule_id>/edit")
     async def edit_schedule_page(schedule_id: str):
-        current = await deps.db(store.schedule_definition, schedule_id)
+        current = await deps.transaction(store.schedule_definition, schedule_id)
         if current["archived"]:
             raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
         edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
@@ -5323,9 +5326,9 @@ def register_dashboard(app, deps: Deps):
         edit = await edit_from(schedule_id, form)
         definition = await confirmed_definition(form, edit["definition"])
         try:
-            await deps.db(store.update_schedule, schedule_id, edit["revision"], definition, deps.clock.now())
+            await deps.transaction(store.update_schedule, schedule_id, edit["revision"], definition, deps.clock.now())
         except RevisionMismatch:
-            current = await deps.db(store.get_schedule, schedule_id)
+            current = await deps.transaction(store.get_schedule, schedule_id)
             fields = sorted(set(DEFINITION_FIELDS))
             diff = [{"field": f, "base": edit["definition"].get(f), "now": current[f], "yours": definition[f]}
                     for f in fields if edit["definition"].get(f) != current[f] or definition[f] != current[f]]
@@ -5344,10 +5347,10 @@ def register_dashboard(app, deps: Deps):
             raise invalid("revision", "the form has no revision; reload the page") from None
         now = deps.clock.now()
         if action == "fire":
-            fired = await deps.db(store.fire_manual, schedule_id, revision, now)
+            fired = await deps.transaction(store.fire_manual, schedule_id, revision, now)
             await after_fire(deps, fired)
             return redirect(f"/schedules/{schedule_id}?done={fired['outcome']}")
-        await deps.db(store.control_schedule, schedule_id, revision, action, now)
+        await deps.transaction(store.control_schedule, schedule_id, revision, action, now)
         deps.cron_wake.poke()
         return redirect(f"/schedules/{schedule_id}?done={action}")
 
@@ -5357,15 +5360,15 @@ def register_dashboard(app, deps: Deps):
     async def runs_page():
         schedule_id = request.args.get("schedule_id") or None
         status = choice_arg(request.args, "status", RunStatus)
-        page = await deps.db(store.list_runs, schedule_id, status, 50, request.args.get("before") or None)
+        page = await deps.transaction(store.list_runs, schedule_id, status, 50, request.args.get("before") or None)
         return await render_page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
-                                 schedules=await deps.db(store.schedule_zones), schedule_id=schedule_id,
+                                 schedules=await deps.transaction(store.schedule_zones), schedule_id=schedule_id,
                                  status=status, statuses=[s.value for s in RunStatus])
 
     @app.get("/runs/<run_id>")
     async def run_page(run_id: str):
-        run = await deps.db(store.get_run, run_id)
-        zones_by_schedule = await deps.db(store.schedule_zones)
+        run = await deps.transaction(store.get_run, run_id)
+        zones_by_schedule = await deps.transaction(store.schedule_zones)
         name, tz = zones_by_schedule.get(run["schedule_id"], ("dispatch", "UTC"))
         log_text, log_size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
         changes = ""
@@ -5380,7 +5383,7 @@ def register_dashboard(app, deps: Deps):
         action = (await form_data()).get("action", "")
         if action == "pause" and not pausable(deps, run_id):
             raise Conflict(f"run {run_id} has no running process to pause")
-        await deps.db(store.control_run, run_id, action, deps.clock.now())
+        await deps.transaction(store.control_run, run_id, action, deps.clock.now())
         signal_run(deps, run_id, action)
         notice = {"cancel": "cancel", "pause": "run_pause", "resume": "resume_run"}.get(action, "")
         return redirect(f"/runs/{run_id}?done={notice}")
@@ -5389,20 +5392,20 @@ def register_dashboard(app, deps: Deps):
 
     @app.get("/attention")
     async def attention_page():
-        items = await deps.db(store.list_attention, False)
+        items = await deps.transaction(store.list_attention, False)
         open_items = [a for a in items if not a["acknowledged_at"]]
         done_items = [a for a in items if a["acknowledged_at"]][:50]
         return await render_page("attention.html", section="attention", live=True, open_items=open_items,
-                                 done_items=done_items, schedules=await deps.db(store.schedule_zones))
+                                 done_items=done_items, schedules=await deps.transaction(store.schedule_zones))
 
     @app.post("/attention/<attention_id>/ack")
     async def attention_ack(attention_id: str):
-        await deps.db(store.ack_attention, attention_id, deps.clock.now())
+        await deps.transaction(store.ack_attention, attention_id, deps.clock.now())
         return redirect("/attention?done=acked")
 
     @app.post("/attention/ack-all")
     async def attention_ack_all():
-        await deps.db(store.ack_all_attention, deps.clock.now())
+        await deps.transaction(store.ack_all_attention, deps.clock.now())
         return redirect("/attention?done=acked_all")
 
     # --- Office: agents, the task board, wakeups, run inspection, settings -------------------------
@@ -5414,7 +5417,7 @@ def register_dashboard(app, deps: Deps):
         def common():
             return {"settings": store.office_settings(None),
                     "agents_by_id": {a["id"]: a for a in store.list_agents(None)}}
-        shared = await deps.db(common)
+        shared = await deps.transaction(common)
         return await render_page(template, status=status, section="office", live=live, tab=tab,
                                  tz=shared["settings"]["timezone"], profiles=profile_names,
                                  task_states=list(TaskState), **shared, **context)
@@ -5456,7 +5459,7 @@ def register_dashboard(app, deps: Deps):
                                  status: int = 200):
         def data():
             return store.list_agents(None), store.wakeups_by_agent("claimed"), store.wakeups_by_agent("queued")
-        agents, active, queued = await deps.db(data)
+        agents, active, queued = await deps.transaction(data)
         return await office_page("office_agents.html", tab="agents", status=status, agents=agents, active=active,
                                  queued=queued, form=form or {}, errors=errors or {})
 
@@ -5464,7 +5467,7 @@ def register_dashboard(app, deps: Deps):
     async def office_agents_create():
         async def create(form):
             fields = normalize_agent(agent_form(form), profiles=profile_names)
-            agent = await deps.db(store.create_agent, None, fields, deps.clock.now())
+            agent = await deps.transaction(store.create_agent, None, fields, deps.clock.now())
             if fields["role"] == "coordinator":
                 await install_heartbeat(deps, agent["id"])
             return f"/office/agents/{agent['id']}?done=agent_created"
@@ -5477,7 +5480,7 @@ def register_dashboard(app, deps: Deps):
             return (store.get_agent(agent_id), store.agent_runs(agent_id, 30),
                     store.list_wakeups(None, agent_id, None, None, 30), store.summary_of(agent_id),
                     store.list_tasks(None, agent_id), store.scheduled_wakeups(agent_id))
-        agent, runs, wakeups, summaries, tasks, scheduled = await deps.db(data)
+        agent, runs, wakeups, summaries, tasks, scheduled = await deps.transaction(data)
         return await office_page("office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
                                  wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks,
                                  scheduled_wakeups=scheduled, form=form or agent,
@@ -5486,9 +5489,9 @@ def register_dashboard(app, deps: Deps):
     @app.post("/office/agents/<agent_id>")
     async def office_agent_save(agent_id: str):
         async def save(form):
-            current = await deps.db(store.agent_fields, agent_id)
+            current = await deps.transaction(store.agent_fields, agent_id)
             fields = normalize_agent(agent_form(form), profiles=profile_names, current=current)
-            await deps.db(store.update_agent, agent_id, fields, deps.clock.now())
+            await deps.transaction(store.update_agent, agent_id, fields, deps.clock.now())
             return f"/office/agents/{agent_id}?done=agent_updated"
         return await office_form(save, functools.partial(office_agent_page, agent_id))
 
@@ -5496,7 +5499,7 @@ def register_dashboard(app, deps: Deps):
     async def office_agent_wake(agent_id: str):
         async def wake(form):
             context = _text(form, "context", 0, 20000, "") or None
-            await deps.db(store.wake_agent, agent_id, WakeupSource.USER, {"user_id": "dashboard", "context": context},
+            await deps.transaction(store.wake_agent, agent_id, WakeupSource.USER, {"user_id": "dashboard", "context": context},
                           deps.clock.now())
             return f"/office/agents/{agent_id}?done=woken"
         return await office_form(wake, functools.partial(office_agent_page, agent_id))
@@ -5516,7 +5519,7 @@ def register_dashboard(app, deps: Deps):
     async def office_board(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                            status: int = 200):
         show_routine = request.args.get("routine") == "1"
-        tasks = await deps.db(store.list_tasks, None)
+        tasks = await deps.transaction(store.list_tasks, None)
         hidden = sum(t["workflow"] == "routine" for t in tasks)
         shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
         columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
@@ -5529,7 +5532,7 @@ def register_dashboard(app, deps: Deps):
         async def create(form):
             raw = task_form(form, ("title", "description", "assignee_agent_id", "parent_id", "blocked_by",
                                    "requires_approval"))
-            task = await deps.db(store.create_task, None, normalize_task(raw, profiles=profile_names),
+            task = await deps.transaction(store.create_task, None, normalize_task(raw, profiles=profile_names),
                                  deps.clock.now())
             return f"/office/tasks/{task['id']}?done=task_created"
         return await office_form(create, office_board)
@@ -5540,7 +5543,7 @@ def register_dashboard(app, deps: Deps):
         def data():
             return (store.get_task(task_id), store.list_tasks(None),
                     store.list_wakeups(None, None, None, None, 200, task_id))
-        task, tasks, wakeups = await deps.db(data)
+        task, tasks, wakeups = await deps.transaction(data)
         return await office_page("office_task.html", tab="board", status=status, task=task, tasks=tasks,
                                  titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
                                  form=form or {}, errors=errors or {})
@@ -5550,8 +5553,8 @@ def register_dashboard(app, deps: Deps):
         async def save(form):
             raw = task_form(form, ("title", "description", "assignee_agent_id", "blocked_by", "requires_approval",
                                    "executor"))
-            current = await deps.db(store.task_fields, task_id)
-            await deps.db(store.update_task, task_id, normalize_task(raw, profiles=profile_names, current=current),
+            current = await deps.transaction(store.task_fields, task_id)
+            await deps.transaction(store.update_task, task_id, normalize_task(raw, profiles=profile_names, current=current),
                           deps.clock.now())
             return f"/office/tasks/{task_id}?done=task_updated"
         return await office_form(save, functools.partial(office_task_page, task_id))
@@ -5559,7 +5562,7 @@ def register_dashboard(app, deps: Deps):
     @app.post("/office/tasks/<task_id>/move")
     async def office_task_move(task_id: str):
         async def move(form):
-            await deps.db(store.move_task, task_id, form.get("state", ""), deps.clock.now())
+            await deps.transaction(store.move_task, task_id, form.get("state", ""), deps.clock.now())
             return form.get("next") if form.get("next") == "/office/board" else f"/office/tasks/{task_id}?done=moved"
         return await office_form(move, functools.partial(office_task_page, task_id))
 
@@ -5569,14 +5572,14 @@ def register_dashboard(app, deps: Deps):
             body = _text(form, "body", 1, 20000)
             if not body.strip():
                 raise invalid("body", "write something first")
-            await deps.db(store.add_comment, task_id, body, deps.clock.now())
+            await deps.transaction(store.add_comment, task_id, body, deps.clock.now())
             return f"/office/tasks/{task_id}?done=commented#comments"
         return await office_form(comment, functools.partial(office_task_page, task_id))
 
     @app.post("/office/approvals/<approval_id>/resolve")
     async def office_approval_resolve(approval_id: str):
         form = await form_data()
-        approval = await deps.db(store.resolve_approval, approval_id, form.get("status", ""),
+        approval = await deps.transaction(store.resolve_approval, approval_id, form.get("status", ""),
                                  _text(form, "decision_note", 0, 20000, ""), deps.clock.now())
         deps.claim_wake.poke()
         return redirect(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
@@ -5585,13 +5588,13 @@ def register_dashboard(app, deps: Deps):
     async def office_wakeups_page():
         agent_id = request.args.get("agent_id") or None
         status = choice_arg(request.args, "status", WakeupStatus)
-        wakeups = await deps.db(store.list_wakeups, None, agent_id, status, None, 200)
+        wakeups = await deps.transaction(store.list_wakeups, None, agent_id, status, None, 200)
         return await office_page("office_wakeups.html", tab="wakeups", wakeups=wakeups, agent_id=agent_id,
                                  status_filter=status, statuses=list(WakeupStatus))
 
     @app.get("/office/runs/<run_id>")
     async def office_run_page(run_id: str):
-        run = await deps.db(store.office_run, run_id)
+        run = await deps.transaction(store.office_run, run_id)
         log_text, log_size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
         return await office_page("office_run.html", tab="agents", live=run["status"] in ("queued", "running", "paused"),
                                  run=run, log_text=log_text, log_size=log_size)
@@ -5599,7 +5602,7 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/activity")
     async def office_activity_page():
         code = request.args.get("code") or None
-        activity = await deps.db(store.list_activity, None, code, 200, empty_sweeps=code is not None)
+        activity = await deps.transaction(store.list_activity, None, code, 200, empty_sweeps=code is not None)
         return await office_page("office_activity.html", tab="activity", activity=activity, code=code)
 
 
@@ -5635,7 +5638,7 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/routines")
     async def office_routines_page(form: Any = None, errors: dict[str, str] | None = None, status: int = 200):
         return await office_page("office_routines.html", tab="routines", status=status, zones=zones,
-                                 routines=await deps.db(store.list_routines, None), form=form or {},
+                                 routines=await deps.transaction(store.list_routines, None), form=form or {},
                                  errors=errors or {})
 
     @app.post("/office/routines")
@@ -5643,7 +5646,7 @@ def register_dashboard(app, deps: Deps):
         async def create(form):
             raw, triggers = routine_form(form)
             checked = await checked_triggers(deps, triggers, None)
-            routine = await deps.db(store.create_routine, None, normalize_routine(raw), checked, deps.clock.now())
+            routine = await deps.transaction(store.create_routine, None, normalize_routine(raw), checked, deps.clock.now())
             deps.cron_wake.poke()
             g.new_routine = routine["id"], {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
             return f"/office/routines/{routine['id']}?done=routine_created"
@@ -5656,7 +5659,7 @@ def register_dashboard(app, deps: Deps):
     @app.get("/office/routines/<routine_id>")
     async def office_routine_page(routine_id: str, form: Any = None, errors: dict[str, str] | None = None,
                                   status: int = 200, new_secrets: dict[str, str] | None = None):
-        routine = await deps.db(store.get_routine, routine_id)
+        routine = await deps.transaction(store.get_routine, routine_id)
         return await office_page("office_routine.html", tab="routines", status=status, live=False, zones=zones,
                                  routine=routine, base_url=request.host_url.rstrip("/"), form=form,
                                  errors=errors or {}, new_secrets=new_secrets or {})
@@ -5666,8 +5669,8 @@ def register_dashboard(app, deps: Deps):
         async def save(form):
             raw, _ = routine_form(form)
             raw["status"] = form.get("status", "active")
-            current = await deps.db(store.routine_fields, routine_id)
-            await deps.db(store.update_routine, routine_id, normalize_routine(raw, current=current), deps.clock.now())
+            current = await deps.transaction(store.routine_fields, routine_id)
+            await deps.transaction(store.update_routine, routine_id, normalize_routine(raw, current=current), deps.clock.now())
             deps.cron_wake.poke()
             return f"/office/routines/{routine_id}?done=routine_updated"
         return await office_form(save, functools.partial(office_routine_page, routine_id))
@@ -5675,16 +5678,16 @@ def register_dashboard(app, deps: Deps):
     @app.post("/office/routines/<routine_id>/status")
     async def office_routine_status(routine_id: str):
         form = await form_data()
-        current = await deps.db(store.routine_fields, routine_id)
+        current = await deps.transaction(store.routine_fields, routine_id)
         fields = normalize_routine({"status": form.get("status", "")}, current=current)
-        await deps.db(store.update_routine, routine_id, fields, deps.clock.now())
+        await deps.transaction(store.update_routine, routine_id, fields, deps.clock.now())
         deps.cron_wake.poke()
         return redirect(form.get("next") if form.get("next") == "/office/routines" else
                         f"/office/routines/{routine_id}?done=routine_updated")
 
     @app.post("/office/routines/<routine_id>/delete")
     async def office_routine_delete(routine_id: str):
-        await deps.db(store.delete_routine, routine_id, deps.clock.now())
+        await deps.transaction(store.delete_routine, routine_id, deps.clock.now())
         deps.cron_wake.poke()
         return redirect("/office/routines?done=routine_deleted")
 
@@ -5692,7 +5695,7 @@ def register_dashboard(app, deps: Deps):
     async def office_routine_fire(routine_id: str):
         async def fire(form):
             variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
-            run = await deps.db(store.fire_routine, routine_id, None, "manual", variables, deps.clock.now())
+            run = await deps.transaction(store.fire_routine, routine_id, None, "manual", variables, deps.clock.now())
             return f"/office/routines/{routine_id}?done=fired_{run['status']}"
         return await office_form(fire, functools.partial(office_routine_page, routine_id))
 
@@ -5705,7 +5708,7 @@ def register_dashboard(app, deps: Deps):
             elif raw["kind"] == "webhook":
                 raw["signing_mode"] = form.get("signing_mode", "hmac_sha256")
             (checked,) = await checked_triggers(deps, [raw], None)
-            trigger = await deps.db(store.add_trigger, routine_id, checked, deps.clock.now())
+            trigger = await deps.transaction(store.add_trigger, routine_id, checked, deps.clock.now())
             deps.cron_wake.poke()
             g.new_secrets = {trigger["id"]: trigger["secret"]} if trigger.get("secret") else {}
             return f"/office/routines/{routine_id}?done=trigger_added"
@@ -5716,13 +5719,13 @@ def register_dashboard(app, deps: Deps):
 
     @app.post("/office/routines/<routine_id>/triggers/<trigger_id>/delete")
     async def office_routine_delete_trigger(routine_id: str, trigger_id: str):
-        await deps.db(store.delete_trigger, routine_id, trigger_id, deps.clock.now())
+        await deps.transaction(store.delete_trigger, routine_id, trigger_id, deps.clock.now())
         deps.cron_wake.poke()
         return redirect(f"/office/routines/{routine_id}?done=trigger_deleted")
 
     @app.post("/office/routines/<routine_id>/triggers/<trigger_id>/rotate")
     async def office_routine_rotate(routine_id: str, trigger_id: str):
-        trigger = await deps.db(store.rotate_secret, routine_id, trigger_id, deps.clock.now())
+        trigger = await deps.transaction(store.rotate_secret, routine_id, trigger_id, deps.clock.now())
         return await office_routine_page(routine_id, new_secrets={trigger_id: trigger["secret"]})
 
     @app.get("/office/settings")
@@ -5742,8 +5745,8 @@ def register_dashboard(app, deps: Deps):
                 if text and parse_count(text) is None:
                     raise invalid(key, "must be a whole number")
                 raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
-            current = await deps.db(store.office_settings, None)
-            await deps.db(store.update_office_settings, None,
+            current = await deps.transaction(store.office_settings, None)
+            await deps.transaction(store.update_office_settings, None,
                           normalize_settings(raw, profiles=profile_names, current=current))
             return "/office/settings?done=settings_saved"
         return await office_form(save, office_settings_page)
@@ -5785,7 +5788,7 @@ def create_app(deps: Deps):
         auth = request.headers.get("Authorization")
         if path.startswith("/api/agent/"):   # only a live Office run's own token speaks for an agent
             run_id = run_of_token(deps.run_token_key, bearer(auth))
-            g.agent = run_id and await deps.db(store.run_agent_context, run_id)
+            g.agent = run_id and await deps.transaction(store.run_agent_context, run_id)
             if not g.agent:
                 raise Unauthorized("the agent API takes the run token of a running Office run ($OUTPOST_RUN_TOKEN)")
             return None
@@ -5795,7 +5798,7 @@ def create_app(deps: Deps):
                 raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
             return None
         cookie = request.cookies.get(SESSION_COOKIE)
-        g.csrf = cookie and await deps.db(store.session_csrf, cookie, deps.clock.now())
+        g.csrf = cookie and await deps.transaction(store.session_csrf, cookie, deps.clock.now())
         if not g.csrf:
             if path.startswith("/v1/outpost/"):
                 raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
@@ -5887,7 +5890,7 @@ def create_app(deps: Deps):
                 raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
             body = await request.get_data(cache=True)
             fingerprint = request_fingerprint(request.method, request.full_path.rstrip("?"), body)
-            replay = await deps.db(store.begin_idempotent, key, fingerprint, deps.clock.now())
+            replay = await deps.transaction(store.begin_idempotent, key, fingerprint, deps.clock.now())
             if replay is not None:
                 status, stored = replay
                 response = json_response(stored["body"], status, {**stored["headers"], "Idempotent-Replayed": "true"})
@@ -5900,14 +5903,14 @@ def create_app(deps: Deps):
             except (PreconditionRequired, RevisionMismatch, StoreUnavailable) as err:
                 # Nothing happened and the fix is a header or a retry: the retry may reuse the key.
                 with contextlib.suppress(StoreUnavailable):
-                    await deps.db(store.abandon_idempotent, key)
+                    await deps.transaction(store.abandon_idempotent, key)
                 return problem_response(err)
             except OutpostError as err:
-                await deps.db(store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
+                await deps.transaction(store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
                 return problem_response(err)
             except BaseException:
                 with trio.CancelScope(shield=True):
-                    await deps.db(store.abandon_idempotent, key)
+                    await deps.transaction(store.abandon_idempotent, key)
                 raise
             finally:
                 _idempotency.reset(token)
@@ -5924,7 +5927,7 @@ def create_app(deps: Deps):
             if key is not None:
                 store.finish_idempotent(key, status, {"body": body, "headers": extra})
             return body, extra
-        body, extra = await deps.db(action)
+        body, extra = await deps.transaction(action)
         return json_response(body, status, extra)
 
     def etag(view: dict[str, Any]) -> dict[str, str]:
@@ -5955,7 +5958,7 @@ def create_app(deps: Deps):
         current = None
         if "schedule_id" in raw:
             changes = dict(raw)
-            current = (await deps.db(store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
+            current = (await deps.transaction(store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
             raw = merge_changes(current, changes)
         definition = await checked_definition(deps, raw, current)
         after = now
@@ -5989,11 +5992,11 @@ def create_app(deps: Deps):
     @app.get("/v1/outpost/schedules")
     async def list_schedules():
         include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
-        return json_response({"schedules": await deps.db(store.list_schedules, include)})
+        return json_response({"schedules": await deps.transaction(store.list_schedules, include)})
 
     @app.get("/v1/outpost/schedules/<schedule_id>")
     async def get_schedule(schedule_id: str):
-        view = await deps.db(store.get_schedule, schedule_id)
+        view = await deps.transaction(store.get_schedule, schedule_id)
         return json_response(view, headers=etag(view))
 
     @app.patch("/v1/outpost/schedules/<schedule_id>")
@@ -6001,7 +6004,7 @@ def create_app(deps: Deps):
     async def patch_schedule(schedule_id: str):
         revision = parse_if_match(request.headers.get("If-Match"))
         raw = body_object(await body_json())
-        current = await deps.db(store.schedule_definition, schedule_id)
+        current = await deps.transaction(store.schedule_definition, schedule_id)
         if current["archived"]:
             raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
         definition = await checked_definition(deps, merge_changes(current["definition"], raw.get("changes")),
@@ -6031,28 +6034,28 @@ def create_app(deps: Deps):
     @app.get("/v1/outpost/schedules/<schedule_id>/occurrences")
     async def schedule_occurrences(schedule_id: str):
         limit = int_arg("limit", 100, 1, 1000)
-        return json_response({"occurrences": await deps.db(store.occurrences, schedule_id, limit)})
+        return json_response({"occurrences": await deps.transaction(store.occurrences, schedule_id, limit)})
 
     @app.get("/v1/outpost/schedules/<schedule_id>/inspect")
     async def inspect_schedule(schedule_id: str):
-        return json_response(await deps.db(store.inspect, schedule_id))
+        return json_response(await deps.transaction(store.inspect, schedule_id))
 
     # --- runs and dispatches -----------------------------------------------------------------
 
     @app.get("/v1/outpost/runs")
     async def list_runs():
         status = choice_arg(request.args, "status", RunStatus)
-        return json_response(await deps.db(store.list_runs, request.args.get("schedule_id") or None, status,
+        return json_response(await deps.transaction(store.list_runs, request.args.get("schedule_id") or None, status,
                                            int_arg("limit", 50, 1, 500), request.args.get("before") or None))
 
     @app.get("/v1/outpost/runs/<run_id>")
     async def get_run(run_id: str):
-        return json_response(await deps.db(store.get_run, run_id))
+        return json_response(await deps.transaction(store.get_run, run_id))
 
     @app.get("/v1/outpost/runs/<run_id>/log")
     async def run_log(run_id: str):
         from quart import Response
-        await deps.db(store.get_run, run_id)
+        await deps.transaction(store.get_run, run_id)
         text, size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id), int_arg("offset", 0, 0, 2**40))
         return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
 
@@ -6071,7 +6074,7 @@ def create_app(deps: Deps):
         if action not in ("cancel", "pause", "resume"):
             raise invalid("action", "must be cancel, pause or resume")
         if action == "pause" and not pausable(deps, run_id):
-            await deps.db(store.get_run, run_id)   # 404 for an unknown run
+            await deps.transaction(store.get_run, run_id)   # 404 for an unknown run
             raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
         response = await commit_idempotent(store.control_run, run_id, action, deps.clock.now())
         signal_run(deps, run_id, action)
@@ -6094,7 +6097,7 @@ def create_app(deps: Deps):
         state = request.args.get("state", "open")
         if state not in ("open", "all"):
             raise invalid("state", "must be open or all")
-        return json_response({"attention": await deps.db(store.list_attention, state == "open")})
+        return json_response({"attention": await deps.transaction(store.list_attention, state == "open")})
 
     @app.post("/v1/outpost/attention/<attention_id>/ack")
     @idempotent
@@ -6104,7 +6107,7 @@ def create_app(deps: Deps):
     @app.get("/v1/outpost/events")
     async def events():
         after = int_arg("after", 0, 0, 2**62)
-        return json_response(await deps.db(store.events_after, after, int_arg("limit", 100, 1, 1000)))
+        return json_response(await deps.transaction(store.events_after, after, int_arg("limit", 100, 1, 1000)))
 
     @app.get("/v1/outpost/events/stream")
     async def event_stream():
@@ -6114,13 +6117,13 @@ def create_app(deps: Deps):
         if last and cursor is None:
             raise invalid("after", "must be an event cursor (a whole number)")
         if cursor is None:
-            cursor = await deps.db(store.latest_cursor)
+            cursor = await deps.transaction(store.latest_cursor)
 
         async def stream():
             nonlocal cursor
             yield b"retry: 2000\n\n"
             while True:
-                page = await deps.db(store.events_after, cursor, 200)
+                page = await deps.transaction(store.events_after, cursor, 200)
                 for event in page["events"]:
                     yield (f"id: {event['cursor']}\nevent: {event['type']}\n"
                            f"data: {json.dumps(event)}\n\n").encode()
@@ -6139,7 +6142,7 @@ def create_app(deps: Deps):
 
     @app.get("/v1/outpost/snapshot")
     async def snapshot():
-        return json_response(await deps.db(store.snapshot))
+        return json_response(await deps.transaction(store.snapshot))
 
 
     # --- Office API (API.md 7): workspaces, agents, tasks, approvals, the wakeup queue ---------------
@@ -6168,7 +6171,7 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/workspaces")
     async def office_workspaces():
-        return json_response({"workspaces": await deps.db(store.list_workspaces)})
+        return json_response({"workspaces": await deps.transaction(store.list_workspaces)})
 
     @app.post("/api/office/workspaces")
     @idempotent
@@ -6179,7 +6182,7 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/projects")
     async def office_projects():
-        return json_response({"projects": await deps.db(store.list_projects, workspace_arg())})
+        return json_response({"projects": await deps.transaction(store.list_projects, workspace_arg())})
 
     @app.post("/api/office/projects")
     @idempotent
@@ -6193,7 +6196,7 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/agents")
     async def office_agents():
-        return json_response({"agents": await deps.db(store.list_agents, workspace_arg())})
+        return json_response({"agents": await deps.transaction(store.list_agents, workspace_arg())})
 
     @app.post("/api/office/agents")
     @idempotent
@@ -6212,18 +6215,18 @@ def create_app(deps: Deps):
             view = store.get_agent(agent_id)
             view["continuation_summaries"] = store.summary_of(agent_id)
             return view
-        return json_response(await deps.db(detail))
+        return json_response(await deps.transaction(detail))
 
     @app.patch("/api/office/agents/<agent_id>")
     @idempotent
     async def office_patch_agent(agent_id: str):
         raw = body_object(await body_json())
-        fields = normalize_agent(raw, profiles=profile_names, current=await deps.db(store.agent_fields, agent_id))
+        fields = normalize_agent(raw, profiles=profile_names, current=await deps.transaction(store.agent_fields, agent_id))
         return await office_write(store.update_agent, agent_id, fields, deps.clock.now())
 
     @app.get("/api/office/agents/<agent_id>/runs")
     async def office_agent_runs(agent_id: str):
-        return json_response({"runs": await deps.db(store.agent_runs, agent_id, int_arg("limit", 50, 1, 500))})
+        return json_response({"runs": await deps.transaction(store.agent_runs, agent_id, int_arg("limit", 50, 1, 500))})
 
     @app.post("/api/office/agents/<agent_id>/wake")
     @idempotent
@@ -6238,7 +6241,7 @@ def create_app(deps: Deps):
     async def office_tasks():
         state = choice_arg(request.args, "state", TaskState)
         include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
-        return json_response({"tasks": await deps.db(store.list_tasks, workspace_arg(),
+        return json_response({"tasks": await deps.transaction(store.list_tasks, workspace_arg(),
                                                      request.args.get("assignee_agent_id"), state, include)})
 
     @app.post("/api/office/tasks")
@@ -6250,13 +6253,13 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/tasks/<task_id>")
     async def office_task(task_id: str):
-        return json_response(await deps.db(store.get_task, task_id))
+        return json_response(await deps.transaction(store.get_task, task_id))
 
     @app.patch("/api/office/tasks/<task_id>")
     @idempotent
     async def office_patch_task(task_id: str):
         raw = body_object(await body_json())
-        fields = normalize_task(raw, profiles=profile_names, current=await deps.db(store.task_fields, task_id))
+        fields = normalize_task(raw, profiles=profile_names, current=await deps.transaction(store.task_fields, task_id))
         return await office_write(store.update_task, task_id, fields, deps.clock.now())
 
     @app.post("/api/office/tasks/<task_id>/move")
@@ -6277,7 +6280,7 @@ def create_app(deps: Deps):
     @app.get("/api/office/approvals")
     async def office_approvals():
         status = choice_arg(request.args, "status", ("pending", "approved", "rejected"))
-        return json_response({"approvals": await deps.db(store.list_approvals, workspace_arg(), status)})
+        return json_response({"approvals": await deps.transaction(store.list_approvals, workspace_arg(), status)})
 
     @app.post("/api/office/approvals/<approval_id>/resolve")
     @idempotent
@@ -6291,28 +6294,28 @@ def create_app(deps: Deps):
     async def office_wakeups():
         status = choice_arg(request.args, "status", WakeupStatus)
         source = choice_arg(request.args, "source", WakeupSource)
-        return json_response({"wakeups": await deps.db(store.list_wakeups, workspace_arg(),
+        return json_response({"wakeups": await deps.transaction(store.list_wakeups, workspace_arg(),
                                                        request.args.get("agent_id"), status, source,
                                                        int_arg("limit", 100, 1, 1000))})
 
     @app.get("/api/office/runs/<run_id>")
     async def office_run(run_id: str):
-        return json_response(await deps.db(store.office_run, run_id))
+        return json_response(await deps.transaction(store.office_run, run_id))
 
     @app.get("/api/office/activity")
     async def office_activity():
-        return json_response({"activity": await deps.db(store.list_activity, workspace_arg(),
+        return json_response({"activity": await deps.transaction(store.list_activity, workspace_arg(),
                                                         request.args.get("code"), int_arg("limit", 100, 1, 1000))})
 
     @app.get("/api/office/settings")
     async def office_settings():
-        return json_response(await deps.db(store.office_settings, workspace_arg()))
+        return json_response(await deps.transaction(store.office_settings, workspace_arg()))
 
     @app.patch("/api/office/settings")
     @idempotent
     async def office_patch_settings():
         raw = body_object(await body_json())
-        current = await deps.db(store.office_settings, workspace_arg())
+        current = await deps.transaction(store.office_settings, workspace_arg())
         settings = normalize_settings(raw, profiles=profile_names, current=current)
         return await office_write(store.update_office_settings, workspace_arg(), settings)
 
@@ -6326,7 +6329,7 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/routines")
     async def office_routines():
-        return json_response({"routines": await deps.db(store.list_routines, workspace_arg())})
+        return json_response({"routines": await deps.transaction(store.list_routines, workspace_arg())})
 
     @app.post("/api/office/routines")
     @idempotent
@@ -6340,13 +6343,13 @@ def create_app(deps: Deps):
 
     @app.get("/api/office/routines/<routine_id>")
     async def office_routine(routine_id: str):
-        return json_response(await deps.db(store.get_routine, routine_id))
+        return json_response(await deps.transaction(store.get_routine, routine_id))
 
     @app.patch("/api/office/routines/<routine_id>")
     @idempotent
     async def office_patch_routine(routine_id: str):
         raw = body_object(await body_json())
-        fields = normalize_routine(raw, current=await deps.db(store.routine_fields, routine_id))
+        fields = normalize_routine(raw, current=await deps.transaction(store.routine_fields, routine_id))
         return await routine_write(store.update_routine, routine_id, fields, deps.clock.now())
 
     @app.delete("/api/office/routines/<routine_id>")
@@ -6369,7 +6372,7 @@ def create_app(deps: Deps):
     @app.post("/api/office/routines/<routine_id>/triggers")
     @idempotent
     async def office_add_trigger(routine_id: str):
-        routine = await deps.db(store.get_routine, routine_id)
+        routine = await deps.transaction(store.get_routine, routine_id)
         (trigger,) = await checked_triggers(deps, [body_object(await body_json())], routine["workspace_id"])
         return await routine_write(store.add_trigger, routine_id, trigger, deps.clock.now(), status=201)
 
@@ -6390,10 +6393,10 @@ def create_app(deps: Deps):
         recorded (time, reason, source address, size; never the secret)."""
         now = deps.clock.now()
         body = await request.get_data(cache=True)
-        target = await deps.db(store.webhook_trigger, public_id, now)
+        target = await deps.transaction(store.webhook_trigger, public_id, now)
 
         async def refuse(err: OutpostError, reason: str):
-            await deps.db(store.refuse_webhook, target["trigger_id"], reason, request.remote_addr, len(body), now)
+            await deps.transaction(store.refuse_webhook, target["trigger_id"], reason, request.remote_addr, len(body), now)
             return problem_response(err)
 
         check = verify_webhook(target["signing_mode"], target["secrets"],
@@ -6412,7 +6415,7 @@ def create_app(deps: Deps):
         except OutpostError as err:
             return await refuse(err, err.detail)
         try:
-            run, earlier = await deps.db(store.fire_webhook, target["trigger_id"], provided, check.replay_key,
+            run, earlier = await deps.transaction(store.fire_webhook, target["trigger_id"], provided, check.replay_key,
                                          check.replay_ttl_s, now)
         except ValidationFailed as err:
             return await refuse(err, err.detail)
@@ -6441,7 +6444,7 @@ def create_app(deps: Deps):
             if ctx["task_id"]:
                 view["task"] = store.get_task(ctx["task_id"])
             return view
-        return json_response(await deps.db(me))
+        return json_response(await deps.transaction(me))
 
     @app.post("/api/agent/comments")
     async def agent_comment():
@@ -6603,7 +6606,7 @@ async def run_until_signal(deps: Deps) -> None:
                 binds = await appliance.start(serve, deps, shutdown)
                 port = int(binds[0].rsplit(":", 1)[1]) if binds else deps.config.port
                 base = f"http://{deps.config.host}:{port}"
-                code = await deps.db(deps.store.create_signin_code, deps.clock.now())
+                code = await deps.transaction(deps.store.create_signin_code, deps.clock.now())
                 print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
@@ -6838,8 +6841,8 @@ def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
         raise CliError(f"no Outpost database in {data_dir}", EXIT_USAGE)
     store = Store(data_dir / "outpost.sqlite3")
     try:
-        sid = store.run(store.find_schedule_id, target)[0]
-        report = store.run(store.inspect, sid)[0]
+        sid = store.transaction(store.find_schedule_id, target)[0]
+        report = store.transaction(store.inspect, sid)[0]
     except NotFound as exc:
         raise CliError(str(exc), EXIT_REFUSED) from None
     finally:

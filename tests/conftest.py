@@ -174,7 +174,7 @@ __all__ = ["T0", "Reply", "definition", "make_repo", "normalized", "git", "wait_
 
 def call(store: outpost.Store, fn, *args, **kwargs):
     """One store function in its own transaction (test set-up and assertions); its result."""
-    return store.run(fn, *args, **kwargs)[0]
+    return store.transaction(fn, *args, **kwargs)[0]
 
 
 def instant(text: str | None) -> datetime | None:

@@ -490,7 +490,7 @@ async def queue_dispatch(deps: outpost.Deps, repo: Path, brief: str, *, resolve:
     raw = {"name": "dispatch", "brief": brief, "repository": str(repo), "agent": "demo",
            "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}, **fields}
     payload = outpost.normalize_definition(raw, deps.clock.now(), agents=[a.name for a in deps.config.agents])
-    run_id = (await deps.db(deps.store.create_dispatch, payload, deps.clock.now()))["run_id"]
+    run_id = (await deps.transaction(deps.store.create_dispatch, payload, deps.clock.now()))["run_id"]
     if resolve:
         await outpost.resolve_new_runs(deps, [run_id])
     deps.claim_wake.poke()
@@ -498,7 +498,7 @@ async def queue_dispatch(deps: outpost.Deps, repo: Path, brief: str, *, resolve:
 
 
 async def get_run(deps: outpost.Deps, run_id: str) -> dict:
-    return await deps.db(deps.store.get_run, run_id)
+    return await deps.transaction(deps.store.get_run, run_id)
 
 
 async def until_status(deps: outpost.Deps, run_id: str, statuses=SETTLED) -> dict:
@@ -594,7 +594,7 @@ async def test_run_timeout_fails_and_ends_the_process(real_deps, git_repo):
     assert run["status"] == "failed"
     assert run["error"].startswith("timeout")
     assert elapsed < 1 + deps.grace_s + 5
-    pid = (await deps.db(deps.store.launch_info, run_id))["pid"]
+    pid = (await deps.transaction(deps.store.launch_info, run_id))["pid"]
     assert pid and not group_alive(pid)
 
 
@@ -607,14 +607,14 @@ async def test_run_cancel_ends_a_running_run_and_a_queued_one_never_starts(real_
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
             await until(lambda: running in deps.live and deps.live[running].pid)
             pid = deps.live[running].pid
-            cancelled_queued = await deps.db(store.control_run, waiting, "cancel", deps.clock.now())
+            cancelled_queued = await deps.transaction(store.control_run, waiting, "cancel", deps.clock.now())
             assert cancelled_queued["status"] == "cancelled"
-            await deps.db(store.control_run, running, "cancel", deps.clock.now())
+            await deps.transaction(store.control_run, running, "cancel", deps.clock.now())
             deps.live[running].cancel()
             deps.claim_wake.poke()
             run = await until_status(deps, running)
             with pytest.raises(outpost.Conflict):
-                await deps.db(store.control_run, running, "cancel", deps.clock.now())
+                await deps.transaction(store.control_run, running, "cancel", deps.clock.now())
     assert run["status"] == "cancelled"
     assert not group_alive(pid)
     never = await get_run(deps, waiting)
@@ -728,14 +728,14 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
         other = await queue_dispatch(deps, git_repo, "@sleep 1\n@print other")
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
             await until(lambda: paused in deps.live and deps.live[paused].pid)
-            await deps.db(store.control_run, paused, "pause", deps.clock.now())
+            await deps.transaction(store.control_run, paused, "pause", deps.clock.now())
             deps.live[paused].pause()
             deps.claim_wake.poke()
             assert (await get_run(deps, paused))["status"] == "paused"
             # The slot is free: the other queued run starts although max_running is 1.
             await until_status(deps, other, {"running"})
             # Resume waits for a free slot.
-            await deps.db(store.control_run, paused, "resume", deps.clock.now())
+            await deps.transaction(store.control_run, paused, "resume", deps.clock.now())
             deps.claim_wake.poke()
             await trio.sleep(0.3)
             if (await get_run(deps, other))["status"] == "running":

@@ -117,8 +117,8 @@ class Api:
 
     async def settle(self, run_id: str, status: outpost.RunStatus, **kw) -> None:
         """What the claim and notification actors would record for a finished run."""
-        await self.deps.db(self.store.settle_run, run_id, status, self.clock.now(), **kw)
-        await self.deps.db(self.store.notify_run, run_id, self.clock.now())
+        await self.deps.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
+        await self.deps.transaction(self.store.notify_run, run_id, self.clock.now())
 
     async def auto_paused(self) -> dict:
         """A schedule whose three manual runs failed: auto-paused (API.md 5.3)."""
@@ -665,7 +665,7 @@ async def test_a_repeat_while_the_first_is_in_flight_is_409(api):
     path = f"/v1/outpost/schedules/{sched['id']}/control"
     raw = json.dumps({"action": "pause"}).encode()
     fingerprint = outpost.request_fingerprint("POST", path, raw)
-    assert await api.deps.db(api.store.begin_idempotent, "k-busy", fingerprint, T0) is None
+    assert await api.deps.transaction(api.store.begin_idempotent, "k-busy", fingerprint, T0) is None
     reply = await api.post(path, raw=raw, key="k-busy", if_match=1)
     assert_problem(reply, 409, "conflict")
     assert await api.revision(sched["id"]) == 1

@@ -16,7 +16,7 @@ def signed_in(tmp_path, store):
     def client():
         config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
         deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
-        cookie, _ = store.run(store.create_session, outpost.WallClock().now())[0]
+        cookie, _ = store.transaction(store.create_session, outpost.WallClock().now())[0]
         c = outpost.create_app(deps).test_client()
         c.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
         return c
@@ -24,9 +24,9 @@ def signed_in(tmp_path, store):
 
 
 async def test_the_schedules_page_shows_a_hundred_at_a_time(store, signed_in):
-    ids = [store.run(store.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)[0]["id"]
+    ids = [store.transaction(store.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)[0]["id"]
            for i in range(outpost.SCHEDULES_PAGE + 1)]
-    fired = store.run(store.fire_manual, ids[-1], 1, T0)[0]["run_id"]   # the newest run, on page 2
+    fired = store.transaction(store.fire_manual, ids[-1], 1, T0)[0]["run_id"]   # the newest run, on page 2
     client = signed_in()
 
     first = await (await client.get("/schedules", headers={"Accept": "text/html"})).get_data(as_text=True)
@@ -44,13 +44,13 @@ def sweep_every_5_minutes(store: outpost.Store, sweeps: int) -> None:
     """A task its paused agent never started, the agent back to idle, then ``sweeps`` recovery
     sweeps 5 minutes apart: the first recovers the task, the rest find its wakeup queued."""
     paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
-    agent = store.run(store.create_agent, None, paused, T0)[0]
-    store.run(store.create_task, None, outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]},
-                                                              profiles=["demo"]), T0)
-    store.run(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run, the task unstarted
-    store.run(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
+    agent = store.transaction(store.create_agent, None, paused, T0)[0]
+    task = outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]}, profiles=["demo"])
+    store.transaction(store.create_task, None, task, T0)
+    store.transaction(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run
+    store.transaction(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
     for k in range(sweeps):
-        store.run(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
+        store.transaction(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
 
 
 async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(store, signed_in):
@@ -67,21 +67,21 @@ async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(store
     client = signed_in()
     page = await (await client.get("/office/activity")).get_data(as_text=True)
     assert "recovery_dispatch</span>" in page and page.count("recovery_sweep_complete</span>") == 1
-    newest = store.run(store.list_activity, None, None, 1000)[0]
+    newest = store.transaction(store.list_activity, None, None, 1000)[0]
     assert {x["code"] for x in newest} == {"recovery_sweep_complete"}   # the API still lists every sweep
 
 
 async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_workspace_has(store, signed_in):
-    agent = store.run(store.create_agent, None, outpost.normalize_agent({"name": "w", "executor": "demo"},
+    agent = store.transaction(store.create_agent, None, outpost.normalize_agent({"name": "w", "executor": "demo"},
                                                                        profiles=["demo"]), T0)[0]
 
     def assigned(title: str, minutes: int) -> str:
         fields = outpost.normalize_task({"title": title, "assignee_agent_id": agent["id"]}, profiles=["demo"])
-        return store.run(store.create_task, None, fields, T0 + outpost.timedelta(minutes=minutes))[0]["id"]
+        return store.transaction(store.create_task, None, fields, T0 + outpost.timedelta(minutes=minutes))[0]["id"]
     first = assigned("first", 0)
     for k in range(1, 251):   # newer wakeups of other tasks
         assigned(f"other {k}", k)
-    (own,) = store.run(store.list_wakeups, None, None, None, None, 1000, first)[0]
+    (own,) = store.transaction(store.list_wakeups, None, None, None, None, 1000, first)[0]
     client = signed_in()
     page = await (await client.get(f"/office/tasks/{first}")).get_data(as_text=True)
     assert page.count("data-wakeup=") == 1 and f'data-wakeup="{own["id"]}"' in page

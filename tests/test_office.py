@@ -95,7 +95,7 @@ def retry_due(w: dict) -> datetime:
 
 
 def enqueue(store: outpost.Store, agent_id: str, source, payload: dict, now: datetime, **kw) -> str:
-    return store.run(lambda: store.enqueue_wakeup(WS, agent_id, source, payload, now, **kw).id)[0]
+    return store.transaction(lambda: store.enqueue_wakeup(WS, agent_id, source, payload, now, **kw).id)[0]
 
 
 def routine_wake(store: outpost.Store, agent_id: str, now: datetime, routine_id: str = "r1", **payload) -> str:
@@ -107,7 +107,7 @@ def routine_wake(store: outpost.Store, agent_id: str, now: datetime, routine_id:
                              status="active", concurrency_policy="always_enqueue", catch_up_policy="skip_missed",
                              task_template={}, variables=[], created_at=outpost.naive(now),
                              updated_at=outpost.naive(now))
-    store.run(ensure_routine)
+    store.transaction(ensure_routine)
     return enqueue(store, agent_id, outpost.WakeupSource.ROUTINE, {"routine_id": routine_id, **payload}, now)
 
 
@@ -652,7 +652,7 @@ def test_retry_cancelled_at_promotion_retry_stale_assignee(office):
 
     def reassign_behind_the_api():   # not through update_task: only promotion can catch it
         office.db.Task[tid].assignee_agent_id = b
-    office.run(reassign_behind_the_api)
+    office.transaction(reassign_behind_the_api)
     assert dispatch(office, retry_at - timedelta(seconds=1)) == []
     assert wakeup(office, w["id"])["status"] == "queued"
     assert dispatch(office, retry_due(w)) == []
@@ -1065,7 +1065,7 @@ def test_checkout_held_by_other_agent_skips_wakeup(office):
 
     def lock_for_other():   # another agent holds the task (as a second Outpost on the same database could)
         office.db.Task[tid].checkout_agent_id = other
-    office.run(lock_for_other)
+    office.transaction(lock_for_other)
     edit_task(office, tid, at(3), assignee_agent_id=worker)
     w = only(wakeups(office, worker))
     assert dispatch(office, at(4)) == []
@@ -1241,7 +1241,7 @@ def test_prompt_has_summary_slice_1500_chars(office):
     assert summary[:1501] not in prompt
     # Through the store: the injected snapshot is the same 1,500-character slice.
     lead = new_agent(office, "Lead", role="coordinator")
-    office.run(lambda: office.db.ContinuationSummary(agent_id=lead, scope="routine:r1", content=summary,
+    office.transaction(lambda: office.db.ContinuationSummary(agent_id=lead, scope="routine:r1", content=summary,
                                                      updated_at=outpost.naive(T0)))
     routine_wake(office, lead, at(1), "r1")
     (run_id,) = dispatch(office, at(2))

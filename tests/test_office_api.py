@@ -66,17 +66,18 @@ class OfficeApi(Api):
 
     def dispatch(self) -> list[str]:
         """One pass of the dispatcher: the runs it queued."""
-        (queued, _processed), _ = self.store.run(self.store.dispatch_wakeups, self.clock.now(), self.deps.profiles)
+        (queued, _processed), _ = self.store.transaction(self.store.dispatch_wakeups, self.clock.now(),
+                                                         self.deps.profiles)
         return queued
 
     def admit_all(self) -> list[str]:
         started = []
-        while (admitted := self.store.run(self.store.admit_next, 100, self.clock.now())[0]) is not None:
+        while (admitted := self.store.transaction(self.store.admit_next, 100, self.clock.now())[0]) is not None:
             started.append(admitted[0])
         return started
 
     def settle(self, run_id: str, status=outpost.RunStatus.SUCCEEDED, **kw) -> None:
-        self.store.run(self.store.settle_run, run_id, status, self.clock.now(), **kw)
+        self.store.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
 
     def token(self, run_id: str) -> str:
         return outpost.run_token(self.deps.run_token_key, run_id)
@@ -652,7 +653,7 @@ async def test_a_queued_or_paused_run_has_no_voice(office):
     assert_problem(await office.as_run(office.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
     office.admit_all()
     assert (await office.as_run(office.token(run_id), "GET", "/api/agent/me")).status == 200
-    office.store.run(office.store.control_run, run_id, "pause", office.clock.now())
+    office.store.transaction(office.store.control_run, run_id, "pause", office.clock.now())
     assert (await office.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "paused"
     assert_problem(await office.as_run(office.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
 

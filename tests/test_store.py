@@ -25,14 +25,14 @@ SEC = timedelta(seconds=1)
 
 
 class Tx:
-    """``tx.claim_due(now)`` is ``store.run(store.claim_due, now)[0]``: one transaction per call."""
+    """``tx.claim_due(now)`` is ``store.transaction(store.claim_due, now)[0]``: one transaction per call."""
 
     def __init__(self, store: outpost.Store):
         self.store = store
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self.store, name)
-        return lambda *args, **kwargs: self.store.run(fn, *args, **kwargs)[0]
+        return lambda *args, **kwargs: self.store.transaction(fn, *args, **kwargs)[0]
 
 
 @pytest.fixture
@@ -637,11 +637,11 @@ def test_events_after_pages_through_the_whole_log(tx):
 
 
 def test_store_run_reports_whether_events_were_written(store):
-    s, wrote = store.run(store.create_schedule, normalized(REPO), T0)
+    s, wrote = store.transaction(store.create_schedule, normalized(REPO), T0)
     assert wrote
-    assert store.run(store.get_schedule, s["id"]) == (s, False)
-    assert store.run(store.claim_due, T0 + MIN) == ([], False)
-    assert store.run(store.claim_due, T0 + 5 * MIN)[1]
+    assert store.transaction(store.get_schedule, s["id"]) == (s, False)
+    assert store.transaction(store.claim_due, T0 + MIN) == ([], False)
+    assert store.transaction(store.claim_due, T0 + 5 * MIN)[1]
 
 
 ###############################################################################

@@ -149,13 +149,13 @@ def fire_lag(work: Path) -> None:
     outpost.git = timed_git
 
     class Profiled(B.TimedStore):
-        def run(self, fn, *a, **k):
+        def transaction(self, fn, *a, **k):
             if getattr(fn, "__name__", "") != "claim_due":
-                return super().run(fn, *a, **k)
+                return super().transaction(fn, *a, **k)
             t0 = time.perf_counter()
             prof.start()
             try:
-                return super().run(fn, *a, **k)
+                return super().transaction(fn, *a, **k)
             finally:
                 prof.stop()
                 durs.append((time.perf_counter() - t0) * 1000)
@@ -240,15 +240,15 @@ def drain(work: Path) -> None:
         done, t0 = 0, time.perf_counter()
         while True:
             if batched:
-                admitted = store.run(admit_many)[0]
-                store.run(lambda ids=admitted, st=store: [st.settle_run(r, outpost.RunStatus.SUCCEEDED, B.now_utc(),
-                                                                        exit_code=0) for r in ids])
+                admitted = store.transaction(admit_many)[0]
+                store.transaction(lambda ids=admitted, st=store: [
+                    st.settle_run(r, outpost.RunStatus.SUCCEEDED, B.now_utc(), exit_code=0) for r in ids])
             else:
                 admitted = []
-                while len(admitted) < agents_n and (a := store.run(store.admit_next, agents_n, B.now_utc())[0]):
+                while len(admitted) < agents_n and (a := store.transaction(store.admit_next, agents_n, B.now_utc())[0]):
                     admitted.append(a[0])
                 for r in admitted:
-                    store.run(store.settle_run, r, outpost.RunStatus.SUCCEEDED, B.now_utc(), exit_code=0)
+                    store.transaction(store.settle_run, r, outpost.RunStatus.SUCCEEDED, B.now_utc(), exit_code=0)
             if not admitted:
                 break
             done += len(admitted)
@@ -263,7 +263,7 @@ def dashboard(work: Path) -> None:
     db = work / "outpost.sqlite3"
     store = outpost.Store(db)
     B.add_far_schedules(store, repo, 1000)
-    ids = [s["id"] for s in store.run(store.list_schedules)[0]]
+    ids = [s["id"] for s in store.transaction(store.list_schedules)[0]]
     B.queue_dispatches(store, B.dispatch_payload(repo), 1)
     store.close()
     B.bulk_runs(db, 100000, status="succeeded", schedule_ids=ids)
@@ -273,7 +273,7 @@ def dashboard(work: Path) -> None:
         ts, result = [], None
         for _ in range(3):
             t0 = time.perf_counter()
-            result = store.run(fn, *a)[0]
+            result = store.transaction(fn, *a)[0]
             ts.append((time.perf_counter() - t0) * 1000)
         print(f"  {label}: {statistics.median(ts):.1f} ms")
         return result
@@ -389,8 +389,8 @@ def webhook(work: Path) -> None:
     k = 300
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(k):   # the two transactions of the route: the trigger lookup, then the fire
-        t = store.run(store.webhook_trigger, public_id, B.now_utc())[0]
-        store.run(store.fire_webhook, t["trigger_id"], {"n": f"p{i}"}, f"hmac:p{i:062x}", 300, B.now_utc())
+        t = store.transaction(store.webhook_trigger, public_id, B.now_utc())[0]
+        store.transaction(store.fire_webhook, t["trigger_id"], {"n": f"p{i}"}, f"hmac:p{i:062x}", 300, B.now_utc())
     el, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     dbapiprovider.DBAPIProvider.execute = orig
     store.close()
@@ -406,13 +406,14 @@ def webhook(work: Path) -> None:
         copy = work / f"growth-{label}.sqlite3"
         shutil.copy(work / "probe+hookcache" / "data" / "outpost.sqlite3", copy)
         store = outpost.Store(copy)
-        trigger_id = store.run(store.webhook_trigger, public_id_of(store), B.now_utc())[0]["trigger_id"]
+        trigger_id = store.transaction(store.webhook_trigger, public_id_of(store), B.now_utc())[0]["trigger_id"]
         cpu = []
         for b in range(4):
             c0 = time.process_time()
             for i in range(500):
-                store.run(store.webhook_trigger, public_id_of(store), B.now_utc())
-                store.run(store.fire_webhook, trigger_id, {"n": f"g{b}-{i}"}, f"hmac:g{b}:{i:060x}", 300, B.now_utc())
+                store.transaction(store.webhook_trigger, public_id_of(store), B.now_utc())
+                store.transaction(store.fire_webhook, trigger_id, {"n": f"g{b}-{i}"}, f"hmac:g{b}:{i:060x}", 300,
+                                  B.now_utc())
             cpu.append(round((time.process_time() - c0) * 2, 2))
         store.close()
         print(f"in-process CPU per fire, {label} _unstarted_target, per successive 500 from "
@@ -421,7 +422,8 @@ def webhook(work: Path) -> None:
 
 
 def public_id_of(store: outpost.Store) -> str:
-    return store.run(lambda: store.db.select('SELECT public_id FROM "RoutineTrigger" WHERE kind = \'webhook\''))[0][0]
+    sql = 'SELECT public_id FROM "RoutineTrigger" WHERE kind = \'webhook\''
+    return store.transaction(lambda: store.db.select(sql))[0][0]
 
 
 SECTIONS = {"fire_lag": fire_lag, "intake": intake, "drain": drain, "dashboard": dashboard,

@@ -115,7 +115,7 @@ def add_far_schedules(store: outpost.Store, repo: Path, n: int, prefix: str = "f
         for i in range(lo, hi):
             store.create_schedule({**base, "name": f"{prefix}-{i}"}, now)
     for lo in range(0, n, 500):
-        store.run(batch, lo, min(n, lo + 500))
+        store.transaction(batch, lo, min(n, lo + 500))
 
 
 def add_interval_due(store: outpost.Store, repo: Path, dues: list[datetime], agent: str = "demo",
@@ -128,7 +128,7 @@ def add_interval_due(store: outpost.Store, repo: Path, dues: list[datetime], age
     def batch() -> None:
         for i, due in enumerate(dues):
             store.create_schedule({**base, "name": f"{prefix}-{i}"}, due - timedelta(hours=1))
-    store.run(batch)
+    store.transaction(batch)
 
 
 def bulk_runs(db_path: Path, n: int, *, status: str, schedule_ids: list[str] | None = None,
@@ -179,7 +179,7 @@ def queue_dispatches(store: outpost.Store, payload: dict[str, Any], n: int, batc
     done = 0
     while done < n:
         k = min(batch, n - done)
-        store.run(many, k)
+        store.transaction(many, k)
         done += k
 
 
@@ -294,11 +294,11 @@ class TimedStore(outpost.Store):
         self.claims: list[tuple[float, list[str]]] = []
         self.spawned: dict[str, float] = {}
 
-    def run(self, fn, *args, **kwargs):
+    def transaction(self, fn, *args, **kwargs):
         name = getattr(fn, "__name__", "")
         if name == "mark_spawned":
             self.spawned[args[0]] = time.time()
-        result = super().run(fn, *args, **kwargs)
+        result = super().transaction(fn, *args, **kwargs)
         if name == "claim_due":
             self.claims.append((time.time(), list(result[0])))
         return result
@@ -681,11 +681,11 @@ def outpost_drain(d: Path, repo: Path, n: int, agents_n: int) -> float:
     done = 0
     t0 = time.perf_counter()
     while True:
-        admitted = [run_id for run_id, _ in store.run(store.admit_ready, agents_n, now_utc())[0]]
+        admitted = [run_id for run_id, _ in store.transaction(store.admit_ready, agents_n, now_utc())[0]]
         if not admitted:
             break
         for rid in admitted:
-            store.run(store.settle_run, rid, outpost.RunStatus.SUCCEEDED, now_utc(), exit_code=0)
+            store.transaction(store.settle_run, rid, outpost.RunStatus.SUCCEEDED, now_utc(), exit_code=0)
             done += 1
     el = time.perf_counter() - t0
     store.close()
@@ -766,15 +766,15 @@ def office_template(d: Path, repo: Path, n: int) -> list[tuple[str, str]]:
     tasks are created through store.create_task and assigned without a wakeup, which the timed part
     enqueues. Returns (agent id, task id) per wakeup to come."""
     store = outpost.Store(d / "outpost.sqlite3")
-    current = store.run(store.office_settings, None)[0]
-    store.run(store.update_office_settings, None,
+    current = store.transaction(store.office_settings, None)[0]
+    store.transaction(store.update_office_settings, None,
               outpost.normalize_settings({"repository": str(repo)}, profiles=OFFICE_PROFILES, current=current))
     agents = []
     for i in range(WAKEUP_AGENTS):
         raw = {"name": f"agent-{i:02d}", "executor": "demo", "max_concurrent_sessions": 1 + i % 3,
                "cooldown_sec": WAKEUP_COOLDOWNS_S[(i // 3) % len(WAKEUP_COOLDOWNS_S)]}
-        agents.append(store.run(store.create_agent, None, outpost.normalize_agent(raw, profiles=OFFICE_PROFILES),
-                                WAKEUP_T0)[0]["id"])
+        fields = outpost.normalize_agent(raw, profiles=OFFICE_PROFILES)
+        agents.append(store.transaction(store.create_agent, None, fields, WAKEUP_T0)[0]["id"])
     pairs: list[tuple[str, str]] = []
 
     def batch(lo: int, hi: int) -> None:
@@ -784,7 +784,7 @@ def office_template(d: Path, repo: Path, n: int) -> list[tuple[str, str]]:
             store.db.Task[task_id].assignee_agent_id = agents[i % len(agents)]
             pairs.append((agents[i % len(agents)], task_id))
     for lo in range(0, n, 500):
-        store.run(batch, lo, min(n, lo + 500))
+        store.transaction(batch, lo, min(n, lo + 500))
     store.close()
     return pairs
 
@@ -802,7 +802,7 @@ def outpost_wakeup_drain(d: Path, pairs: list[tuple[str, str]]) -> dict[str, flo
     now = WAKEUP_T0
     t0 = time.perf_counter()
     for agent_id, task_id in pairs:
-        store.run(store.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id, outpost.WakeupSource.TASK_ASSIGNED,
+        store.transaction(store.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id, outpost.WakeupSource.TASK_ASSIGNED,
                   {"task_id": task_id}, now)
     t_enq = time.perf_counter() - t0
     now += timedelta(seconds=1)
@@ -811,14 +811,14 @@ def outpost_wakeup_drain(d: Path, pairs: list[tuple[str, str]]) -> dict[str, flo
     while True:
         steps += 1
         processed = 0
-        while (p := store.run(store.dispatch_wakeups, now, OFFICE_PROFILES)[0][1]):
+        while (p := store.transaction(store.dispatch_wakeups, now, OFFICE_PROFILES)[0][1]):
             processed += p
-        admitted = [run_id for run_id, _ in store.run(store.admit_ready, max_running, now)[0]]
+        admitted = [run_id for run_id, _ in store.transaction(store.admit_ready, max_running, now)[0]]
         for run_id in admitted:
-            store.run(store.settle_run, run_id, outpost.RunStatus.SUCCEEDED, now, exit_code=0)
+            store.transaction(store.settle_run, run_id, outpost.RunStatus.SUCCEEDED, now, exit_code=0)
         runs += len(admitted)
         if not processed and not admitted:
-            later = store.run(store.next_wakeup_at, now)[0]
+            later = store.transaction(store.next_wakeup_at, now)[0]
             if later is None:
                 break
             now = later
@@ -874,15 +874,15 @@ def bench_wakeup_drain(q: bool, work: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 def admit_latency(db: Path, m: int) -> float:
-    """p50 ms of store.run(store.admit_next) (one transaction, as the claim actor calls it),
+    """p50 ms of store.transaction(store.admit_next) (one transaction, as the claim actor calls it),
     the admitted run settled after each (untimed) so the running count stays 0."""
     store = outpost.Store(db)
     lat = []
     for _ in range(m):
         t0 = time.perf_counter()
-        a = store.run(store.admit_next, 2, now_utc())[0]
+        a = store.transaction(store.admit_next, 2, now_utc())[0]
         lat.append((time.perf_counter() - t0) * 1000)
-        store.run(store.settle_run, a[0], outpost.RunStatus.SUCCEEDED, now_utc(), exit_code=0)
+        store.transaction(store.settle_run, a[0], outpost.RunStatus.SUCCEEDED, now_utc(), exit_code=0)
     store.close()
     return pct(lat, 50)
 
@@ -1068,9 +1068,9 @@ def bench_dashboard(q: bool, work: Path) -> list[dict[str, Any]]:
     d.mkdir()
     store = outpost.Store(d / "outpost.sqlite3")
     add_far_schedules(store, repo, n_sched)
-    ids = [s["id"] for s in store.run(store.list_schedules)[0]]
+    ids = [s["id"] for s in store.transaction(store.list_schedules)[0]]
     queue_dispatches(store, dispatch_payload(repo), 1)
-    cookie, _ = store.run(store.create_session, now_utc())[0]
+    cookie, _ = store.transaction(store.create_session, now_utc())[0]
     store.close()
     bulk_runs(d / "outpost.sqlite3", n_runs, status="succeeded", schedule_ids=ids)
     lat: dict[str, list[float]] = {"/schedules": [], "/runs": []}

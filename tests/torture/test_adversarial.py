@@ -77,7 +77,7 @@ class Adv:
         return Reply(response.status_code, text, response.mimetype, response.headers)
 
     def db(self, fn, *args, **kwargs):
-        return self.store.run(fn, *args, **kwargs)[0]
+        return self.store.transaction(fn, *args, **kwargs)[0]
 
     def raw(self, **overrides) -> dict:
         d = {"name": f"adv-{uuid.uuid4().hex[:8]}", "brief": "@print hi", "repository": str(self.repo),

@@ -65,7 +65,7 @@ class Web:
         self.cookie, self.csrf = self.db(self.store.create_session, datetime.now(UTC))
 
     def db(self, fn, *args, **kwargs):
-        return self.store.run(fn, *args, **kwargs)[0]
+        return self.store.transaction(fn, *args, **kwargs)[0]
 
     def request(self, method: str, path: str, *, data: bytes | None = None, headers: dict[str, str] | None = None,
                 bearer: bool = False, cookie: bool = False) -> Reply:
