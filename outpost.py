@@ -31,11 +31,23 @@ supervisors end their agents' process groups and record them ``interrupted``; th
 closes last. A database locked by another process or a full disk answers 503 at the API
 while the actors wait it out.
 
+Where to look:
+
+- every route: ``print(*route_list(), sep="\\n")``; the tables are ``api``, ``office_api``,
+  ``agent_api``, ``hooks`` and ``pages`` in section 8, each route a module-level handler
+  declaring its auth; ``create_app`` only installs them;
+- every actor: ``grep -n '^async def .*_actor' outpost.py``; ``serve`` (section 9) starts them
+  in order: recovery, web, then cron, claim and notification;
+- every store layer: ``grep -n '^class .*Store' outpost.py``, bottom to top, each calling only
+  itself and the layers below (``StoreBase`` ... ``RoutineStore``, then ``Store``);
+- a behaviour of the spec: search for its name (``skip_if_active``, ``task_blockers_resolved``,
+  ``retry_stale_assignee``).
+
 Sections of this file (``grep -n '^# [0-9]\\. ' outpost.py``):
 
     1. imports and constants
-    2. configuration
-    3. errors
+    2. errors (one family)
+    3. configuration
     4. domain (pure)
     5. store
     6. executors
@@ -52,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import contextvars
 import dataclasses
 import enum
 import functools
@@ -98,6 +109,8 @@ log.addHandler(logging.NullHandler())
 
 UTC = timezone.utc
 
+#: Units of the time constants below.
+MINUTE_S, HOUR_S, DAY_S = 60, 3600, 86400
 #: Default TCP port of the API and dashboard.
 DEFAULT_PORT = 8321
 #: Runs holding an admission slot at once, unless outpost.toml or --max-running says otherwise.
@@ -109,7 +122,7 @@ MAX_BODY_BYTES = 1024 * 1024
 #: Largest run log kept on disk; the rest is dropped with a note.
 MAX_LOG_BYTES = 1024 * 1024
 #: How long an Idempotency-Key is remembered.
-IDEMPOTENCY_TTL_S = 24 * 3600
+IDEMPOTENCY_TTL_S = 24 * HOUR_S
 #: An in-flight key older than this belongs to a request that died (its action never committed).
 IN_FLIGHT_STALE_S = 60
 #: A due slot later than this when the cron actor reaches it counts as missed (downtime).
@@ -127,7 +140,7 @@ LEDGER_KEEP = 1000
 #: Schedules per page of the dashboard's list.
 SCHEDULES_PAGE = 100
 #: How long a dashboard sign-in lasts.
-SESSION_TTL_S = 30 * 86400
+SESSION_TTL_S = 30 * DAY_S
 #: How long the one-time sign-in link that ``outpost serve`` prints stays usable.
 SIGNIN_CODE_TTL_S = 15 * 60
 #: Consecutive failures that auto-pause a schedule.
@@ -162,10 +175,145 @@ OFFICE_RUN_TIMEOUT_S = 3600
 PROMPT_COMMENTS = 10
 #: How often the recovery actor runs the Office recovery sweep (unstarted assigned tasks).
 RECOVERY_SWEEP_S = 300
+#: Settlements that may wait for the notification actor before one is dropped (it sweeps the store too).
+SETTLED_BUFFER = 1000
+#: Longest free text a user or an agent may send (a comment, a wake's context, an approval note).
+MAX_TEXT_CHARS = 20000
 
 
 ###############################################################################
-# 2. Configuration: outpost.toml, environment and flags -> one frozen Config.
+# 2. Errors: one family: a base, one subclass per problem code of API.md, and the
+#    failures of configuration, schema, launch and the CLI.
+###############################################################################
+
+class OutpostError(Exception):
+    """A refusal a user can read: becomes application/problem+json at the API."""
+    status = 400
+    code = "bad_request"
+    title = "Bad request"
+
+    def __init__(self, detail: str, *, errors: list[dict[str, str]] | None = None,
+                 extra: dict[str, Any] | None = None):
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors or []
+        self.extra = extra or {}
+
+    def problem(self) -> dict[str, Any]:
+        body = {"status": self.status, "code": self.code, "title": self.title, "detail": self.detail}
+        if self.errors:
+            body["errors"] = self.errors
+        return body | self.extra
+
+
+class Unauthorized(OutpostError):
+    status, code, title = 401, "unauthorized", "Missing or wrong API token"
+
+
+class WebhookRefused(OutpostError):
+    status, code, title = 401, "unauthorized", "Webhook delivery refused"
+
+
+class Forbidden(OutpostError):
+    status, code, title = 403, "forbidden", "Not allowed for this caller"
+
+
+class ForbiddenHost(OutpostError):
+    status, code, title = 403, "forbidden_host", "Host not allowed"
+
+
+class NotFound(OutpostError):
+    status, code, title = 404, "not_found", "Not found"
+
+
+class MethodNotAllowed(OutpostError):
+    status, code, title = 405, "method_not_allowed", "Method not allowed"
+
+
+class Conflict(OutpostError):
+    status, code, title = 409, "conflict", "Conflict"
+
+
+class Archived(OutpostError):
+    status, code, title = 409, "archived", "Schedule is archived"
+
+
+class AutoPaused(OutpostError):
+    status, code, title = 409, "auto_paused", "Schedule is auto-paused"
+
+
+class RevisionMismatch(OutpostError):
+    status, code, title = 412, "revision_mismatch", "Revision mismatch"
+
+
+class PayloadTooLarge(OutpostError):
+    status, code, title = 413, "payload_too_large", "Payload too large"
+
+
+class ValidationFailed(OutpostError):
+    status, code, title = 422, "validation_failed", "Validation failed"
+
+
+class ConfirmationMismatch(OutpostError):
+    status, code, title = 422, "confirmation_mismatch", "Confirmation does not match"
+
+
+class IdempotencyKeyReused(OutpostError):
+    status, code, title = 422, "idempotency_key_reused", "Idempotency key reused"
+
+
+class IdempotencyKeyRequired(OutpostError):
+    status, code, title = 428, "idempotency_key_required", "Idempotency-Key header required"
+
+
+class PreconditionRequired(OutpostError):
+    status, code, title = 428, "precondition_required", "If-Match header required"
+
+
+class StoreUnavailable(OutpostError):
+    """The database cannot take a write now (locked by another process, disk full): retry."""
+    status, code, title = 503, "unavailable", "Temporarily unavailable"
+
+
+class CrossSiteRefused(OutpostError):
+    status, code, title = 403, "forbidden", "Request refused"
+
+
+class InternalError(OutpostError):
+    """A bug: the trace is in the daemon's log, never in the answer."""
+    status, code, title = 500, "internal_error", "Internal error"
+
+
+class ConfigError(OutpostError):
+    """outpost.toml cannot be used; the message names the file and the key."""
+    status, code, title = 500, "config_invalid", "Configuration cannot be used"
+
+
+class SchemaTooNew(OutpostError):
+    """The database was written by a newer Outpost; refuse rather than damage it."""
+    status, code, title = 500, "schema_too_new", "Database is newer than this Outpost"
+
+
+class LaunchError(OutpostError):
+    """A run could not start (repository, ref, workdir, command): it fails with this text."""
+    status, code, title = 422, "launch_failed", "Run could not start"
+
+
+class CliError(OutpostError):
+    """A CLI failure: its message is printed as is, ``exit_status`` is the process's."""
+    code, title = "cli", "Command failed"
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def invalid(field: str, message: str) -> ValidationFailed:
+    return ValidationFailed(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+###############################################################################
+# 3. Configuration: outpost.toml, environment and flags -> one frozen Config.
 ###############################################################################
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,10 +356,6 @@ def demo_profile() -> AgentProfile:
     """The built-in profile: this very file's simulated agent (section 6)."""
     command = (sys.executable, str(Path(__file__).resolve()), "demo-agent")
     return AgentProfile("demo", command, timeout_seconds=600, resume=(*command, "--resume", "{session_id}"))
-
-
-class ConfigError(Exception):
-    """outpost.toml cannot be used; the message names the key."""
 
 
 def load_config(data_dir: Path, *, host: str | None = None, port: int | None = None,
@@ -272,103 +416,6 @@ def api_token(data_dir: Path, *, create: bool) -> str | None:
 
 
 ###############################################################################
-# 3. Errors: one base, one subclass per problem code of API.md.
-###############################################################################
-
-class OutpostError(Exception):
-    """A refusal a user can read: becomes application/problem+json at the API."""
-    status = 400
-    code = "bad_request"
-    title = "Bad request"
-
-    def __init__(self, detail: str, *, errors: list[dict[str, str]] | None = None,
-                 extra: dict[str, Any] | None = None):
-        super().__init__(detail)
-        self.detail = detail
-        self.errors = errors or []
-        self.extra = extra or {}
-
-    def problem(self) -> dict[str, Any]:
-        body = {"status": self.status, "code": self.code, "title": self.title, "detail": self.detail}
-        if self.errors:
-            body["errors"] = self.errors
-        return body | self.extra
-
-
-class Unauthorized(OutpostError):
-    status, code, title = 401, "unauthorized", "Missing or wrong API token"
-
-
-class WebhookRefused(OutpostError):
-    status, code, title = 401, "unauthorized", "Webhook delivery refused"
-
-
-class Forbidden(OutpostError):
-    status, code, title = 403, "forbidden", "Not allowed for this caller"
-
-
-class ForbiddenHost(OutpostError):
-    status, code, title = 403, "forbidden_host", "Host not allowed"
-
-
-class NotFound(OutpostError):
-    status, code, title = 404, "not_found", "Not found"
-
-
-class Conflict(OutpostError):
-    status, code, title = 409, "conflict", "Conflict"
-
-
-class Archived(OutpostError):
-    status, code, title = 409, "archived", "Schedule is archived"
-
-
-class AutoPaused(OutpostError):
-    status, code, title = 409, "auto_paused", "Schedule is auto-paused"
-
-
-class RevisionMismatch(OutpostError):
-    status, code, title = 412, "revision_mismatch", "Revision mismatch"
-
-
-class PayloadTooLarge(OutpostError):
-    status, code, title = 413, "payload_too_large", "Payload too large"
-
-
-class ValidationFailed(OutpostError):
-    status, code, title = 422, "validation_failed", "Validation failed"
-
-
-class ConfirmationMismatch(OutpostError):
-    status, code, title = 422, "confirmation_mismatch", "Confirmation does not match"
-
-
-class IdempotencyKeyReused(OutpostError):
-    status, code, title = 422, "idempotency_key_reused", "Idempotency key reused"
-
-
-class IdempotencyKeyRequired(OutpostError):
-    status, code, title = 428, "idempotency_key_required", "Idempotency-Key header required"
-
-
-class PreconditionRequired(OutpostError):
-    status, code, title = 428, "precondition_required", "If-Match header required"
-
-
-class StoreUnavailable(OutpostError):
-    """The database cannot take a write now (locked by another process, disk full): retry."""
-    status, code, title = 503, "unavailable", "Temporarily unavailable"
-
-
-class CrossSiteRefused(OutpostError):
-    status, code, title = 403, "forbidden", "Request refused"
-
-
-def invalid(field: str, message: str) -> ValidationFailed:
-    return ValidationFailed(f"{field}: {message}", errors=[{"field": field, "message": message}])
-
-
-###############################################################################
 # 4. Domain: pure functions and value types. No I/O, no trio, no clock reads.
 ###############################################################################
 
@@ -382,9 +429,12 @@ class RunStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-#: A run in one of these states is over; a schedule whose run is queued, running or paused is
-#: "active" for the overlap rules (the store's queries spell those three out).
+#: A run in one of these states is over.
 SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU, RunStatus.CANCELLED)
+#: A schedule whose run is in one of these states is "active" for the overlap rules.
+ACTIVE_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
+#: The same, for raw SQL: ``status IN (...)``.
+ACTIVE_RUN_SQL = "('queued', 'running', 'paused')"
 #: The error of a run whose daemon stopped or died under it (not the agent's failure).
 INTERRUPTED = "interrupted"
 
@@ -569,9 +619,9 @@ def dst_transitions(tz: ZoneInfo, start: datetime, days: int) -> list[datetime]:
     """Instants in [start, start+days) at which ``tz`` changes its UTC offset."""
     found = []
     t = int(start.timestamp())
-    end = t + days * 86400
+    end = t + days * DAY_S
     while t < end:
-        nxt = min(t + 86400, end)
+        nxt = min(t + DAY_S, end)
         if datetime.fromtimestamp(t, tz).utcoffset() != datetime.fromtimestamp(nxt, tz).utcoffset():
             lo, hi = t, nxt
             before = datetime.fromtimestamp(t, tz).utcoffset()
@@ -601,7 +651,7 @@ def dst_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
         if timing["kind"] == "once":
             continue
         if timing["kind"] == "interval":
-            if timing["seconds"] % 3600 == 0 and timing["seconds"] >= 86400:
+            if timing["seconds"] % HOUR_S == 0 and timing["seconds"] >= DAY_S:
                 warnings.append(f"On {after:%Y-%m-%d} {name} changes its clocks; this interval follows "
                                 "real time, so its fires move by the change in local time.")
             continue
@@ -781,8 +831,8 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     model = limits.get("model")
     if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= 200):
         raise invalid("limits.model", "must be a string of 1-200 characters or null")
-    d["limits"] = {"timeout_seconds": _int(limits.get("timeout_seconds", 3600),
-                                           "limits.timeout_seconds", 1, 86400), "model": model}
+    d["limits"] = {"timeout_seconds": _int(limits.get("timeout_seconds", HOUR_S),
+                                           "limits.timeout_seconds", 1, DAY_S), "model": model}
     d["notify"] = raw.get("notify", "attention")
     if not isinstance(d["notify"], str) or d["notify"] not in NOTIFY_POLICIES:
         raise invalid("notify", "must be attention, failures_only or always")
@@ -808,7 +858,7 @@ DISPATCH_FIELDS = ("brief", "repository", "workdir", "source_ref", "agent", "lim
 def normalize_dispatch(raw: dict[str, Any], now: datetime, *, agents: Iterable[str]) -> dict[str, Any]:
     """A one-shot dispatch: the run fields of a schedule definition, by the same rules."""
     _unknown(raw, DISPATCH_FIELDS, "a dispatch")
-    as_schedule = {**raw, "name": "dispatch", "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}}
+    as_schedule = {**raw, "name": "dispatch", "timing": {"kind": "interval", "seconds": HOUR_S, "timezone": "UTC"}}
     d = normalize_definition(as_schedule, now, agents=agents)
     return {k: d[k] for k in DISPATCH_FIELDS}
 
@@ -869,7 +919,7 @@ def describe_timing(timing: dict[str, Any]) -> str:
         return f"{words} (cron '{expr}', {tz})" if words else f"on cron '{expr}' in {tz}"
     if timing["kind"] == "interval":
         s = timing["seconds"]
-        for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        for unit, n in (("day", DAY_S), ("hour", HOUR_S), ("minute", 60)):
             if s % n == 0:
                 count = s // n
                 return f"every {count} {unit}{'s' if count != 1 else ''} ({tz})"
@@ -1106,6 +1156,8 @@ class TaskState(enum.StrEnum):
 
 
 TERMINAL_TASK_STATES = (TaskState.DONE, TaskState.CANCELLED)
+#: The same, for raw SQL: ``state NOT IN (...)``.
+TERMINAL_TASK_SQL = "('DONE', 'CANCELLED')"
 #: Tasks that give an agent something to do (the idle skip counts these).
 ACTIONABLE_TASK_STATES = (TaskState.TODO, TaskState.IN_PROGRESS)
 AGENT_ROLES = ("coordinator", "worker", "specialist", "assistant")
@@ -1337,7 +1389,7 @@ def parse_rate_limit_reset(error: str, now: datetime) -> datetime | None:
     elif m := re.search(r"try again in (\d{1,9}(?:\.\d+)?)\s*(second|sec|s|minute|min|m|hour|h)\w*\b",
                         error, re.IGNORECASE):
         unit = m[2].lower()
-        scale = 3600 if unit.startswith("h") else 60 if unit.startswith("m") else 1
+        scale = HOUR_S if unit.startswith("h") else 60 if unit.startswith("m") else 1
         reset = now + timedelta(seconds=float(m[1]) * scale)
     elif m := re.search(r"reset_time\W{0,3}(\d{9,11})", error, re.IGNORECASE):
         reset = datetime.fromtimestamp(int(m[1]), UTC)
@@ -1381,6 +1433,14 @@ WAKE_WORDS = {
     "task_children_completed": "every subtask of your task is finished",
     "approval_resolved": "an approval you asked for was resolved", "budget_alert": "an agent is near its budget",
 }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelineOutcome:
+    """What the dispatch pipeline did with one wakeup: ``claimed`` is false when another
+    claimer had it; ``run_id`` is the run it queued (None: the wakeup ended without one)."""
+    claimed: bool
+    run_id: str | None = None
 
 
 def wake_line(source: str, reason: str, payload: dict[str, Any]) -> str:
@@ -1531,9 +1591,9 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
         raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
     a["status"] = status
     a["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
-    a["instructions"] = _text(merged, "instructions", 0, 20000, "") if merged.get("instructions") else None
+    a["instructions"] = _text(merged, "instructions", 0, MAX_TEXT_CHARS, "") if merged.get("instructions") else None
     a["max_concurrent_sessions"] = _int(merged.get("max_concurrent_sessions", 1), "max_concurrent_sessions", 1, 16)
-    a["cooldown_sec"] = _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, 86400)
+    a["cooldown_sec"] = _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, DAY_S)
     a["skip_idle_wakeups"] = _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role])
     a["budget_runs_per_day"] = _optional_int(merged, "budget_runs_per_day", 1, 100000)
     return a
@@ -1615,9 +1675,9 @@ ROUTINE_FIELDS = ("workspace_id", "name", "description", "assignee_agent_id", "s
 #: A webhook signature (hmac_sha256) is valid this long around its timestamp, and remembered as long.
 WEBHOOK_TOLERANCE_S = 300
 #: A GitHub delivery id is remembered this long (its redeliveries are not fired again).
-GITHUB_DELIVERY_TTL_S = 24 * 3600
+GITHUB_DELIVERY_TTL_S = DAY_S
 #: After a secret rotation the old secret is still accepted this long.
-SECRET_ROTATION_GRACE_S = 24 * 3600
+SECRET_ROTATION_GRACE_S = DAY_S
 
 
 def template_variables(*texts: str) -> list[str]:
@@ -2256,13 +2316,125 @@ SCHEMA_SQL = {
 }
 
 
-class SchemaTooNew(Exception):
-    """The database was written by a newer Outpost; refuse rather than damage it."""
+# --- views: entities as the API shows them --------------------------------------------
+
+def schedule_view(s, active_run_id: str | None) -> dict[str, Any]:
+    """The API's schedule, with the id of its active run (or None)."""
+    return {**s.definition, "id": s.id, "revision": s.revision, "enabled": s.enabled,
+            "archived": s.archived, "auto_paused": s.auto_paused, "failure_streak": s.failure_streak,
+            "next_fire_at": rfc3339(aware(s.next_fire_at)), "last_fired_at": rfc3339(aware(s.last_fired_at)),
+            "active_run_id": active_run_id,
+            "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at))},
+            "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
 
 
-class Store:
-    """Synchronous store functions. Each public method runs in one ``db_session`` and
-    returns plain dicts/dataclasses, never entities. Call them through ``Deps.transaction``."""
+def run_view(r) -> dict[str, Any]:
+    return {"id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
+            "occurrence_id": r.occurrence_id, "agent": r.agent, "trigger": r.trigger,
+            "due_at": rfc3339(aware(r.due_at)), "missed_count": r.missed_count, "status": r.status,
+            "owner": r.owner, "repository": r.repository, "workdir": r.workdir,
+            "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
+            "result_branch": r.result_branch, "changes": {"commits": r.commits},
+            "exit_code": r.exit_code, "error": r.error, "queued_at": rfc3339(aware(r.queued_at)),
+            "started_at": rfc3339(aware(r.started_at)), "finished_at": rfc3339(aware(r.finished_at)),
+            "result": r.result}
+
+
+def occurrence_view(o) -> dict[str, Any]:
+    return {"id": o.id, "schedule_id": o.schedule.id, "due_at": rfc3339(aware(o.due_at)),
+            "trigger": o.trigger, "outcome": o.outcome, "missed_count": o.missed_count,
+            "run_id": o.run_id, "recorded_at": rfc3339(aware(o.created_at))}
+
+
+def attention_view(a) -> dict[str, Any]:
+    return {"id": a.id, "kind": a.kind, "schedule_id": a.schedule_id, "run_id": a.run_id,
+            "title": a.title, "detail": a.detail, "created_at": rfc3339(aware(a.created_at)),
+            "acknowledged_at": rfc3339(aware(a.acknowledged_at))}
+
+
+def agent_view(a) -> dict[str, Any]:
+    return {"id": a.id, "workspace_id": a.workspace_id, "name": a.name, "role": a.role, "status": a.status,
+            "executor": a.executor, "instructions": a.instructions,
+            "max_concurrent_sessions": a.max_concurrent_sessions, "cooldown_sec": a.cooldown_sec,
+            "skip_idle_wakeups": a.skip_idle_wakeups, "budget_runs_per_day": a.budget_runs_per_day,
+            "last_wakeup_finished_at": rfc3339(aware(a.last_wakeup_finished_at)),
+            "created_at": rfc3339(aware(a.created_at)), "updated_at": rfc3339(aware(a.updated_at))}
+
+
+def task_view(t) -> dict[str, Any]:
+    return {"id": t.id, "workspace_id": t.workspace_id, "title": t.title, "description": t.description,
+            "state": t.state, "assignee_agent_id": t.assignee_agent_id, "parent_id": t.parent_id,
+            "blocked_by": t.blocked_by or [], "requires_approval": t.requires_approval,
+            "reviewers": t.reviewers or [], "project_id": t.project_id, "workflow": t.workflow,
+            "executor": t.executor, "checkout_agent_id": t.checkout_agent_id,
+            "archived_at": rfc3339(aware(t.archived_at)), "created_at": rfc3339(aware(t.created_at)),
+            "updated_at": rfc3339(aware(t.updated_at))}
+
+
+def wakeup_view(w) -> dict[str, Any]:
+    return {"id": w.id, "workspace_id": w.workspace_id, "agent_id": w.agent_id, "source": w.source,
+            "reason": w.reason, "status": w.status, "cancel_reason": w.cancel_reason, "note": w.note,
+            "coalesced_count": w.coalesced_count, "coalesced_into": w.coalesced_into,
+            "retry_count": w.retry_count, "scheduled_retry_at": rfc3339(aware(w.scheduled_retry_at)),
+            "wake_at": rfc3339(aware(w.wake_at)), "idempotency_key": w.idempotency_key, "payload": w.payload,
+            "task_id": w.task_id, "run_id": w.run_id, "last_error": w.last_error,
+            "requested_at": rfc3339(aware(w.requested_at)), "claimed_at": rfc3339(aware(w.claimed_at)),
+            "finished_at": rfc3339(aware(w.finished_at))}
+
+
+def comment_view(c) -> dict[str, Any]:
+    return {"id": c.id, "task_id": c.task_id, "author_agent_id": c.author_agent_id, "body": c.body,
+            "created_at": rfc3339(aware(c.created_at))}
+
+
+def approval_view(a) -> dict[str, Any]:
+    return {"id": a.id, "workspace_id": a.workspace_id, "task_id": a.task_id,
+            "requested_by_agent_id": a.requested_by_agent_id, "note": a.note, "status": a.status,
+            "decision_note": a.decision_note, "created_at": rfc3339(aware(a.created_at)),
+            "resolved_at": rfc3339(aware(a.resolved_at))}
+
+
+def workspace_view(ws) -> dict[str, Any]:
+    return {"id": ws.id, "name": ws.name, "timezone": ws.timezone, "repository": ws.repository,
+            "source_ref": ws.source_ref, "default_executor": ws.default_executor,
+            "recovery_lookback_hours": ws.recovery_lookback_hours,
+            "budget_runs_per_day": ws.budget_runs_per_day}
+
+
+def activity_view(x) -> dict[str, Any]:
+    return {"id": x.id, "workspace_id": x.workspace_id, "code": x.code, "agent_id": x.agent_id,
+            "task_id": x.task_id, "wakeup_id": x.wakeup_id, "run_id": x.run_id, "data": x.data or {},
+            "created_at": rfc3339(aware(x.created_at))}
+
+
+def project_view(p) -> dict[str, Any]:
+    return {"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
+            "executor": p.executor}
+
+
+def trigger_view(t) -> dict[str, Any]:
+    view = {"id": t.id, "routine_id": t.routine_id, "kind": t.kind, "cron_expression": t.cron_expression,
+            "timezone": t.timezone, "next_run_at": rfc3339(aware(t.next_run_at)),
+            "last_fired_at": rfc3339(aware(t.last_fired_at)), "public_id": t.public_id,
+            "signing_mode": t.signing_mode, "enabled": t.enabled,
+            "previous_secret_valid_until": rfc3339(aware(t.previous_secret_until))}
+    if t.public_id:
+        view["fire_path"] = f"/api/routine-triggers/{t.public_id}/fire"
+    return view
+
+
+def routine_run_view(x) -> dict[str, Any]:
+    return {"id": x.id, "routine_id": x.routine_id, "trigger_id": x.trigger_id, "source": x.source,
+            "status": x.status, "due_at": rfc3339(aware(x.due_at)), "missed_ticks": x.missed_ticks,
+            "trigger_payload": x.trigger_payload or {}, "linked_task_id": x.linked_task_id,
+            "wakeup_id": x.wakeup_id, "coalesced_into_run_id": x.coalesced_into_run_id,
+            "dispatch_fingerprint": x.dispatch_fingerprint, "error": x.error,
+            "started_at": rfc3339(aware(x.started_at)), "completed_at": rfc3339(aware(x.completed_at))}
+
+
+class StoreBase:
+    """The bottom layer: the database (bind, pragmas, migrations), one transaction per call
+    with its events numbered last, the event log, and attention items."""
 
     def __init__(self, path: Path | str):
         self.db = orm.Database()
@@ -2309,8 +2481,6 @@ class Store:
     def close(self) -> None:
         self.db.disconnect()
 
-    # --- plumbing ----------------------------------------------------------------
-
     def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
         """Run ``fn`` in one db_session; events it emitted are numbered last, then committed.
         Returns (result, whether events were written)."""
@@ -2338,45 +2508,61 @@ class Store:
     def emit(self, type_: str, data: dict[str, Any], at: datetime) -> None:
         self._pending_events.append((type_, data, at))
 
-    # --- views ---------------------------------------------------------------------
+    def flush(self) -> None:
+        orm.flush()
 
-    def schedule_view(self, s, active_run_id: str | None | bool = False) -> dict[str, Any]:
-        """The API's schedule. ``active_run_id`` may be given by a caller that looked up many at once."""
-        if active_run_id is False:
-            active = self._active_run(s.id)
-            active_run_id = active.id if active else None
-        return {**s.definition, "id": s.id, "revision": s.revision, "enabled": s.enabled,
-                "archived": s.archived, "auto_paused": s.auto_paused, "failure_streak": s.failure_streak,
-                "next_fire_at": rfc3339(aware(s.next_fire_at)), "last_fired_at": rfc3339(aware(s.last_fired_at)),
-                "active_run_id": active_run_id,
-                "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at))},
-                "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
+    def raise_attention(self, kind: str, title: str, detail: str | None, now: datetime, *,
+               schedule_id: str | None, run_id: str | None) -> None:
+        aid = new_id("att")
+        self.db.Attention(id=aid, kind=kind, schedule_id=schedule_id, run_id=run_id, title=title,
+                          detail=detail, created_at=naive(now))
+        self.emit("attention.raised", {"attention_id": aid, "kind": kind, "schedule_id": schedule_id,
+                                       "run_id": run_id, "title": title}, now)
 
-    @staticmethod
-    def run_view(r) -> dict[str, Any]:
-        return {"id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
-                "occurrence_id": r.occurrence_id, "agent": r.agent, "trigger": r.trigger,
-                "due_at": rfc3339(aware(r.due_at)), "missed_count": r.missed_count, "status": r.status,
-                "owner": r.owner, "repository": r.repository, "workdir": r.workdir,
-                "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
-                "result_branch": r.result_branch, "changes": {"commits": r.commits},
-                "exit_code": r.exit_code, "error": r.error, "queued_at": rfc3339(aware(r.queued_at)),
-                "started_at": rfc3339(aware(r.started_at)), "finished_at": rfc3339(aware(r.finished_at)),
-                "result": r.result}
+    def _activity(self, code: str, workspace_id: str, now: datetime, *, agent_id: str | None = None,
+                  task_id: str | None = None, wakeup_id: str | None = None, run_id: str | None = None,
+                  **data: Any) -> None:
+        self.db.Activity(workspace_id=workspace_id, code=code, agent_id=agent_id, task_id=task_id,
+                         wakeup_id=wakeup_id, run_id=run_id, data=data, created_at=naive(now))
+        self.emit("office.activity", {"code": code, "agent_id": agent_id, "task_id": task_id}, now)
 
-    @staticmethod
-    def occurrence_view(o) -> dict[str, Any]:
-        return {"id": o.id, "schedule_id": o.schedule.id, "due_at": rfc3339(aware(o.due_at)),
-                "trigger": o.trigger, "outcome": o.outcome, "missed_count": o.missed_count,
-                "run_id": o.run_id, "recorded_at": rfc3339(aware(o.created_at))}
+    def events_after(self, cursor: int, limit: int) -> dict[str, Any]:
+        rows = self.db.Event.select(lambda e: e.cursor > cursor).order_by(lambda e: e.cursor)[:limit]
+        events = [{"cursor": e.cursor, "type": e.type, "at": rfc3339(aware(e.at)), "data": e.data} for e in rows]
+        return {"events": events, "next_cursor": events[-1]["cursor"] if events else cursor}
 
-    @staticmethod
-    def attention_view(a) -> dict[str, Any]:
-        return {"id": a.id, "kind": a.kind, "schedule_id": a.schedule_id, "run_id": a.run_id,
-                "title": a.title, "detail": a.detail, "created_at": rfc3339(aware(a.created_at)),
-                "acknowledged_at": rfc3339(aware(a.acknowledged_at))}
+    def latest_cursor(self) -> int:
+        return self.db.EventSequence[1].value
 
-    # --- schedules -----------------------------------------------------------------
+    def list_attention(self, open_only: bool) -> list[dict[str, Any]]:
+        query = self.db.Attention.select()
+        if open_only:
+            query = query.filter(lambda a: a.acknowledged_at is None)
+        return [attention_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
+
+    def ack_attention(self, attention_id: str, now: datetime) -> dict[str, Any]:
+        a = self.db.Attention.get(id=attention_id)
+        if a is None:
+            raise NotFound(f"no attention item {attention_id}")
+        if a.acknowledged_at is None:
+            a.acknowledged_at = naive(now)
+            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
+        return attention_view(a)
+
+    def open_attention_count(self) -> int:
+        return orm.count(a for a in self.db.Attention if a.acknowledged_at is None)
+
+    def ack_all_attention(self, now: datetime) -> int:
+        items = list(self.db.Attention.select(lambda a: a.acknowledged_at is None))
+        for a in items:
+            a.acknowledged_at = naive(now)
+            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
+        return len(items)
+
+
+class ScheduleStore(StoreBase):
+    """Schedules and firing: definitions under revisions, the slot ledger, claiming due
+    occurrences (UNIQUE per schedule and instant), manual fires and one-shot dispatches."""
 
     def _schedule(self, schedule_id: str):
         s = self.db.Schedule.get(id=schedule_id)
@@ -2386,8 +2572,12 @@ class Store:
 
     def _active_run(self, schedule_id: str):
         return self.db.Run.select(lambda r: r.schedule.id == schedule_id
-                                  and r.status in ("queued", "running", "paused")
+                                  and r.status in ACTIVE_RUN_STATUSES
                                   ).order_by(lambda r: r.queued_at).first()
+
+    def _schedule_view(self, s) -> dict[str, Any]:
+        active = self._active_run(s.id)
+        return schedule_view(s, active.id if active else None)
 
     def _check_name_free(self, name: str, except_id: str | None = None) -> None:
         clash = self.db.Schedule.get(lambda s: s.name == name and not s.archived and s.id != except_id)
@@ -2404,7 +2594,7 @@ class Store:
                              next_fire_at=naive(first[0]) if first else None, anchored_at=naive(now),
                              created_at=naive(now), updated_at=naive(now))
         self.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
-        return self.schedule_view(s)
+        return self._schedule_view(s)
 
     def _guard(self, s, revision: int) -> None:
         if s.archived:
@@ -2432,7 +2622,7 @@ class Store:
         s.revision += 1
         s.updated_at = naive(now)
         self.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
-        return self.schedule_view(s)
+        return self._schedule_view(s)
 
     def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
         """enable | pause | resume | archive (``fire`` is fire_manual)."""
@@ -2458,10 +2648,10 @@ class Store:
         s.revision += 1
         s.updated_at = naive(now)
         self.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
-        return self.schedule_view(s)
+        return self._schedule_view(s)
 
     def get_schedule(self, schedule_id: str) -> dict[str, Any]:
-        return self.schedule_view(self._schedule(schedule_id))
+        return self._schedule_view(self._schedule(schedule_id))
 
     def find_schedule_id(self, id_or_name: str) -> str:
         s = self.db.Schedule.get(id=id_or_name) or self.db.Schedule.select(
@@ -2478,9 +2668,9 @@ class Store:
         query = query.order_by(lambda s: s.created_at)
         rows = query.page(page, SCHEDULES_PAGE) if page else query
         active = dict(self.db.select(   # one query for every schedule's active run, not one each
-            "SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN ('queued', 'running', 'paused') "
+            f"SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN {ACTIVE_RUN_SQL} "
             "AND schedule IS NOT NULL GROUP BY schedule"))
-        return [self.schedule_view(s, active.get(s.id)) for s in rows]
+        return [schedule_view(s, active.get(s.id)) for s in rows]
 
     def count_schedules(self, include_archived: bool = False) -> int:
         return orm.count(s for s in self.db.Schedule if include_archived or not s.archived)
@@ -2503,9 +2693,12 @@ class Store:
     def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
         self._schedule(schedule_id)
         query = self.db.Occurrence.select(lambda o: o.schedule.id == schedule_id)
-        return [self.occurrence_view(o) for o in query.order_by(lambda o: orm.desc(o.due_at))[:limit]]
+        return [occurrence_view(o) for o in query.order_by(lambda o: orm.desc(o.due_at))[:limit]]
 
-    # --- fire: claiming occurrences ------------------------------------------------
+    def schedule_zones(self) -> dict[str, tuple[str, str]]:
+        """schedule id -> (name, timezone), for pages that list runs of many schedules."""
+        rows = self.db.select("SELECT id, name, json_extract(definition, '$$.timing.timezone') FROM \"Schedule\"")
+        return {sid: (name, tz) for sid, name, tz in rows}
 
     def next_due_at(self) -> datetime | None:
         due = orm.min(s.next_fire_at for s in self.db.Schedule if not s.archived)
@@ -2656,7 +2849,62 @@ class Store:
         r.resolved_commit = commit
         return {"run_id": r.id}
 
-    # --- admission and settlement -----------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
+            lambda r: r.queued_at)
+        return {"cursor": self.latest_cursor(), "schedules": self.list_schedules(),
+                "active_runs": [run_view(r) for r in active],
+                "open_attention": self.list_attention(open_only=True)}
+
+    def inspect(self, schedule_id: str) -> dict[str, Any]:
+        """The six recovery checks, in order (API.md 5.7)."""
+        s = self._schedule(schedule_id)
+        view = self._schedule_view(s)
+        active = self._active_run(s.id)
+        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
+            lambda o: orm.desc(o.due_at))[:10]
+        runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
+        latest = runs[0] if runs else None
+        auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
+            lambda a: orm.desc(a.created_at)).first()
+        if latest is None:
+            boundary = "no run yet"
+        elif latest.status == RunStatus.QUEUED:
+            boundary = "queued: admitted but not started (it will start, also after a restart)"
+        elif latest.status in (RunStatus.RUNNING, RunStatus.PAUSED):
+            boundary = f"started at {rfc3339(aware(latest.started_at))}, not settled ({latest.status})"
+        else:
+            started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
+            boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
+        return {
+            "schedule_id": s.id, "name": s.name,
+            "checks": [
+                {"check": 1, "title": "definition and next fire",
+                 "data": {k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
+                                               "next_fire_at", "last_fired_at")}},
+                {"check": 2, "title": "active occurrence and recent skips",
+                 "data": {"active_run_id": active.id if active else None,
+                          "active_occurrence_id": active.occurrence_id if active else None,
+                          "recent_skips": [occurrence_view(o) for o in skips]}},
+                {"check": 3, "title": "recent runs",
+                 "data": {"runs": [{"run_id": r.id, "status": r.status, "due_at": rfc3339(aware(r.due_at)),
+                                    "resolved_commit": r.resolved_commit} for r in runs]}},
+                {"check": 4, "title": "attempt boundary of the latest run",
+                 "data": {"run_id": latest.id if latest else None, "boundary": boundary}},
+                {"check": 5, "title": "failure streak and auto-pause",
+                 "data": {"failure_streak": s.failure_streak, "auto_paused": s.auto_paused,
+                          "auto_pause_attention_id": auto_item.id if auto_item else None,
+                          "acknowledged": bool(auto_item and auto_item.acknowledged_at)}},
+                {"check": 6, "title": "latest event cursor",
+                 "data": {"cursor": self.latest_cursor()}},
+            ]}
+
+
+class RunStore(ScheduleStore):
+    """Runs and admission: FIFO admission into max_running slots by conditional UPDATE,
+    launch and settlement, run control, and the failure streak and attention that settlement raises.
+    Settlement calls ``_on_run_settled``, the hook through which the Office pipeline above settles
+    the run's wakeup."""
 
     def unresolved_runs(self, run_ids: list[str]) -> list[tuple[str, str, str]]:
         return [(r.id, r.repository, r.source_ref) for r in self.db.Run.select(
@@ -2726,15 +2974,15 @@ class Store:
         r.resume_requested_at = None
         self.emit("run.settled", {"run_id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
                                   "status": str(status), "error": error}, now)
-        if r.trigger == "wakeup":
-            self._settle_office_run(r, status, now)
+        self._on_run_settled(r, status, now)
         return True
+
+    def _on_run_settled(self, r, status: RunStatus, now: datetime) -> None:
+        """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
 
     def runs_in(self, statuses: Iterable[str]) -> list[str]:
         statuses = list(statuses)
         return [r.id for r in self.db.Run.select(lambda r: r.status in statuses)]
-
-    # --- run control --------------------------------------------------------------------
 
     def _run(self, run_id: str):
         r = self.db.Run.get(id=run_id)
@@ -2743,7 +2991,7 @@ class Store:
         return r
 
     def get_run(self, run_id: str) -> dict[str, Any]:
-        return self.run_view(self._run(run_id))
+        return run_view(self._run(run_id))
 
     def list_runs(self, schedule_id: str | None, status: str | None, limit: int,
                   before: str | None) -> dict[str, Any]:
@@ -2755,7 +3003,7 @@ class Store:
         if before:
             query = query.filter(lambda r: r.id < before)
         rows = list(query.order_by(lambda r: orm.desc(r.id))[:limit + 1])
-        return {"runs": [self.run_view(r) for r in rows[:limit]],
+        return {"runs": [run_view(r) for r in rows[:limit]],
                 "next": rows[limit - 1].id if len(rows) > limit else None}
 
     def adopt_run(self, run_id: str, workspace: str, now: datetime) -> dict[str, Any]:
@@ -2764,7 +3012,7 @@ class Store:
             raise Conflict(f"run {run_id} is already owned by workspace {r.owner!r}")
         r.owner = workspace
         self.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
-        return self.run_view(r)
+        return run_view(r)
 
     def control_run(self, run_id: str, action: str, now: datetime) -> dict[str, Any]:
         """Record a cancel/pause/resume; the supervisor of a live run does the signalling."""
@@ -2787,21 +3035,11 @@ class Store:
         else:
             raise invalid("action", "must be cancel, pause or resume")
         self.emit("run.controlled", {"run_id": r.id, "action": action}, now)
-        return self.run_view(r)
-
-    # --- attention and the failure streak --------------------------------------------------
+        return run_view(r)
 
     def unnotified_runs(self) -> list[str]:
         settled = [str(s) for s in SETTLED_RUN_STATUSES]
         return [r.id for r in self.db.Run.select(lambda r: r.status in settled and not r.notified)]
-
-    def raise_attention(self, kind: str, title: str, detail: str | None, now: datetime, *,
-               schedule_id: str | None, run_id: str | None) -> None:
-        aid = new_id("att")
-        self.db.Attention(id=aid, kind=kind, schedule_id=schedule_id, run_id=run_id, title=title,
-                          detail=detail, created_at=naive(now))
-        self.emit("attention.raised", {"attention_id": aid, "kind": kind, "schedule_id": schedule_id,
-                                       "run_id": run_id, "title": title}, now)
 
     def notify_run(self, run_id: str, now: datetime) -> None:
         """Apply a settled run once: failure streak, auto-pause, attention items."""
@@ -2835,82 +3073,10 @@ class Store:
             self.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
                                               "revision": s.revision}, now)
 
-    def list_attention(self, open_only: bool) -> list[dict[str, Any]]:
-        query = self.db.Attention.select()
-        if open_only:
-            query = query.filter(lambda a: a.acknowledged_at is None)
-        return [self.attention_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
 
-    def ack_attention(self, attention_id: str, now: datetime) -> dict[str, Any]:
-        a = self.db.Attention.get(id=attention_id)
-        if a is None:
-            raise NotFound(f"no attention item {attention_id}")
-        if a.acknowledged_at is None:
-            a.acknowledged_at = naive(now)
-            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
-        return self.attention_view(a)
-
-    # --- events, snapshot, inspect ------------------------------------------------------------
-
-    def events_after(self, cursor: int, limit: int) -> dict[str, Any]:
-        rows = self.db.Event.select(lambda e: e.cursor > cursor).order_by(lambda e: e.cursor)[:limit]
-        events = [{"cursor": e.cursor, "type": e.type, "at": rfc3339(aware(e.at)), "data": e.data} for e in rows]
-        return {"events": events, "next_cursor": events[-1]["cursor"] if events else cursor}
-
-    def latest_cursor(self) -> int:
-        return self.db.EventSequence[1].value
-
-    def snapshot(self) -> dict[str, Any]:
-        active = self.db.Run.select(lambda r: r.status in ("queued", "running", "paused")).order_by(
-            lambda r: r.queued_at)
-        return {"cursor": self.latest_cursor(), "schedules": self.list_schedules(),
-                "active_runs": [self.run_view(r) for r in active],
-                "open_attention": self.list_attention(open_only=True)}
-
-    def inspect(self, schedule_id: str) -> dict[str, Any]:
-        """The six recovery checks, in order (API.md 5.7)."""
-        s = self._schedule(schedule_id)
-        view = self.schedule_view(s)
-        active = self._active_run(s.id)
-        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
-            lambda o: orm.desc(o.due_at))[:10]
-        runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
-        latest = runs[0] if runs else None
-        auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
-            lambda a: orm.desc(a.created_at)).first()
-        if latest is None:
-            boundary = "no run yet"
-        elif latest.status == RunStatus.QUEUED:
-            boundary = "queued: admitted but not started (it will start, also after a restart)"
-        elif latest.status in (RunStatus.RUNNING, RunStatus.PAUSED):
-            boundary = f"started at {rfc3339(aware(latest.started_at))}, not settled ({latest.status})"
-        else:
-            started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
-            boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
-        return {
-            "schedule_id": s.id, "name": s.name,
-            "checks": [
-                {"check": 1, "title": "definition and next fire",
-                 "data": {k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
-                                               "next_fire_at", "last_fired_at")}},
-                {"check": 2, "title": "active occurrence and recent skips",
-                 "data": {"active_run_id": active.id if active else None,
-                          "active_occurrence_id": active.occurrence_id if active else None,
-                          "recent_skips": [self.occurrence_view(o) for o in skips]}},
-                {"check": 3, "title": "recent runs",
-                 "data": {"runs": [{"run_id": r.id, "status": r.status, "due_at": rfc3339(aware(r.due_at)),
-                                    "resolved_commit": r.resolved_commit} for r in runs]}},
-                {"check": 4, "title": "attempt boundary of the latest run",
-                 "data": {"run_id": latest.id if latest else None, "boundary": boundary}},
-                {"check": 5, "title": "failure streak and auto-pause",
-                 "data": {"failure_streak": s.failure_streak, "auto_paused": s.auto_paused,
-                          "auto_pause_attention_id": auto_item.id if auto_item else None,
-                          "acknowledged": bool(auto_item and auto_item.acknowledged_at)}},
-                {"check": 6, "title": "latest event cursor",
-                 "data": {"cursor": self.latest_cursor()}},
-            ]}
-
-    # --- idempotency ---------------------------------------------------------------------------
+class AccessStore(RunStore):
+    """Access: Idempotency-Keys (reserved, answered, replayed), dashboard sessions and
+    one-time sign-in codes, and their expiry."""
 
     def begin_idempotent(self, key: str, fingerprint: str, now: datetime) -> tuple[int, Any] | None:
         """Reserve a key; or the stored (status, body) to replay. Raises on reuse / in flight."""
@@ -2941,8 +3107,6 @@ class Store:
     def abandon_idempotent(self, key: str) -> None:
         self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key AND state = 'in_flight'", {"key": key})
 
-    # --- dashboard sessions ---------------------------------------------------------------
-
     def create_session(self, now: datetime) -> tuple[str, str]:
         """A new signed-in browser: (cookie value, CSRF token)."""
         cookie, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(24)
@@ -2971,21 +3135,6 @@ class Store:
             'UPDATE "SigninCode" SET used_at = $now WHERE id = $cid AND used_at IS NULL AND expires_at > $now '
             "RETURNING id", {"now": sql_time(now), "cid": hashlib.sha256(code.encode()).hexdigest()}))
 
-    def open_attention_count(self) -> int:
-        return orm.count(a for a in self.db.Attention if a.acknowledged_at is None)
-
-    def ack_all_attention(self, now: datetime) -> int:
-        items = list(self.db.Attention.select(lambda a: a.acknowledged_at is None))
-        for a in items:
-            a.acknowledged_at = naive(now)
-            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
-        return len(items)
-
-    def schedule_zones(self) -> dict[str, tuple[str, str]]:
-        """schedule id -> (name, timezone), for pages that list runs of many schedules."""
-        rows = self.db.select("SELECT id, name, json_extract(definition, '$$.timing.timezone') FROM \"Schedule\"")
-        return {sid: (name, tz) for sid, name, tz in rows}
-
     def forget_in_flight(self) -> int:
         """At boot: an in-flight key belongs to a process that died before committing its action."""
         return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight'").rowcount
@@ -2996,391 +3145,11 @@ class Store:
         self.db.execute('DELETE FROM "SigninCode" WHERE expires_at < $now', {"now": sql_time(now)})
         return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
 
-    # --- office: views ----------------------------------------------------------------------
 
-    @staticmethod
-    def agent_view(a) -> dict[str, Any]:
-        return {"id": a.id, "workspace_id": a.workspace_id, "name": a.name, "role": a.role, "status": a.status,
-                "executor": a.executor, "instructions": a.instructions,
-                "max_concurrent_sessions": a.max_concurrent_sessions, "cooldown_sec": a.cooldown_sec,
-                "skip_idle_wakeups": a.skip_idle_wakeups, "budget_runs_per_day": a.budget_runs_per_day,
-                "last_wakeup_finished_at": rfc3339(aware(a.last_wakeup_finished_at)),
-                "created_at": rfc3339(aware(a.created_at)), "updated_at": rfc3339(aware(a.updated_at))}
-
-    @staticmethod
-    def task_view(t) -> dict[str, Any]:
-        return {"id": t.id, "workspace_id": t.workspace_id, "title": t.title, "description": t.description,
-                "state": t.state, "assignee_agent_id": t.assignee_agent_id, "parent_id": t.parent_id,
-                "blocked_by": t.blocked_by or [], "requires_approval": t.requires_approval,
-                "reviewers": t.reviewers or [], "project_id": t.project_id, "workflow": t.workflow,
-                "executor": t.executor, "checkout_agent_id": t.checkout_agent_id,
-                "archived_at": rfc3339(aware(t.archived_at)), "created_at": rfc3339(aware(t.created_at)),
-                "updated_at": rfc3339(aware(t.updated_at))}
-
-    @staticmethod
-    def wakeup_view(w) -> dict[str, Any]:
-        return {"id": w.id, "workspace_id": w.workspace_id, "agent_id": w.agent_id, "source": w.source,
-                "reason": w.reason, "status": w.status, "cancel_reason": w.cancel_reason, "note": w.note,
-                "coalesced_count": w.coalesced_count, "coalesced_into": w.coalesced_into,
-                "retry_count": w.retry_count, "scheduled_retry_at": rfc3339(aware(w.scheduled_retry_at)),
-                "wake_at": rfc3339(aware(w.wake_at)), "idempotency_key": w.idempotency_key, "payload": w.payload,
-                "task_id": w.task_id, "run_id": w.run_id, "last_error": w.last_error,
-                "requested_at": rfc3339(aware(w.requested_at)), "claimed_at": rfc3339(aware(w.claimed_at)),
-                "finished_at": rfc3339(aware(w.finished_at))}
-
-    @staticmethod
-    def comment_view(c) -> dict[str, Any]:
-        return {"id": c.id, "task_id": c.task_id, "author_agent_id": c.author_agent_id, "body": c.body,
-                "created_at": rfc3339(aware(c.created_at))}
-
-    @staticmethod
-    def approval_view(a) -> dict[str, Any]:
-        return {"id": a.id, "workspace_id": a.workspace_id, "task_id": a.task_id,
-                "requested_by_agent_id": a.requested_by_agent_id, "note": a.note, "status": a.status,
-                "decision_note": a.decision_note, "created_at": rfc3339(aware(a.created_at)),
-                "resolved_at": rfc3339(aware(a.resolved_at))}
-
-    @staticmethod
-    def workspace_view(ws) -> dict[str, Any]:
-        return {"id": ws.id, "name": ws.name, "timezone": ws.timezone, "repository": ws.repository,
-                "source_ref": ws.source_ref, "default_executor": ws.default_executor,
-                "recovery_lookback_hours": ws.recovery_lookback_hours,
-                "budget_runs_per_day": ws.budget_runs_per_day}
-
-    @staticmethod
-    def activity_view(x) -> dict[str, Any]:
-        return {"id": x.id, "workspace_id": x.workspace_id, "code": x.code, "agent_id": x.agent_id,
-                "task_id": x.task_id, "wakeup_id": x.wakeup_id, "run_id": x.run_id, "data": x.data or {},
-                "created_at": rfc3339(aware(x.created_at))}
-
-    # --- office: workspaces, projects, agents ------------------------------------------------
-
-    def _workspace(self, workspace_id: str | None):
-        ws = self.db.Workspace.get(id=workspace_id or DEFAULT_WORKSPACE)
-        if ws is None:
-            raise NotFound(f"no workspace {workspace_id}")
-        return ws
-
-    def _in_workspace(self, entity_name: str, entity_id: str, workspace_id: str, field: str):
-        """An entity of the workspace, else a 422 naming the field: nothing crosses workspaces."""
-        row = getattr(self.db, entity_name).get(id=entity_id)
-        if row is None or row.workspace_id != workspace_id:
-            raise invalid(field, f"no {entity_name.lower()} {entity_id} in this workspace")
-        return row
-
-    def list_workspaces(self) -> list[dict[str, Any]]:
-        return [self.workspace_view(ws) for ws in self.db.Workspace.select().order_by(lambda ws: ws.created_at)]
-
-    def create_workspace(self, name: str, now: datetime) -> dict[str, Any]:
-        if self.db.Workspace.get(name=name):
-            raise Conflict(f"a workspace named {name!r} exists", errors=[{"field": "name", "message": "already used"}])
-        return self.workspace_view(self.db.Workspace(id=new_id("ws"), name=name, created_at=naive(now)))
-
-    def office_settings(self, workspace_id: str | None) -> dict[str, Any]:
-        return self.workspace_view(self._workspace(workspace_id))
-
-    def update_office_settings(self, workspace_id: str | None, settings: dict[str, Any]) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
-        clash = self.db.Workspace.get(name=settings["name"])
-        if clash and clash.id != ws.id:
-            raise Conflict(f"a workspace named {settings['name']!r} exists",
-                           errors=[{"field": "name", "message": "already used"}])
-        ws.set(**settings)
-        return self.workspace_view(ws)
-
-    def create_project(self, workspace_id: str | None, name: str, repository: str | None, executor: str | None,
-                       now: datetime) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
-        p = self.db.Project(id=new_id("prj"), workspace_id=ws.id, name=name, repository=repository,
-                            executor=executor, created_at=naive(now))
-        return self.project_view(p)
-
-    def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
-        return [self.project_view(p) for p in self.db.Project.select(lambda p: p.workspace_id == ws.id)]
-
-    @staticmethod
-    def project_view(p) -> dict[str, Any]:
-        return {"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
-                "executor": p.executor}
-
-    def _agent(self, agent_id: str):
-        a = self.db.Agent.get(id=agent_id)
-        if a is None:
-            raise NotFound(f"no agent {agent_id}")
-        return a
-
-    def _check_agent_name(self, workspace_id: str, name: str, except_id: str | None = None) -> None:
-        clash = self.db.Agent.get(lambda a: a.workspace_id == workspace_id and a.name == name and a.id != except_id)
-        if clash:
-            raise Conflict(f"an agent named {name!r} already exists ({clash.id})",
-                           errors=[{"field": "name", "message": "already used by another agent"}])
-
-    def create_agent(self, workspace_id: str | None, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
-        self._check_agent_name(ws.id, fields["name"])
-        a = self.db.Agent(id=new_id("agt"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now),
-                          **fields)
-        self.emit("agent.created", {"agent_id": a.id, "role": a.role}, now)
-        return self.agent_view(a)
-
-    def agent_fields(self, agent_id: str) -> dict[str, Any]:
-        view = self.agent_view(self._agent(agent_id))
-        return {k: view[k] for k in AGENT_FIELDS if k != "workspace_id"}
-
-    def update_agent(self, agent_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
-        a = self._agent(agent_id)
-        self._check_agent_name(a.workspace_id, fields["name"], a.id)
-        if fields["status"] == "working" or (fields["status"] == "idle" and a.status == "working"):
-            fields = {**fields, "status": a.status}   # working and idle follow the agent's sessions
-        elif fields["status"] == "idle" and self._active_sessions(a.id):
-            fields = {**fields, "status": "working"}
-        a.set(updated_at=naive(now), **fields)
-        self.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
-        return self.agent_view(a)
-
-    def get_agent(self, agent_id: str) -> dict[str, Any]:
-        return self.agent_view(self._agent(agent_id))
-
-    def list_agents(self, workspace_id: str | None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
-        return [self.agent_view(a) for a in
-                self.db.Agent.select(lambda a: a.workspace_id == ws.id).order_by(lambda a: a.created_at)]
-
-    def _active_sessions(self, agent_id: str) -> int:
-        """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
-        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND status = \'claimed\'',
-                              {"a": agent_id})[0]
-
-    # --- office: tasks, comments, approvals ------------------------------------------------------
-
-    def _task(self, task_id: str, workspace_id: str | None = None):
-        t = self.db.Task.get(id=task_id)
-        if t is None or (workspace_id is not None and t.workspace_id != workspace_id):
-            raise NotFound(f"no task {task_id}")
-        return t
-
-    def _check_task_refs(self, workspace_id: str, fields: dict[str, Any], task_id: str | None) -> None:
-        if fields.get("assignee_agent_id"):
-            self._in_workspace("Agent", fields["assignee_agent_id"], workspace_id, "assignee_agent_id")
-        if fields.get("parent_id"):
-            if fields["parent_id"] == task_id:
-                raise invalid("parent_id", "a task cannot be its own parent")
-            self._in_workspace("Task", fields["parent_id"], workspace_id, "parent_id")
-        if fields.get("project_id"):
-            self._in_workspace("Project", fields["project_id"], workspace_id, "project_id")
-        for reviewer in fields.get("reviewers", []):
-            self._in_workspace("Agent", reviewer, workspace_id, "reviewers")
-        seen, todo = set(), list(fields.get("blocked_by", []))
-        while todo:   # no task may (transitively) wait on itself
-            blocker_id = todo.pop()
-            if blocker_id == task_id:
-                raise invalid("blocked_by", "would make the task wait on itself")
-            if blocker_id not in seen:
-                seen.add(blocker_id)
-                todo += self._in_workspace("Task", blocker_id, workspace_id, "blocked_by").blocked_by or []
-
-    def create_task(self, workspace_id: str | None, fields: dict[str, Any], now: datetime,
-                    by_agent: str | None = None) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
-        self._check_task_refs(ws.id, fields, None)
-        fields = {k: v for k, v in fields.items() if k != "archived"}
-        t = self.db.Task(id=new_id("tsk"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now), **fields)
-        self.emit("task.created", {"task_id": t.id, "by_agent": by_agent}, now)
-        if t.assignee_agent_id:
-            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
-        return self.task_view(t)
-
-    def task_fields(self, task_id: str) -> dict[str, Any]:
-        view = self.task_view(self._task(task_id))
-        return {k: view[k] for k in TASK_FIELDS if k in view and k not in ("workspace_id", "state")}
-
-    def update_task(self, task_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
-        """An edit. A new assignee is woken (task_assigned); the previous one's scheduled
-        retries for this task are cancelled now (retry_stale_assignee), its lock released."""
-        t = self._task(task_id)
-        self._check_task_refs(t.workspace_id, fields, t.id)
-        previous = t.assignee_agent_id
-        archived = fields.pop("archived", None)
-        if archived is not None:
-            t.archived_at = (t.archived_at or naive(now)) if archived else None
-        t.set(updated_at=naive(now), **{k: v for k, v in fields.items() if k not in ("state", "parent_id", "workflow")})
-        self.emit("task.updated", {"task_id": t.id}, now)
-        if previous != t.assignee_agent_id:
-            if previous:
-                task_id = t.id
-                for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
-                                               and w.status == "queued" and w.retry_count > 0):
-                    self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
-                self._release_checkout(t.id, previous)
-            if t.assignee_agent_id:
-                self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
-        return self.task_view(t)
-
-    def get_task(self, task_id: str) -> dict[str, Any]:
-        t = self._task(task_id)
-        view = self.task_view(t)
-        view["comments"] = [self.comment_view(c) for c in
-                            self.db.Comment.select(lambda c: c.task_id == t.id).order_by(lambda c: c.created_at)]
-        view["approvals"] = [self.approval_view(a) for a in
-                             self.db.Approval.select(lambda a: a.task_id == t.id).order_by(lambda a: a.created_at)]
-        view["subtasks"] = [self.task_view(c) for c in
-                            self.db.Task.select(lambda c: c.parent_id == t.id).order_by(lambda c: c.created_at)]
-        return view
-
-    def list_tasks(self, workspace_id: str | None, assignee: str | None = None, state: str | None = None,
-                   include_archived: bool = False) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
-        query = self.db.Task.select(lambda t: t.workspace_id == ws.id)
-        if assignee:
-            query = query.filter(lambda t: t.assignee_agent_id == assignee)
-        if state:
-            query = query.filter(lambda t: t.state == state)
-        if not include_archived:
-            query = query.filter(lambda t: t.archived_at is None)
-        return [self.task_view(t) for t in query.order_by(lambda t: t.created_at)]
-
-    def _wake_assignee(self, t, source: WakeupSource, payload: dict[str, Any], now: datetime,
-                       reason: str | None = None, idempotency_key: str | None = None) -> None:
-        """Office event subscribers: only an Office task with an assignee wakes anyone."""
-        if (t.assignee_agent_id and t.archived_at is None and t.state not in TERMINAL_TASK_STATES
-                and is_office_task(t.workflow, t.project_id)):
-            self.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason,
-                                idempotency_key=idempotency_key)
-
-    def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
-                  workspace_id: str | None = None) -> dict[str, Any]:
-        """The board's drag and drop (and an agent's move), with the spec's four move rules."""
-        if not isinstance(state, str) or state not in set(TaskState):
-            raise invalid("state", "must be " + ", ".join(TaskState))
-        t = self._task(task_id, workspace_id)
-        if by_agent is not None and t.assignee_agent_id != by_agent:
-            raise Forbidden(f"task {t.id} is not assigned to this agent")
-        previous = t.state
-        if state == TaskState.DONE and by_agent is not None and t.requires_approval:
-            state = TaskState.IN_REVIEW   # the approval gate: the user decides when it is done
-            self._request_approval(t, by_agent, "The agent finished this task; approve to mark it done.", now)
-        if state == previous:
-            return self.task_view(t)
-        t.state, t.updated_at = str(state), naive(now)
-        self.emit("task.moved", {"task_id": t.id, "from": previous, "to": str(state)}, now)
-        if not is_office_task(t.workflow, t.project_id):
-            return self.task_view(t)
-        if state == TaskState.IN_PROGRESS and previous == TaskState.IN_REVIEW:
-            c = self._comment(t, "Moved back from In Review to In Progress: changes are needed.", now, None)
-            self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now,
-                                reason="review_rejected")
-        elif state == TaskState.IN_PROGRESS and by_agent != t.assignee_agent_id:
-            # A move is its own event: not deduplicated against the assignment's key.
-            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now, reason="moved_in_progress",
-                                idempotency_key=f"task_moved:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
-        elif state == TaskState.IN_REVIEW:
-            for reviewer in t.reviewers or []:
-                if self.db.Agent.get(id=reviewer, workspace_id=t.workspace_id):
-                    self.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
-                                        now, reason=REVIEW_REASON,   # each review round wakes the reviewer
-                                        idempotency_key=f"review:{t.id}:{reviewer}:{now.timestamp():.3f}")
-        elif state in TERMINAL_TASK_STATES:
-            self._release_checkout(t.id, None)
-            self._resolve_dependents(t, now)
-        return self.task_view(t)
-
-    def _resolve_dependents(self, t, now: datetime) -> None:
-        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
-        (task_blockers_resolved) and the parent whose children are all finished
-        (task_children_completed)."""
-        blocked = self.db.select('SELECT id FROM "Task" WHERE workspace_id = $ws AND EXISTS '
-                                 '(SELECT 1 FROM json_each("Task".blocked_by) WHERE value = $tid)',
-                                 {"ws": t.workspace_id, "tid": t.id})
-        for dependent in (self.db.Task[i] for i in blocked):
-            blockers = dependent.blocked_by or []
-            if not self._open_blockers(blockers):
-                self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
-                                    {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
-        if t.parent_id and (parent := self.db.Task.get(id=t.parent_id)) is not None:
-            open_children = self.db.select('SELECT COUNT(*) FROM "Task" WHERE parent_id = $p AND state NOT IN '
-                                           "('DONE', 'CANCELLED')", {"p": parent.id})[0]
-            if open_children == 0:
-                self._wake_assignee(parent, WakeupSource.TASK_CHILDREN_COMPLETED, {"task_id": parent.id}, now)
-
-    def _comment(self, t, body: str, now: datetime, author_agent_id: str | None):
-        c = self.db.Comment(id=new_id("cmt"), task_id=t.id, author_agent_id=author_agent_id, body=body,
-                            created_at=naive(now))
-        self.emit("comment.created", {"comment_id": c.id, "task_id": t.id, "author_agent_id": author_agent_id}, now)
-        return c
-
-    def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
-                    workspace_id: str | None = None) -> dict[str, Any]:
-        """A comment wakes the task's assignee unless the assignee wrote it."""
-        t = self._task(task_id, workspace_id)
-        c = self._comment(t, body, now, author_agent_id)
-        if t.assignee_agent_id != author_agent_id:
-            self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now)
-        return self.comment_view(c)
-
-    def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
-        a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
-                             requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
-        self.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None, run_id=None)
-        self.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
-        return a
-
-    def request_approval(self, task_id: str, agent_id: str, note: str, now: datetime,
-                         workspace_id: str) -> dict[str, Any]:
-        t = self._task(task_id, workspace_id)
-        if t.assignee_agent_id != agent_id:
-            raise Forbidden(f"task {t.id} is not assigned to this agent")
-        return self.approval_view(self._request_approval(t, agent_id, note, now))
-
-    def list_approvals(self, workspace_id: str | None, status: str | None = None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
-        query = self.db.Approval.select(lambda a: a.workspace_id == ws.id)
-        if status:
-            query = query.filter(lambda a: a.status == status)
-        return [self.approval_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
-
-    def resolve_approval(self, approval_id: str, status: str, decision_note: str, now: datetime) -> dict[str, Any]:
-        """The user decides: approved moves an In Review task to Done (its dependents wake);
-        rejected sends it back to In Progress. The requesting agent gets approval_resolved."""
-        if status not in ("approved", "rejected"):
-            raise invalid("status", "must be approved or rejected")
-        a = self.db.Approval.get(id=approval_id)
-        if a is None:
-            raise NotFound(f"no approval {approval_id}")
-        if a.status != "pending":
-            raise Conflict(f"approval {a.id} was already {a.status}")
-        a.status, a.decision_note, a.resolved_at = status, decision_note, naive(now)
-        self.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
-        t = self.db.Task.get(id=a.task_id)
-        if t is not None and t.state == TaskState.IN_REVIEW:
-            if status == "approved":
-                self.move_task(t.id, TaskState.DONE, now)
-            else:
-                t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
-                self.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
-        if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
-            self.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
-                                {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
-        return self.approval_view(a)
-
-    def wake_agent(self, agent_id: str, source: WakeupSource, payload: dict[str, Any], now: datetime, *,
-                   reason: str | None = None, wake_at: datetime | None = None,
-                   workspace_id: str | None = None) -> dict[str, Any]:
-        """A user wake from the UI, or an agent's self-wake (possibly for later)."""
-        a = self._agent(agent_id)
-        if workspace_id is not None and a.workspace_id != workspace_id:
-            raise NotFound(f"no agent {agent_id}")
-        return self.wakeup_view(self.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
-                                                    reason=reason, wake_at=wake_at))
-
-    # --- office: the wakeup queue ------------------------------------------------------------------
-
-    def _activity(self, code: str, workspace_id: str, now: datetime, *, agent_id: str | None = None,
-                  task_id: str | None = None, wakeup_id: str | None = None, run_id: str | None = None,
-                  **data: Any) -> None:
-        self.db.Activity(workspace_id=workspace_id, code=code, agent_id=agent_id, task_id=task_id,
-                         wakeup_id=wakeup_id, run_id=run_id, data=data, created_at=naive(now))
-        self.emit("office.activity", {"code": code, "agent_id": agent_id, "task_id": task_id}, now)
+class WakeupStore(AccessStore):
+    """Wakeup intake (Office): the persisted queue: enqueue with idempotency keys and the
+    coalescing window, merges into unstarted runs, ending wakeups, task checkouts, and the facts
+    a prompt is built from."""
 
     def _unstarted_target(self, agent_id: str, task_id: str | None, now: datetime):
         """A wakeup of this agent and scope whose run has not started: claimed with its run
@@ -3441,9 +3210,6 @@ class Store:
             self.emit("wakeup.queued", {"wakeup_id": w.id, "agent_id": agent_id, "source": str(source)}, now)
         return w
 
-    def flush(self) -> None:
-        orm.flush()
-
     def _release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
         """Drop the checkout lock of a task (held by ``agent_id``, or by anyone when None)."""
         t = self.db.Task.get(id=task_id) if task_id else None
@@ -3468,51 +3234,11 @@ class Store:
     def _open_blockers(self, blocker_ids: list[str]) -> list[str]:
         """The blockers not yet Done or Cancelled (a deleted blocker blocks nothing)."""
         return self.db.select('SELECT id FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
-                              "AND state NOT IN ('DONE', 'CANCELLED')", {"ids": json.dumps(blocker_ids)})
+                              f"AND state NOT IN {TERMINAL_TASK_SQL}", {"ids": json.dumps(blocker_ids)})
 
     def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
         t = self.db.Task.get(id=task_id)
-        return self.task_view(t) if t is not None and t.workspace_id == workspace_id else None
-
-    def _checkout(self, task_id: str, agent_id: str, now: datetime) -> bool:
-        """The atomic checkout (CAS): one agent at a time works a task. Pony writes it as
-        UPDATE ... WHERE checkout_agent_id IS NULL (its optimistic check), inside the
-        transaction's write lock."""
-        t = self.db.Task[task_id]
-        if t.checkout_agent_id is not None:
-            return False
-        t.checkout_agent_id, t.checkout_at = agent_id, naive(now)
-        return True
-
-    def _runs_last_day(self, now: datetime, *, agent_id: str | None = None, workspace_id: str | None = None) -> int:
-        since = naive(now - timedelta(days=1))
-        if agent_id:
-            return orm.count(o for o in self.db.OfficeRun if o.agent_id == agent_id and o.queued_at >= since)
-        return orm.count(o for o in self.db.OfficeRun if o.workspace_id == workspace_id and o.queued_at >= since)
-
-    def _budget_exceeded(self, agent, ws, now: datetime) -> str | None:
-        """Pre-execution budget check (workspace, then agent): a run budget per 24 h."""
-        if ws.budget_runs_per_day and self._runs_last_day(now, workspace_id=ws.id) >= ws.budget_runs_per_day:
-            return f"workspace budget of {ws.budget_runs_per_day} runs per day is used up"
-        if agent.budget_runs_per_day and self._runs_last_day(now, agent_id=agent.id) >= agent.budget_runs_per_day:
-            return f"agent budget of {agent.budget_runs_per_day} runs per day is used up"
-        return None
-
-    def _coordinators(self, workspace_id: str, except_id: str):
-        return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
-                                    and a.id != except_id)
-
-    def _budget_alert(self, agent, now: datetime) -> None:
-        """When a run takes an agent across 80% of its budget, its coordinators hear of it."""
-        if not agent.budget_runs_per_day:
-            return
-        used = self._runs_last_day(now, agent_id=agent.id)
-        threshold = math.ceil(agent.budget_runs_per_day * BUDGET_ALERT_PCT / 100)
-        if used == threshold:
-            for c in self._coordinators(agent.workspace_id, agent.id):
-                self.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
-                                    {"agent_instance_id": agent.id,
-                                     "budget_pct": round(100 * used / agent.budget_runs_per_day)}, now)
+        return task_view(t) if t is not None and t.workspace_id == workspace_id else None
 
     def _office_prompt(self, agent, w, *, resumed: bool, summary: str) -> str:
         """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
@@ -3547,6 +3273,448 @@ class Store:
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
             summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine)
 
+    def _coordinators(self, workspace_id: str, except_id: str):
+        return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
+                                    and a.id != except_id)
+
+    def _runs_last_day(self, now: datetime, *, agent_id: str | None = None, workspace_id: str | None = None) -> int:
+        since = naive(now - timedelta(days=1))
+        if agent_id:
+            return orm.count(o for o in self.db.OfficeRun if o.agent_id == agent_id and o.queued_at >= since)
+        return orm.count(o for o in self.db.OfficeRun if o.workspace_id == workspace_id and o.queued_at >= since)
+
+    def wakeups_by_agent(self, status: str) -> dict[str, int]:
+        """How many wakeups in ``status`` each agent has (claimed ones are its sessions)."""
+        return dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = $s GROUP BY agent_id',
+                                   {"s": status}))
+
+
+class OfficeStore(WakeupStore):
+    """Office resources: workspaces and their settings, projects, agents, tasks with
+    blockers and reviewers, comments and approvals; the wakeups their changes cause."""
+
+    def _workspace(self, workspace_id: str | None):
+        ws = self.db.Workspace.get(id=workspace_id or DEFAULT_WORKSPACE)
+        if ws is None:
+            raise NotFound(f"no workspace {workspace_id}")
+        return ws
+
+    def _in_workspace(self, entity_name: str, entity_id: str, workspace_id: str, field: str):
+        """An entity of the workspace, else a 422 naming the field: nothing crosses workspaces."""
+        row = getattr(self.db, entity_name).get(id=entity_id)
+        if row is None or row.workspace_id != workspace_id:
+            raise invalid(field, f"no {entity_name.lower()} {entity_id} in this workspace")
+        return row
+
+    def list_workspaces(self) -> list[dict[str, Any]]:
+        """The default workspace first, then oldest first (ties by id): a total order."""
+        return [workspace_view(ws) for ws in sorted(self.db.Workspace.select(),
+                                                    key=lambda ws: (ws.id != DEFAULT_WORKSPACE, ws.created_at, ws.id))]
+
+    def create_workspace(self, name: str, now: datetime) -> dict[str, Any]:
+        if self.db.Workspace.get(name=name):
+            raise Conflict(f"a workspace named {name!r} exists", errors=[{"field": "name", "message": "already used"}])
+        return workspace_view(self.db.Workspace(id=new_id("ws"), name=name, created_at=naive(now)))
+
+    def office_settings(self, workspace_id: str | None) -> dict[str, Any]:
+        return workspace_view(self._workspace(workspace_id))
+
+    def update_office_settings(self, workspace_id: str | None, settings: dict[str, Any]) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        clash = self.db.Workspace.get(name=settings["name"])
+        if clash and clash.id != ws.id:
+            raise Conflict(f"a workspace named {settings['name']!r} exists",
+                           errors=[{"field": "name", "message": "already used"}])
+        ws.set(**settings)
+        return workspace_view(ws)
+
+    def create_project(self, workspace_id: str | None, name: str, repository: str | None, executor: str | None,
+                       now: datetime) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        p = self.db.Project(id=new_id("prj"), workspace_id=ws.id, name=name, repository=repository,
+                            executor=executor, created_at=naive(now))
+        return project_view(p)
+
+    def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        return [project_view(p) for p in self.db.Project.select(lambda p: p.workspace_id == ws.id)]
+
+    def _agent(self, agent_id: str):
+        a = self.db.Agent.get(id=agent_id)
+        if a is None:
+            raise NotFound(f"no agent {agent_id}")
+        return a
+
+    def _check_agent_name(self, workspace_id: str, name: str, except_id: str | None = None) -> None:
+        clash = self.db.Agent.get(lambda a: a.workspace_id == workspace_id and a.name == name and a.id != except_id)
+        if clash:
+            raise Conflict(f"an agent named {name!r} already exists ({clash.id})",
+                           errors=[{"field": "name", "message": "already used by another agent"}])
+
+    def create_agent(self, workspace_id: str | None, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        self._check_agent_name(ws.id, fields["name"])
+        a = self.db.Agent(id=new_id("agt"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now),
+                          **fields)
+        self.emit("agent.created", {"agent_id": a.id, "role": a.role}, now)
+        return agent_view(a)
+
+    def agent_fields(self, agent_id: str) -> dict[str, Any]:
+        view = agent_view(self._agent(agent_id))
+        return {k: view[k] for k in AGENT_FIELDS if k != "workspace_id"}
+
+    def update_agent(self, agent_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        a = self._agent(agent_id)
+        self._check_agent_name(a.workspace_id, fields["name"], a.id)
+        if fields["status"] == "working" or (fields["status"] == "idle" and a.status == "working"):
+            fields = {**fields, "status": a.status}   # working and idle follow the agent's sessions
+        elif fields["status"] == "idle" and self._active_sessions(a.id):
+            fields = {**fields, "status": "working"}
+        a.set(updated_at=naive(now), **fields)
+        self.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
+        return agent_view(a)
+
+    def get_agent(self, agent_id: str) -> dict[str, Any]:
+        return agent_view(self._agent(agent_id))
+
+    def list_agents(self, workspace_id: str | None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        return [agent_view(a) for a in
+                self.db.Agent.select(lambda a: a.workspace_id == ws.id).order_by(lambda a: a.created_at)]
+
+    def _active_sessions(self, agent_id: str) -> int:
+        """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
+        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND status = \'claimed\'',
+                              {"a": agent_id})[0]
+
+    def _task(self, task_id: str, workspace_id: str | None = None):
+        t = self.db.Task.get(id=task_id)
+        if t is None or (workspace_id is not None and t.workspace_id != workspace_id):
+            raise NotFound(f"no task {task_id}")
+        return t
+
+    def _check_task_refs(self, workspace_id: str, fields: dict[str, Any], task_id: str | None) -> None:
+        if fields.get("assignee_agent_id"):
+            self._in_workspace("Agent", fields["assignee_agent_id"], workspace_id, "assignee_agent_id")
+        if fields.get("parent_id"):
+            if fields["parent_id"] == task_id:
+                raise invalid("parent_id", "a task cannot be its own parent")
+            self._in_workspace("Task", fields["parent_id"], workspace_id, "parent_id")
+        if fields.get("project_id"):
+            self._in_workspace("Project", fields["project_id"], workspace_id, "project_id")
+        for reviewer in fields.get("reviewers", []):
+            self._in_workspace("Agent", reviewer, workspace_id, "reviewers")
+        seen, todo = set(), list(fields.get("blocked_by", []))
+        while todo:   # no task may (transitively) wait on itself
+            blocker_id = todo.pop()
+            if blocker_id == task_id:
+                raise invalid("blocked_by", "would make the task wait on itself")
+            if blocker_id not in seen:
+                seen.add(blocker_id)
+                todo += self._in_workspace("Task", blocker_id, workspace_id, "blocked_by").blocked_by or []
+
+    def create_task(self, workspace_id: str | None, fields: dict[str, Any], now: datetime,
+                    by_agent: str | None = None) -> dict[str, Any]:
+        ws = self._workspace(workspace_id)
+        self._check_task_refs(ws.id, fields, None)
+        fields = {k: v for k, v in fields.items() if k != "archived"}
+        t = self.db.Task(id=new_id("tsk"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now), **fields)
+        self.emit("task.created", {"task_id": t.id, "by_agent": by_agent}, now)
+        if t.assignee_agent_id:
+            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+        return task_view(t)
+
+    def task_fields(self, task_id: str) -> dict[str, Any]:
+        view = task_view(self._task(task_id))
+        return {k: view[k] for k in TASK_FIELDS if k in view and k not in ("workspace_id", "state")}
+
+    def update_task(self, task_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
+        """An edit. A new assignee is woken (task_assigned); the previous one's scheduled
+        retries for this task are cancelled now (retry_stale_assignee), its lock released."""
+        t = self._task(task_id)
+        self._check_task_refs(t.workspace_id, fields, t.id)
+        previous = t.assignee_agent_id
+        archived = fields.pop("archived", None)
+        if archived is not None:
+            t.archived_at = (t.archived_at or naive(now)) if archived else None
+        t.set(updated_at=naive(now), **{k: v for k, v in fields.items() if k not in ("state", "parent_id", "workflow")})
+        self.emit("task.updated", {"task_id": t.id}, now)
+        if previous != t.assignee_agent_id:
+            if previous:
+                task_id = t.id
+                for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
+                                               and w.status == "queued" and w.retry_count > 0):
+                    self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
+                self._release_checkout(t.id, previous)
+            if t.assignee_agent_id:
+                self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+        return task_view(t)
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        t = self._task(task_id)
+        view = task_view(t)
+        view["comments"] = [comment_view(c) for c in
+                            self.db.Comment.select(lambda c: c.task_id == t.id).order_by(lambda c: c.created_at)]
+        view["approvals"] = [approval_view(a) for a in
+                             self.db.Approval.select(lambda a: a.task_id == t.id).order_by(lambda a: a.created_at)]
+        view["subtasks"] = [task_view(c) for c in
+                            self.db.Task.select(lambda c: c.parent_id == t.id).order_by(lambda c: c.created_at)]
+        return view
+
+    def list_tasks(self, workspace_id: str | None, assignee: str | None = None, state: str | None = None,
+                   include_archived: bool = False) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Task.select(lambda t: t.workspace_id == ws.id)
+        if assignee:
+            query = query.filter(lambda t: t.assignee_agent_id == assignee)
+        if state:
+            query = query.filter(lambda t: t.state == state)
+        if not include_archived:
+            query = query.filter(lambda t: t.archived_at is None)
+        return [task_view(t) for t in query.order_by(lambda t: t.created_at)]
+
+    def _wake_assignee(self, t, source: WakeupSource, payload: dict[str, Any], now: datetime,
+                       reason: str | None = None, idempotency_key: str | None = None) -> None:
+        """Office event subscribers: only an Office task with an assignee wakes anyone."""
+        if (t.assignee_agent_id and t.archived_at is None and t.state not in TERMINAL_TASK_STATES
+                and is_office_task(t.workflow, t.project_id)):
+            self.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason,
+                                idempotency_key=idempotency_key)
+
+    def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
+                  workspace_id: str | None = None) -> dict[str, Any]:
+        """The board's drag and drop (and an agent's move), with the spec's four move rules."""
+        if not isinstance(state, str) or state not in set(TaskState):
+            raise invalid("state", "must be " + ", ".join(TaskState))
+        t = self._task(task_id, workspace_id)
+        if by_agent is not None and t.assignee_agent_id != by_agent:
+            raise Forbidden(f"task {t.id} is not assigned to this agent")
+        previous = t.state
+        if state == TaskState.DONE and by_agent is not None and t.requires_approval:
+            state = TaskState.IN_REVIEW   # the approval gate: the user decides when it is done
+            self._request_approval(t, by_agent, "The agent finished this task; approve to mark it done.", now)
+        if state == previous:
+            return task_view(t)
+        t.state, t.updated_at = str(state), naive(now)
+        self.emit("task.moved", {"task_id": t.id, "from": previous, "to": str(state)}, now)
+        if not is_office_task(t.workflow, t.project_id):
+            return task_view(t)
+        if state == TaskState.IN_PROGRESS and previous == TaskState.IN_REVIEW:
+            c = self._comment(t, "Moved back from In Review to In Progress: changes are needed.", now, None)
+            self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now,
+                                reason="review_rejected")
+        elif state == TaskState.IN_PROGRESS and by_agent != t.assignee_agent_id:
+            # A move is its own event: not deduplicated against the assignment's key.
+            self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now, reason="moved_in_progress",
+                                idempotency_key=f"task_moved:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
+        elif state == TaskState.IN_REVIEW:
+            for reviewer in t.reviewers or []:
+                if self.db.Agent.get(id=reviewer, workspace_id=t.workspace_id):
+                    self.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
+                                        now, reason=REVIEW_REASON,   # each review round wakes the reviewer
+                                        idempotency_key=f"review:{t.id}:{reviewer}:{now.timestamp():.3f}")
+        elif state in TERMINAL_TASK_STATES:
+            self._release_checkout(t.id, None)
+            self._resolve_dependents(t, now)
+        return task_view(t)
+
+    def _resolve_dependents(self, t, now: datetime) -> None:
+        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
+        (task_blockers_resolved) and the parent whose children are all finished
+        (task_children_completed)."""
+        blocked = self.db.select('SELECT id FROM "Task" WHERE workspace_id = $ws AND EXISTS '
+                                 '(SELECT 1 FROM json_each("Task".blocked_by) WHERE value = $tid)',
+                                 {"ws": t.workspace_id, "tid": t.id})
+        for dependent in (self.db.Task[i] for i in blocked):
+            blockers = dependent.blocked_by or []
+            if not self._open_blockers(blockers):
+                self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
+                                    {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
+        if t.parent_id and (parent := self.db.Task.get(id=t.parent_id)) is not None:
+            open_children = self.db.select('SELECT COUNT(*) FROM "Task" WHERE parent_id = $p AND state NOT IN '
+                                           f"{TERMINAL_TASK_SQL}", {"p": parent.id})[0]
+            if open_children == 0:
+                self._wake_assignee(parent, WakeupSource.TASK_CHILDREN_COMPLETED, {"task_id": parent.id}, now)
+
+    def _comment(self, t, body: str, now: datetime, author_agent_id: str | None):
+        c = self.db.Comment(id=new_id("cmt"), task_id=t.id, author_agent_id=author_agent_id, body=body,
+                            created_at=naive(now))
+        self.emit("comment.created", {"comment_id": c.id, "task_id": t.id, "author_agent_id": author_agent_id}, now)
+        return c
+
+    def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
+                    workspace_id: str | None = None) -> dict[str, Any]:
+        """A comment wakes the task's assignee unless the assignee wrote it."""
+        t = self._task(task_id, workspace_id)
+        c = self._comment(t, body, now, author_agent_id)
+        if t.assignee_agent_id != author_agent_id:
+            self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now)
+        return comment_view(c)
+
+    def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
+        a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
+                             requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
+        self.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None, run_id=None)
+        self.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
+        return a
+
+    def request_approval(self, task_id: str, agent_id: str, note: str, now: datetime,
+                         workspace_id: str) -> dict[str, Any]:
+        t = self._task(task_id, workspace_id)
+        if t.assignee_agent_id != agent_id:
+            raise Forbidden(f"task {t.id} is not assigned to this agent")
+        return approval_view(self._request_approval(t, agent_id, note, now))
+
+    def list_approvals(self, workspace_id: str | None, status: str | None = None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Approval.select(lambda a: a.workspace_id == ws.id)
+        if status:
+            query = query.filter(lambda a: a.status == status)
+        return [approval_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
+
+    def resolve_approval(self, approval_id: str, status: str, decision_note: str, now: datetime) -> dict[str, Any]:
+        """The user decides: approved moves an In Review task to Done (its dependents wake);
+        rejected sends it back to In Progress. The requesting agent gets approval_resolved."""
+        if status not in ("approved", "rejected"):
+            raise invalid("status", "must be approved or rejected")
+        a = self.db.Approval.get(id=approval_id)
+        if a is None:
+            raise NotFound(f"no approval {approval_id}")
+        if a.status != "pending":
+            raise Conflict(f"approval {a.id} was already {a.status}")
+        a.status, a.decision_note, a.resolved_at = status, decision_note, naive(now)
+        self.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
+        t = self.db.Task.get(id=a.task_id)
+        if t is not None and t.state == TaskState.IN_REVIEW:
+            if status == "approved":
+                self.move_task(t.id, TaskState.DONE, now)
+            else:
+                t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
+                self.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
+        if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
+            self.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
+                                {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
+        return approval_view(a)
+
+    def wake_agent(self, agent_id: str, source: WakeupSource, payload: dict[str, Any], now: datetime, *,
+                   reason: str | None = None, wake_at: datetime | None = None,
+                   workspace_id: str | None = None) -> dict[str, Any]:
+        """A user wake from the UI, or an agent's self-wake (possibly for later)."""
+        a = self._agent(agent_id)
+        if workspace_id is not None and a.workspace_id != workspace_id:
+            raise NotFound(f"no agent {agent_id}")
+        return wakeup_view(self.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
+                                                    reason=reason, wake_at=wake_at))
+
+    def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
+                     source: str | None = None, limit: int = 100, task_id: str | None = None) -> list[dict[str, Any]]:
+        ws = self._workspace(workspace_id)
+        query = self.db.Wakeup.select(lambda w: w.workspace_id == ws.id)
+        if agent_id:
+            query = query.filter(lambda w: w.agent_id == agent_id)
+        if task_id:
+            query = query.filter(lambda w: w.task_id == task_id)
+        if status:
+            query = query.filter(lambda w: w.status == status)
+        if source:
+            query = query.filter(lambda w: w.source == source)
+        return [wakeup_view(w) for w in query.order_by(lambda w: orm.desc(w.requested_at))[:limit]]
+
+    def office_run(self, run_id: str) -> dict[str, Any]:
+        """RunDetail: the run, and what the agent was given and gave back."""
+        o = self.db.OfficeRun.get(run_id=run_id)
+        if o is None:
+            raise NotFound(f"no Office run {run_id}")
+        r = self.db.Run[run_id]
+        return {**run_view(r), "agent_id": o.agent_id, "workspace_id": o.workspace_id,
+                "wakeup_id": o.wakeup_id, "task_id": o.task_id, "assembled_prompt": o.assembled_prompt,
+                "summary_injected": o.summary_injected, "result_json": r.result or {},
+                "context_snapshot": o.context_snapshot, "session_id": o.session_id, "resumed": o.resumed,
+                "coalesced_wakeups": [w.id for w in self.db.Wakeup.select(lambda w: w.coalesced_into == o.wakeup_id)]}
+
+    def agent_runs(self, agent_id: str, limit: int = 50) -> list[dict[str, Any]]:
+        self._agent(agent_id)
+        rows = orm.select((r, o) for r in self.db.Run for o in self.db.OfficeRun
+                          if r.id == o.run_id and o.agent_id == agent_id).order_by(lambda r, o: orm.desc(r.id))[:limit]
+        return [{**run_view(r), "task_id": o.task_id, "wakeup_id": o.wakeup_id} for r, o in rows]
+
+    def list_activity(self, workspace_id: str | None, code: str | None = None,
+                      limit: int = 100, *, empty_sweeps: bool = True) -> list[dict[str, Any]]:
+        """Newest first. Without ``empty_sweeps``, the recovery sweeps that dispatched nothing
+        (one every 5 minutes) are left out, in the query, so they cannot bury the rest."""
+        ws = self._workspace(workspace_id)
+        query = self.db.Activity.select(lambda x: x.workspace_id == ws.id)
+        if code:
+            query = query.filter(lambda x: x.code == code)
+        if not empty_sweeps:
+            query = query.filter(lambda x: x.code != "recovery_sweep_complete" or x.data["dispatched_count"] != 0)
+        return [activity_view(x) for x in query.order_by(lambda x: orm.desc(x.id))[:limit]]
+
+    def summary_of(self, agent_id: str) -> list[dict[str, Any]]:
+        return [{"scope": s.scope, "content": s.content, "content_tokens": s.content_tokens,
+                 "updated_at": rfc3339(aware(s.updated_at)), "updated_by_run_id": s.updated_by_run_id}
+                for s in self.db.ContinuationSummary.select(lambda s: s.agent_id == agent_id)]
+
+    def run_agent_context(self, run_id: str) -> dict[str, Any] | None:
+        """Who a run token speaks for: only an Office run that is running right now."""
+        o = self.db.OfficeRun.get(run_id=run_id)
+        r = self.db.Run.get(id=run_id)
+        if o is None or r is None or r.status != RunStatus.RUNNING:
+            return None
+        return {"run_id": run_id, "agent_id": o.agent_id, "workspace_id": o.workspace_id, "task_id": o.task_id}
+
+    def next_wakeup_at(self, now: datetime) -> datetime | None:
+        """When the dispatcher next has something to claim without being nudged: a retry or
+        self-wake coming due, or a busy agent's cooldown ending."""
+        due = sql_time(now)
+        times = [sql_instant(t) for t in self.db.select(
+            'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'queued\' AND scheduled_retry_at > $due '
+            'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'queued\' AND wake_at > $due',
+            {"due": due}) if t]
+        for last, cooldown in self.db.select(
+                'SELECT a.last_wakeup_finished_at, a.cooldown_sec FROM "Agent" a WHERE a.last_wakeup_finished_at '
+                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id AND w.status = \'queued\')'):
+            ends = sql_instant(last) + timedelta(seconds=cooldown)
+            if ends > now:
+                times.append(ends)
+        return min(times, default=None)
+
+
+class PipelineStore(OfficeStore):
+    """The dispatch pipeline (Office): claimable wakeups through the spec's checks
+    (staleness, capacity, cooldown, checkout, budget, idle skip) into runs; retries, escalation, and
+    the settlement of a run's wakeup (``_on_run_settled``) with its continuation summary."""
+
+    def _checkout(self, task_id: str, agent_id: str, now: datetime) -> bool:
+        """The atomic checkout (CAS): one agent at a time works a task. Pony writes it as
+        UPDATE ... WHERE checkout_agent_id IS NULL (its optimistic check), inside the
+        transaction's write lock."""
+        t = self.db.Task[task_id]
+        if t.checkout_agent_id is not None:
+            return False
+        t.checkout_agent_id, t.checkout_at = agent_id, naive(now)
+        return True
+
+    def _budget_exceeded(self, agent, ws, now: datetime) -> str | None:
+        """Pre-execution budget check (workspace, then agent): a run budget per 24 h."""
+        if ws.budget_runs_per_day and self._runs_last_day(now, workspace_id=ws.id) >= ws.budget_runs_per_day:
+            return f"workspace budget of {ws.budget_runs_per_day} runs per day is used up"
+        if agent.budget_runs_per_day and self._runs_last_day(now, agent_id=agent.id) >= agent.budget_runs_per_day:
+            return f"agent budget of {agent.budget_runs_per_day} runs per day is used up"
+        return None
+
+    def _budget_alert(self, agent, now: datetime) -> None:
+        """When a run takes an agent across 80% of its budget, its coordinators hear of it."""
+        if not agent.budget_runs_per_day:
+            return
+        used = self._runs_last_day(now, agent_id=agent.id)
+        threshold = math.ceil(agent.budget_runs_per_day * BUDGET_ALERT_PCT / 100)
+        if used == threshold:
+            for c in self._coordinators(agent.workspace_id, agent.id):
+                self.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
+                                    {"agent_instance_id": agent.id,
+                                     "budget_pct": round(100 * used / agent.budget_runs_per_day)}, now)
+
     def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
                          limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
         """The dispatcher: every queued wakeup that may be claimed now, oldest first, through
@@ -3554,8 +3722,8 @@ class Store:
         queued, processed = [], 0
         for wakeup_id in self._claimable_wakeups(now, limit):
             outcome = self.process_wakeup(wakeup_id, now, profiles)
-            processed += outcome is not False
-            queued += [outcome] if outcome else []
+            processed += outcome.claimed
+            queued += [outcome.run_id] if outcome.run_id else []
         return queued, processed
 
     def fail_first_claimable(self, now: datetime, error: str) -> str | None:
@@ -3599,44 +3767,39 @@ class Store:
                 'ORDER BY requested_at, rowid LIMIT $room', {"agent": a.id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
-    def wakeups_by_agent(self, status: str) -> dict[str, int]:
-        """How many wakeups in ``status`` each agent has (claimed ones are its sessions)."""
-        return dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = $s GROUP BY agent_id',
-                                   {"s": status}))
-
-    def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> str | None | bool:
+    def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> PipelineOutcome:
         """The twelve-step pipeline up to launch (spec processWakeup); launch and finish are the
-        run supervisor's and ``settle_run``'s. Returns the run queued, None when the wakeup
-        ended without one, False when another claimer had it."""
+        run supervisor's and ``settle_run``'s. Returns whether it was claimed here
+        and the run it queued (none when the wakeup ended without one)."""
         olog = log.getChild("office")
         # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
         w = self.db.Wakeup[wakeup_id]
         if w.status != "queued":
-            return False
+            return PipelineOutcome(claimed=False)
         w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         agent = self.db.Agent.get(id=w.agent_id)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id)):   # retry promotion
             self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
-            return None
+            return PipelineOutcome(claimed=True)
         # 2. Guard: agent status.
         if agent is None or agent.status in ("paused", "stopped"):
             self._end_wakeup(w, "finished", now, note=f"agent {agent.status if agent else 'deleted'}: no session")
-            return None
+            return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
             r = self.db.Routine.get(id=w.payload.get("routine_id"))
             if r is None or r.status != "active":
                 self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session")
-                return None
+                return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=w.reason == REVIEW_REASON)):
             self.cancel_stale(w, reason, now)
-            return None
+            return PipelineOutcome(claimed=True)
         # Held while blocked: task_blockers_resolved wakes the agent when the blockers are done.
         if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
                 and (waiting := self._open_blockers(task["blocked_by"]))):
             self._end_wakeup(w, "finished", now, note="held until its blockers are done: " + ", ".join(waiting))
-            return None
+            return PipelineOutcome(claimed=True)
         # 4. Idle skip.
         if w.source == WakeupSource.ROUTINE and not w.task_id and agent.skip_idle_wakeups:
             actionable = orm.count(t for t in self.db.Task if t.assignee_agent_id == agent.id
@@ -3647,12 +3810,12 @@ class Store:
                 self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)")
                 self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
-                return None
+                return PipelineOutcome(claimed=True)
         # 5. Checkout (a reviewer reads the task; only the one working it takes the lock).
         if w.task_id and w.reason != REVIEW_REASON and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
             self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
-            return None
+            return PipelineOutcome(claimed=True)
         # 6. Budget pre-check.
         ws = self.db.Workspace[w.workspace_id]
         if blocked := self._budget_exceeded(agent, ws, now):
@@ -3664,7 +3827,7 @@ class Store:
             self.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
                                  "Raise the budget or wait, then set the agent back to idle.", now,
                                  schedule_id=None, run_id=None)
-            return None
+            return PipelineOutcome(claimed=True)
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge).
         agent_id, scope = agent.id, w.task_id
         same_scope = (lambda q: q.task_id == scope) if scope else (lambda q: q.task_id is None)
@@ -3684,7 +3847,7 @@ class Store:
             problem = "the workspace has no repository: set one in Office settings"
         if problem is not None:
             self.handle_wakeup_failure(w, problem, now)
-            return None
+            return PipelineOutcome(claimed=True)
         # 9-10. The run: one per claimed wakeup, on the shared FIFO admission queue.
         profile = profiles[executor]
         session = self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id) if w.task_id else None
@@ -3706,7 +3869,7 @@ class Store:
         agent.status = "working"
         self._budget_alert(agent, now)
         self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run.id}, now)
-        return run.id
+        return PipelineOutcome(claimed=True, run_id=run.id)
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None) -> None:
         """Spec HandleWakeupFailure: a parsed rate-limit reset (+30 s), else the backoff
@@ -3754,6 +3917,10 @@ class Store:
                                  "error": error[:ERROR_TAIL_BYTES]}, now,
                                 idempotency_key=f"agent_error:{w.run_id or w.id}:{c.id}")   # no run: the wakeup
 
+    def _on_run_settled(self, r, status: RunStatus, now: datetime) -> None:
+        if r.trigger == "wakeup":
+            self._settle_office_run(r, status, now)
+
     def _settle_office_run(self, r, status: RunStatus, now: datetime) -> None:
         """Pipeline step 12, in the run's settlement transaction: the wakeup finishes (or
         is retried), the lock is released, the session and the summary are kept."""
@@ -3796,30 +3963,30 @@ class Store:
         failure the last good summary stays."""
         scope = summary_scope(w.payload)
         row = self.db.ContinuationSummary.get(agent_id=o.agent_id, scope=scope)
-        try:
-            stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
-                "SELECT COUNT(*), COALESCE(SUM(state = 'IN_PROGRESS'), 0), COALESCE(SUM(state = 'IN_REVIEW'), 0) "
-                "FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN ('DONE', 'CANCELLED') "
-                "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
-            since = sql_time(now - timedelta(days=1))
-            stats["failed_runs"] = self.db.select(
-                'SELECT COUNT(*) FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.workspace_id = $ws '
-                "AND o.queued_at >= $since AND r.status = 'failed'", {"ws": o.workspace_id, "since": since})[0]
-            stats["escalations"] = self.db.select(
-                'SELECT COUNT(*) FROM "Attention" WHERE kind = \'agent_error\' AND created_at >= $since',
-                {"since": since})[0]
-            # Open tasks waiting on an open blocker: one query, only what the summary shows, however
-            # many tasks the workspace has (this runs inside the settlement's write transaction).
-            blocked = ('FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN (\'DONE\', \'CANCELLED\') '
-                       "AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM json_each(t.blocked_by) j "
-                       "JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN ('DONE', 'CANCELLED'))")
-            blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
-                        for tid, title, ids, created in self.db.select(
-                            f"SELECT t.id, t.title, t.blocked_by, t.created_at {blocked} "
-                            "ORDER BY t.created_at LIMIT $n", {"ws": o.workspace_id, "n": SUMMARY_BLOCKERS})]
-            more = self.db.select(f"SELECT COUNT(*) {blocked}", {"ws": o.workspace_id})[0] - len(blockers)
+        stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
+            "SELECT COUNT(*), COALESCE(SUM(state = 'IN_PROGRESS'), 0), COALESCE(SUM(state = 'IN_REVIEW'), 0) "
+            f"FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN {TERMINAL_TASK_SQL} "
+            "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
+        since = sql_time(now - timedelta(days=1))
+        stats["failed_runs"] = self.db.select(
+            'SELECT COUNT(*) FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.workspace_id = $ws '
+            "AND o.queued_at >= $since AND r.status = 'failed'", {"ws": o.workspace_id, "since": since})[0]
+        stats["escalations"] = self.db.select(
+            'SELECT COUNT(*) FROM "Attention" WHERE kind = \'agent_error\' AND created_at >= $since',
+            {"since": since})[0]
+        # Open tasks waiting on an open blocker: one query, only what the summary shows, however
+        # many tasks the workspace has (this runs inside the settlement's write transaction).
+        blocked = (f'FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN {TERMINAL_TASK_SQL} '
+                   "AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM json_each(t.blocked_by) j "
+                   f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL})")
+        blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
+                    for tid, title, ids, created in self.db.select(
+                        f"SELECT t.id, t.title, t.blocked_by, t.created_at {blocked} "
+                        "ORDER BY t.created_at LIMIT $n", {"ws": o.workspace_id, "n": SUMMARY_BLOCKERS})]
+        more = self.db.select(f"SELECT COUNT(*) {blocked}", {"ws": o.workspace_id})[0] - len(blockers)
+        try:   # the builder alone: a store error here is the transaction's, never swallowed
             content = build_summary(row.content if row else "", result, stats, blockers, now, more=more)
-        except Exception:   # noqa: BLE001 - last-good wins; the next successful run rebuilds
+        except Exception:   # noqa: BLE001 - a builder bug: last-good wins; the next successful run rebuilds
             log.getChild("office").exception("summary builder failed for agent %s scope %s", o.agent_id, scope)
             return
         fields = {"content": content, "content_tokens": len(content) // 4, "updated_at": naive(now),
@@ -3829,102 +3996,13 @@ class Store:
         else:
             row.set(**fields)
 
-    def next_wakeup_at(self, now: datetime) -> datetime | None:
-        """When the dispatcher next has something to claim without being nudged: a retry or
-        self-wake coming due, or a busy agent's cooldown ending."""
-        due = sql_time(now)
-        times = [sql_instant(t) for t in self.db.select(
-            'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'queued\' AND scheduled_retry_at > $due '
-            'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'queued\' AND wake_at > $due',
-            {"due": due}) if t]
-        for last, cooldown in self.db.select(
-                'SELECT a.last_wakeup_finished_at, a.cooldown_sec FROM "Agent" a WHERE a.last_wakeup_finished_at '
-                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id AND w.status = \'queued\')'):
-            ends = sql_instant(last) + timedelta(seconds=cooldown)
-            if ends > now:
-                times.append(ends)
-        return min(times, default=None)
 
-    def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
-                     source: str | None = None, limit: int = 100, task_id: str | None = None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
-        query = self.db.Wakeup.select(lambda w: w.workspace_id == ws.id)
-        if agent_id:
-            query = query.filter(lambda w: w.agent_id == agent_id)
-        if task_id:
-            query = query.filter(lambda w: w.task_id == task_id)
-        if status:
-            query = query.filter(lambda w: w.status == status)
-        if source:
-            query = query.filter(lambda w: w.source == source)
-        return [self.wakeup_view(w) for w in query.order_by(lambda w: orm.desc(w.requested_at))[:limit]]
+class RoutineStore(PipelineStore):
+    """Routines and recovery: routines with schedule, webhook and manual triggers,
+    their ticks and fires, webhook deliveries, coordinator heartbeats, and the recovery sweep of
+    unstarted assigned tasks."""
 
-    def office_run(self, run_id: str) -> dict[str, Any]:
-        """RunDetail: the run, and what the agent was given and gave back."""
-        o = self.db.OfficeRun.get(run_id=run_id)
-        if o is None:
-            raise NotFound(f"no Office run {run_id}")
-        r = self.db.Run[run_id]
-        return {**self.run_view(r), "agent_id": o.agent_id, "workspace_id": o.workspace_id,
-                "wakeup_id": o.wakeup_id, "task_id": o.task_id, "assembled_prompt": o.assembled_prompt,
-                "summary_injected": o.summary_injected, "result_json": r.result or {},
-                "context_snapshot": o.context_snapshot, "session_id": o.session_id, "resumed": o.resumed,
-                "coalesced_wakeups": [w.id for w in self.db.Wakeup.select(lambda w: w.coalesced_into == o.wakeup_id)]}
-
-    def agent_runs(self, agent_id: str, limit: int = 50) -> list[dict[str, Any]]:
-        self._agent(agent_id)
-        rows = orm.select((r, o) for r in self.db.Run for o in self.db.OfficeRun
-                          if r.id == o.run_id and o.agent_id == agent_id).order_by(lambda r, o: orm.desc(r.id))[:limit]
-        return [{**self.run_view(r), "task_id": o.task_id, "wakeup_id": o.wakeup_id} for r, o in rows]
-
-    def list_activity(self, workspace_id: str | None, code: str | None = None,
-                      limit: int = 100, *, empty_sweeps: bool = True) -> list[dict[str, Any]]:
-        """Newest first. Without ``empty_sweeps``, the recovery sweeps that dispatched nothing
-        (one every 5 minutes) are left out, in the query, so they cannot bury the rest."""
-        ws = self._workspace(workspace_id)
-        query = self.db.Activity.select(lambda x: x.workspace_id == ws.id)
-        if code:
-            query = query.filter(lambda x: x.code == code)
-        if not empty_sweeps:
-            query = query.filter(lambda x: x.code != "recovery_sweep_complete" or x.data["dispatched_count"] != 0)
-        return [self.activity_view(x) for x in query.order_by(lambda x: orm.desc(x.id))[:limit]]
-
-    def summary_of(self, agent_id: str) -> list[dict[str, Any]]:
-        return [{"scope": s.scope, "content": s.content, "content_tokens": s.content_tokens,
-                 "updated_at": rfc3339(aware(s.updated_at)), "updated_by_run_id": s.updated_by_run_id}
-                for s in self.db.ContinuationSummary.select(lambda s: s.agent_id == agent_id)]
-
-    def run_agent_context(self, run_id: str) -> dict[str, Any] | None:
-        """Who a run token speaks for: only an Office run that is running right now."""
-        o = self.db.OfficeRun.get(run_id=run_id)
-        r = self.db.Run.get(id=run_id)
-        if o is None or r is None or r.status != RunStatus.RUNNING:
-            return None
-        return {"run_id": run_id, "agent_id": o.agent_id, "workspace_id": o.workspace_id, "task_id": o.task_id}
-
-    # --- office: routines ---------------------------------------------------------------------------
-
-    @staticmethod
-    def trigger_view(t) -> dict[str, Any]:
-        view = {"id": t.id, "routine_id": t.routine_id, "kind": t.kind, "cron_expression": t.cron_expression,
-                "timezone": t.timezone, "next_run_at": rfc3339(aware(t.next_run_at)),
-                "last_fired_at": rfc3339(aware(t.last_fired_at)), "public_id": t.public_id,
-                "signing_mode": t.signing_mode, "enabled": t.enabled,
-                "previous_secret_valid_until": rfc3339(aware(t.previous_secret_until))}
-        if t.public_id:
-            view["fire_path"] = f"/api/routine-triggers/{t.public_id}/fire"
-        return view
-
-    @staticmethod
-    def routine_run_view(x) -> dict[str, Any]:
-        return {"id": x.id, "routine_id": x.routine_id, "trigger_id": x.trigger_id, "source": x.source,
-                "status": x.status, "due_at": rfc3339(aware(x.due_at)), "missed_ticks": x.missed_ticks,
-                "trigger_payload": x.trigger_payload or {}, "linked_task_id": x.linked_task_id,
-                "wakeup_id": x.wakeup_id, "coalesced_into_run_id": x.coalesced_into_run_id,
-                "dispatch_fingerprint": x.dispatch_fingerprint, "error": x.error,
-                "started_at": rfc3339(aware(x.started_at)), "completed_at": rfc3339(aware(x.completed_at))}
-
-    def routine_view(self, r, *, detail: bool = False) -> dict[str, Any]:
+    def _routine_view(self, r, *, detail: bool = False) -> dict[str, Any]:
         routine_id = r.id
         triggers = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id).order_by(
             lambda t: t.created_at)
@@ -3934,12 +4012,12 @@ class Store:
                 "assignee_agent_id": r.assignee_agent_id, "status": r.status,
                 "concurrency_policy": r.concurrency_policy, "catch_up_policy": r.catch_up_policy,
                 "catch_up_max": r.catch_up_max, "priority": r.priority, "task_template": r.task_template or {},
-                "variables": r.variables or [], "triggers": [self.trigger_view(t) for t in triggers],
+                "variables": r.variables or [], "triggers": [trigger_view(t) for t in triggers],
                 "created_at": rfc3339(aware(r.created_at)), "updated_at": rfc3339(aware(r.updated_at))}
         last = runs.first()
-        view["last_run"] = self.routine_run_view(last) if last else None
+        view["last_run"] = routine_run_view(last) if last else None
         if detail:
-            view["runs"] = [self.routine_run_view(x) for x in runs[:50]]
+            view["runs"] = [routine_run_view(x) for x in runs[:50]]
             for t in view["triggers"]:
                 if t["kind"] == "webhook":
                     t["refused_deliveries"] = self._refusals(t["id"])
@@ -3967,7 +4045,7 @@ class Store:
             if t.signing_mode != "none":
                 secret = t.secret = secrets.token_urlsafe(32)
         self.flush()
-        view = self.trigger_view(t)
+        view = trigger_view(t)
         if secret:
             view["secret"] = secret
         return view
@@ -3980,12 +4058,12 @@ class Store:
                             **fields)
         created = [self._add_trigger(r, t, now) for t in triggers]
         self.emit("routine.created", {"routine_id": r.id}, now)
-        view = self.routine_view(r)
+        view = self._routine_view(r)
         view["triggers"] = created   # with the secrets, this once
         return view
 
     def routine_fields(self, routine_id: str) -> dict[str, Any]:
-        view = self.routine_view(self._routine(routine_id))
+        view = self._routine_view(self._routine(routine_id))
         return {k: view[k] for k in ROUTINE_FIELDS if k in view and k not in ("workspace_id", "triggers")}
 
     def update_routine(self, routine_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -3993,7 +4071,7 @@ class Store:
         self._in_workspace("Agent", fields["assignee_agent_id"], r.workspace_id, "assignee_agent_id")
         r.set(updated_at=naive(now), **fields)
         self.emit("routine.updated", {"routine_id": r.id, "status": r.status}, now)
-        return self.routine_view(r, detail=True)
+        return self._routine_view(r, detail=True)
 
     def delete_routine(self, routine_id: str, now: datetime) -> None:
         r = self._routine(routine_id)
@@ -4005,11 +4083,11 @@ class Store:
         self.emit("routine.deleted", {"routine_id": routine_id}, now)
 
     def get_routine(self, routine_id: str) -> dict[str, Any]:
-        return self.routine_view(self._routine(routine_id), detail=True)
+        return self._routine_view(self._routine(routine_id), detail=True)
 
     def list_routines(self, workspace_id: str | None) -> list[dict[str, Any]]:
         ws = self._workspace(workspace_id)
-        return [self.routine_view(r) for r in
+        return [self._routine_view(r) for r in
                 self.db.Routine.select(lambda r: r.workspace_id == ws.id).order_by(lambda r: r.created_at)]
 
     def add_trigger(self, routine_id: str, trigger: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -4036,7 +4114,7 @@ class Store:
         t.previous_secret, t.previous_secret_until = t.secret, naive(now + timedelta(seconds=SECRET_ROTATION_GRACE_S))
         t.secret = secrets.token_urlsafe(32)
         self.emit("routine.updated", {"routine_id": routine_id}, now)
-        return {**self.trigger_view(t), "secret": t.secret}
+        return {**trigger_view(t), "secret": t.secret}
 
     def scheduled_wakeups(self, agent_id: str) -> int:
         """Enabled schedule triggers of active routines that wake this agent (the coordinator banner)."""
@@ -4133,7 +4211,7 @@ class Store:
             x.wakeup_id = w.id
         self.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
-        return self.routine_run_view(x)
+        return routine_run_view(x)
 
     def _record_failed_fire(self, r, trigger_id: str, due_at: datetime, error: str, now: datetime) -> None:
         self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron", status="failed",
@@ -4262,7 +4340,7 @@ class Store:
                     continue   # task_blockers_resolved wakes it when its blockers are done
                 self.enqueue_wakeup(ws.id, agent.id, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     reason="recovery", idempotency_key=f"recovery:{t.id}:{agent.id}:"
-                                                                       f"{int(now.timestamp()) // 3600}")
+                                                                       f"{int(now.timestamp()) // HOUR_S}")
                 self._activity("recovery_dispatch", ws.id, now, agent_id=agent.id, task_id=t.id)
                 dispatched += 1
             self._activity("recovery_sweep_complete", ws.id, now, dispatched_count=dispatched)
@@ -4270,13 +4348,17 @@ class Store:
         return total
 
 
+class Store(RoutineStore):
+    """The store: synchronous functions, each run in one ``db_session`` through
+    ``transaction`` (``Deps.transaction`` from trio), returning plain dicts, never entities.
+    Its layers, bottom to top, each calling only itself and the layers below:
+    StoreBase <- ScheduleStore <- RunStore <- AccessStore <- WakeupStore <- OfficeStore
+    <- PipelineStore <- RoutineStore <- Store."""
+
+
 ###############################################################################
 # 6. Executors: git worktrees, the agent subprocess, output capture, the demo agent.
 ###############################################################################
-
-class LaunchError(Exception):
-    """A run could not start (repository, ref, workdir, command): it fails with this text."""
-
 
 async def git(repo: str | Path, *args: str, check: bool = True) -> str:
     """Run git with an argument list (never a shell); stdout, or LaunchError with stderr."""
@@ -4418,6 +4500,39 @@ class LiveRun:
             kill_group(self.pid, signal.SIGCONT)
 
 
+class LiveRuns:
+    """The runs whose process is alive, by id. Written by run supervisors (``add``,
+    ``discard``); read by run control through ``pausable`` and ``signal``."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, LiveRun] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def add(self, live: LiveRun) -> None:
+        self._runs[live.run_id] = live
+
+    def discard(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def get(self, run_id: str) -> LiveRun | None:
+        return self._runs.get(run_id)
+
+    def pausable(self, run_id: str) -> bool:
+        """Only a run whose process is alive can be paused (SIGSTOP needs a process group)."""
+        live = self._runs.get(run_id)
+        return live is not None and live.pid is not None
+
+    def signal(self, run_id: str, action: str) -> None:
+        """Run control was recorded: cancel or pause the live process (resume waits for a slot)."""
+        live = self._runs.get(run_id)
+        if live is not None and action == "cancel":
+            live.cancel()
+        elif live is not None and action == "pause":
+            live.pause()
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProcessResult:
     exit_code: int | None
@@ -4522,7 +4637,7 @@ async def changes_summary(repository: str, base: str, branch: str) -> str:
     if not Path(repository).is_dir():
         return ""
     text = await git(repository, "log", "--stat", "--format=%h %s (%an, %ar)", f"{base}..{branch}", check=False)
-    return text[:20000]
+    return text[:MAX_TEXT_CHARS]
 
 
 def demo_office_call(path: str, body: dict[str, Any]) -> None:
@@ -4618,7 +4733,19 @@ class RunSettled:
     run_id: str
 
 
-class Nudge:
+class SettledChannel:
+    """Run supervisors -> the notification actor: one RunSettled per settlement. A message
+    dropped on a full channel costs latency only: the actor also sweeps the store."""
+
+    def __init__(self, size: int) -> None:
+        self.tx, self.rx = trio.open_memory_channel[RunSettled](size)
+
+    def announce(self, run_id: str) -> None:
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self.tx.send_nowait(RunSettled(run_id))
+
+
+class NudgeChannel:
     """A coalescing wake-up: many senders, one waiter; the store holds the actual work."""
 
     def __init__(self) -> None:
@@ -4643,22 +4770,32 @@ class Hub:
         await self._event.wait()
 
 
-@dataclasses.dataclass
+class Actor(enum.StrEnum):
+    """An actor that other parts of the process wake with a nudge."""
+    CRON = "cron"     # a schedule's or a routine trigger's next fire may have changed
+    CLAIM = "claim"   # runs or wakeups may be ready, or a slot was freed
+
+
+@dataclasses.dataclass(frozen=True)
 class Deps:
-    """What the actors and the web share: config, clock, store access, nudges, live runs."""
+    """What the actors and the web share, fixed once built: config, clock, store access, and
+    the channels between the actors (made here, in one place): the nudges to the cron and
+    claim actors, settled runs to the notification actor, committed events to the SSE
+    streams. ``live`` is the registry of running processes. ``api_url`` is where agents
+    reach the API: ``serve`` derives the actors' Deps with it once the web server is bound."""
     config: Config
     store: Store
     clock: Clock
     token: str
     inline_db: bool = False                      # tests with MockClock: no worker thread
-    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=lambda: trio.CapacityLimiter(1))
-    cron_wake: Nudge = dataclasses.field(default_factory=Nudge)
-    claim_wake: Nudge = dataclasses.field(default_factory=Nudge)
-    hub: Hub = dataclasses.field(default_factory=Hub)
-    live: dict[str, LiveRun] = dataclasses.field(default_factory=dict)
-    settled_tx: trio.MemorySendChannel | None = None
     grace_s: float = GRACE_S
-    api_url: str = ""                            # where Office agents reach the agent API (set by serve)
+    api_url: str = ""
+    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=lambda: trio.CapacityLimiter(1))
+    cron_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
+    claim_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
+    settled: SettledChannel = dataclasses.field(default_factory=lambda: SettledChannel(SETTLED_BUFFER))
+    hub: Hub = dataclasses.field(default_factory=Hub)
+    live: LiveRuns = dataclasses.field(default_factory=LiveRuns)
 
     @functools.cached_property
     def run_token_key(self) -> bytes:
@@ -4667,6 +4804,9 @@ class Deps:
     @functools.cached_property
     def profiles(self) -> dict[str, AgentProfile]:
         return {a.name: a for a in self.config.agents}
+
+    def nudge(self, actor: Actor) -> None:
+        (self.cron_wake if actor is Actor.CRON else self.claim_wake).poke()
 
     async def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one store function in its own transaction on the one writer thread."""
@@ -4714,29 +4854,13 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
 async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
     """Fired runs: record their commits, then wake admission."""
     await resolve_new_runs(deps, run_ids)
-    deps.claim_wake.poke()
+    deps.nudge(Actor.CLAIM)
 
 
 async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
     """A manual fire was committed: resolve the new run's commit and wake admission."""
     if fired["outcome"] == "admitted":
         await resolve_and_admit(deps, [fired["run_id"]])
-
-
-def pausable(deps: Deps, run_id: str) -> bool:
-    """Only a run whose process is alive can be paused (SIGSTOP needs a process group)."""
-    live = deps.live.get(run_id)
-    return live is not None and live.pid is not None
-
-
-def signal_run(deps: Deps, run_id: str, action: str) -> None:
-    """Run control was recorded: signal the live process. Pause frees a slot, resume asks for one."""
-    live = deps.live.get(run_id)
-    if live is not None and action == "cancel":
-        live.cancel()
-    elif live is not None and action == "pause":
-        live.pause()
-    deps.claim_wake.poke()
 
 
 async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
@@ -4756,10 +4880,11 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                 fired = await deps.transaction_retrying(deps.store.claim_due_routines, now)
             except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
                 clog.exception("claiming routine ticks failed; skipping the due ticks")
-                fired = await deps.transaction_retrying(deps.store.skip_due_routines, now, f"{type(exc).__name__}: {exc}"[:300])
+                fired = await deps.transaction_retrying(deps.store.skip_due_routines, now,
+                                                        f"{type(exc).__name__}: {exc}"[:300])
             if fired:
                 clog.info("fired %d routine tick(s)", fired)
-                deps.claim_wake.poke()   # their wakeups wait for the dispatcher
+                deps.nudge(Actor.CLAIM)   # their wakeups wait for the dispatcher
             upcoming = await deps.transaction_retrying(deps.store.next_fire_at)
             wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
@@ -4796,7 +4921,8 @@ async def dispatch_wakeups(deps: Deps) -> None:
     transaction, until none is left that may be claimed now; their runs join admission."""
     while True:
         try:
-            queued, processed = await deps.transaction_retrying(deps.store.dispatch_wakeups, deps.clock.now(), deps.profiles)
+            queued, processed = await deps.transaction_retrying(deps.store.dispatch_wakeups, deps.clock.now(),
+                                                                deps.profiles)
         except Exception as exc:   # noqa: BLE001 - a bug in one wakeup must not stop every agent
             log.getChild("office").exception("dispatching wakeups failed; finding the wakeup that fails")
             try:   # one at a time: the batch that failed, without the wakeup that makes it fail
@@ -4822,7 +4948,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     info = await deps.transaction_retrying(deps.store.launch_info, run_id)
     workspace = deps.worktree(run_id)
     live = LiveRun(run_id, trio.CancelScope())
-    deps.live[run_id] = live
+    deps.live.add(live)
     commit, settled = info["resolved_commit"], False
     try:
         exit_code, result = None, None
@@ -4867,7 +4993,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         await finish_run(deps, run_id, info, commit, outcome, exit_code, result)
         settled = True
     finally:
-        deps.live.pop(run_id, None)
+        deps.live.discard(run_id)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
                 await finish_run(deps, run_id, info, commit, Outcome(RunStatus.FAILED, INTERRUPTED), None, None)
@@ -4889,10 +5015,9 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
                             exit_code=exit_code, error=outcome.error, result=result, commits=commits)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
-    if settled and deps.settled_tx is not None:
-        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            deps.settled_tx.send_nowait(RunSettled(run_id))
-    deps.claim_wake.poke()
+    if settled:
+        deps.settled.announce(run_id)
+    deps.nudge(Actor.CLAIM)
 
 
 async def recover_at_boot(deps: Deps) -> None:
@@ -4924,14 +5049,14 @@ async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) ->
     started once the store is consistent, so admission begins only after it."""
     await recover_at_boot(deps)
     task_status.started()
-    purge_at = trio.current_time() + 3600
+    purge_at = trio.current_time() + HOUR_S
     while True:
         if dispatched := await deps.transaction_retrying(deps.store.recovery_sweep, deps.clock.now()):
             log.getChild("recovery").info("recovery sweep dispatched %d unstarted task(s)", dispatched)
-            deps.claim_wake.poke()
+            deps.nudge(Actor.CLAIM)
         if trio.current_time() >= purge_at:
             await deps.transaction_retrying(deps.store.purge_expired, deps.clock.now())
-            purge_at += 3600
+            purge_at += HOUR_S
         await trio.sleep(RECOVERY_SWEEP_S)
 
 
@@ -4945,7 +5070,7 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
             # dropped on a full channel, or lost in a crash, costs latency, never an item.
             for run_id in await deps.transaction_retrying(deps.store.unnotified_runs):
                 await deps.transaction_retrying(deps.store.notify_run, run_id, deps.clock.now())
-                deps.cron_wake.poke()   # an auto-pause changes what the cron actor waits for
+                deps.nudge(Actor.CRON)   # an auto-pause changes what the cron actor waits for
             with trio.move_on_after(NOTIFY_SWEEP_S):
                 try:
                     await settled_in.receive()
@@ -4963,8 +5088,10 @@ SESSION_COOKIE = "outpost_session"
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 #: No inline script or style, no framing, forms post only here.
 CSP = "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'; object-src 'none'"
-#: The Idempotency-Key of the request being handled, for ``commit_idempotent``.
-_idempotency: contextvars.ContextVar[str | None] = contextvars.ContextVar("idempotency", default=None)
+#: Paths of the JSON APIs: their errors are always problem+json.
+API_PREFIXES = ("/v1/", "/api/")
+#: Methods that change nothing: no CSRF token needed.
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 def problem_response(err: OutpostError):
@@ -5061,7 +5188,7 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
     return form
 
 
-INTERVAL_UNITS = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}
+INTERVAL_UNITS = {"seconds": 1, "minutes": 60, "hours": HOUR_S, "days": DAY_S}
 #: Short notices a redirect can ask the next page to show (``?done=``).
 DONE_NOTICES = {
     "created": "Schedule created. It fires on its timing; use Fire now to run it at once.",
@@ -5093,7 +5220,7 @@ async def install_heartbeat(deps: Deps, agent_id: str) -> None:
     that fails the agent stays created and its page shows the no-scheduled-wake-ups banner."""
     try:
         await deps.transaction(deps.store.install_heartbeat, agent_id, deps.clock.now())
-        deps.cron_wake.poke()
+        deps.nudge(Actor.CRON)
     except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
         log.getChild("office").warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
 
@@ -5153,710 +5280,130 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
     return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
 
 
-def register_dashboard(app, deps: Deps):
-    """The browser dashboard: server-rendered pages whose forms post back here; the pages
-    call the same store functions as the JSON API. Returns the page renderer."""
-    from quart import g, redirect, render_template, request
-
-    store = deps.store
-    zones = sorted(zoneinfo_names())
-    app.jinja_env.filters["local"] = local_time
-    app.jinja_env.filters["timing_words"] = describe_timing
-    app.jinja_env.filters["state"] = schedule_state
-    app.jinja_env.filters["pretty"] = lambda v: json.dumps(v, indent=2, ensure_ascii=False)
-
-    async def render_page(template: str, *, status: int = 200, section: str | None = None, live: bool = False,
-                          **context: Any):
-        signed_in = bool(getattr(g, "csrf", None))
-        counts = await deps.transaction(lambda: (store.open_attention_count(), store.latest_cursor())) if signed_in else (0, 0)
-        notice = DONE_NOTICES.get(request.args.get("done", ""))
-        html = await render_template(template, signed_in=signed_in, csrf=getattr(g, "csrf", None), section=section,
-                                     live=live, open_attention=counts[0], cursor=counts[1],
-                                     flash={"kind": "ok", "text": notice} if notice else None, **context)
-        return html, status, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
-
-    async def form_data() -> dict[str, str]:
-        return dict((await request.form).items())
-
-    def errors_by_field(err: OutpostError) -> dict[str, str]:
-        return {e["field"]: e["message"] for e in err.errors} or {"form": err.detail}
-
-    def form_context(form: dict[str, str], errors: dict[str, str], **extra: Any) -> dict[str, Any]:
-        return {"form": form, "errors": errors, "zones": zones, "agents": [a.name for a in deps.config.agents],
-                "units": list(INTERVAL_UNITS), **extra}
-
-    # --- sign-in ------------------------------------------------------------------------------
-
-    def signed_in_response(target: str):
-        async def finish():
-            cookie, _ = await deps.transaction(store.create_session, deps.clock.now())
-            response = redirect(target if target.startswith("/") and not target.startswith("//") else "/schedules")
-            response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict",
-                                path="/")
-            return response
-        return finish()
-
-    @app.get("/signin")
-    async def signin_page():
-        return await render_page("signin.html", next=request.args.get("next", "/schedules"))
-
-    @app.post("/signin")
-    async def signin():
-        form = await form_data()
-        token = form.get("token", "").strip()
-        if not token or not hmac.compare_digest(token.encode(), deps.token.encode()):
-            log.getChild("web").warning("dashboard sign-in refused from %s", request.remote_addr)
-            return await render_page("signin.html", status=401, next=form.get("next", "/schedules"),
-                                     error="That is not the API token. `outpost token` prints it.")
-        return await signed_in_response(form.get("next", "/schedules"))
-
-    @app.get("/signin/<code>")
-    async def signin_link(code: str):
-        if not await deps.transaction(store.use_signin_code, code, deps.clock.now()):
-            return await render_page("signin.html", status=401, next="/schedules",
-                                     error="This sign-in link was used already or has expired. Paste the token.")
-        return await signed_in_response("/schedules")
-
-    @app.post("/signout")
-    async def signout():
-        await deps.transaction(store.end_session, request.cookies.get(SESSION_COOKIE, ""))
-        response = redirect("/signin")
-        response.delete_cookie(SESSION_COOKIE, path="/")
-        return response
-
-    # --- schedules ------------------------------------------------------------------------------
-
-    @app.get("/")
-    async def home():
-        return redirect("/schedules")
-
-    @app.get("/schedules")
-    async def schedules_page():
-        show_archived = request.args.get("archived") == "1"
-        page = parse_count(request.args.get("page")) or 1
-        listed = await deps.transaction(store.schedules_page, show_archived, page)
-        return await render_page("schedules.html", section="schedules", live=True, **listed,
-                                 show_archived=show_archived, page=page,
-                                 pages=max(1, math.ceil(listed["total"] / SCHEDULES_PAGE)), per_page=SCHEDULES_PAGE)
-
-    @app.get("/schedules/new")
-    async def new_schedule_page():
-        defaults = {"timing_kind": "cron", "expression": "0 9 * * 1-5", "timezone": "UTC", "agent": "demo",
-                    "brief": "Say hello and leave a note.\n@print hello from {{date}}\n@commit notes.txt hello",
-                    "timeout_seconds": "3600", "notify": "attention", "concurrency_policy": "skip_if_active",
-                    "catch_up_policy": "enqueue_missed_with_cap", "catch_up_max": "1", "workdir": ".",
-                    "source_ref": "HEAD", "interval_amount": "1", "interval_unit": "hours"}
-        return await render_page("schedule_form.html", section="schedules", **form_context(defaults, {}, edit=None))
-
-    async def review(form: dict[str, str], edit: dict[str, Any] | None):
-        current = edit["definition"] if edit else None
-        try:
-            definition = await checked_definition(deps, definition_from_form(form), current)
-        except OutpostError as err:
-            return await render_page("schedule_form.html", status=422, section="schedules",
-                                     **form_context(form, errors_by_field(err), edit=edit))
-        now = deps.clock.now()
-        fires = next_fires(definition["timing"], now, 5, anchor=now)
-        return await render_page(
-            "schedule_review.html", section="schedules", definition=definition, edit=edit,
-            definition_json=canonical_json(definition), confirmation=confirmation_of(definition),
-            summary=schedule_summary(definition, fires[0] if fires else None),
-            fires=[local_time(f, definition["timing"]["timezone"]) for f in fires],
-            warnings=timing_warnings(definition["timing"], now), form=form)
-
-    @app.post("/schedules/review")
-    async def review_new():
-        return await review(await form_data(), None)
-
-    async def confirmed_definition(form: dict[str, str], current: dict[str, Any] | None) -> dict[str, Any]:
-        try:
-            raw = json.loads(form.get("definition", ""))
-        except ValueError:
-            raise invalid("definition", "the reviewed definition is missing; compose it again") from None
-        definition = await checked_definition(deps, raw, current)
-        check_confirmation(definition, form.get("confirmation"))
-        return definition
-
-    @app.post("/schedules")
-    async def confirm_new():
-        form = await form_data()
-        definition = await confirmed_definition(form, None)
-        try:
-            created = await deps.transaction(store.create_schedule, definition, deps.clock.now())
-        except Conflict as err:
-            return await render_page("schedule_form.html", status=409, section="schedules",
-                                     **form_context(form_from_definition(definition), errors_by_field(err), edit=None))
-        deps.cron_wake.poke()
-        return redirect(f"/schedules/{created['id']}?done=created")
-
-    @app.get("/schedules/<schedule_id>")
-    async def schedule_page(schedule_id: str):
-        schedule = await deps.transaction(store.get_schedule, schedule_id)
-        ledger = await deps.transaction(store.occurrences, schedule_id, 50)
-        runs = (await deps.transaction(store.list_runs, schedule_id, None, 20, None))["runs"]
-        report = await deps.transaction(store.inspect, schedule_id)
-        return await render_page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
-                                 runs=runs, checks=report["checks"], tz=schedule["timing"]["timezone"])
-
-    @app.get("/schedules/<schedule_id>/edit")
-    async def edit_schedule_page(schedule_id: str):
-        current = await deps.transaction(store.schedule_definition, schedule_id)
-        if current["archived"]:
-            raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
-        edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
-        return await render_page("schedule_form.html", section="schedules",
-                                 **form_context(form_from_definition(current["definition"]), {}, edit=edit))
-
-    async def edit_from(schedule_id: str, form: dict[str, str]) -> dict[str, Any]:
-        try:
-            base = json.loads(form.get("base", ""))
-            revision = int(form.get("revision", ""))
-        except ValueError:
-            raise invalid("revision", "the edit form is incomplete; open Edit again") from None
-        return {"id": schedule_id, "revision": revision, "definition": base}
-
-    @app.post("/schedules/<schedule_id>/review")
-    async def review_edit(schedule_id: str):
-        form = await form_data()
-        return await review(form, await edit_from(schedule_id, form))
-
-    @app.post("/schedules/<schedule_id>")
-    async def confirm_edit(schedule_id: str):
-        form = await form_data()
-        edit = await edit_from(schedule_id, form)
-        definition = await confirmed_definition(form, edit["definition"])
-        try:
-            await deps.transaction(store.update_schedule, schedule_id, edit["revision"], definition, deps.clock.now())
-        except RevisionMismatch:
-            current = await deps.transaction(store.get_schedule, schedule_id)
-            fields = sorted(set(DEFINITION_FIELDS))
-            diff = [{"field": f, "base": edit["definition"].get(f), "now": current[f], "yours": definition[f]}
-                    for f in fields if edit["definition"].get(f) != current[f] or definition[f] != current[f]]
-            return await render_page("schedule_stale.html", status=412, section="schedules", s=current,
-                                     edit=edit, diff=diff)
-        deps.cron_wake.poke()
-        return redirect(f"/schedules/{schedule_id}?done=updated")
-
-    @app.post("/schedules/<schedule_id>/control")
-    async def schedule_control(schedule_id: str):
-        form = await form_data()
-        action = form.get("action", "")
-        try:
-            revision = int(form.get("revision", ""))
-        except ValueError:
-            raise invalid("revision", "the form has no revision; reload the page") from None
-        now = deps.clock.now()
-        if action == "fire":
-            fired = await deps.transaction(store.fire_manual, schedule_id, revision, now)
-            await after_fire(deps, fired)
-            return redirect(f"/schedules/{schedule_id}?done={fired['outcome']}")
-        await deps.transaction(store.control_schedule, schedule_id, revision, action, now)
-        deps.cron_wake.poke()
-        return redirect(f"/schedules/{schedule_id}?done={action}")
-
-    # --- runs -------------------------------------------------------------------------------------
-
-    @app.get("/runs")
-    async def runs_page():
-        schedule_id = request.args.get("schedule_id") or None
-        status = choice_arg(request.args, "status", RunStatus)
-        page = await deps.transaction(store.list_runs, schedule_id, status, 50, request.args.get("before") or None)
-        return await render_page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
-                                 schedules=await deps.transaction(store.schedule_zones), schedule_id=schedule_id,
-                                 status=status, statuses=[s.value for s in RunStatus])
-
-    @app.get("/runs/<run_id>")
-    async def run_page(run_id: str):
-        run = await deps.transaction(store.get_run, run_id)
-        zones_by_schedule = await deps.transaction(store.schedule_zones)
-        name, tz = zones_by_schedule.get(run["schedule_id"], ("dispatch", "UTC"))
-        log_text, log_size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
-        changes = ""
-        if run["changes"]["commits"] and run["resolved_commit"]:
-            changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
-        return await render_page("run.html", section="runs", live=run["status"] in ("queued", "running", "paused"),
-                                 run=run, schedule_name=name, tz=tz, log_text=log_text, log_size=log_size,
-                                 changes=changes)
-
-    @app.post("/runs/<run_id>/control")
-    async def run_control(run_id: str):
-        action = (await form_data()).get("action", "")
-        if action == "pause" and not pausable(deps, run_id):
-            raise Conflict(f"run {run_id} has no running process to pause")
-        await deps.transaction(store.control_run, run_id, action, deps.clock.now())
-        signal_run(deps, run_id, action)
-        notice = {"cancel": "cancel", "pause": "run_pause", "resume": "resume_run"}.get(action, "")
-        return redirect(f"/runs/{run_id}?done={notice}")
-
-    # --- attention --------------------------------------------------------------------------------
-
-    @app.get("/attention")
-    async def attention_page():
-        items = await deps.transaction(store.list_attention, False)
-        open_items = [a for a in items if not a["acknowledged_at"]]
-        done_items = [a for a in items if a["acknowledged_at"]][:50]
-        return await render_page("attention.html", section="attention", live=True, open_items=open_items,
-                                 done_items=done_items, schedules=await deps.transaction(store.schedule_zones))
-
-    @app.post("/attention/<attention_id>/ack")
-    async def attention_ack(attention_id: str):
-        await deps.transaction(store.ack_attention, attention_id, deps.clock.now())
-        return redirect("/attention?done=acked")
-
-    @app.post("/attention/ack-all")
-    async def attention_ack_all():
-        await deps.transaction(store.ack_all_attention, deps.clock.now())
-        return redirect("/attention?done=acked_all")
-
-    # --- Office: agents, the task board, wakeups, run inspection, settings -------------------------
-
-    app.jinja_env.filters["wakeup_label"] = wakeup_label
-    profile_names = [a.name for a in deps.config.agents]
-
-    async def office_page(template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
-        def common():
-            return {"settings": store.office_settings(None),
-                    "agents_by_id": {a["id"]: a for a in store.list_agents(None)}}
-        shared = await deps.transaction(common)
-        return await render_page(template, status=status, section="office", live=live, tab=tab,
-                                 tz=shared["settings"]["timezone"], profiles=profile_names,
-                                 task_states=list(TaskState), **shared, **context)
-
-    async def office_form(action: Callable[[Any], Awaitable[str]], on_error: Callable[..., Awaitable[Any]]):
-        """A dashboard form: the action's redirect, or its page again with the error by field."""
-        form = await request.form
-        try:
-            target = await action(form)
-        except OutpostError as err:
-            return await on_error(form=form, errors=errors_by_field(err), status=err.status)
-        deps.claim_wake.poke()
-        return redirect(target)
-
-    def checkbox(form: dict[str, str], name: str) -> bool:
-        return form.get(name) in ("1", "on", "true")
-
-    def agent_form(form: dict[str, str]) -> dict[str, Any]:
-        raw: dict[str, Any] = {k: form[k] for k in ("name", "role", "status", "instructions") if form.get(k)}
-        raw["executor"] = form.get("executor") or None
-        for key in ("max_concurrent_sessions", "cooldown_sec", "budget_runs_per_day"):
-            if form.get(key, "").strip():
-                value = parse_count(form[key].strip())
-                if value is None:
-                    raise invalid(key, "must be a whole number")
-                raw[key] = value
-            elif key == "budget_runs_per_day":
-                raw[key] = None
-        if form.get("skip_idle_wakeups") in ("yes", "no"):
-            raw["skip_idle_wakeups"] = form["skip_idle_wakeups"] == "yes"
-        return raw
-
-    @app.get("/office")
-    async def office_home():
-        return redirect("/office/agents")
-
-    @app.get("/office/agents")
-    async def office_agents_page(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
-                                 status: int = 200):
-        def data():
-            return store.list_agents(None), store.wakeups_by_agent("claimed"), store.wakeups_by_agent("queued")
-        agents, active, queued = await deps.transaction(data)
-        return await office_page("office_agents.html", tab="agents", status=status, agents=agents, active=active,
-                                 queued=queued, form=form or {}, errors=errors or {})
-
-    @app.post("/office/agents")
-    async def office_agents_create():
-        async def create(form):
-            fields = normalize_agent(agent_form(form), profiles=profile_names)
-            agent = await deps.transaction(store.create_agent, None, fields, deps.clock.now())
-            if fields["role"] == "coordinator":
-                await install_heartbeat(deps, agent["id"])
-            return f"/office/agents/{agent['id']}?done=agent_created"
-        return await office_form(create, office_agents_page)
-
-    @app.get("/office/agents/<agent_id>")
-    async def office_agent_page(agent_id: str, form: dict[str, str] | None = None,
-                                errors: dict[str, str] | None = None, status: int = 200):
-        def data():
-            return (store.get_agent(agent_id), store.agent_runs(agent_id, 30),
-                    store.list_wakeups(None, agent_id, None, None, 30), store.summary_of(agent_id),
-                    store.list_tasks(None, agent_id), store.scheduled_wakeups(agent_id))
-        agent, runs, wakeups, summaries, tasks, scheduled = await deps.transaction(data)
-        return await office_page("office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
-                                 wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks,
-                                 scheduled_wakeups=scheduled, form=form or agent,
-                                 errors=errors or {})
-
-    @app.post("/office/agents/<agent_id>")
-    async def office_agent_save(agent_id: str):
-        async def save(form):
-            current = await deps.transaction(store.agent_fields, agent_id)
-            fields = normalize_agent(agent_form(form), profiles=profile_names, current=current)
-            await deps.transaction(store.update_agent, agent_id, fields, deps.clock.now())
-            return f"/office/agents/{agent_id}?done=agent_updated"
-        return await office_form(save, functools.partial(office_agent_page, agent_id))
-
-    @app.post("/office/agents/<agent_id>/wake")
-    async def office_agent_wake(agent_id: str):
-        async def wake(form):
-            context = _text(form, "context", 0, 20000, "") or None
-            await deps.transaction(store.wake_agent, agent_id, WakeupSource.USER, {"user_id": "dashboard", "context": context},
-                          deps.clock.now())
-            return f"/office/agents/{agent_id}?done=woken"
-        return await office_form(wake, functools.partial(office_agent_page, agent_id))
-
-    def task_form(form, fields: tuple[str, ...]) -> dict[str, Any]:
-        raw: dict[str, Any] = {k: form.get(k, "") for k in fields if k in ("title", "description")}
-        for key in ("assignee_agent_id", "parent_id", "executor"):
-            if key in fields:
-                raw[key] = form.get(key) or None
-        if "blocked_by" in fields:
-            raw["blocked_by"] = [t for t in form.getlist("blocked_by") if t]
-        if "requires_approval" in fields:
-            raw["requires_approval"] = checkbox(form, "requires_approval")
-        return raw
-
-    @app.get("/office/board")
-    async def office_board(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
-                           status: int = 200):
-        show_routine = request.args.get("routine") == "1"
-        tasks = await deps.transaction(store.list_tasks, None)
-        hidden = sum(t["workflow"] == "routine" for t in tasks)
-        shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
-        columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
-        return await office_page("office_board.html", tab="board", status=status, tasks=shown, columns=columns,
-                                 show_routine=show_routine, hidden_routine=hidden, form=form or {},
-                                 errors=errors or {})
-
-    @app.post("/office/tasks")
-    async def office_task_create():
-        async def create(form):
-            raw = task_form(form, ("title", "description", "assignee_agent_id", "parent_id", "blocked_by",
-                                   "requires_approval"))
-            task = await deps.transaction(store.create_task, None, normalize_task(raw, profiles=profile_names),
-                                 deps.clock.now())
-            return f"/office/tasks/{task['id']}?done=task_created"
-        return await office_form(create, office_board)
-
-    @app.get("/office/tasks/<task_id>")
-    async def office_task_page(task_id: str, form: dict[str, str] | None = None,
-                               errors: dict[str, str] | None = None, status: int = 200):
-        def data():
-            return (store.get_task(task_id), store.list_tasks(None),
-                    store.list_wakeups(None, None, None, None, 200, task_id))
-        task, tasks, wakeups = await deps.transaction(data)
-        return await office_page("office_task.html", tab="board", status=status, task=task, tasks=tasks,
-                                 titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
-                                 form=form or {}, errors=errors or {})
-
-    @app.post("/office/tasks/<task_id>")
-    async def office_task_save(task_id: str):
-        async def save(form):
-            raw = task_form(form, ("title", "description", "assignee_agent_id", "blocked_by", "requires_approval",
-                                   "executor"))
-            current = await deps.transaction(store.task_fields, task_id)
-            await deps.transaction(store.update_task, task_id, normalize_task(raw, profiles=profile_names, current=current),
-                          deps.clock.now())
-            return f"/office/tasks/{task_id}?done=task_updated"
-        return await office_form(save, functools.partial(office_task_page, task_id))
-
-    @app.post("/office/tasks/<task_id>/move")
-    async def office_task_move(task_id: str):
-        async def move(form):
-            await deps.transaction(store.move_task, task_id, form.get("state", ""), deps.clock.now())
-            return form.get("next") if form.get("next") == "/office/board" else f"/office/tasks/{task_id}?done=moved"
-        return await office_form(move, functools.partial(office_task_page, task_id))
-
-    @app.post("/office/tasks/<task_id>/comments")
-    async def office_task_comment(task_id: str):
-        async def comment(form):
-            body = _text(form, "body", 1, 20000)
-            if not body.strip():
-                raise invalid("body", "write something first")
-            await deps.transaction(store.add_comment, task_id, body, deps.clock.now())
-            return f"/office/tasks/{task_id}?done=commented#comments"
-        return await office_form(comment, functools.partial(office_task_page, task_id))
-
-    @app.post("/office/approvals/<approval_id>/resolve")
-    async def office_approval_resolve(approval_id: str):
-        form = await form_data()
-        approval = await deps.transaction(store.resolve_approval, approval_id, form.get("status", ""),
-                                 _text(form, "decision_note", 0, 20000, ""), deps.clock.now())
-        deps.claim_wake.poke()
-        return redirect(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
-
-    @app.get("/office/wakeups")
-    async def office_wakeups_page():
-        agent_id = request.args.get("agent_id") or None
-        status = choice_arg(request.args, "status", WakeupStatus)
-        wakeups = await deps.transaction(store.list_wakeups, None, agent_id, status, None, 200)
-        return await office_page("office_wakeups.html", tab="wakeups", wakeups=wakeups, agent_id=agent_id,
-                                 status_filter=status, statuses=list(WakeupStatus))
-
-    @app.get("/office/runs/<run_id>")
-    async def office_run_page(run_id: str):
-        run = await deps.transaction(store.office_run, run_id)
-        log_text, log_size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id))
-        return await office_page("office_run.html", tab="agents", live=run["status"] in ("queued", "running", "paused"),
-                                 run=run, log_text=log_text, log_size=log_size)
-
-    @app.get("/office/activity")
-    async def office_activity_page():
-        code = request.args.get("code") or None
-        activity = await deps.transaction(store.list_activity, None, code, 200, empty_sweeps=code is not None)
-        return await office_page("office_activity.html", tab="activity", activity=activity, code=code)
-
-
-    # --- Office routines: list, create, detail with triggers and history, Run now -------------------
-
-    app.jinja_env.filters["curl_example"] = curl_example
-
-    def routine_form(form) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The routine dialog's fields, as the API takes them (variables: one per line,
-        ``name:type:default:required``, options of a select after ``|``)."""
-        raw: dict[str, Any] = {k: form.get(k, "") for k in ("name", "description", "assignee_agent_id",
-                                                            "concurrency_policy", "catch_up_policy")}
-        raw["catch_up_max"] = parse_count(form.get("catch_up_max", "25").strip()) or 0
-        title, body = form.get("template_title", ""), form.get("template_description", "")
-        raw["task_template"] = {"title": title, "description": body} if form.get("heavy") else {}
-        variables = []
-        for line in form.get("variables", "").splitlines():
-            if line.strip():
-                name, kind, default, required = [*(p.strip() for p in line.split(":")), "", "", "", ""][:4]
-                kind, _, options = kind.partition("|")
-                variables.append({"name": name, "type": kind or "text", "default": default or None,
-                                  "required": required in ("required", "yes", "true"),
-                                  "options": [o.strip() for o in options.split(",") if o.strip()]})
-        raw["variables"] = variables
-        triggers = []
-        if form.get("cron_expression", "").strip():
-            triggers.append({"kind": "schedule", "cron_expression": form["cron_expression"].strip(),
-                             "timezone": form.get("timezone") or None})
-        if form.get("webhook_mode"):
-            triggers.append({"kind": "webhook", "signing_mode": form["webhook_mode"]})
-        return raw, triggers
-
-    @app.get("/office/routines")
-    async def office_routines_page(form: Any = None, errors: dict[str, str] | None = None, status: int = 200):
-        return await office_page("office_routines.html", tab="routines", status=status, zones=zones,
-                                 routines=await deps.transaction(store.list_routines, None), form=form or {},
-                                 errors=errors or {})
-
-    @app.post("/office/routines")
-    async def office_routines_create():
-        async def create(form):
-            raw, triggers = routine_form(form)
-            checked = await checked_triggers(deps, triggers, None)
-            routine = await deps.transaction(store.create_routine, None, normalize_routine(raw), checked, deps.clock.now())
-            deps.cron_wake.poke()
-            g.new_routine = routine["id"], {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
-            return f"/office/routines/{routine['id']}?done=routine_created"
-        response = await office_form(create, office_routines_page)
-        routine_id, new_secrets = getattr(g, "new_routine", (None, None))
-        if new_secrets:   # shown once: on the page itself rather than after the redirect
-            return await office_routine_page(routine_id, new_secrets=new_secrets, status=201)
-        return response
-
-    @app.get("/office/routines/<routine_id>")
-    async def office_routine_page(routine_id: str, form: Any = None, errors: dict[str, str] | None = None,
-                                  status: int = 200, new_secrets: dict[str, str] | None = None):
-        routine = await deps.transaction(store.get_routine, routine_id)
-        return await office_page("office_routine.html", tab="routines", status=status, live=False, zones=zones,
-                                 routine=routine, base_url=request.host_url.rstrip("/"), form=form,
-                                 errors=errors or {}, new_secrets=new_secrets or {})
-
-    @app.post("/office/routines/<routine_id>")
-    async def office_routine_save(routine_id: str):
-        async def save(form):
-            raw, _ = routine_form(form)
-            raw["status"] = form.get("status", "active")
-            current = await deps.transaction(store.routine_fields, routine_id)
-            await deps.transaction(store.update_routine, routine_id, normalize_routine(raw, current=current), deps.clock.now())
-            deps.cron_wake.poke()
-            return f"/office/routines/{routine_id}?done=routine_updated"
-        return await office_form(save, functools.partial(office_routine_page, routine_id))
-
-    @app.post("/office/routines/<routine_id>/status")
-    async def office_routine_status(routine_id: str):
-        form = await form_data()
-        current = await deps.transaction(store.routine_fields, routine_id)
-        fields = normalize_routine({"status": form.get("status", "")}, current=current)
-        await deps.transaction(store.update_routine, routine_id, fields, deps.clock.now())
-        deps.cron_wake.poke()
-        return redirect(form.get("next") if form.get("next") == "/office/routines" else
-                        f"/office/routines/{routine_id}?done=routine_updated")
-
-    @app.post("/office/routines/<routine_id>/delete")
-    async def office_routine_delete(routine_id: str):
-        await deps.transaction(store.delete_routine, routine_id, deps.clock.now())
-        deps.cron_wake.poke()
-        return redirect("/office/routines?done=routine_deleted")
-
-    @app.post("/office/routines/<routine_id>/fire")
-    async def office_routine_fire(routine_id: str):
-        async def fire(form):
-            variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
-            run = await deps.transaction(store.fire_routine, routine_id, None, "manual", variables, deps.clock.now())
-            return f"/office/routines/{routine_id}?done=fired_{run['status']}"
-        return await office_form(fire, functools.partial(office_routine_page, routine_id))
-
-    @app.post("/office/routines/<routine_id>/triggers")
-    async def office_routine_add_trigger(routine_id: str):
-        async def add(form):
-            raw = {"kind": form.get("kind", "")}
-            if raw["kind"] == "schedule":
-                raw |= {"cron_expression": form.get("cron_expression", ""), "timezone": form.get("timezone") or None}
-            elif raw["kind"] == "webhook":
-                raw["signing_mode"] = form.get("signing_mode", "hmac_sha256")
-            (checked,) = await checked_triggers(deps, [raw], None)
-            trigger = await deps.transaction(store.add_trigger, routine_id, checked, deps.clock.now())
-            deps.cron_wake.poke()
-            g.new_secrets = {trigger["id"]: trigger["secret"]} if trigger.get("secret") else {}
-            return f"/office/routines/{routine_id}?done=trigger_added"
-        response = await office_form(add, functools.partial(office_routine_page, routine_id))
-        if getattr(g, "new_secrets", None):
-            return await office_routine_page(routine_id, new_secrets=g.new_secrets)
-        return response
-
-    @app.post("/office/routines/<routine_id>/triggers/<trigger_id>/delete")
-    async def office_routine_delete_trigger(routine_id: str, trigger_id: str):
-        await deps.transaction(store.delete_trigger, routine_id, trigger_id, deps.clock.now())
-        deps.cron_wake.poke()
-        return redirect(f"/office/routines/{routine_id}?done=trigger_deleted")
-
-    @app.post("/office/routines/<routine_id>/triggers/<trigger_id>/rotate")
-    async def office_routine_rotate(routine_id: str, trigger_id: str):
-        trigger = await deps.transaction(store.rotate_secret, routine_id, trigger_id, deps.clock.now())
-        return await office_routine_page(routine_id, new_secrets={trigger_id: trigger["secret"]})
-
-    @app.get("/office/settings")
-    async def office_settings_page(form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
-                                   status: int = 200):
-        return await office_page("office_settings.html", tab="settings", status=status, live=False, zones=zones,
-                                 form=form, errors=errors or {})
-
-    @app.post("/office/settings")
-    async def office_settings_save():
-        async def save(form):
-            raw: dict[str, Any] = {k: form[k] for k in ("name", "timezone", "source_ref") if form.get(k)}
-            raw["repository"] = form.get("repository", "").strip() or None
-            raw["default_executor"] = form.get("default_executor") or None
-            for key in ("recovery_lookback_hours", "budget_runs_per_day"):
-                text = form.get(key, "").strip()
-                if text and parse_count(text) is None:
-                    raise invalid(key, "must be a whole number")
-                raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
-            current = await deps.transaction(store.office_settings, None)
-            await deps.transaction(store.update_office_settings, None,
-                          normalize_settings(raw, profiles=profile_names, current=current))
-            return "/office/settings?done=settings_saved"
-        return await office_form(save, office_settings_page)
-
-    return render_page
-
-
-def zoneinfo_names() -> set[str]:
+@functools.cache
+def zone_names() -> list[str]:
+    """The IANA zones the dashboard's pickers offer."""
     import zoneinfo
-    return {z for z in zoneinfo.available_timezones() if "/" in z or z == "UTC"}
+    return sorted(z for z in zoneinfo.available_timezones() if "/" in z or z == "UTC")
 
 
-def create_app(deps: Deps):
-    """The Quart-Trio application: every route of API.md sections 3-6."""
-    from quart import g, redirect, request
-    from quart_trio import QuartTrio
-    from werkzeug.exceptions import HTTPException
+# --- route tables ---------------------------------------------------------------------------------
+#
+# Every route is a module-level handler declared in one of the tables below with its method, rule
+# and auth; ``create_app`` only installs the tables. List them all with
+# ``python -c "import outpost; print(*outpost.route_list(), sep=chr(10))"``.
 
-    app = QuartTrio("outpost", template_folder=str(Path(__file__).parent / "templates"),
-                    static_folder=str(Path(__file__).parent / "static"))
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    store = deps.store
-    wlog = log.getChild("web")
+class Auth(enum.StrEnum):
+    """Who may call a route. Declared per route, so a new path never inherits the wrong auth."""
+    TOKEN = "token"           # the API token (Bearer), or a dashboard session with its CSRF token on writes
+    SESSION = "session"       # a dashboard page: the session cookie (or the token); GET without one: sign-in
+    RUN = "run"               # a running Office run's own token ($OUTPOST_RUN_TOKEN)
+    SIGNATURE = "signature"   # a webhook: its trigger's signing mode, checked by the handler (API.md 7.2)
+    PUBLIC = "public"         # no credentials: health and sign-in
 
-    @app.before_request
-    async def guard():
-        if not host_allowed(request.headers.get("Host", ""), deps.config.allowed_hosts):
-            raise ForbiddenHost("this Host is not allowed (DNS-rebinding defence); use 127.0.0.1 or "
-                                "name the host in [settings] allowed_hosts")
-        length = request.content_length
-        if length is not None and length > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
-        path = request.path
-        g.csrf = None
-        if path.startswith("/signin") and request.method == "POST":
-            check_same_origin()   # no login CSRF
-        if path == "/healthz" or path.startswith(("/static/", "/signin", "/api/routine-triggers/")):
-            return None   # webhook fires carry their own signatures (API.md 7.2)
-        auth = request.headers.get("Authorization")
-        if path.startswith("/api/agent/"):   # only a live Office run's own token speaks for an agent
-            run_id = run_of_token(deps.run_token_key, bearer(auth))
-            g.agent = run_id and await deps.transaction(store.run_agent_context, run_id)
-            if not g.agent:
-                raise Unauthorized("the agent API takes the run token of a running Office run ($OUTPOST_RUN_TOKEN)")
-            return None
-        if auth is not None:
-            given = bearer(auth)
-            if not given or not hmac.compare_digest(given.encode(), deps.token.encode()):
-                raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
-            return None
-        cookie = request.cookies.get(SESSION_COOKIE)
-        g.csrf = cookie and await deps.transaction(store.session_csrf, cookie, deps.clock.now())
-        if not g.csrf:
-            if path.startswith("/v1/outpost/"):
-                raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
-            if request.method == "GET":
-                return redirect("/signin?next=" + urllib.parse.quote(request.full_path.rstrip("?")))
-            raise Unauthorized("sign in to the dashboard first")
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
-            check_same_origin()
-            form = await request.form if request.mimetype in FORM_TYPES else {}
-            given = request.headers.get("X-CSRF-Token") or form.get("csrf", "")
-            if not hmac.compare_digest(given.encode(), g.csrf.encode()):
-                raise CrossSiteRefused("the form's CSRF token is missing or stale: reload the page and try again")
-        return None
 
-    def check_same_origin() -> None:
-        site = request.headers.get("Sec-Fetch-Site")
-        if site is not None and site not in ("same-origin", "none"):
-            raise CrossSiteRefused(f"cross-site request refused (Sec-Fetch-Site: {site})")
-        origin = request.headers.get("Origin")
-        if origin is not None and urllib.parse.urlsplit(origin).netloc != request.headers.get("Host", ""):
-            raise CrossSiteRefused(f"request from another origin refused ({origin[:100]})")
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """One declared route (bottle's ``Route`` with its config)."""
+    method: str
+    rule: str
+    handler: Callable[..., Awaitable[Any]]
+    auth: Auth
+    idempotent: bool = False          # API.md 3's Idempotency-Key rules
+    status: int = 200                 # the status of the handler's JSON answer
+    etag: bool = False                # the answer is a schedule: send its revision as the ETag
+    nudges: tuple[Actor, ...] = ()    # actors woken after a successful answer
 
-    @app.after_request
-    async def security_headers(response):
-        response.headers.setdefault("Content-Security-Policy", CSP)
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        return response
 
-    @app.errorhandler(OutpostError)
-    async def on_outpost_error(err: OutpostError):
-        if wants_html():
-            return await render_page("error.html", status=err.status, error=err, section=None)
-        return problem_response(err)
+class Routes:
+    """One surface's route table. ``key_required``: an idempotent route refuses a request
+    without an Idempotency-Key (428) rather than running it unkeyed."""
 
-    def wants_html() -> bool:
-        return not request.path.startswith("/v1/") and "text/html" in request.headers.get("Accept", "")
+    def __init__(self, surface: str, *, key_required: bool = False):
+        self.surface = surface
+        self.key_required = key_required
+        self.routes: list[Route] = []
 
-    @app.errorhandler(HTTPException)
-    async def on_http_error(err: HTTPException):
-        codes = {404: (NotFound, "no such endpoint"), 413: (PayloadTooLarge, "request body over 1 MiB"),
-                 405: (OutpostError, "method not allowed here")}
-        cls, detail = codes.get(err.code, (OutpostError, err.description or err.name))
-        problem = cls(detail)
-        if cls is OutpostError:
-            problem.status, problem.title = err.code or 400, err.name
-        return problem_response(problem)
+    def route(self, method: str, rule: str, *, auth: Auth, **options: Any):
+        def declare(handler):
+            self.routes.append(Route(method, rule, handler, auth, **options))
+            return handler
+        return declare
 
-    @app.errorhandler(Exception)
-    async def on_unexpected(err: Exception):
-        wlog.exception("unexpected error on %s %s", request.method, request.path)
-        error = OutpostError("Outpost hit an internal error; it is in the daemon's log")
-        error.status, error.code, error.title = 500, "internal_error", "Internal error"
-        return problem_response(error)
+    def get(self, rule: str, **options: Any):
+        return self.route("GET", rule, **options)
 
-    # --- request helpers ---------------------------------------------------------------
+    def post(self, rule: str, **options: Any):
+        return self.route("POST", rule, **options)
 
-    async def body_json() -> Any:
-        data = await request.get_data(cache=True)
+    def patch(self, rule: str, **options: Any):
+        return self.route("PATCH", rule, **options)
+
+    def delete(self, rule: str, **options: Any):
+        return self.route("DELETE", rule, **options)
+
+
+#: ``/v1/outpost/`` (API.md 3-6) and ``/healthz``.
+api = Routes("api", key_required=True)
+#: ``/api/office/`` (API.md 7): the Idempotency-Key is optional there.
+office_api = Routes("office_api")
+#: ``/api/agent/``: what a running Office agent may do with its run token.
+agent_api = Routes("agent_api")
+#: ``/api/routine-triggers/``: webhook fires, signed by their trigger's secret.
+hooks = Routes("hooks")
+#: The browser dashboard: server-rendered pages and the forms that post back to them.
+pages = Routes("pages")
+ROUTE_TABLES = (api, office_api, agent_api, hooks, pages)
+
+
+def route_list() -> list[str]:
+    """Every route as ``METHOD rule auth (surface)``: the map of the web layer."""
+    return [f"{r.method:6} {r.rule} {r.auth} ({t.surface})" for t in ROUTE_TABLES for r in t.routes]
+
+
+# --- the request a handler sees ----------------------------------------------------------------------
+
+class Web:
+    """One request as its handler sees it: the deps, the Quart request, who is asking
+    (``caller``: "api", "dashboard" or "agent"; ``agent``: the Office run a run token speaks
+    for; ``csrf``: a signed-in session's token) and the Idempotency-Key being applied."""
+
+    def __init__(self, deps: Deps, request: Any, route: Route | None):
+        self.deps = deps
+        self.store = deps.store
+        self.request = request
+        self.route = route
+        self.caller = "anonymous"
+        self.agent: dict[str, Any] | None = None
+        self.csrf: str | None = None
+        self.key: str | None = None
+
+    @property
+    def now(self) -> datetime:
+        return self.deps.clock.now()
+
+    @property
+    def args(self):
+        return self.request.args
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One store function in its own transaction."""
+        return await self.deps.transaction(fn, *args, **kwargs)
+
+    async def commit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A write, in one transaction with the stored answer of the Idempotency-Key being
+        applied (if any): the action and its replay commit together or not at all."""
+        key, route = self.key, self.route
+
+        def action():
+            body = fn(*args, **kwargs)
+            if key is not None:
+                self.store.finish_idempotent(key, route.status, {"body": body, "headers": answer_headers(route, body)})
+            return body
+        return await self.call(action)
+
+    async def json(self) -> Any:
+        data = await self.request.get_data(cache=True)
         if len(data) > MAX_BODY_BYTES:
             raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
         if not data.strip():
@@ -5870,71 +5417,15 @@ def create_app(deps: Deps):
         except ValueError as exc:
             raise ValidationFailed(f"malformed JSON: {exc}", errors=[{"field": "body", "message": str(exc)}]) from None
 
-    def body_object(value: Any) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise invalid("body", "must be a JSON object")
-        return value
+    async def body(self) -> dict[str, Any]:
+        """The JSON body, which must be an object."""
+        return body_object(await self.json())
 
-    def idempotent(handler):
-        """API.md 3: Idempotency-Key on every write; replay, reuse and in-flight rules.
-        The handler commits its action with ``commit_idempotent`` so that the action and
-        the stored response share one transaction."""
-        @functools.wraps(handler)
-        async def wrapper(*args, **kwargs):
-            key = request.headers.get("Idempotency-Key")
-            if key is None and request.path.startswith("/api/"):
-                return await handler(*args, **kwargs)   # optional on the Office API (API.md 3)
-            if key is None:
-                raise IdempotencyKeyRequired("send an Idempotency-Key header (1-255 printable ASCII)")
-            if not valid_idempotency_key(key):
-                raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
-            body = await request.get_data(cache=True)
-            fingerprint = request_fingerprint(request.method, request.full_path.rstrip("?"), body)
-            replay = await deps.transaction(store.begin_idempotent, key, fingerprint, deps.clock.now())
-            if replay is not None:
-                status, stored = replay
-                response = json_response(stored["body"], status, {**stored["headers"], "Idempotent-Replayed": "true"})
-                if status >= 400:
-                    response.content_type = "application/problem+json"
-                return response
-            token = _idempotency.set(key)
-            try:
-                return await handler(*args, **kwargs)
-            except (PreconditionRequired, RevisionMismatch, StoreUnavailable) as err:
-                # Nothing happened and the fix is a header or a retry: the retry may reuse the key.
-                with contextlib.suppress(StoreUnavailable):
-                    await deps.transaction(store.abandon_idempotent, key)
-                return problem_response(err)
-            except OutpostError as err:
-                await deps.transaction(store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
-                return problem_response(err)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await deps.transaction(store.abandon_idempotent, key)
-                raise
-            finally:
-                _idempotency.reset(token)
-        return wrapper
+    async def form(self):
+        return await self.request.form
 
-    async def commit_idempotent(fn: Callable[..., Any], *args: Any, status: int = 200,
-                                headers: Callable[[Any], dict[str, str]] | None = None):
-        """Run a store write and record its response under the request's key, atomically."""
-        key = _idempotency.get()
-
-        def action():
-            body = fn(*args)
-            extra = headers(body) if headers else {}
-            if key is not None:
-                store.finish_idempotent(key, status, {"body": body, "headers": extra})
-            return body, extra
-        body, extra = await deps.transaction(action)
-        return json_response(body, status, extra)
-
-    def etag(view: dict[str, Any]) -> dict[str, str]:
-        return {"ETag": f'"{view["revision"]}"'}
-
-    def int_arg(name: str, default: int, lo: int, hi: int) -> int:
-        text = request.args.get(name)
+    def int_arg(self, name: str, default: int, lo: int, hi: int) -> int:
+        text = self.args.get(name)
         if text is None:
             return default
         try:
@@ -5942,557 +5433,1454 @@ def create_app(deps: Deps):
         except ValueError:
             raise invalid(name, "must be a whole number") from None
 
-    # --- health -----------------------------------------------------------------------------
+    def flag_arg(self, name: str) -> bool:
+        return self.args.get(name, "false").lower() in ("1", "true", "yes")
 
-    @app.get("/healthz")
-    async def healthz():
-        # Answered by the event loop alone: it stays up while another process locks the database.
-        return json_response({"ok": True, "live_runs": len(deps.live)})
+    def choice_arg(self, name: str, choices: Iterable[str]) -> str | None:
+        return choice_arg(self.args, name, choices)
 
-    # --- schedules ----------------------------------------------------------------------------
-
-    @app.post("/v1/outpost/schedules/compose")
-    async def compose():
-        raw = body_object(await body_json())
-        now = deps.clock.now()
-        current = None
-        if "schedule_id" in raw:
-            changes = dict(raw)
-            current = (await deps.transaction(store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
-            raw = merge_changes(current, changes)
-        definition = await checked_definition(deps, raw, current)
-        after = now
-        if request.args.get("from"):
-            try:
-                after = parse_instant(request.args["from"])
-                if not 1970 <= after.astimezone(UTC).year <= MAX_YEAR:
-                    raise OverflowError(request.args["from"])
-            except ValueError:
-                raise invalid("from", "must be an RFC 3339 instant with an offset, e.g. 2027-03-27T00:00:00Z") from None
-            except OverflowError:
-                raise invalid("from", f"must be between 1970 and {MAX_YEAR}") from None
-        count = int_arg("count", 5, 1, 100)
-        fires = next_fires(definition["timing"], after, count, anchor=now)
-        return json_response({
-            "definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
-            "next_fires": [rfc3339(f) for f in fires], "warnings": timing_warnings(definition["timing"], now),
-            "confirmation": confirmation_of(definition)})
-
-    @app.post("/v1/outpost/schedules")
-    @idempotent
-    async def create_schedule():
-        raw = body_object(await body_json())
-        definition = await checked_definition(deps, raw.get("definition"))
-        check_confirmation(definition, raw.get("confirmation"))
-        response = await commit_idempotent(store.create_schedule, definition, deps.clock.now(),
-                                           status=201, headers=etag)
-        deps.cron_wake.poke()
-        return response
-
-    @app.get("/v1/outpost/schedules")
-    async def list_schedules():
-        include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
-        return json_response({"schedules": await deps.transaction(store.list_schedules, include)})
-
-    @app.get("/v1/outpost/schedules/<schedule_id>")
-    async def get_schedule(schedule_id: str):
-        view = await deps.transaction(store.get_schedule, schedule_id)
-        return json_response(view, headers=etag(view))
-
-    @app.patch("/v1/outpost/schedules/<schedule_id>")
-    @idempotent
-    async def patch_schedule(schedule_id: str):
-        revision = parse_if_match(request.headers.get("If-Match"))
-        raw = body_object(await body_json())
-        current = await deps.transaction(store.schedule_definition, schedule_id)
-        if current["archived"]:
-            raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
-        definition = await checked_definition(deps, merge_changes(current["definition"], raw.get("changes")),
-                                           current["definition"])
-        check_confirmation(definition, raw.get("confirmation"))
-        response = await commit_idempotent(store.update_schedule, schedule_id, revision, definition,
-                                           deps.clock.now(), headers=etag)
-        deps.cron_wake.poke()
-        return response
-
-    @app.post("/v1/outpost/schedules/<schedule_id>/control")
-    @idempotent
-    async def control_schedule(schedule_id: str):
-        revision = parse_if_match(request.headers.get("If-Match"))
-        action = body_object(await body_json()).get("action")
-        if action == "fire":
-            response = await commit_idempotent(store.fire_manual, schedule_id, revision, deps.clock.now())
-            await after_fire(deps, json.loads(await response.get_data()))
-            return response
-        if action not in ("enable", "pause", "resume", "archive"):
-            raise invalid("action", "must be enable, pause, resume, fire or archive")
-        response = await commit_idempotent(store.control_schedule, schedule_id, revision, action,
-                                           deps.clock.now(), headers=etag)
-        deps.cron_wake.poke()
-        return response
-
-    @app.get("/v1/outpost/schedules/<schedule_id>/occurrences")
-    async def schedule_occurrences(schedule_id: str):
-        limit = int_arg("limit", 100, 1, 1000)
-        return json_response({"occurrences": await deps.transaction(store.occurrences, schedule_id, limit)})
-
-    @app.get("/v1/outpost/schedules/<schedule_id>/inspect")
-    async def inspect_schedule(schedule_id: str):
-        return json_response(await deps.transaction(store.inspect, schedule_id))
-
-    # --- runs and dispatches -----------------------------------------------------------------
-
-    @app.get("/v1/outpost/runs")
-    async def list_runs():
-        status = choice_arg(request.args, "status", RunStatus)
-        return json_response(await deps.transaction(store.list_runs, request.args.get("schedule_id") or None, status,
-                                           int_arg("limit", 50, 1, 500), request.args.get("before") or None))
-
-    @app.get("/v1/outpost/runs/<run_id>")
-    async def get_run(run_id: str):
-        return json_response(await deps.transaction(store.get_run, run_id))
-
-    @app.get("/v1/outpost/runs/<run_id>/log")
-    async def run_log(run_id: str):
-        from quart import Response
-        await deps.transaction(store.get_run, run_id)
-        text, size = await trio.to_thread.run_sync(read_log, deps.log_path(run_id), int_arg("offset", 0, 0, 2**40))
-        return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
-
-    @app.post("/v1/outpost/runs/<run_id>/adopt")
-    @idempotent
-    async def adopt_run(run_id: str):
-        workspace = body_object(await body_json()).get("workspace")
-        if not isinstance(workspace, str) or not 1 <= len(workspace) <= 200:
-            raise invalid("workspace", "a workspace name of 1-200 characters is required")
-        return await commit_idempotent(store.adopt_run, run_id, workspace, deps.clock.now())
-
-    @app.post("/v1/outpost/runs/<run_id>/control")
-    @idempotent
-    async def control_run(run_id: str):
-        action = body_object(await body_json()).get("action")
-        if action not in ("cancel", "pause", "resume"):
-            raise invalid("action", "must be cancel, pause or resume")
-        if action == "pause" and not pausable(deps, run_id):
-            await deps.transaction(store.get_run, run_id)   # 404 for an unknown run
-            raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
-        response = await commit_idempotent(store.control_run, run_id, action, deps.clock.now())
-        signal_run(deps, run_id, action)
-        return response
-
-    @app.post("/v1/outpost/dispatches")
-    @idempotent
-    async def dispatch():
-        payload = normalize_dispatch(body_object(await body_json()), deps.clock.now(),
-                                     agents=[a.name for a in deps.config.agents])
-        commit = await check_repository(payload)   # resolved once, recorded with the run: one transaction
-        response = await commit_idempotent(store.create_dispatch, payload, deps.clock.now(), commit, status=202)
-        deps.claim_wake.poke()
-        return response
-
-    # --- attention, events, snapshot ---------------------------------------------------------------
-
-    @app.get("/v1/outpost/attention")
-    async def list_attention():
-        state = request.args.get("state", "open")
-        if state not in ("open", "all"):
-            raise invalid("state", "must be open or all")
-        return json_response({"attention": await deps.transaction(store.list_attention, state == "open")})
-
-    @app.post("/v1/outpost/attention/<attention_id>/ack")
-    @idempotent
-    async def ack_attention(attention_id: str):
-        return await commit_idempotent(store.ack_attention, attention_id, deps.clock.now())
-
-    @app.get("/v1/outpost/events")
-    async def events():
-        after = int_arg("after", 0, 0, 2**62)
-        return json_response(await deps.transaction(store.events_after, after, int_arg("limit", 100, 1, 1000)))
-
-    @app.get("/v1/outpost/events/stream")
-    async def event_stream():
-        from quart import Response
-        last = request.headers.get("Last-Event-ID") or request.args.get("after")
-        cursor = parse_count(last)
-        if last and cursor is None:
-            raise invalid("after", "must be an event cursor (a whole number)")
-        if cursor is None:
-            cursor = await deps.transaction(store.latest_cursor)
-
-        async def stream():
-            nonlocal cursor
-            yield b"retry: 2000\n\n"
-            while True:
-                page = await deps.transaction(store.events_after, cursor, 200)
-                for event in page["events"]:
-                    yield (f"id: {event['cursor']}\nevent: {event['type']}\n"
-                           f"data: {json.dumps(event)}\n\n").encode()
-                cursor = page["next_cursor"]
-                if len(page["events"]) == 200:
-                    continue
-                with trio.move_on_after(15):
-                    await deps.hub.wait()
-                    continue
-                yield b": keep-alive\n\n"
-
-        response = Response(stream(), content_type="text/event-stream")
-        response.headers["Cache-Control"] = "no-cache"
-        response.timeout = None
-        return response
-
-    @app.get("/v1/outpost/snapshot")
-    async def snapshot():
-        return json_response(await deps.transaction(store.snapshot))
-
-
-    # --- Office API (API.md 7): workspaces, agents, tasks, approvals, the wakeup queue ---------------
-
-    profile_names = [a.name for a in deps.config.agents]
-
-    def workspace_arg(raw: dict[str, Any] | None = None) -> str | None:
+    def workspace_arg(self, raw: dict[str, Any] | None = None) -> str | None:
         """The workspace a request names: the body's workspace_id, else ?workspace_id=, else the default."""
-        value = (raw or {}).get("workspace_id", request.args.get("workspace_id"))
+        value = (raw or {}).get("workspace_id", self.args.get("workspace_id"))
         if value is not None and (not isinstance(value, str) or not value):
             raise invalid("workspace_id", "must be a workspace id")
         return value
 
-    async def office_write(fn: Callable[..., Any], *args: Any, status: int = 200, **kwargs: Any):
-        """An Office write: one transaction (with the Idempotency-Key's response when one was
-        sent), then the dispatcher is nudged, as new wakeups may be waiting."""
-        response = await commit_idempotent(functools.partial(fn, *args, **kwargs), status=status)
-        deps.claim_wake.poke()
-        return response
+    @property
+    def profile_names(self) -> list[str]:
+        return [a.name for a in self.deps.config.agents]
 
-    def text_field(raw: dict[str, Any], key: str, hi: int, default: str | None = None) -> str:
-        value = _text(raw, key, 0 if default is not None else 1, hi, default)
-        if default is None and not value.strip():
-            raise invalid(key, "must not be blank")
-        return value
-
-    @app.get("/api/office/workspaces")
-    async def office_workspaces():
-        return json_response({"workspaces": await deps.transaction(store.list_workspaces)})
-
-    @app.post("/api/office/workspaces")
-    @idempotent
-    async def office_create_workspace():
-        raw = body_object(await body_json())
-        return await office_write(store.create_workspace, text_field(raw, "name", 100).strip(), deps.clock.now(),
-                                  status=201)
-
-    @app.get("/api/office/projects")
-    async def office_projects():
-        return json_response({"projects": await deps.transaction(store.list_projects, workspace_arg())})
-
-    @app.post("/api/office/projects")
-    @idempotent
-    async def office_create_project():
-        raw = body_object(await body_json())
-        _unknown(raw, ("workspace_id", "name", "repository", "executor"), "a project")
-        repository = _repository(raw) if raw.get("repository") is not None else None
-        executor = _optional_name(raw, "executor", profile_names, "agent profile")
-        return await office_write(store.create_project, workspace_arg(raw), text_field(raw, "name", 100),
-                                  repository, executor, deps.clock.now(), status=201)
-
-    @app.get("/api/office/agents")
-    async def office_agents():
-        return json_response({"agents": await deps.transaction(store.list_agents, workspace_arg())})
-
-    @app.post("/api/office/agents")
-    @idempotent
-    async def office_create_agent():
-        raw = body_object(await body_json())
-        fields = normalize_agent(raw, profiles=profile_names)
-        response = await office_write(store.create_agent, workspace_arg(raw), fields, deps.clock.now(),
-                                      status=201)
-        if fields["role"] == "coordinator":
-            await install_heartbeat(deps, json.loads(await response.get_data())["id"])
-        return response
-
-    @app.get("/api/office/agents/<agent_id>")
-    async def office_agent(agent_id: str):
-        def detail():
-            view = store.get_agent(agent_id)
-            view["continuation_summaries"] = store.summary_of(agent_id)
-            return view
-        return json_response(await deps.transaction(detail))
-
-    @app.patch("/api/office/agents/<agent_id>")
-    @idempotent
-    async def office_patch_agent(agent_id: str):
-        raw = body_object(await body_json())
-        fields = normalize_agent(raw, profiles=profile_names, current=await deps.transaction(store.agent_fields, agent_id))
-        return await office_write(store.update_agent, agent_id, fields, deps.clock.now())
-
-    @app.get("/api/office/agents/<agent_id>/runs")
-    async def office_agent_runs(agent_id: str):
-        return json_response({"runs": await deps.transaction(store.agent_runs, agent_id, int_arg("limit", 50, 1, 500))})
-
-    @app.post("/api/office/agents/<agent_id>/wake")
-    @idempotent
-    async def office_wake_agent(agent_id: str):
-        raw = body_object(await body_json())
-        _unknown(raw, ("context",), "a wake")
-        context = _text(raw, "context", 0, 20000, "") or None
-        return await office_write(store.wake_agent, agent_id, WakeupSource.USER,
-                                  {"user_id": "dashboard", "context": context}, deps.clock.now(), status=202)
-
-    @app.get("/api/office/tasks")
-    async def office_tasks():
-        state = choice_arg(request.args, "state", TaskState)
-        include = request.args.get("include_archived", "false").lower() in ("1", "true", "yes")
-        return json_response({"tasks": await deps.transaction(store.list_tasks, workspace_arg(),
-                                                     request.args.get("assignee_agent_id"), state, include)})
-
-    @app.post("/api/office/tasks")
-    @idempotent
-    async def office_create_task():
-        raw = body_object(await body_json())
-        fields = normalize_task(raw, profiles=profile_names)
-        return await office_write(store.create_task, workspace_arg(raw), fields, deps.clock.now(), status=201)
-
-    @app.get("/api/office/tasks/<task_id>")
-    async def office_task(task_id: str):
-        return json_response(await deps.transaction(store.get_task, task_id))
-
-    @app.patch("/api/office/tasks/<task_id>")
-    @idempotent
-    async def office_patch_task(task_id: str):
-        raw = body_object(await body_json())
-        fields = normalize_task(raw, profiles=profile_names, current=await deps.transaction(store.task_fields, task_id))
-        return await office_write(store.update_task, task_id, fields, deps.clock.now())
-
-    @app.post("/api/office/tasks/<task_id>/move")
-    @idempotent
-    async def office_move_task(task_id: str):
-        raw = body_object(await body_json())
-        _unknown(raw, ("state",), "a move")
-        return await office_write(store.move_task, task_id, raw.get("state"), deps.clock.now())
-
-    @app.post("/api/office/tasks/<task_id>/comments")
-    @idempotent
-    async def office_comment(task_id: str):
-        raw = body_object(await body_json())
-        _unknown(raw, ("body",), "a comment")
-        return await office_write(store.add_comment, task_id, text_field(raw, "body", 20000), deps.clock.now(),
-                                  status=201)
-
-    @app.get("/api/office/approvals")
-    async def office_approvals():
-        status = choice_arg(request.args, "status", ("pending", "approved", "rejected"))
-        return json_response({"approvals": await deps.transaction(store.list_approvals, workspace_arg(), status)})
-
-    @app.post("/api/office/approvals/<approval_id>/resolve")
-    @idempotent
-    async def office_resolve_approval(approval_id: str):
-        raw = body_object(await body_json())
-        _unknown(raw, ("status", "decision_note"), "a decision")
-        return await office_write(store.resolve_approval, approval_id, raw.get("status"),
-                                  _text(raw, "decision_note", 0, 20000, ""), deps.clock.now())
-
-    @app.get("/api/office/wakeups")
-    async def office_wakeups():
-        status = choice_arg(request.args, "status", WakeupStatus)
-        source = choice_arg(request.args, "source", WakeupSource)
-        return json_response({"wakeups": await deps.transaction(store.list_wakeups, workspace_arg(),
-                                                       request.args.get("agent_id"), status, source,
-                                                       int_arg("limit", 100, 1, 1000))})
-
-    @app.get("/api/office/runs/<run_id>")
-    async def office_run(run_id: str):
-        return json_response(await deps.transaction(store.office_run, run_id))
-
-    @app.get("/api/office/activity")
-    async def office_activity():
-        return json_response({"activity": await deps.transaction(store.list_activity, workspace_arg(),
-                                                        request.args.get("code"), int_arg("limit", 100, 1, 1000))})
-
-    @app.get("/api/office/settings")
-    async def office_settings():
-        return json_response(await deps.transaction(store.office_settings, workspace_arg()))
-
-    @app.patch("/api/office/settings")
-    @idempotent
-    async def office_patch_settings():
-        raw = body_object(await body_json())
-        current = await deps.transaction(store.office_settings, workspace_arg())
-        settings = normalize_settings(raw, profiles=profile_names, current=current)
-        return await office_write(store.update_office_settings, workspace_arg(), settings)
+    async def page(self, template: str, *, status: int = 200, section: str | None = None, live: bool = False,
+                   **context: Any):
+        """A dashboard page: the template with the nav's counts and a ``?done=`` notice."""
+        from quart import render_template
+        signed_in = bool(self.csrf)
+        counts = (await self.call(lambda: (self.store.open_attention_count(), self.store.latest_cursor()))
+                  if signed_in else (0, 0))
+        notice = DONE_NOTICES.get(self.args.get("done", ""))
+        html = await render_template(template, signed_in=signed_in, csrf=self.csrf, section=section,
+                                     live=live, open_attention=counts[0], cursor=counts[1],
+                                     flash={"kind": "ok", "text": notice} if notice else None, **context)
+        return html, status, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 
 
-    # --- routines (API.md 7): triggers, firing, webhooks ----------------------------------------------
+def body_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid("body", "must be a JSON object")
+    return value
 
-    async def routine_write(fn: Callable[..., Any], *args: Any, status: int = 200, **kwargs: Any):
-        response = await office_write(fn, *args, status=status, **kwargs)
-        deps.cron_wake.poke()   # a trigger's next fire may have changed
-        return response
 
-    @app.get("/api/office/routines")
-    async def office_routines():
-        return json_response({"routines": await deps.transaction(store.list_routines, workspace_arg())})
+def answer_headers(route: Route | None, body: Any) -> dict[str, str]:
+    if route is not None and route.etag and isinstance(body, dict) and "revision" in body:
+        return {"ETag": f'"{body["revision"]}"'}
+    return {}
 
-    @app.post("/api/office/routines")
-    @idempotent
-    async def office_create_routine():
-        raw = body_object(await body_json())
-        triggers = await checked_triggers(deps, raw.get("triggers"), workspace_arg(raw))
-        fields = normalize_routine({k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")},
-                                   current=None)
-        return await routine_write(store.create_routine, workspace_arg(raw), fields, triggers, deps.clock.now(),
-                                   status=201)
 
-    @app.get("/api/office/routines/<routine_id>")
-    async def office_routine(routine_id: str):
-        return json_response(await deps.transaction(store.get_routine, routine_id))
+def answer(route: Route, body: Any):
+    """A handler's plain answer as JSON, with the route's status (and ETag)."""
+    from quart import Response
+    if body is None:
+        return Response("", status=route.status)
+    return json_response(body, route.status, answer_headers(route, body))
 
-    @app.patch("/api/office/routines/<routine_id>")
-    @idempotent
-    async def office_patch_routine(routine_id: str):
-        raw = body_object(await body_json())
-        fields = normalize_routine(raw, current=await deps.transaction(store.routine_fields, routine_id))
-        return await routine_write(store.update_routine, routine_id, fields, deps.clock.now())
 
-    @app.delete("/api/office/routines/<routine_id>")
-    @idempotent
-    async def office_delete_routine(routine_id: str):
-        await routine_write(store.delete_routine, routine_id, deps.clock.now())
-        return "", 204
+def replayed(status: int, stored: dict[str, Any]):
+    from quart import Response
+    headers = {**stored["headers"], "Idempotent-Replayed": "true"}
+    if stored["body"] is None:
+        return Response("", status=status, headers=headers)
+    response = json_response(stored["body"], status, headers)
+    if status >= 400:
+        response.content_type = "application/problem+json"
+    return response
 
-    @app.post("/api/office/routines/<routine_id>/fire")
-    @idempotent
-    async def office_fire_routine(routine_id: str):
-        raw = body_object(await body_json())
-        _unknown(raw, ("variables",), "a fire")
-        variables = raw.get("variables") or {}
-        if not isinstance(variables, dict):
-            raise invalid("variables", "must be an object of name: value")
-        return await office_write(store.fire_routine, routine_id, None, "manual", variables, deps.clock.now(),
-                                  status=202)
 
-    @app.post("/api/office/routines/<routine_id>/triggers")
-    @idempotent
-    async def office_add_trigger(routine_id: str):
-        routine = await deps.transaction(store.get_routine, routine_id)
-        (trigger,) = await checked_triggers(deps, [body_object(await body_json())], routine["workspace_id"])
-        return await routine_write(store.add_trigger, routine_id, trigger, deps.clock.now(), status=201)
+def check_same_origin(request) -> None:
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site not in ("same-origin", "none"):
+        raise CrossSiteRefused(f"cross-site request refused (Sec-Fetch-Site: {site})")
+    origin = request.headers.get("Origin")
+    if origin is not None and urllib.parse.urlsplit(origin).netloc != request.headers.get("Host", ""):
+        raise CrossSiteRefused(f"request from another origin refused ({origin[:100]})")
 
-    @app.delete("/api/office/routines/<routine_id>/triggers/<trigger_id>")
-    @idempotent
-    async def office_delete_trigger(routine_id: str, trigger_id: str):
-        await routine_write(store.delete_trigger, routine_id, trigger_id, deps.clock.now())
-        return "", 204
 
-    @app.post("/api/office/routines/<routine_id>/triggers/<trigger_id>/rotate")
-    @idempotent
-    async def office_rotate_secret(routine_id: str, trigger_id: str):
-        return await office_write(store.rotate_secret, routine_id, trigger_id, deps.clock.now())
+async def screen_request(deps: Deps) -> None:
+    """Every request, routed or not: the Host allowlist (DNS-rebinding defence) and the size cap."""
+    from quart import request
+    if not host_allowed(request.headers.get("Host", ""), deps.config.allowed_hosts):
+        raise ForbiddenHost("this Host is not allowed (DNS-rebinding defence); use 127.0.0.1 or "
+                            "name the host in [settings] allowed_hosts")
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
 
-    @app.post("/api/routine-triggers/<public_id>/fire")
-    async def webhook_fire(public_id: str):
-        """API.md 7.2. No API token: the trigger's signing mode decides. Every refusal is
-        recorded (time, reason, source address, size; never the secret)."""
-        now = deps.clock.now()
-        body = await request.get_data(cache=True)
-        target = await deps.transaction(store.webhook_trigger, public_id, now)
 
-        async def refuse(err: OutpostError, reason: str):
-            await deps.transaction(store.refuse_webhook, target["trigger_id"], reason, request.remote_addr, len(body), now)
-            return problem_response(err)
+async def authenticate(web: Web):
+    """The route's declared auth. Returns a redirect to sign-in for a signed-out page view."""
+    from quart import redirect
+    auth, request = web.route.auth, web.request
+    if auth in (Auth.PUBLIC, Auth.SIGNATURE):
+        return None
+    header = request.headers.get("Authorization")
+    if auth is Auth.RUN:   # only a live Office run's own token speaks for an agent
+        run_id = run_of_token(web.deps.run_token_key, bearer(header))
+        web.agent = run_id and await web.call(web.store.run_agent_context, run_id)
+        if not web.agent:
+            raise Unauthorized("the agent API takes the run token of a running Office run ($OUTPOST_RUN_TOKEN)")
+        web.caller = "agent"
+        return None
+    if header is not None:
+        given = bearer(header)
+        if not given or not hmac.compare_digest(given.encode(), web.deps.token.encode()):
+            raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
+        web.caller = "api"
+        return None
+    cookie = request.cookies.get(SESSION_COOKIE)
+    web.csrf = cookie and await web.call(web.store.session_csrf, cookie, web.now)
+    if not web.csrf:
+        if auth is Auth.SESSION and request.method == "GET":
+            return redirect("/signin?next=" + urllib.parse.quote(request.full_path.rstrip("?")))
+        if auth is Auth.SESSION:
+            raise Unauthorized("sign in to the dashboard first")
+        raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
+    web.caller = "dashboard"
+    if request.method not in SAFE_METHODS:
+        check_same_origin(request)
+        form = await request.form if request.mimetype in FORM_TYPES else {}
+        given = request.headers.get("X-CSRF-Token") or form.get("csrf", "")
+        if not hmac.compare_digest(given.encode(), web.csrf.encode()):
+            raise CrossSiteRefused("the form's CSRF token is missing or stale: reload the page and try again")
+    return None
 
-        check = verify_webhook(target["signing_mode"], target["secrets"],
-                               {k.lower(): v for k, v in request.headers.items()}, body, now)
-        if not check.ok:
-            return await refuse(WebhookRefused(f"webhook refused: {check.reason}"), check.reason)
-        if target["routine_status"] != "active" or not target["enabled"]:
-            state = "disabled" if target["routine_status"] == "active" else target["routine_status"]
-            return await refuse(Conflict(f"this trigger's routine is {state}; it does not fire"), f"routine {state}")
-        try:
-            provided = body_object(json.loads(body) if body.strip() else {})
-            _check_unicode(provided, "")
-        except (ValueError, RecursionError):
-            return await refuse(invalid("body", "must be a JSON object (its keys are the variables)"),
-                                "body is not a JSON object")
-        except OutpostError as err:
-            return await refuse(err, err.detail)
-        try:
-            run, earlier = await deps.transaction(store.fire_webhook, target["trigger_id"], provided, check.replay_key,
-                                         check.replay_ttl_s, now)
-        except ValidationFailed as err:
-            return await refuse(err, err.detail)
-        if earlier is not None and target["signing_mode"] == "github":
-            return json_response({"routine_run_id": earlier, "status": "duplicate"}, 200)
-        if earlier is not None:
-            return await refuse(WebhookRefused("webhook refused: this signature was already used (replay)"),
-                                "replayed signature")
-        deps.claim_wake.poke()
-        return json_response({"routine_run_id": run["id"], "status": run["status"]}, 202)
 
-    # --- agent API: what a running Office agent may do, with its run token ----------------------------
+async def credentialed(web: Web) -> bool:
+    """Whether a request that matched no route carries the API token or a signed-in session."""
+    header = web.request.headers.get("Authorization")
+    if header is not None:
+        return hmac.compare_digest(bearer(header).encode(), web.deps.token.encode())
+    cookie = web.request.cookies.get(SESSION_COOKIE)
+    return bool(cookie and await web.call(web.store.session_csrf, cookie, web.now))
 
-    def own_task(raw: dict[str, Any]) -> str:
-        task_id = raw.get("task_id") or g.agent["task_id"]
-        if not isinstance(task_id, str) or not task_id:
-            raise invalid("task_id", "this run has no task; name one")
-        return task_id
 
-    @app.get("/api/agent/me")
-    async def agent_me():
-        ctx = g.agent
+async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> Any:
+    """API.md 3: replay, reuse and in-flight rules of the Idempotency-Key. The handler's
+    ``web.commit`` stores the answer in the action's own transaction; a refusal is stored
+    too, except one whose fix is a header or a retry (the retry may reuse the key)."""
+    key = web.request.headers.get("Idempotency-Key")
+    if key is None and not table.key_required:
+        return await web.route.handler(web, **params)
+    if key is None:
+        raise IdempotencyKeyRequired("send an Idempotency-Key header (1-255 printable ASCII)")
+    if not valid_idempotency_key(key):
+        raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
+    body = await web.request.get_data(cache=True)
+    fingerprint = request_fingerprint(web.request.method, web.request.full_path.rstrip("?"), body)
+    replay = await web.call(web.store.begin_idempotent, key, fingerprint, web.now)
+    if replay is not None:
+        return replayed(*replay)
+    web.key = key
+    try:
+        return await web.route.handler(web, **params)
+    except (PreconditionRequired, RevisionMismatch, StoreUnavailable):
+        with contextlib.suppress(StoreUnavailable):
+            await web.call(web.store.abandon_idempotent, key)
+        raise
+    except OutpostError as err:
+        await web.call(web.store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
+        raise
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await web.call(web.store.abandon_idempotent, key)
+        raise
 
-        def me():
-            view = {**ctx, "agent": store.get_agent(ctx["agent_id"])}
-            if ctx["task_id"]:
-                view["task"] = store.get_task(ctx["task_id"])
-            return view
-        return json_response(await deps.transaction(me))
 
-    @app.post("/api/agent/comments")
-    async def agent_comment():
-        raw = body_object(await body_json())
-        _unknown(raw, ("task_id", "body"), "a comment")
-        return await office_write(store.add_comment, own_task(raw), text_field(raw, "body", 20000),
-                                  deps.clock.now(), g.agent["agent_id"], g.agent["workspace_id"], status=201)
+def endpoint(deps: Deps, table: Routes, route: Route):
+    """The adapter between Quart and one declared route: a ``Web`` for the request, the
+    route's auth, its idempotency, the handler, then the nudges it declared. Errors go to
+    the app's one error boundary (``answer_error``)."""
+    from quart import g, request
 
-    @app.post("/api/agent/tasks/<task_id>/move")
-    async def agent_move(task_id: str):
-        raw = body_object(await body_json())
-        _unknown(raw, ("state",), "a move")
-        return await office_write(store.move_task, task_id, raw.get("state"), deps.clock.now(),
-                                  by_agent=g.agent["agent_id"], workspace_id=g.agent["workspace_id"])
+    async def handle(**params: Any):
+        web = g.web = Web(deps, request, route)
+        signed_out = await authenticate(web)
+        if signed_out is not None:
+            return signed_out
+        if route.idempotent:
+            result = await run_idempotently(web, table, params)
+        else:
+            result = await route.handler(web, **params)
+        for actor in route.nudges:
+            deps.nudge(actor)
+        return answer(route, result) if isinstance(result, dict | list) or result is None else result
+    handle.__name__ = route.handler.__name__
+    return handle
 
-    @app.post("/api/agent/tasks")
-    async def agent_create_task():
-        raw = body_object(await body_json())
-        if "workspace_id" in raw or "workflow" in raw:
-            raise invalid(sorted({"workspace_id", "workflow"} & set(raw))[0], "is the run's own")
-        fields = normalize_task({"parent_id": g.agent["task_id"], **raw}, profiles=profile_names)
-        return await office_write(store.create_task, g.agent["workspace_id"], fields, deps.clock.now(),
-                                  g.agent["agent_id"], status=201)
 
-    @app.post("/api/agent/approvals")
-    async def agent_request_approval():
-        raw = body_object(await body_json())
-        _unknown(raw, ("task_id", "note"), "an approval request")
-        return await office_write(store.request_approval, own_task(raw), g.agent["agent_id"],
-                                  _text(raw, "note", 0, 20000, ""), deps.clock.now(), g.agent["workspace_id"],
-                                  status=201)
+def wants_html(web: Web) -> bool:
+    """Errors of dashboard pages (and unknown paths outside the APIs) read as a page in a browser."""
+    path = web.request.path
+    if web.route is not None and web.route not in pages.routes:
+        return False
+    return not path.startswith(API_PREFIXES) and "text/html" in web.request.headers.get("Accept", "")
 
-    @app.post("/api/agent/wake")
-    async def agent_self_wake():
-        raw = body_object(await body_json())
-        _unknown(raw, ("reason", "payload", "delay_sec"), "a self-wake")
-        payload = raw.get("payload")
-        if payload is not None and not isinstance(payload, dict):
-            raise invalid("payload", "must be an object or null")
-        delay = _int(raw.get("delay_sec", 0), "delay_sec", 0, 7 * 86400)
-        now = deps.clock.now()
-        return await office_write(store.wake_agent, g.agent["agent_id"], WakeupSource.SELF,
-                                  {"reason": text_field(raw, "reason", 200), "payload": payload}, now,
-                                  wake_at=now + timedelta(seconds=delay) if delay else None,
-                                  workspace_id=g.agent["workspace_id"], status=202)
 
-    render_page = register_dashboard(app, deps)
+async def answer_error(web: Web, err: BaseException):
+    """The one error boundary: a refusal a user can read (problem+json, or the error page in
+    a browser), an unknown path or method, or a logged 500 that never shows a traceback."""
+    from werkzeug.exceptions import HTTPException
+    if isinstance(err, HTTPException) and web.request.path.startswith(API_PREFIXES) and not await credentialed(web):
+        err = Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")   # reveals no paths
+    elif isinstance(err, HTTPException):
+        known = {404: NotFound("no such endpoint"), 405: MethodNotAllowed("method not allowed here"),
+                 413: PayloadTooLarge("request body over 1 MiB")}
+        err = known.get(err.code) or OutpostError(err.description or err.name)
+    elif not isinstance(err, OutpostError):
+        log.getChild("web").error("unexpected error on %s %s", web.request.method, web.request.path,
+                                  exc_info=err)
+        err = InternalError("Outpost hit an internal error; it is in the daemon's log")
+    if wants_html(web):
+        return await web.page("error.html", status=err.status, error=err, section=None)
+    return problem_response(err)
+
+
+async def security_headers(response):
+    response.headers.setdefault("Content-Security-Policy", CSP)
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    return response
+
+
+#: Filters the templates use.
+TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
+    "local": local_time, "timing_words": describe_timing, "state": schedule_state,
+    "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
+    "curl_example": curl_example}
+#: Constants the templates use, so a status set is spelled once.
+TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES}
+
+
+def create_app(deps: Deps):
+    """The Quart-Trio application: installs the route tables through ``endpoint``."""
+    from quart import g, request
+    from quart_trio import QuartTrio
+
+    app = QuartTrio("outpost", template_folder=str(Path(__file__).parent / "templates"),
+                    static_folder=str(Path(__file__).parent / "static"))
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.jinja_env.filters.update(TEMPLATE_FILTERS)
+    app.jinja_env.globals.update(TEMPLATE_GLOBALS)
+    app.before_request(functools.partial(screen_request, deps))
+    app.after_request(security_headers)
+
+    async def error_boundary(err: Exception):
+        return await answer_error(getattr(g, "web", None) or Web(deps, request, None), err)
+    app.register_error_handler(Exception, error_boundary)
+    for table in ROUTE_TABLES:
+        for route in table.routes:
+            app.add_url_rule(route.rule, f"{table.surface}.{route.handler.__name__}", endpoint(deps, table, route),
+                             methods=[route.method])
     return app
+
+
+# --- actions: one function each, shared by the API and the dashboard -------------------------------
+
+async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, Any]:
+    """A manual occurrence (API.md 4.4 ``fire``): committed, then its commit resolved and admission woken."""
+    fired = await web.commit(web.store.fire_manual, schedule_id, revision, web.now)
+    await after_fire(web.deps, fired)
+    return fired
+
+
+async def control_schedule(web: Web, schedule_id: str, revision: int, action: Any) -> dict[str, Any]:
+    """enable | pause | resume | archive (the schedule's view) or fire (the occurrence)."""
+    if action == "fire":
+        return await fire_schedule(web, schedule_id, revision)
+    if action not in ("enable", "pause", "resume", "archive"):
+        raise invalid("action", "must be enable, pause, resume, fire or archive")
+    view = await web.commit(web.store.control_schedule, schedule_id, revision, action, web.now)
+    web.deps.nudge(Actor.CRON)
+    return view
+
+
+async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
+    """cancel | pause | resume (API.md 5.4): recorded, then the live process is signalled."""
+    if action not in ("cancel", "pause", "resume"):
+        raise invalid("action", "must be cancel, pause or resume")
+    if action == "pause" and not web.deps.live.pausable(run_id):
+        await web.call(web.store.get_run, run_id)   # 404 for an unknown run
+        raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
+    view = await web.commit(web.store.control_run, run_id, action, web.now)
+    web.deps.live.signal(run_id, action)
+    web.deps.nudge(Actor.CLAIM)   # pause frees a slot, resume asks for one
+    return view
+
+
+async def wake_agent(web: Web, agent_id: str, context: str | None) -> dict[str, Any]:
+    """A user's wakeup of an agent, recording who asked: the dashboard user or the API token."""
+    return await web.commit(web.store.wake_agent, agent_id, WakeupSource.USER,
+                            {"user_id": web.caller, "context": context}, web.now)
+
+
+async def create_agent(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
+    fields = normalize_agent(raw, profiles=web.profile_names)
+    agent = await web.commit(web.store.create_agent, workspace_id, fields, web.now)
+    if fields["role"] == "coordinator":
+        await install_heartbeat(web.deps, agent["id"])
+    return agent
+
+
+async def update_agent(web: Web, agent_id: str, raw: dict[str, Any]) -> dict[str, Any]:
+    current = await web.call(web.store.agent_fields, agent_id)
+    fields = normalize_agent(raw, profiles=web.profile_names, current=current)
+    return await web.commit(web.store.update_agent, agent_id, fields, web.now)
+
+
+async def create_task(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
+    return await web.commit(web.store.create_task, workspace_id, normalize_task(raw, profiles=web.profile_names),
+                            web.now)
+
+
+async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, Any]:
+    current = await web.call(web.store.task_fields, task_id)
+    return await web.commit(web.store.update_task, task_id,
+                            normalize_task(raw, profiles=web.profile_names, current=current), web.now)
+
+
+async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
+    current = await web.call(web.store.office_settings, workspace_id)
+    settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    return await web.commit(web.store.update_office_settings, workspace_id, settings)
+
+
+async def create_routine(web: Web, workspace_id: str | None, raw: dict[str, Any],
+                         raw_triggers: Any) -> dict[str, Any]:
+    triggers = await checked_triggers(web.deps, raw_triggers, workspace_id)
+    routine = await web.commit(web.store.create_routine, workspace_id, normalize_routine(raw, current=None),
+                               triggers, web.now)
+    web.deps.nudge(Actor.CRON)
+    return routine
+
+
+async def update_routine(web: Web, routine_id: str, raw: dict[str, Any]) -> dict[str, Any]:
+    current = await web.call(web.store.routine_fields, routine_id)
+    routine = await web.commit(web.store.update_routine, routine_id, normalize_routine(raw, current=current), web.now)
+    web.deps.nudge(Actor.CRON)
+    return routine
+
+
+async def add_trigger(web: Web, routine_id: str, raw: dict[str, Any]) -> dict[str, Any]:
+    routine = await web.call(web.store.get_routine, routine_id)
+    (trigger,) = await checked_triggers(web.deps, [raw], routine["workspace_id"])
+    added = await web.commit(web.store.add_trigger, routine_id, trigger, web.now)
+    web.deps.nudge(Actor.CRON)
+    return added
+
+
+async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, Any]:
+    """A manual Run now of a routine, with its variables."""
+    if not isinstance(variables, dict):
+        raise invalid("variables", "must be an object of name: value")
+    return await web.commit(web.store.fire_routine, routine_id, None, "manual", variables, web.now)
+
+
+# --- JSON API: /v1/outpost/ (API.md 3-6) ---------------------------------------------------------
+
+@api.get("/healthz", auth=Auth.PUBLIC)
+async def api_healthz(web: Web):
+    # Answered by the event loop alone: it stays up while another process locks the database.
+    return {"ok": True, "live_runs": len(web.deps.live)}
+
+
+def _text_field(raw: dict[str, Any], key: str, hi: int) -> str:
+    value = _text(raw, key, 1, hi)
+    if not value.strip():
+        raise invalid(key, "must not be blank")
+    return value
+
+
+@api.post("/v1/outpost/schedules/compose", auth=Auth.TOKEN)
+async def api_compose(web: Web):
+    raw = await web.body()
+    now = web.now
+    current = None
+    if "schedule_id" in raw:
+        changes = dict(raw)
+        current = (await web.call(web.store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
+        raw = merge_changes(current, changes)
+    definition = await checked_definition(web.deps, raw, current)
+    after = now
+    if web.args.get("from"):
+        try:
+            after = parse_instant(web.args["from"])
+            if not 1970 <= after.astimezone(UTC).year <= MAX_YEAR:
+                raise OverflowError(web.args["from"])
+        except ValueError:
+            raise invalid("from", "must be an RFC 3339 instant with an offset, e.g. 2027-03-27T00:00:00Z") from None
+        except OverflowError:
+            raise invalid("from", f"must be between 1970 and {MAX_YEAR}") from None
+    count = web.int_arg("count", 5, 1, 100)
+    fires = next_fires(definition["timing"], after, count, anchor=now)
+    return {"definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
+            "next_fires": [rfc3339(f) for f in fires], "warnings": timing_warnings(definition["timing"], now),
+            "confirmation": confirmation_of(definition)}
+
+
+@api.post("/v1/outpost/schedules", auth=Auth.TOKEN, idempotent=True, status=201, etag=True, nudges=(Actor.CRON,))
+async def api_create_schedule(web: Web):
+    raw = await web.body()
+    definition = await checked_definition(web.deps, raw.get("definition"))
+    check_confirmation(definition, raw.get("confirmation"))
+    return await web.commit(web.store.create_schedule, definition, web.now)
+
+
+@api.get("/v1/outpost/schedules", auth=Auth.TOKEN)
+async def api_list_schedules(web: Web):
+    return {"schedules": await web.call(web.store.list_schedules, web.flag_arg("include_archived"))}
+
+
+@api.get("/v1/outpost/schedules/<schedule_id>", auth=Auth.TOKEN, etag=True)
+async def api_get_schedule(web: Web, schedule_id: str):
+    return await web.call(web.store.get_schedule, schedule_id)
+
+
+@api.patch("/v1/outpost/schedules/<schedule_id>", auth=Auth.TOKEN, idempotent=True, etag=True,
+           nudges=(Actor.CRON,))
+async def api_patch_schedule(web: Web, schedule_id: str):
+    revision = parse_if_match(web.request.headers.get("If-Match"))
+    raw = await web.body()
+    current = await web.call(web.store.schedule_definition, schedule_id)
+    if current["archived"]:
+        raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
+    definition = await checked_definition(web.deps, merge_changes(current["definition"], raw.get("changes")),
+                                          current["definition"])
+    check_confirmation(definition, raw.get("confirmation"))
+    return await web.commit(web.store.update_schedule, schedule_id, revision, definition, web.now)
+
+
+@api.post("/v1/outpost/schedules/<schedule_id>/control", auth=Auth.TOKEN, idempotent=True, etag=True)
+async def api_control_schedule(web: Web, schedule_id: str):
+    revision = parse_if_match(web.request.headers.get("If-Match"))
+    return await control_schedule(web, schedule_id, revision, (await web.body()).get("action"))
+
+
+@api.get("/v1/outpost/schedules/<schedule_id>/occurrences", auth=Auth.TOKEN)
+async def api_schedule_occurrences(web: Web, schedule_id: str):
+    limit = web.int_arg("limit", 100, 1, 1000)
+    return {"occurrences": await web.call(web.store.occurrences, schedule_id, limit)}
+
+
+@api.get("/v1/outpost/schedules/<schedule_id>/inspect", auth=Auth.TOKEN)
+async def api_inspect_schedule(web: Web, schedule_id: str):
+    return await web.call(web.store.inspect, schedule_id)
+
+
+@api.get("/v1/outpost/runs", auth=Auth.TOKEN)
+async def api_list_runs(web: Web):
+    status = web.choice_arg("status", RunStatus)
+    return await web.call(web.store.list_runs, web.args.get("schedule_id") or None, status,
+                          web.int_arg("limit", 50, 1, 500), web.args.get("before") or None)
+
+
+@api.get("/v1/outpost/runs/<run_id>", auth=Auth.TOKEN)
+async def api_get_run(web: Web, run_id: str):
+    return await web.call(web.store.get_run, run_id)
+
+
+@api.get("/v1/outpost/runs/<run_id>/log", auth=Auth.TOKEN)
+async def api_run_log(web: Web, run_id: str):
+    from quart import Response
+    await web.call(web.store.get_run, run_id)
+    text, size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id),
+                                               web.int_arg("offset", 0, 0, 2**40))
+    return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
+
+
+@api.post("/v1/outpost/runs/<run_id>/adopt", auth=Auth.TOKEN, idempotent=True)
+async def api_adopt_run(web: Web, run_id: str):
+    workspace = (await web.body()).get("workspace")
+    if not isinstance(workspace, str) or not 1 <= len(workspace) <= 200:
+        raise invalid("workspace", "a workspace name of 1-200 characters is required")
+    return await web.commit(web.store.adopt_run, run_id, workspace, web.now)
+
+
+@api.post("/v1/outpost/runs/<run_id>/control", auth=Auth.TOKEN, idempotent=True)
+async def api_control_run(web: Web, run_id: str):
+    return await control_run(web, run_id, (await web.body()).get("action"))
+
+
+@api.post("/v1/outpost/dispatches", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
+async def api_dispatch(web: Web):
+    payload = normalize_dispatch(await web.body(), web.now, agents=web.profile_names)
+    commit = await check_repository(payload)   # resolved once, recorded with the run: one transaction
+    return await web.commit(web.store.create_dispatch, payload, web.now, commit)
+
+
+@api.get("/v1/outpost/attention", auth=Auth.TOKEN)
+async def api_list_attention(web: Web):
+    state = web.args.get("state", "open")
+    if state not in ("open", "all"):
+        raise invalid("state", "must be open or all")
+    return {"attention": await web.call(web.store.list_attention, state == "open")}
+
+
+@api.post("/v1/outpost/attention/<attention_id>/ack", auth=Auth.TOKEN, idempotent=True)
+async def api_ack_attention(web: Web, attention_id: str):
+    return await web.commit(web.store.ack_attention, attention_id, web.now)
+
+
+@api.get("/v1/outpost/events", auth=Auth.TOKEN)
+async def api_events(web: Web):
+    after = web.int_arg("after", 0, 0, 2**62)
+    return await web.call(web.store.events_after, after, web.int_arg("limit", 100, 1, 1000))
+
+
+@api.get("/v1/outpost/events/stream", auth=Auth.TOKEN)
+async def api_event_stream(web: Web):
+    from quart import Response
+    last = web.request.headers.get("Last-Event-ID") or web.args.get("after")
+    cursor = parse_count(last)
+    if last and cursor is None:
+        raise invalid("after", "must be an event cursor (a whole number)")
+    if cursor is None:
+        cursor = await web.call(web.store.latest_cursor)
+    response = Response(event_stream(web.deps, cursor), content_type="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response
+
+
+async def event_stream(deps: Deps, cursor: int):
+    """Server-sent events from ``cursor`` on: read from the store, woken by the hub."""
+    yield b"retry: 2000\n\n"
+    while True:
+        page = await deps.transaction(deps.store.events_after, cursor, 200)
+        for event in page["events"]:
+            yield f"id: {event['cursor']}\nevent: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+        cursor = page["next_cursor"]
+        if len(page["events"]) == 200:
+            continue
+        with trio.move_on_after(15):
+            await deps.hub.wait()
+            continue
+        yield b": keep-alive\n\n"
+
+
+@api.get("/v1/outpost/snapshot", auth=Auth.TOKEN)
+async def api_snapshot(web: Web):
+    return await web.call(web.store.snapshot)
+
+
+# --- Office API: /api/office/ (API.md 7) -----------------------------------------------------------
+
+@office_api.get("/api/office/workspaces", auth=Auth.TOKEN)
+async def office_workspaces(web: Web):
+    return {"workspaces": await web.call(web.store.list_workspaces)}
+
+
+@office_api.post("/api/office/workspaces", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
+async def office_create_workspace(web: Web):
+    return await web.commit(web.store.create_workspace, _text_field(await web.body(), "name", 100).strip(), web.now)
+
+
+@office_api.get("/api/office/projects", auth=Auth.TOKEN)
+async def office_projects(web: Web):
+    return {"projects": await web.call(web.store.list_projects, web.workspace_arg())}
+
+
+@office_api.post("/api/office/projects", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
+async def office_create_project(web: Web):
+    raw = await web.body()
+    _unknown(raw, ("workspace_id", "name", "repository", "executor"), "a project")
+    repository = _repository(raw) if raw.get("repository") is not None else None
+    executor = _optional_name(raw, "executor", web.profile_names, "agent profile")
+    return await web.commit(web.store.create_project, web.workspace_arg(raw), _text_field(raw, "name", 100),
+                            repository, executor, web.now)
+
+
+@office_api.get("/api/office/agents", auth=Auth.TOKEN)
+async def office_agents(web: Web):
+    return {"agents": await web.call(web.store.list_agents, web.workspace_arg())}
+
+
+@office_api.post("/api/office/agents", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
+async def office_create_agent(web: Web):
+    raw = await web.body()
+    return await create_agent(web, web.workspace_arg(raw), raw)
+
+
+@office_api.get("/api/office/agents/<agent_id>", auth=Auth.TOKEN)
+async def office_agent(web: Web, agent_id: str):
+    def detail():
+        view = web.store.get_agent(agent_id)
+        view["continuation_summaries"] = web.store.summary_of(agent_id)
+        return view
+    return await web.call(detail)
+
+
+@office_api.patch("/api/office/agents/<agent_id>", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
+async def office_patch_agent(web: Web, agent_id: str):
+    return await update_agent(web, agent_id, await web.body())
+
+
+@office_api.get("/api/office/agents/<agent_id>/runs", auth=Auth.TOKEN)
+async def office_agent_runs(web: Web, agent_id: str):
+    return {"runs": await web.call(web.store.agent_runs, agent_id, web.int_arg("limit", 50, 1, 500))}
+
+
+@office_api.post("/api/office/agents/<agent_id>/wake", auth=Auth.TOKEN, idempotent=True, status=202,
+                 nudges=(Actor.CLAIM,))
+async def office_wake_agent(web: Web, agent_id: str):
+    raw = await web.body()
+    _unknown(raw, ("context",), "a wake")
+    return await wake_agent(web, agent_id, _text(raw, "context", 0, MAX_TEXT_CHARS, "") or None)
+
+
+@office_api.get("/api/office/tasks", auth=Auth.TOKEN)
+async def office_tasks(web: Web):
+    state = web.choice_arg("state", TaskState)
+    return {"tasks": await web.call(web.store.list_tasks, web.workspace_arg(), web.args.get("assignee_agent_id"),
+                                    state, web.flag_arg("include_archived"))}
+
+
+@office_api.post("/api/office/tasks", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
+async def office_create_task(web: Web):
+    raw = await web.body()
+    return await create_task(web, web.workspace_arg(raw), raw)
+
+
+@office_api.get("/api/office/tasks/<task_id>", auth=Auth.TOKEN)
+async def office_task(web: Web, task_id: str):
+    return await web.call(web.store.get_task, task_id)
+
+
+@office_api.patch("/api/office/tasks/<task_id>", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
+async def office_patch_task(web: Web, task_id: str):
+    return await update_task(web, task_id, await web.body())
+
+
+@office_api.post("/api/office/tasks/<task_id>/move", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
+async def office_move_task(web: Web, task_id: str):
+    raw = await web.body()
+    _unknown(raw, ("state",), "a move")
+    return await web.commit(web.store.move_task, task_id, raw.get("state"), web.now)
+
+
+@office_api.post("/api/office/tasks/<task_id>/comments", auth=Auth.TOKEN, idempotent=True, status=201,
+                 nudges=(Actor.CLAIM,))
+async def office_comment(web: Web, task_id: str):
+    raw = await web.body()
+    _unknown(raw, ("body",), "a comment")
+    return await web.commit(web.store.add_comment, task_id, _text_field(raw, "body", MAX_TEXT_CHARS), web.now)
+
+
+@office_api.get("/api/office/approvals", auth=Auth.TOKEN)
+async def office_approvals(web: Web):
+    status = web.choice_arg("status", ("pending", "approved", "rejected"))
+    return {"approvals": await web.call(web.store.list_approvals, web.workspace_arg(), status)}
+
+
+@office_api.post("/api/office/approvals/<approval_id>/resolve", auth=Auth.TOKEN, idempotent=True,
+                 nudges=(Actor.CLAIM,))
+async def office_resolve_approval(web: Web, approval_id: str):
+    raw = await web.body()
+    _unknown(raw, ("status", "decision_note"), "a decision")
+    return await web.commit(web.store.resolve_approval, approval_id, raw.get("status"),
+                            _text(raw, "decision_note", 0, MAX_TEXT_CHARS, ""), web.now)
+
+
+@office_api.get("/api/office/wakeups", auth=Auth.TOKEN)
+async def office_wakeups(web: Web):
+    status = web.choice_arg("status", WakeupStatus)
+    source = web.choice_arg("source", WakeupSource)
+    return {"wakeups": await web.call(web.store.list_wakeups, web.workspace_arg(), web.args.get("agent_id"), status,
+                                      source, web.int_arg("limit", 100, 1, 1000))}
+
+
+@office_api.get("/api/office/runs/<run_id>", auth=Auth.TOKEN)
+async def office_run(web: Web, run_id: str):
+    return await web.call(web.store.office_run, run_id)
+
+
+@office_api.get("/api/office/activity", auth=Auth.TOKEN)
+async def office_activity(web: Web):
+    return {"activity": await web.call(web.store.list_activity, web.workspace_arg(), web.args.get("code"),
+                                       web.int_arg("limit", 100, 1, 1000))}
+
+
+@office_api.get("/api/office/settings", auth=Auth.TOKEN)
+async def office_settings(web: Web):
+    return await web.call(web.store.office_settings, web.workspace_arg())
+
+
+@office_api.patch("/api/office/settings", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
+async def office_patch_settings(web: Web):
+    raw = await web.body()
+    return await update_settings(web, web.workspace_arg(), raw)
+
+
+@office_api.get("/api/office/routines", auth=Auth.TOKEN)
+async def office_routines(web: Web):
+    return {"routines": await web.call(web.store.list_routines, web.workspace_arg())}
+
+
+@office_api.post("/api/office/routines", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
+async def office_create_routine(web: Web):
+    raw = await web.body()
+    fields = {k: v for k, v in raw.items() if k not in ("workspace_id", "triggers")}
+    return await create_routine(web, web.workspace_arg(raw), fields, raw.get("triggers"))
+
+
+@office_api.get("/api/office/routines/<routine_id>", auth=Auth.TOKEN)
+async def office_routine(web: Web, routine_id: str):
+    return await web.call(web.store.get_routine, routine_id)
+
+
+@office_api.patch("/api/office/routines/<routine_id>", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
+async def office_patch_routine(web: Web, routine_id: str):
+    return await update_routine(web, routine_id, await web.body())
+
+
+@office_api.delete("/api/office/routines/<routine_id>", auth=Auth.TOKEN, idempotent=True, status=204,
+                   nudges=(Actor.CRON, Actor.CLAIM))
+async def office_delete_routine(web: Web, routine_id: str):
+    return await web.commit(web.store.delete_routine, routine_id, web.now)
+
+
+@office_api.post("/api/office/routines/<routine_id>/fire", auth=Auth.TOKEN, idempotent=True, status=202,
+                 nudges=(Actor.CLAIM,))
+async def office_fire_routine(web: Web, routine_id: str):
+    raw = await web.body()
+    _unknown(raw, ("variables",), "a fire")
+    return await fire_routine(web, routine_id, raw.get("variables") or {})
+
+
+@office_api.post("/api/office/routines/<routine_id>/triggers", auth=Auth.TOKEN, idempotent=True, status=201,
+                 nudges=(Actor.CLAIM,))
+async def office_add_trigger(web: Web, routine_id: str):
+    return await add_trigger(web, routine_id, await web.body())
+
+
+@office_api.delete("/api/office/routines/<routine_id>/triggers/<trigger_id>", auth=Auth.TOKEN, idempotent=True,
+                   status=204, nudges=(Actor.CRON, Actor.CLAIM))
+async def office_delete_trigger(web: Web, routine_id: str, trigger_id: str):
+    return await web.commit(web.store.delete_trigger, routine_id, trigger_id, web.now)
+
+
+@office_api.post("/api/office/routines/<routine_id>/triggers/<trigger_id>/rotate", auth=Auth.TOKEN,
+                 idempotent=True, nudges=(Actor.CLAIM,))
+async def office_rotate_secret(web: Web, routine_id: str, trigger_id: str):
+    return await web.commit(web.store.rotate_secret, routine_id, trigger_id, web.now)
+
+
+# --- webhooks: /api/routine-triggers/ (API.md 7.2) --------------------------------------------------
+
+@hooks.post("/api/routine-triggers/<public_id>/fire", auth=Auth.SIGNATURE)
+async def hook_fire(web: Web, public_id: str):
+    """No API token: the trigger's signing mode decides. Every refusal is recorded (time,
+    reason, source address, size; never the secret)."""
+    now, request = web.now, web.request
+    body = await request.get_data(cache=True)
+    target = await web.call(web.store.webhook_trigger, public_id, now)
+
+    async def refuse(err: OutpostError, reason: str):
+        await web.call(web.store.refuse_webhook, target["trigger_id"], reason, request.remote_addr, len(body), now)
+        return problem_response(err)
+
+    check = verify_webhook(target["signing_mode"], target["secrets"],
+                           {k.lower(): v for k, v in request.headers.items()}, body, now)
+    if not check.ok:
+        return await refuse(WebhookRefused(f"webhook refused: {check.reason}"), check.reason)
+    if target["routine_status"] != "active" or not target["enabled"]:
+        state = "disabled" if target["routine_status"] == "active" else target["routine_status"]
+        return await refuse(Conflict(f"this trigger's routine is {state}; it does not fire"), f"routine {state}")
+    try:
+        provided = body_object(json.loads(body) if body.strip() else {})
+        _check_unicode(provided, "")
+    except (ValueError, RecursionError):
+        return await refuse(invalid("body", "must be a JSON object (its keys are the variables)"),
+                            "body is not a JSON object")
+    except OutpostError as err:
+        return await refuse(err, err.detail)
+    try:
+        run, earlier = await web.call(web.store.fire_webhook, target["trigger_id"], provided, check.replay_key,
+                                      check.replay_ttl_s, now)
+    except ValidationFailed as err:
+        return await refuse(err, err.detail)
+    if earlier is not None and target["signing_mode"] == "github":
+        return json_response({"routine_run_id": earlier, "status": "duplicate"}, 200)
+    if earlier is not None:
+        return await refuse(WebhookRefused("webhook refused: this signature was already used (replay)"),
+                            "replayed signature")
+    web.deps.nudge(Actor.CLAIM)
+    return json_response({"routine_run_id": run["id"], "status": run["status"]}, 202)
+
+
+# --- agent API: /api/agent/ (a running Office agent, with its run token) -----------------------------
+
+def own_task(web: Web, raw: dict[str, Any]) -> str:
+    task_id = raw.get("task_id") or web.agent["task_id"]
+    if not isinstance(task_id, str) or not task_id:
+        raise invalid("task_id", "this run has no task; name one")
+    return task_id
+
+
+@agent_api.get("/api/agent/me", auth=Auth.RUN)
+async def agent_me(web: Web):
+    ctx = web.agent
+
+    def me():
+        view = {**ctx, "agent": web.store.get_agent(ctx["agent_id"])}
+        if ctx["task_id"]:
+            view["task"] = web.store.get_task(ctx["task_id"])
+        return view
+    return await web.call(me)
+
+
+@agent_api.post("/api/agent/comments", auth=Auth.RUN, status=201, nudges=(Actor.CLAIM,))
+async def agent_comment(web: Web):
+    raw = await web.body()
+    _unknown(raw, ("task_id", "body"), "a comment")
+    return await web.commit(web.store.add_comment, own_task(web, raw), _text_field(raw, "body", MAX_TEXT_CHARS),
+                            web.now, web.agent["agent_id"], web.agent["workspace_id"])
+
+
+@agent_api.post("/api/agent/tasks/<task_id>/move", auth=Auth.RUN, nudges=(Actor.CLAIM,))
+async def agent_move(web: Web, task_id: str):
+    raw = await web.body()
+    _unknown(raw, ("state",), "a move")
+    return await web.commit(web.store.move_task, task_id, raw.get("state"), web.now,
+                            by_agent=web.agent["agent_id"], workspace_id=web.agent["workspace_id"])
+
+
+@agent_api.post("/api/agent/tasks", auth=Auth.RUN, status=201, nudges=(Actor.CLAIM,))
+async def agent_create_task(web: Web):
+    raw = await web.body()
+    if "workspace_id" in raw or "workflow" in raw:
+        raise invalid(sorted({"workspace_id", "workflow"} & set(raw))[0], "is the run's own")
+    fields = normalize_task({"parent_id": web.agent["task_id"], **raw}, profiles=web.profile_names)
+    return await web.commit(web.store.create_task, web.agent["workspace_id"], fields, web.now, web.agent["agent_id"])
+
+
+@agent_api.post("/api/agent/approvals", auth=Auth.RUN, status=201, nudges=(Actor.CLAIM,))
+async def agent_request_approval(web: Web):
+    raw = await web.body()
+    _unknown(raw, ("task_id", "note"), "an approval request")
+    return await web.commit(web.store.request_approval, own_task(web, raw), web.agent["agent_id"],
+                            _text(raw, "note", 0, MAX_TEXT_CHARS, ""), web.now, web.agent["workspace_id"])
+
+
+@agent_api.post("/api/agent/wake", auth=Auth.RUN, status=202, nudges=(Actor.CLAIM,))
+async def agent_self_wake(web: Web):
+    raw = await web.body()
+    _unknown(raw, ("reason", "payload", "delay_sec"), "a self-wake")
+    payload = raw.get("payload")
+    if payload is not None and not isinstance(payload, dict):
+        raise invalid("payload", "must be an object or null")
+    delay = _int(raw.get("delay_sec", 0), "delay_sec", 0, 7 * DAY_S)
+    now = web.now
+    return await web.commit(web.store.wake_agent, web.agent["agent_id"], WakeupSource.SELF,
+                            {"reason": _text_field(raw, "reason", 200), "payload": payload}, now,
+                            wake_at=now + timedelta(seconds=delay) if delay else None,
+                            workspace_id=web.agent["workspace_id"])
+
+
+# --- dashboard: sign-in --------------------------------------------------------------------------------
+
+async def signed_in_response(web: Web, target: str):
+    from quart import redirect
+    cookie, _ = await web.call(web.store.create_session, web.now)
+    response = redirect(target if target.startswith("/") and not target.startswith("//") else "/schedules")
+    response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict", path="/")
+    return response
+
+
+@pages.get("/signin", auth=Auth.PUBLIC)
+async def page_signin(web: Web):
+    return await web.page("signin.html", next=web.args.get("next", "/schedules"))
+
+
+@pages.post("/signin", auth=Auth.PUBLIC)
+async def page_signin_post(web: Web):
+    check_same_origin(web.request)   # no login CSRF
+    form = await web.form()
+    token = form.get("token", "").strip()
+    if not token or not hmac.compare_digest(token.encode(), web.deps.token.encode()):
+        log.getChild("web").warning("dashboard sign-in refused from %s", web.request.remote_addr)
+        return await web.page("signin.html", status=401, next=form.get("next", "/schedules"),
+                              error="That is not the API token. `outpost token` prints it.")
+    return await signed_in_response(web, form.get("next", "/schedules"))
+
+
+@pages.get("/signin/<code>", auth=Auth.PUBLIC)
+async def page_signin_link(web: Web, code: str):
+    if not await web.call(web.store.use_signin_code, code, web.now):
+        return await web.page("signin.html", status=401, next="/schedules",
+                              error="This sign-in link was used already or has expired. Paste the token.")
+    return await signed_in_response(web, "/schedules")
+
+
+@pages.post("/signout", auth=Auth.SESSION)
+async def page_signout(web: Web):
+    from quart import redirect
+    await web.call(web.store.end_session, web.request.cookies.get(SESSION_COOKIE, ""))
+    response = redirect("/signin")
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
+
+
+# --- dashboard: schedules -----------------------------------------------------------------------------
+
+def errors_by_field(err: OutpostError) -> dict[str, str]:
+    return {e["field"]: e["message"] for e in err.errors} or {"form": err.detail}
+
+
+def form_context(web: Web, form: dict[str, str], errors: dict[str, str], **extra: Any) -> dict[str, Any]:
+    return {"form": form, "errors": errors, "zones": zone_names(), "agents": web.profile_names,
+            "units": list(INTERVAL_UNITS), **extra}
+
+
+def form_revision(form) -> int:
+    try:
+        return int(form.get("revision", ""))
+    except ValueError:
+        raise invalid("revision", "the form has no revision; reload the page") from None
+
+
+@pages.get("/", auth=Auth.SESSION)
+async def page_home(web: Web):
+    from quart import redirect
+    return redirect("/schedules")
+
+
+@pages.get("/schedules", auth=Auth.SESSION)
+async def page_schedules(web: Web):
+    show_archived = web.args.get("archived") == "1"
+    page = parse_count(web.args.get("page")) or 1
+    listed = await web.call(web.store.schedules_page, show_archived, page)
+    return await web.page("schedules.html", section="schedules", live=True, **listed, show_archived=show_archived,
+                          page=page, pages=max(1, math.ceil(listed["total"] / SCHEDULES_PAGE)),
+                          per_page=SCHEDULES_PAGE)
+
+
+@pages.get("/schedules/new", auth=Auth.SESSION)
+async def page_new_schedule(web: Web):
+    defaults = {"timing_kind": "cron", "expression": "0 9 * * 1-5", "timezone": "UTC", "agent": "demo",
+                "brief": "Say hello and leave a note.\n@print hello from {{date}}\n@commit notes.txt hello",
+                "timeout_seconds": "3600", "notify": "attention", "concurrency_policy": "skip_if_active",
+                "catch_up_policy": "enqueue_missed_with_cap", "catch_up_max": "1", "workdir": ".",
+                "source_ref": "HEAD", "interval_amount": "1", "interval_unit": "hours"}
+    return await web.page("schedule_form.html", section="schedules", **form_context(web, defaults, {}, edit=None))
+
+
+async def review_page(web: Web, form: dict[str, str], edit: dict[str, Any] | None):
+    """The compose step of the dashboard: the normalized definition, its fires and warnings."""
+    current = edit["definition"] if edit else None
+    try:
+        definition = await checked_definition(web.deps, definition_from_form(form), current)
+    except OutpostError as err:
+        return await web.page("schedule_form.html", status=422, section="schedules",
+                              **form_context(web, form, errors_by_field(err), edit=edit))
+    now = web.now
+    fires = next_fires(definition["timing"], now, 5, anchor=now)
+    return await web.page(
+        "schedule_review.html", section="schedules", definition=definition, edit=edit,
+        definition_json=canonical_json(definition), confirmation=confirmation_of(definition),
+        summary=schedule_summary(definition, fires[0] if fires else None),
+        fires=[local_time(f, definition["timing"]["timezone"]) for f in fires],
+        warnings=timing_warnings(definition["timing"], now), form=form)
+
+
+@pages.post("/schedules/review", auth=Auth.SESSION)
+async def page_review_new(web: Web):
+    return await review_page(web, dict((await web.form()).items()), None)
+
+
+async def confirmed_definition(web: Web, form: dict[str, str], current: dict[str, Any] | None) -> dict[str, Any]:
+    try:
+        raw = json.loads(form.get("definition", ""))
+    except ValueError:
+        raise invalid("definition", "the reviewed definition is missing; compose it again") from None
+    definition = await checked_definition(web.deps, raw, current)
+    check_confirmation(definition, form.get("confirmation"))
+    return definition
+
+
+@pages.post("/schedules", auth=Auth.SESSION, nudges=(Actor.CRON,))
+async def page_confirm_new(web: Web):
+    from quart import redirect
+    form = dict((await web.form()).items())
+    definition = await confirmed_definition(web, form, None)
+    try:
+        created = await web.commit(web.store.create_schedule, definition, web.now)
+    except Conflict as err:
+        return await web.page("schedule_form.html", status=409, section="schedules",
+                              **form_context(web, form_from_definition(definition), errors_by_field(err), edit=None))
+    return redirect(f"/schedules/{created['id']}?done=created")
+
+
+@pages.get("/schedules/<schedule_id>", auth=Auth.SESSION)
+async def page_schedule(web: Web, schedule_id: str):
+    def data():
+        return (web.store.get_schedule(schedule_id), web.store.occurrences(schedule_id, 50),
+                web.store.list_runs(schedule_id, None, 20, None)["runs"], web.store.inspect(schedule_id))
+    schedule, ledger, runs, report = await web.call(data)
+    return await web.page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
+                          runs=runs, checks=report["checks"], tz=schedule["timing"]["timezone"])
+
+
+@pages.get("/schedules/<schedule_id>/edit", auth=Auth.SESSION)
+async def page_edit_schedule(web: Web, schedule_id: str):
+    current = await web.call(web.store.schedule_definition, schedule_id)
+    if current["archived"]:
+        raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
+    edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
+    return await web.page("schedule_form.html", section="schedules",
+                          **form_context(web, form_from_definition(current["definition"]), {}, edit=edit))
+
+
+def edit_from(schedule_id: str, form: dict[str, str]) -> dict[str, Any]:
+    try:
+        base = json.loads(form.get("base", ""))
+        revision = int(form.get("revision", ""))
+    except ValueError:
+        raise invalid("revision", "the edit form is incomplete; open Edit again") from None
+    return {"id": schedule_id, "revision": revision, "definition": base}
+
+
+@pages.post("/schedules/<schedule_id>/review", auth=Auth.SESSION)
+async def page_review_edit(web: Web, schedule_id: str):
+    form = dict((await web.form()).items())
+    return await review_page(web, form, edit_from(schedule_id, form))
+
+
+@pages.post("/schedules/<schedule_id>", auth=Auth.SESSION, nudges=(Actor.CRON,))
+async def page_confirm_edit(web: Web, schedule_id: str):
+    from quart import redirect
+    form = dict((await web.form()).items())
+    edit = edit_from(schedule_id, form)
+    definition = await confirmed_definition(web, form, edit["definition"])
+    try:
+        await web.commit(web.store.update_schedule, schedule_id, edit["revision"], definition, web.now)
+    except RevisionMismatch:
+        current = await web.call(web.store.get_schedule, schedule_id)
+        diff = [{"field": f, "base": edit["definition"].get(f), "now": current[f], "yours": definition[f]}
+                for f in sorted(DEFINITION_FIELDS)
+                if edit["definition"].get(f) != current[f] or definition[f] != current[f]]
+        return await web.page("schedule_stale.html", status=412, section="schedules", s=current, edit=edit,
+                              diff=diff)
+    return redirect(f"/schedules/{schedule_id}?done=updated")
+
+
+@pages.post("/schedules/<schedule_id>/control", auth=Auth.SESSION)
+async def page_schedule_control(web: Web, schedule_id: str):
+    from quart import redirect
+    form = await web.form()
+    action = form.get("action", "")
+    result = await control_schedule(web, schedule_id, form_revision(form), action)
+    return redirect(f"/schedules/{schedule_id}?done={result['outcome'] if action == 'fire' else action}")
+
+
+# --- dashboard: runs and attention ------------------------------------------------------------------------
+
+@pages.get("/runs", auth=Auth.SESSION)
+async def page_runs(web: Web):
+    schedule_id = web.args.get("schedule_id") or None
+    status = web.choice_arg("status", RunStatus)
+    page = await web.call(web.store.list_runs, schedule_id, status, 50, web.args.get("before") or None)
+    return await web.page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
+                          schedules=await web.call(web.store.schedule_zones), schedule_id=schedule_id,
+                          status=status, statuses=[s.value for s in RunStatus])
+
+
+@pages.get("/runs/<run_id>", auth=Auth.SESSION)
+async def page_run(web: Web, run_id: str):
+    run = await web.call(web.store.get_run, run_id)
+    name, tz = (await web.call(web.store.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
+    log_text, log_size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id))
+    changes = ""
+    if run["changes"]["commits"] and run["resolved_commit"]:
+        changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
+    return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
+                          schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes)
+
+
+@pages.post("/runs/<run_id>/control", auth=Auth.SESSION)
+async def page_run_control(web: Web, run_id: str):
+    from quart import redirect
+    action = (await web.form()).get("action", "")
+    await control_run(web, run_id, action)
+    notice = {"cancel": "cancel", "pause": "run_pause", "resume": "resume_run"}[action]
+    return redirect(f"/runs/{run_id}?done={notice}")
+
+
+@pages.get("/attention", auth=Auth.SESSION)
+async def page_attention(web: Web):
+    items = await web.call(web.store.list_attention, False)
+    open_items = [a for a in items if not a["acknowledged_at"]]
+    done_items = [a for a in items if a["acknowledged_at"]][:50]
+    return await web.page("attention.html", section="attention", live=True, open_items=open_items,
+                          done_items=done_items, schedules=await web.call(web.store.schedule_zones))
+
+
+@pages.post("/attention/<attention_id>/ack", auth=Auth.SESSION)
+async def page_attention_ack(web: Web, attention_id: str):
+    from quart import redirect
+    await web.commit(web.store.ack_attention, attention_id, web.now)
+    return redirect("/attention?done=acked")
+
+
+@pages.post("/attention/ack-all", auth=Auth.SESSION)
+async def page_attention_ack_all(web: Web):
+    from quart import redirect
+    await web.commit(web.store.ack_all_attention, web.now)
+    return redirect("/attention?done=acked_all")
+
+
+# --- dashboard: Office ------------------------------------------------------------------------------------
+
+async def office_page(web: Web, template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
+    """An Office page: the workspace's settings and agents for its header and tables."""
+    def common():
+        return {"settings": web.store.office_settings(None),
+                "agents_by_id": {a["id"]: a for a in web.store.list_agents(None)}}
+    shared = await web.call(common)
+    return await web.page(template, status=status, section="office", live=live, tab=tab,
+                          tz=shared["settings"]["timezone"], profiles=web.profile_names, task_states=list(TaskState),
+                          **shared, **context)
+
+
+async def office_form(web: Web, action: Callable[[Any], Awaitable[Any]], on_error: Callable[..., Awaitable[Any]]):
+    """A dashboard form: the action's redirect target (or its own page), else the form's page
+    again with the error by field; then the dispatcher is nudged, as new wakeups may wait."""
+    from quart import redirect
+    form = await web.form()
+    try:
+        target = await action(form)
+    except OutpostError as err:
+        return await on_error(web, form=form, errors=errors_by_field(err), status=err.status)
+    web.deps.nudge(Actor.CLAIM)
+    return redirect(target) if isinstance(target, str) else target
+
+
+def checkbox(form: dict[str, str], name: str) -> bool:
+    return form.get(name) in ("1", "on", "true")
+
+
+def agent_form(form: dict[str, str]) -> dict[str, Any]:
+    raw: dict[str, Any] = {k: form[k] for k in ("name", "role", "status", "instructions") if form.get(k)}
+    raw["executor"] = form.get("executor") or None
+    for key in ("max_concurrent_sessions", "cooldown_sec", "budget_runs_per_day"):
+        if form.get(key, "").strip():
+            value = parse_count(form[key].strip())
+            if value is None:
+                raise invalid(key, "must be a whole number")
+            raw[key] = value
+        elif key == "budget_runs_per_day":
+            raw[key] = None
+    if form.get("skip_idle_wakeups") in ("yes", "no"):
+        raw["skip_idle_wakeups"] = form["skip_idle_wakeups"] == "yes"
+    return raw
+
+
+def task_form(form, fields: tuple[str, ...]) -> dict[str, Any]:
+    raw: dict[str, Any] = {k: form.get(k, "") for k in fields if k in ("title", "description")}
+    for key in ("assignee_agent_id", "parent_id", "executor"):
+        if key in fields:
+            raw[key] = form.get(key) or None
+    if "blocked_by" in fields:
+        raw["blocked_by"] = [t for t in form.getlist("blocked_by") if t]
+    if "requires_approval" in fields:
+        raw["requires_approval"] = checkbox(form, "requires_approval")
+    return raw
+
+
+def routine_form(form) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The routine dialog's fields, as the API takes them (variables: one per line,
+    ``name:type:default:required``, options of a select after ``|``)."""
+    raw: dict[str, Any] = {k: form.get(k, "") for k in ("name", "description", "assignee_agent_id",
+                                                        "concurrency_policy", "catch_up_policy")}
+    raw["catch_up_max"] = parse_count(form.get("catch_up_max", "25").strip()) or 0
+    title, body = form.get("template_title", ""), form.get("template_description", "")
+    raw["task_template"] = {"title": title, "description": body} if form.get("heavy") else {}
+    variables = []
+    for line in form.get("variables", "").splitlines():
+        if line.strip():
+            name, kind, default, required = [*(p.strip() for p in line.split(":")), "", "", "", ""][:4]
+            kind, _, options = kind.partition("|")
+            variables.append({"name": name, "type": kind or "text", "default": default or None,
+                              "required": required in ("required", "yes", "true"),
+                              "options": [o.strip() for o in options.split(",") if o.strip()]})
+    raw["variables"] = variables
+    triggers = []
+    if form.get("cron_expression", "").strip():
+        triggers.append({"kind": "schedule", "cron_expression": form["cron_expression"].strip(),
+                         "timezone": form.get("timezone") or None})
+    if form.get("webhook_mode"):
+        triggers.append({"kind": "webhook", "signing_mode": form["webhook_mode"]})
+    return raw, triggers
+
+
+@pages.get("/office", auth=Auth.SESSION)
+async def page_office(web: Web):
+    from quart import redirect
+    return redirect("/office/agents")
+
+
+@pages.get("/office/agents", auth=Auth.SESSION)
+async def page_office_agents(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                             status: int = 200):
+    def data():
+        return (web.store.list_agents(None), web.store.wakeups_by_agent("claimed"),
+                web.store.wakeups_by_agent("queued"))
+    agents, active, queued = await web.call(data)
+    return await office_page(web, "office_agents.html", tab="agents", status=status, agents=agents, active=active,
+                             queued=queued, form=form or {}, errors=errors or {})
+
+
+@pages.post("/office/agents", auth=Auth.SESSION)
+async def page_office_agents_create(web: Web):
+    async def create(form):
+        agent = await create_agent(web, None, agent_form(form))
+        return f"/office/agents/{agent['id']}?done=agent_created"
+    return await office_form(web, create, page_office_agents)
+
+
+@pages.get("/office/agents/<agent_id>", auth=Auth.SESSION)
+async def page_office_agent(web: Web, agent_id: str, form: dict[str, str] | None = None,
+                            errors: dict[str, str] | None = None, status: int = 200):
+    def data():
+        return (web.store.get_agent(agent_id), web.store.agent_runs(agent_id, 30),
+                web.store.list_wakeups(None, agent_id, None, None, 30), web.store.summary_of(agent_id),
+                web.store.list_tasks(None, agent_id), web.store.scheduled_wakeups(agent_id))
+    agent, runs, wakeups, summaries, tasks, scheduled = await web.call(data)
+    return await office_page(web, "office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
+                             wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks,
+                             scheduled_wakeups=scheduled, form=form or agent, errors=errors or {})
+
+
+@pages.post("/office/agents/<agent_id>", auth=Auth.SESSION)
+async def page_office_agent_save(web: Web, agent_id: str):
+    async def save(form):
+        await update_agent(web, agent_id, agent_form(form))
+        return f"/office/agents/{agent_id}?done=agent_updated"
+    return await office_form(web, save, functools.partial(page_office_agent, agent_id=agent_id))
+
+
+@pages.post("/office/agents/<agent_id>/wake", auth=Auth.SESSION)
+async def page_office_agent_wake(web: Web, agent_id: str):
+    async def wake(form):
+        await wake_agent(web, agent_id, _text(form, "context", 0, MAX_TEXT_CHARS, "") or None)
+        return f"/office/agents/{agent_id}?done=woken"
+    return await office_form(web, wake, functools.partial(page_office_agent, agent_id=agent_id))
+
+
+@pages.get("/office/board", auth=Auth.SESSION)
+async def page_office_board(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                            status: int = 200):
+    show_routine = web.args.get("routine") == "1"
+    tasks = await web.call(web.store.list_tasks, None)
+    hidden = sum(t["workflow"] == "routine" for t in tasks)
+    shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
+    columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
+    return await office_page(web, "office_board.html", tab="board", status=status, tasks=shown, columns=columns,
+                             show_routine=show_routine, hidden_routine=hidden, form=form or {}, errors=errors or {})
+
+
+@pages.post("/office/tasks", auth=Auth.SESSION)
+async def page_office_task_create(web: Web):
+    async def create(form):
+        raw = task_form(form, ("title", "description", "assignee_agent_id", "parent_id", "blocked_by",
+                               "requires_approval"))
+        task = await create_task(web, None, raw)
+        return f"/office/tasks/{task['id']}?done=task_created"
+    return await office_form(web, create, page_office_board)
+
+
+@pages.get("/office/tasks/<task_id>", auth=Auth.SESSION)
+async def page_office_task(web: Web, task_id: str, form: dict[str, str] | None = None,
+                           errors: dict[str, str] | None = None, status: int = 200):
+    def data():
+        return (web.store.get_task(task_id), web.store.list_tasks(None),
+                web.store.list_wakeups(None, None, None, None, 200, task_id))
+    task, tasks, wakeups = await web.call(data)
+    return await office_page(web, "office_task.html", tab="board", status=status, task=task, tasks=tasks,
+                             titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
+                             form=form or {}, errors=errors or {})
+
+
+@pages.post("/office/tasks/<task_id>", auth=Auth.SESSION)
+async def page_office_task_save(web: Web, task_id: str):
+    async def save(form):
+        await update_task(web, task_id, task_form(form, ("title", "description", "assignee_agent_id", "blocked_by",
+                                                         "requires_approval", "executor")))
+        return f"/office/tasks/{task_id}?done=task_updated"
+    return await office_form(web, save, functools.partial(page_office_task, task_id=task_id))
+
+
+@pages.post("/office/tasks/<task_id>/move", auth=Auth.SESSION)
+async def page_office_task_move(web: Web, task_id: str):
+    async def move(form):
+        await web.commit(web.store.move_task, task_id, form.get("state", ""), web.now)
+        return form.get("next") if form.get("next") == "/office/board" else f"/office/tasks/{task_id}?done=moved"
+    return await office_form(web, move, functools.partial(page_office_task, task_id=task_id))
+
+
+@pages.post("/office/tasks/<task_id>/comments", auth=Auth.SESSION)
+async def page_office_task_comment(web: Web, task_id: str):
+    async def comment(form):
+        body = _text(form, "body", 1, MAX_TEXT_CHARS)
+        if not body.strip():
+            raise invalid("body", "write something first")
+        await web.commit(web.store.add_comment, task_id, body, web.now)
+        return f"/office/tasks/{task_id}?done=commented#comments"
+    return await office_form(web, comment, functools.partial(page_office_task, task_id=task_id))
+
+
+@pages.post("/office/approvals/<approval_id>/resolve", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
+async def page_office_approval_resolve(web: Web, approval_id: str):
+    from quart import redirect
+    form = await web.form()
+    approval = await web.commit(web.store.resolve_approval, approval_id, form.get("status", ""),
+                                _text(form, "decision_note", 0, MAX_TEXT_CHARS, ""), web.now)
+    return redirect(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
+
+
+@pages.get("/office/wakeups", auth=Auth.SESSION)
+async def page_office_wakeups(web: Web):
+    agent_id = web.args.get("agent_id") or None
+    status = web.choice_arg("status", WakeupStatus)
+    wakeups = await web.call(web.store.list_wakeups, None, agent_id, status, None, 200)
+    return await office_page(web, "office_wakeups.html", tab="wakeups", wakeups=wakeups, agent_id=agent_id,
+                             status_filter=status, statuses=list(WakeupStatus))
+
+
+@pages.get("/office/runs/<run_id>", auth=Auth.SESSION)
+async def page_office_run(web: Web, run_id: str):
+    run = await web.call(web.store.office_run, run_id)
+    log_text, log_size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id))
+    return await office_page(web, "office_run.html", tab="agents", live=run["status"] in ACTIVE_RUN_STATUSES,
+                             run=run, log_text=log_text, log_size=log_size)
+
+
+@pages.get("/office/activity", auth=Auth.SESSION)
+async def page_office_activity(web: Web):
+    code = web.args.get("code") or None
+    activity = await web.call(web.store.list_activity, None, code, 200, empty_sweeps=code is not None)
+    return await office_page(web, "office_activity.html", tab="activity", activity=activity, code=code)
+
+
+@pages.get("/office/routines", auth=Auth.SESSION)
+async def page_office_routines(web: Web, form: Any = None, errors: dict[str, str] | None = None, status: int = 200):
+    return await office_page(web, "office_routines.html", tab="routines", status=status, zones=zone_names(),
+                             routines=await web.call(web.store.list_routines, None), form=form or {},
+                             errors=errors or {})
+
+
+@pages.post("/office/routines", auth=Auth.SESSION)
+async def page_office_routines_create(web: Web):
+    async def create(form):
+        raw, triggers = routine_form(form)
+        routine = await create_routine(web, None, raw, triggers)
+        new_secrets = {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
+        if new_secrets:   # shown once: on the page itself rather than after a redirect
+            return await page_office_routine(web, routine["id"], new_secrets=new_secrets, status=201)
+        return f"/office/routines/{routine['id']}?done=routine_created"
+    return await office_form(web, create, page_office_routines)
+
+
+@pages.get("/office/routines/<routine_id>", auth=Auth.SESSION)
+async def page_office_routine(web: Web, routine_id: str, form: Any = None, errors: dict[str, str] | None = None,
+                              status: int = 200, new_secrets: dict[str, str] | None = None):
+    routine = await web.call(web.store.get_routine, routine_id)
+    return await office_page(web, "office_routine.html", tab="routines", status=status, live=False, zones=zone_names(),
+                             routine=routine, base_url=web.request.host_url.rstrip("/"), form=form,
+                             errors=errors or {}, new_secrets=new_secrets or {})
+
+
+@pages.post("/office/routines/<routine_id>", auth=Auth.SESSION)
+async def page_office_routine_save(web: Web, routine_id: str):
+    async def save(form):
+        raw, _ = routine_form(form)
+        raw["status"] = form.get("status", "active")
+        await update_routine(web, routine_id, raw)
+        return f"/office/routines/{routine_id}?done=routine_updated"
+    return await office_form(web, save, functools.partial(page_office_routine, routine_id=routine_id))
+
+
+@pages.post("/office/routines/<routine_id>/status", auth=Auth.SESSION)
+async def page_office_routine_status(web: Web, routine_id: str):
+    from quart import redirect
+    form = await web.form()
+    await update_routine(web, routine_id, {"status": form.get("status", "")})
+    return redirect(form.get("next") if form.get("next") == "/office/routines" else
+                    f"/office/routines/{routine_id}?done=routine_updated")
+
+
+@pages.post("/office/routines/<routine_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
+async def page_office_routine_delete(web: Web, routine_id: str):
+    from quart import redirect
+    await web.commit(web.store.delete_routine, routine_id, web.now)
+    return redirect("/office/routines?done=routine_deleted")
+
+
+@pages.post("/office/routines/<routine_id>/fire", auth=Auth.SESSION)
+async def page_office_routine_fire(web: Web, routine_id: str):
+    async def fire(form):
+        variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
+        run = await fire_routine(web, routine_id, variables)
+        return f"/office/routines/{routine_id}?done=fired_{run['status']}"
+    return await office_form(web, fire, functools.partial(page_office_routine, routine_id=routine_id))
+
+
+@pages.post("/office/routines/<routine_id>/triggers", auth=Auth.SESSION)
+async def page_office_routine_add_trigger(web: Web, routine_id: str):
+    async def add(form):
+        raw = {"kind": form.get("kind", "")}
+        if raw["kind"] == "schedule":
+            raw |= {"cron_expression": form.get("cron_expression", ""), "timezone": form.get("timezone") or None}
+        elif raw["kind"] == "webhook":
+            raw["signing_mode"] = form.get("signing_mode", "hmac_sha256")
+        trigger = await add_trigger(web, routine_id, raw)
+        if trigger.get("secret"):   # shown once
+            return await page_office_routine(web, routine_id, new_secrets={trigger["id"]: trigger["secret"]})
+        return f"/office/routines/{routine_id}?done=trigger_added"
+    return await office_form(web, add, functools.partial(page_office_routine, routine_id=routine_id))
+
+
+@pages.post("/office/routines/<routine_id>/triggers/<trigger_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
+async def page_office_routine_delete_trigger(web: Web, routine_id: str, trigger_id: str):
+    from quart import redirect
+    await web.commit(web.store.delete_trigger, routine_id, trigger_id, web.now)
+    return redirect(f"/office/routines/{routine_id}?done=trigger_deleted")
+
+
+@pages.post("/office/routines/<routine_id>/triggers/<trigger_id>/rotate", auth=Auth.SESSION)
+async def page_office_routine_rotate(web: Web, routine_id: str, trigger_id: str):
+    trigger = await web.commit(web.store.rotate_secret, routine_id, trigger_id, web.now)
+    return await page_office_routine(web, routine_id, new_secrets={trigger_id: trigger["secret"]})
+
+
+@pages.get("/office/settings", auth=Auth.SESSION)
+async def page_office_settings(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
+                               status: int = 200):
+    return await office_page(web, "office_settings.html", tab="settings", status=status, live=False,
+                             zones=zone_names(), form=form, errors=errors or {})
+
+
+@pages.post("/office/settings", auth=Auth.SESSION)
+async def page_office_settings_save(web: Web):
+    async def save(form):
+        raw: dict[str, Any] = {k: form[k] for k in ("name", "timezone", "source_ref") if form.get(k)}
+        raw["repository"] = form.get("repository", "").strip() or None
+        raw["default_executor"] = form.get("default_executor") or None
+        for key in ("recovery_lookback_hours", "budget_runs_per_day"):
+            text = form.get(key, "").strip()
+            if text and parse_count(text) is None:
+                raise invalid(key, "must be a whole number")
+            raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
+        await update_settings(web, None, raw)
+        return "/office/settings?done=settings_saved"
+    return await office_form(web, save, page_office_settings)
+
 
 
 ###############################################################################
@@ -6548,15 +6936,14 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
 async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The whole appliance in one root nursery, until ``shutdown`` is set.
 
-    Order: recovery reconciles the store first; then notification, cron, claim and the
-    web server. On shutdown the web server stops through its trigger (never cancelled
+    Order: recovery reconciles the store first; then the web server binds; then the
+    actors that need its URL (agents reach the API through it): notification, cron,
+    claim. On shutdown the web server stops through its trigger (never cancelled
     mid-request), then the actors are cancelled: run supervisors end their process
     groups and record ``interrupted``. The caller closes the store after this returns."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
-    settled_tx, settled_rx = trio.open_memory_channel[RunSettled](1000)
-    deps.settled_tx = settled_tx
     hc = HypercornConfig()
     hc.bind = [f"{deps.config.host}:{deps.config.port}"]
     hc.graceful_timeout = 0.5        # hypercorn under quart-trio keeps idle connections open
@@ -6565,7 +6952,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
     hc.errorlog = log.getChild("hypercorn")
     web_done = trio.Event()
 
-    async def web(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def web_server(task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             await hypercorn_serve(create_app(deps), hc, shutdown_trigger=shutdown.wait, task_status=task_status)
         finally:
@@ -6573,11 +6960,11 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
 
     async with trio.open_nursery() as nursery:
         await nursery.start(recovery_actor, deps)
-        nursery.start_soon(notification_actor, deps, settled_rx)
-        nursery.start_soon(cron_actor, deps, deps.cron_wake.rx)
-        nursery.start_soon(claim_actor, deps, deps.claim_wake.rx)
-        binds = await nursery.start(web)
-        deps.api_url = binds[0] if binds else f"http://{deps.config.host}:{deps.config.port}"
+        binds = await nursery.start(web_server)
+        actors = dataclasses.replace(deps, api_url=binds[0] if binds else f"http://{deps.config.host}:{deps.config.port}")
+        nursery.start_soon(notification_actor, actors, deps.settled.rx)
+        nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
+        nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
         task_status.started(binds)
         nursery.start_soon(watchdog_actor)
         sd_notify("READY=1\nSTATUS=listening")
@@ -6632,14 +7019,6 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 # --- the CLI that talks to a running daemon ----------------------------------------------------
-
-class CliError(Exception):
-    """A CLI failure: its message is printed as is, ``code`` is the exit status."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
 
 #: Exit statuses of the CLI (README lists them).
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2, 3, 4, 5
@@ -6926,7 +7305,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except CliError as exc:
         print(f"outpost: {exc}", file=sys.stderr)
-        return exc.code
+        return exc.exit_status
     except KeyboardInterrupt:
         return 130
 
