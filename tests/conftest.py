@@ -1,4 +1,7 @@
-"""Shared fixtures: a temp git repository, a temp store, definitions, and the real server."""
+"""Shared fixtures and helpers: a temp git repository, a temp store, definitions, Deps, the
+in-process API client, the Office store helpers, and the real server.
+
+Test modules import from here, never from each other."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,20 @@ import outpost  # noqa: E402
 OUTPOST_PY = Path(outpost.__file__).resolve()
 #: A fixed wall-clock origin for tests that drive time with MockClock.
 T0 = datetime(2026, 11, 30, 8, 0, tzinfo=UTC)
+MINUTE = 60
+HOUR = 3600
+#: The agent profiles of the Office tests (the demo agent only).
+PROFILES = {"demo": outpost.demo_profile()}
+#: The in-process app's API token (``make_deps``).
+TOKEN = "tok"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROBLEM = "application/problem+json"
+RFC3339_Z = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
+#: A timing that never fires by itself while a test runs: runs come from manual fires.
+YEARLY = {"kind": "cron", "expression": "0 0 1 1 *", "timezone": "UTC"}
+SETTLED = ("succeeded", "failed", "needs_you", "cancelled")
+#: Marker for ``Api.request``: send a fresh Idempotency-Key.
+FRESH = object()
 
 
 def git(repo: Path, *args: str) -> str:
@@ -85,14 +103,40 @@ def normalized(repo: Path | str, now: datetime = T0, **overrides) -> dict:
     return outpost.normalize_definition(definition(repo, **overrides), now, agents=["demo"])
 
 
+class FixedClock(outpost.Clock):
+    """Wall time that moves only when a test sets ``at``."""
+
+    def __init__(self, at=T0):
+        self.at = at
+
+    def now(self):
+        return self.at
+
+
+def make_deps(tmp_path: Path, *, allowed_hosts: tuple[str, ...] = (), store: outpost.Store | None = None,
+              clock: outpost.Clock | None = None, token: str = TOKEN, **deps) -> outpost.Deps:
+    """Deps with the demo agent on ``tmp_path``: by default a store of their own (``db.sqlite3``),
+    a FixedClock at T0 and the API token ``TOKEN``; ``deps`` are more Deps fields (``inline_db``)."""
+    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),), allowed_hosts=allowed_hosts)
+    return outpost.Deps(config=config, store=store if store is not None else outpost.Store(tmp_path / "db.sqlite3"),
+                        clock=clock if clock is not None else FixedClock(), token=token, **deps)
+
+
+def mock_deps_at(tmp_path: Path, store: outpost.Store, origin: datetime = T0, *,
+                 clock: outpost.Clock | None = None) -> outpost.Deps:
+    """Deps for actor tests: MockClock time from ``origin`` (or the given clock), store calls
+    inline (no worker thread)."""
+    return make_deps(tmp_path, store=store, clock=clock if clock is not None else outpost.TrioClock(origin),
+                     token="t", inline_db=True)
+
+
 @pytest.fixture
 async def mock_deps(tmp_path: Path, store, autojump_clock):
     """Deps for actor tests: MockClock time from T0, store calls inline (no worker thread).
 
     The test itself must also request ``autojump_clock``: pytest-trio installs the
     MockClock only for a clock fixture the test function names directly."""
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-    return outpost.Deps(config=config, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True)
+    return mock_deps_at(tmp_path, store, T0)
 
 
 class Server:
@@ -180,3 +224,278 @@ def call(store: outpost.Store, fn, *args, **kwargs):
 def instant(text: str | None) -> datetime | None:
     """An RFC 3339 instant of a view, as an aware datetime (None stays None)."""
     return outpost.parse_instant(text) if text else None
+
+
+def sign_in_client(client, store: outpost.Store, now: datetime) -> str:
+    """Give an in-process test client a signed-in dashboard session (created at ``now``): its CSRF token."""
+    cookie, csrf = call(store, store.create_session, now)
+    client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    return csrf
+
+
+async def until(predicate, poll_s: float = 0.05):
+    """Poll (in trio time, mock or real) until ``predicate()`` is truthy; returns its value."""
+    while not (value := predicate()):
+        await trio.sleep(poll_s)
+    return value
+
+
+# --- the HTTP API in process (Quart's test client) -------------------------------------------------------
+
+class Api:
+    """A test client plus the few habits every request of the contract shares."""
+
+    def __init__(self, deps: outpost.Deps, repo: Path):
+        self.deps = deps
+        self.store = deps.store
+        self.clock = deps.clock
+        self.repo = repo
+        self.client = outpost.create_app(deps).test_client()
+
+    async def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                      headers: dict[str, str] | None = None, auth: bool = True, key: Any = FRESH,
+                      if_match: Any = None) -> Reply:
+        sent = dict(AUTH) if auth else {}
+        if key is FRESH:
+            key = uuid.uuid4().hex if method in ("POST", "PATCH") and not path.endswith("/compose") else None
+        if key is not None:
+            sent["Idempotency-Key"] = key
+        if if_match is not None:
+            sent["If-Match"] = str(if_match)
+        sent.update(headers or {})
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        if data is not None:
+            sent.setdefault("Content-Type", "application/json")
+        response = await self.client.open(path, method=method, headers=sent, data=data)
+        return Reply(response.status_code, await response.get_data(as_text=True), response.mimetype,
+                     response.headers)
+
+    async def get(self, path: str, **kw) -> Reply:
+        return await self.request("GET", path, **kw)
+
+    async def post(self, path: str, body: Any = None, **kw) -> Reply:
+        return await self.request("POST", path, body, **kw)
+
+    async def patch(self, path: str, body: Any = None, **kw) -> Reply:
+        return await self.request("PATCH", path, body, **kw)
+
+    async def delete(self, path: str, **kw) -> Reply:
+        return await self.request("DELETE", path, **kw)
+
+    # --- the usual conversations ----------------------------------------------------
+
+    def raw(self, **overrides) -> dict:
+        return definition(self.repo, **overrides)
+
+    async def compose(self, raw: dict, query: str = "") -> Reply:
+        return await self.post("/v1/outpost/schedules/compose" + query, raw)
+
+    async def create(self, raw: dict | None = None, **kw) -> Reply:
+        composed = await self.compose(raw or self.raw())
+        assert composed.status == 200, composed.body
+        return await self.post("/v1/outpost/schedules", {"definition": composed.body["definition"],
+                                                         "confirmation": composed.body["confirmation"]}, **kw)
+
+    async def schedule(self, **overrides) -> dict:
+        created = await self.create(self.raw(**overrides))
+        assert created.status == 201, created.body
+        return created.body
+
+    async def control(self, sid: str, action: str, revision: Any, **kw) -> Reply:
+        return await self.post(f"/v1/outpost/schedules/{sid}/control", {"action": action}, if_match=revision, **kw)
+
+    async def revision(self, sid: str) -> int:
+        return (await self.get(f"/v1/outpost/schedules/{sid}")).body["revision"]
+
+    async def fire(self, sid: str) -> dict:
+        fired = await self.control(sid, "fire", await self.revision(sid))
+        assert fired.status == 200, fired.body
+        return fired.body
+
+    async def edit(self, sid: str, changes: dict, revision: Any, **kw) -> Reply:
+        composed = await self.compose({"schedule_id": sid, **changes})
+        assert composed.status == 200, composed.body
+        return await self.patch(f"/v1/outpost/schedules/{sid}",
+                                {"changes": changes, "confirmation": composed.body["confirmation"]},
+                                if_match=revision, **kw)
+
+    async def settle(self, run_id: str, status: outpost.RunStatus, **kw) -> None:
+        """What the claim and notification actors would record for a finished run."""
+        await self.deps.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
+        await self.deps.transaction(self.store.notify_run, run_id, self.clock.now())
+
+    async def auto_paused(self) -> dict:
+        """A schedule whose three manual runs failed: auto-paused (API.md 5.3)."""
+        sched = await self.schedule()
+        for _ in range(outpost.AUTO_PAUSE_STREAK):
+            self.clock.at += timedelta(minutes=1)   # one manual fire per instant
+            fired = await self.fire(sched["id"])
+            assert fired["outcome"] == "admitted"
+            await self.settle(fired["run_id"], outpost.RunStatus.FAILED, exit_code=1, error="boom")
+        return (await self.get(f"/v1/outpost/schedules/{sched['id']}")).body
+
+
+class OfficeApi(Api):
+    """The in-process client, with no Idempotency-Key unless a test sends one (it is optional
+    on /api/), and the few conversations the Office tests share."""
+
+    async def request(self, method: str, path: str, body: Any = None, **kw):
+        kw.setdefault("key", None)
+        return await super().request(method, path, body, **kw)
+
+    async def as_run(self, token: str, method: str, path: str, body: Any = None):
+        """A call of an agent with its run token (never the API token)."""
+        return await self.request(method, path, body, auth=False, headers={"Authorization": f"Bearer {token}"})
+
+    async def agent(self, name: str = "worker", **fields) -> dict:
+        reply = await self.post("/api/office/agents", {"name": name, "executor": "demo", "cooldown_sec": 0, **fields})
+        assert reply.status == 201, reply.body
+        return reply.body
+
+    async def task(self, title: str = "a task", **fields) -> dict:
+        reply = await self.post("/api/office/tasks", {"title": title, **fields})
+        assert reply.status == 201, reply.body
+        return reply.body
+
+    async def workspace(self, name: str, repository: Path | None = None) -> dict:
+        reply = await self.post("/api/office/workspaces", {"name": name})
+        assert reply.status == 201, reply.body
+        if repository is not None:
+            patched = await self.patch(f"/api/office/settings?workspace_id={reply.body['id']}",
+                                       {"repository": str(repository)})
+            assert patched.status == 200, patched.body
+        return reply.body
+
+    async def wakeups(self, query: str = "") -> list[dict]:
+        reply = await self.get("/api/office/wakeups" + query)
+        assert reply.status == 200, reply.body
+        return reply.body["wakeups"]
+
+    def dispatch(self) -> list[str]:
+        """One pass of the dispatcher: the runs it queued."""
+        (queued, _processed), _ = self.store.transaction(self.store.dispatch_wakeups, self.clock.now(),
+                                                         self.deps.profiles)
+        return queued
+
+    def admit_all(self) -> list[str]:
+        started = []
+        while (admitted := self.store.transaction(self.store.admit_next, 100, self.clock.now())[0]) is not None:
+            started.append(admitted[0])
+        return started
+
+    def settle(self, run_id: str, status=outpost.RunStatus.SUCCEEDED, **kw) -> None:
+        self.store.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
+
+    def token(self, run_id: str) -> str:
+        return outpost.run_token(self.deps.run_token_key, run_id)
+
+    async def running(self, agent: dict | None = None, **task_fields) -> tuple[dict, dict, str, str]:
+        """An agent with a task whose Office run is ``running``: (agent, task, run id, run token)."""
+        agent = agent or await self.agent(f"runner-{uuid.uuid4().hex[:6]}")
+        task = await self.task(assignee_agent_id=agent["id"], **task_fields)
+        queued = self.dispatch()
+        assert len(queued) == 1, queued
+        assert self.admit_all() == queued
+        assert (await self.get(f"/v1/outpost/runs/{queued[0]}")).body["status"] == "running"
+        return agent, task, queued[0], self.token(queued[0])
+
+
+def assert_problem(reply: Reply, status: int, code: str, field: str | None = None) -> None:
+    assert reply.status == status, reply.body
+    assert reply.mimetype == PROBLEM, reply.mimetype
+    assert reply.body["status"] == status
+    assert reply.body["code"] == code, reply.body
+    assert reply.body["title"] and isinstance(reply.body["detail"], str)
+    if field is not None:
+        assert reply.body["errors"][0]["field"] == field, reply.body
+        assert reply.body["errors"][0]["message"]
+
+
+# --- Office in the store (one transaction per call, explicit ``now``) ---------------------------------------
+
+def at(seconds: float = 0, base: datetime = T0) -> datetime:
+    return base + timedelta(seconds=seconds)
+
+
+def set_settings(store: outpost.Store, workspace_id: str | None = None, **raw) -> dict:
+    current = call(store, store.office_settings, workspace_id)
+    return call(store, store.update_office_settings, workspace_id,
+                outpost.normalize_settings(raw, profiles=list(PROFILES), current=current))
+
+
+def new_agent(store: outpost.Store, name: str, now: datetime = T0, workspace_id: str | None = None,
+              profiles=("demo",), **fields) -> str:
+    raw = {"name": name, "executor": "demo", **fields}
+    if raw["executor"] is None:
+        del raw["executor"]
+    return call(store, store.create_agent, workspace_id, outpost.normalize_agent(raw, profiles=profiles), now)["id"]
+
+
+def new_task(store: outpost.Store, title: str = "task", now: datetime = T0, workspace_id: str | None = None,
+             profiles=("demo",), **fields) -> str:
+    fields = outpost.normalize_task({"title": title, **fields}, profiles=profiles)
+    return call(store, store.create_task, workspace_id, fields, now)["id"]
+
+
+def wakeups(store: outpost.Store, agent_id: str | None = None, *, source: str | None = None,
+            status: str | None = None, workspace_id: str | None = None) -> list[dict]:
+    """Wakeups oldest first."""
+    rows = call(store, store.list_wakeups, workspace_id, agent_id, status, source, 10_000)
+    return sorted(rows, key=lambda w: (w["requested_at"], w["id"]))
+
+
+def wakeup(store: outpost.Store, wakeup_id: str, workspace_id: str | None = None) -> dict:
+    (w,) = [w for w in wakeups(store, workspace_id=workspace_id) if w["id"] == wakeup_id]
+    return w
+
+
+def only(rows: list[dict]) -> dict:
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def dispatch(store: outpost.Store, now: datetime, profiles=None) -> list[str]:
+    """The dispatcher at ``now`` as the claim actor runs it (batches until nothing more can
+    be claimed): the runs it queued."""
+    queued = []
+    while True:
+        runs, processed = call(store, store.dispatch_wakeups, now, profiles or PROFILES)
+        queued += runs
+        if not processed:
+            return queued
+
+
+def start(store: outpost.Store, run_id: str, now: datetime) -> None:
+    """Admit queued runs (FIFO) until ``run_id`` is running."""
+    while True:
+        admitted = call(store, store.admit_next, 100, now)
+        assert admitted is not None, f"run {run_id} was never admitted"
+        if admitted[0] == run_id:
+            return
+
+
+def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) -> None:
+    """Admit (FIFO) until ``run_id`` runs, then settle it as the run supervisor would."""
+    if call(store, store.get_run, run_id)["status"] == "queued":
+        start(store, run_id, now)
+    assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, **kw)
+
+
+def activity(store: outpost.Store, code: str, workspace_id: str | None = None) -> list[dict]:
+    return call(store, store.list_activity, workspace_id, code, 1000)[::-1]
+
+
+def office_run(store: outpost.Store, run_id: str) -> dict:
+    return call(store, store.office_run, run_id)
+
+
+def task(store: outpost.Store, task_id: str) -> dict:
+    return call(store, store.get_task, task_id)
+
+
+@pytest.fixture
+def office(store: outpost.Store, tmp_path: Path) -> outpost.Store:
+    """The store with the default workspace's repository set (Office runs need one). Nothing
+    here launches a process, so the path need not be a git repository (the actor tests use one)."""
+    set_settings(store, repository=str(tmp_path / "repo"))
+    return store

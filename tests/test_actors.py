@@ -22,12 +22,10 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import T0, call, git, instant, normalized
+from conftest import HOUR, MINUTE, T0, call, git, instant, make_deps, mock_deps_at, normalized, settle, until
 
 import outpost
 
-MINUTE = 60
-HOUR = 3600
 DAY = 24 * HOUR
 SETTLED = {str(s) for s in outpost.SETTLED_RUN_STATUSES}
 
@@ -45,12 +43,6 @@ def ledger(store: outpost.Store, schedule_id: str) -> list[dict]:
 
 def runs_of(store: outpost.Store, schedule_id: str) -> list[dict]:
     return call(store, store.list_runs, schedule_id, None, 10_000, None)["runs"]
-
-
-def mock_deps_at(tmp_path: Path, store: outpost.Store, origin: datetime) -> outpost.Deps:
-    """Like conftest's ``mock_deps`` but with wall time starting at ``origin``."""
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-    return outpost.Deps(config=config, store=store, clock=outpost.TrioClock(origin), token="t", inline_db=True)
 
 
 @contextlib.asynccontextmanager
@@ -330,9 +322,7 @@ def settle_fired_run(store: outpost.Store, sid: str, status: str, now: datetime,
     """A manual fire, claimed and settled in the store (the claim actor's part, without a process)."""
     revision = call(store, store.get_schedule, sid)["revision"]
     run_id = call(store, store.fire_manual, sid, revision, now)["run_id"]
-    assert call(store, store.admit_next, 100, now)
-    assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, error=error, result=result,
-                commits=commits)
+    settle(store, run_id, status, now, error=error, result=result, commits=commits)
     return run_id
 
 
@@ -509,11 +499,6 @@ async def until_status(deps: outpost.Deps, run_id: str, statuses=SETTLED) -> dic
         await trio.sleep(0.05)
 
 
-async def until(predicate) -> None:
-    while not predicate():
-        await trio.sleep(0.05)
-
-
 def branch_exists(repo: Path, branch: str) -> bool:
     return subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"],
                           capture_output=True).returncode == 0
@@ -605,12 +590,12 @@ async def test_run_cancel_ends_a_running_run_and_a_queued_one_never_starts(real_
         running = await queue_dispatch(deps, git_repo, "@sleep 30")
         waiting = await queue_dispatch(deps, git_repo, "@print never")
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
-            await until(lambda: running in deps.live and deps.live[running].pid)
-            pid = deps.live[running].pid
+            await until(lambda: deps.live.pausable(running))
+            pid = deps.live.get(running).pid
             cancelled_queued = await deps.transaction(store.control_run, waiting, "cancel", deps.clock.now())
             assert cancelled_queued["status"] == "cancelled"
             await deps.transaction(store.control_run, running, "cancel", deps.clock.now())
-            deps.live[running].cancel()
+            deps.live.get(running).cancel()
             deps.claim_wake.poke()
             run = await until_status(deps, running)
             with pytest.raises(outpost.Conflict):
@@ -685,7 +670,7 @@ async def test_cancelling_the_actor_interrupts_the_run_and_keeps_its_edits(real_
         async with trio.open_nursery() as nursery:
             nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
             await until(lambda: (deps.worktree(run_id) / "wip.txt").exists())
-            pid = deps.live[run_id].pid
+            pid = deps.live.get(run_id).pid
             assert pid and group_alive(pid)
             nursery.cancel_scope.cancel()
     run = await get_run(deps, run_id)
@@ -694,7 +679,7 @@ async def test_cancelling_the_actor_interrupts_the_run_and_keeps_its_edits(real_
     assert git(git_repo, "show", f"{run['result_branch']}:wip.txt") == "half done"
     assert run["changes"]["commits"] == 1
     assert not deps.worktree(run_id).exists()
-    assert deps.live == {}
+    assert len(deps.live) == 0
 
 
 async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, monkeypatch):
@@ -727,9 +712,9 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
         paused = await queue_dispatch(deps, git_repo, "@sleep 3\n@print resumed")
         other = await queue_dispatch(deps, git_repo, "@sleep 1\n@print other")
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
-            await until(lambda: paused in deps.live and deps.live[paused].pid)
+            await until(lambda: deps.live.pausable(paused))
             await deps.transaction(store.control_run, paused, "pause", deps.clock.now())
-            deps.live[paused].pause()
+            deps.live.get(paused).pause()
             deps.claim_wake.poke()
             assert (await get_run(deps, paused))["status"] == "paused"
             # The slot is free: the other queued run starts although max_running is 1.
@@ -759,8 +744,7 @@ def spawn_orphan() -> subprocess.Popen:
 
 
 async def test_recover_at_boot_settles_running_runs_and_ends_their_process_group(tmp_path, store, git_repo):
-    config = outpost.Config(data_dir=tmp_path / "data", agents=(outpost.demo_profile(),))
-    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="t", inline_db=True)
+    deps = make_deps(tmp_path / "data", store=store, clock=outpost.WallClock(), token="t", inline_db=True)
     now = datetime.now(UTC)
     survivor = spawn_orphan()
     stranger = spawn_orphan()     # a live process whose start time does not match: pid reuse

@@ -7,133 +7,28 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from conftest import T0, Reply, definition, git
+from conftest import (
+    AUTH,
+    PROBLEM,
+    RFC3339_Z,
+    T0,
+    TOKEN,
+    Api,
+    assert_problem,
+    definition,
+    git,
+    make_deps,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import outpost
-
-TOKEN = "tok"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-PROBLEM = "application/problem+json"
-RFC3339_Z = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
-#: Marker for ``Api.request``: send a fresh Idempotency-Key.
-FRESH = object()
-
-
-class FixedClock(outpost.Clock):
-    """Wall time that moves only when a test sets ``at``."""
-
-    def __init__(self, at=T0):
-        self.at = at
-
-    def now(self):
-        return self.at
-
-
-class Api:
-    """A test client plus the few habits every request of the contract shares."""
-
-    def __init__(self, deps: outpost.Deps, repo: Path):
-        self.deps = deps
-        self.store = deps.store
-        self.clock = deps.clock
-        self.repo = repo
-        self.client = outpost.create_app(deps).test_client()
-
-    async def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-                      headers: dict[str, str] | None = None, auth: bool = True, key: Any = FRESH,
-                      if_match: Any = None) -> Reply:
-        sent = dict(AUTH) if auth else {}
-        if key is FRESH:
-            key = uuid.uuid4().hex if method in ("POST", "PATCH") and not path.endswith("/compose") else None
-        if key is not None:
-            sent["Idempotency-Key"] = key
-        if if_match is not None:
-            sent["If-Match"] = str(if_match)
-        sent.update(headers or {})
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        if data is not None:
-            sent.setdefault("Content-Type", "application/json")
-        response = await self.client.open(path, method=method, headers=sent, data=data)
-        return Reply(response.status_code, await response.get_data(as_text=True), response.mimetype,
-                     response.headers)
-
-    async def get(self, path: str, **kw) -> Reply:
-        return await self.request("GET", path, **kw)
-
-    async def post(self, path: str, body: Any = None, **kw) -> Reply:
-        return await self.request("POST", path, body, **kw)
-
-    async def patch(self, path: str, body: Any = None, **kw) -> Reply:
-        return await self.request("PATCH", path, body, **kw)
-
-    async def delete(self, path: str, **kw) -> Reply:
-        return await self.request("DELETE", path, **kw)
-
-    # --- the usual conversations ----------------------------------------------------
-
-    def raw(self, **overrides) -> dict:
-        return definition(self.repo, **overrides)
-
-    async def compose(self, raw: dict, query: str = "") -> Reply:
-        return await self.post("/v1/outpost/schedules/compose" + query, raw)
-
-    async def create(self, raw: dict | None = None, **kw) -> Reply:
-        composed = await self.compose(raw or self.raw())
-        assert composed.status == 200, composed.body
-        return await self.post("/v1/outpost/schedules", {"definition": composed.body["definition"],
-                                                         "confirmation": composed.body["confirmation"]}, **kw)
-
-    async def schedule(self, **overrides) -> dict:
-        created = await self.create(self.raw(**overrides))
-        assert created.status == 201, created.body
-        return created.body
-
-    async def control(self, sid: str, action: str, revision: Any, **kw) -> Reply:
-        return await self.post(f"/v1/outpost/schedules/{sid}/control", {"action": action}, if_match=revision, **kw)
-
-    async def revision(self, sid: str) -> int:
-        return (await self.get(f"/v1/outpost/schedules/{sid}")).body["revision"]
-
-    async def fire(self, sid: str) -> dict:
-        fired = await self.control(sid, "fire", await self.revision(sid))
-        assert fired.status == 200, fired.body
-        return fired.body
-
-    async def edit(self, sid: str, changes: dict, revision: Any, **kw) -> Reply:
-        composed = await self.compose({"schedule_id": sid, **changes})
-        assert composed.status == 200, composed.body
-        return await self.patch(f"/v1/outpost/schedules/{sid}",
-                                {"changes": changes, "confirmation": composed.body["confirmation"]},
-                                if_match=revision, **kw)
-
-    async def settle(self, run_id: str, status: outpost.RunStatus, **kw) -> None:
-        """What the claim and notification actors would record for a finished run."""
-        await self.deps.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
-        await self.deps.transaction(self.store.notify_run, run_id, self.clock.now())
-
-    async def auto_paused(self) -> dict:
-        """A schedule whose three manual runs failed: auto-paused (API.md 5.3)."""
-        sched = await self.schedule()
-        for _ in range(outpost.AUTO_PAUSE_STREAK):
-            self.clock.at += timedelta(minutes=1)   # one manual fire per instant
-            fired = await self.fire(sched["id"])
-            assert fired["outcome"] == "admitted"
-            await self.settle(fired["run_id"], outpost.RunStatus.FAILED, exit_code=1, error="boom")
-        return (await self.get(f"/v1/outpost/schedules/{sched['id']}")).body
-
-
-def make_deps(tmp_path: Path, *, allowed_hosts: tuple[str, ...] = ()) -> outpost.Deps:
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),), allowed_hosts=allowed_hosts)
-    return outpost.Deps(config=config, store=outpost.Store(tmp_path / "db.sqlite3"), clock=FixedClock(), token=TOKEN)
 
 
 @pytest.fixture
@@ -141,17 +36,6 @@ async def api(tmp_path: Path, git_repo: Path):
     deps = make_deps(tmp_path)
     yield Api(deps, git_repo)
     deps.store.close()
-
-
-def assert_problem(reply: Reply, status: int, code: str, field: str | None = None) -> None:
-    assert reply.status == status, reply.body
-    assert reply.mimetype == PROBLEM, reply.mimetype
-    assert reply.body["status"] == status
-    assert reply.body["code"] == code, reply.body
-    assert reply.body["title"] and isinstance(reply.body["detail"], str)
-    if field is not None:
-        assert reply.body["errors"][0]["field"] == field, reply.body
-        assert reply.body["errors"][0]["message"]
 
 
 def z(dt) -> str:
@@ -177,6 +61,23 @@ async def test_every_api_path_needs_the_token(api):
         reply = await api.request(method, path, {}, auth=False)
         assert_problem(reply, 401, "unauthorized")
     assert (await api.get("/v1/outpost/schedules")).status == 200
+
+
+@pytest.mark.parametrize("route", [r for t in (outpost.api, outpost.office_api, outpost.agent_api)
+                                   for r in t.routes if r.auth in (outpost.Auth.TOKEN, outpost.Auth.RUN)],
+                         ids=lambda r: f"{r.method} {r.rule}")
+async def test_a_json_api_path_without_credentials_is_401_problem_json_never_a_sign_in_redirect(api, route):
+    """Review found GET /api/office/agents answering 302 to the sign-in page: every JSON path
+    of the tables answers 401 problem+json to a caller with neither token nor session."""
+    path = re.sub(r"<(\w+)>", "x", route.rule)
+    reply = await api.request(route.method, path, {}, auth=False, headers={"Accept": "text/html"})
+    assert_problem(reply, 401, "unauthorized")
+
+
+async def test_unknown_paths_answer_404_problem_json_under_the_apis(api):
+    for path in ("/v1/outpost/no-such-thing", "/api/office/no-such-thing"):
+        assert_problem(await api.get(path), 404, "not_found")
+    assert_problem(await api.request("PUT", "/v1/outpost/schedules"), 405, "method_not_allowed")
 
 
 async def test_healthz_needs_no_token(api):
@@ -1253,9 +1154,7 @@ def compose_once(env, payload: Any) -> tuple[int, Any]:
     base, _repo, store = env
 
     async def one_request():
-        config = outpost.Config(data_dir=base, agents=(outpost.demo_profile(),))
-        deps = outpost.Deps(config=config, store=store, clock=FixedClock(), token=TOKEN)
-        client = outpost.create_app(deps).test_client()
+        client = outpost.create_app(make_deps(base, store=store)).test_client()
         response = await client.post("/v1/outpost/schedules/compose", data=json.dumps(payload),
                                      headers={**AUTH, "Content-Type": "application/json"})
         return response.status_code, response.mimetype

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import T0, normalized
+from conftest import T0, make_deps, normalized, sign_in_client
 
 import outpost
 
@@ -14,11 +14,9 @@ import outpost
 def signed_in(tmp_path, store):
     """Makes an in-process dashboard client on ``store`` with a signed-in session (wall clock)."""
     def client():
-        config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
-        deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="tok")
-        cookie, _ = store.transaction(store.create_session, outpost.WallClock().now())[0]
+        deps = make_deps(tmp_path, store=store, clock=outpost.WallClock())
         c = outpost.create_app(deps).test_client()
-        c.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+        sign_in_client(c, store, outpost.WallClock().now())
         return c
     return client
 

@@ -13,42 +13,39 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import T0, call, instant
+from conftest import (
+    HOUR,
+    MINUTE,
+    PROFILES,
+    T0,
+    activity,
+    at,
+    call,
+    dispatch,
+    instant,
+    new_agent,
+    new_task,
+    office_run,
+    only,
+    set_settings,
+    settle,
+    start,
+    task,
+    until,
+    wakeup,
+    wakeups,
+)
 
 import outpost
 
-PROFILES = {"demo": outpost.demo_profile()}
 WS = outpost.DEFAULT_WORKSPACE
-MINUTE = 60
-HOUR = 3600
 BACKOFF = (2 * MINUTE, 10 * MINUTE, 30 * MINUTE, 2 * HOUR)
 
 
 # --- helpers -------------------------------------------------------------------------------------
 
-def at(seconds: float = 0, base: datetime = T0) -> datetime:
-    return base + timedelta(seconds=seconds)
-
-
 def set_repository(store: outpost.Store, repo: Path | str | None, workspace_id: str | None = None, **more) -> None:
-    current = call(store, store.office_settings, workspace_id)
-    raw = {"repository": str(repo) if repo else None, **more}
-    call(store, store.update_office_settings, workspace_id,
-         outpost.normalize_settings(raw, profiles=list(PROFILES), current=current))
-
-
-def new_agent(store: outpost.Store, name: str, now: datetime = T0, workspace_id: str | None = None,
-              profiles=("demo",), **fields) -> str:
-    raw = {"name": name, "executor": "demo", **fields}
-    if raw["executor"] is None:
-        del raw["executor"]
-    return call(store, store.create_agent, workspace_id, outpost.normalize_agent(raw, profiles=profiles), now)["id"]
-
-
-def new_task(store: outpost.Store, title: str = "task", now: datetime = T0, workspace_id: str | None = None,
-             profiles=("demo",), **fields) -> str:
-    fields = outpost.normalize_task({"title": title, **fields}, profiles=profiles)
-    return call(store, store.create_task, workspace_id, fields, now)["id"]
+    set_settings(store, workspace_id, repository=str(repo) if repo else None, **more)
 
 
 def edit_task(store: outpost.Store, task_id: str, now: datetime, **changes) -> dict:
@@ -59,34 +56,6 @@ def edit_task(store: outpost.Store, task_id: str, now: datetime, **changes) -> d
 
 def move(store: outpost.Store, task_id: str, state: str, now: datetime, by_agent: str | None = None) -> dict:
     return call(store, store.move_task, task_id, state, now, by_agent)
-
-
-def wakeups(store: outpost.Store, agent_id: str | None = None, *, source: str | None = None,
-            status: str | None = None, workspace_id: str | None = None) -> list[dict]:
-    """Wakeups oldest first."""
-    rows = call(store, store.list_wakeups, workspace_id, agent_id, status, source, 10_000)
-    return sorted(rows, key=lambda w: (w["requested_at"], w["id"]))
-
-
-def wakeup(store: outpost.Store, wakeup_id: str, workspace_id: str | None = None) -> dict:
-    (w,) = [w for w in wakeups(store, workspace_id=workspace_id) if w["id"] == wakeup_id]
-    return w
-
-
-def only(rows: list[dict]) -> dict:
-    assert len(rows) == 1, rows
-    return rows[0]
-
-
-def dispatch(store: outpost.Store, now: datetime, profiles=None) -> list[str]:
-    """The dispatcher at ``now`` as the claim actor runs it (batches until nothing more can
-    be claimed): the runs it queued."""
-    queued = []
-    while True:
-        runs, processed = call(store, store.dispatch_wakeups, now, profiles or PROFILES)
-        queued += runs
-        if not processed:
-            return queued
 
 
 def retry_due(w: dict) -> datetime:
@@ -111,35 +80,8 @@ def routine_wake(store: outpost.Store, agent_id: str, now: datetime, routine_id:
     return enqueue(store, agent_id, outpost.WakeupSource.ROUTINE, {"routine_id": routine_id, **payload}, now)
 
 
-def start(store: outpost.Store, run_id: str, now: datetime) -> None:
-    """Admit queued runs (FIFO) until ``run_id`` is running."""
-    while True:
-        admitted = call(store, store.admit_next, 100, now)
-        assert admitted is not None, f"run {run_id} was never admitted"
-        if admitted[0] == run_id:
-            return
-
-
-def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) -> None:
-    if call(store, store.get_run, run_id)["status"] == "queued":
-        start(store, run_id, now)
-    assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, **kw)
-
-
-def activity(store: outpost.Store, code: str, workspace_id: str | None = None) -> list[dict]:
-    return call(store, store.list_activity, workspace_id, code, 1000)[::-1]
-
-
 def attention(store: outpost.Store, kind: str) -> list[dict]:
     return [a for a in call(store, store.list_attention, False) if a["kind"] == kind]
-
-
-def office_run(store: outpost.Store, run_id: str) -> dict:
-    return call(store, store.office_run, run_id)
-
-
-def task(store: outpost.Store, task_id: str) -> dict:
-    return call(store, store.get_task, task_id)
 
 
 def agent(store: outpost.Store, agent_id: str) -> dict:
@@ -156,14 +98,6 @@ def fail_and_reschedule(store: outpost.Store, wakeup_id: str, now: datetime, err
     assert wakeup(store, wakeup_id)["run_id"] == run_id
     settle(store, run_id, "failed", now, error=error, exit_code=1)
     return wakeup(store, wakeup_id)
-
-
-@pytest.fixture
-def office(store: outpost.Store, tmp_path: Path) -> outpost.Store:
-    """The store with the default workspace's repository set (Office runs need one). Nothing
-    here launches a process, so the path need not be a git repository (the actor tests use one)."""
-    set_repository(store, tmp_path / "repo")
-    return store
 
 
 # --- typed payloads and keys (pure) ------------------------------------------------------------------
@@ -1402,13 +1336,6 @@ def test_claimed_wakeup_with_queued_run_is_not_redispatched_after_restart(tmp_pa
 
 
 # --- the real claim actor under MockClock: worktree, demo agent, settlement -------------------------------
-
-async def until(predicate, poll_s: float = 0.05):
-    """Poll (in mock time) until ``predicate()`` is truthy; returns its value."""
-    while not (value := predicate()):
-        await trio.sleep(poll_s)
-    return value
-
 
 def office_deps(mock_deps: outpost.Deps, repo: Path) -> outpost.Deps:
     set_repository(mock_deps.store, repo)

@@ -11,12 +11,10 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from conftest import T0, Server, make_repo, wait_for
-from test_api import PROBLEM, RFC3339_Z, Api, assert_problem, make_deps
+from conftest import PROBLEM, RFC3339_Z, SETTLED, T0, OfficeApi, Server, assert_problem, make_deps, make_repo, wait_for
 
 import outpost
 
@@ -28,73 +26,8 @@ WAKEUP_FIELDS = {"id", "agent_id", "source", "reason", "status", "cancel_reason"
                  "scheduled_retry_at", "idempotency_key", "payload", "run_id", "requested_at", "finished_at"}
 
 
-class OfficeApi(Api):
-    """The in-process client, with no Idempotency-Key unless a test sends one (it is optional
-    on /api/), and the few conversations the Office tests share."""
-
-    async def request(self, method: str, path: str, body: Any = None, **kw):
-        kw.setdefault("key", None)
-        return await super().request(method, path, body, **kw)
-
-    async def as_run(self, token: str, method: str, path: str, body: Any = None):
-        """A call of an agent with its run token (never the API token)."""
-        return await self.request(method, path, body, auth=False, headers={"Authorization": f"Bearer {token}"})
-
-    async def agent(self, name: str = "worker", **fields) -> dict:
-        reply = await self.post("/api/office/agents", {"name": name, "executor": "demo", "cooldown_sec": 0, **fields})
-        assert reply.status == 201, reply.body
-        return reply.body
-
-    async def task(self, title: str = "a task", **fields) -> dict:
-        reply = await self.post("/api/office/tasks", {"title": title, **fields})
-        assert reply.status == 201, reply.body
-        return reply.body
-
-    async def workspace(self, name: str, repository: Path | None = None) -> dict:
-        reply = await self.post("/api/office/workspaces", {"name": name})
-        assert reply.status == 201, reply.body
-        if repository is not None:
-            patched = await self.patch(f"/api/office/settings?workspace_id={reply.body['id']}",
-                                       {"repository": str(repository)})
-            assert patched.status == 200, patched.body
-        return reply.body
-
-    async def wakeups(self, query: str = "") -> list[dict]:
-        reply = await self.get("/api/office/wakeups" + query)
-        assert reply.status == 200, reply.body
-        return reply.body["wakeups"]
-
-    def dispatch(self) -> list[str]:
-        """One pass of the dispatcher: the runs it queued."""
-        (queued, _processed), _ = self.store.transaction(self.store.dispatch_wakeups, self.clock.now(),
-                                                         self.deps.profiles)
-        return queued
-
-    def admit_all(self) -> list[str]:
-        started = []
-        while (admitted := self.store.transaction(self.store.admit_next, 100, self.clock.now())[0]) is not None:
-            started.append(admitted[0])
-        return started
-
-    def settle(self, run_id: str, status=outpost.RunStatus.SUCCEEDED, **kw) -> None:
-        self.store.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
-
-    def token(self, run_id: str) -> str:
-        return outpost.run_token(self.deps.run_token_key, run_id)
-
-    async def running(self, agent: dict | None = None, **task_fields) -> tuple[dict, dict, str, str]:
-        """An agent with a task whose Office run is ``running``: (agent, task, run id, run token)."""
-        agent = agent or await self.agent(f"runner-{uuid.uuid4().hex[:6]}")
-        task = await self.task(assignee_agent_id=agent["id"], **task_fields)
-        queued = self.dispatch()
-        assert len(queued) == 1, queued
-        assert self.admit_all() == queued
-        assert (await self.get(f"/v1/outpost/runs/{queued[0]}")).body["status"] == "running"
-        return agent, task, queued[0], self.token(queued[0])
-
-
 @pytest.fixture
-async def office(tmp_path: Path, git_repo: Path):
+async def office_api(tmp_path: Path, git_repo: Path):
     deps = make_deps(tmp_path)
     api = OfficeApi(deps, git_repo)
     patched = await api.patch("/api/office/settings", {"repository": str(git_repo)})
@@ -109,30 +42,30 @@ async def office(tmp_path: Path, git_repo: Path):
 
 # --- agents ---------------------------------------------------------------------------------------
 
-async def test_create_read_list_and_edit_an_agent(office):
-    created = await office.post("/api/office/agents", {"name": "Builder", "executor": "demo"})
+async def test_create_read_list_and_edit_an_agent(office_api):
+    created = await office_api.post("/api/office/agents", {"name": "Builder", "executor": "demo"})
     assert created.status == 201, created.body
     agent = created.body
     assert set(agent) >= AGENT_FIELDS
     assert agent["id"].startswith("agt_")
     assert (agent["name"], agent["role"], agent["status"], agent["executor"]) == ("Builder", "worker", "idle", "demo")
     assert (agent["max_concurrent_sessions"], agent["cooldown_sec"], agent["skip_idle_wakeups"]) == (1, 10, True)
-    boss = (await office.post("/api/office/agents", {"name": "Boss", "role": "coordinator"})).body
+    boss = (await office_api.post("/api/office/agents", {"name": "Boss", "role": "coordinator"})).body
     assert boss["role"] == "coordinator" and boss["skip_idle_wakeups"] is False and boss["executor"] is None
 
-    listed = await office.get("/api/office/agents")
+    listed = await office_api.get("/api/office/agents")
     assert listed.status == 200
     assert [a["id"] for a in listed.body["agents"]] == [agent["id"], boss["id"]]
-    got = await office.get(f"/api/office/agents/{agent['id']}")
+    got = await office_api.get(f"/api/office/agents/{agent['id']}")
     assert got.status == 200 and got.body["name"] == "Builder"
 
-    edited = await office.patch(f"/api/office/agents/{agent['id']}",
-                                {"status": "paused", "max_concurrent_sessions": 3, "cooldown_sec": 0})
+    edited = await office_api.patch(f"/api/office/agents/{agent['id']}",
+                                    {"status": "paused", "max_concurrent_sessions": 3, "cooldown_sec": 0})
     assert edited.status == 200, edited.body
     assert (edited.body["status"], edited.body["max_concurrent_sessions"], edited.body["cooldown_sec"]) == (
         "paused", 3, 0)
     assert edited.body["name"] == "Builder" and edited.body["executor"] == "demo"   # untouched fields stay
-    assert (await office.get(f"/api/office/agents/{agent['id']}")).body["status"] == "paused"
+    assert (await office_api.get(f"/api/office/agents/{agent['id']}")).body["status"] == "paused"
 
 
 BAD_AGENTS = [
@@ -153,29 +86,29 @@ BAD_AGENTS = [
 ]
 
 
-async def test_bad_agent_is_422_naming_the_field(office):
+async def test_bad_agent_is_422_naming_the_field(office_api):
     for body, field in BAD_AGENTS:
-        reply = await office.post("/api/office/agents", body)
+        reply = await office_api.post("/api/office/agents", body)
         assert_problem(reply, 422, "validation_failed", field)
-    assert (await office.get("/api/office/agents")).body["agents"] == []
+    assert (await office_api.get("/api/office/agents")).body["agents"] == []
 
 
-async def test_bad_agent_edit_is_422_and_changes_nothing(office):
-    agent = await office.agent()
+async def test_bad_agent_edit_is_422_and_changes_nothing(office_api):
+    agent = await office_api.agent()
     for body, field in [({"max_concurrent_sessions": 0}, "max_concurrent_sessions"), ({"role": "boss"}, "role"),
                         ({"workspace_id": "ws_default"}, "workspace_id"), ({"nope": True}, "nope"),
                         ([1], "body")]:
-        reply = await office.patch(f"/api/office/agents/{agent['id']}", body)
+        reply = await office_api.patch(f"/api/office/agents/{agent['id']}", body)
         assert_problem(reply, 422, "validation_failed", field)
-    assert (await office.get("/api/office/agents")).body["agents"] == [agent]
+    assert (await office_api.get("/api/office/agents")).body["agents"] == [agent]
 
 
-async def test_malformed_json_on_the_office_api_is_422(office):
-    reply = await office.request("POST", "/api/office/agents", raw=b'{"name": ')
+async def test_malformed_json_on_the_office_api_is_422(office_api):
+    reply = await office_api.request("POST", "/api/office/agents", raw=b'{"name": ')
     assert_problem(reply, 422, "validation_failed", "body")
 
 
-async def test_unknown_ids_are_404(office):
+async def test_unknown_ids_are_404(office_api):
     for method, path, body in [
             ("GET", "/api/office/agents/agt_nope", None), ("PATCH", "/api/office/agents/agt_nope", {"name": "x"}),
             ("POST", "/api/office/agents/agt_nope/wake", {}), ("GET", "/api/office/agents/agt_nope/runs", None),
@@ -188,17 +121,17 @@ async def test_unknown_ids_are_404(office):
             ("GET", "/api/office/tasks?workspace_id=ws_nope", None),
             ("GET", "/api/office/settings?workspace_id=ws_nope", None),
             ("PATCH", "/api/office/settings?workspace_id=ws_nope", {"recovery_lookback_hours": 5})]:
-        reply = await office.request(method, path, body)
+        reply = await office_api.request(method, path, body)
         assert_problem(reply, 404, "not_found")
 
 
 # --- tasks, moves and comments ---------------------------------------------------------------------
 
-async def test_create_read_list_and_edit_a_task(office):
-    worker = await office.agent("w")
-    reviewer = await office.agent("r")
-    parent = await office.task("parent")
-    created = await office.post("/api/office/tasks", {
+async def test_create_read_list_and_edit_a_task(office_api):
+    worker = await office_api.agent("w")
+    reviewer = await office_api.agent("r")
+    parent = await office_api.task("parent")
+    created = await office_api.post("/api/office/tasks", {
         "title": "Build it", "description": "the details", "assignee_agent_id": worker["id"],
         "parent_id": parent["id"], "reviewers": [reviewer["id"]], "requires_approval": True})
     assert created.status == 201, created.body
@@ -209,30 +142,30 @@ async def test_create_read_list_and_edit_a_task(office):
     assert (task["blocked_by"], task["reviewers"], task["requires_approval"]) == ([], [reviewer["id"]], True)
     assert task["project_id"] is None and task["archived_at"] is None
 
-    listed = (await office.get("/api/office/tasks")).body["tasks"]
+    listed = (await office_api.get("/api/office/tasks")).body["tasks"]
     assert {t["id"] for t in listed} == {parent["id"], task["id"]}
-    mine = (await office.get(f"/api/office/tasks?assignee_agent_id={worker['id']}")).body["tasks"]
+    mine = (await office_api.get(f"/api/office/tasks?assignee_agent_id={worker['id']}")).body["tasks"]
     assert [t["id"] for t in mine] == [task["id"]]
-    got = (await office.get(f"/api/office/tasks/{parent['id']}")).body
+    got = (await office_api.get(f"/api/office/tasks/{parent['id']}")).body
     assert [s["id"] for s in got["subtasks"]] == [task["id"]]
 
-    edited = await office.patch(f"/api/office/tasks/{task['id']}",
-                                {"title": "Build it well", "assignee_agent_id": None})
+    edited = await office_api.patch(f"/api/office/tasks/{task['id']}",
+                                    {"title": "Build it well", "assignee_agent_id": None})
     assert edited.status == 200, edited.body
     assert edited.body["title"] == "Build it well" and edited.body["assignee_agent_id"] is None
     assert edited.body["description"] == "the details"
 
-    archived = await office.patch(f"/api/office/tasks/{task['id']}", {"archived": True})
+    archived = await office_api.patch(f"/api/office/tasks/{task['id']}", {"archived": True})
     assert RFC3339_Z.match(archived.body["archived_at"])
-    assert [t["id"] for t in (await office.get("/api/office/tasks")).body["tasks"]] == [parent["id"]]
-    every = (await office.get("/api/office/tasks?include_archived=true")).body["tasks"]
+    assert [t["id"] for t in (await office_api.get("/api/office/tasks")).body["tasks"]] == [parent["id"]]
+    every = (await office_api.get("/api/office/tasks?include_archived=true")).body["tasks"]
     assert {t["id"] for t in every} == {parent["id"], task["id"]}
 
 
-async def test_bad_task_is_422_naming_the_field(office):
-    other_ws = await office.workspace("Elsewhere")
-    stranger = await office.agent("stranger", workspace_id=other_ws["id"])
-    foreign_task = await office.task("theirs", workspace_id=other_ws["id"])
+async def test_bad_task_is_422_naming_the_field(office_api):
+    other_ws = await office_api.workspace("Elsewhere")
+    stranger = await office_api.agent("stranger", workspace_id=other_ws["id"])
+    foreign_task = await office_api.task("theirs", workspace_id=other_ws["id"])
     for body, field in [
             ({"title": "t", "colour": "red"}, "colour"),
             ({"title": "t", "state": "DONE"}, "state"),
@@ -246,64 +179,64 @@ async def test_bad_task_is_422_naming_the_field(office):
             ({"title": ""}, "title"),
             ({"description": "no title"}, "title"),
             (["t"], "body")]:
-        reply = await office.post("/api/office/tasks", body)
+        reply = await office_api.post("/api/office/tasks", body)
         assert_problem(reply, 422, "validation_failed", field)
-    assert (await office.get("/api/office/tasks")).body["tasks"] == []
-    assert await office.wakeups() == []
+    assert (await office_api.get("/api/office/tasks")).body["tasks"] == []
+    assert await office_api.wakeups() == []
 
 
-async def test_a_blocked_by_cycle_is_refused(office):
-    a = await office.task("A")
-    b = await office.task("B", blocked_by=[a["id"]])
-    c = await office.task("C", blocked_by=[b["id"]])
+async def test_a_blocked_by_cycle_is_refused(office_api):
+    a = await office_api.task("A")
+    b = await office_api.task("B", blocked_by=[a["id"]])
+    c = await office_api.task("C", blocked_by=[b["id"]])
     for task, blockers in [(a, [c["id"]]), (a, [b["id"]]), (a, [a["id"]])]:
-        reply = await office.patch(f"/api/office/tasks/{task['id']}", {"blocked_by": blockers})
+        reply = await office_api.patch(f"/api/office/tasks/{task['id']}", {"blocked_by": blockers})
         assert_problem(reply, 422, "validation_failed", "blocked_by")
-    assert (await office.get(f"/api/office/tasks/{a['id']}")).body["blocked_by"] == []
-    fine = await office.patch(f"/api/office/tasks/{c['id']}", {"blocked_by": [a["id"], b["id"]]})
+    assert (await office_api.get(f"/api/office/tasks/{a['id']}")).body["blocked_by"] == []
+    fine = await office_api.patch(f"/api/office/tasks/{c['id']}", {"blocked_by": [a["id"], b["id"]]})
     assert fine.status == 200 and fine.body["blocked_by"] == [a["id"], b["id"]]
 
 
-async def test_state_changes_only_through_move(office):
-    task = await office.task()
-    reply = await office.patch(f"/api/office/tasks/{task['id']}", {"state": "DONE"})
+async def test_state_changes_only_through_move(office_api):
+    task = await office_api.task()
+    reply = await office_api.patch(f"/api/office/tasks/{task['id']}", {"state": "DONE"})
     assert_problem(reply, 422, "validation_failed", "state")
     for state in ("IN_PROGRESS", "IN_REVIEW", "DONE", "CANCELLED", "TODO"):
-        moved = await office.post(f"/api/office/tasks/{task['id']}/move", {"state": state})
+        moved = await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": state})
         assert moved.status == 200, moved.body
         assert moved.body["state"] == state
     for body in ({"state": "done"}, {"state": "ARCHIVED"}, {}, {"state": None}, {"state": 3}):
-        reply = await office.post(f"/api/office/tasks/{task['id']}/move", body)
+        reply = await office_api.post(f"/api/office/tasks/{task['id']}/move", body)
         assert_problem(reply, 422, "validation_failed", "state")
-    assert (await office.get(f"/api/office/tasks/{task['id']}")).body["state"] == "TODO"
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["state"] == "TODO"
 
 
-async def test_move_with_a_non_string_state_is_422_not_500(office):
-    task = await office.task()
+async def test_move_with_a_non_string_state_is_422_not_500(office_api):
+    task = await office_api.task()
     for state in ([], {}, ["DONE"]):
-        reply = await office.post(f"/api/office/tasks/{task['id']}/move", {"state": state})
+        reply = await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": state})
         assert_problem(reply, 422, "validation_failed", "state")
 
 
-async def test_move_with_an_unknown_field_is_422(office):
-    task = await office.task()
-    reply = await office.post(f"/api/office/tasks/{task['id']}/move", {"state": "DONE", "note": "shipped"})
+async def test_move_with_an_unknown_field_is_422(office_api):
+    task = await office_api.task()
+    reply = await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": "DONE", "note": "shipped"})
     assert_problem(reply, 422, "validation_failed", "note")
-    assert (await office.get(f"/api/office/tasks/{task['id']}")).body["state"] == "TODO"
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["state"] == "TODO"
 
 
-async def test_a_non_string_workspace_id_is_422_not_500(office):
+async def test_a_non_string_workspace_id_is_422_not_500(office_api):
     for path, body in [("/api/office/agents", {"name": "n"}), ("/api/office/tasks", {"title": "t"}),
                        ("/api/office/projects", {"name": "p"})]:
         for workspace_id in (5, ["ws_default"]):
-            reply = await office.post(path, {**body, "workspace_id": workspace_id})
+            reply = await office_api.post(path, {**body, "workspace_id": workspace_id})
             assert_problem(reply, 422, "validation_failed", "workspace_id")
 
 
-async def test_assigning_a_task_wakes_its_agent_once(office):
-    agent = await office.agent()
-    task = await office.task(assignee_agent_id=agent["id"])
-    [wakeup] = await office.wakeups()
+async def test_assigning_a_task_wakes_its_agent_once(office_api):
+    agent = await office_api.agent()
+    task = await office_api.task(assignee_agent_id=agent["id"])
+    [wakeup] = await office_api.wakeups()
     assert set(wakeup) >= WAKEUP_FIELDS
     assert wakeup["id"].startswith("wk_")
     assert (wakeup["agent_id"], wakeup["source"], wakeup["status"]) == (agent["id"], "task_assigned", "queued")
@@ -312,77 +245,77 @@ async def test_assigning_a_task_wakes_its_agent_once(office):
     assert (wakeup["coalesced_count"], wakeup["retry_count"], wakeup["run_id"]) == (1, 0, None)
     assert RFC3339_Z.match(wakeup["requested_at"]) and wakeup["finished_at"] is None
     # Moving it to In Progress asks again (a move is its own event); still queued, it merges: one run.
-    await office.post(f"/api/office/tasks/{task['id']}/move", {"state": "IN_PROGRESS"})
-    rows = {w["id"]: w for w in await office.wakeups()}
+    await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": "IN_PROGRESS"})
+    rows = {w["id"]: w for w in await office_api.wakeups()}
     first = rows.pop(wakeup["id"])
     [moved] = rows.values()
     assert (moved["status"], moved["coalesced_into"], first["coalesced_count"]) == ("coalesced", wakeup["id"], 2)
     # An unassigned or kanban task wakes nobody.
-    await office.task("loose")
-    await office.task("kanban", assignee_agent_id=agent["id"], workflow="kanban")
-    assert len(await office.wakeups()) == 2
+    await office_api.task("loose")
+    await office_api.task("kanban", assignee_agent_id=agent["id"], workflow="kanban")
+    assert len(await office_api.wakeups()) == 2
 
 
-async def test_a_comment_is_stored_and_wakes_the_assignee(office):
-    agent = await office.agent()
-    task = await office.task(assignee_agent_id=agent["id"])
-    reply = await office.post(f"/api/office/tasks/{task['id']}/comments", {"body": "please also add tests"})
+async def test_a_comment_is_stored_and_wakes_the_assignee(office_api):
+    agent = await office_api.agent()
+    task = await office_api.task(assignee_agent_id=agent["id"])
+    reply = await office_api.post(f"/api/office/tasks/{task['id']}/comments", {"body": "please also add tests"})
     assert reply.status == 201, reply.body
     comment = reply.body
     assert comment["id"].startswith("cmt_")
     assert (comment["task_id"], comment["author_agent_id"], comment["body"]) == (
         task["id"], None, "please also add tests")
-    got = (await office.get(f"/api/office/tasks/{task['id']}")).body
+    got = (await office_api.get(f"/api/office/tasks/{task['id']}")).body
     assert [c["id"] for c in got["comments"]] == [comment["id"]]
-    [woken] = await office.wakeups("?source=comment")
+    [woken] = await office_api.wakeups("?source=comment")
     assert woken["agent_id"] == agent["id"]
     assert woken["payload"] == {"task_id": task["id"], "comment_id": comment["id"]}
     for body, field in [({"body": ""}, "body"), ({"body": 5}, "body"), ({"body": "x", "author": "me"}, "author"),
                         ("hi", "body")]:
-        assert_problem(await office.post(f"/api/office/tasks/{task['id']}/comments", body), 422,
+        assert_problem(await office_api.post(f"/api/office/tasks/{task['id']}/comments", body), 422,
                        "validation_failed", field)
 
 
-async def test_wakeups_list_filters_by_agent_and_status(office):
-    a = await office.agent("a")
-    b = await office.agent("b")
-    ta = await office.task("for a", assignee_agent_id=a["id"])
-    await office.task("for b", assignee_agent_id=b["id"])
-    await office.patch(f"/api/office/agents/{b['id']}", {"status": "paused"})
-    office.dispatch()   # a: claimed with a run; b (paused): finished with no session
-    mine = await office.wakeups(f"?agent_id={a['id']}")
+async def test_wakeups_list_filters_by_agent_and_status(office_api):
+    a = await office_api.agent("a")
+    b = await office_api.agent("b")
+    ta = await office_api.task("for a", assignee_agent_id=a["id"])
+    await office_api.task("for b", assignee_agent_id=b["id"])
+    await office_api.patch(f"/api/office/agents/{b['id']}", {"status": "paused"})
+    office_api.dispatch()   # a: claimed with a run; b (paused): finished with no session
+    mine = await office_api.wakeups(f"?agent_id={a['id']}")
     assert [(w["agent_id"], w["status"], w["payload"]["task_id"]) for w in mine] == [(a["id"], "claimed", ta["id"])]
     assert mine[0]["run_id"].startswith("out_")
-    finished = await office.wakeups("?status=finished")
+    finished = await office_api.wakeups("?status=finished")
     assert [(w["agent_id"], w["run_id"]) for w in finished] == [(b["id"], None)]
-    assert await office.wakeups(f"?agent_id={b['id']}&status=claimed") == []
-    assert len(await office.wakeups()) == 2
-    assert_problem(await office.get("/api/office/wakeups?status=sleeping"), 422, "validation_failed", "status")
-    assert_problem(await office.get("/api/office/wakeups?source=whim"), 422, "validation_failed", "source")
+    assert await office_api.wakeups(f"?agent_id={b['id']}&status=claimed") == []
+    assert len(await office_api.wakeups()) == 2
+    assert_problem(await office_api.get("/api/office/wakeups?status=sleeping"), 422, "validation_failed", "status")
+    assert_problem(await office_api.get("/api/office/wakeups?source=whim"), 422, "validation_failed", "source")
 
 
-async def test_user_wake_of_an_agent(office):
-    agent = await office.agent()
-    reply = await office.post(f"/api/office/agents/{agent['id']}/wake", {"context": "look at the flaky test"})
+async def test_user_wake_of_an_agent(office_api):
+    agent = await office_api.agent()
+    reply = await office_api.post(f"/api/office/agents/{agent['id']}/wake", {"context": "look at the flaky test"})
     assert reply.status == 202, reply.body
     assert (reply.body["source"], reply.body["status"], reply.body["agent_id"]) == ("user", "queued", agent["id"])
     assert reply.body["payload"]["context"] == "look at the flaky test"
-    assert [w["id"] for w in await office.wakeups()] == [reply.body["id"]]
-    assert_problem(await office.post(f"/api/office/agents/{agent['id']}/wake", {"why": "x"}), 422,
+    assert [w["id"] for w in await office_api.wakeups()] == [reply.body["id"]]
+    assert_problem(await office_api.post(f"/api/office/agents/{agent['id']}/wake", {"why": "x"}), 422,
                    "validation_failed", "why")
-    [run_id] = office.dispatch()
-    run = (await office.get(f"/api/office/runs/{run_id}")).body
+    [run_id] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
     assert "look at the flaky test" in run["assembled_prompt"]
     assert run["task_id"] is None
 
 
 # --- run detail ---------------------------------------------------------------------------------------
 
-async def test_run_detail_shows_what_the_agent_was_given_and_gave_back(office):
-    agent = await office.agent("Reporter")
-    task = await office.task("Write the report", description="@print report", assignee_agent_id=agent["id"])
-    [run_id] = office.dispatch()
-    detail = await office.get(f"/api/office/runs/{run_id}")
+async def test_run_detail_shows_what_the_agent_was_given_and_gave_back(office_api):
+    agent = await office_api.agent("Reporter")
+    task = await office_api.task("Write the report", description="@print report", assignee_agent_id=agent["id"])
+    [run_id] = office_api.dispatch()
+    detail = await office_api.get(f"/api/office/runs/{run_id}")
     assert detail.status == 200, detail.body
     run = detail.body
     assert (run["id"], run["trigger"], run["status"], run["agent"]) == (run_id, "wakeup", "queued", "demo")
@@ -392,126 +325,127 @@ async def test_run_detail_shows_what_the_agent_was_given_and_gave_back(office):
     assert run["summary_injected"] == ""
     assert run["result_json"] == {}
     assert [w["source"] for w in run["context_snapshot"]["wakeups"]] == ["task_assigned"]
-    office.admit_all()
-    office.settle(run_id, result={"status": "succeeded", "summary": "wrote it", "session_id": "demo-1"},
-                  exit_code=0)
-    run = (await office.get(f"/api/office/runs/{run_id}")).body
+    office_api.admit_all()
+    office_api.settle(run_id, result={"status": "succeeded", "summary": "wrote it", "session_id": "demo-1"},
+                      exit_code=0)
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
     assert run["status"] == "succeeded"
     assert run["result_json"] == {"status": "succeeded", "summary": "wrote it", "session_id": "demo-1"}
     assert run["session_id"] == "demo-1"
-    [wakeup] = await office.wakeups()
+    [wakeup] = await office_api.wakeups()
     assert (wakeup["status"], wakeup["run_id"]) == ("finished", run_id)
     assert RFC3339_Z.match(wakeup["finished_at"])
     # Schedules' run list and Office's agree on the run.
-    assert (await office.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "succeeded"
-    runs = (await office.get(f"/api/office/agents/{agent['id']}/runs")).body["runs"]
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "succeeded"
+    runs = (await office_api.get(f"/api/office/agents/{agent['id']}/runs")).body["runs"]
     assert [(r["id"], r["task_id"]) for r in runs] == [(run_id, task["id"])]
 
 
-async def test_a_taskless_run_gets_the_continuation_summary_of_the_last_one(office):
-    agent = await office.agent("Watcher")
-    await office.post(f"/api/office/agents/{agent['id']}/wake", {})
-    [first] = office.dispatch()
-    assert (await office.get(f"/api/office/runs/{first}")).body["summary_injected"] == ""
-    office.admit_all()
-    office.settle(first, result={"status": "succeeded", "summary": "checked the upstream PRs"}, exit_code=0)
-    office.clock.at += timedelta(minutes=5)
-    await office.post(f"/api/office/agents/{agent['id']}/wake", {})
-    [second] = office.dispatch()
-    run = (await office.get(f"/api/office/runs/{second}")).body
+async def test_a_taskless_run_gets_the_continuation_summary_of_the_last_one(office_api):
+    agent = await office_api.agent("Watcher")
+    await office_api.post(f"/api/office/agents/{agent['id']}/wake", {})
+    [first] = office_api.dispatch()
+    assert (await office_api.get(f"/api/office/runs/{first}")).body["summary_injected"] == ""
+    office_api.admit_all()
+    office_api.settle(first, result={"status": "succeeded", "summary": "checked the upstream PRs"}, exit_code=0)
+    office_api.clock.at += timedelta(minutes=5)
+    await office_api.post(f"/api/office/agents/{agent['id']}/wake", {})
+    [second] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{second}")).body
     assert "checked the upstream PRs" in run["summary_injected"]
     assert "## Continuation summary" in run["assembled_prompt"]
     assert "checked the upstream PRs" in run["assembled_prompt"]
-    summaries = (await office.get(f"/api/office/agents/{agent['id']}")).body["continuation_summaries"]
+    summaries = (await office_api.get(f"/api/office/agents/{agent['id']}")).body["continuation_summaries"]
     assert [s["updated_by_run_id"] for s in summaries] == [first]
 
 
-async def test_run_detail_of_a_run_that_is_not_an_office_run_is_404(office):
-    reply = await office.post("/v1/outpost/dispatches", {"brief": "@print x", "repository": str(office.repo),
-                                                        "agent": "demo"}, key=uuid.uuid4().hex)
+async def test_run_detail_of_a_run_that_is_not_an_office_run_is_404(office_api):
+    reply = await office_api.post("/v1/outpost/dispatches",
+                                  {"brief": "@print x", "repository": str(office_api.repo), "agent": "demo"},
+                                  key=uuid.uuid4().hex)
     assert reply.status == 202, reply.body
-    assert_problem(await office.get(f"/api/office/runs/{reply.body['run_id']}"), 404, "not_found")
+    assert_problem(await office_api.get(f"/api/office/runs/{reply.body['run_id']}"), 404, "not_found")
 
 
 # --- approvals ----------------------------------------------------------------------------------------
 
-async def test_approval_gate_resolve_and_the_requesting_agent_wakes(office):
-    agent, task, run_id, token = await office.running(title="Spec", requires_approval=True)
-    moved = await office.as_run(token, "POST", f"/api/agent/tasks/{task['id']}/move", {"state": "DONE"})
+async def test_approval_gate_resolve_and_the_requesting_agent_wakes(office_api):
+    agent, task, run_id, token = await office_api.running(title="Spec", requires_approval=True)
+    moved = await office_api.as_run(token, "POST", f"/api/agent/tasks/{task['id']}/move", {"state": "DONE"})
     assert moved.status == 200, moved.body
     assert moved.body["state"] == "IN_REVIEW"   # the gate: the user decides when it is done
-    listed = await office.get("/api/office/approvals")
+    listed = await office_api.get("/api/office/approvals")
     assert listed.status == 200
     [approval] = listed.body["approvals"]
     assert approval["id"].startswith("apr_")
     assert (approval["task_id"], approval["requested_by_agent_id"], approval["status"]) == (
         task["id"], agent["id"], "pending")
-    assert (await office.get("/api/office/approvals?status=approved")).body["approvals"] == []
+    assert (await office_api.get("/api/office/approvals?status=approved")).body["approvals"] == []
 
     for body, field in [({"status": "maybe"}, "status"), ({}, "status"),
                         ({"status": "approved", "why": "x"}, "why"), ({"status": "approved", "decision_note": 1},
                                                                         "decision_note")]:
-        assert_problem(await office.post(f"/api/office/approvals/{approval['id']}/resolve", body), 422,
+        assert_problem(await office_api.post(f"/api/office/approvals/{approval['id']}/resolve", body), 422,
                        "validation_failed", field)
-    office.settle(run_id)
-    resolved = await office.post(f"/api/office/approvals/{approval['id']}/resolve",
-                                 {"status": "approved", "decision_note": "ship it"})
+    office_api.settle(run_id)
+    resolved = await office_api.post(f"/api/office/approvals/{approval['id']}/resolve",
+                                     {"status": "approved", "decision_note": "ship it"})
     assert resolved.status == 200, resolved.body
     assert (resolved.body["status"], resolved.body["decision_note"]) == ("approved", "ship it")
     assert RFC3339_Z.match(resolved.body["resolved_at"])
-    assert (await office.get(f"/api/office/tasks/{task['id']}")).body["state"] == "DONE"
-    [woken] = await office.wakeups("?source=approval_resolved")
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["state"] == "DONE"
+    [woken] = await office_api.wakeups("?source=approval_resolved")
     assert woken["agent_id"] == agent["id"]
     assert woken["payload"] == {"approval_id": approval["id"], "status": "approved", "decision_note": "ship it"}
-    again = await office.post(f"/api/office/approvals/{approval['id']}/resolve", {"status": "rejected"})
+    again = await office_api.post(f"/api/office/approvals/{approval['id']}/resolve", {"status": "rejected"})
     assert_problem(again, 409, "conflict")
-    assert len(await office.wakeups("?source=approval_resolved")) == 1
+    assert len(await office_api.wakeups("?source=approval_resolved")) == 1
 
 
-async def test_a_rejected_approval_sends_the_task_back_to_in_progress(office):
-    agent, task, run_id, token = await office.running(title="Spec")
-    asked = await office.as_run(token, "POST", "/api/agent/approvals", {"note": "is this right?"})
+async def test_a_rejected_approval_sends_the_task_back_to_in_progress(office_api):
+    agent, task, run_id, token = await office_api.running(title="Spec")
+    asked = await office_api.as_run(token, "POST", "/api/agent/approvals", {"note": "is this right?"})
     assert asked.status == 201, asked.body
     assert (asked.body["task_id"], asked.body["status"], asked.body["note"]) == (task["id"], "pending",
                                                                                  "is this right?")
-    await office.post(f"/api/office/tasks/{task['id']}/move", {"state": "IN_REVIEW"})
-    resolved = await office.post(f"/api/office/approvals/{asked.body['id']}/resolve",
-                                 {"status": "rejected", "decision_note": "no"})
+    await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": "IN_REVIEW"})
+    resolved = await office_api.post(f"/api/office/approvals/{asked.body['id']}/resolve",
+                                     {"status": "rejected", "decision_note": "no"})
     assert resolved.status == 200 and resolved.body["status"] == "rejected"
-    assert (await office.get(f"/api/office/tasks/{task['id']}")).body["state"] == "IN_PROGRESS"
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["state"] == "IN_PROGRESS"
 
 
 # --- activity, settings, workspaces, projects -----------------------------------------------------------
 
-async def test_activity_lists_a_stale_wakeup_by_code(office):
-    first = await office.agent("first")
-    second = await office.agent("second")
-    task = await office.task(assignee_agent_id=first["id"])
-    await office.patch(f"/api/office/tasks/{task['id']}", {"assignee_agent_id": second["id"]})
-    office.dispatch()
-    stale = [w for w in await office.wakeups(f"?agent_id={first['id']}")]
+async def test_activity_lists_a_stale_wakeup_by_code(office_api):
+    first = await office_api.agent("first")
+    second = await office_api.agent("second")
+    task = await office_api.task(assignee_agent_id=first["id"])
+    await office_api.patch(f"/api/office/tasks/{task['id']}", {"assignee_agent_id": second["id"]})
+    office_api.dispatch()
+    stale = [w for w in await office_api.wakeups(f"?agent_id={first['id']}")]
     assert [(w["status"], w["cancel_reason"]) for w in stale] == [("cancelled", "assignee_changed")]
-    reply = await office.get("/api/office/activity?code=wakeup_stale_cancelled")
+    reply = await office_api.get("/api/office/activity?code=wakeup_stale_cancelled")
     assert reply.status == 200
     [entry] = reply.body["activity"]
     assert (entry["code"], entry["agent_id"], entry["task_id"], entry["wakeup_id"]) == (
         "wakeup_stale_cancelled", first["id"], task["id"], stale[0]["id"])
     assert entry["data"]["reason"] == "assignee_changed"
-    assert (await office.get("/api/office/activity?code=recovery_dispatch")).body["activity"] == []
-    assert len((await office.get("/api/office/activity")).body["activity"]) >= 1
+    assert (await office_api.get("/api/office/activity?code=recovery_dispatch")).body["activity"] == []
+    assert len((await office_api.get("/api/office/activity")).body["activity"]) >= 1
 
 
-async def test_settings_read_edit_and_lookback_clamped(office):
-    got = await office.get("/api/office/settings")
+async def test_settings_read_edit_and_lookback_clamped(office_api):
+    got = await office_api.get("/api/office/settings")
     assert got.status == 200
     assert got.body["recovery_lookback_hours"] == 24
-    assert got.body["repository"] == str(office.repo)
+    assert got.body["repository"] == str(office_api.repo)
     for given, kept in [(0, 1), (-5, 1), (1, 1), (48, 48), (720, 720), (721, 720), (100000, 720), (2.5, 2)]:
-        reply = await office.patch("/api/office/settings", {"recovery_lookback_hours": given})
+        reply = await office_api.patch("/api/office/settings", {"recovery_lookback_hours": given})
         assert reply.status == 200, reply.body
         assert reply.body["recovery_lookback_hours"] == kept, given
-        assert (await office.get("/api/office/settings")).body["recovery_lookback_hours"] == kept
-    assert (await office.get("/api/office/settings")).body["repository"] == str(office.repo)   # untouched
+        assert (await office_api.get("/api/office/settings")).body["recovery_lookback_hours"] == kept
+    assert (await office_api.get("/api/office/settings")).body["repository"] == str(office_api.repo)   # untouched
     for body, field in [({"recovery_lookback_hours": "5"}, "recovery_lookback_hours"),
                         ({"recovery_lookback_hours": None}, "recovery_lookback_hours"),
                         ({"recovery_lookback_hours": True}, "recovery_lookback_hours"),
@@ -519,106 +453,106 @@ async def test_settings_read_edit_and_lookback_clamped(office):
                         ({"timezone": "Mars/Olympus"}, "timezone"),
                         ({"default_executor": "nobody"}, "default_executor"),
                         ({"lookback": 5}, "lookback"), ([], "body")]:
-        assert_problem(await office.patch("/api/office/settings", body), 422, "validation_failed", field)
-    assert (await office.get("/api/office/settings")).body["recovery_lookback_hours"] == 2
+        assert_problem(await office_api.patch("/api/office/settings", body), 422, "validation_failed", field)
+    assert (await office_api.get("/api/office/settings")).body["recovery_lookback_hours"] == 2
 
 
-async def test_a_huge_lookback_is_clamped_not_a_500(office):
-    reply = await office.patch("/api/office/settings", {"recovery_lookback_hours": 10 ** 400})
+async def test_a_huge_lookback_is_clamped_not_a_500(office_api):
+    reply = await office_api.patch("/api/office/settings", {"recovery_lookback_hours": 10 ** 400})
     assert reply.status == 200, reply.body
     assert reply.body["recovery_lookback_hours"] == 720
 
 
-async def test_workspaces_and_projects(office, tmp_path):
-    listed = (await office.get("/api/office/workspaces")).body["workspaces"]
+async def test_workspaces_and_projects(office_api, tmp_path):
+    listed = (await office_api.get("/api/office/workspaces")).body["workspaces"]
     assert [w["id"] for w in listed] == ["ws_default"]
-    created = await office.post("/api/office/workspaces", {"name": "Research"})
+    created = await office_api.post("/api/office/workspaces", {"name": "Research"})
     assert created.status == 201, created.body
     ws = created.body
     assert ws["id"].startswith("ws_") and ws["name"] == "Research" and ws["recovery_lookback_hours"] == 24
-    assert [w["name"] for w in (await office.get("/api/office/workspaces")).body["workspaces"]] == [
+    assert [w["name"] for w in (await office_api.get("/api/office/workspaces")).body["workspaces"]] == [
         "Default", "Research"]
-    assert_problem(await office.post("/api/office/workspaces", {"name": "Research"}), 409, "conflict")
+    assert_problem(await office_api.post("/api/office/workspaces", {"name": "Research"}), 409, "conflict")
     for body, field in [({}, "name"), ({"name": ""}, "name"), ({"name": 4}, "name"), (["x"], "body")]:
-        assert_problem(await office.post("/api/office/workspaces", body), 422, "validation_failed", field)
+        assert_problem(await office_api.post("/api/office/workspaces", body), 422, "validation_failed", field)
 
     repo = make_repo(tmp_path / "research-repo")
-    project = await office.post("/api/office/projects", {"workspace_id": ws["id"], "name": "Paper",
-                                                         "repository": str(repo), "executor": "demo"})
+    project = await office_api.post("/api/office/projects", {"workspace_id": ws["id"], "name": "Paper",
+                                                             "repository": str(repo), "executor": "demo"})
     assert project.status == 201, project.body
     assert project.body["id"].startswith("prj_")
     assert (project.body["workspace_id"], project.body["repository"]) == (ws["id"], str(repo))
-    assert [p["id"] for p in (await office.get(f"/api/office/projects?workspace_id={ws['id']}")).body[
+    assert [p["id"] for p in (await office_api.get(f"/api/office/projects?workspace_id={ws['id']}")).body[
         "projects"]] == [project.body["id"]]
-    assert (await office.get("/api/office/projects")).body["projects"] == []
-    assert_problem(await office.post("/api/office/projects", {"name": "p", "repository": "rel"}), 422,
+    assert (await office_api.get("/api/office/projects")).body["projects"] == []
+    assert_problem(await office_api.post("/api/office/projects", {"name": "p", "repository": "rel"}), 422,
                    "validation_failed", "repository")
-    assert_problem(await office.post("/api/office/projects", {"name": "p", "owner": "me"}), 422,
+    assert_problem(await office_api.post("/api/office/projects", {"name": "p", "owner": "me"}), 422,
                    "validation_failed", "owner")
     # A task of the project runs in the project's repository, with the project's executor.
-    agent = await office.agent("scholar", workspace_id=ws["id"], executor=None)
-    in_default_ws = await office.post("/api/office/tasks", {"title": "t", "project_id": project.body["id"]})
+    agent = await office_api.agent("scholar", workspace_id=ws["id"], executor=None)
+    in_default_ws = await office_api.post("/api/office/tasks", {"title": "t", "project_id": project.body["id"]})
     assert_problem(in_default_ws, 422, "validation_failed", "project_id")
-    await office.task("Draft", workspace_id=ws["id"], project_id=project.body["id"], assignee_agent_id=agent["id"])
-    [run_id] = office.dispatch()
-    run = (await office.get(f"/v1/outpost/runs/{run_id}")).body
+    await office_api.task("Draft", workspace_id=ws["id"], project_id=project.body["id"], assignee_agent_id=agent["id"])
+    [run_id] = office_api.dispatch()
+    run = (await office_api.get(f"/v1/outpost/runs/{run_id}")).body
     assert (run["repository"], run["agent"]) == (str(repo), "demo")
 
 
 # --- idempotency on the Office API -----------------------------------------------------------------------
 
-async def test_idempotency_key_replays_a_comment_and_nothing_happens_twice(office):
-    agent = await office.agent()
-    task = await office.task(assignee_agent_id=agent["id"])
+async def test_idempotency_key_replays_a_comment_and_nothing_happens_twice(office_api):
+    agent = await office_api.agent()
+    task = await office_api.task(assignee_agent_id=agent["id"])
     path = f"/api/office/tasks/{task['id']}/comments"
-    first = await office.post(path, {"body": "once"}, key="comment-1")
+    first = await office_api.post(path, {"body": "once"}, key="comment-1")
     assert first.status == 201, first.body
     assert "Idempotent-Replayed" not in first.headers
-    again = await office.post(path, {"body": "once"}, key="comment-1")
+    again = await office_api.post(path, {"body": "once"}, key="comment-1")
     assert again.status == 201
     assert again.body == first.body
     assert again.headers["Idempotent-Replayed"] == "true"
-    assert len((await office.get(f"/api/office/tasks/{task['id']}")).body["comments"]) == 1
-    assert len(await office.wakeups("?source=comment")) == 1
-    reused = await office.post(path, {"body": "twice"}, key="comment-1")
+    assert len((await office_api.get(f"/api/office/tasks/{task['id']}")).body["comments"]) == 1
+    assert len(await office_api.wakeups("?source=comment")) == 1
+    reused = await office_api.post(path, {"body": "twice"}, key="comment-1")
     assert_problem(reused, 422, "idempotency_key_reused")
     # Without a key, every request counts.
-    await office.post(path, {"body": "no key"})
-    await office.post(path, {"body": "no key"})
-    assert len((await office.get(f"/api/office/tasks/{task['id']}")).body["comments"]) == 3
+    await office_api.post(path, {"body": "no key"})
+    await office_api.post(path, {"body": "no key"})
+    assert len((await office_api.get(f"/api/office/tasks/{task['id']}")).body["comments"]) == 3
 
 
-async def test_idempotency_key_replays_a_wake_and_a_create(office):
-    agent = await office.agent()
-    wakes = [await office.post(f"/api/office/agents/{agent['id']}/wake", {}, key="wake-1") for _ in range(3)]
+async def test_idempotency_key_replays_a_wake_and_a_create(office_api):
+    agent = await office_api.agent()
+    wakes = [await office_api.post(f"/api/office/agents/{agent['id']}/wake", {}, key="wake-1") for _ in range(3)]
     assert [w.status for w in wakes] == [202, 202, 202]
     assert wakes[1].body == wakes[0].body and wakes[2].headers["Idempotent-Replayed"] == "true"
-    assert len(await office.wakeups(f"?agent_id={agent['id']}")) == 1
-    created = [await office.post("/api/office/agents", {"name": "twin"}, key="agent-1") for _ in range(2)]
+    assert len(await office_api.wakeups(f"?agent_id={agent['id']}")) == 1
+    created = [await office_api.post("/api/office/agents", {"name": "twin"}, key="agent-1") for _ in range(2)]
     assert [c.status for c in created] == [201, 201]
     assert created[1].body["id"] == created[0].body["id"]
-    assert [a["name"] for a in (await office.get("/api/office/agents")).body["agents"]].count("twin") == 1
+    assert [a["name"] for a in (await office_api.get("/api/office/agents")).body["agents"]].count("twin") == 1
     # A refused request is replayed as refused, with its problem type.
-    bad = [await office.post("/api/office/agents", {"name": "x", "role": "boss"}, key="agent-2") for _ in range(2)]
+    bad = [await office_api.post("/api/office/agents", {"name": "x", "role": "boss"}, key="agent-2") for _ in range(2)]
     assert bad[1].status == 422 and bad[1].mimetype == PROBLEM and bad[1].headers["Idempotent-Replayed"] == "true"
 
 
-async def test_a_create_honours_the_workspace_id_query(office):
-    other = await office.workspace("Other")
+async def test_a_create_honours_the_workspace_id_query(office_api):
+    other = await office_api.workspace("Other")
     for path, body in [("/api/office/agents", {"name": "placed"}), ("/api/office/tasks", {"title": "placed"})]:
-        reply = await office.post(f"{path}?workspace_id={other['id']}", body)
+        reply = await office_api.post(f"{path}?workspace_id={other['id']}", body)
         assert reply.status == 201, reply.body
         assert reply.body["workspace_id"] == other["id"]
 
 
-async def test_idempotency_key_is_bound_to_the_workspace_query(office):
-    other = await office.workspace("Other")
-    first = await office.patch("/api/office/settings", {"recovery_lookback_hours": 5}, key="settings-1")
+async def test_idempotency_key_is_bound_to_the_workspace_query(office_api):
+    other = await office_api.workspace("Other")
+    first = await office_api.patch("/api/office/settings", {"recovery_lookback_hours": 5}, key="settings-1")
     assert first.status == 200 and first.body["id"] == "ws_default"
-    second = await office.patch(f"/api/office/settings?workspace_id={other['id']}",
-                                {"recovery_lookback_hours": 5}, key="settings-1")
+    second = await office_api.patch(f"/api/office/settings?workspace_id={other['id']}",
+                                    {"recovery_lookback_hours": 5}, key="settings-1")
     assert_problem(second, 422, "idempotency_key_reused")   # a key names one request, path and query included
-    untouched = await office.get(f"/api/office/settings?workspace_id={other['id']}")
+    untouched = await office_api.get(f"/api/office/settings?workspace_id={other['id']}")
     assert untouched.body["recovery_lookback_hours"] == 24
 
 
@@ -626,84 +560,85 @@ async def test_idempotency_key_is_bound_to_the_workspace_query(office):
 # 2. The run-scoped token of the agent API.
 ###############################################################################
 
-async def test_run_token_works_only_while_its_run_is_running(office):
-    agent, task, run_id, token = await office.running()
-    me = await office.as_run(token, "GET", "/api/agent/me")
+async def test_run_token_works_only_while_its_run_is_running(office_api):
+    agent, task, run_id, token = await office_api.running()
+    me = await office_api.as_run(token, "GET", "/api/agent/me")
     assert me.status == 200, me.body
     assert (me.body["run_id"], me.body["agent_id"], me.body["task_id"]) == (run_id, agent["id"], task["id"])
     assert me.body["task"]["id"] == task["id"]
-    commented = await office.as_run(token, "POST", "/api/agent/comments", {"body": "on it"})
+    commented = await office_api.as_run(token, "POST", "/api/agent/comments", {"body": "on it"})
     assert commented.status == 201, commented.body
     assert (commented.body["author_agent_id"], commented.body["task_id"]) == (agent["id"], task["id"])
-    assert await office.wakeups("?source=comment") == []   # the assignee's own comment wakes nobody
+    assert await office_api.wakeups("?source=comment") == []   # the assignee's own comment wakes nobody
 
-    office.settle(run_id)
+    office_api.settle(run_id)
     for method, path, body in [("GET", "/api/agent/me", None), ("POST", "/api/agent/comments", {"body": "late"}),
                                ("POST", f"/api/agent/tasks/{task['id']}/move", {"state": "DONE"}),
                                ("POST", "/api/agent/wake", {"reason": "again"})]:
-        assert_problem(await office.as_run(token, method, path, body), 401, "unauthorized")
-    got = (await office.get(f"/api/office/tasks/{task['id']}")).body
+        assert_problem(await office_api.as_run(token, method, path, body), 401, "unauthorized")
+    got = (await office_api.get(f"/api/office/tasks/{task['id']}")).body
     assert [c["body"] for c in got["comments"]] == ["on it"] and got["state"] == "TODO"
 
 
-async def test_a_queued_or_paused_run_has_no_voice(office):
-    agent = await office.agent()
-    await office.task(assignee_agent_id=agent["id"])
-    [run_id] = office.dispatch()
-    assert_problem(await office.as_run(office.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
-    office.admit_all()
-    assert (await office.as_run(office.token(run_id), "GET", "/api/agent/me")).status == 200
-    office.store.transaction(office.store.control_run, run_id, "pause", office.clock.now())
-    assert (await office.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "paused"
-    assert_problem(await office.as_run(office.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
+async def test_a_queued_or_paused_run_has_no_voice(office_api):
+    agent = await office_api.agent()
+    await office_api.task(assignee_agent_id=agent["id"])
+    [run_id] = office_api.dispatch()
+    assert_problem(await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
+    office_api.admit_all()
+    assert (await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me")).status == 200
+    office_api.store.transaction(office_api.store.control_run, run_id, "pause", office_api.clock.now())
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "paused"
+    assert_problem(await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
 
 
-async def test_made_up_tampered_and_foreign_tokens_are_401(office):
-    _, _, run_id, token = await office.running()
-    other_key = outpost.Deps(config=office.deps.config, store=office.store, clock=office.clock,
+async def test_made_up_tampered_and_foreign_tokens_are_401(office_api):
+    _, _, run_id, token = await office_api.running()
+    other_key = outpost.Deps(config=office_api.deps.config, store=office_api.store, clock=office_api.clock,
                              token="another daemon's token").run_token_key
     run_part, signature = token.split(".")
     flipped = signature[:-1] + ("0" if signature[-1] != "0" else "1")
     for given in [f"{run_part}.{flipped}", f"{run_part}.", run_part, f"{run_part}.{signature}x",
                   f"out_01AAAAAAAAAAAAAAAAAAAAAAAA.{signature}", outpost.run_token(other_key, run_id),
                   "", ".", "Bearer", token.upper()]:
-        reply = await office.as_run(given, "GET", "/api/agent/me")
+        reply = await office_api.as_run(given, "GET", "/api/agent/me")
         assert_problem(reply, 401, "unauthorized")
     for headers in [{}, {"Authorization": f"Basic {token}"}, {"Authorization": token}]:
-        reply = await office.request("GET", "/api/agent/me", auth=False, headers=headers)
+        reply = await office_api.request("GET", "/api/agent/me", auth=False, headers=headers)
         assert_problem(reply, 401, "unauthorized")
-    assert (await office.as_run(token, "GET", "/api/agent/me")).status == 200
+    assert (await office_api.as_run(token, "GET", "/api/agent/me")).status == 200
 
 
-async def test_the_api_token_is_not_an_agent_token(office):
-    _, task, _, _ = await office.running()
+async def test_the_api_token_is_not_an_agent_token(office_api):
+    _, task, _, _ = await office_api.running()
     for method, path, body in [("GET", "/api/agent/me", None), ("POST", "/api/agent/comments",
                                                                   {"task_id": task["id"], "body": "x"}),
                                ("POST", f"/api/agent/tasks/{task['id']}/move", {"state": "DONE"}),
                                ("POST", "/api/agent/wake", {"reason": "x"})]:
-        reply = await office.request(method, path, body)   # with the API token
+        reply = await office_api.request(method, path, body)   # with the API token
         assert_problem(reply, 401, "unauthorized")
-    assert (await office.get(f"/api/office/tasks/{task['id']}")).body["comments"] == []
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["comments"] == []
 
 
-async def test_a_running_dispatch_has_no_agent_token(office):
-    reply = await office.post("/v1/outpost/dispatches", {"brief": "@print x", "repository": str(office.repo),
-                                                        "agent": "demo"}, key=uuid.uuid4().hex)
+async def test_a_running_dispatch_has_no_agent_token(office_api):
+    reply = await office_api.post("/v1/outpost/dispatches",
+                                  {"brief": "@print x", "repository": str(office_api.repo), "agent": "demo"},
+                                  key=uuid.uuid4().hex)
     run_id = reply.body["run_id"]
-    office.admit_all()
-    assert (await office.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "running"
-    assert_problem(await office.as_run(office.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
+    office_api.admit_all()
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "running"
+    assert_problem(await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
 
 
-async def test_a_run_token_cannot_reach_the_operator_api(office):
-    agent, task, _, token = await office.running()
+async def test_a_run_token_cannot_reach_the_operator_api(office_api):
+    agent, task, _, token = await office_api.running()
     sid = "sch_nope"
     for method, path, body in [
             ("GET", "/v1/outpost/schedules", None),
             ("POST", "/v1/outpost/schedules/compose", {"name": "x"}),
             ("POST", "/v1/outpost/schedules", {"definition": {}, "confirmation": "sha256:0"}),
             ("POST", f"/v1/outpost/schedules/{sid}/control", {"action": "fire"}),
-            ("POST", "/v1/outpost/dispatches", {"brief": "@print x", "repository": str(office.repo),
+            ("POST", "/v1/outpost/dispatches", {"brief": "@print x", "repository": str(office_api.repo),
                                                 "agent": "demo"}),
             ("GET", "/v1/outpost/runs", None),
             ("GET", "/api/office/tasks", None),
@@ -715,128 +650,129 @@ async def test_a_run_token_cannot_reach_the_operator_api(office):
             ("GET", "/api/office/routines", None),
             ("POST", "/api/office/routines", {"name": "r"}),
             ("POST", "/api/office/routines/rtn_any/fire", {"variables": {}})]:
-        reply = await office.as_run(token, method, path, body)
+        reply = await office_api.as_run(token, method, path, body)
         assert_problem(reply, 401, "unauthorized")
-    assert (await office.get("/v1/outpost/runs")).body["runs"][0]["trigger"] == "wakeup"
-    assert len((await office.get("/v1/outpost/runs")).body["runs"]) == 1   # no dispatch got through
-    assert [t["title"] for t in (await office.get("/api/office/tasks")).body["tasks"]] == ["a task"]
-    assert (await office.get(f"/api/office/agents/{agent['id']}")).body["max_concurrent_sessions"] == 1
+    assert (await office_api.get("/v1/outpost/runs")).body["runs"][0]["trigger"] == "wakeup"
+    assert len((await office_api.get("/v1/outpost/runs")).body["runs"]) == 1   # no dispatch got through
+    assert [t["title"] for t in (await office_api.get("/api/office/tasks")).body["tasks"]] == ["a task"]
+    assert (await office_api.get(f"/api/office/agents/{agent['id']}")).body["max_concurrent_sessions"] == 1
 
 
-async def test_a_run_token_cannot_touch_another_workspace(office, tmp_path):
-    _, _, _, token = await office.running()
-    other = await office.workspace("Other", make_repo(tmp_path / "other-repo"))
-    stranger = await office.agent("stranger", workspace_id=other["id"])
-    theirs = await office.task("theirs", workspace_id=other["id"], assignee_agent_id=stranger["id"])
+async def test_a_run_token_cannot_touch_another_workspace(office_api, tmp_path):
+    _, _, _, token = await office_api.running()
+    other = await office_api.workspace("Other", make_repo(tmp_path / "other-repo"))
+    stranger = await office_api.agent("stranger", workspace_id=other["id"])
+    theirs = await office_api.task("theirs", workspace_id=other["id"], assignee_agent_id=stranger["id"])
     for method, path, body in [("POST", "/api/agent/comments", {"task_id": theirs["id"], "body": "hi"}),
                                ("POST", f"/api/agent/tasks/{theirs['id']}/move", {"state": "CANCELLED"}),
                                ("POST", "/api/agent/approvals", {"task_id": theirs["id"]})]:
-        assert_problem(await office.as_run(token, method, path, body), 404, "not_found")
-    sub = await office.as_run(token, "POST", "/api/agent/tasks", {"title": "sub", "assignee_agent_id": stranger["id"]})
+        assert_problem(await office_api.as_run(token, method, path, body), 404, "not_found")
+    sub = await office_api.as_run(token, "POST", "/api/agent/tasks",
+                                  {"title": "sub", "assignee_agent_id": stranger["id"]})
     assert_problem(sub, 422, "validation_failed", "assignee_agent_id")
-    sub = await office.as_run(token, "POST", "/api/agent/tasks", {"title": "sub", "workspace_id": other["id"]})
+    sub = await office_api.as_run(token, "POST", "/api/agent/tasks", {"title": "sub", "workspace_id": other["id"]})
     assert_problem(sub, 422, "validation_failed", "workspace_id")
-    got = (await office.get(f"/api/office/tasks/{theirs['id']}")).body
+    got = (await office_api.get(f"/api/office/tasks/{theirs['id']}")).body
     assert got["comments"] == [] and got["state"] == "TODO" and got["approvals"] == []
-    assert len((await office.get(f"/api/office/tasks?workspace_id={other['id']}")).body["tasks"]) == 1
+    assert len((await office_api.get(f"/api/office/tasks?workspace_id={other['id']}")).body["tasks"]) == 1
 
 
-async def test_a_run_token_cannot_move_another_agents_task(office):
-    agent, own, _, token = await office.running()
-    colleague = await office.agent("colleague")
-    theirs = await office.task("theirs", assignee_agent_id=colleague["id"])
-    unassigned = await office.task("nobody's")
+async def test_a_run_token_cannot_move_another_agents_task(office_api):
+    agent, own, _, token = await office_api.running()
+    colleague = await office_api.agent("colleague")
+    theirs = await office_api.task("theirs", assignee_agent_id=colleague["id"])
+    unassigned = await office_api.task("nobody's")
     for task in (theirs, unassigned):
-        reply = await office.as_run(token, "POST", f"/api/agent/tasks/{task['id']}/move", {"state": "DONE"})
+        reply = await office_api.as_run(token, "POST", f"/api/agent/tasks/{task['id']}/move", {"state": "DONE"})
         assert_problem(reply, 403, "forbidden")
-        assert (await office.get(f"/api/office/tasks/{task['id']}")).body["state"] == "TODO"
-    asked = await office.as_run(token, "POST", "/api/agent/approvals", {"task_id": theirs["id"]})
+        assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["state"] == "TODO"
+    asked = await office_api.as_run(token, "POST", "/api/agent/approvals", {"task_id": theirs["id"]})
     assert_problem(asked, 403, "forbidden")
-    moved = await office.as_run(token, "POST", f"/api/agent/tasks/{own['id']}/move", {"state": "IN_PROGRESS"})
+    moved = await office_api.as_run(token, "POST", f"/api/agent/tasks/{own['id']}/move", {"state": "IN_PROGRESS"})
     assert moved.status == 200 and moved.body["state"] == "IN_PROGRESS"
     # A subtask it creates is a child of its own task, in its workspace.
-    sub = await office.as_run(token, "POST", "/api/agent/tasks", {"title": "split off",
-                                                                  "assignee_agent_id": colleague["id"]})
+    sub = await office_api.as_run(token, "POST", "/api/agent/tasks", {"title": "split off",
+                                                                      "assignee_agent_id": colleague["id"]})
     assert sub.status == 201, sub.body
     assert (sub.body["parent_id"], sub.body["assignee_agent_id"]) == (own["id"], colleague["id"])
 
 
-async def test_agent_self_wake(office):
-    agent, _, run_id, token = await office.running()
-    now = office.clock.now()
-    reply = await office.as_run(token, "POST", "/api/agent/wake", {"reason": "check CI", "delay_sec": 600})
+async def test_agent_self_wake(office_api):
+    agent, _, run_id, token = await office_api.running()
+    now = office_api.clock.now()
+    reply = await office_api.as_run(token, "POST", "/api/agent/wake", {"reason": "check CI", "delay_sec": 600})
     assert reply.status == 202, reply.body
     later = reply.body
     assert (later["agent_id"], later["source"], later["status"]) == (agent["id"], "self", "queued")
     assert later["payload"] == {"reason": "check CI", "payload": None}
     assert later["wake_at"] == outpost.rfc3339(now + timedelta(seconds=600))
-    soon = await office.as_run(token, "POST", "/api/agent/wake", {"reason": "next step", "payload": {"step": 2}})
+    soon = await office_api.as_run(token, "POST", "/api/agent/wake", {"reason": "next step", "payload": {"step": 2}})
     assert soon.status == 202 and soon.body["wake_at"] is None
     assert soon.body["payload"] == {"reason": "next step", "payload": {"step": 2}}
     for body, field in [({}, "reason"), ({"reason": "x", "delay_sec": -1}, "delay_sec"),
                         ({"reason": "x", "delay_sec": "10"}, "delay_sec"), ({"reason": "x", "payload": [1]}, "payload"),
                         ({"reason": "x", "agent_id": "agt_other"}, "agent_id")]:
-        assert_problem(await office.as_run(token, "POST", "/api/agent/wake", body), 422, "validation_failed", field)
-    office.settle(run_id)
-    office.clock.at = T0 + timedelta(seconds=1)
-    [next_run] = office.dispatch()   # the delayed wake waits for its time
-    assert (await office.get(f"/api/office/runs/{next_run}")).body["wakeup_id"] == soon.body["id"]
-    office.admit_all()
-    office.settle(next_run)
-    office.clock.at = T0 + timedelta(seconds=601)
-    [delayed_run] = office.dispatch()
-    assert (await office.get(f"/api/office/runs/{delayed_run}")).body["wakeup_id"] == later["id"]
+        assert_problem(await office_api.as_run(token, "POST", "/api/agent/wake", body), 422, "validation_failed", field)
+    office_api.settle(run_id)
+    office_api.clock.at = T0 + timedelta(seconds=1)
+    [next_run] = office_api.dispatch()   # the delayed wake waits for its time
+    assert (await office_api.get(f"/api/office/runs/{next_run}")).body["wakeup_id"] == soon.body["id"]
+    office_api.admit_all()
+    office_api.settle(next_run)
+    office_api.clock.at = T0 + timedelta(seconds=601)
+    [delayed_run] = office_api.dispatch()
+    assert (await office_api.get(f"/api/office/runs/{delayed_run}")).body["wakeup_id"] == later["id"]
 
 
 ###############################################################################
 # 3. Workspaces: everything is per workspace, nothing crosses.
 ###############################################################################
 
-async def test_agents_and_tasks_are_listed_per_workspace(office):
-    other = await office.workspace("Second")
-    here = await office.agent("same-name")
-    there = await office.agent("same-name", workspace_id=other["id"])   # names are unique per workspace
+async def test_agents_and_tasks_are_listed_per_workspace(office_api):
+    other = await office_api.workspace("Second")
+    here = await office_api.agent("same-name")
+    there = await office_api.agent("same-name", workspace_id=other["id"])   # names are unique per workspace
     assert there["id"] != here["id"]
-    assert_problem(await office.post("/api/office/agents", {"name": "same-name"}), 409, "conflict")
-    t_here = await office.task("here", assignee_agent_id=here["id"])
-    t_there = await office.task("there", workspace_id=other["id"], assignee_agent_id=there["id"])
-    assert [a["id"] for a in (await office.get("/api/office/agents")).body["agents"]] == [here["id"]]
-    assert [a["id"] for a in (await office.get(f"/api/office/agents?workspace_id={other['id']}")).body[
+    assert_problem(await office_api.post("/api/office/agents", {"name": "same-name"}), 409, "conflict")
+    t_here = await office_api.task("here", assignee_agent_id=here["id"])
+    t_there = await office_api.task("there", workspace_id=other["id"], assignee_agent_id=there["id"])
+    assert [a["id"] for a in (await office_api.get("/api/office/agents")).body["agents"]] == [here["id"]]
+    assert [a["id"] for a in (await office_api.get(f"/api/office/agents?workspace_id={other['id']}")).body[
         "agents"]] == [there["id"]]
-    assert [t["id"] for t in (await office.get("/api/office/tasks")).body["tasks"]] == [t_here["id"]]
-    assert [t["id"] for t in (await office.get(f"/api/office/tasks?workspace_id={other['id']}")).body[
+    assert [t["id"] for t in (await office_api.get("/api/office/tasks")).body["tasks"]] == [t_here["id"]]
+    assert [t["id"] for t in (await office_api.get(f"/api/office/tasks?workspace_id={other['id']}")).body[
         "tasks"]] == [t_there["id"]]
-    assert [w["agent_id"] for w in await office.wakeups()] == [here["id"]]
-    assert [w["agent_id"] for w in await office.wakeups(f"?workspace_id={other['id']}")] == [there["id"]]
-    assert (await office.get(f"/api/office/settings?workspace_id={other['id']}")).body["name"] == "Second"
+    assert [w["agent_id"] for w in await office_api.wakeups()] == [here["id"]]
+    assert [w["agent_id"] for w in await office_api.wakeups(f"?workspace_id={other['id']}")] == [there["id"]]
+    assert (await office_api.get(f"/api/office/settings?workspace_id={other['id']}")).body["name"] == "Second"
 
 
-async def test_nothing_is_dispatched_across_workspaces(office, tmp_path):
+async def test_nothing_is_dispatched_across_workspaces(office_api, tmp_path):
     other_repo = make_repo(tmp_path / "other-repo")
-    other = await office.workspace("Second", other_repo)
-    bare = await office.workspace("Bare")   # no repository of its own
-    here = await office.agent("here")
-    there = await office.agent("there", workspace_id=other["id"])
-    lost = await office.agent("lost", workspace_id=bare["id"])
-    await office.task("A", assignee_agent_id=here["id"])
-    await office.task("B", workspace_id=other["id"], assignee_agent_id=there["id"])
-    await office.task("C", workspace_id=bare["id"], assignee_agent_id=lost["id"])
+    other = await office_api.workspace("Second", other_repo)
+    bare = await office_api.workspace("Bare")   # no repository of its own
+    here = await office_api.agent("here")
+    there = await office_api.agent("there", workspace_id=other["id"])
+    lost = await office_api.agent("lost", workspace_id=bare["id"])
+    await office_api.task("A", assignee_agent_id=here["id"])
+    await office_api.task("B", workspace_id=other["id"], assignee_agent_id=there["id"])
+    await office_api.task("C", workspace_id=bare["id"], assignee_agent_id=lost["id"])
     # A cross-workspace assignment or blocker is refused outright.
-    cross = await office.post("/api/office/tasks", {"title": "x", "workspace_id": other["id"],
-                                                    "assignee_agent_id": here["id"]})
+    cross = await office_api.post("/api/office/tasks", {"title": "x", "workspace_id": other["id"],
+                                                        "assignee_agent_id": here["id"]})
     assert_problem(cross, 422, "validation_failed", "assignee_agent_id")
-    cross = await office.post("/api/office/tasks", {"title": "x", "blocked_by": [(await office.task(
+    cross = await office_api.post("/api/office/tasks", {"title": "x", "blocked_by": [(await office_api.task(
         "y", workspace_id=other["id"]))["id"]]})
     assert_problem(cross, 422, "validation_failed", "blocked_by")
-    queued = office.dispatch()
+    queued = office_api.dispatch()
     assert len(queued) == 2
     repos = {}
     for run_id in queued:
-        run = (await office.get(f"/api/office/runs/{run_id}")).body
+        run = (await office_api.get(f"/api/office/runs/{run_id}")).body
         repos[run["agent_id"]] = (run["workspace_id"], run["repository"])
-    assert repos == {here["id"]: ("ws_default", str(office.repo)), there["id"]: (other["id"], str(other_repo))}
+    assert repos == {here["id"]: ("ws_default", str(office_api.repo)), there["id"]: (other["id"], str(other_repo))}
     # The bare workspace does not borrow the default workspace's repository: its wakeup waits for a retry.
-    [w] = await office.wakeups(f"?workspace_id={bare['id']}")
+    [w] = await office_api.wakeups(f"?workspace_id={bare['id']}")
     assert (w["status"], w["run_id"], w["retry_count"]) == ("queued", None, 1)
     assert w["scheduled_retry_at"] and "repository" in w["last_error"]
 
@@ -844,9 +780,6 @@ async def test_nothing_is_dispatched_across_workspaces(office, tmp_path):
 ###############################################################################
 # 4-5. End to end: a real ``outpost serve`` with the demo agent.
 ###############################################################################
-
-SETTLED = ("succeeded", "failed", "needs_you", "cancelled")
-
 
 @contextlib.contextmanager
 def office_client(server) -> Iterator[httpx.Client]:

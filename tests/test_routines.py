@@ -11,6 +11,7 @@ real ``outpost serve`` with curl, as the README shows it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -27,42 +28,43 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import T0, Reply, call, instant, normalized
-from test_api import make_deps
-from test_office import HOUR, MINUTE, PROFILES, activity, at, dispatch, office_run, only, task, until, wakeup, wakeups
-from test_office_api import OfficeApi
+from conftest import (
+    HOUR,
+    MINUTE,
+    PROBLEM,
+    PROFILES,
+    T0,
+    TOKEN,
+    OfficeApi,
+    Reply,
+    activity,
+    at,
+    call,
+    dispatch,
+    instant,
+    make_deps,
+    new_agent,
+    new_task,
+    normalized,
+    office_run,
+    only,
+    set_settings,
+    settle,
+    sign_in_client,
+    task,
+    until,
+    wakeup,
+    wakeups,
+)
 
 import outpost
 
-TOKEN = "tok"
-PROBLEM = "application/problem+json"
-
-
 # --- store helpers (one transaction per call, explicit ``now``) ---------------------------------------
-
-def set_settings(store: outpost.Store, workspace_id: str | None = None, **raw) -> dict:
-    current = call(store, store.office_settings, workspace_id)
-    return call(store, store.update_office_settings, workspace_id,
-                outpost.normalize_settings(raw, profiles=list(PROFILES), current=current))
-
-
-def new_agent(store: outpost.Store, name: str, now: datetime = T0, workspace_id: str | None = None,
-              **fields) -> str:
-    raw = {"name": name, "executor": "demo", "cooldown_sec": 0, **fields}
-    return call(store, store.create_agent, workspace_id, outpost.normalize_agent(raw, profiles=list(PROFILES)),
-                now)["id"]
-
 
 def edit_agent(store: outpost.Store, agent_id: str, now: datetime, **changes) -> dict:
     current = call(store, store.agent_fields, agent_id)
     return call(store, store.update_agent, agent_id,
                 outpost.normalize_agent(changes, profiles=list(PROFILES), current=current), now)
-
-
-def new_task(store: outpost.Store, title: str, now: datetime = T0, workspace_id: str | None = None,
-             **fields) -> str:
-    fields = outpost.normalize_task({"title": title, **fields}, profiles=list(PROFILES))
-    return call(store, store.create_task, workspace_id, fields, now)["id"]
 
 
 def new_routine(store: outpost.Store, assignee: str, *, triggers=(), now: datetime = T0,
@@ -95,21 +97,6 @@ def fire(store: outpost.Store, routine_id: str, now: datetime, variables: dict |
 
 def tasks(store: outpost.Store, agent_id: str | None = None, workspace_id: str | None = None) -> list[dict]:
     return call(store, store.list_tasks, workspace_id, agent_id)
-
-
-def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) -> None:
-    """Admit (FIFO) until ``run_id`` runs, then settle it as the run supervisor would."""
-    while call(store, store.get_run, run_id)["status"] == "queued":
-        assert call(store, store.admit_next, 100, now) is not None
-    assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, **kw)
-
-
-@pytest.fixture
-def office(store: outpost.Store, tmp_path: Path) -> outpost.Store:
-    """The store with the default workspace's repository set (Office runs need one; nothing
-    here launches a process, so it need not be a git repository)."""
-    set_settings(store, repository=str(tmp_path / "repo"))
-    return store
 
 
 # --- actors under MockClock ------------------------------------------------------------------------
@@ -156,8 +143,7 @@ class RoutinesApi(OfficeApi):
 
     async def page(self, path: str) -> tuple[int, str]:
         """A dashboard page with a signed-in session."""
-        cookie, _ = call(self.store, self.store.create_session, self.clock.now())
-        self.client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+        sign_in_client(self.client, self.store, self.clock.now())
         response = await self.client.get(path, headers={"Accept": "text/html"})
         return response.status_code, await response.get_data(as_text=True)
 
@@ -235,7 +221,7 @@ def test_triggers_are_checked_with_their_defaults():
 
 
 def test_variable_types_text_number_boolean_select_are_coerced_and_checked(office):
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Deploy", concurrency_policy="always_enqueue",
                     task_template={"title": "{{count}} {{dry_run}} {{env}} {{note}}"},
                     variables=[{"name": "count", "type": "number"}, {"name": "dry_run", "type": "boolean"},
@@ -256,7 +242,7 @@ def test_variable_types_text_number_boolean_select_are_coerced_and_checked(offic
 
 def test_variable_resolution_order_builtins_then_defaults_then_provided(office):
     set_settings(office, timezone="Pacific/Auckland")
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Digest", concurrency_policy="always_enqueue",
                     task_template={"title": "{{date}} for {{who}}",
                                    "description": "{{datetime}} {{who}} in {{channel}}"},
@@ -288,7 +274,7 @@ def test_webhook_body_values_by_top_level_key_and_dotted_path():
 
 
 def test_lightweight_routine_description_variable_from_webhook_reaches_the_prompt(office):
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="CI watch", description="Check the CI of {{branch}}.",
                     triggers=[{"kind": "webhook", "signing_mode": "none"}])
     fired = call(office, office.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, None, 0, at(0))[0]
@@ -299,7 +285,7 @@ def test_lightweight_routine_description_variable_from_webhook_reaches_the_promp
 
 def test_lightweight_routine_builtin_date_is_in_workspace_timezone(office):
     set_settings(office, timezone="Pacific/Auckland")
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="Standup", description="Standup notes for {{date}}.")
     fire(office, r["id"], at(12 * HOUR))            # 1 December, 09:00 in Auckland
     (run_id,) = dispatch(office, at(12 * HOUR))
@@ -313,7 +299,7 @@ def test_lightweight_routine_builtin_date_is_in_workspace_timezone(office):
 async def test_heavy_routine_daily_dep_update_creates_task_at_0900_utc(autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
-    worker = new_agent(store, "Frontend Worker")
+    worker = new_agent(store, "Frontend Worker", cooldown_sec=0)
     r = new_routine(store, worker, name="Daily Dep Update", task_template={"description": "Update the dependencies."},
                     triggers=[{"kind": "schedule", "cron_expression": "0 9 * * *", "timezone": "UTC"}])
     assert r["triggers"][0]["next_run_at"] == "2026-11-30T09:00:00Z"
@@ -340,7 +326,7 @@ async def test_heavy_routine_daily_dep_update_creates_task_at_0900_utc(autojump_
 
 
 def test_heavy_routine_task_auto_completes_when_its_run_succeeds(office):
-    worker = new_agent(office, "Frontend Worker")
+    worker = new_agent(office, "Frontend Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Daily review", task_template={"title": "Review {{date}}"})
     x = fire(office, r["id"], at(0))
     assert (x["source"], x["status"], x["trigger_id"]) == ("manual", "task_created", "manual")
@@ -358,7 +344,7 @@ def test_heavy_routine_task_auto_completes_when_its_run_succeeds(office):
 
 
 def test_lightweight_routine_fire_queues_a_taskless_routine_wakeup(office):
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="Check upstream PRs", description="Look at the open pull requests.")
     x = fire(office, r["id"], at(0))
     assert (x["status"], x["linked_task_id"]) == ("received", None)
@@ -378,7 +364,7 @@ def test_lightweight_routine_fire_queues_a_taskless_routine_wakeup(office):
 
 
 def test_skip_if_active_routine_run_is_skipped(office):
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Nightly", concurrency_policy="skip_if_active",
                     task_template={"title": "Nightly {{datetime}}"})
     first = fire(office, r["id"], at(0))
@@ -394,7 +380,7 @@ def test_skip_if_active_routine_run_is_skipped(office):
 
 
 def test_coalesce_if_active_routine_run_is_coalesced_into_the_active_one(office):
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     heavy = new_routine(office, worker, name="Triage", task_template={"title": "Triage {{datetime}}"})
     assert heavy["concurrency_policy"] == "coalesce_if_active"     # the default
     first = fire(office, heavy["id"], at(0))
@@ -403,7 +389,7 @@ def test_coalesce_if_active_routine_run_is_coalesced_into_the_active_one(office)
         "coalesced", first["id"], None)
     assert len(tasks(office, worker)) == 1
     # Lightweight: active while its wakeup is queued or its run in flight.
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     light = new_routine(office, lead, name="Pulse")
     a = fire(office, light["id"], at(HOUR))
     b = fire(office, light["id"], at(HOUR + MINUTE))
@@ -418,7 +404,7 @@ def test_coalesce_if_active_routine_run_is_coalesced_into_the_active_one(office)
 
 
 def test_always_enqueue_creates_a_task_on_every_fire(office):
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Scan", concurrency_policy="always_enqueue",
                     task_template={"title": "Scan"})
     runs = [fire(office, r["id"], at(i * MINUTE)) for i in range(3)]
@@ -427,7 +413,7 @@ def test_always_enqueue_creates_a_task_on_every_fire(office):
 
 
 def test_concurrency_policy_is_evaluated_per_dispatch_fingerprint(office):
-    worker = new_agent(office, "Release Worker")
+    worker = new_agent(office, "Release Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Release", task_template={"title": "Release {{branch}}"})
     a = fire(office, r["id"], at(0), {"branch": "release/2.0"})
     b = fire(office, r["id"], at(1), {"branch": "release/3.0"})
@@ -441,7 +427,7 @@ def test_concurrency_policy_is_evaluated_per_dispatch_fingerprint(office):
 async def test_cron_fire_without_required_variable_is_recorded_failed(autojump_clock, mock_deps, tmp_path):
     deps, office = mock_deps, mock_deps.store
     set_settings(office, repository=str(tmp_path / "repo"))
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Deploy", task_template={"title": "Deploy to {{env}}"},
                     variables=[{"name": "env", "required": True}], triggers=[SCHEDULE_5MIN])
     await run_actors(deps, at(6 * MINUTE))
@@ -453,7 +439,7 @@ async def test_cron_fire_without_required_variable_is_recorded_failed(autojump_c
 
 
 def test_a_cron_tick_fires_once_even_when_claimed_again(office):
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="Pulse", concurrency_policy="always_enqueue", triggers=[SCHEDULE_5MIN])
     trigger_id = r["triggers"][0]["id"]
     assert call(office, office.claim_due_routines, at(5 * MINUTE + 30)) == 1
@@ -652,8 +638,7 @@ async def test_run_now_with_required_reason_variable_refused_without_it(api):
     field = re.search(r'<input[^>]*name="var_reason"[^>]*>', page)
     assert field and re.search(r"\brequired\b", field[0]), page
     # ... and a form sent without it anyway is refused the same way, naming the field.
-    cookie, csrf = call(api.store, api.store.create_session, T0)
-    api.client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
+    csrf = sign_in_client(api.client, api.store, T0)
     response = await api.client.post(f"/office/routines/{r['id']}/fire", form={"csrf": csrf, "var_reason": ""})
     assert response.status_code == 422
     assert "is required" in await response.get_data(as_text=True)
@@ -752,14 +737,14 @@ def test_catch_up_plan_fires_the_newest_cap_or_only_the_current_tick():
 async def down_for_3_hours(deps: outpost.Deps) -> None:
     """The scheduler stopped at T0 (08:00) and starts again at 11:02: the cron actor wakes
     with that wall clock, then runs a minute."""
-    deps.clock = outpost.TrioClock(at(3 * HOUR + 2 * MINUTE))
-    await run_actors(deps, at(3 * HOUR + 3 * MINUTE))
+    restarted = dataclasses.replace(deps, clock=outpost.TrioClock(at(3 * HOUR + 2 * MINUTE)))
+    await run_actors(restarted, at(3 * HOUR + 3 * MINUTE))
 
 
 async def test_scheduler_down_3_hours_skip_missed_fires_current_tick_only(autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
-    worker = new_agent(store, "Worker")
+    worker = new_agent(store, "Worker", cooldown_sec=0)
     r = new_routine(store, worker, name="Sync", catch_up_policy="skip_missed", concurrency_policy="always_enqueue",
                     task_template={"title": "Sync {{datetime}}"}, triggers=[SCHEDULE_5MIN])
     await down_for_3_hours(deps)
@@ -776,12 +761,12 @@ async def test_scheduler_down_3_hours_enqueue_missed_with_cap_fires_25_and_summa
         autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
-    worker = new_agent(store, "Worker")
+    worker = new_agent(store, "Worker", cooldown_sec=0)
     heavy = new_routine(store, worker, name="Sync", concurrency_policy="always_enqueue",
                         task_template={"title": "Sync {{datetime}}", "description": "Sync the mirrors."},
                         triggers=[SCHEDULE_5MIN])
     assert (heavy["catch_up_policy"], heavy["catch_up_max"]) == ("enqueue_missed_with_cap", 25)
-    lead = new_agent(store, "Lead", role="coordinator")
+    lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
     (heartbeat,) = [x for x in call(store, store.list_routines, None) if x["name"] == "Coordinator heartbeat"]
     await down_for_3_hours(deps)
@@ -855,7 +840,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
         autojump_clock, mock_deps, git_repo):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(git_repo))
-    lead = new_agent(store, "Lead", role="coordinator")
+    lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
     (hb,) = call(store, store.list_routines, None)
     trigger_id = only(hb["triggers"])["id"]
@@ -898,7 +883,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
 async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
-    lead = new_agent(store, "Lead", role="coordinator")
+    lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
     (hb,) = call(store, store.list_routines, None)
     assert call(store, store.scheduled_wakeups, lead) == 1
@@ -918,7 +903,7 @@ async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_de
 
 
 def test_deleted_heartbeat_pending_wakeup_does_not_wake_coordinator(office):
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     hb = call(office, office.install_heartbeat, lead, T0)
     new_task(office, "Plan the quarter", T0, assignee_agent_id=lead)
     (busy,) = dispatch(office, T0)                          # the coordinator is in a session...
@@ -980,7 +965,7 @@ async def test_the_wakeups_page_labels_cancelled_held_and_recovered_wakeups(api)
 async def test_two_routines_same_coordinator_within_window_coalesce(autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
-    lead = new_agent(store, "Lead", role="coordinator")
+    lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
     budget = new_routine(store, lead, name="Budget check", triggers=[SCHEDULE_5MIN])
     await run_actors(deps, at(5 * MINUTE + 30))
@@ -1002,7 +987,7 @@ async def test_two_routines_same_coordinator_within_window_coalesce(autojump_clo
 ###############################################################################
 
 def test_lightweight_routine_idle_skip_for_worker(office):
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     assert call(office, office.get_agent, worker)["skip_idle_wakeups"] is True
     r = new_routine(office, worker, name="Poll upstream", triggers=[SCHEDULE_5MIN])
     assert call(office, office.claim_due_routines, at(5 * MINUTE)) == 1
@@ -1026,7 +1011,7 @@ def test_lightweight_routine_idle_skip_for_worker(office):
 
 
 def test_coordinator_routine_wakeup_proceeds_without_assigned_tasks(office):
-    lead = new_agent(office, "Lead", role="coordinator")
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     assert call(office, office.get_agent, lead)["skip_idle_wakeups"] is False
     call(office, office.install_heartbeat, lead, T0)
     call(office, office.claim_due_routines, at(5 * MINUTE))
@@ -1040,8 +1025,8 @@ def test_coordinator_routine_wakeup_proceeds_without_assigned_tasks(office):
 ###############################################################################
 
 def test_recovery_sweep_dispatches_unstarted_office_task_and_skips_the_rest(office):
-    ada = new_agent(office, "Ada", status="paused")
-    bob = new_agent(office, "Bob", status="paused")
+    ada = new_agent(office, "Ada", status="paused", cooldown_sec=0)
+    bob = new_agent(office, "Bob", status="paused", cooldown_sec=0)
     old = new_task(office, "created 29 h before the sweep", at(HOUR), assignee_agent_id=ada)
     unstarted = new_task(office, "assigned, never started", at(7 * HOUR), assignee_agent_id=ada)
     new_task(office, "a kanban card", at(7 * HOUR), assignee_agent_id=ada, workflow="kanban")
@@ -1075,7 +1060,7 @@ def test_recovery_sweep_dispatches_unstarted_office_task_and_skips_the_rest(offi
 
 def test_kanban_only_workspace_recovery_queues_no_task_assigned_run(store):
     board = call(store, store.create_workspace, "Board", at(0))["id"]
-    ada = new_agent(store, "Ada", workspace_id=board)
+    ada = new_agent(store, "Ada", workspace_id=board, cooldown_sec=0)
     card = new_task(store, "a card with a runner", at(0), workspace_id=board, assignee_agent_id=ada, workflow="kanban")
     assert wakeups(store, workspace_id=board) == []
     assert call(store, store.recovery_sweep, at(MINUTE)) == 0
@@ -1084,7 +1069,7 @@ def test_kanban_only_workspace_recovery_queues_no_task_assigned_run(store):
 
 
 def test_recovery_sweep_failed_and_cancelled_runs_do_not_block(office):
-    ada = new_agent(office, "Ada")
+    ada = new_agent(office, "Ada", cooldown_sec=0)
     cancelled = new_task(office, "its run was cancelled", at(0), assignee_agent_id=ada)
     (run_id,) = dispatch(office, at(0))
     settle(office, run_id, "cancelled", at(MINUTE))
@@ -1110,7 +1095,7 @@ def test_recovery_sweep_skipped_entirely_when_no_workspace_has_agents(store):
     assert activity(store, "recovery_sweep_complete") == []
     # Once a workspace has an agent, only that workspace is swept.
     busy = call(store, store.create_workspace, "Busy", at(0))["id"]
-    new_agent(store, "Ada", workspace_id=busy)
+    new_agent(store, "Ada", workspace_id=busy, cooldown_sec=0)
     assert call(store, store.recovery_sweep, at(2 * MINUTE)) == 0
     assert activity(store, "recovery_sweep_complete") == []
     assert [x["data"] for x in activity(store, "recovery_sweep_complete", busy)] == [{"dispatched_count": 0}]
@@ -1131,8 +1116,8 @@ async def test_recovery_lookback_hours_clamped_1_to_720(api):
 async def test_recovery_actor_sweeps_at_start_and_every_5_minutes(autojump_clock, mock_deps, tmp_path):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(tmp_path / "repo"))
-    ada = new_agent(store, "Ada", status="paused")
-    bob = new_agent(store, "Bob", status="paused")
+    ada = new_agent(store, "Ada", status="paused", cooldown_sec=0)
+    bob = new_agent(store, "Bob", status="paused", cooldown_sec=0)
     first = new_task(store, "first", T0, assignee_agent_id=ada)
     second = new_task(store, "second", T0, assignee_agent_id=bob)
     assert dispatch(store, T0) == []
@@ -1159,7 +1144,7 @@ async def test_one_cron_actor_serves_schedules_and_routines(autojump_clock, mock
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(git_repo))
     sched = call(store, store.create_schedule, normalized(git_repo), T0)
-    worker = new_agent(store, "Worker")
+    worker = new_agent(store, "Worker", cooldown_sec=0)
     r = new_routine(store, worker, name="Scan", concurrency_policy="always_enqueue",
                     task_template={"title": "Scan {{datetime}}"}, triggers=[SCHEDULE_5MIN])
     assert r["triggers"][0]["next_run_at"] == sched["next_fire_at"] == "2026-11-30T08:05:00Z"
@@ -1186,7 +1171,7 @@ def test_routine_triggers_and_schedules_share_the_timing_engine_across_dst(offic
     made = datetime(2027, 3, 27, 12, 0, tzinfo=UTC)
     timing = {"kind": "cron", "expression": "30 2 * * *", "timezone": "Europe/Berlin"}
     sched = call(office, office.create_schedule, normalized(git_repo, now=made, timing=timing), made)
-    worker = new_agent(office, "Worker")
+    worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Night", concurrency_policy="always_enqueue", now=made,
                     task_template={"title": "Night"},
                     triggers=[{"kind": "schedule", "cron_expression": "30 2 * * *", "timezone": "Europe/Berlin"}])

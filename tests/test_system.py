@@ -17,14 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import OUTPOST_PY, Server, definition, git, wait_for
+from conftest import OUTPOST_PY, SETTLED, YEARLY, Server, definition, git, wait_for
 
 import outpost
-
-#: A timing that never fires by itself while a test runs: runs come from manual fires.
-YEARLY = {"kind": "cron", "expression": "0 0 1 1 *", "timezone": "UTC"}
-SETTLED = ("succeeded", "failed", "needs_you", "cancelled")
-
 
 # --- helpers -------------------------------------------------------------------------------------
 

@@ -1,0 +1,89 @@
+"""Every dashboard page of the route table, in process: signed out it redirects to sign-in;
+signed in it answers 200 on an empty database and on a filled one, never a server error."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import T0, call, make_deps, make_repo, new_agent, new_task, normalized, set_settings, sign_in_client
+
+import outpost
+
+#: Every GET page of the dashboard (the ``pages`` table), the public sign-in pages aside.
+PAGES = [r.rule for r in outpost.pages.routes if r.method == "GET" and r.auth is outpost.Auth.SESSION]
+
+
+def fill(store: outpost.Store, repo: Path) -> dict[str, str]:
+    """One of everything a page shows: a schedule with a failed run and its attention item, an
+    agent with a task, its wakeup and Office run, and a routine with a webhook trigger."""
+    set_settings(store, repository=str(repo))
+    schedule_id = call(store, store.create_schedule, normalized(repo), T0)["id"]
+    run_id = call(store, store.fire_manual, schedule_id, 1, T0)["run_id"]
+    call(store, store.admit_ready, 2, T0)
+    call(store, store.settle_run, run_id, outpost.RunStatus.FAILED, T0, exit_code=1, error="boom")
+    call(store, store.notify_run, run_id, T0)
+    agent_id = new_agent(store, "Worker", T0)
+    task_id = new_task(store, "Write notes", T0, assignee_agent_id=agent_id)
+    (office_run_id,), _ = call(store, store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})
+    routine = call(store, store.create_routine, None,
+                   outpost.normalize_routine({"name": "nightly", "assignee_agent_id": agent_id}),
+                   [outpost.normalize_trigger({"kind": "webhook", "signing_mode": "hmac_sha256"}, 0, T0, "UTC")], T0)
+    return {"schedule_id": schedule_id, "run_id": run_id, "agent_id": agent_id, "task_id": task_id,
+            "routine_id": routine["id"], "office_run_id": office_run_id}
+
+
+def path_of(rule: str, ids: dict[str, str]) -> str:
+    ids = {**ids, "run_id": ids["office_run_id"]} if rule.startswith("/office/runs/") else ids
+    return re.sub(r"<(\w+)>", lambda m: ids[m[1]], rule)
+
+
+@pytest.fixture
+def dashboard(tmp_path: Path):
+    deps = make_deps(tmp_path)
+    yield deps
+    deps.store.close()
+
+
+def test_every_page_is_in_the_table():
+    assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
+    assert len(PAGES) == 19
+
+
+@pytest.mark.parametrize("rule", PAGES)
+async def test_a_page_redirects_to_sign_in_when_signed_out(dashboard, rule):
+    client = outpost.create_app(dashboard).test_client()
+    response = await client.get(path_of(rule, dict.fromkeys(("schedule_id", "run_id", "agent_id", "task_id",
+                                                              "routine_id", "office_run_id"), "x")))
+    assert response.status_code == 302
+    assert response.headers["Location"].startswith("/signin?next=")
+
+
+@pytest.mark.parametrize("rule", PAGES)
+async def test_a_page_answers_on_an_empty_database(dashboard, rule):
+    client = outpost.create_app(dashboard).test_client()
+    sign_in_client(client, dashboard.store, T0)
+    missing = dict.fromkeys(("schedule_id", "run_id", "agent_id", "task_id", "routine_id", "office_run_id"),
+                            "no_such_id")
+    response = await client.get(path_of(rule, missing), headers={"Accept": "text/html"})
+    expected = (404,) if "<" in rule else (200, 302)   # "/" and "/office" redirect to their first page
+    assert response.status_code in expected, (rule, response.status_code)
+    if response.status_code != 302:
+        assert "text/html" in response.headers["Content-Type"]
+
+
+@pytest.mark.parametrize("rule", PAGES)
+async def test_a_page_answers_on_a_filled_database(dashboard, tmp_path, rule):
+    ids = fill(dashboard.store, make_repo(tmp_path / "repo"))
+    client = outpost.create_app(dashboard).test_client()
+    sign_in_client(client, dashboard.store, T0)
+    response = await client.get(path_of(rule, ids), headers={"Accept": "text/html"})
+    if rule in ("/", "/office"):
+        assert response.status_code == 302
+        return
+    page = await response.get_data(as_text=True)
+    assert response.status_code == 200, (rule, page[:500])
+    for name in ("schedule_id", "run_id", "agent_id", "task_id", "routine_id"):
+        if f"<{name}>" in rule:
+            assert ids["office_run_id" if rule.startswith("/office/runs/") else name] in page

@@ -1,0 +1,250 @@
+"""Guards that keep outpost.py navigable: every route declared once in a table with its auth,
+handlers at module level, short functions and classes, sections and store layers that only
+reach downward. A failure here names the place that broke the shape."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import outpost
+
+SOURCE = Path(outpost.__file__).read_text()
+TREE = ast.parse(SOURCE)
+#: Functions allowed past the length cap: the schema reads best whole.
+LONG_ALLOWED = {"define_entities"}
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 700
+STORE_LAYERS = ["StoreBase", "ScheduleStore", "RunStore", "AccessStore", "WakeupStore", "OfficeStore",
+                "PipelineStore", "RoutineStore", "Store"]
+
+#: Every route of the appliance: (method, rule, auth). Reviewed: a change here is a change of the
+#: contract or of who may call what.
+ROUTES = [
+    ("GET", "/healthz", "public"),
+    ("POST", "/v1/outpost/schedules/compose", "token"),
+    ("POST", "/v1/outpost/schedules", "token"),
+    ("GET", "/v1/outpost/schedules", "token"),
+    ("GET", "/v1/outpost/schedules/<schedule_id>", "token"),
+    ("PATCH", "/v1/outpost/schedules/<schedule_id>", "token"),
+    ("POST", "/v1/outpost/schedules/<schedule_id>/control", "token"),
+    ("GET", "/v1/outpost/schedules/<schedule_id>/occurrences", "token"),
+    ("GET", "/v1/outpost/schedules/<schedule_id>/inspect", "token"),
+    ("GET", "/v1/outpost/runs", "token"),
+    ("GET", "/v1/outpost/runs/<run_id>", "token"),
+    ("GET", "/v1/outpost/runs/<run_id>/log", "token"),
+    ("POST", "/v1/outpost/runs/<run_id>/adopt", "token"),
+    ("POST", "/v1/outpost/runs/<run_id>/control", "token"),
+    ("POST", "/v1/outpost/dispatches", "token"),
+    ("GET", "/v1/outpost/attention", "token"),
+    ("POST", "/v1/outpost/attention/<attention_id>/ack", "token"),
+    ("GET", "/v1/outpost/events", "token"),
+    ("GET", "/v1/outpost/events/stream", "token"),
+    ("GET", "/v1/outpost/snapshot", "token"),
+    ("GET", "/api/office/workspaces", "token"),
+    ("POST", "/api/office/workspaces", "token"),
+    ("GET", "/api/office/projects", "token"),
+    ("POST", "/api/office/projects", "token"),
+    ("GET", "/api/office/agents", "token"),
+    ("POST", "/api/office/agents", "token"),
+    ("GET", "/api/office/agents/<agent_id>", "token"),
+    ("PATCH", "/api/office/agents/<agent_id>", "token"),
+    ("GET", "/api/office/agents/<agent_id>/runs", "token"),
+    ("POST", "/api/office/agents/<agent_id>/wake", "token"),
+    ("GET", "/api/office/tasks", "token"),
+    ("POST", "/api/office/tasks", "token"),
+    ("GET", "/api/office/tasks/<task_id>", "token"),
+    ("PATCH", "/api/office/tasks/<task_id>", "token"),
+    ("POST", "/api/office/tasks/<task_id>/move", "token"),
+    ("POST", "/api/office/tasks/<task_id>/comments", "token"),
+    ("GET", "/api/office/approvals", "token"),
+    ("POST", "/api/office/approvals/<approval_id>/resolve", "token"),
+    ("GET", "/api/office/wakeups", "token"),
+    ("GET", "/api/office/runs/<run_id>", "token"),
+    ("GET", "/api/office/activity", "token"),
+    ("GET", "/api/office/settings", "token"),
+    ("PATCH", "/api/office/settings", "token"),
+    ("GET", "/api/office/routines", "token"),
+    ("POST", "/api/office/routines", "token"),
+    ("GET", "/api/office/routines/<routine_id>", "token"),
+    ("PATCH", "/api/office/routines/<routine_id>", "token"),
+    ("DELETE", "/api/office/routines/<routine_id>", "token"),
+    ("POST", "/api/office/routines/<routine_id>/fire", "token"),
+    ("POST", "/api/office/routines/<routine_id>/triggers", "token"),
+    ("DELETE", "/api/office/routines/<routine_id>/triggers/<trigger_id>", "token"),
+    ("POST", "/api/office/routines/<routine_id>/triggers/<trigger_id>/rotate", "token"),
+    ("GET", "/api/agent/me", "run"),
+    ("POST", "/api/agent/comments", "run"),
+    ("POST", "/api/agent/tasks/<task_id>/move", "run"),
+    ("POST", "/api/agent/tasks", "run"),
+    ("POST", "/api/agent/approvals", "run"),
+    ("POST", "/api/agent/wake", "run"),
+    ("POST", "/api/routine-triggers/<public_id>/fire", "signature"),
+    ("GET", "/signin", "public"),
+    ("POST", "/signin", "public"),
+    ("GET", "/signin/<code>", "public"),
+    ("POST", "/signout", "session"),
+    ("GET", "/", "session"),
+    ("GET", "/schedules", "session"),
+    ("GET", "/schedules/new", "session"),
+    ("POST", "/schedules/review", "session"),
+    ("POST", "/schedules", "session"),
+    ("GET", "/schedules/<schedule_id>", "session"),
+    ("GET", "/schedules/<schedule_id>/edit", "session"),
+    ("POST", "/schedules/<schedule_id>/review", "session"),
+    ("POST", "/schedules/<schedule_id>", "session"),
+    ("POST", "/schedules/<schedule_id>/control", "session"),
+    ("GET", "/runs", "session"),
+    ("GET", "/runs/<run_id>", "session"),
+    ("POST", "/runs/<run_id>/control", "session"),
+    ("GET", "/attention", "session"),
+    ("POST", "/attention/<attention_id>/ack", "session"),
+    ("POST", "/attention/ack-all", "session"),
+    ("GET", "/office", "session"),
+    ("GET", "/office/agents", "session"),
+    ("POST", "/office/agents", "session"),
+    ("GET", "/office/agents/<agent_id>", "session"),
+    ("POST", "/office/agents/<agent_id>", "session"),
+    ("POST", "/office/agents/<agent_id>/wake", "session"),
+    ("GET", "/office/board", "session"),
+    ("POST", "/office/tasks", "session"),
+    ("GET", "/office/tasks/<task_id>", "session"),
+    ("POST", "/office/tasks/<task_id>", "session"),
+    ("POST", "/office/tasks/<task_id>/move", "session"),
+    ("POST", "/office/tasks/<task_id>/comments", "session"),
+    ("POST", "/office/approvals/<approval_id>/resolve", "session"),
+    ("GET", "/office/wakeups", "session"),
+    ("GET", "/office/runs/<run_id>", "session"),
+    ("GET", "/office/activity", "session"),
+    ("GET", "/office/routines", "session"),
+    ("POST", "/office/routines", "session"),
+    ("GET", "/office/routines/<routine_id>", "session"),
+    ("POST", "/office/routines/<routine_id>", "session"),
+    ("POST", "/office/routines/<routine_id>/status", "session"),
+    ("POST", "/office/routines/<routine_id>/delete", "session"),
+    ("POST", "/office/routines/<routine_id>/fire", "session"),
+    ("POST", "/office/routines/<routine_id>/triggers", "session"),
+    ("POST", "/office/routines/<routine_id>/triggers/<trigger_id>/delete", "session"),
+    ("POST", "/office/routines/<routine_id>/triggers/<trigger_id>/rotate", "session"),
+    ("GET", "/office/settings", "session"),
+    ("POST", "/office/settings", "session"),
+]
+
+
+def declared() -> list[tuple[str, str, str]]:
+    return [(r.method, r.rule, str(r.auth)) for t in outpost.ROUTE_TABLES for r in t.routes]
+
+
+def test_every_route_is_declared_once_with_an_auth():
+    routes = declared()
+    assert len(routes) == len(set((m, rule) for m, rule, _ in routes))
+    assert all(r.auth in outpost.Auth for t in outpost.ROUTE_TABLES for r in t.routes)
+
+
+def test_the_route_table_matches_the_reviewed_snapshot():
+    assert declared() == ROUTES
+
+
+def test_the_app_serves_exactly_the_declared_routes(tmp_path):
+    deps = outpost.Deps(config=outpost.Config(data_dir=tmp_path), store=outpost.Store(tmp_path / "db.sqlite3"),
+                        clock=outpost.WallClock(), token="t")
+    app = outpost.create_app(deps)
+    served = {(m, rule.rule) for rule in app.url_map.iter_rules() for m in rule.methods - {"HEAD", "OPTIONS"}
+              if rule.endpoint != "static"}
+    assert served == {(m, rule) for m, rule, _ in ROUTES}
+    deps.store.close()
+
+
+def test_json_api_routes_never_use_the_dashboard_auth():
+    for table in (outpost.api, outpost.office_api, outpost.agent_api, outpost.hooks):
+        assert all(r.auth is not outpost.Auth.SESSION for r in table.routes), table.surface
+    assert all(r.auth in (outpost.Auth.SESSION, outpost.Auth.PUBLIC) for r in outpost.pages.routes)
+
+
+def function_nodes():
+    return [n for n in ast.walk(TREE) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def test_no_function_defines_route_handlers_inside_itself():
+    tables = {t.surface for t in outpost.ROUTE_TABLES} | {"app"}
+    for fn in function_nodes():
+        for inner in ast.walk(fn):
+            if inner is fn or not isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for d in inner.decorator_list:
+                target = d.func if isinstance(d, ast.Call) else d
+                assert not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                            and target.value.id in tables), f"{fn.name} defines the route {inner.name}"
+
+
+def test_create_app_only_installs_the_tables():
+    (create_app,) = [n for n in function_nodes() if n.name == "create_app"]
+    nested = [n for n in ast.walk(create_app)
+              if n is not create_app and isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef)]
+    assert len(nested) <= 2, [n.name for n in nested]
+
+
+def test_functions_and_classes_stay_short():
+    too_long = [(n.name, n.end_lineno - n.lineno + 1) for n in function_nodes()
+                if n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES and n.name not in LONG_ALLOWED]
+    too_long += [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(TREE)
+                 if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES]
+    assert too_long == []
+
+
+def section_of(lineno: int, banners: list[tuple[int, int]]) -> int:
+    return max((n for line, n in banners if line <= lineno), default=1)
+
+
+def module_names(banners) -> dict[str, int]:
+    """Each module-level name with the section that defines it."""
+    names: dict[str, int] = {}
+    for node in TREE.body:
+        targets = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            targets = [node.name]
+        elif isinstance(node, ast.Assign):
+            targets = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            targets = [node.target.id]
+        for name in targets:
+            names.setdefault(name, section_of(node.lineno, banners))
+    return names
+
+
+def annotations() -> set[int]:
+    """Annotation nodes: strings under ``from __future__ import annotations``, never evaluated."""
+    found: set[int] = set()
+    for n in ast.walk(TREE):
+        parts = [n.annotation] if isinstance(n, ast.AnnAssign | ast.arg) and n.annotation else []
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.returns:
+            parts.append(n.returns)
+        for part in parts:
+            found |= {id(x) for x in ast.walk(part)}
+    return found
+
+
+def test_sections_are_in_order_and_only_use_names_defined_above():
+    banners = [(i + 1, int(m[1])) for i, line in enumerate(SOURCE.split("\n")) if (m := re.match(r"^# (\d)\. ", line))]
+    assert [n for _, n in banners] == list(range(1, 10))
+    names, skip = module_names(banners), annotations()
+    upward = sorted({(getattr(node, "name", node.lineno), n.id) for node in TREE.body
+                     for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                     and id(n) not in skip and names.get(n.id, 0) > section_of(node.lineno, banners)})
+    assert upward == []
+
+
+def test_store_layers_only_call_downward():
+    classes = {n.name: n for n in TREE.body if isinstance(n, ast.ClassDef) and n.name in STORE_LAYERS}
+    assert [classes[name].bases[0].id for name in STORE_LAYERS[1:]] == STORE_LAYERS[:-1]
+    layer_of: dict[str, int] = {}
+    for i, name in enumerate(STORE_LAYERS):
+        for f in classes[name].body:
+            if isinstance(f, ast.FunctionDef):
+                layer_of.setdefault(f.name, i)
+    upward = [(name, f.name, n.attr) for i, name in enumerate(STORE_LAYERS) for f in classes[name].body
+              if isinstance(f, ast.FunctionDef) for n in ast.walk(f)
+              if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+              and layer_of.get(n.attr, -1) > i]
+    assert upward == []
+    assert len(classes["Store"].body) <= 2   # a thin top class: its docstring (and nothing it adds)
