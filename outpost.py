@@ -1079,10 +1079,12 @@ def attention_kinds(notify: str, status: RunStatus, commits: int) -> list[str]:
     return ["succeeded"] if notify == "always" else []
 
 
-def next_failure_streak(streak: int, status: RunStatus) -> int:
+def next_failure_streak(streak: int, status: RunStatus, error: str | None) -> int:
+    """API.md 5.3: success resets the streak, the agent's own failure adds one; a run the
+    daemon's stop or death interrupted is not the agent's failure and counts for nothing."""
     if status == RunStatus.SUCCEEDED:
         return 0
-    if status == RunStatus.FAILED:
+    if status == RunStatus.FAILED and error != INTERRUPTED:
         return streak + 1
     return streak
 
@@ -1099,6 +1101,13 @@ def valid_idempotency_key(key: str) -> bool:
 def parse_count(text: str | None) -> int | None:
     """A non-negative integer of ASCII digits (not '²', not 5,000 digits), else None."""
     return int(text) if text and re.fullmatch(r"[0-9]{1,18}", text) else None
+
+
+def check_revision(schedule_id: str, current: int, given: int) -> None:
+    """API.md 3: a stale If-Match is 412 with the current revision, before anything else is judged."""
+    if current != given:
+        raise RevisionMismatch(f"schedule {schedule_id} is at revision {current}, not {given}; "
+                               "someone else changed it: GET it again", extra={"current_revision": current})
 
 
 def parse_if_match(value: str | None) -> int:
@@ -2599,10 +2608,7 @@ class ScheduleStore(StoreBase):
     def _guard(self, s, revision: int) -> None:
         if s.archived:
             raise Archived(f"schedule {s.id} is archived; create a new one instead")
-        if s.revision != revision:
-            raise RevisionMismatch(f"schedule {s.id} is at revision {s.revision}, not {revision}; "
-                                   "someone else changed it: GET it again",
-                                   extra={"current_revision": s.revision})
+        check_revision(s.id, s.revision, revision)
 
     def schedule_definition(self, schedule_id: str) -> dict[str, Any]:
         s = self._schedule(schedule_id)
@@ -3061,7 +3067,7 @@ class RunStore(ScheduleStore):
                                  schedule_id=s.id if s else None, run_id=r.id)
         if s is None:
             return
-        s.failure_streak = next_failure_streak(s.failure_streak, status)
+        s.failure_streak = next_failure_streak(s.failure_streak, status, r.error)
         if s.failure_streak >= AUTO_PAUSE_STREAK and not s.auto_paused and not s.archived:
             s.enabled, s.auto_paused = False, True
             s.revision += 1
@@ -5850,6 +5856,7 @@ async def api_patch_schedule(web: Web, schedule_id: str):
     current = await web.call(web.store.schedule_definition, schedule_id)
     if current["archived"]:
         raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
+    check_revision(schedule_id, current["revision"], revision)   # a concurrent edit: 412, not a mismatch
     definition = await checked_definition(web.deps, merge_changes(current["definition"], raw.get("changes")),
                                           current["definition"])
     check_confirmation(definition, raw.get("confirmation"))

@@ -618,12 +618,23 @@ async def test_patch_without_idempotency_key_is_428(api):
 
 
 async def test_patch_with_stale_revision_is_412_with_the_current_revision(api):
+    """Defect 10: client B composes at revision 1, A renames the schedule (revision 2), then B's
+    PATCH with If-Match 1 is 412 with the current revision, not 422 confirmation_mismatch, and
+    B's key is not spent on it: the same key works once B has composed again."""
     sched = await api.schedule()
-    await api.control(sched["id"], "pause", 1)
-    reply = await api.edit(sched["id"], {"brief": "x"}, '"1"')
-    assert_problem(reply, 412, "revision_mismatch")
-    assert reply.body["current_revision"] == 2
-    assert (await api.get(f"/v1/outpost/schedules/{sched['id']}")).body["brief"] == "@print hello"
+    path = f"/v1/outpost/schedules/{sched['id']}"
+    composed_by_b = await api.compose({"schedule_id": sched["id"], "brief": "@print from b"})
+    assert (await api.edit(sched["id"], {"name": "renamed-by-a"}, 1)).status == 200
+    stale = await api.patch(path, {"changes": {"brief": "@print from b"},
+                                   "confirmation": composed_by_b.body["confirmation"]}, if_match=1, key="b-key")
+    assert_problem(stale, 412, "revision_mismatch")
+    assert stale.body["current_revision"] == 2
+    assert (await api.get(path)).body["brief"] == "@print hello"
+    recomposed = await api.compose({"schedule_id": sched["id"], "brief": "@print from b"})
+    retried = await api.patch(path, {"changes": {"brief": "@print from b"},
+                                     "confirmation": recomposed.body["confirmation"]}, if_match=2, key="b-key")
+    assert retried.status == 200, retried.body
+    assert retried.body["name"] == "renamed-by-a" and retried.body["brief"] == "@print from b"
 
 
 async def test_patch_bumps_revision_and_etag(api):

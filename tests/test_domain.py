@@ -542,7 +542,13 @@ def test_attention_kinds_per_notify_policy(notify, status, commits, kinds):
     (2, RunStatus.NEEDS_YOU, 2), (2, RunStatus.CANCELLED, 2),
 ])
 def test_next_failure_streak(streak, status, expected):
-    assert outpost.next_failure_streak(streak, status) == expected
+    error = "exit code 1" if status == RunStatus.FAILED else None
+    assert outpost.next_failure_streak(streak, status, error) == expected
+
+
+def test_an_interrupted_run_does_not_feed_the_failure_streak():
+    """Defect 3: a deploy or restart during a run is not the agent's failure (API.md 5.3)."""
+    assert outpost.next_failure_streak(2, RunStatus.FAILED, outpost.INTERRUPTED) == 2
 
 
 ###############################################################################

@@ -87,10 +87,18 @@ def test_under_journald_log_lines_carry_a_priority_and_no_timestamp(server_facto
     assert settled.startswith("<6>INFO outpost.run: run out_")
 
 
+def test_the_unit_stops_the_daemon_first_so_it_records_its_agents_interrupted():
+    """Defect 3: under KillMode=control-group systemd's SIGTERM reached the agents with the
+    daemon, and their runs settled as ordinary failures ("exit code -15") that fed the streak.
+    KillMode=mixed sends SIGTERM to the daemon alone; it ends its agents and records them."""
+    unit = UNIT.read_text()
+    assert "KillMode=mixed" in unit and "KillMode=control-group" not in unit
+
+
 def test_the_unit_file_declares_notify_watchdog_and_hardening():
     unit = UNIT.read_text()
     for directive in ("Type=notify", "NotifyAccess=main", "WatchdogSec=", "User=outpost", "StateDirectory=outpost",
-                      "Restart=on-failure", "KillMode=control-group", "TimeoutStopSec=30", "NoNewPrivileges=yes",
+                      "Restart=on-failure", "KillMode=mixed", "TimeoutStopSec=30", "NoNewPrivileges=yes",
                       "ProtectSystem=strict", "ReadWritePaths=", "PrivateTmp=yes", "PrivateDevices=yes",
                       "CapabilityBoundingSet=\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077"):
         assert directive in unit, directive

@@ -363,6 +363,16 @@ def test_failure_streak_counts_failures_and_a_success_resets_it(tx):
     assert view["enabled"] and not view["auto_paused"]
 
 
+def test_three_restarts_during_runs_do_not_auto_pause_the_schedule(tx):
+    """Defect 3: three runs interrupted by deploys are not three failures of the agent."""
+    s = schedule(tx)
+    for i in range(3):
+        run_due_slot(tx, T0 + (i + 1) * 5 * MIN, RunStatus.FAILED, error=outpost.INTERRUPTED)
+    view = tx.get_schedule(s["id"])
+    assert (view["enabled"], view["auto_paused"], view["failure_streak"]) == (True, False, 0)
+    assert not [a for a in tx.list_attention(False) if a["kind"] == "auto_pause"]
+
+
 def test_three_failures_in_a_row_auto_pause_with_exactly_one_attention_item(tx):
     s = schedule(tx)
     last = None
