@@ -4487,22 +4487,23 @@ class LiveRun:
     scope: trio.CancelScope
     pid: int | None = None
     cancelled: bool = False
-    paused_at: float | None = None
+    remaining_s: float | None = None     # of the timeout, while paused
 
     def cancel(self) -> None:
         self.cancelled = True
         self.scope.cancel()
 
     def pause(self) -> None:
-        if self.pid and self.paused_at is None:
+        """SIGSTOP the process group and stop its timeout: paused time is not run time."""
+        if self.pid and self.remaining_s is None:
             kill_group(self.pid, signal.SIGSTOP)
-            self.paused_at = trio.current_time()
+            self.remaining_s = self.scope.deadline - trio.current_time()
+            self.scope.deadline = math.inf
 
     def resume(self) -> None:
-        if self.pid and self.paused_at is not None:
-            # Time spent paused does not count against the run's timeout.
-            self.scope.deadline += trio.current_time() - self.paused_at
-            self.paused_at = None
+        if self.pid and self.remaining_s is not None:
+            self.scope.deadline = trio.current_time() + self.remaining_s
+            self.remaining_s = None
             kill_group(self.pid, signal.SIGCONT)
 
 

@@ -705,12 +705,41 @@ async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, 
     assert "SECRET_OF_THE_DAEMON" not in plain_env
 
 
+async def test_paused_time_does_not_count_against_the_timeout(autojump_clock, tmp_path):
+    """Defect 2: paused at once with a 3 s timeout, a run was failed "timeout" while still
+    paused. Paused time is not run time: the timeout fires 3 s of running after the resume."""
+    live = outpost.LiveRun("out_paused", trio.CancelScope())
+    ended: dict = {}
+
+    async def no_op(pid: int) -> None:
+        pass
+
+    async def run() -> None:
+        ended["result"] = await outpost.run_agent_process(
+            ["sleep", "600"], cwd=tmp_path, env=dict(os.environ), stdin_text=None, timeout_s=3,
+            log_path=tmp_path / "run.log", live=live, on_spawn=no_op, grace_s=0.1)
+        ended["at"] = trio.current_time()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while live.pid is None:
+                await trio.sleep(0.001)
+            live.pause()
+            paused_at = trio.current_time()
+            await trio.sleep(4.5)
+            assert ended == {}, "the paused run timed out"
+            live.resume()
+    assert ended["result"].timed_out
+    assert ended["at"] - paused_at >= 4.5 + 2.9
+
+
 async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, git_repo):
     deps = real_deps(max_running=1)
     store = deps.store
     with trio.fail_after(30):
         paused = await queue_dispatch(deps, git_repo, "@sleep 3\n@print resumed")
-        other = await queue_dispatch(deps, git_repo, "@sleep 1\n@print other")
+        other = await queue_dispatch(deps, git_repo, "@sleep 60\n@print other")   # holds the slot until cancelled
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
             await until(lambda: deps.live.pausable(paused))
             await deps.transaction(store.control_run, paused, "pause", deps.clock.now())
@@ -719,15 +748,17 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
             assert (await get_run(deps, paused))["status"] == "paused"
             # The slot is free: the other queued run starts although max_running is 1.
             await until_status(deps, other, {"running"})
-            # Resume waits for a free slot.
+            # Resume waits for a free slot: the other run holds the only one until it is cancelled.
             await deps.transaction(store.control_run, paused, "resume", deps.clock.now())
             deps.claim_wake.poke()
-            await trio.sleep(0.3)
-            if (await get_run(deps, other))["status"] == "running":
-                assert (await get_run(deps, paused))["status"] == "paused"
+            await trio.sleep(0.5)
+            assert (await get_run(deps, paused))["status"] == "paused"
+            assert (await get_run(deps, other))["status"] == "running"
+            await deps.transaction(store.control_run, other, "cancel", deps.clock.now())
+            deps.live.signal(other, "cancel")
             b = await until_status(deps, other)
             a = await until_status(deps, paused)
-    assert a["status"] == "succeeded" and b["status"] == "succeeded"
+    assert a["status"] == "succeeded" and b["status"] == "cancelled"
     assert instant(a["started_at"]) < instant(b["started_at"])
     assert instant(a["finished_at"]) > instant(b["finished_at"])
     assert "resumed" in outpost.read_log(deps.log_path(paused))[0]
