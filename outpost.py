@@ -4661,7 +4661,6 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
     run it also knows ``@comment TEXT`` and ``@move STATE`` (on its task, through the agent
     API), and it reports a session id that a resumed run continues."""
     summary: list[str] = []
-    last_result: dict[str, Any] | None = None
     session_id = session_id or f"demo-{secrets.token_hex(8)}"
     task_id = os.environ.get("OUTPOST_TASK_ID")
     for line in prompt.splitlines():
@@ -4690,17 +4689,19 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
             print(json.dumps({"status": "needs_you", "question": rest}), file=out, flush=True)
             return 0
         elif verb == "result":
-            last_result = json.loads(rest)
-            print(json.dumps(last_result), file=out, flush=True)
+            try:
+                print(json.dumps(json.loads(rest)), file=out, flush=True)
+            except ValueError as exc:
+                print(f"demo-agent: @result needs JSON, got {rest[:80]!r} ({exc})", file=err, flush=True)
+                return 1
         elif verb in ("comment", "move") and task_id and "OUTPOST_RUN_TOKEN" in os.environ:
             if verb == "comment":
                 demo_office_call("/api/agent/comments", {"task_id": task_id, "body": rest})
             else:
                 demo_office_call(f"/api/agent/tasks/{task_id}/move", {"state": rest.strip()})
             summary.append(f"{verb} {rest.strip()[:60]}")
-    if last_result is None:
-        print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do",
-                          "session_id": session_id}), file=out, flush=True)
+    print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do",
+                      "session_id": session_id}), file=out, flush=True)
     return 0
 
 

@@ -408,3 +408,27 @@ def test_cli_without_a_daemon_exits_3(tmp_path, args):
     done = cli(data, *args, port=free_port())
     assert done.returncode == 3
     assert "is `outpost serve` running?" in done.stderr
+
+
+# --- the demo agent (API.md 6), as the CLI runs it ---------------------------------------------------
+
+def demo_agent(prompt: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(OUTPOST_PY), "demo-agent"], input=prompt, cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_demo_agent_prints_its_closing_status_last_even_after_a_result(tmp_path):
+    """Defect 14: after ``@result`` the demo agent never printed its closing status."""
+    done = demo_agent('@result {"answer": 42}\n@print after', tmp_path)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert lines[:2] == ['{"answer": 42}', "after"]
+    closing = json.loads(lines[-1])
+    assert closing["status"] == "succeeded" and closing["session_id"].startswith("demo-")
+
+
+def test_the_demo_agent_refuses_invalid_json_after_result_in_one_line(tmp_path):
+    done = demo_agent("@result {not json", tmp_path)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "@result" in done.stderr and "JSON" in done.stderr
