@@ -358,44 +358,84 @@ def demo_profile() -> AgentProfile:
     return AgentProfile("demo", command, timeout_seconds=600, resume=(*command, "--resume", "{session_id}"))
 
 
+def _whole(lo: int, hi: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+        return None if ok else f"must be a whole number from {lo} to {hi}, not {value!r}"
+    return check
+
+
+def _strings(*, empty: bool) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value) and (empty or value)
+        return None if ok else f"must be a {'' if empty else 'non-empty '}list of strings, not {value!r}"
+    return check
+
+
+def _string_table(value: Any) -> str | None:
+    ok = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+    return None if ok else f"must be a table of strings (NAME = \"value\"), not {value!r}"
+
+
+#: Every key ``outpost.toml`` may hold, with its check: a typo or a wrong type stops ``serve``
+#: at start with one line naming the key, never a crash at the first run.
+SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
+    "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True)}
+AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
+    "command": _strings(empty=False), "resume": _strings(empty=True), "timeout_seconds": _whole(1, DAY_S),
+    "env": _string_table, "pass_env": _strings(empty=True)}
+
+
+def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[[Any], str | None]]) -> dict:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: {where} must be a table")
+    for key, value in table.items():
+        if key not in keys:
+            raise ConfigError(f"{path}: {where}.{key} is not a setting Outpost knows "
+                              f"(known: {', '.join(keys)})")
+        if (problem := keys[key](value)) is not None:
+            raise ConfigError(f"{path}: {where}.{key} {problem}")
+    return table
+
+
 def load_config(data_dir: Path, *, host: str | None = None, port: int | None = None,
                 max_running: int | None = None) -> Config:
-    """Read ``<data dir>/outpost.toml`` (optional) and merge flags over it."""
+    """Read ``<data dir>/outpost.toml`` (optional), check every key and type, and merge flags
+    over it. The data dir becomes absolute here, whatever directory the caller ran in."""
+    data_dir = data_dir.expanduser().absolute()
     raw: dict[str, Any] = {}
     path = data_dir / "outpost.toml"
     if path.exists():
         try:
             raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-    settings = raw.get("settings", {})
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for section in raw:
+        if section not in ("settings", "agents"):
+            raise ConfigError(f"{path}: [{section}] is not a section Outpost knows (known: settings, agents)")
+    settings = _checked_table(path, "settings", raw.get("settings", {}), SETTINGS_KEYS)
     agents = [demo_profile()]
-    for name, spec in raw.get("agents", {}).items():
-        command = spec.get("command")
-        if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
-            raise ConfigError(f"{path}: agents.{name}.command must be a non-empty list of strings")
-        env = spec.get("env", {})
-        if not isinstance(env, dict):
-            raise ConfigError(f"{path}: agents.{name}.env must be a table")
-        resume = spec.get("resume", [])
-        if not (isinstance(resume, list) and all(isinstance(c, str) for c in resume)):
-            raise ConfigError(f"{path}: agents.{name}.resume must be a list of strings")
-        profile = AgentProfile(
-            name, tuple(command), spec.get("timeout_seconds"),
-            tuple((str(k), str(v)) for k, v in env.items()),
-            tuple(spec.get("pass_env", DEFAULT_PASS_ENV)), tuple(resume))
+    profiles = raw.get("agents", {})
+    if not isinstance(profiles, dict):
+        raise ConfigError(f"{path}: agents must be tables ([agents.NAME])")
+    for name, spec in profiles.items():
+        spec = _checked_table(path, f"agents.{name}", spec, AGENT_KEYS)
+        if "command" not in spec:
+            raise ConfigError(f"{path}: agents.{name}.command is missing (the command line that starts the agent)")
+        profile = AgentProfile(name, tuple(spec["command"]), spec.get("timeout_seconds"),
+                               tuple(spec.get("env", {}).items()), tuple(spec.get("pass_env", DEFAULT_PASS_ENV)),
+                               tuple(spec.get("resume", ())))
         agents = [a for a in agents if a.name != name] + [profile]
     env_port = os.environ.get("OUTPOST_PORT")
+    if port is None and env_port:
+        if not env_port.isdigit() or not 0 <= int(env_port) <= 65535:
+            raise ConfigError(f"$OUTPOST_PORT must be a port number, not {env_port!r}")
+        port = int(env_port)
     limit = max_running if max_running is not None else settings.get("max_running", DEFAULT_MAX_RUNNING)
-    if not isinstance(limit, int) or limit < 1:
-        raise ConfigError(f"{path}: settings.max_running must be a whole number >= 1")
-    return Config(
-        data_dir=data_dir,
-        host=host or "127.0.0.1",
-        port=port if port is not None else int(env_port) if env_port else DEFAULT_PORT,
-        max_running=limit,
-        allowed_hosts=tuple(settings.get("allowed_hosts", ())),
-        agents=tuple(agents))
+    if limit < 1:
+        raise ConfigError(f"--max-running must be a whole number >= 1, not {limit}")
+    return Config(data_dir=data_dir, host=host or "127.0.0.1", port=port if port is not None else DEFAULT_PORT,
+                  max_running=limit, allowed_hosts=tuple(settings.get("allowed_hosts", ())), agents=tuple(agents))
 
 
 def api_token(data_dir: Path, *, create: bool) -> str | None:
@@ -7276,7 +7316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    data_dir = (args.data_dir or default_data_dir()).expanduser()
+    data_dir = (args.data_dir or default_data_dir()).expanduser().absolute()
     try:
         if args.command == "demo-agent":
             return demo_agent(sys.stdin.read(), Path.cwd(), session_id=args.resume)

@@ -432,3 +432,48 @@ def test_the_demo_agent_refuses_invalid_json_after_result_in_one_line(tmp_path):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().count("\n") == 0 and "@result" in done.stderr and "JSON" in done.stderr
+
+
+# --- configuration at start (API.md 8.1) --------------------------------------------------------------
+
+@pytest.mark.parametrize(("toml", "key"), [
+    ('[agents.claude]\ncommand = ["claude"]\ntimeout_seconds = "3600"\n', "agents.claude.timeout_seconds"),
+    ('[agents.claude]\ncommand = ["claude"]\npass_env = "PATH"\n', "agents.claude.pass_env"),
+    ('[agents.claude]\ncommand = []\n', "agents.claude.command"),
+    ('[agents.claude]\ncomand = ["claude"]\n', "agents.claude.comand"),
+    ('[agents.claude]\ntimeout_seconds = 60\n', "agents.claude.command"),
+    ('[agents.claude]\ncommand = ["claude"]\nenv = {KEY = 1}\n', "agents.claude.env"),
+    ('[settings]\nmax_running = 0\n', "settings.max_running"),
+    ('[settings]\nallowed_hosts = "box.local"\n', "settings.allowed_hosts"),
+    ('[setting]\nmax_running = 2\n', "[setting]"),
+    ('[settings\n', "not valid TOML"),
+])
+def test_a_bad_outpost_toml_stops_serve_at_start_with_one_line_naming_the_key(tmp_path, toml, key):
+    """Defect 8: a typo took the daemon down at the first run (a crash loop under systemd), or
+    was silently misread (``pass_env = "PATH"`` became P, A, T, H)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "outpost.toml").write_text(toml)
+    done = subprocess.run([sys.executable, str(OUTPOST_PY), "serve", "--data-dir", str(data), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert str(data / "outpost.toml") in line and key in line, line
+
+
+def test_serve_with_a_relative_data_dir_from_another_directory(tmp_path):
+    """Defect 9: ``--data-dir ./data`` died with Pony's "unable to open database file" (Pony reads
+    a relative SQLite path against its caller's module, not the working directory)."""
+    proc = subprocess.Popen([sys.executable, str(OUTPOST_PY), "serve", "--data-dir", "./data", "--port", "0"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "Outpost is listening" in line, proc.stderr.read() if proc.poll() is not None else line
+        url = line.split()[-1].rstrip("/")
+        token = (tmp_path / "data" / "api-token").read_text().strip()
+        reply = httpx.get(f"{url}/v1/outpost/schedules", headers={"Authorization": f"Bearer {token}"})
+        assert reply.status_code == 200 and (tmp_path / "data" / "outpost.sqlite3").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
