@@ -722,8 +722,32 @@ def dst_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
     return warnings
 
 
-def timing_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
-    warnings = dst_warnings(timing, now)
+def once_warnings(requested: Any) -> list[str]:
+    """A once-fire asked for as wall time (no offset) that a DST change moves: normalization
+    keeps only the instant, so the sentence comes from what the user wrote."""
+    if not isinstance(requested, dict) or requested.get("kind") != "once":
+        return []
+    try:
+        wall = datetime.fromisoformat(str(requested.get("at", "")).strip())
+        tz = ZoneInfo(str(requested.get("timezone")))
+    except (ValueError, ZoneInfoNotFoundError):
+        return []
+    if wall.tzinfo is not None:
+        return []
+    first, second = wall.replace(tzinfo=tz, fold=0), wall.replace(tzinfo=tz, fold=1)
+    if first.utcoffset() == second.utcoffset():
+        return []
+    if wall_instants(wall, tz, follow_real_time=True):   # it exists: twice
+        return [f"{wall:%Y-%m-%d %H:%M} occurs twice in {tz.key} (clocks change); it fires once, at the first."]
+    fires = _gap_end(wall, tz)
+    return [f"{wall:%Y-%m-%d %H:%M} does not exist in {tz.key} (clocks change); that day it fires once, "
+            f"at {_hhmm(fires)}."]
+
+
+def timing_warnings(timing: dict[str, Any], now: datetime, requested: Any = None) -> list[str]:
+    """Sentences a human should read before confirming. ``requested`` is the timing as sent
+    (a once-fire's wall time is only there)."""
+    warnings = dst_warnings(timing, now) + once_warnings(requested)
     if timing["kind"] == "cron":
         fields = _cron_fields(timing["expression"])
         if fields[2] != "*" and fields[4] != "*":
@@ -5868,7 +5892,8 @@ async def api_compose(web: Web):
     count = web.int_arg("count", 5, 1, 100)
     fires = next_fires(definition["timing"], after, count, anchor=now)
     return {"definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
-            "next_fires": [rfc3339(f) for f in fires], "warnings": timing_warnings(definition["timing"], now),
+            "next_fires": [rfc3339(f) for f in fires],
+            "warnings": timing_warnings(definition["timing"], now, raw.get("timing")),
             "confirmation": confirmation_of(definition)}
 
 
@@ -6435,7 +6460,7 @@ async def review_page(web: Web, form: dict[str, str], edit: dict[str, Any] | Non
         definition_json=canonical_json(definition), confirmation=confirmation_of(definition),
         summary=schedule_summary(definition, fires[0] if fires else None),
         fires=[local_time(f, definition["timing"]["timezone"]) for f in fires],
-        warnings=timing_warnings(definition["timing"], now), form=form)
+        warnings=timing_warnings(definition["timing"], now, definition_from_form(form)["timing"]), form=form)
 
 
 @pages.post("/schedules/review", auth=Auth.SESSION)

@@ -617,6 +617,15 @@ async def test_patch_without_idempotency_key_is_428(api):
     assert_problem(reply, 428, "idempotency_key_required")
 
 
+async def test_compose_warns_when_a_once_fire_falls_in_a_dst_gap(api):
+    raw = api.raw(timing={"kind": "once", "at": "2027-03-28T02:30", "timezone": "Europe/Berlin"})
+    composed = await api.compose(raw)
+    assert composed.status == 200, composed.body
+    assert composed.body["next_fires"] == ["2027-03-28T01:00:00Z"]   # 03:00 CEST
+    (warning,) = composed.body["warnings"]
+    assert "2027-03-28 02:30 does not exist in Europe/Berlin" in warning and "03:00" in warning
+
+
 async def test_patch_with_stale_revision_is_412_with_the_current_revision(api):
     """Defect 10: client B composes at revision 1, A renames the schedule (revision 2), then B's
     PATCH with If-Match 1 is 412 with the current revision, not 422 confirmation_mismatch, and

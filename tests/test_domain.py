@@ -288,6 +288,19 @@ def test_dst_warnings_name_the_day_the_wall_time_and_what_happens(timing, expect
         assert all(p in sentence for p in parts), sentence
 
 
+@pytest.mark.parametrize(("at", "expected"), [
+    ("2027-03-28T02:30", ["2027-03-28 02:30", "does not exist", BERLIN, "fires once, at 03:00"]),
+    ("2027-10-31T02:30", ["2027-10-31 02:30", "occurs twice", BERLIN, "fires once, at the first"]),
+])
+def test_a_once_schedule_whose_wall_time_a_dst_change_moves_gets_a_warning(at, expected):
+    """Defect 12: 02:30 on a spring-forward day moved to 03:00 without a word."""
+    requested = {"kind": "once", "at": at, "timezone": BERLIN}
+    timing = outpost.normalize_timing(requested, NOW, check_past=True)
+    (warning,) = outpost.timing_warnings(timing, NOW, requested)
+    assert all(part in warning for part in expected), warning
+    assert outpost.timing_warnings(timing, NOW, {**requested, "at": timing["at"]}) == []   # an exact instant
+
+
 @pytest.mark.parametrize(("timing", "expected"), [
     (cron("0 9 1 * 1"), "EITHER matches"),
     ({"kind": "interval", "seconds": 60, "timezone": "UTC"}, "shorter than a typical agent run"),
