@@ -63,12 +63,15 @@ Sections of this file (``grep -n '^# [0-9]\\. ' outpost.py``):
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
+import heapq
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -84,7 +87,7 @@ import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -136,7 +139,10 @@ CLEANUP_S = 10.0
 #: The notification actor looks for settled runs it was not told about this often.
 NOTIFY_SWEEP_S = 60.0
 #: Due slots of one schedule recorded individually per claim; older missed ones are only counted.
-LEDGER_KEEP = 1000
+LEDGER_KEEP = 100
+#: Missed slots a claim counts one by one; past it the count says "more than" (a year of a
+#: per-minute cron must not hold the only writer for an hour).
+MISSED_COUNT_CAP = 500
 #: Schedules per page of the dashboard's list.
 SCHEDULES_PAGE = 100
 #: How long a dashboard sign-in lasts.
@@ -599,13 +605,16 @@ def follows_real_time(expr: str) -> bool:
     return _cron_fields(expr)[1] == "*"
 
 
-def _cron_fires(expr: str, tz: ZoneInfo, after: datetime, count: int) -> list[datetime]:
+def _cron_walk(expr: str, tz: ZoneInfo, after: datetime) -> Iterator[datetime]:
+    """The fires of a cron strictly after ``after`` (UTC, in order, never two at one instant),
+    lazily, in one croniter walk: a caller takes as many as it needs."""
     real_time = follows_real_time(expr)
     # Start a few hours early in wall time: the second copy of a repeated hour maps
     # to instants that a naive walk from wall(after) would place before ``after``.
     start = (after.astimezone(tz) - timedelta(hours=3)).replace(tzinfo=None)
     walk = croniter(CRON_ALIASES.get(expr, expr), start)
-    found: set[datetime] = set()
+    pending: list[datetime] = []   # a heap: instants found, not yet known to be the next
+    last = None
     while True:
         try:
             wall = walk.get_next(datetime)
@@ -613,12 +622,20 @@ def _cron_fires(expr: str, tz: ZoneInfo, after: datetime, count: int) -> list[da
             break
         for instant in wall_instants(wall, tz, follow_real_time=real_time):
             if instant > after:
-                found.add(instant.astimezone(UTC))
-        if len(found) >= count:
-            kth = sorted(found)[count - 1]
-            if wall - timedelta(hours=3) > kth.astimezone(tz).replace(tzinfo=None):
-                break
-    return sorted(found)[:count]
+                heapq.heappush(pending, instant.astimezone(UTC))
+        # No later wall can map to an instant more than 3 h of wall time before itself.
+        while pending and wall - timedelta(hours=3) > pending[0].astimezone(tz).replace(tzinfo=None):
+            if (fire := heapq.heappop(pending)) != last:
+                yield fire
+                last = fire
+    while pending:
+        if (fire := heapq.heappop(pending)) != last:
+            yield fire
+            last = fire
+
+
+def _cron_fires(expr: str, tz: ZoneInfo, after: datetime, count: int) -> list[datetime]:
+    return list(itertools.islice(_cron_walk(expr, tz, after), count))
 
 
 def next_fires(timing: dict[str, Any], after: datetime, count: int = 1,
@@ -639,20 +656,50 @@ def next_fires(timing: dict[str, Any], after: datetime, count: int = 1,
     return [at.astimezone(UTC)] if at > after else []
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DueSlots:
+    """The due instants of a schedule in [first due, now]: how many (``counted_all`` false:
+    more than ``count``, counting stopped at its cap) and the newest of them, in order."""
+    count: int
+    recent: list[datetime]
+    counted_all: bool = True
+
+
 def due_slots(timing: dict[str, Any], first_due: datetime, now: datetime,
-              *, anchor: datetime | None, keep: int = LEDGER_KEEP) -> tuple[int, list[datetime]]:
-    """How many instants are due in [first_due, now], and the newest ``keep`` of them.
-    (A year of downtime on a per-minute cron counts every slot but records the newest.)"""
-    count, recent, slot = 0, [], first_due
-    while slot <= now:
+              *, anchor: datetime | None, keep: int = LEDGER_KEEP) -> DueSlots:
+    """The slots due in [first_due, now], bounded whatever the downtime: an interval counts
+    by arithmetic; a cron counts up to MISSED_COUNT_CAP slots, then takes its newest ``keep``
+    from a window that ends at ``now`` (a year of a per-minute cron costs two short walks)."""
+    if first_due > now:
+        return DueSlots(0, [])
+    if timing["kind"] == "once":
+        return DueSlots(1, [first_due])
+    if timing["kind"] == "interval":
+        step, base = timedelta(seconds=timing["seconds"]), anchor or first_due
+        first, last = (first_due - base) // step, (now - base) // step
+        return DueSlots(last - first + 1, [(base + k * step).astimezone(UTC)
+                                           for k in range(max(first, last - keep + 1), last + 1)])
+    expr, tz = timing["expression"], ZoneInfo(timing["timezone"])
+    count, recent = 0, collections.deque(maxlen=keep)
+    for slot in _cron_walk(expr, tz, first_due - timedelta(microseconds=1)):
+        if slot > now:
+            return DueSlots(count, list(recent))
         count += 1
         recent.append(slot)
-        del recent[:-keep]
-        nxt = next_fires(timing, slot, 1, anchor=anchor)
-        if not nxt:
+        if count == MISSED_COUNT_CAP:
             break
-        slot = nxt[0]
-    return count, recent
+    else:   # the cron has no later fire at all
+        return DueSlots(count, list(recent))
+    gap = (recent[-1] - first_due) / (count - 1)
+    width = gap * keep * 3 // 2
+    while True:   # the newest slots: a window ending at now, wide enough for ``keep`` of them
+        begin = max(recent[-1], now - width)
+        window = list(itertools.takewhile(lambda t: t <= now, _cron_walk(expr, tz, begin)))
+        if len(window) >= keep or begin == recent[-1]:
+            break
+        width *= 4
+    seen = count + len(window)
+    return DueSlots(seen, (list(recent) + window)[-keep:], counted_all=begin == recent[-1])
 
 
 def dst_transitions(tz: ZoneInfo, start: datetime, days: int) -> list[datetime]:
@@ -1048,8 +1095,10 @@ def render_brief(brief: str, due_at: datetime, tz: ZoneInfo, variables: dict[str
     return render_variables(brief, builtin_variables(due_at, tz) | (variables or {}))
 
 
-def catch_up_note(missed_count: int, since: datetime, tz: ZoneInfo) -> str:
-    return (f"\n\n(Outpost: this is a catch-up run; the schedule missed {missed_count} "
+def catch_up_note(missed_count: int, since: datetime, tz: ZoneInfo, *, counted_all: bool = True) -> str:
+    """The catch-up run's note; past the counting cap it says "more than"."""
+    many = f"{missed_count}" if counted_all else f"more than {missed_count:,}"
+    return (f"\n\n(Outpost: this is a catch-up run; the schedule missed {many} "
             f"occurrence{'s' if missed_count != 1 else ''} since {since.astimezone(tz):%Y-%m-%d %H:%M %Z}.)")
 
 
@@ -2801,8 +2850,9 @@ class ScheduleStore(StoreBase):
                                  "trigger": trigger}, now)
         return r
 
-    def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime,
-                   missed_count: int = 0, since: datetime | None = None) -> tuple[SlotOutcome, str | None, str | None]:
+    def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime, missed_count: int = 0,
+                   since: datetime | None = None,
+                   counted_all: bool = True) -> tuple[SlotOutcome, str | None, str | None]:
         """Apply the overlap rule to one due slot: returns (outcome, run id, occurrence id)."""
         d = s.definition
         active = self._active_run(s.id)
@@ -2821,7 +2871,7 @@ class ScheduleStore(StoreBase):
             tz = ZoneInfo(d["timing"]["timezone"])
             prompt = render_brief(d["brief"], due_at, tz)
             if trigger == "catch_up":
-                prompt += catch_up_note(missed_count, since or due_at, tz)
+                prompt += catch_up_note(missed_count, since or due_at, tz, counted_all=counted_all)
             run = self._queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
                                   repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
                                   limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
@@ -2847,10 +2897,10 @@ class ScheduleStore(StoreBase):
         if s.next_fire_at is None or aware(s.next_fire_at) > now:
             return
         timing, anchor = s.definition["timing"], aware(s.anchored_at)
-        total, slots = due_slots(timing, aware(s.next_fire_at), now, anchor=anchor)
-        later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
+        due = due_slots(timing, aware(s.next_fire_at), now, anchor=anchor)
+        later = next_fires(timing, due.recent[-1], 1, anchor=anchor) if due.recent else []
         s.next_fire_at = naive(later[0]) if later else None
-        self._record_paused(s, slots, total, now)
+        self._record_paused(s, due.recent, due.count, now)
 
     def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
@@ -2865,7 +2915,8 @@ class ScheduleStore(StoreBase):
             timing = s.definition["timing"]
             anchor = aware(s.anchored_at)
             first_due = aware(s.next_fire_at)
-            total, slots = due_slots(timing, first_due, now, anchor=anchor)
+            due = due_slots(timing, first_due, now, anchor=anchor)
+            total, slots = due.count, due.recent
             later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
             s.next_fire_at = naive(later[0]) if later else None
             kind = timing["kind"]
@@ -2887,7 +2938,8 @@ class ScheduleStore(StoreBase):
                 cap = s.definition["catch_up"]["max"]
                 fired, folded = missed[-cap:], missed[:-cap]
                 outcome, run_id, _ = self._fire_slot(s, fired[0], "catch_up", now,
-                                                     missed_count=missed_total - len(fired) + 1, since=first_due)
+                                                     missed_count=missed_total - len(fired) + 1, since=first_due,
+                                                     counted_all=due.counted_all)
                 for slot in folded:
                     self._record_slot(s, slot, kind, SlotOutcome.FOLDED, now, run_id=run_id)
                 queued += [run_id] if run_id else []
@@ -4316,7 +4368,8 @@ class RoutineStore(PipelineStore):
         for t in due.order_by(lambda t: t.next_run_at):
             timing = trigger_timing(t.cron_expression, t.timezone)
             first_due = aware(t.next_run_at)
-            total, slots = due_slots(timing, first_due, now, anchor=None, keep=1000)
+            due = due_slots(timing, first_due, now, anchor=None, keep=1000)   # catch_up_max is at most 1000
+            total, slots = due.count, due.recent
             later = next_fires(timing, slots[-1], 1) if slots else []
             t.next_run_at = naive(later[0]) if later else None
             r = self.db.Routine.get(id=t.routine_id)

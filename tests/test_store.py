@@ -363,6 +363,38 @@ def test_failure_streak_counts_failures_and_a_success_resets_it(tx):
     assert view["enabled"] and not view["auto_paused"]
 
 
+@pytest.mark.parametrize("policy", [{"policy": "enqueue_missed_with_cap", "max": 1}, {"policy": "skip_missed"}])
+def test_a_year_of_downtime_on_a_per_minute_cron_is_claimed_in_bounded_work(tx, monkeypatch, policy):
+    """Defect 13: counting every missed slot made one claim walk 525,600 slots on the only
+    writer thread (about an hour). The count stops at a cap and says "more than"; the newest
+    slots come from a window ending at now; the next fire is the minute after now."""
+    s = schedule(tx, timing={"kind": "cron", "expression": "* * * * *", "timezone": "Europe/Berlin"},
+                 catch_up=policy)
+    steps = 0
+    real_next = outpost.croniter.get_next
+
+    def counted(self, *args, **kwargs):
+        nonlocal steps
+        steps += 1
+        return real_next(self, *args, **kwargs)
+    monkeypatch.setattr(outpost.croniter, "get_next", counted)
+    now = T0 + timedelta(days=365, seconds=30)
+    queued = tx.claim_due(now)
+    assert steps < 5 * outpost.MISSED_COUNT_CAP   # not one step per missed minute
+    view = tx.get_schedule(s["id"])
+    assert view["next_fire_at"] == outpost.rfc3339(now.replace(second=0) + timedelta(minutes=1))
+    ledger = outcomes(tx, s["id"])
+    assert sum(ledger.values()) <= outpost.LEDGER_KEEP
+    (run_id,) = queued
+    if policy["policy"] == "skip_missed":   # the slot just due (30 s ago) fires; the missed ones are skipped
+        assert ledger["admitted"] == 1 and set(ledger) == {"admitted", "skipped_missed"}
+        assert tx.get_run(run_id)["trigger"] == "cron"
+        return
+    run = tx.get_run(run_id)
+    assert run["trigger"] == "catch_up" and run["missed_count"] > outpost.MISSED_COUNT_CAP
+    assert "missed more than" in tx.launch_info(run_id)["prompt"]
+
+
 def test_three_restarts_during_runs_do_not_auto_pause_the_schedule(tx):
     """Defect 3: three runs interrupted by deploys are not three failures of the agent."""
     s = schedule(tx)
