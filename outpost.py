@@ -163,8 +163,9 @@ MAX_YEAR = 9000
 DEFAULT_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "SHELL", "TMPDIR")
 #: Never handed to an agent, whatever a profile says.
 SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-#: Author of the commit that saves what an agent left uncommitted.
-GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost")
+#: Author of the commit that saves what an agent left uncommitted: its own identity, never signed
+#: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
+GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Current schema version of the store (section 5).
 SCHEMA_VERSION = 5      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines
 #: The workspace Office resources belong to unless a request names another.
@@ -3072,7 +3073,8 @@ class RunStore(ScheduleStore):
     def launch_info(self, run_id: str) -> dict[str, Any]:
         r = self.db.Run[run_id]
         o = self.db.OfficeRun.get(run_id=run_id) if r.trigger == "wakeup" else None
-        return {"id": r.id, "agent": r.agent, "prompt": r.prompt, "repository": r.repository,
+        return {"id": r.id, "schedule_id": r.schedule.id if r.schedule else None, "agent": r.agent,
+                "prompt": r.prompt, "repository": r.repository,
                 "workdir": r.workdir, "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
                 "result_branch": r.result_branch, "timeout_seconds": r.timeout_seconds, "model": r.model,
                 "status": r.status, "pid": r.pid, "pid_started": r.pid_started,
@@ -4531,7 +4533,8 @@ async def add_worktree(repository: str, commit: str, branch: str, path: Path) ->
 
 
 async def save_leftovers(workspace: Path, run_id: str) -> None:
-    """Commit what the agent left uncommitted to the result branch: never lost."""
+    """Commit what the agent left uncommitted to the result branch: never lost. Outpost's own
+    identity, no signing and no hooks: the user's git config must not decide whether it works."""
     if not workspace.exists() or not await git(workspace, "status", "--porcelain", check=False):
         return
     await git(workspace, "add", "-A")
@@ -4545,7 +4548,12 @@ async def count_commits(repository: str, base: str, branch: str) -> int:
 
 
 async def remove_worktree(repository: str, path: Path) -> None:
+    """Remove a run's worktree once its changes are on the result branch. One that still holds
+    uncommitted changes is never removed (``--force`` would delete them)."""
     if path.exists():
+        if await git(path, "status", "--porcelain", check=False):
+            log.getChild("run").warning("worktree %s holds uncommitted changes: kept", path)
+            return
         await git(repository, "worktree", "remove", "--force", str(path), check=False)
     await git(repository, "worktree", "prune", check=False)
 
@@ -5128,16 +5136,24 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
                      exit_code: int | None, result: dict | None) -> None:
     """Fire step 5: keep leftovers, count commits, drop the worktree, record settlement."""
     workspace = deps.worktree(run_id)
-    commits = 0
+    kept = None
     try:
         await save_leftovers(workspace, run_id)
-        if commit:
-            commits = await count_commits(info["repository"], commit, info["result_branch"])
-    except LaunchError as exc:
-        log.getChild("run").warning("run %s: could not save leftovers: %s", run_id, exc)
-    await remove_worktree(info["repository"], workspace) if Path(info["repository"]).is_dir() else None
-    settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome.status, deps.clock.now(),
-                            exit_code=exit_code, error=outcome.error, result=result, commits=commits)
+    except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
+        kept = f"the agent's uncommitted changes could not be saved ({exc}); they are kept in {workspace}"
+        log.getChild("run").warning("run %s: %s", run_id, kept)
+        outcome = Outcome(RunStatus.FAILED, kept)
+    commits = await count_commits(info["repository"], commit, info["result_branch"]) if commit else 0
+    if kept is None and Path(info["repository"]).is_dir():
+        await remove_worktree(info["repository"], workspace)
+    now = deps.clock.now()
+    settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome.status, now,
+                                              exit_code=exit_code, error=outcome.error, result=result,
+                                              commits=commits)
+    if kept is not None:
+        await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
+                                        f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
+                                        schedule_id=info["schedule_id"], run_id=run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
     if settled:

@@ -114,10 +114,11 @@ class FixedClock(outpost.Clock):
 
 
 def make_deps(tmp_path: Path, *, allowed_hosts: tuple[str, ...] = (), store: outpost.Store | None = None,
-              clock: outpost.Clock | None = None, token: str = TOKEN, **deps) -> outpost.Deps:
-    """Deps with the demo agent on ``tmp_path``: by default a store of their own (``db.sqlite3``),
-    a FixedClock at T0 and the API token ``TOKEN``; ``deps`` are more Deps fields (``inline_db``)."""
-    config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),), allowed_hosts=allowed_hosts)
+              clock: outpost.Clock | None = None, token: str = TOKEN,
+              agents: tuple[outpost.AgentProfile, ...] = (outpost.demo_profile(),), **deps) -> outpost.Deps:
+    """Deps on ``tmp_path`` with ``agents`` (the demo agent): by default a store of their own
+    (``db.sqlite3``), a FixedClock at T0 and the API token ``TOKEN``; ``deps`` are more Deps fields."""
+    config = outpost.Config(data_dir=tmp_path, agents=agents, allowed_hosts=allowed_hosts)
     return outpost.Deps(config=config, store=store if store is not None else outpost.Store(tmp_path / "db.sqlite3"),
                         clock=clock if clock is not None else FixedClock(), token=token, **deps)
 

@@ -547,6 +547,47 @@ async def test_run_commits_and_leftovers_return_on_the_result_branch(real_deps, 
     assert git(git_repo, "rev-parse", "HEAD") == head, "the repository's own checkout is untouched"
 
 
+async def test_leftover_edits_are_saved_under_a_users_signing_config_and_failing_hook(real_deps, git_repo):
+    """Defect 1: with commit.gpgsign=true (and no working gpg) or a failing pre-commit hook in
+    the user's git config, saving the agent's leftovers failed: the run settled succeeded with
+    0 commits and the worktree was deleted with the edits in it. Outpost's own commits do not
+    depend on the user's signing or hooks."""
+    git(git_repo, "config", "commit.gpgsign", "true")
+    git(git_repo, "config", "gpg.program", "false")   # a signer that always fails
+    hooks = git_repo / ".git" / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "pre-commit").write_text("#!/bin/sh\nexit 1\n")
+    (hooks / "pre-commit").chmod(0o755)
+    deps = real_deps()
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "@edit notes.txt kept")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            run = await until_status(deps, run_id)
+    assert run["status"] == "succeeded" and run["changes"]["commits"] == 1, run
+    assert git(git_repo, "show", f"{run['result_branch']}:notes.txt") == "kept"
+
+
+LOCKS_THE_INDEX = outpost.AgentProfile("locker", ("sh", "-c", 'echo edited > notes.txt; '
+                                                               'touch "$(git rev-parse --git-dir)/index.lock"'))
+
+
+async def test_a_leftover_save_that_fails_keeps_the_worktree_and_fails_the_run(tmp_path, store, git_repo):
+    """Defect 1: if saving still fails, the worktree is kept, the run fails with the reason and
+    an attention item names the worktree's path; nothing is deleted with edits in it."""
+    deps = make_deps(tmp_path / "data", store=store, clock=outpost.WallClock(),
+                     agents=(outpost.demo_profile(), LOCKS_THE_INDEX))
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "edit and lock", agent="locker")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            run = await until_status(deps, run_id)
+    worktree = deps.worktree(run_id)
+    assert run["status"] == "failed", run
+    assert "could not be saved" in run["error"] and str(worktree) in run["error"]
+    assert (worktree / "notes.txt").read_text() == "edited\n"
+    (item,) = [a for a in call(store, store.list_attention, True) if a["kind"] == "worktree_kept"]
+    assert item["run_id"] == run_id and str(worktree) in item["detail"]
+
+
 async def test_run_fail_needs_you_and_workdir(real_deps, git_repo):
     deps = real_deps()
     with trio.fail_after(30):
