@@ -1446,10 +1446,14 @@ def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool) ->
     return CancelReason.TASK_TERMINAL if terminal else None
 
 
-def retry_stale_reason(task: dict[str, Any] | None, agent_id: str) -> CancelReason | None:
-    """Retry promotion: a scheduled retry is dropped once its task changed hands or was cancelled."""
+def retry_stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool) -> CancelReason | None:
+    """Retry promotion: a scheduled retry is dropped once its task was cancelled or changed hands.
+    A review wakeup's agent is a reviewer, never the assignee: it is stale when the agent is no
+    longer among the task's reviewers."""
     if task is None or task["state"] == TaskState.CANCELLED:
         return CancelReason.RETRY_TASK_CANCELLED
+    if review:
+        return None if agent_id in task["reviewers"] else CancelReason.REVIEW_PARTICIPANT_CHANGED
     if task["assignee_agent_id"] != agent_id:
         return CancelReason.RETRY_STALE_ASSIGNEE
     return None
@@ -3903,7 +3907,8 @@ class PipelineStore(OfficeStore):
         w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         agent = self.db.Agent.get(id=w.agent_id)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
-        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id)):   # retry promotion
+        review = w.reason == REVIEW_REASON
+        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review)):
             self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
         # 2. Guard: agent status.
@@ -3916,7 +3921,7 @@ class PipelineStore(OfficeStore):
                 self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
-        if w.task_id and (reason := stale_reason(task, w.agent_id, review=w.reason == REVIEW_REASON)):
+        if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
             self.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
         # Held while blocked: task_blockers_resolved wakes the agent when the blockers are done.

@@ -807,6 +807,41 @@ def test_reviewer_woken_while_assignee_run_holds_checkout_still_reviews(office):
     assert task(office, tid)["checkout_agent_id"] is None
 
 
+def test_a_reviewers_failed_run_is_retried_not_cancelled_as_retry_stale_assignee(office):
+    """Defect 4: retry_stale_assignee was applied to review wakeups, whose agent is a reviewer
+    and never the assignee: every reviewer run that failed once was cancelled for good."""
+    worker = new_agent(office, "Worker")
+    reviewer = new_agent(office, "Reviewer")
+    tid = new_task(office, "t", assignee_agent_id=worker, reviewers=[reviewer])
+    (run_id,) = dispatch(office, at(1))
+    settle(office, run_id, "succeeded", at(2))
+    move(office, tid, "IN_REVIEW", at(3), by_agent=worker)
+    review = only(wakeups(office, reviewer))
+    failed = fail_and_reschedule(office, review["id"], at(4))
+    assert (failed["status"], failed["retry_count"]) == ("queued", 1)
+    (retry_run,) = dispatch(office, retry_due(failed))
+    again = wakeup(office, review["id"])
+    assert (again["status"], again["cancel_reason"], again["run_id"]) == ("claimed", None, retry_run)
+    assert office_run(office, retry_run)["agent_id"] == reviewer
+
+
+def test_a_retry_of_a_reviewer_removed_from_the_task_is_cancelled_at_promotion(office):
+    worker = new_agent(office, "Worker")
+    reviewer = new_agent(office, "Reviewer")
+    tid = new_task(office, "t", assignee_agent_id=worker, reviewers=[reviewer])
+    (run_id,) = dispatch(office, at(1))
+    settle(office, run_id, "succeeded", at(2))
+    move(office, tid, "IN_REVIEW", at(3), by_agent=worker)
+    failed = fail_and_reschedule(office, only(wakeups(office, reviewer))["id"], at(4))
+
+    def drop_reviewer_behind_the_api():   # only promotion can catch it
+        office.db.Task[tid].reviewers = []
+    office.transaction(drop_reviewer_behind_the_api)
+    assert dispatch(office, retry_due(failed)) == []
+    w = wakeup(office, failed["id"])
+    assert (w["status"], w["cancel_reason"]) == ("cancelled", "review_participant_changed")
+
+
 # --- idle skip -----------------------------------------------------------------------------------------
 
 def test_idle_skip_worker_routine_wake_is_finished_with_activity(office):
