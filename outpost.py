@@ -3957,11 +3957,19 @@ class PipelineStore(OfficeStore):
                                  "Raise the budget or wait, then set the agent back to idle.", now,
                                  schedule_id=None, run_id=None)
             return PipelineOutcome(claimed=True)
-        # 7. Build context: same-scope wakeups still queued join this one (claim-time merge).
+        # 7. Build context: same-scope wakeups still queued join this one (claim-time merge). A
+        # retry still waiting (a rate-limit reset, a backoff) is not pulled forward: this wakeup
+        # joins it instead, so the later due time and the retry count stand.
         agent_id, scope = agent.id, w.task_id
         same_scope = (lambda q: q.task_id == scope) if scope else (lambda q: q.task_id is None)
-        for other in self.db.Wakeup.select(lambda q: q.agent_id == agent_id and q.status == "queued"
-                                           and q.wake_at is None and q.id != wakeup_id).filter(same_scope):
+        queued = self.db.Wakeup.select(lambda q: q.agent_id == agent_id and q.status == "queued"
+                                       and q.wake_at is None and q.id != wakeup_id).filter(same_scope)
+        others = list(queued.order_by(lambda q: (q.requested_at, q.id)))
+        if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
+            self._release_checkout(w.task_id, agent.id)
+            self._coalesce(waiting[0], w, now)
+            return PipelineOutcome(claimed=True)
+        for other in others:
             self._coalesce(w, other, now)
         # 8. Resolve executor (task override -> agent -> project -> workspace default), and the repository.
         t = self.db.Task.get(id=w.task_id) if w.task_id else None

@@ -447,6 +447,29 @@ def test_rate_limit_resets_at_4am_schedules_0400_30(office):
     assert len(dispatch(office, datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC))) == 1
 
 
+def test_a_pending_retry_meeting_a_new_wakeup_keeps_its_due_time_and_retry_count(office):
+    """Defect 5: a retry waiting for a rate-limit reset merged with a new wakeup of the same
+    agent and task ran at once, ignoring the reset and resetting retry_count (so escalation
+    could be postponed forever). The merge keeps the later due time and the retry count."""
+    now = datetime(2026, 4, 25, 3, 45, tzinfo=UTC)
+    worker = new_agent(office, "Worker", now)
+    tid = new_task(office, "t", now, assignee_agent_id=worker)
+    (w,) = wakeups(office, worker)
+    (run_id,) = dispatch(office, now)
+    start(office, run_id, now)
+    call(office, office.add_comment, tid, "one more thing", now + timedelta(seconds=30))   # during the run
+    settle(office, run_id, "failed", now + timedelta(minutes=1), error="rate_limit_error: resets at 4:00 AM UTC",
+           exit_code=1)
+    assert wakeup(office, w["id"])["retry_count"] == 1
+    reset = datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC)
+    assert dispatch(office, now + timedelta(minutes=2)) == []   # the comment's wakeup waits with the retry
+    assert dispatch(office, reset - timedelta(seconds=1)) == []
+    (run_id,) = dispatch(office, reset)
+    ran = only([x for x in wakeups(office, worker) if x["run_id"] == run_id and x["status"] == "claimed"])
+    assert ran["retry_count"] == 1
+    assert "one more thing" in office_run(office, run_id)["assembled_prompt"]
+
+
 def test_rate_limit_reset_just_passed_still_schedules_within_the_buffer():
     now = datetime(2026, 4, 25, 4, 0, 10, tzinfo=UTC)
     assert (outpost.parse_rate_limit_reset("rate_limit_error: resets at 4:00 AM UTC", now)
