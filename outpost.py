@@ -3574,8 +3574,9 @@ class OfficeStore(WakeupStore):
                                                and w.status == "queued" and w.retry_count > 0):
                     self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
                 self._release_checkout(t.id, previous)
-            if t.assignee_agent_id:
-                self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
+            if t.assignee_agent_id:   # a new assignment is a new event, even back to an earlier assignee
+                self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
+                                    idempotency_key=f"task_assigned:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
         return task_view(t)
 
     def get_task(self, task_id: str) -> dict[str, Any]:

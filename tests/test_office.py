@@ -780,6 +780,23 @@ def test_move_to_in_progress_wakes_assignee(office):
     assert only(wakeups(office, worker, source="comment"))["status"] == "queued"
 
 
+def test_reassigning_a_task_back_to_its_first_agent_wakes_it_again(office):
+    """Defect 6: A -> B -> A within 24 h was deduplicated by task_assigned:<task>:<A>: B's
+    wakeup was cancelled, A got none and the recovery sweep skipped the task. A new
+    assignment is a new event."""
+    a = new_agent(office, "A")
+    b = new_agent(office, "B")
+    tid = new_task(office, "t", assignee_agent_id=a)
+    settle_all(office, at(10), dispatch(office, at(1)))     # A's first session left it in TODO
+    edit_task(office, tid, at(HOUR), assignee_agent_id=b)
+    edit_task(office, tid, at(HOUR + 1), assignee_agent_id=a)
+    queued = wakeups(office, a, source="task_assigned", status="queued")
+    assert len(queued) == 1, wakeups(office, a)
+    (run_id,) = dispatch(office, at(HOUR + 10))
+    assert office_run(office, run_id)["agent_id"] == a
+    assert only(wakeups(office, b))["cancel_reason"] == "assignee_changed"
+
+
 def test_drag_to_in_progress_wakes_assignee_within_24h_of_assignment(office):
     worker = new_agent(office, "Worker")
     tid = new_task(office, "t", assignee_agent_id=worker)
