@@ -1489,6 +1489,16 @@ RATE_LIMIT_BUFFER_S = 30
 RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "429", "too many requests", "quota exceeded")
 
 
+#: What agent CLIs print when asked to resume a session they no longer know (Claude Code:
+#: "No conversation found with session ID: ..."; others: "session not found").
+UNKNOWN_SESSION_MARKERS = ("no conversation found", "session not found", "no session found", "unknown session")
+
+
+def is_unknown_session(error: str) -> bool:
+    text = error.lower()
+    return any(marker in text for marker in UNKNOWN_SESSION_MARKERS)
+
+
 def is_rate_limit(error: str) -> bool:
     text = error.lower()
     return any(word in text for word in RATE_LIMIT_WORDS)
@@ -4040,6 +4050,17 @@ class PipelineStore(OfficeStore):
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
         self.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
 
+    def _run_fresh(self, w, o, now: datetime) -> None:
+        """The CLI no longer knows the stored session: it is dropped and the same wakeup runs
+        once fresh, at once and without counting a retry (a fresh run cannot fail this way)."""
+        self._release_checkout(w.task_id, w.agent_id)
+        self.db.execute('DELETE FROM "AgentSession" WHERE agent_id = $a AND task_id = $t',
+                        {"a": o.agent_id, "t": o.task_id})
+        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.note = f"its stored session {o.session_id} was gone; runs once fresh"
+        self._activity("session_dropped", w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id,
+                       wakeup_id=w.id, session_id=o.session_id)
+
     def _escalate_failure(self, w, error: str, now: datetime) -> None:
         """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
         the workspace's coordinators get an agent_error wakeup."""
@@ -4089,6 +4110,8 @@ class PipelineStore(OfficeStore):
             self._end_wakeup(w, "finished", now, note="its run was cancelled")
         elif r.error == INTERRUPTED:
             self._requeue_interrupted(w, now)
+        elif o.resumed and is_unknown_session(r.error or ""):
+            self._run_fresh(w, o, now)
         else:
             self.handle_wakeup_failure(w, r.error or "the run failed", now)
         if agent is not None:

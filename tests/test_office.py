@@ -1283,6 +1283,28 @@ def test_task_bound_resume_uses_session_and_delta_prompt(office):
     assert "## Why you woke (since your last run)" in prompt
 
 
+@pytest.mark.parametrize("error", ["No conversation found with session ID: sess-42", "Error: session not found"])
+def test_a_dead_session_is_dropped_and_the_wakeup_runs_once_fresh_without_a_retry(office, error):
+    """Defect 7: when resuming a stored session failed, the session was kept: every retry
+    resumed the same dead session, failed, and escalated. It is dropped and the same wakeup
+    runs once fresh, its retry count untouched."""
+    worker = new_agent(office, "Worker")
+    tid = new_task(office, "Add caching", description="THE-DESCRIPTION", assignee_agent_id=worker)
+    (run1,) = dispatch(office, at(2))
+    settle(office, run1, "succeeded", at(10), result={"status": "succeeded", "session_id": "sess-42"})
+    call(office, office.add_comment, tid, "Please also handle eviction", at(20))
+    (run2,) = dispatch(office, at(21))
+    assert office_run(office, run2)["resumed"] is True
+    settle(office, run2, "failed", at(25), error=error, exit_code=1)
+    w = wakeup(office, office_run(office, run2)["wakeup_id"])
+    assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 0, None)
+    (run3,) = dispatch(office, at(40))   # after the agent's cooldown
+    fresh = office_run(office, run3)
+    assert (fresh["resumed"], fresh["session_id"]) == (False, None)
+    assert "THE-DESCRIPTION" in fresh["assembled_prompt"]   # a fresh session gets the whole task again
+    assert call(office, office.launch_info, run3)["resume_session"] is None
+
+
 def test_resumed_session_prompt_has_comment_posted_during_previous_run(office):
     worker = new_agent(office, "Worker")
     tid = new_task(office, "t", assignee_agent_id=worker)
