@@ -3843,16 +3843,17 @@ class PipelineStore(OfficeStore):
         return None
 
     def _budget_alert(self, agent, now: datetime) -> None:
-        """When a run takes an agent across 80% of its budget, its coordinators hear of it."""
+        """When a run takes an agent to or past 80% of its budget, its coordinators hear of it,
+        once per 24 h window (the wakeup's key), however far the run jumped past the mark."""
         if not agent.budget_runs_per_day:
             return
         used = self._runs_last_day(now, agent_id=agent.id)
-        threshold = math.ceil(agent.budget_runs_per_day * BUDGET_ALERT_PCT / 100)
-        if used == threshold:
+        if used >= math.ceil(agent.budget_runs_per_day * BUDGET_ALERT_PCT / 100):
             for c in self._coordinators(agent.workspace_id, agent.id):
                 self.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
                                     {"agent_instance_id": agent.id,
-                                     "budget_pct": round(100 * used / agent.budget_runs_per_day)}, now)
+                                     "budget_pct": round(100 * used / agent.budget_runs_per_day)}, now,
+                                    idempotency_key=f"budget_alert:{agent.id}:{c.id}")
 
     def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
                          limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
@@ -4132,9 +4133,9 @@ class PipelineStore(OfficeStore):
         stats["failed_runs"] = self.db.select(
             'SELECT COUNT(*) FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.workspace_id = $ws '
             "AND o.queued_at >= $since AND r.status = 'failed'", {"ws": o.workspace_id, "since": since})[0]
-        stats["escalations"] = self.db.select(
-            'SELECT COUNT(*) FROM "Attention" WHERE kind = \'agent_error\' AND created_at >= $since',
-            {"since": since})[0]
+        stats["escalations"] = self.db.select(   # wakeups of this workspace that failed for good
+            'SELECT COUNT(*) FROM "Wakeup" WHERE workspace_id = $ws AND status = \'failed\' '
+            "AND finished_at >= $since", {"ws": o.workspace_id, "since": since})[0]
         # Open tasks waiting on an open blocker: one query, only what the summary shows, however
         # many tasks the workspace has (this runs inside the settlement's write transaction).
         blocked = (f'FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN {TERMINAL_TASK_SQL} '

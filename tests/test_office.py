@@ -1112,6 +1112,43 @@ def test_budget_exhausted_pauses_agent_and_skips(office):
     assert {task(office, t)["state"] for t in (first, second)} == {"TODO"}
 
 
+def test_a_budget_alert_fires_once_when_a_run_jumps_past_80_percent(office):
+    """Defect 16: the alert fired only when the day's runs equalled 80 % exactly; after the
+    budget was lowered the next run jumped past it and nobody heard. It fires once per window."""
+    lead = new_agent(office, "Lead", role="coordinator")
+    worker = new_agent(office, "Worker", budget_runs_per_day=10, cooldown_sec=0)
+    for i in range(5):
+        new_task(office, f"t{i}", at(10 * i), assignee_agent_id=worker)
+        settle_all(office, at(10 * i + 5), dispatch(office, at(10 * i + 1)))
+    assert wakeups(office, lead, source="budget_alert") == []
+    edit = outpost.normalize_agent({"budget_runs_per_day": 6}, profiles=list(PROFILES),
+                                   current=call(office, office.agent_fields, worker))
+    call(office, office.update_agent, worker, edit, at(60))    # 80 % of 6 is 5: already reached
+    new_task(office, "t5", at(70), assignee_agent_id=worker)
+    settle_all(office, at(75), [r for r in dispatch(office, at(71)) if office_run(office, r)["agent_id"] == worker])
+    alert = only(wakeups(office, lead, source="budget_alert"))
+    assert alert["payload"] == {"agent_instance_id": worker, "budget_pct": 100}
+    new_task(office, "t6", at(80), assignee_agent_id=worker)   # the 7th run of the day: over budget, no alert
+    dispatch(office, at(81))
+    assert len(wakeups(office, lead, source="budget_alert")) == 1
+
+
+def test_the_continuation_summary_counts_only_its_own_workspaces_escalations(office):
+    """Defect 16: the summary's escalation count read the agent errors of every workspace."""
+    other = call(office, office.create_workspace, "Research", at(0))["id"]
+    set_repository(office, "/tmp/repo", other)
+    stranger = new_agent(office, "Stranger", workspace_id=other)
+    call(office, office.wake_agent, stranger, outpost.WakeupSource.USER, {"user_id": "api"}, at(0),
+         workspace_id=other)
+    assert call(office, office.fail_first_claimable, at(1), "boom")   # an escalation over there
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    routine_wake(office, lead, at(2), "r1")
+    (run_id,) = dispatch(office, at(3))
+    settle(office, run_id, "succeeded", at(4), result={"summary": "all quiet"})
+    (row,) = call(office, office.summary_of, lead)
+    assert " 0 agent errors in the last 24 h" in row["content"], row["content"]
+
+
 def test_workspace_budget_exhausted_blocks_every_agent(office):
     set_repository(office, call(office, office.office_settings, None)["repository"], budget_runs_per_day=1)
     a, b = new_agent(office, "A"), new_agent(office, "B")
