@@ -1715,6 +1715,10 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
     if current is not None and "workspace_id" in raw:
         raise invalid("workspace_id", "an agent cannot move to another workspace")
     merged = {**(current or {}), **raw}
+    role_changed = current is not None and raw.get("role", current["role"]) != current["role"]
+    if role_changed and "skip_idle_wakeups" not in raw and \
+            current["skip_idle_wakeups"] == SKIP_IDLE_DEFAULTS.get(current["role"]):
+        merged.pop("skip_idle_wakeups")   # the new role's default, unless the user had chosen otherwise
     a: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
     if not a["name"]:
         raise invalid("name", "must not be blank")

@@ -884,6 +884,23 @@ def test_a_retry_of_a_reviewer_removed_from_the_task_is_cancelled_at_promotion(o
 
 # --- idle skip -----------------------------------------------------------------------------------------
 
+def test_changing_a_workers_role_to_coordinator_applies_the_coordinators_idle_default(office):
+    """Defect 18: a worker made coordinator kept skip_idle_wakeups = true, so its heartbeats
+    were skipped; role defaults apply unless the user set the field."""
+    worker = new_agent(office, "Worker")
+    assert agent(office, worker)["skip_idle_wakeups"] is True
+    fields = outpost.normalize_agent({"role": "coordinator"}, profiles=list(PROFILES),
+                                     current=call(office, office.agent_fields, worker))
+    assert fields["skip_idle_wakeups"] is False
+    chosen = new_agent(office, "Chosen", skip_idle_wakeups=False)   # the user's choice, not the default
+    fields = outpost.normalize_agent({"role": "specialist"}, profiles=list(PROFILES),
+                                     current=call(office, office.agent_fields, chosen))
+    assert fields["skip_idle_wakeups"] is False
+    both = outpost.normalize_agent({"role": "coordinator", "skip_idle_wakeups": True}, profiles=list(PROFILES),
+                                   current=call(office, office.agent_fields, worker))
+    assert both["skip_idle_wakeups"] is True
+
+
 def test_idle_skip_worker_routine_wake_is_finished_with_activity(office):
     worker = new_agent(office, "Worker")
     assert agent(office, worker)["skip_idle_wakeups"] is True
