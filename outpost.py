@@ -167,7 +167,8 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 5      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines
+SCHEMA_VERSION = 6      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+                        # 6: a routine run found by its wakeup
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
@@ -2454,6 +2455,9 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS routine_run_history ON "RoutineRun"(routine_id, started_at)',
         'CREATE INDEX IF NOT EXISTS trigger_schedule ON "RoutineTrigger"(kind, next_run_at)',
     ],
+    6: [   # a lightweight routine run completes with its wakeup
+        'CREATE INDEX IF NOT EXISTS routine_run_wakeup ON "RoutineRun"(wakeup_id) WHERE wakeup_id IS NOT NULL',
+    ],
 }
 
 
@@ -3363,6 +3367,18 @@ class WakeupStore(AccessStore):
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
+        if w.source == WakeupSource.ROUTINE or w.coalesced_count:
+            self._end_routine_runs(w, status, note or cancel_reason, now)
+
+    def _end_routine_runs(self, w, status: str, why: str | None, now: datetime) -> None:
+        """A lightweight routine run ends with the wakeup that carried it (its own, or the one
+        its wakeup merged into): completed, skipped or failed, with completed_at."""
+        wakeup_id = w.id
+        carried = [wakeup_id, *self.db.select('SELECT id FROM "Wakeup" WHERE coalesced_into = $w', {"w": wakeup_id})]
+        ended = {"finished": "completed", "skipped": "skipped"}.get(status, "failed")
+        for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.status == "received"):
+            x.status, x.completed_at = ended, naive(now)
+            x.error = why if ended == "failed" else None
 
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
@@ -4106,8 +4122,11 @@ class PipelineStore(OfficeStore):
                                          run_id=r.id, updated_at=naive(now))
                 else:
                     row.set(session_id=session_id, run_id=r.id, updated_at=naive(now))
-            if not o.task_id and status == RunStatus.SUCCEEDED:
-                self._update_summary(o, w, result, now)
+            if not o.task_id and status == RunStatus.SUCCEEDED:   # every chain this run carried advances
+                wakeup_id = w.id
+                merged = self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.task_id is None)
+                for scope in sorted({summary_scope(w.payload)} | {summary_scope(q.payload) for q in merged}):
+                    self._update_summary(o, scope, result, now)
             t = self.db.Task.get(id=o.task_id) if o.task_id else None
             if t is not None and t.workflow == "routine" and status == RunStatus.SUCCEEDED:
                 self.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
@@ -4124,10 +4143,9 @@ class PipelineStore(OfficeStore):
             if agent.status == "working" and not self._active_sessions(agent.id):
                 agent.status = "idle"
 
-    def _update_summary(self, o, w, result: dict[str, Any], now: datetime) -> None:
-        """Upsert the continuation summary of a successful taskless run; on a builder
-        failure the last good summary stays."""
-        scope = summary_scope(w.payload)
+    def _update_summary(self, o, scope: str, result: dict[str, Any], now: datetime) -> None:
+        """Upsert one continuation summary (``scope``) of a successful taskless run; on a
+        builder failure the last good summary stays."""
         row = self.db.ContinuationSummary.get(agent_id=o.agent_id, scope=scope)
         stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
             "SELECT COUNT(*), COALESCE(SUM(state = 'IN_PROGRESS'), 0), COALESCE(SUM(state = 'IN_REVIEW'), 0) "
@@ -4346,6 +4364,9 @@ class RoutineStore(PipelineStore):
                                                             provided_values), r.assignee_agent_id)
         missed_note = (f"missed {missed_ticks} tick{'s' if missed_ticks != 1 else ''} since "
                        f"{(since or fired_at).astimezone(tz):%Y-%m-%d %H:%M %Z}") if missed_ticks else ""
+        if trigger_id is None and source == "manual":   # Run now is the routine's manual trigger, if it has one
+            manual = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id and t.kind == "manual")
+            trigger_id = next((t.id for t in manual.order_by(lambda t: t.id)), None)
         x = self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id or "manual", source=source,
                                status="received", due_at=naive(due_at), missed_ticks=missed_ticks,
                                trigger_payload=provided_values, dispatch_fingerprint=fingerprint,

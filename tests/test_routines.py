@@ -363,6 +363,48 @@ def test_lightweight_routine_fire_queues_a_taskless_routine_wakeup(office):
     assert [(s["scope"], s["updated_by_run_id"]) for s in summaries] == [(f"routine:{r['id']}", run_id)]
 
 
+def test_a_lightweight_routine_run_completes_with_its_wakeup(office):
+    """Defect 17: a lightweight fire stayed ``received`` forever; it completes (or fails) with
+    the wakeup that carried it, with completed_at."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    r = new_routine(office, lead, concurrency_policy="always_enqueue")
+    ok, bad = fire(office, r["id"], at(0)), fire(office, r["id"], at(0.5))
+    (run_id,) = dispatch(office, at(1))   # the second fire merged into the first's wakeup
+    settle(office, run_id, "succeeded", at(2), result={"summary": "done"})
+    runs = {x["id"]: x for x in routine_runs(office, r["id"])}
+    assert (runs[ok["id"]]["status"], runs[ok["id"]]["completed_at"]) == ("completed", outpost.rfc3339(at(2)))
+    assert (runs[bad["id"]]["status"], runs[bad["id"]]["completed_at"]) == ("completed", outpost.rfc3339(at(2)))
+    failing = fire(office, r["id"], at(3))
+    w = wakeup(office, failing["wakeup_id"])
+    office.transaction(lambda: office._escalate_failure(office.db.Wakeup[w["id"]], "boom", at(4)))
+    failed = {x["id"]: x for x in routine_runs(office, r["id"])}[failing["id"]]
+    assert (failed["status"], failed["completed_at"]) == ("failed", outpost.rfc3339(at(4)))
+
+
+def test_run_now_sets_the_manual_triggers_last_fired_at(office):
+    """Defect 17: a manual Run now never set its trigger's last_fired_at."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    r = new_routine(office, lead, triggers=[{"kind": "manual"}])
+    fire(office, r["id"], at(5))
+    (trigger,) = routine(office, r["id"])["triggers"]
+    assert trigger["last_fired_at"] == outpost.rfc3339(at(5))
+    assert routine_runs(office, r["id"])[0]["trigger_id"] == trigger["id"]
+
+
+def test_a_routine_whose_wakeup_merged_into_another_routines_run_advances_its_own_summary(office):
+    """Defect 17: when routine B's wakeup merged into routine A's run, B's summary chain was
+    not advanced."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    a = new_routine(office, lead, name="A")
+    b = new_routine(office, lead, name="B")
+    fire(office, a["id"], at(0))
+    fire(office, b["id"], at(0.5))   # the same agent, taskless: merged at claim time
+    (run_id,) = dispatch(office, at(1))
+    settle(office, run_id, "succeeded", at(2), result={"summary": "looked at both"})
+    scopes = {s["scope"]: s["updated_by_run_id"] for s in call(office, office.summary_of, lead)}
+    assert scopes == {f"routine:{a['id']}": run_id, f"routine:{b['id']}": run_id}
+
+
 def test_skip_if_active_routine_run_is_skipped(office):
     worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Nightly", concurrency_policy="skip_if_active",
@@ -877,7 +919,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
     assert summary["updated_by_run_id"] == run2["id"]
     assert run2["summary_injected"] and "## Active focus" in run2["summary_injected"]
     assert "## Continuation summary\n" + run2["summary_injected"] in run2["assembled_prompt"]
-    assert [x["status"] for x in routine_runs(store, hb["id"])] == ["received", "received"]
+    assert [x["status"] for x in routine_runs(store, hb["id"])] == ["completed", "completed"]   # ended with their wakeups
 
 
 async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_deps, tmp_path):
