@@ -919,7 +919,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
     assert summary["updated_by_run_id"] == run2["id"]
     assert run2["summary_injected"] and "## Active focus" in run2["summary_injected"]
     assert "## Continuation summary\n" + run2["summary_injected"] in run2["assembled_prompt"]
-    assert [x["status"] for x in routine_runs(store, hb["id"])] == ["completed", "completed"]   # ended with their wakeups
+    assert [x["status"] for x in routine_runs(store, hb["id"])] == ["completed", "completed"]
 
 
 async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_deps, tmp_path):
