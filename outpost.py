@@ -171,6 +171,10 @@ SCHEMA_VERSION = 6      # 2: sign-in sessions and codes; 3: Run(schedule, id) in
                         # 6: a routine run found by its wakeup
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
+#: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
+REPOSITORY_UNAVAILABLE = "repository unavailable"
+#: How often a wakeup waiting for its repository looks again.
+REPOSITORY_RECHECK_S = 30
 #: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
 COALESCING_WINDOW_S = 5
 #: Wakeups the dispatcher takes through the pipeline in one transaction.
@@ -305,6 +309,10 @@ class SchemaTooNew(OutpostError):
 class LaunchError(OutpostError):
     """A run could not start (repository, ref, workdir, command): it fails with this text."""
     status, code, title = 422, "launch_failed", "Run could not start"
+
+
+class RepositoryUnavailable(LaunchError):
+    """The run's repository is missing, is no git repository, or lacks the ref: not the agent's failure."""
 
 
 class CliError(OutpostError):
@@ -2585,6 +2593,9 @@ class StoreBase:
         self.db = orm.Database()
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
+        #: Where the default workspace's runs go while it names no repository (API.md 7.1).
+        self.embedded_repository = (None if str(path) == ":memory:" else
+                                    str(Path(path).absolute().parent / "workspaces" / DEFAULT_WORKSPACE))
 
         @self.db.on_connect(provider="sqlite")
         def _pragmas(_db, connection):
@@ -3475,7 +3486,12 @@ class OfficeStore(WakeupStore):
         return workspace_view(self.db.Workspace(id=new_id("ws"), name=name, created_at=naive(now)))
 
     def office_settings(self, workspace_id: str | None) -> dict[str, Any]:
-        return workspace_view(self._workspace(workspace_id))
+        ws = self._workspace(workspace_id)
+        return {**workspace_view(ws), "repository_in_use": self._repository_of(ws)}
+
+    def _repository_of(self, ws) -> str | None:
+        """The workspace's repository; the embedded one for the default workspace while it names none."""
+        return ws.repository or (self.embedded_repository if ws.id == DEFAULT_WORKSPACE else None)
 
     def update_office_settings(self, workspace_id: str | None, settings: dict[str, Any]) -> dict[str, Any]:
         ws = self._workspace(workspace_id)
@@ -3484,6 +3500,10 @@ class OfficeStore(WakeupStore):
             raise Conflict(f"a workspace named {settings['name']!r} exists",
                            errors=[{"field": "name", "message": "already used"}])
         ws.set(**settings)
+        workspace_id = ws.id   # wakeups waiting for a repository look again at once
+        self.db.execute('UPDATE "Wakeup" SET scheduled_retry_at = NULL WHERE workspace_id = $ws '
+                        "AND status = 'queued' AND last_error LIKE $waiting",
+                        {"ws": workspace_id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
         return workspace_view(ws)
 
     def create_project(self, workspace_id: str | None, name: str, repository: str | None, executor: str | None,
@@ -4008,14 +4028,15 @@ class PipelineStore(OfficeStore):
         project = self.db.Project.get(id=t.project_id) if t is not None and t.project_id else None
         executor = resolve_executor(t.executor if t else None, agent.executor,
                                     project.executor if project else None, ws.default_executor)
-        repository = (project.repository if project else None) or ws.repository
+        repository = (project.repository if project else None) or self._repository_of(ws)
         problem = (None if executor in profiles else
                    f"agent profile {executor!r} is not configured" if executor else
                    "no executor: set one on the agent, the task, its project or the workspace settings")
-        if problem is None and not repository:
-            problem = "the workspace has no repository: set one in Office settings"
         if problem is not None:
             self.handle_wakeup_failure(w, problem, now)
+            return PipelineOutcome(claimed=True)
+        if not repository:
+            self._wait_for_repository(w, "the workspace has no repository: set one in Office settings", now)
             return PipelineOutcome(claimed=True)
         # 9-10. The run: one per claimed wakeup, on the shared FIFO admission queue.
         profile = profiles[executor]
@@ -4070,6 +4091,16 @@ class PipelineStore(OfficeStore):
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
         self.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
+
+    def _wait_for_repository(self, w, reason: str, now: datetime) -> None:
+        """API.md 7.1: a wakeup whose repository is missing or broken waits with the reason; it
+        is not a retry (the agent did nothing wrong) and starts once the repository is usable."""
+        self._release_checkout(w.task_id, w.agent_id)
+        error = reason if reason.startswith(REPOSITORY_UNAVAILABLE) else f"{REPOSITORY_UNAVAILABLE}: {reason}"
+        w.status, w.claimed_at, w.last_error = "queued", None, error[:ERROR_TAIL_BYTES]
+        w.scheduled_retry_at = naive(now + timedelta(seconds=REPOSITORY_RECHECK_S))
+        w.note = "waiting for its repository"
+        self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
 
     def _run_fresh(self, w, o, now: datetime) -> None:
         """The CLI no longer knows the stored session: it is dropped and the same wakeup runs
@@ -4136,6 +4167,8 @@ class PipelineStore(OfficeStore):
             self._requeue_interrupted(w, now)
         elif o.resumed and is_unknown_session(r.error or ""):
             self._run_fresh(w, o, now)
+        elif (r.error or "").startswith(REPOSITORY_UNAVAILABLE):
+            self._wait_for_repository(w, r.error, now)
         else:
             self.handle_wakeup_failure(w, r.error or "the run failed", now)
         if agent is not None:
@@ -4563,13 +4596,13 @@ async def git(repo: str | Path, *args: str, check: bool = True) -> str:
 async def resolve_ref(repository: str, ref: str) -> str:
     """The exact commit a branch, tag or commit names now."""
     if not Path(repository).is_dir():
-        raise LaunchError(f"repository {repository} does not exist")
+        raise RepositoryUnavailable(f"repository {repository} does not exist")
     try:
         return await git(repository, "rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}")
     except LaunchError:
         if not (Path(repository) / ".git").exists() and not await _is_git_repo(repository):
-            raise LaunchError(f"{repository} is not a git repository") from None
-        raise LaunchError(f"source_ref {ref!r} does not resolve to a commit in {repository}") from None
+            raise RepositoryUnavailable(f"{repository} is not a git repository") from None
+        raise RepositoryUnavailable(f"source_ref {ref!r} does not resolve to a commit in {repository}") from None
 
 
 async def _is_git_repo(path: str) -> bool:
@@ -4619,6 +4652,18 @@ async def remove_worktree(repository: str, path: Path) -> None:
             return
         await git(repository, "worktree", "remove", "--force", str(path), check=False)
     await git(repository, "worktree", "prune", check=False)
+
+
+def ensure_embedded_repository(path: Path) -> None:
+    """The default workspace's repository while the user names none (API.md 7.1): a git
+    repository with one empty commit, made once, so Office works with no setup."""
+    if (path / ".git").exists():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    for args in (("init", "--quiet", "--initial-branch", "main"),
+                 (*GIT_IDENTITY, "commit", "--quiet", "--allow-empty", "--no-verify", "-m",
+                  "Outpost: the default workspace's repository")):
+        subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, stdin=subprocess.DEVNULL)
 
 
 def process_start_time(pid: int) -> str | None:
@@ -5182,7 +5227,8 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             outcome = (Outcome(RunStatus.CANCELLED, "cancelled") if live.cancelled else
                        run_outcome(done.exit_code, done.result, done.stderr_tail, timed_out=done.timed_out))
         except LaunchError as exc:
-            outcome = Outcome(RunStatus.FAILED, str(exc))
+            unavailable = isinstance(exc, RepositoryUnavailable)
+            outcome = Outcome(RunStatus.FAILED, f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else str(exc))
             sink = LogSink(deps.log_path(run_id))
             sink.write(f"[outpost] {exc}\n".encode())
             sink.close()
@@ -5449,6 +5495,8 @@ def curl_example(url: str, mode: str) -> str:
 def wakeup_label(w: dict[str, Any]) -> str:
     if w["status"] == "cancelled":
         return CANCEL_LABELS.get(w["cancel_reason"], "Cancelled")
+    if w["status"] == "queued" and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
+        return "Waiting for its repository"
     if w["status"] == "queued" and w["scheduled_retry_at"]:
         return f"Retry {w['retry_count']}/{MAX_RETRY_COUNT} scheduled"
     if w["status"] == "queued" and w["wake_at"]:
@@ -7136,6 +7184,7 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     token = api_token(config.data_dir, create=True)
     store = Store(config.db_path)
     os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
+    ensure_embedded_repository(Path(store.embedded_repository))
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token)
 
 

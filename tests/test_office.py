@@ -559,24 +559,49 @@ def test_each_escalation_wakes_the_coordinator(office):
     assert sorted(w["payload"]["agent_profile_id"] for w in escalations) == sorted([w1, w2])
 
 
-def test_missing_repository_fails_into_retry(store):
-    worker = new_agent(store, "Worker")
-    tid = new_task(store, "t", assignee_agent_id=worker)
-    (w,) = wakeups(store, worker)
+def test_a_wakeup_whose_workspace_has_no_repository_waits_without_counting_a_retry(store):
+    """Defect 15: a workspace without a repository burned the wakeup's retries with backoff.
+    It waits with the reason and starts as soon as a repository is set."""
+    other = call(store, store.create_workspace, "Research", at(0))["id"]
+    worker = new_agent(store, "Worker", workspace_id=other)
+    tid = new_task(store, "t", assignee_agent_id=worker, workspace_id=other)
+    (w,) = wakeups(store, worker, workspace_id=other)
     assert dispatch(store, at(1)) == []
-    w = wakeup(store, w["id"])
-    assert (w["status"], w["retry_count"], w["run_id"]) == ("queued", 1, None)
-    assert w["last_error"] == "the workspace has no repository: set one in Office settings"
-    retry_at = instant(w["scheduled_retry_at"])
-    assert at(1 + 0.75 * 120) <= retry_at <= at(1 + 1.25 * 120)
+    w = wakeup(store, w["id"], other)
+    assert (w["status"], w["retry_count"], w["run_id"]) == ("queued", 0, None)
+    assert w["last_error"] == "repository unavailable: the workspace has no repository: set one in Office settings"
+    assert outpost.wakeup_label(w) == "Waiting for its repository"
     assert task(store, tid)["checkout_agent_id"] is None
     assert agent(store, worker)["status"] == "idle"
     assert call(store, store.runs_in, ["queued", "running"]) == []
-    # Once a repository is set, the retry runs there.
-    set_repository(store, Path("/srv/repos/app"))
-    (run_id,) = dispatch(store, retry_due(w))
+    # Once a repository is set, it starts at once.
+    set_repository(store, Path("/srv/repos/app"), other)
+    (run_id,) = dispatch(store, at(2))
     assert call(store, store.get_run, run_id)["repository"] == "/srv/repos/app"
-    assert wakeup(store, w["id"])["status"] == "claimed"
+    assert wakeup(store, w["id"], other)["status"] == "claimed"
+
+
+def test_the_default_workspace_runs_in_the_embedded_repository_while_it_names_none(store, tmp_path):
+    """API.md 7.1: Office works with no setup."""
+    settings = call(store, store.office_settings, None)
+    assert settings["repository"] is None
+    assert settings["repository_in_use"] == str(tmp_path / "workspaces" / "ws_default")
+    worker = new_agent(store, "Worker")
+    new_task(store, "t", assignee_agent_id=worker)
+    (run_id,) = dispatch(store, at(1))
+    assert call(store, store.get_run, run_id)["repository"] == str(tmp_path / "workspaces" / "ws_default")
+
+
+def test_a_run_whose_repository_is_missing_leaves_its_wakeup_waiting_not_retrying(office):
+    worker = new_agent(office, "Worker")
+    new_task(office, "t", assignee_agent_id=worker)
+    (w,) = wakeups(office, worker)
+    w = fail_and_reschedule(office, w["id"], at(1), "repository unavailable: repository /srv/gone does not exist")
+    assert (w["status"], w["retry_count"]) == ("queued", 0)
+    assert instant(w["scheduled_retry_at"]) == at(1 + outpost.REPOSITORY_RECHECK_S)
+    set_repository(office, Path("/srv/repos/app"))   # a settings change looks again at once
+    (run_id,) = dispatch(office, at(20))
+    assert call(office, office.get_run, run_id)["repository"] == "/srv/repos/app"
 
 
 # --- staleness and retry cancellation ------------------------------------------------------------------

@@ -14,7 +14,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import PROBLEM, RFC3339_Z, SETTLED, T0, OfficeApi, Server, assert_problem, make_deps, make_repo, wait_for
+from conftest import (
+    PROBLEM,
+    RFC3339_Z,
+    SETTLED,
+    T0,
+    OfficeApi,
+    Server,
+    assert_problem,
+    git,
+    make_deps,
+    make_repo,
+    wait_for,
+)
 
 import outpost
 
@@ -771,9 +783,10 @@ async def test_nothing_is_dispatched_across_workspaces(office_api, tmp_path):
         run = (await office_api.get(f"/api/office/runs/{run_id}")).body
         repos[run["agent_id"]] = (run["workspace_id"], run["repository"])
     assert repos == {here["id"]: ("ws_default", str(office_api.repo)), there["id"]: (other["id"], str(other_repo))}
-    # The bare workspace does not borrow the default workspace's repository: its wakeup waits for a retry.
+    # The bare workspace does not borrow the default workspace's repository: its wakeup waits for
+    # one (not counted as a retry: defect 15).
     [w] = await office_api.wakeups(f"?workspace_id={bare['id']}")
-    assert (w["status"], w["run_id"], w["retry_count"]) == ("queued", None, 1)
+    assert (w["status"], w["run_id"], w["retry_count"]) == ("queued", None, 0)
     assert w["scheduled_retry_at"] and "repository" in w["last_error"]
 
 
@@ -862,6 +875,26 @@ def test_a_task_wakes_the_agent_and_a_comment_resumes_its_session(office_server)
         assert len(wakeups_of(client, agent["id"])) == 2
         runs = client.get(f"/api/office/agents/{agent['id']}/runs").json()["runs"]
         assert {r["id"] for r in runs} == {run["id"], rerun["id"]}
+    assert server.stop() == 0
+
+
+def test_a_fresh_install_runs_an_assigned_task_in_the_embedded_repository(server_factory):
+    """Defect 15 (API.md 7.1): in a fresh install an assigned agent silently retried with
+    backoff because the default workspace had no repository. Office works with no setup."""
+    server = server_factory()
+    embedded = server.data_dir / "workspaces" / "ws_default"
+    with server.client() as client:
+        settings = client.get("/api/office/settings").json()
+        assert settings["repository"] is None and settings["repository_in_use"] == str(embedded)
+        agent = create(client, "/api/office/agents", {"name": "Builder", "executor": "demo", "cooldown_sec": 0})
+        create(client, "/api/office/tasks", {"title": "Note", "description": "@commit notes.txt hi",
+                                             "assignee_agent_id": agent["id"]})
+        woke = wait_wakeup(client, agent["id"], "task_assigned")
+        assert (woke["status"], woke["retry_count"]) == ("finished", 0), woke
+        run = wait_run(client, woke["run_id"])
+        assert run["status"] == "succeeded" and run["changes"]["commits"] == 1, run
+    assert git(embedded, "rev-list", "--count", "HEAD") == "1"   # one empty commit; the run's is on its branch
+    assert git(embedded, "show", f"{run['result_branch']}:notes.txt") == "hi"
     assert server.stop() == 0
 
 

@@ -46,6 +46,13 @@ def dashboard(tmp_path: Path):
     deps.store.close()
 
 
+async def test_the_settings_page_names_the_embedded_repository_while_none_is_set(dashboard):
+    client = outpost.create_app(dashboard).test_client()
+    sign_in_client(client, dashboard.store, T0)
+    page = await (await client.get("/office/settings")).get_data(as_text=True)
+    assert 'id="embedded-repository"' in page and dashboard.store.embedded_repository in page
+
+
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
     assert len(PAGES) == 19
