@@ -2694,7 +2694,7 @@ class StoreBase:
         query = self.db.Attention.select()
         if open_only:
             query = query.filter(lambda a: a.acknowledged_at is None)
-        return [attention_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
+        return [attention_view(a) for a in query.order_by(lambda a: (orm.desc(a.created_at), orm.desc(a.id)))]
 
     def ack_attention(self, attention_id: str, now: datetime) -> dict[str, Any]:
         a = self.db.Attention.get(id=attention_id)
@@ -2818,7 +2818,7 @@ class ScheduleStore(StoreBase):
         query = self.db.Schedule.select()
         if not include_archived:
             query = query.filter(lambda s: not s.archived)
-        query = query.order_by(lambda s: s.created_at)
+        query = query.order_by(lambda s: (s.created_at, s.id))
         rows = query.page(page, SCHEDULES_PAGE) if page else query
         active = dict(self.db.select(   # one query for every schedule's active run, not one each
             f"SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN {ACTIVE_RUN_SQL} "
@@ -3007,7 +3007,7 @@ class ScheduleStore(StoreBase):
 
     def snapshot(self) -> dict[str, Any]:
         active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
-            lambda r: r.queued_at)
+            lambda r: (r.queued_at, r.id))
         return {"cursor": self.latest_cursor(), "schedules": self.list_schedules(),
                 "active_runs": [run_view(r) for r in active],
                 "open_attention": self.list_attention(open_only=True)}
@@ -3515,7 +3515,8 @@ class OfficeStore(WakeupStore):
 
     def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
         ws = self._workspace(workspace_id)
-        return [project_view(p) for p in self.db.Project.select(lambda p: p.workspace_id == ws.id)]
+        return [project_view(p) for p in self.db.Project.select(lambda p: p.workspace_id == ws.id).order_by(
+            lambda p: (p.created_at, p.id))]
 
     def _agent(self, agent_id: str):
         a = self.db.Agent.get(id=agent_id)
@@ -3558,7 +3559,7 @@ class OfficeStore(WakeupStore):
     def list_agents(self, workspace_id: str | None) -> list[dict[str, Any]]:
         ws = self._workspace(workspace_id)
         return [agent_view(a) for a in
-                self.db.Agent.select(lambda a: a.workspace_id == ws.id).order_by(lambda a: a.created_at)]
+                self.db.Agent.select(lambda a: a.workspace_id == ws.id).order_by(lambda a: (a.created_at, a.id))]
 
     def _active_sessions(self, agent_id: str) -> int:
         """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
@@ -3632,12 +3633,13 @@ class OfficeStore(WakeupStore):
     def get_task(self, task_id: str) -> dict[str, Any]:
         t = self._task(task_id)
         view = task_view(t)
-        view["comments"] = [comment_view(c) for c in
-                            self.db.Comment.select(lambda c: c.task_id == t.id).order_by(lambda c: c.created_at)]
-        view["approvals"] = [approval_view(a) for a in
-                             self.db.Approval.select(lambda a: a.task_id == t.id).order_by(lambda a: a.created_at)]
-        view["subtasks"] = [task_view(c) for c in
-                            self.db.Task.select(lambda c: c.parent_id == t.id).order_by(lambda c: c.created_at)]
+        task_id = t.id   # each list oldest first, ties by id
+        view["comments"] = [comment_view(c) for c in self.db.Comment.select(lambda c: c.task_id == task_id)
+                            .order_by(lambda c: (c.created_at, c.id))]
+        view["approvals"] = [approval_view(a) for a in self.db.Approval.select(lambda a: a.task_id == task_id)
+                             .order_by(lambda a: (a.created_at, a.id))]
+        view["subtasks"] = [task_view(c) for c in self.db.Task.select(lambda c: c.parent_id == task_id)
+                            .order_by(lambda c: (c.created_at, c.id))]
         return view
 
     def list_tasks(self, workspace_id: str | None, assignee: str | None = None, state: str | None = None,
@@ -3650,7 +3652,7 @@ class OfficeStore(WakeupStore):
             query = query.filter(lambda t: t.state == state)
         if not include_archived:
             query = query.filter(lambda t: t.archived_at is None)
-        return [task_view(t) for t in query.order_by(lambda t: t.created_at)]
+        return [task_view(t) for t in query.order_by(lambda t: (t.created_at, t.id))]
 
     def _wake_assignee(self, t, source: WakeupSource, payload: dict[str, Any], now: datetime,
                        reason: str | None = None, idempotency_key: str | None = None) -> None:
@@ -3749,7 +3751,7 @@ class OfficeStore(WakeupStore):
         query = self.db.Approval.select(lambda a: a.workspace_id == ws.id)
         if status:
             query = query.filter(lambda a: a.status == status)
-        return [approval_view(a) for a in query.order_by(lambda a: orm.desc(a.created_at))]
+        return [approval_view(a) for a in query.order_by(lambda a: (orm.desc(a.created_at), orm.desc(a.id)))]
 
     def resolve_approval(self, approval_id: str, status: str, decision_note: str, now: datetime) -> dict[str, Any]:
         """The user decides: approved moves an In Review task to Done (its dependents wake);
@@ -3797,7 +3799,7 @@ class OfficeStore(WakeupStore):
             query = query.filter(lambda w: w.status == status)
         if source:
             query = query.filter(lambda w: w.source == source)
-        return [wakeup_view(w) for w in query.order_by(lambda w: orm.desc(w.requested_at))[:limit]]
+        return [wakeup_view(w) for w in query.order_by(lambda w: (orm.desc(w.requested_at), orm.desc(w.id)))[:limit]]
 
     def office_run(self, run_id: str) -> dict[str, Any]:
         """RunDetail: the run, and what the agent was given and gave back."""
@@ -4222,9 +4224,9 @@ class RoutineStore(PipelineStore):
     def _routine_view(self, r, *, detail: bool = False) -> dict[str, Any]:
         routine_id = r.id
         triggers = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id).order_by(
-            lambda t: t.created_at)
+            lambda t: (t.created_at, t.id))
         runs = self.db.RoutineRun.select(lambda x: x.routine_id == routine_id).order_by(
-            lambda x: orm.desc(x.started_at))
+            lambda x: (orm.desc(x.started_at), orm.desc(x.id)))
         view = {"id": r.id, "workspace_id": r.workspace_id, "name": r.name, "description": r.description,
                 "assignee_agent_id": r.assignee_agent_id, "status": r.status,
                 "concurrency_policy": r.concurrency_policy, "catch_up_policy": r.catch_up_policy,
@@ -4305,7 +4307,7 @@ class RoutineStore(PipelineStore):
     def list_routines(self, workspace_id: str | None) -> list[dict[str, Any]]:
         ws = self._workspace(workspace_id)
         return [self._routine_view(r) for r in
-                self.db.Routine.select(lambda r: r.workspace_id == ws.id).order_by(lambda r: r.created_at)]
+                self.db.Routine.select(lambda r: r.workspace_id == ws.id).order_by(lambda r: (r.created_at, r.id))]
 
     def add_trigger(self, routine_id: str, trigger: dict[str, Any], now: datetime) -> dict[str, Any]:
         r = self._routine(routine_id)

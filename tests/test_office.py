@@ -604,6 +604,20 @@ def test_a_run_whose_repository_is_missing_leaves_its_wakeup_waiting_not_retryin
     assert call(office, office.get_run, run_id)["repository"] == "/srv/repos/app"
 
 
+def test_lists_made_at_one_instant_have_a_total_order_by_id(office):
+    """Defect 19: lists were ordered by a timestamp alone, so ties listed in any order (a fresh
+    clone saw ['Research', 'Default']). Every list breaks ties by id."""
+    names = ["zeta", "alpha", "mid"]
+    agents = [new_agent(office, name, at(0)) for name in names]
+    tasks_ = [new_task(office, name, at(0)) for name in names]
+    assert [a["id"] for a in call(office, office.list_agents, None)] == sorted(agents)
+    assert [t["id"] for t in call(office, office.list_tasks, None)] == sorted(tasks_)
+    for name in names:
+        call(office, office.create_workspace, name, at(0))
+    listed = call(office, office.list_workspaces)
+    assert listed[0]["id"] == "ws_default" and [w["id"] for w in listed[1:]] == sorted(w["id"] for w in listed[1:])
+
+
 # --- staleness and retry cancellation ------------------------------------------------------------------
 
 def test_reassigned_before_claim_cancels_with_assignee_changed(office):
