@@ -561,15 +561,33 @@ async def test_a_stale_revision_leaves_the_key_usable_for_the_corrected_retry(ap
     assert await api.revision(sched["id"]) == 2
 
 
-async def test_a_repeat_while_the_first_is_in_flight_is_409(api):
-    sched = await api.schedule()
-    path = f"/v1/outpost/schedules/{sched['id']}/control"
-    raw = json.dumps({"action": "pause"}).encode()
-    fingerprint = outpost.request_fingerprint("POST", path, raw)
-    assert await api.deps.transaction(api.store.begin_idempotent, "k-busy", fingerprint, T0) is None
-    reply = await api.post(path, raw=raw, key="k-busy", if_match=1)
-    assert_problem(reply, 409, "conflict")
-    assert await api.revision(sched["id"]) == 1
+async def test_a_repeat_while_the_first_is_in_flight_is_409(api, monkeypatch):
+    """Two real concurrent requests with one key: the first is held inside its handler (its
+    git check waits), the repeat arrives meanwhile and gets 409; the first then completes once,
+    and a later repeat replays it."""
+    entered, release = trio.Event(), trio.Event()
+    real_check = outpost.check_repository
+
+    async def held_check(definition):
+        entered.set()
+        await release.wait()
+        return await real_check(definition)
+    monkeypatch.setattr(outpost, "check_repository", held_check)
+    body = {"brief": "@print once", "repository": str(api.repo), "agent": "demo"}
+    replies = {}
+
+    async def first():
+        replies["first"] = await api.post("/v1/outpost/dispatches", body, key="k-busy")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await entered.wait()
+        replies["repeat"] = await api.post("/v1/outpost/dispatches", body, key="k-busy")
+        release.set()
+    assert_problem(replies["repeat"], 409, "conflict")
+    assert replies["first"].status == 202, replies["first"].body
+    later = await api.post("/v1/outpost/dispatches", body, key="k-busy")
+    assert (later.status, later.body, later.headers["Idempotent-Replayed"]) == (202, replies["first"].body, "true")
+    assert len((await api.get("/v1/outpost/runs")).body["runs"]) == 1
 
 
 async def test_idempotency_keys_survive_a_restart(tmp_path, git_repo):
@@ -794,7 +812,7 @@ async def test_second_fire_while_the_first_run_is_queued_is_skipped_overlap(api)
     second = await api.fire(sched["id"])
     assert second["outcome"] == "skipped_overlap"
     assert second["occurrence_id"].startswith("occ_") and second["occurrence_id"] != first["occurrence_id"]
-    assert second["run_id"] in (first["run_id"], None)
+    assert second["run_id"] == first["run_id"]   # the active run it did not queue behind
     runs = (await api.get(f"/v1/outpost/runs?schedule_id={sched['id']}")).body["runs"]
     assert [r["id"] for r in runs] == [first["run_id"]]
     skips = (await api.get(f"/v1/outpost/schedules/{sched['id']}/inspect")).body["checks"][1]["data"]["recent_skips"]
