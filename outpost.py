@@ -122,8 +122,10 @@ DEFAULT_MAX_RUNNING = 2
 GRACE_S = 5.0
 #: Largest request body the API accepts.
 MAX_BODY_BYTES = 1024 * 1024
-#: Largest run log kept on disk; the rest is dropped with a note.
+#: Largest run log kept on disk: past it, the first LOG_HEAD_BYTES and the last LOG_TAIL_BYTES.
 MAX_LOG_BYTES = 1024 * 1024
+LOG_HEAD_BYTES = 256 * 1024
+LOG_TAIL_BYTES = MAX_LOG_BYTES - LOG_HEAD_BYTES
 #: How long an Idempotency-Key is remembered.
 IDEMPOTENCY_TTL_S = 24 * HOUR_S
 #: An in-flight key older than this belongs to a request that died (its action never committed).
@@ -4686,32 +4688,47 @@ def kill_group(pid: int, sig: int) -> bool:
 
 
 class LogSink:
-    """The run log: stdout and stderr interleaved, capped at MAX_LOG_BYTES, the cap noted."""
+    """The run log: stdout and stderr interleaved. Past MAX_LOG_BYTES it keeps the first
+    LOG_HEAD_BYTES and the last LOG_TAIL_BYTES with one line saying how much was cut
+    (API.md 5.4): the end of a run (its result, its error) is never the part that is lost.
+    While the run goes on the file stops growing at the cap; the tail waits in memory and
+    takes its place when the log is closed."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.file = open(path, "ab")  # noqa: SIM115 (closed by close(), spans many awaits)
-        self.written = 0
-        self.capped = False
+        self.written = self.file.tell()
+        self.tail = bytearray()
+        self.cut = 0
+        self.broken = False
 
     def write(self, data: bytes) -> None:
-        if self.capped:
+        if self.broken:
             return
-        room = MAX_LOG_BYTES - self.written
         try:
-            if len(data) > room:
-                self.file.write(data[:room] + b"\n[outpost: log truncated at 1 MiB; later output dropped]\n")
-                self.capped = True
-            else:
-                self.file.write(data)
-            self.written += len(data)
-            self.file.flush()
+            room = max(0, MAX_LOG_BYTES - self.written)
+            if room:
+                self.file.write(data[:room])
+                self.file.flush()
+                self.written += min(room, len(data))
+                data = data[room:]
+            self.tail += data
+            if len(self.tail) > LOG_TAIL_BYTES:
+                self.cut += len(self.tail) - LOG_TAIL_BYTES
+                del self.tail[:-LOG_TAIL_BYTES]
         except OSError as exc:   # a full disk loses log lines, never the run
-            self.capped = True
-            log.getChild("run").warning("run log %s: %s; later output dropped", self.file.name, exc)
+            self.broken = True
+            log.getChild("run").warning("run log %s: %s; later output dropped", self.path, exc)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
+            if self.tail and not self.broken:
+                cut = self.written - LOG_HEAD_BYTES + self.cut
+                keep = bytes(self.tail[-(MAX_LOG_BYTES - LOG_HEAD_BYTES):])
+                self.file.seek(LOG_HEAD_BYTES)
+                self.file.truncate()
+                self.file.write(f"\n[... {cut + len(self.tail) - len(keep)} bytes cut ...]\n".encode() + keep)
             self.file.close()
 
 

@@ -746,6 +746,25 @@ async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, 
     assert "SECRET_OF_THE_DAEMON" not in plain_env
 
 
+def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_path):
+    """API.md 5.4: over 1 MiB the log keeps the first 256 KiB and the last 768 KiB with one line
+    between them, so a long run's result and error (its end) are never what is lost."""
+    sink = outpost.LogSink(tmp_path / "run.log")
+    lines = [f"line {i:07d} {'x' * 40}\n".encode() for i in range(60_000)]   # about 3.2 MB
+    for line in lines:
+        sink.write(line)
+    sink.write(b'{"type": "result", "result": "THE END"}\n')
+    sink.close()
+    data = (tmp_path / "run.log").read_bytes()
+    total = sum(map(len, lines)) + len(b'{"type": "result", "result": "THE END"}\n')
+    head, marker, tail = data[:outpost.LOG_HEAD_BYTES], *data[outpost.LOG_HEAD_BYTES:].split(b"\n", 2)[1:]
+    assert head == b"".join(lines)[:outpost.LOG_HEAD_BYTES]
+    cut = int(marker.decode().removeprefix("[... ").removesuffix(" bytes cut ...]"))
+    assert len(head) + cut + len(tail) == total and len(tail) <= outpost.LOG_TAIL_BYTES
+    assert tail.endswith(b'{"type": "result", "result": "THE END"}\n')
+    assert len(data) <= outpost.MAX_LOG_BYTES + 100
+
+
 async def test_paused_time_does_not_count_against_the_timeout(autojump_clock, tmp_path):
     """Defect 2: paused at once with a 3 s timeout, a run was failed "timeout" while still
     paused. Paused time is not run time: the timeout fires 3 s of running after the resume."""
