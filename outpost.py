@@ -163,6 +163,8 @@ DST_HORIZON_DAYS = 366
 MAX_YEAR = 9000
 #: Environment variables an agent may inherit when its profile names no pass_env.
 DEFAULT_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "SHELL", "TMPDIR")
+#: ``[settings] isolate_agents``: bubblewrap around every agent when it works (auto), or required, or off.
+ISOLATION_MODES = ("auto", "always", "never")
 #: Never handed to an agent, whatever a profile says.
 SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 #: Author of the commit that saves what an agent left uncommitted: its own identity, never signed
@@ -356,6 +358,7 @@ class Config:
     max_running: int = DEFAULT_MAX_RUNNING
     allowed_hosts: tuple[str, ...] = ()
     agents: tuple[AgentProfile, ...] = ()
+    isolate_agents: str = "auto"      # auto | always | never: bubblewrap around every agent
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -397,8 +400,15 @@ def _string_table(value: Any) -> str | None:
 
 #: Every key ``outpost.toml`` may hold, with its check: a typo or a wrong type stops ``serve``
 #: at start with one line naming the key, never a crash at the first run.
+def _one_of(*choices: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
+    return check
+
+
 SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
-    "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True)}
+    "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
+    "isolate_agents": _one_of(*ISOLATION_MODES)}
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
     "command": _strings(empty=False), "resume": _strings(empty=True), "timeout_seconds": _whole(1, DAY_S),
     "env": _string_table, "pass_env": _strings(empty=True)}
@@ -453,7 +463,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
     if limit < 1:
         raise ConfigError(f"--max-running must be a whole number >= 1, not {limit}")
     return Config(data_dir=data_dir, host=host or "127.0.0.1", port=port if port is not None else DEFAULT_PORT,
-                  max_running=limit, allowed_hosts=tuple(settings.get("allowed_hosts", ())), agents=tuple(agents))
+                  max_running=limit, allowed_hosts=tuple(settings.get("allowed_hosts", ())), agents=tuple(agents),
+                  isolate_agents=settings.get("isolate_agents", "auto"))
 
 
 def api_token(data_dir: Path, *, create: bool) -> str | None:
@@ -4658,6 +4669,42 @@ async def remove_worktree(repository: str, path: Path) -> None:
     await git(repository, "worktree", "prune", check=False)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Isolation:
+    """Whether agents run inside bubblewrap, and the sentence that says so (start line, dashboard)."""
+    active: bool
+    message: str
+
+
+def agent_isolation(mode: str) -> Isolation:
+    """Probe bubblewrap once at start: an agent runs as the daemon's user, so without it an
+    agent could read the API token and the database in the data dir."""
+    if mode == "never":
+        return Isolation(False, "agents are not isolated (isolate_agents = \"never\"): they can read the data dir")
+    try:
+        probe = subprocess.run(["bwrap", "--dev-bind", "/", "/", "true"], capture_output=True, timeout=10)
+        problem = None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[:200]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problem = f"bwrap is not installed ({exc.__class__.__name__})"
+    if problem is None:
+        return Isolation(True, "agents run isolated by bubblewrap: the data dir is hidden from them")
+    if mode == "always":
+        raise ConfigError(f'isolate_agents = "always", but bubblewrap does not work here: {problem}')
+    return Isolation(False, f"agents are not isolated: bubblewrap does not work here ({problem}); "
+                            "install the bubblewrap package to hide the data dir from them")
+
+
+def isolated_argv(argv: list[str], *, data_dir: Path, worktree: Path, repository: str, cwd: Path) -> list[str]:
+    """``argv`` inside bubblewrap: the whole system as it is, except the data dir (API token,
+    database, other runs), of which only this run's worktree (and a repository kept there, the
+    embedded one) stays visible."""
+    visible = [worktree]
+    if Path(repository).absolute().is_relative_to(data_dir):
+        visible.append(Path(repository).absolute())
+    binds = [arg for path in visible for arg in ("--bind", str(path), str(path))]
+    return ["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(data_dir), *binds, "--chdir", str(cwd), "--", *argv]
+
+
 def ensure_embedded_repository(path: Path) -> None:
     """The default workspace's repository while the user names none (API.md 7.1): a git
     repository with one empty commit, made once, so Office works with no setup."""
@@ -4801,12 +4848,16 @@ class ProcessResult:
 
 
 async def terminate_group(proc: trio.Process, grace_s: float) -> None:
-    """SIGTERM the process group, SIGKILL it after the grace. Shielded: runs during shutdown."""
+    """SIGTERM the process group, SIGKILL it after the grace. The grace is the group's, not
+    only the leader's: bubblewrap (the leader of an isolated agent) dies at SIGTERM at once,
+    while the agent inside may still be cleaning up. Shielded: runs during shutdown."""
     with trio.CancelScope(shield=True):
         kill_group(proc.pid, signal.SIGTERM)
         kill_group(proc.pid, signal.SIGCONT)   # a stopped (paused) process must wake to die
         with trio.move_on_after(grace_s):
             await proc.wait()
+            while kill_group(proc.pid, 0):   # signal 0: is anyone of the group left?
+                await trio.sleep(0.05)
             return
         kill_group(proc.pid, signal.SIGKILL)
         await proc.wait()
@@ -5056,6 +5107,7 @@ class Deps:
     settled: SettledChannel = dataclasses.field(default_factory=lambda: SettledChannel(SETTLED_BUFFER))
     hub: Hub = dataclasses.field(default_factory=Hub)
     live: LiveRuns = dataclasses.field(default_factory=LiveRuns)
+    isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
 
     @functools.cached_property
     def run_token_key(self) -> bytes:
@@ -5227,6 +5279,9 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             session = info["resume_session"]
             argv, prompt_on_stdin = fill_command(profile.resume if session else profile.command, info["prompt"],
                                                  info["model"], run_id, session)
+            if deps.isolation.active:
+                argv = isolated_argv(argv, data_dir=deps.config.data_dir, worktree=workspace,
+                                     repository=info["repository"], cwd=cwd)
             env = agent_env(profile, dict(os.environ), run_id)
             if info["office"]:   # the agent acts on Office through the run-scoped token
                 env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url,
@@ -5731,6 +5786,7 @@ class Web:
         notice = DONE_NOTICES.get(self.args.get("done", ""))
         html = await render_template(template, signed_in=signed_in, csrf=self.csrf, section=section,
                                      live=live, open_attention=counts[0], cursor=counts[1],
+                                     isolation=self.deps.isolation,
                                      flash={"kind": "ok", "text": notice} if notice else None, **context)
         return html, status, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 
@@ -7204,7 +7260,8 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     store = Store(config.db_path)
     os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
     ensure_embedded_repository(Path(store.embedded_repository))
-    return Deps(config=config, store=store, clock=clock or WallClock(), token=token)
+    return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
+                isolation=agent_isolation(config.isolate_agents))
 
 
 async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -7271,6 +7328,7 @@ async def run_until_signal(deps: Deps) -> None:
                 print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
+                print(f"Agents: {deps.isolation.message}", flush=True)
             outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
 
 

@@ -765,6 +765,39 @@ def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_pa
     assert len(data) <= outpost.MAX_LOG_BYTES + 100
 
 
+@pytest.mark.skipif(not outpost.agent_isolation("auto").active, reason="bubblewrap does not work here "
+                    "(.ci/run installs the bubblewrap package)")
+async def test_an_isolated_agent_cannot_read_the_api_token_or_the_database(tmp_path, git_repo):
+    """Defect 20: an agent runs as the daemon's user; under bubblewrap the data dir is hidden
+    from it except its own worktree, so the token and the database are out of its reach."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "api-token").write_text("THE-SECRET-TOKEN\n")
+    store = outpost.Store(data / "outpost.sqlite3")
+    script = f"cat {data}/api-token {data}/outpost.sqlite3 > loot.txt 2>&1; echo wrote > own.txt"
+    prying = outpost.AgentProfile("prying", ("sh", "-c", script))
+    deps = make_deps(data, store=store, clock=outpost.WallClock(), agents=(prying,),
+                     isolation=outpost.agent_isolation("auto"))
+    with trio.fail_after(30):
+        run_id = await queue_dispatch(deps, git_repo, "look around", agent="prying")
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            run = await until_status(deps, run_id)
+    assert run["status"] == "succeeded" and run["changes"]["commits"] == 1, run
+    loot = git(git_repo, "show", f"{run['result_branch']}:loot.txt")
+    assert "THE-SECRET-TOKEN" not in loot and "SQLite format" not in loot and "No such file" in loot
+    assert git(git_repo, "show", f"{run['result_branch']}:own.txt") == "wrote"   # its worktree stays writable
+    store.close()
+
+
+def test_without_isolation_the_start_line_says_agents_are_not_isolated(monkeypatch):
+    assert "not isolated" in outpost.agent_isolation("never").message
+    monkeypatch.setenv("PATH", "/nonexistent")   # no bwrap to be found
+    auto = outpost.agent_isolation("auto")
+    assert not auto.active and "not isolated" in auto.message and "bubblewrap" in auto.message
+    with pytest.raises(outpost.ConfigError, match="always"):
+        outpost.agent_isolation("always")
+
+
 async def test_paused_time_does_not_count_against_the_timeout(autojump_clock, tmp_path):
     """Defect 2: paused at once with a 3 s timeout, a run was failed "timeout" while still
     paused. Paused time is not run time: the timeout fires 3 s of running after the resume."""

@@ -95,6 +95,15 @@ def test_the_unit_stops_the_daemon_first_so_it_records_its_agents_interrupted():
     assert "KillMode=mixed" in unit and "KillMode=control-group" not in unit
 
 
+def test_the_unit_keeps_the_agents_home_out_of_the_data_dir_and_allows_bubblewrap():
+    """Defect 20: under the shipped unit the service user's HOME (the agents' HOME) was the data
+    dir itself; and RestrictNamespaces=yes would stop bubblewrap."""
+    unit = UNIT.read_text()
+    assert "--home-dir /home/outpost" in unit and "--home-dir /var/lib/outpost" not in unit
+    assert "RestrictNamespaces=user mnt" in unit and "RestrictNamespaces=yes" not in unit
+    assert "/home/outpost" in unit.split("ReadWritePaths=")[1].split("\n")[0]
+
+
 def test_the_unit_file_declares_notify_watchdog_and_hardening():
     unit = UNIT.read_text()
     for directive in ("Type=notify", "NotifyAccess=main", "WatchdogSec=", "User=outpost", "StateDirectory=outpost",

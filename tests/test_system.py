@@ -447,6 +447,7 @@ def test_the_demo_agent_refuses_invalid_json_after_result_in_one_line(tmp_path):
     ('[settings]\nallowed_hosts = "box.local"\n', "settings.allowed_hosts"),
     ('[setting]\nmax_running = 2\n', "[setting]"),
     ('[settings\n', "not valid TOML"),
+    ('[settings]\nisolate_agents = "sometimes"\n', "settings.isolate_agents"),
 ])
 def test_a_bad_outpost_toml_stops_serve_at_start_with_one_line_naming_the_key(tmp_path, toml, key):
     """Defect 8: a typo took the daemon down at the first run (a crash loop under systemd), or
