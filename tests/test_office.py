@@ -886,32 +886,31 @@ def test_reviewer_woken_while_assignee_run_holds_checkout_still_reviews(office):
     assert task(office, tid)["checkout_agent_id"] is None
 
 
-def test_a_reviewers_failed_run_is_retried_not_cancelled_as_retry_stale_assignee(office):
-    """Defect 4: retry_stale_assignee was applied to review wakeups, whose agent is a reviewer
-    and never the assignee: every reviewer run that failed once was cancelled for good."""
+def failed_review(office: outpost.Store) -> tuple[str, str, dict]:
+    """A task in review whose reviewer's run failed once: (task id, reviewer id, the review
+    wakeup waiting for its retry)."""
     worker = new_agent(office, "Worker")
     reviewer = new_agent(office, "Reviewer")
     tid = new_task(office, "t", assignee_agent_id=worker, reviewers=[reviewer])
     (run_id,) = dispatch(office, at(1))
     settle(office, run_id, "succeeded", at(2))
     move(office, tid, "IN_REVIEW", at(3), by_agent=worker)
-    review = only(wakeups(office, reviewer))
-    failed = fail_and_reschedule(office, review["id"], at(4))
+    return tid, reviewer, fail_and_reschedule(office, only(wakeups(office, reviewer))["id"], at(4))
+
+
+def test_a_reviewers_failed_run_is_retried_not_cancelled_as_retry_stale_assignee(office):
+    """Defect 4: retry_stale_assignee was applied to review wakeups, whose agent is a reviewer
+    and never the assignee: every reviewer run that failed once was cancelled for good."""
+    _, reviewer, failed = failed_review(office)
     assert (failed["status"], failed["retry_count"]) == ("queued", 1)
     (retry_run,) = dispatch(office, retry_due(failed))
-    again = wakeup(office, review["id"])
+    again = wakeup(office, failed["id"])
     assert (again["status"], again["cancel_reason"], again["run_id"]) == ("claimed", None, retry_run)
     assert office_run(office, retry_run)["agent_id"] == reviewer
 
 
 def test_a_retry_of_a_reviewer_removed_from_the_task_is_cancelled_at_promotion(office):
-    worker = new_agent(office, "Worker")
-    reviewer = new_agent(office, "Reviewer")
-    tid = new_task(office, "t", assignee_agent_id=worker, reviewers=[reviewer])
-    (run_id,) = dispatch(office, at(1))
-    settle(office, run_id, "succeeded", at(2))
-    move(office, tid, "IN_REVIEW", at(3), by_agent=worker)
-    failed = fail_and_reschedule(office, only(wakeups(office, reviewer))["id"], at(4))
+    tid, _, failed = failed_review(office)
 
     def drop_reviewer_behind_the_api():   # only promotion can catch it
         office.db.Task[tid].reviewers = []
