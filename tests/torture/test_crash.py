@@ -6,6 +6,7 @@ SIGTERM under load. Quick by default (3 kills, CI); the long run is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -34,8 +35,14 @@ def marker_profile(data_dir: Path, marker: Path, work_s: float) -> None:
 
 
 def agents_alive(marker: Path) -> list[str]:
+    """The agents' own processes (bubblewrap, the leader of an isolated agent, not counted)."""
     out = subprocess.run(["pgrep", "-f", f"torture-agent-{marker.name}"], capture_output=True, text=True).stdout
-    return out.split()
+    alive = []
+    for pid in out.split():
+        with contextlib.suppress(OSError):   # it may end while we look
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "bwrap":
+                alive.append(pid)
+    return alive
 
 
 def create_schedule(api: httpx.Client, repo: Path, name: str) -> str | None:
