@@ -1053,7 +1053,7 @@ def describe_timing(timing: dict[str, Any]) -> str:
         return f"{words} (cron '{expr}', {tz})" if words else f"on cron '{expr}' in {tz}"
     if timing["kind"] == "interval":
         s = timing["seconds"]
-        for unit, n in (("day", DAY_S), ("hour", HOUR_S), ("minute", 60)):
+        for unit, n in (("day", DAY_S), ("hour", HOUR_S), ("minute", MINUTE_S)):
             if s % n == 0:
                 count = s // n
                 return f"every {count} {unit}{'s' if count != 1 else ''} ({tz})"
@@ -1548,7 +1548,7 @@ def parse_rate_limit_reset(error: str, now: datetime) -> datetime | None:
     elif m := re.search(r"try again in (\d{1,9}(?:\.\d+)?)\s*(second|sec|s|minute|min|m|hour|h)\w*\b",
                         error, re.IGNORECASE):
         unit = m[2].lower()
-        scale = HOUR_S if unit.startswith("h") else 60 if unit.startswith("m") else 1
+        scale = HOUR_S if unit.startswith("h") else MINUTE_S if unit.startswith("m") else 1
         reset = now + timedelta(seconds=float(m[1]) * scale)
     elif m := re.search(r"reset_time\W{0,3}(\d{9,11})", error, re.IGNORECASE):
         reset = datetime.fromtimestamp(int(m[1]), UTC)
@@ -5512,7 +5512,7 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
     return form
 
 
-INTERVAL_UNITS = {"seconds": 1, "minutes": 60, "hours": HOUR_S, "days": DAY_S}
+INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
 #: Short notices a redirect can ask the next page to show (``?done=``).
 DONE_NOTICES = {
     "created": "Schedule created. It fires on its timing; use Fire now to run it at once.",
