@@ -79,6 +79,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,7 +89,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -155,6 +156,9 @@ SIGNIN_CODE_TTL_S = 15 * 60
 AUTO_PAUSE_STREAK = 3
 #: Bytes of stderr kept as a failed run's error text.
 ERROR_TAIL_BYTES = 2000
+#: Output an agent report is read from: the first lines and the last bytes of stdout.
+OUTPUT_HEAD_LINES = 200
+OUTPUT_TAIL_BYTES = 8 * 1024 * 1024
 #: Interval shorter than this draws a compose warning (a typical agent run takes longer).
 SHORT_INTERVAL_S = 300
 #: How far ahead compose looks for DST transitions.
@@ -171,8 +175,8 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 6      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
-                        # 6: a routine run found by its wakeup
+SCHEMA_VERSION = 7      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+                        # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets)
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -195,6 +199,10 @@ RECOVERY_SWEEP_S = 300
 SETTLED_BUFFER = 1000
 #: Longest free text a user or an agent may send (a comment, a wake's context, an approval note).
 MAX_TEXT_CHARS = 20000
+#: How long ``outpost doctor`` waits for a CLI's ``--version``.
+VERSION_TIMEOUT_S = 20
+#: Longest prompt a run is given (a brief is at most 32,768 characters; a reply adds to it).
+MAX_PROMPT_CHARS = 65536
 
 
 ###############################################################################
@@ -337,17 +345,113 @@ def invalid(field: str, message: str) -> ValidationFailed:
 ###############################################################################
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Preset:
+    """How Outpost drives one agent CLI: its command lines (the prompt always on stdin), the
+    reader of its output (section 4), the flags that carry a model and a cost cap, how to ask
+    its version, and what shows it is logged in (a variable set, or a file in HOME)."""
+    command: tuple[str, ...]
+    resume: tuple[str, ...] = ()
+    format: str = "generic"
+    model_flag: str | None = None
+    budget_flag: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    version: tuple[str, ...] = ()
+    login_env: tuple[str, ...] = ()
+    login_files: tuple[str, ...] = ()
+    login: str = ""
+
+
+#: The agent CLIs Outpost knows (API.md 8.1), each flag checked against the CLI's own docs:
+#: - Claude Code: print mode reads the prompt from stdin; stream-json needs --verbose;
+#:   acceptEdits lets an unattended run edit files (other tools are denied and reported).
+#:   https://docs.claude.com/en/docs/claude-code/cli-reference, .../headless
+#: - Codex: ``exec`` reads the prompt from stdin with ``-``; --json prints JSONL events;
+#:   --sandbox workspace-write replaces the deprecated --full-auto; ``exec resume ID``.
+#:   https://github.com/openai/codex/blob/main/docs/exec.md
+#: - Gemini CLI: headless when stdin is not a terminal; stream-json events; a new worktree is
+#:   an untrusted folder (exit 55) unless GEMINI_CLI_TRUST_WORKSPACE=true.
+#:   https://github.com/google-gemini/gemini-cli/blob/main/docs/cli/headless.md
+#: - aider: one message from a file, no questions, no commits of its own (Outpost saves the
+#:   edits), plain output. https://aider.chat/docs/config/options.html
+PRESETS: dict[str, Preset] = {
+    "claude-code": Preset(
+        command=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits"),
+        resume=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
+                "--resume", "{session_id}"),
+        format="claude-code", model_flag="--model", budget_flag="--max-budget-usd", version=("claude", "--version"),
+        login_env=("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN"), login_files=(".claude/.credentials.json",),
+        login="run `claude`, then /login (or `claude setup-token`, or give ANTHROPIC_API_KEY through pass_env)"),
+    "codex": Preset(
+        command=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "-"),
+        resume=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "resume",
+                "{session_id}", "-"),
+        format="codex", model_flag="--model", version=("codex", "--version"),
+        login_env=("OPENAI_API_KEY", "CODEX_API_KEY"), login_files=(".codex/auth.json",),
+        login="run `codex login` (or give OPENAI_API_KEY through pass_env)"),
+    "gemini": Preset(
+        command=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit"),
+        resume=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--resume",
+                "{session_id}"),
+        format="gemini", model_flag="--model", env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"),),
+        version=("gemini", "--version"), login_env=("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI"),
+        login_files=(".gemini/oauth_creds.json",),
+        login="run `gemini` once and choose a login (or give GEMINI_API_KEY through pass_env)"),
+    "aider": Preset(
+        command=("aider", "--message-file", "{prompt_file}", "--yes-always", "--no-auto-commits", "--no-pretty",
+                 "--no-stream"),
+        format="aider", model_flag="--model", version=("aider", "--version"),
+        login_env=("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "DEEPSEEK_API_KEY", "OPENROUTER_API_KEY"),
+        login="give the model provider's API key (ANTHROPIC_API_KEY, OPENAI_API_KEY, ...) through pass_env"),
+    "generic": Preset(command=()),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class AgentProfile:
-    """How to start one kind of agent. ``command`` items may hold {prompt}, {model}, {run_id};
-    ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says.
-    ``resume`` (optional) is the command that continues an earlier session: it may also hold
-    {session_id}, the ``session_id`` the agent printed in its last JSON object."""
+    """How to start one kind of agent: a preset's command lines, or the profile's own. Command
+    items may hold {model}, {run_id}, {prompt_file} and (resume) {session_id}; the prompt goes on
+    stdin. ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says;
+    ``max_running`` caps this profile's runs at once; ``timezone`` reads reset times its CLI
+    prints without a zone."""
     name: str
     command: tuple[str, ...]
     timeout_seconds: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
     resume: tuple[str, ...] = ()
+    preset: str = "generic"
+    model: str | None = None
+    max_running: int | None = None
+    timezone: str | None = None
+
+    @property
+    def kind(self) -> Preset:
+        return PRESETS[self.preset]
+
+    @property
+    def format(self) -> str:
+        return self.kind.format
+
+    @property
+    def model_flag(self) -> str | None:
+        return self.kind.model_flag
+
+    @property
+    def budget_flag(self) -> str | None:
+        return self.kind.budget_flag
+
+    @property
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone) if self.timezone else host_zone()
+
+
+def host_zone() -> ZoneInfo:
+    """The host's zone (for reset times a CLI prints without one), UTC when it cannot be told."""
+    with contextlib.suppress(OSError, ValueError, ZoneInfoNotFoundError):
+        name = os.environ.get("TZ") or os.path.realpath("/etc/localtime").partition("zoneinfo/")[2]
+        if name:
+            return ZoneInfo(name.lstrip(":"))
+    return ZoneInfo("UTC")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -409,9 +513,42 @@ def _one_of(*choices: str) -> Callable[[Any], str | None]:
 SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
     "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
     "isolate_agents": _one_of(*ISOLATION_MODES)}
+def _text_value(value: Any) -> str | None:
+    return None if isinstance(value, str) and value.strip() else f"must be a non-empty string, not {value!r}"
+
+
+def _zone_name(value: Any) -> str | None:
+    try:
+        ZoneInfo(value)
+        return None
+    except (ZoneInfoNotFoundError, ValueError, TypeError):
+        return f"must be an IANA timezone name such as \"America/Chicago\", not {value!r}"
+
+
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
-    "command": _strings(empty=False), "resume": _strings(empty=True), "timeout_seconds": _whole(1, DAY_S),
-    "env": _string_table, "pass_env": _strings(empty=True)}
+    "preset": _one_of(*PRESETS), "command": _strings(empty=False), "resume": _strings(empty=True),
+    "timeout_seconds": _whole(1, DAY_S), "env": _string_table, "pass_env": _strings(empty=True),
+    "model": _text_value, "max_running": _whole(1, 1000), "timezone": _zone_name}
+
+
+def agent_profile(path: Path, name: str, spec: dict[str, Any]) -> AgentProfile:
+    """One ``[agents.NAME]`` table as a profile: its preset's command lines unless it gives its own."""
+    preset = PRESETS[spec.get("preset", "generic")]
+    command = tuple(spec.get("command", preset.command))
+    if not command:
+        raise ConfigError(f"{path}: agents.{name}.command is missing (the command line that starts the agent; "
+                          f"or name a preset: {', '.join(p for p in PRESETS if p != 'generic')})")
+    for key in ("command", "resume"):
+        if any("{prompt}" in item for item in spec.get(key, ())):
+            raise ConfigError(f"{path}: agents.{name}.{key} holds {{prompt}}: the prompt goes to the agent on stdin "
+                              "(a brief starting with '-' must not become an option); remove it, or use "
+                              "{prompt_file} for a CLI that reads a file")
+    env = dict(preset.env) | spec.get("env", {})
+    return AgentProfile(name, command, spec.get("timeout_seconds"), tuple(env.items()),
+                        tuple(spec.get("pass_env", DEFAULT_PASS_ENV)),
+                        tuple(spec.get("resume", preset.resume if "command" not in spec else ())),
+                        spec.get("preset", "generic"), spec.get("model"), spec.get("max_running"),
+                        spec.get("timezone"))
 
 
 def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[[Any], str | None]]) -> dict:
@@ -447,12 +584,7 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
     if not isinstance(profiles, dict):
         raise ConfigError(f"{path}: agents must be tables ([agents.NAME])")
     for name, spec in profiles.items():
-        spec = _checked_table(path, f"agents.{name}", spec, AGENT_KEYS)
-        if "command" not in spec:
-            raise ConfigError(f"{path}: agents.{name}.command is missing (the command line that starts the agent)")
-        profile = AgentProfile(name, tuple(spec["command"]), spec.get("timeout_seconds"),
-                               tuple(spec.get("env", {}).items()), tuple(spec.get("pass_env", DEFAULT_PASS_ENV)),
-                               tuple(spec.get("resume", ())))
+        profile = agent_profile(path, name, _checked_table(path, f"agents.{name}", spec, AGENT_KEYS))
         agents = [a for a in agents if a.name != name] + [profile]
     env_port = os.environ.get("OUTPOST_PORT")
     if port is None and env_port:
@@ -516,6 +648,7 @@ class SlotOutcome(enum.StrEnum):
     FOLDED = "folded"                     # missed during downtime, counted into a catch-up
     SKIPPED_MISSED = "skipped_missed"     # missed during downtime under skip_missed
     PAUSED = "paused"                     # the schedule was paused when it came due
+    HELD_RECONFIRM = "held_reconfirm"     # its agent profile changed since it was confirmed
 
 
 CONCURRENCY_POLICIES = ("skip_if_active", "coalesce_if_active", "always_enqueue")
@@ -959,7 +1092,7 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     d["agent"] = agent
     d["timing"] = normalize_timing(raw.get("timing"), now, check_past=check_past)
     limits = _object(raw, "limits")
-    extra = set(limits) - {"timeout_seconds", "model"}
+    extra = set(limits) - {"timeout_seconds", "model", "max_cost_usd"}
     if extra:
         raise invalid(f"limits.{sorted(extra)[0]}", "is not a field of limits")
     model = limits.get("model")
@@ -967,6 +1100,10 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
         raise invalid("limits.model", "must be a string of 1-200 characters or null")
     d["limits"] = {"timeout_seconds": _int(limits.get("timeout_seconds", HOUR_S),
                                            "limits.timeout_seconds", 1, DAY_S), "model": model}
+    if (cap := limits.get("max_cost_usd")) is not None:   # only when set: older confirmations stay valid
+        if _number(cap) is None or not 0.01 <= cap <= 10000:
+            raise invalid("limits.max_cost_usd", "must be a number of US dollars from 0.01 to 10000, or null")
+        d["limits"]["max_cost_usd"] = float(cap)
     d["notify"] = raw.get("notify", "attention")
     if not isinstance(d["notify"], str) or d["notify"] not in NOTIFY_POLICIES:
         raise invalid("notify", "must be attention, failures_only or always")
@@ -1091,6 +1228,11 @@ def slug(name: str) -> str:
     return s[:60].strip("-") or "schedule"
 
 
+def office_branch(task_id: str, agent_name: str) -> str:
+    """The one branch of an Office task session (API.md 8.5)."""
+    return f"outpost/office/{task_id}/{slug(agent_name)}"
+
+
 def result_branch(schedule_name: str | None, run_id: str) -> str:
     return f"outpost/{slug(schedule_name) if schedule_name else 'dispatch'}/{run_id}"
 
@@ -1125,20 +1267,46 @@ def catch_up_note(missed_count: int, since: datetime, tz: ZoneInfo, *, counted_a
             f"occurrence{'s' if missed_count != 1 else ''} since {since.astimezone(tz):%Y-%m-%d %H:%M %Z}.)")
 
 
-def fill_command(template: Iterable[str], prompt: str, model: str | None, run_id: str,
-                 session_id: str | None = None) -> tuple[list[str], bool]:
-    """The argv of an agent, and whether the prompt goes on stdin (no ``{prompt}`` in it)."""
-    values = {"prompt": prompt, "model": model or "", "run_id": run_id, "session_id": session_id or ""}
-    argv, uses_prompt = [], False
+def fill_command(template: Iterable[str], *, model: str | None, run_id: str, session_id: str | None = None,
+                 prompt_file: str | None = None) -> list[str]:
+    """The argv of an agent. The prompt itself never becomes an argument (it goes on stdin, or
+    in ``{prompt_file}``): a brief that starts with ``-`` must not turn into an option. An
+    argument that is only a placeholder with nothing to fill is dropped."""
+    values = {"model": model or "", "run_id": run_id, "session_id": session_id or "",
+              "prompt_file": prompt_file or ""}
+    argv = []
     for item in template:
-        uses_prompt |= "{prompt}" in item
-        argv.append(re.sub(r"\{(prompt|model|run_id|session_id)\}", lambda m: values[m[1]], item))
-    return argv, not uses_prompt
+        filled = re.sub(r"\{(model|run_id|session_id|prompt_file)\}", lambda m: values[m[1]], item)
+        if filled or not re.fullmatch(r"\{(model|run_id|session_id|prompt_file)\}", item):
+            argv.append(filled)
+    return argv
+
+
+def profile_argv(profile: AgentProfile, *, model: str | None, run_id: str, session_id: str | None,
+                 prompt_file: str | None, max_cost_usd: float | None) -> list[str]:
+    """The command line of one run of ``profile``: its resume form when a session continues,
+    plus the model and budget flags of its preset when those are set."""
+    argv = fill_command(profile.resume if session_id else profile.command, model=model, run_id=run_id,
+                        session_id=session_id, prompt_file=prompt_file)
+    if model and profile.model_flag and "{model}" not in " ".join(profile.resume if session_id else profile.command):
+        argv += [profile.model_flag, model]
+    if max_cost_usd is not None and profile.budget_flag:
+        argv += [profile.budget_flag, f"{max_cost_usd:g}"]
+    return argv
+
+
+def profile_digest(profile: AgentProfile) -> str:
+    """API.md 8.1: what a schedule's confirmation covers of its profile (the effective command,
+    resume, preset, env names, pass_env, timeout cap). A change holds the schedule's fires."""
+    facts = {"command": list(profile.command), "resume": list(profile.resume), "preset": profile.preset,
+             "env": sorted(k for k, _ in profile.env), "pass_env": sorted(profile.pass_env),
+             "timeout_seconds": profile.timeout_seconds}
+    return "sha256:" + hashlib.sha256(canonical_json(facts).encode()).hexdigest()
 
 
 def run_token(key: bytes, run_id: str) -> str:
-    """The run-scoped token an Office agent acts with: its run id, signed. Nothing is stored;
-    it is honoured only while that run is running (see Store.run_agent_context)."""
+    """The run-scoped token every run acts with: its run id, signed. Nothing is stored; it is
+    honoured only while that run is running (see Store.run_agent_context)."""
     return f"{run_id}.{hmac.new(key, run_id.encode(), hashlib.sha256).hexdigest()}"
 
 
@@ -1160,52 +1328,465 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
     return env
 
 
-def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
-    last = None
+# --- agent CLIs: limits (API.md 8.3) ------------------------------------------------------
+
+#: Words that mark a limit in an error text or the tail of stderr (case-insensitive).
+USAGE_LIMIT_WORDS = ("usage limit", "limit reached", "hit your limit", "hit your usage limit", "quota",
+                     "exhausted your capacity", "resource_exhausted")
+RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "too many requests")
+#: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
+LIMIT_LADDER_S = (120, 600, 1800, 7200)
+LIMIT_JITTER = 0.25
+#: A profile stays limited this long past the reset its CLI named.
+LIMIT_BUFFER_S = 30
+#: A wall time named in a limit message that passed less than this ago means "now".
+LIMIT_RECENT_S = 15 * 60
+#: Zone abbreviations CLIs print, as fixed offsets (hours); any other zone is an IANA name.
+ZONE_ABBREVIATIONS = {"UTC": 0, "GMT": 0, "Z": 0, "EST": -5, "EDT": -4, "CST": -6, "CDT": -5, "MST": -7,
+                      "MDT": -6, "PST": -8, "PDT": -7, "AKST": -9, "AKDT": -8, "HST": -10, "CET": 1,
+                      "CEST": 2, "BST": 1, "WET": 0, "WEST": 1, "EET": 2, "EEST": 3, "IST": 5.5, "JST": 9,
+                      "KST": 9, "AEST": 10, "AEDT": 11}
+DURATION_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1, "sec": 1, "secs": 1,
+                  "second": 1, "seconds": 1, "m": MINUTE_S, "min": MINUTE_S, "mins": MINUTE_S,
+                  "minute": MINUTE_S, "minutes": MINUTE_S, "h": HOUR_S, "hr": HOUR_S, "hrs": HOUR_S,
+                  "hour": HOUR_S, "hours": HOUR_S, "d": DAY_S, "day": DAY_S, "days": DAY_S}
+_UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)\b"
+_DURATION = rf"(?:\d+(?:\.\d+)?\s*{_UNIT}[\s,]*(?:and\s+)?)+"
+_WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
+MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
+                                       "nov", "dec"), 1)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limit:
+    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not)."""
+    kind: str                      # rate_limit | usage_limit
+    resets_at: datetime | None
+    message: str
+
+    def view(self) -> dict[str, Any]:
+        return {"kind": self.kind, "resets_at": rfc3339(self.resets_at), "message": self.message}
+
+
+def _duration_s(text: str) -> float:
+    return sum(float(n) * DURATION_UNITS[u.lower()]
+               for n, u in re.findall(rf"(\d+(?:\.\d+)?)\s*({_UNIT})", text, re.IGNORECASE))
+
+
+def _zone_of(name: str | None, default: ZoneInfo) -> tzinfo:
+    if not name:
+        return default
+    if name.upper() in ZONE_ABBREVIATIONS:
+        return timezone(timedelta(hours=ZONE_ABBREVIATIONS[name.upper()]))
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        return default
+
+
+def _hour(hour: str, ampm: str | None) -> int:
+    h = int(hour)
+    if ampm:
+        h = h % 12 + (12 if ampm.lower().startswith("p") else 0)
+    return h
+
+
+def _next_wall(now: datetime, tz: tzinfo, hour: int, minute: int) -> datetime | None:
+    """The next instant showing hour:minute in ``tz``; one that passed in the last 15 minutes is now."""
+    if hour > 23 or minute > 59:
+        return None
+    local = now.astimezone(tz)
+    wall = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if wall <= local - timedelta(seconds=LIMIT_RECENT_S):
+        wall = (wall.replace(tzinfo=None) + timedelta(days=1)).replace(tzinfo=tz)
+    return max(wall.astimezone(UTC), now)
+
+
+def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
+    """When a limit message says the limit resets (API.md 8.3), or None when it names no time.
+    A wall time without a zone is in ``tz`` (the profile's timezone)."""
+    if m := re.search(r"\|(\d{10})\b|reset_time\W{0,3}(\d{9,11})\b", text, re.IGNORECASE):
+        return max(datetime.fromtimestamp(int(m[1] or m[2]), UTC), now)
+    if m := re.search(r"resets?_in_seconds\W{0,3}(\d+(?:\.\d+)?)", text, re.IGNORECASE):
+        return now + timedelta(seconds=float(m[1]))
+    if m := re.search(r"retry-after:\s*(\d{1,9})\b", text, re.IGNORECASE):
+        return now + timedelta(seconds=int(m[1]))
+    if m := re.search(rf"\breset(?:s)?\b(?:\s+at)?\s+{_WALL}\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\)",
+                      text, re.IGNORECASE):
+        return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
+    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b([A-Za-z_]+/[A-Za-z_]+|[A-Z]{{1,5}})\b", text,
+                      re.IGNORECASE):
+        return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
+    if m := re.search(r"\btry again at\s+([A-Za-z]{3})[a-z]*\.?\s+(\d{1,2})(?:st|nd|rd|th)?,?\s+(\d{4}),?\s+"
+                      r"(?:at\s+)?" + _WALL, text, re.IGNORECASE):
+        month = MONTHS.get(m[1].lower())
+        if month is not None and _hour(m[4], m[6]) < 24 and int(m[5] or 0) < 60:
+            with contextlib.suppress(ValueError):
+                at = datetime(int(m[3]), month, int(m[2]), _hour(m[4], m[6]), int(m[5] or 0), tzinfo=tz)
+                return max(at.astimezone(UTC), now)
+    m = re.search(rf"\b(?:try again|reset|resets)\s+at\s+{_WALL}", text, re.IGNORECASE)
+    if m and (m[2] or m[3]):   # "at 3:28 PM" or "at 3pm", never a bare number
+        return _next_wall(now, tz, _hour(m[1], m[3]), int(m[2] or 0))
+    if m := re.search(rf"\b(?:again|retry|retrying|reset|resets|available)\s+(?:in|after)\s+({_DURATION})",
+                      text, re.IGNORECASE):
+        return now + timedelta(seconds=_duration_s(m[1]))
+    return None
+
+
+def find_limit(text: str, now: datetime, tz: ZoneInfo) -> Limit | None:
+    """A limit named in ``text`` (an error, the tail of stderr), or None."""
+    lower = text.lower()
+    usage = any(word in lower for word in USAGE_LIMIT_WORDS)
+    if not usage and not any(word in lower for word in RATE_LIMIT_WORDS) and not re.search(r"\b429\b", lower):
+        return None
+    line = next((ln.strip() for ln in text.splitlines()
+                 if any(w in ln.lower() for w in (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429"))), text.strip())
+    return Limit("usage_limit" if usage else "rate_limit", limit_reset(text, now, tz), line[:500])
+
+
+def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datetime:
+    """Until when a limit holds its profile: the named reset plus 30 s; with no reset, the
+    ladder 2 min, 10 min, 30 min, 2 h (+-25%) by the profile's limits in a row."""
+    if limit.resets_at is not None:
+        return limit.resets_at + timedelta(seconds=LIMIT_BUFFER_S)
+    step = LIMIT_LADDER_S[min(streak, len(LIMIT_LADDER_S) - 1)]
+    return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
+
+
+#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4).
+AUTH_MARKERS = ("not logged in", "please run /login", "invalid api key", "authentication_error",
+                "authentication_failed", "please set an auth method", "401 unauthorized", "http 401",
+                "status 401", "unauthorized: 401")
+
+
+def is_auth_failure(text: str) -> bool:
+    lower = text.lower()
+    return (any(marker in lower for marker in AUTH_MARKERS)
+            or bool(re.search(r"openai_api_key\W+(?:is\s+)?(?:not set|missing|required)|"
+                              r"(?:missing|no|set)\s+(?:the\s+)?openai_api_key", lower)))
+
+
+# --- agent CLIs: the report of a run (API.md 8.2) ---------------------------------------------
+
+#: Longest final message a report keeps.
+FINAL_MESSAGE_CHARS = 4096
+#: The failure kinds of a run (API.md 8.2); limit and auth are not the agent's own failure.
+FAILURE_KINDS = ("agent", "limit", "auth", "timeout", "interrupted", "launch", "no_result")
+#: Failure kinds that do not count toward a schedule's failure streak (API.md 5.3).
+NOT_THE_AGENTS_FAILURE = ("interrupted", "limit", "auth")
+
+
+@dataclasses.dataclass(slots=True)
+class Reading:
+    """What an agent CLI said about its run, read from its whole output by its format's reader.
+    ``verdict`` is what the CLI's own terminal event said (None: it printed none)."""
+    format: str
+    verdict: str | None = None          # succeeded | failed | needs_you
+    error: str | None = None
+    question: str | None = None
+    session_id: str | None = None
+    model: str | None = None
+    agent_version: str | None = None
+    turns: int | None = None
+    cost_usd: float | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    final_message: str | None = None
+    permission_denials: list[Any] = dataclasses.field(default_factory=list)
+    limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
+    result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
+
+
+REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cost_usd", "input_tokens",
+                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials")
+
+
+def json_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Every line of the output that is one JSON object."""
     for line in lines:
         line = line.strip()
         if line.startswith("{"):
-            try:
+            with contextlib.suppress(ValueError):
                 value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                last = value
+                if isinstance(value, dict):
+                    yield value
+
+
+def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
+    last = None
+    for last in json_lines(lines):   # noqa: B007 - the last one is wanted
+        pass
     return last
+
+
+def _whole_json(lines: list[str]) -> Any:
+    """The output as one JSON document (a pretty-printed object, or an array), else None."""
+    text = "\n".join(lines).strip()
+    if not text.startswith(("{", "[")):
+        return None
+    with contextlib.suppress(ValueError):
+        return json.loads(text)
+    return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _string(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _final(text: Any) -> str | None:
+    return text[-FINAL_MESSAGE_CHARS:] if isinstance(text, str) and text else None
+
+
+def read_claude(lines: list[str]) -> Reading:
+    """Claude Code, ``--output-format stream-json --verbose`` (or ``json``, and its array form
+    under ``--verbose``): ``system``/``init`` names the session, model and version; the
+    ``result`` event decides (``is_error`` or a ``subtype`` other than ``success`` fails, the
+    text is in ``result``); ``rate_limit_event`` gives an exact reset."""
+    events = list(json_lines(lines))
+    if len(events) <= 1 and isinstance(whole := _whole_json(lines), list | dict):
+        events = [e for e in (whole if isinstance(whole, list) else [whole]) if isinstance(e, dict)]
+    reading = Reading("claude-code")
+    for e in events:
+        kind = e.get("type")
+        if kind == "system" and e.get("subtype") == "init":
+            reading.session_id = _string(e.get("session_id")) or reading.session_id
+            reading.model = _string(e.get("model")) or reading.model
+            reading.agent_version = _string(e.get("claude_code_version")) or reading.agent_version
+        elif kind == "assistant":
+            content = (e.get("message") or {}).get("content") if isinstance(e.get("message"), dict) else None
+            texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
+            if any(isinstance(t, str) and t for t in texts):
+                reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
+        elif kind == "rate_limit_event":
+            info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
+            resets = _number(info.get("resetsAt"))
+            if resets is not None and info.get("status") not in ("allowed", "allowed_warning"):
+                reading.limit_reset = datetime.fromtimestamp(resets, UTC)
+        elif kind == "result":
+            reading.result = e
+            reading.session_id = _string(e.get("session_id")) or reading.session_id
+            failed = e.get("is_error") is True or e.get("subtype", "success") != "success"
+            reading.verdict = "failed" if failed else "succeeded"
+            text = e.get("result") if isinstance(e.get("result"), str) else None
+            if failed:
+                reading.error = (text or _string(e.get("subtype")) or "the agent reported a failure")
+                if isinstance(e.get("errors"), list) and e["errors"]:
+                    reading.error += "; " + "; ".join(str(x) for x in e["errors"][:5])
+            reading.final_message = _final(text) or reading.final_message
+            reading.cost_usd = _number(e.get("total_cost_usd"))
+            reading.turns = _count(e.get("num_turns"))
+            usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+            reading.input_tokens = _count(usage.get("input_tokens"))
+            reading.output_tokens = _count(usage.get("output_tokens"))
+            reading.cache_read_tokens = _count(usage.get("cache_read_input_tokens"))
+            denials = e.get("permission_denials")
+            reading.permission_denials = denials if isinstance(denials, list) else []
+            if not failed and reading.permission_denials:
+                tools = sorted({str(d.get("tool_name")) for d in reading.permission_denials if isinstance(d, dict)})
+                reading.verdict = "needs_you"
+                reading.question = (f"The agent was denied permission to use {', '.join(tools) or 'a tool'}. "
+                                    "Allow it in the profile, or reply with what to do instead.")
+    return reading
+
+
+def read_codex(lines: list[str]) -> Reading:
+    """Codex, ``exec --json``: ``thread.started.thread_id`` is the session; ``turn.completed``
+    ends a turn (its ``usage`` the tokens); ``turn.failed`` (``error.message``) or ``error``
+    (``message``) fails; no terminal event at all is no result."""
+    reading = Reading("codex")
+    for e in json_lines(lines):
+        kind = e.get("type")
+        if kind == "thread.started":
+            reading.session_id = _string(e.get("thread_id")) or reading.session_id
+        elif kind == "item.completed" and isinstance(e.get("item"), dict):
+            item = e["item"]
+            if item.get("type") in ("agent_message", "assistant_message"):
+                reading.final_message = _final(item.get("text")) or reading.final_message
+        elif kind == "turn.completed":
+            reading.result, reading.verdict, reading.error = e, "succeeded", None
+            usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+            reading.input_tokens = (reading.input_tokens or 0) + (_count(usage.get("input_tokens")) or 0)
+            reading.output_tokens = (reading.output_tokens or 0) + (_count(usage.get("output_tokens")) or 0)
+            reading.cache_read_tokens = ((reading.cache_read_tokens or 0)
+                                         + (_count(usage.get("cached_input_tokens")) or 0))
+            reading.turns = (reading.turns or 0) + 1
+        elif kind == "turn.failed":
+            error = e.get("error") if isinstance(e.get("error"), dict) else {}
+            reading.result, reading.verdict = e, "failed"
+            reading.error = _string(error.get("message")) or "the turn failed"
+        elif kind == "error":   # "Reconnecting... 2/5" is Codex waiting for a network, not an end
+            reading.error = _string(e.get("message")) or "error"
+            if not reading.error.lower().startswith("reconnecting"):
+                reading.result, reading.verdict = e, "failed"
+    return reading
+
+
+def read_gemini(lines: list[str]) -> Reading:
+    """Gemini CLI, ``--output-format stream-json`` (or the ``json`` format's one multi-line
+    object): ``init`` names the session and model; the ``result`` event's ``status`` decides;
+    its ``stats`` give the tokens."""
+    reading = Reading("gemini")
+    events = list(json_lines(lines))
+    whole = _whole_json(lines) if not events else None
+    if isinstance(whole, dict):   # --output-format json: {"response", "stats", "error"}
+        reading.result = whole
+        reading.session_id = _string(whole.get("session_id"))
+        reading.final_message = _final(whole.get("response"))
+        error = whole.get("error")
+        reading.verdict = "failed" if error else "succeeded"
+        if error:
+            reading.error = _string(error.get("message")) if isinstance(error, dict) else str(error)
+        return reading
+    for e in events:
+        kind = e.get("type")
+        if kind == "init":
+            reading.session_id = _string(e.get("session_id")) or reading.session_id
+            reading.model = _string(e.get("model")) or reading.model
+        elif kind == "message" and e.get("role") == "assistant":
+            text = e.get("content")
+            if isinstance(text, str):
+                reading.final_message = _final(((reading.final_message or "") + text) if e.get("delta")
+                                               else text)
+        elif kind == "error":
+            reading.error = _string(e.get("message")) or reading.error
+        elif kind == "result":
+            reading.result = e
+            ok = e.get("status") == "success"
+            reading.verdict = "succeeded" if ok else "failed"
+            if not ok:
+                error = e.get("error")
+                reading.error = ((_string(error.get("message")) if isinstance(error, dict) else _string(error))
+                                 or reading.error or "the agent reported a failure")
+            stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
+            reading.input_tokens = _count(stats.get("input_tokens"))
+            reading.output_tokens = _count(stats.get("output_tokens"))
+            reading.cache_read_tokens = _count(stats.get("cached")) or _count(stats.get("cached_tokens"))
+            reading.turns = _count(stats.get("turns"))
+    return reading
+
+
+def read_aider(lines: list[str]) -> Reading:
+    """aider (plain text): the exit status decides; its last ``Tokens: ... Cost: $X message,
+    $Y session.`` line gives the cost; the reply is the final message."""
+    reading = Reading("aider")
+    cost, tokens_at = 0.0, None
+    for i, line in enumerate(lines):
+        if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
+                         r"Cost:\s*\$([\d.]+)\s+message", line):
+            sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
+            received = float(m[3].replace(",", "")) * (1000 if m[4] else 1)
+            reading.input_tokens = (reading.input_tokens or 0) + round(sent)
+            reading.output_tokens = (reading.output_tokens or 0) + round(received)
+            cost += float(m[5])
+            reading.cost_usd = round(cost, 6)
+            tokens_at = i
+    if tokens_at is not None:
+        reply = [ln for ln in lines[max(0, tokens_at - 60):tokens_at] if ln.strip()]
+        reading.final_message = _final("\n".join(reply[-20:]))
+    elif text := [ln for ln in lines if ln.strip()]:
+        reading.final_message = _final("\n".join(text[-20:]))
+    return reading
+
+
+def read_generic(lines: list[str]) -> Reading:
+    """Any other command (the demo agent included), API.md 5.5: exit 0 succeeds unless the last
+    JSON object line says ``"is_error": true``, ``"status": "failed"`` or ``"type": "turn.failed"
+    | "error"``; ``"status": "needs_you"`` (with ``"question"``) asks a human."""
+    result = last_json_object(lines)
+    reading = Reading("generic", result=result)
+    if result is None:
+        return reading
+    error = result.get("error")
+    reading.error = error if isinstance(error, str) else json.dumps(error) if error else None
+    if (result.get("is_error") is True or result.get("status") == "failed"
+            or result.get("type") in ("turn.failed", "error")):
+        reading.verdict = "failed"
+        reading.error = reading.error or _string(result.get("message")) or "the agent reported a failure"
+    elif result.get("status") == "needs_you":
+        reading.verdict, reading.question = "needs_you", _string(result.get("question"))
+    else:
+        reading.verdict = "succeeded"
+    reading.session_id = _string(result.get("session_id"))
+    reading.final_message = _final(result.get("summary"))
+    reading.cost_usd = _number(result.get("cost_usd"))
+    return reading
+
+
+#: One reader per output format; a preset names its format (section 3).
+READERS: dict[str, Callable[[list[str]], Reading]] = {
+    "claude-code": read_claude, "codex": read_codex, "gemini": read_gemini, "aider": read_aider,
+    "generic": read_generic}
+#: Formats whose CLI always ends with a terminal event: without one, there is no result.
+TERMINAL_EVENT_FORMATS = ("claude-code", "codex", "gemini")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outcome:
+    """How a run ended: its status, its error text, and the agent report (API.md 8.2)."""
     status: RunStatus
     error: str | None
+    failure_kind: str | None = None
+    limit: Limit | None = None
+    question: str | None = None
+    reading: Reading | None = None
+
+    def report(self) -> dict[str, Any]:
+        fields = {f: getattr(self.reading, f) for f in REPORT_FIELDS} if self.reading else {"format": None}
+        return {**{f: None for f in REPORT_FIELDS}, **fields, "permission_denials": fields.get(
+            "permission_denials") or [], "limit": self.limit.view() if self.limit else None,
+            "failure_kind": self.failure_kind}
 
 
-def run_outcome(exit_code: int | None, result: dict[str, Any] | None, stderr_tail: str,
-                *, timed_out: bool = False) -> Outcome:
-    """API.md 5.5: exit 0 succeeds unless the last JSON object says otherwise."""
-    result = result or {}
-    json_error = result.get("error")
-    json_error = json_error if isinstance(json_error, str) else (
-        json.dumps(json_error) if json_error else None)
+def failed(error: str, kind: str, reading: Reading | None = None) -> Outcome:
+    return Outcome(RunStatus.FAILED, error, kind, reading=reading)
+
+
+def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, timed_out: bool = False,
+                now: datetime, tz: ZoneInfo = UTC) -> Outcome:
+    """How a run ended, from what its CLI said and how its process ended. Exit 0 with a
+    failing terminal event fails (CLIs exit 0 on some failures); a failure whose text (or
+    stderr's tail) names a login problem is ``auth``, one that names a limit is ``limit``."""
     tail = stderr_tail.strip()[-ERROR_TAIL_BYTES:]
     if timed_out:
-        return Outcome(RunStatus.FAILED, "timeout" + (f": {tail}" if tail else ""))
-    if exit_code != 0:
-        text = "; ".join(t for t in (tail, json_error) if t) or f"exit code {exit_code}"
-        return Outcome(RunStatus.FAILED, text)
-    if (result.get("is_error") is True or result.get("status") == "failed"
-            or result.get("type") in ("turn.failed", "error")):
-        return Outcome(RunStatus.FAILED, "; ".join(t for t in (json_error, tail) if t)
-                       or "the agent reported a failure")
-    if result.get("status") == "needs_you":
-        return Outcome(RunStatus.NEEDS_YOU, None)
-    return Outcome(RunStatus.SUCCEEDED, None)
+        return failed("timeout" + (f": {tail}" if tail else ""), "timeout", reading)
+    if exit_code == 0 and reading.verdict == "needs_you":
+        return Outcome(RunStatus.NEEDS_YOU, None, question=reading.question, reading=reading)
+    if exit_code == 0 and reading.verdict in ("succeeded", None) and not (
+            reading.verdict is None and reading.format in TERMINAL_EVENT_FORMATS):
+        return Outcome(RunStatus.SUCCEEDED, None, reading=reading)
+    if exit_code == 0 and reading.verdict is None:
+        error, kind = "the agent ended without a result" + (f": {tail}" if tail else ""), "no_result"
+    else:
+        parts = (reading.error, tail) if exit_code == 0 else (tail, reading.error)
+        error = "; ".join(dict.fromkeys(t for t in parts if t)) or (
+            f"exit code {exit_code}" if exit_code else "the agent reported a failure")
+        kind = "agent"
+    text = "\n".join(t for t in (reading.error, tail) if t)
+    if is_auth_failure(text):
+        return failed(error[-ERROR_TAIL_BYTES:], "auth", reading)
+    if (limit := find_limit(text, now, tz)) is not None or reading.limit_reset is not None:
+        limit = limit or Limit("usage_limit", None, (reading.error or "usage limit")[:500])
+        if reading.limit_reset is not None:
+            limit = dataclasses.replace(limit, resets_at=max(reading.limit_reset, now))
+        return Outcome(RunStatus.FAILED, error[-ERROR_TAIL_BYTES:], "limit", limit, reading=reading)
+    return failed(error[-ERROR_TAIL_BYTES:], kind, reading)
 
 
-def attention_kinds(notify: str, status: RunStatus, commits: int) -> list[str]:
-    """Attention items one settled run raises under a notify policy (API.md 5.6)."""
+def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: str | None = None) -> list[str]:
+    """Attention items one settled run raises under a notify policy (API.md 5.6). A limit or a
+    login failure raises its profile's own item instead (API.md 8.4)."""
     if status == RunStatus.FAILED:
-        return [] if notify == "wakeup" else ["failed"]   # an Office failure is retried, then escalated
+        # an Office failure is retried, then escalated
+        return [] if notify == "wakeup" or failure_kind in ("limit", "auth") else ["failed"]
     if status == RunStatus.NEEDS_YOU:
         return ["needs_you"]
     if status != RunStatus.SUCCEEDED:
@@ -1215,12 +1796,13 @@ def attention_kinds(notify: str, status: RunStatus, commits: int) -> list[str]:
     return ["succeeded"] if notify == "always" else []
 
 
-def next_failure_streak(streak: int, status: RunStatus, error: str | None) -> int:
+def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None) -> int:
     """API.md 5.3: success resets the streak, the agent's own failure adds one; a run the
-    daemon's stop or death interrupted is not the agent's failure and counts for nothing."""
+    daemon's stop or death interrupted, or one that hit a limit or a login wall, is not the
+    agent's failure and counts for nothing."""
     if status == RunStatus.SUCCEEDED:
         return 0
-    if status == RunStatus.FAILED and error != INTERRUPTED:
+    if status == RunStatus.FAILED and failure_kind not in NOT_THE_AGENTS_FAILURE:
         return streak + 1
     return streak
 
@@ -1506,11 +2088,6 @@ RETRY_BACKOFF_S = (120, 600, 1800, 7200)
 RETRY_JITTER = 0.25
 #: Failed attempts retried before a wakeup is escalated to the coordinator.
 MAX_RETRY_COUNT = 4
-#: Added to a parsed rate-limit reset time.
-RATE_LIMIT_BUFFER_S = 30
-RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "429", "too many requests", "quota exceeded")
-
-
 #: What agent CLIs print when asked to resume a session they no longer know (Claude Code:
 #: "No conversation found with session ID: ..."; others: "session not found").
 UNKNOWN_SESSION_MARKERS = ("no conversation found", "session not found", "no session found", "unknown session")
@@ -1521,43 +2098,6 @@ def is_unknown_session(error: str) -> bool:
     return any(marker in text for marker in UNKNOWN_SESSION_MARKERS)
 
 
-def is_rate_limit(error: str) -> bool:
-    text = error.lower()
-    return any(word in text for word in RATE_LIMIT_WORDS)
-
-
-def parse_rate_limit_reset(error: str, now: datetime) -> datetime | None:
-    """The reset instant a rate-limit message names, plus the 30 s buffer; None when no
-    pattern matches or the instant is already past."""
-    reset = None
-    if m := re.search(r"resets at (\d{1,2}):(\d{2})\s*([AaPp][Mm])?(?:\s+([A-Za-z_]+(?:/[A-Za-z_]+)*))?", error):
-        hour, minute = int(m[1]), int(m[2])
-        if m[3]:
-            hour = hour % 12 + (12 if m[3].lower() == "pm" else 0)
-        try:
-            tz = ZoneInfo(m[4]) if m[4] else UTC
-        except (ZoneInfoNotFoundError, ValueError):
-            tz = UTC
-        if hour < 24 and minute < 60:
-            local = now.astimezone(tz)
-            reset = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
-            if reset + timedelta(seconds=RATE_LIMIT_BUFFER_S) <= local:
-                reset += timedelta(days=1)   # the next occurrence of that wall-clock time
-    elif m := re.search(r"retry-after:\s*(\d{1,9})", error, re.IGNORECASE):
-        reset = now + timedelta(seconds=int(m[1]))
-    elif m := re.search(r"try again in (\d{1,9}(?:\.\d+)?)\s*(second|sec|s|minute|min|m|hour|h)\w*\b",
-                        error, re.IGNORECASE):
-        unit = m[2].lower()
-        scale = HOUR_S if unit.startswith("h") else MINUTE_S if unit.startswith("m") else 1
-        reset = now + timedelta(seconds=float(m[1]) * scale)
-    elif m := re.search(r"reset_time\W{0,3}(\d{9,11})", error, re.IGNORECASE):
-        reset = datetime.fromtimestamp(int(m[1]), UTC)
-    if reset is None:
-        return None
-    reset = reset.astimezone(UTC) + timedelta(seconds=RATE_LIMIT_BUFFER_S)
-    return reset if reset > now else None
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class RetryPlan:
     retry_count: int
@@ -1565,13 +2105,14 @@ class RetryPlan:
     source: str                    # rate_limit_parsed | backoff | escalated
 
 
-def plan_retry(error: str, retry_count: int, now: datetime, jitter: float) -> RetryPlan:
-    """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]."""
+def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: datetime | None = None) -> RetryPlan:
+    """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]; a run that
+    hit a limit is retried when its profile's limit ends (the spec's rate-limit path)."""
     count = retry_count + 1
     if count > MAX_RETRY_COUNT:
         return RetryPlan(count, None, "escalated")
-    if is_rate_limit(error) and (reset := parse_rate_limit_reset(error, now)) is not None:
-        return RetryPlan(count, reset, "rate_limit_parsed")
+    if limited_until is not None:
+        return RetryPlan(count, limited_until, "rate_limit_parsed")
     delay = RETRY_BACKOFF_S[count - 1] * (1 + RETRY_JITTER * max(-1.0, min(1.0, jitter)))
     return RetryPlan(count, now + timedelta(seconds=delay), "backoff")
 
@@ -2141,6 +2682,7 @@ def define_entities(db: orm.Database) -> None:
         anchored_at = Required(datetime)     # interval schedules fire at anchored_at + k * seconds
         confirmation = Required(str)
         confirmed_at = Required(datetime)
+        profile_digest = Optional(str, nullable=True)   # the agent profile confirmed with it (API.md 8.1)
         created_at = Required(datetime)
         updated_at = Required(datetime)
         occurrences = Set("Occurrence")
@@ -2181,6 +2723,16 @@ def define_entities(db: orm.Database) -> None:
         exit_code = Optional(int)
         error = Optional(str, nullable=True)
         result = Optional(orm.Json, nullable=True)
+        agent_report = Optional(orm.Json, nullable=True)   # API.md 8.2
+        failure_kind = Optional(str, nullable=True)
+        cost_usd = Optional(float)
+        max_cost_usd = Optional(float)
+        over_budget = Required(bool, default=False)
+        question = Optional(str, nullable=True)            # a needs_you run's question
+        continues = Optional(str, nullable=True)           # the needs_you run a reply continues
+        answered_by = Optional(str, nullable=True)         # the reply run that answered this one
+        continues_branch = Required(bool, default=False)   # starts from its result branch's head when it exists
+        resume_session_id = Optional(str, nullable=True)   # the agent session this run resumes
         pid = Optional(int)
         pid_started = Optional(str, nullable=True)   # /proc start time: a pid alone may be reused
         resume_requested_at = Optional(datetime)
@@ -2189,6 +2741,15 @@ def define_entities(db: orm.Database) -> None:
         queued_at = Required(datetime)
         started_at = Optional(datetime)
         finished_at = Optional(datetime)
+
+    class ProfileState(db.Entity):
+        """An agent profile's standing (API.md 8.4): limited until a reset, or paused for a login."""
+        name = PrimaryKey(str)
+        limited_until = Optional(datetime)
+        limit_streak = Required(int, default=0)            # limits in a row that named no reset (the ladder)
+        limit_message = Optional(str, nullable=True)
+        paused_reason = Optional(str, nullable=True)
+        updated_at = Required(datetime)
 
     class Attention(db.Entity):
         id = PrimaryKey(str)
@@ -2243,6 +2804,9 @@ def define_entities(db: orm.Database) -> None:
         default_executor = Optional(str, nullable=True)
         recovery_lookback_hours = Required(int, default=24)
         budget_runs_per_day = Optional(int)
+        budget_usd_per_day = Optional(float)
+        budget_usd_per_month = Optional(float)
+        budget_action = Required(str, default="pause")     # pause | skip (action_on_exceed)
         created_at = Required(datetime)
 
     class Project(db.Entity):
@@ -2251,6 +2815,9 @@ def define_entities(db: orm.Database) -> None:
         name = Required(str)
         repository = Optional(str, nullable=True)
         executor = Optional(str, nullable=True)
+        budget_runs_per_day = Optional(int)
+        budget_usd_per_day = Optional(float)
+        budget_usd_per_month = Optional(float)
         created_at = Required(datetime)
 
     class Agent(db.Entity):
@@ -2265,6 +2832,8 @@ def define_entities(db: orm.Database) -> None:
         cooldown_sec = Required(int, default=10)
         skip_idle_wakeups = Required(bool)
         budget_runs_per_day = Optional(int)
+        budget_usd_per_day = Optional(float)
+        budget_usd_per_month = Optional(float)
         last_wakeup_finished_at = Optional(datetime)
         created_at = Required(datetime)
         updated_at = Required(datetime)
@@ -2479,6 +3048,29 @@ SCHEMA_SQL = {
     6: [   # a lightweight routine run completes with its wakeup
         'CREATE INDEX IF NOT EXISTS routine_run_wakeup ON "RoutineRun"(wakeup_id) WHERE wakeup_id IS NOT NULL',
     ],
+    7: [   # agent CLIs: the agent report, limits and logins, replies, budgets in dollars, profile digests
+        'ALTER TABLE "Schedule" ADD COLUMN profile_digest TEXT',
+        'ALTER TABLE "Run" ADD COLUMN agent_report JSON',
+        'ALTER TABLE "Run" ADD COLUMN failure_kind TEXT',
+        'ALTER TABLE "Run" ADD COLUMN cost_usd REAL',
+        'ALTER TABLE "Run" ADD COLUMN max_cost_usd REAL',
+        'ALTER TABLE "Run" ADD COLUMN over_budget BOOLEAN NOT NULL DEFAULT 0',
+        'ALTER TABLE "Run" ADD COLUMN question TEXT',
+        'ALTER TABLE "Run" ADD COLUMN continues TEXT',
+        'ALTER TABLE "Run" ADD COLUMN answered_by TEXT',
+        'ALTER TABLE "Run" ADD COLUMN continues_branch BOOLEAN NOT NULL DEFAULT 0',
+        'ALTER TABLE "Run" ADD COLUMN resume_session_id TEXT',
+        'ALTER TABLE "Workspace" ADD COLUMN budget_usd_per_day REAL',
+        'ALTER TABLE "Workspace" ADD COLUMN budget_usd_per_month REAL',
+        'ALTER TABLE "Workspace" ADD COLUMN budget_action TEXT NOT NULL DEFAULT \'pause\'',
+        'ALTER TABLE "Project" ADD COLUMN budget_runs_per_day INTEGER',
+        'ALTER TABLE "Project" ADD COLUMN budget_usd_per_day REAL',
+        'ALTER TABLE "Project" ADD COLUMN budget_usd_per_month REAL',
+        'ALTER TABLE "Agent" ADD COLUMN budget_usd_per_day REAL',
+        'ALTER TABLE "Agent" ADD COLUMN budget_usd_per_month REAL',
+        'CREATE INDEX IF NOT EXISTS run_profile ON "Run"(agent, status)',
+        'CREATE INDEX IF NOT EXISTS run_cost ON "Run"(finished_at) WHERE cost_usd IS NOT NULL',
+    ],
 }
 
 
@@ -2490,7 +3082,8 @@ def schedule_view(s, active_run_id: str | None) -> dict[str, Any]:
             "archived": s.archived, "auto_paused": s.auto_paused, "failure_streak": s.failure_streak,
             "next_fire_at": rfc3339(aware(s.next_fire_at)), "last_fired_at": rfc3339(aware(s.last_fired_at)),
             "active_run_id": active_run_id,
-            "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at))},
+            "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at)),
+                          "profile_digest": s.profile_digest},
             "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
 
 
@@ -2503,7 +3096,21 @@ def run_view(r) -> dict[str, Any]:
             "result_branch": r.result_branch, "changes": {"commits": r.commits},
             "exit_code": r.exit_code, "error": r.error, "queued_at": rfc3339(aware(r.queued_at)),
             "started_at": rfc3339(aware(r.started_at)), "finished_at": rfc3339(aware(r.finished_at)),
-            "result": r.result}
+            "result": r.result, "agent_report": r.agent_report, "failure_kind": r.failure_kind,
+            "cost_usd": r.cost_usd, "max_cost_usd": r.max_cost_usd, "over_budget": r.over_budget,
+            "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
+            "continues": r.continues, "answered_by": r.answered_by}
+
+
+def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
+                       cost_usd_24h: float, now: datetime) -> dict[str, Any]:
+    """The standing of one agent profile (API.md 8.4), without its configuration."""
+    limited = st is not None and st.limited_until is not None and aware(st.limited_until) > now
+    return {"name": name, "running": running, "queued": queued,
+            "limited_until": rfc3339(aware(st.limited_until)) if limited else None,
+            "limit_message": st.limit_message if limited else None,
+            "paused_reason": st.paused_reason if st is not None else None,
+            "last_run_at": rfc3339(last_run_at), "cost_usd_24h": round(cost_usd_24h, 6)}
 
 
 def occurrence_view(o) -> dict[str, Any]:
@@ -2633,12 +3240,18 @@ class StoreBase:
         if version > SCHEMA_VERSION:
             raise SchemaTooNew(f"the database is at schema version {version}, newer than this "
                                f"Outpost ({SCHEMA_VERSION}); upgrade Outpost")
-        # Pony creates the tables of entities that are new since ``version`` and leaves
-        # existing ones alone; what changes an existing table is SQL in SCHEMA_SQL.
+        # New columns of existing tables first (Pony checks every table against its entity);
+        # then Pony creates the tables of entities that are new since ``version``; then the
+        # indexes and constraints of SCHEMA_SQL.
+        pending = [sql for v in range(version + 1, SCHEMA_VERSION + 1) for sql in SCHEMA_SQL.get(v, [])]
+        with orm.db_session:
+            for sql in pending:
+                if self._column_missing(sql):
+                    self.db.execute(sql)
         self.db.generate_mapping(create_tables=True)
         with orm.db_session:
-            for v in range(version + 1, SCHEMA_VERSION + 1):
-                for sql in SCHEMA_SQL.get(v, []):
+            for sql in pending:
+                if not sql.startswith("ALTER TABLE"):
                     self.db.execute(sql)
             self.db.execute("DELETE FROM schema_version")
             self.db.execute(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION})")
@@ -2646,6 +3259,13 @@ class StoreBase:
                 self.db.EventSequence(id=1, value=0)
             if not self.db.Workspace.get(id=DEFAULT_WORKSPACE):
                 self.db.Workspace(id=DEFAULT_WORKSPACE, name="Default", created_at=naive(datetime.now(UTC)))
+
+    def _column_missing(self, sql: str) -> bool:
+        """Whether ``sql`` adds a column to a table that exists without it (a new database's
+        tables are made whole from their entities)."""
+        m = re.match(r'ALTER TABLE "(\w+)" ADD COLUMN (\w+)', sql)
+        columns = [row[1] for row in self.db.execute(f'PRAGMA table_info("{m[1]}")').fetchall()] if m else []
+        return bool(columns) and m[2] not in columns
 
     def close(self) -> None:
         self.db.disconnect()
@@ -2754,12 +3374,14 @@ class ScheduleStore(StoreBase):
             raise Conflict(f"a schedule named {name!r} already exists ({clash.id})",
                            errors=[{"field": "name", "message": "already used by another schedule"}])
 
-    def create_schedule(self, definition: dict[str, Any], now: datetime) -> dict[str, Any]:
+    def create_schedule(self, definition: dict[str, Any], now: datetime,
+                        profile_digest: str | None = None) -> dict[str, Any]:
         self._check_name_free(definition["name"])
         sid = new_id("sch")
         first = next_fires(definition["timing"], now, 1, anchor=now)
         s = self.db.Schedule(id=sid, name=definition["name"], definition=definition,
                              confirmation=confirmation_of(definition), confirmed_at=naive(now),
+                             profile_digest=profile_digest,
                              next_fire_at=naive(first[0]) if first else None, anchored_at=naive(now),
                              created_at=naive(now), updated_at=naive(now))
         self.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
@@ -2775,7 +3397,7 @@ class ScheduleStore(StoreBase):
         return {"definition": dict(s.definition), "revision": s.revision, "archived": s.archived}
 
     def update_schedule(self, schedule_id: str, revision: int, definition: dict[str, Any],
-                        now: datetime) -> dict[str, Any]:
+                        now: datetime, profile_digest: str | None = None) -> dict[str, Any]:
         s = self._schedule(schedule_id)
         self._guard(s, revision)
         self._check_name_free(definition["name"], except_id=s.id)
@@ -2785,6 +3407,7 @@ class ScheduleStore(StoreBase):
             s.anchored_at = naive(now)
         s.name, s.definition = definition["name"], definition
         s.confirmation, s.confirmed_at = confirmation_of(definition), naive(now)
+        s.profile_digest = profile_digest
         s.revision += 1
         s.updated_at = naive(now)
         self.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
@@ -2891,7 +3514,8 @@ class ScheduleStore(StoreBase):
                         due_at=naive(due_at), missed_count=missed_count, status=str(RunStatus.QUEUED),
                         prompt=prompt, repository=repository, workdir=workdir, source_ref=source_ref,
                         timeout_seconds=limits["timeout_seconds"], model=limits.get("model"),
-                        notify=notify, result_branch=result_branch(schedule.name if schedule else label, rid),
+                        max_cost_usd=limits.get("max_cost_usd"), notify=notify,
+                        result_branch=result_branch(schedule.name if schedule else label, rid),
                         queued_at=naive(now))
         self.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
                                  "trigger": trigger}, now)
@@ -2949,11 +3573,37 @@ class ScheduleStore(StoreBase):
         s.next_fire_at = naive(later[0]) if later else None
         self._record_paused(s, due.recent, due.count, now)
 
-    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S) -> list[str]:
+    def _held_for_reconfirm(self, s, digests: dict[str, str] | None, now: datetime) -> bool:
+        """API.md 8.1: the profile changed since the schedule was confirmed, so nothing runs
+        under authority nobody confirmed; one ``reconfirm`` item asks a human (once per
+        confirmation). A schedule confirmed before digests were kept adopts its profile's now."""
+        if digests is None:
+            return False
+        current = digests.get(s.definition["agent"])
+        if s.profile_digest is None:
+            s.profile_digest = current
+            return False
+        if current == s.profile_digest:
+            return False
+        confirmed = s.confirmed_at
+        sid = s.id
+        if not self.db.Attention.exists(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
+                                        and a.created_at >= confirmed):
+            agent = s.definition["agent"]
+            change = "was removed from outpost.toml" if current is None else "changed in outpost.toml"
+            self.raise_attention("reconfirm", f"Schedule '{s.name}' is held: agent profile {agent} {change}",
+                                 "Its fires are held (held_reconfirm) until a human reviews the schedule and "
+                                 "confirms it again (Edit, review, confirm; or compose + PATCH with the same "
+                                 "definition).", now, schedule_id=s.id, run_id=None)
+        return True
+
+    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S,
+                  digests: dict[str, str] | None = None) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
 
         A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``;
-        a paused schedule's slots are recorded as ``paused``. The next fire advances in the
+        a paused schedule's slots are recorded as ``paused``, and those of a schedule whose
+        profile changed since it was confirmed ``held_reconfirm``. The next fire advances in the
         same transaction, and the ledger's UNIQUE (schedule, due_at) stops a second claimer."""
         queued: list[str] = []
         due = self.db.Schedule.select(lambda s: not s.archived and s.next_fire_at is not None
@@ -2969,6 +3619,12 @@ class ScheduleStore(StoreBase):
             kind = timing["kind"]
             if not s.enabled:
                 self._record_paused(s, slots, total, now)
+                continue
+            if self._held_for_reconfirm(s, digests, now):
+                for slot in slots:
+                    self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
+                self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
+                                                 "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
             current = slots[len(missed):]
@@ -2998,9 +3654,13 @@ class ScheduleStore(StoreBase):
                 queued += [run_id] if run_id else []
         return queued
 
-    def fire_manual(self, schedule_id: str, revision: int, now: datetime) -> dict[str, Any]:
+    def fire_manual(self, schedule_id: str, revision: int, now: datetime,
+                    digests: dict[str, str] | None = None) -> dict[str, Any]:
         s = self._schedule(schedule_id)
         self._guard(s, revision)
+        if self._held_for_reconfirm(s, digests, now):
+            raise Conflict(f"schedule {s.id} is held: its agent profile {s.definition['agent']} changed since it "
+                           "was confirmed; review and confirm it again before it runs")
         due = now
         while self.db.Occurrence.get(schedule=s, due_at=naive(due)):   # never two fires at one instant
             due += timedelta(milliseconds=1)
@@ -3076,8 +3736,10 @@ class RunStore(ScheduleStore):
     the run's wakeup."""
 
     def unresolved_runs(self, run_ids: list[str]) -> list[tuple[str, str, str]]:
+        """New runs whose commit is not recorded yet (one that continues a branch takes the
+        branch's head when it starts)."""
         return [(r.id, r.repository, r.source_ref) for r in self.db.Run.select(
-            lambda r: r.id in run_ids and r.resolved_commit is None)]
+            lambda r: r.id in run_ids and r.resolved_commit is None and not r.continues_branch)]
 
     def set_resolved_commit(self, run_id: str, commit: str) -> str:
         """Record the exact commit once; a second resolver gets the first one back."""
@@ -3085,12 +3747,15 @@ class RunStore(ScheduleStore):
                         {"c": commit, "rid": run_id})
         return self.db.select('SELECT resolved_commit FROM "Run" WHERE id = $rid', {"rid": run_id})[0]
 
-    def admit_ready(self, max_running: int, now: datetime, limit: int | None = None) -> list[tuple[str, bool]]:
+    def admit_ready(self, max_running: int, now: datetime, limit: int | None = None,
+                    caps: dict[str, int] | None = None) -> list[tuple[str, bool]]:
         """FIFO admission: (run id, is a resume) for every run that may start now, as many as
         there are free slots (at most ``limit``), in one transaction.
 
         Paused runs whose resume was asked come first (they started earlier); then queued
-        runs in the order they were queued. The conditional UPDATEs let one claimer win; their
+        runs in the order they were queued, passing over those of a profile that is limited,
+        paused for a login, or at its own ``max_running`` (``caps``): its runs wait, the others
+        go by (no head-of-line blocking). The conditional UPDATEs let one claimer win; their
         ``+status`` keeps SQLite on the primary key for the few ids chosen (with a plain
         ``status`` it walks every queued run: 31 ms at 100,000 queued instead of 1 ms)."""
         running = self.db.select('SELECT COUNT(*) FROM "Run" WHERE status = \'running\'')[0]
@@ -3103,13 +3768,50 @@ class RunStore(ScheduleStore):
             ' ORDER BY resume_requested_at LIMIT $free) AND +status = \'paused\' RETURNING id', {"free": free})
         for run_id in resumed:
             self.emit("run.resumed", {"run_id": run_id}, now)
+        chosen = self._choose_queued(free - len(resumed), now, caps or {})
         started = self.returning(
             'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id IN '
-            '(SELECT id FROM "Run" WHERE status = \'queued\' ORDER BY queued_at, rowid LIMIT $left) '
-            "AND +status = 'queued' RETURNING id", {"now": sql_time(now), "left": free - len(resumed)})
+            "(SELECT value FROM json_each($ids)) AND +status = 'queued' RETURNING id",
+            {"now": sql_time(now), "ids": json.dumps(chosen)})
         for run_id in sorted(started):   # run ids are ULIDs: queue order
             self.emit("run.started", {"run_id": run_id}, now)
         return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
+
+    def _choose_queued(self, free: int, now: datetime, caps: dict[str, int]) -> list[str]:
+        """The next ``free`` queued runs in FIFO order whose profile may start one now."""
+        held = set(self.held_profiles(now))
+        counts = dict(self.db.select('SELECT agent, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY agent'))
+        held |= {name for name, cap in caps.items() if counts.get(name, 0) >= cap}
+        chosen: list[str] = []
+        while len(chosen) < free:   # each pass chooses a run or holds a profile: it ends
+            rows = self.db.select(
+                'SELECT id, agent FROM "Run" WHERE status = \'queued\' AND agent NOT IN '
+                '(SELECT value FROM json_each($held)) AND id NOT IN (SELECT value FROM json_each($chosen)) '
+                'ORDER BY queued_at, rowid LIMIT $n',
+                {"held": json.dumps(sorted(held)), "chosen": json.dumps(chosen), "n": free - len(chosen)})
+            if not rows:
+                break
+            for run_id, agent in rows:
+                if agent in held:
+                    continue
+                if agent in caps and counts.get(agent, 0) >= caps[agent]:
+                    held.add(agent)
+                    continue
+                chosen.append(run_id)
+                counts[agent] = counts.get(agent, 0) + 1
+        return chosen
+
+    def held_profiles(self, now: datetime) -> list[str]:
+        """Profiles whose queued runs wait: limited until a reset still ahead, or paused for a login."""
+        return self.db.select('SELECT name FROM "ProfileState" WHERE paused_reason IS NOT NULL '
+                              'OR limited_until > $now', {"now": sql_time(now)})
+
+    def next_limit_end(self, now: datetime) -> datetime | None:
+        """When the first limit of a profile with queued runs ends (admission looks again then)."""
+        at = self.db.select('SELECT MIN(p.limited_until) FROM "ProfileState" p WHERE p.limited_until > $now '
+                            'AND EXISTS (SELECT 1 FROM "Run" r WHERE r.agent = p.name AND r.status = \'queued\')',
+                            {"now": sql_time(now)})[0]
+        return sql_instant(at) if at else None
 
     def admit_next(self, max_running: int, now: datetime) -> tuple[str, bool] | None:
         """One admission at a time (what a single claim costs; tests and the benchmark's claim latency)."""
@@ -3125,27 +3827,102 @@ class RunStore(ScheduleStore):
                 "result_branch": r.result_branch, "timeout_seconds": r.timeout_seconds, "model": r.model,
                 "status": r.status, "pid": r.pid, "pid_started": r.pid_started,
                 "office": o is not None, "task_id": o.task_id if o else None,
-                "resume_session": o.session_id if o and o.resumed else None}
+                "resume_session": r.resume_session_id, "continues_branch": r.continues_branch,
+                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger}
 
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None) -> None:
         r = self.db.Run[run_id]
         r.pid, r.pid_started = pid, pid_started
 
-    def settle_run(self, run_id: str, status: RunStatus, now: datetime, *, exit_code: int | None = None,
-                   error: str | None = None, result: dict | None = None, commits: int = 0) -> bool:
-        """Record a run's end once. A cancel asked for wins over how the process ended."""
+    def settle_run(self, run_id: str, outcome: Outcome, now: datetime, *, exit_code: int | None = None,
+                   commits: int = 0, auth_hint: str = "") -> bool:
+        """Record a run's end once, with its agent report. A cancel asked for wins over how the
+        process ended; a question the agent asked (``POST /api/agent/needs-you``) makes a run that
+        ended on its own ``needs_you``. A limit or a login failure holds the run's profile."""
         r = self.db.Run[run_id]
         if r.status in SETTLED_RUN_STATUSES:
             return False
+        status, error = outcome.status, outcome.error
         if r.cancel_requested and status != RunStatus.SUCCEEDED:
             status, error = RunStatus.CANCELLED, error if status == RunStatus.CANCELLED else "cancelled"
-        r.status, r.exit_code, r.error, r.result, r.commits = str(status), exit_code, error, result, commits
+        elif r.question and (status == RunStatus.SUCCEEDED or outcome.failure_kind in ("agent", "no_result")):
+            status, error = RunStatus.NEEDS_YOU, None
+        report = outcome.report()
+        r.status, r.exit_code, r.error, r.commits = str(status), exit_code, error, commits
+        r.result = outcome.reading.result if outcome.reading else None
+        r.agent_report, r.failure_kind = report, outcome.failure_kind if status == RunStatus.FAILED else None
+        r.cost_usd = report["cost_usd"]
+        r.question = r.question or outcome.question
+        r.over_budget = r.max_cost_usd is not None and (r.cost_usd or 0) > r.max_cost_usd
         r.finished_at = naive(now)
         r.resume_requested_at = None
         self.emit("run.settled", {"run_id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
-                                  "status": str(status), "error": error}, now)
+                                  "status": str(status), "error": error, "failure_kind": r.failure_kind}, now)
+        self._hold_profile(r, outcome, now, auth_hint)
         self._on_run_settled(r, status, now)
         return True
+
+    def _profile_state(self, name: str, now: datetime):
+        st = self.db.ProfileState.get(name=name)
+        return st if st is not None else self.db.ProfileState(name=name, updated_at=naive(now))
+
+    def _hold_profile(self, r, outcome: Outcome, now: datetime, auth_hint: str) -> None:
+        """API.md 8.4: a limit holds the profile until its reset (+30 s), with one
+        ``agent_limited`` item per limit window; a login failure pauses it, with one
+        ``agent_auth`` item, until ``resume``. A success ends the ladder of unnamed resets."""
+        kind = outcome.failure_kind if r.status == RunStatus.FAILED else None
+        if kind == "limit" and outcome.limit is not None:
+            st = self._profile_state(r.agent, now)
+            new_window = st.limited_until is None or aware(st.limited_until) <= now
+            until = limit_wait(outcome.limit, st.limit_streak, now, random.uniform(-1, 1))
+            st.limited_until = naive(max(until, aware(st.limited_until) or until))
+            st.limit_streak += outcome.limit.resets_at is None
+            st.limit_message, st.updated_at = outcome.limit.message, naive(now)
+            if new_window:
+                words = outcome.limit.kind.replace("_", " ")
+                self.raise_attention("agent_limited", f"Agent profile {r.agent} hit a {words}",
+                                     f"{outcome.limit.message}\nIts queued runs wait until "
+                                     f"{rfc3339(aware(st.limited_until))}; other profiles' runs go on.", now,
+                                     schedule_id=r.schedule.id if r.schedule else None, run_id=r.id)
+            self.emit("agent.limited", {"agent": r.agent, "limited_until": rfc3339(aware(st.limited_until))}, now)
+        elif kind == "auth":
+            st = self._profile_state(r.agent, now)
+            if st.paused_reason is None:
+                st.paused_reason, st.updated_at = f"login needed: {(r.error or '')[:300]}", naive(now)
+                self.raise_attention("agent_auth", f"Agent profile {r.agent} is not logged in; its runs wait",
+                                     f"{r.error}\n{auth_hint}".strip(), now,
+                                     schedule_id=r.schedule.id if r.schedule else None, run_id=r.id)
+                self.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
+        elif r.status == RunStatus.SUCCEEDED:
+            st = self.db.ProfileState.get(name=r.agent)
+            if st is not None and st.limit_streak:
+                st.limit_streak = 0
+
+    def resume_profile(self, name: str, now: datetime) -> None:
+        """Lift a profile's login pause and its limit: its queued runs may start."""
+        st = self._profile_state(name, now)
+        st.paused_reason, st.limited_until, st.limit_streak, st.updated_at = None, None, 0, naive(now)
+        self.emit("agent.resumed", {"agent": name}, now)
+
+    def profile_states(self, names: list[str], now: datetime) -> list[dict[str, Any]]:
+        """Every profile's standing: running and queued runs, limit, login pause, cost in 24 h."""
+        counts = {(agent, status): n for agent, status, n in self.db.select(
+            'SELECT agent, status, COUNT(*) FROM "Run" WHERE status IN (\'running\', \'queued\') '
+            'GROUP BY agent, status')}
+        since = sql_time(now - timedelta(days=1))
+        cost = dict(self.db.select('SELECT agent, SUM(cost_usd) FROM "Run" WHERE cost_usd IS NOT NULL '
+                                   'AND finished_at >= $since GROUP BY agent', {"since": since}))
+        last = dict(self.db.select('SELECT agent, MAX(started_at) FROM "Run" GROUP BY agent'))
+        return [profile_state_view(name, self.db.ProfileState.get(name=name), running=counts.get((name, "running"), 0),
+                                   queued=counts.get((name, "queued"), 0),
+                                   last_run_at=sql_instant(last[name]) if last.get(name) else None,
+                                   cost_usd_24h=cost.get(name) or 0.0, now=now) for name in names]
+
+    def last_agent_version(self, name: str) -> str | None:
+        row = self.db.select("SELECT json_extract(agent_report, '$$.agent_version') FROM \"Run\" WHERE agent = $a "
+                             "AND json_extract(agent_report, '$$.agent_version') IS NOT NULL "
+                             "ORDER BY finished_at DESC LIMIT 1", {"a": name})
+        return row[0] if row else None
 
     def _on_run_settled(self, r, status: RunStatus, now: datetime) -> None:
         """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
@@ -3184,6 +3961,39 @@ class RunStore(ScheduleStore):
         self.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
         return run_view(r)
 
+    def reply_to_run(self, run_id: str, message: str, now: datetime) -> dict[str, Any]:
+        """API.md 8.5: answer an adopted ``needs_you`` run with a continuation run on the same
+        result branch (a fresh worktree of its head) that resumes the agent's session."""
+        r = self._run(run_id)
+        if r.status != RunStatus.NEEDS_YOU:
+            raise Conflict(f"run {run_id} is {r.status}; only a needs_you run can be answered")
+        if not r.owner:
+            raise Conflict(f"run {run_id} is not adopted; adopt it first (POST /v1/outpost/runs/{run_id}/adopt)")
+        if r.answered_by:
+            raise Conflict(f"run {run_id} was already answered by run {r.answered_by}")
+        if r.trigger == "wakeup":
+            raise Conflict(f"run {run_id} is an Office run; answer it with a comment on its task")
+        session = (r.agent_report or {}).get("session_id")
+        note = (f"\n\n(Outpost: this answers your question in run {r.id}: {r.question or 'see that run'}. "
+                f"Go on with that work on branch {r.result_branch}.)")
+        prompt = message + note if session else f"{r.prompt}\n\n(Outpost: you asked: {r.question}.)\n\n{message}"
+        reply = self._queue_run(schedule=r.schedule, agent=r.agent, trigger="reply", prompt=prompt[:MAX_PROMPT_CHARS],
+                                repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
+                                limits={"timeout_seconds": r.timeout_seconds, "model": r.model}, notify=r.notify,
+                                now=now)
+        reply.set(result_branch=r.result_branch, continues_branch=True, continues=r.id, resume_session_id=session,
+                  owner=r.owner, max_cost_usd=r.max_cost_usd)
+        r.answered_by = reply.id
+        self.emit("run.answered", {"run_id": r.id, "reply_run_id": reply.id}, now)
+        return {"run_id": reply.id}
+
+    def ask_human(self, run_id: str, question: str, now: datetime) -> dict[str, Any]:
+        """``POST /api/agent/needs-you``: the run's question; it settles ``needs_you``."""
+        r = self._run(run_id)
+        r.question = question
+        self.emit("run.question", {"run_id": r.id}, now)
+        return {"run_id": r.id, "question": question}
+
     def control_run(self, run_id: str, action: str, now: datetime) -> dict[str, Any]:
         """Record a cancel/pause/resume; the supervisor of a live run does the signalling."""
         r = self._run(run_id)
@@ -3191,7 +4001,7 @@ class RunStore(ScheduleStore):
             raise Conflict(f"run {run_id} is already settled ({r.status})")
         if action == "cancel":
             if r.status == RunStatus.QUEUED:
-                self.settle_run(r.id, RunStatus.CANCELLED, now, error="cancelled before it started")
+                self.settle_run(r.id, Outcome(RunStatus.CANCELLED, "cancelled before it started"), now)
             else:
                 r.cancel_requested = True
         elif action == "pause":
@@ -3223,15 +4033,15 @@ class RunStore(ScheduleStore):
         titles = {"failed": f"Run of {label} failed", "needs_you": f"Run of {label} needs you",
                   "changes_returned": f"Run of {label} returned {r.commits} commit{'s' if r.commits != 1 else ''}",
                   "succeeded": f"Run of {label} succeeded"}
-        details = {"failed": r.error, "needs_you": (r.result or {}).get("question"),
+        details = {"failed": r.error, "needs_you": r.question,
                    "changes_returned": f"branch {r.result_branch}", "succeeded": (r.result or {}).get("summary")}
-        for kind in attention_kinds(r.notify, status, r.commits):
+        for kind in attention_kinds(r.notify, status, r.commits, r.failure_kind):
             detail = details[kind]
             self.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
                                  schedule_id=s.id if s else None, run_id=r.id)
         if s is None:
             return
-        s.failure_streak = next_failure_streak(s.failure_streak, status, r.error)
+        s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind)
         if s.failure_streak >= AUTO_PAUSE_STREAK and not s.auto_paused and not s.archived:
             s.enabled, s.auto_paused = False, True
             s.revision += 1
@@ -3850,12 +4660,20 @@ class OfficeStore(WakeupStore):
                 for s in self.db.ContinuationSummary.select(lambda s: s.agent_id == agent_id)]
 
     def run_agent_context(self, run_id: str) -> dict[str, Any] | None:
-        """Who a run token speaks for: only an Office run that is running right now."""
-        o = self.db.OfficeRun.get(run_id=run_id)
+        """Who a run token speaks for: a run that is running right now; an Office run also
+        speaks for its agent (``agent_id`` is None for a schedule or dispatch run)."""
         r = self.db.Run.get(id=run_id)
-        if o is None or r is None or r.status != RunStatus.RUNNING:
+        if r is None or r.status != RunStatus.RUNNING:
             return None
-        return {"run_id": run_id, "agent_id": o.agent_id, "workspace_id": o.workspace_id, "task_id": o.task_id}
+        o = self.db.OfficeRun.get(run_id=run_id)
+        return {"run_id": run_id, "agent_id": o.agent_id if o else None,
+                "workspace_id": o.workspace_id if o else None, "task_id": o.task_id if o else None}
+
+    def next_admission_at(self, now: datetime) -> datetime | None:
+        """When the claim actor next has something to do without being nudged: a wakeup to
+        claim, or a profile's limit ending while its runs wait."""
+        times = [t for t in (self.next_wakeup_at(now), self.next_limit_end(now)) if t is not None]
+        return min(times, default=None)
 
     def next_wakeup_at(self, now: datetime) -> datetime | None:
         """When the dispatcher next has something to claim without being nudged: a retry or
@@ -4064,6 +4882,9 @@ class PipelineStore(OfficeStore):
                               workdir=".", source_ref=ws.source_ref, notify="wakeup", now=now, label=agent.name,
                               limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
                                       "model": None})
+        if w.task_id:   # API.md 8.5: one worktree path and branch per (agent, task), continued run after run
+            run.result_branch, run.continues_branch = office_branch(w.task_id, agent.name), True
+            run.resume_session_id = session.session_id if resumed else None
         self.db.OfficeRun(run_id=run.id, wakeup_id=w.id, agent_id=agent.id, workspace_id=w.workspace_id,
                           task_id=w.task_id, assembled_prompt=prompt, summary_injected=summary,
                           context_snapshot=w.context_snapshot, resumed=resumed,
@@ -4076,10 +4897,11 @@ class PipelineStore(OfficeStore):
         self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run.id}, now)
         return PipelineOutcome(claimed=True, run_id=run.id)
 
-    def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None) -> None:
-        """Spec HandleWakeupFailure: a parsed rate-limit reset (+30 s), else the backoff
-        table; after MAX_RETRY_COUNT retries, escalateFailure."""
-        plan = plan_retry(error, w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter)
+    def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
+                              limited_until: datetime | None = None) -> None:
+        """Spec HandleWakeupFailure: at the end of its profile's limit (a parsed reset + 30 s),
+        else the backoff table; after MAX_RETRY_COUNT retries, escalateFailure."""
+        plan = plan_retry(w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter, limited_until)
         self._release_checkout(w.task_id, w.agent_id)
         w.retry_count, w.last_error = plan.retry_count, error[:ERROR_TAIL_BYTES]
         if plan.retry_at is None:
@@ -4116,6 +4938,14 @@ class PipelineStore(OfficeStore):
         w.scheduled_retry_at = naive(now + timedelta(seconds=REPOSITORY_RECHECK_S))
         w.note = "waiting for its repository"
         self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
+
+    def _wait_for_login(self, w, profile: str, now: datetime) -> None:
+        """Its profile is not logged in: not the agent's failure and no retry counted. The
+        wakeup is claimed again; its new run waits in the queue until the profile is resumed."""
+        self._release_checkout(w.task_id, w.agent_id)
+        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.note = f"its agent profile {profile} needs a login; its run waits until the profile is resumed"
+        self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
 
     def _run_fresh(self, w, o, now: datetime) -> None:
         """The CLI no longer knows the stored session: it is dropped and the same wakeup runs
@@ -4159,7 +4989,7 @@ class PipelineStore(OfficeStore):
         result = r.result if isinstance(r.result, dict) else {}
         if status in (RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU):
             self._end_wakeup(w, "finished", now)
-            session_id = result.get("session_id")
+            session_id = (r.agent_report or {}).get("session_id")
             if o.task_id and isinstance(session_id, str) and 0 < len(session_id) <= 200:
                 o.session_id = session_id
                 row = self.db.AgentSession.get(agent_id=o.agent_id, task_id=o.task_id)
@@ -4184,8 +5014,12 @@ class PipelineStore(OfficeStore):
             self._run_fresh(w, o, now)
         elif (r.error or "").startswith(REPOSITORY_UNAVAILABLE):
             self._wait_for_repository(w, r.error, now)
+        elif r.failure_kind == "auth":
+            self._wait_for_login(w, r.agent, now)
         else:
-            self.handle_wakeup_failure(w, r.error or "the run failed", now)
+            held = self.db.ProfileState.get(name=r.agent) if r.failure_kind == "limit" else None
+            self.handle_wakeup_failure(w, r.error or "the run failed", now,
+                                       limited_until=aware(held.limited_until) if held else None)
         if agent is not None:
             agent.last_wakeup_finished_at = naive(now)
             if agent.status == "working" and not self._active_sessions(agent.id):
@@ -4694,15 +5528,17 @@ def agent_isolation(mode: str) -> Isolation:
                             "install the bubblewrap package to hide the data dir from them")
 
 
-def isolated_argv(argv: list[str], *, data_dir: Path, worktree: Path, repository: str, cwd: Path) -> list[str]:
+def isolated_argv(argv: list[str], *, data_dir: Path, worktree: Path, repository: str, cwd: Path,
+                  private: Path) -> list[str]:
     """``argv`` inside bubblewrap: the whole system as it is, except the data dir (API token,
     database, other runs), of which only this run's worktree (and a repository kept there, the
-    embedded one) stays visible."""
+    embedded one) stays visible, and its private dir (the prompt file) readable."""
     visible = [worktree]
     if Path(repository).absolute().is_relative_to(data_dir):
         visible.append(Path(repository).absolute())
     binds = [arg for path in visible for arg in ("--bind", str(path), str(path))]
-    return ["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(data_dir), *binds, "--chdir", str(cwd), "--", *argv]
+    return ["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(data_dir), *binds,
+            "--ro-bind", str(private), str(private), "--chdir", str(cwd), "--", *argv]
 
 
 def ensure_embedded_repository(path: Path) -> None:
@@ -4839,10 +5675,43 @@ class LiveRuns:
             live.pause()
 
 
+class OutputLines:
+    """The stdout lines a reader gets (section 4): the whole stream when it is small, else the
+    first OUTPUT_HEAD_LINES (a CLI names its session first) and the last OUTPUT_TAIL_BYTES (its
+    result comes last), in order. Memory stays bounded however long a run talks."""
+
+    def __init__(self) -> None:
+        self.head: list[str] = []
+        self.tail: collections.deque[str] = collections.deque()
+        self.tail_bytes = 0
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, self.pending = (self.pending + chunk).split(b"\n")
+        for line in lines:
+            self._add(line)
+
+    def _add(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace")
+        if len(self.head) < OUTPUT_HEAD_LINES:
+            self.head.append(line)
+            return
+        self.tail.append(line)
+        self.tail_bytes += len(raw)
+        while self.tail_bytes > OUTPUT_TAIL_BYTES and len(self.tail) > 1:
+            self.tail_bytes -= len(self.tail.popleft().encode())
+
+    def lines(self) -> list[str]:
+        if self.pending:
+            self._add(self.pending)
+            self.pending = b""
+        return self.head + list(self.tail)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProcessResult:
     exit_code: int | None
-    result: dict[str, Any] | None
+    lines: list[str]
     stderr_tail: str
     timed_out: bool
 
@@ -4872,7 +5741,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
     this returns or raises, cancellation included. Error handling: a launch failure is
     a LaunchError; everything the process does is reported in ProcessResult."""
     sink = LogSink(log_path)
-    stdout_lines: list[str] = []
+    stdout_lines = OutputLines()
     stderr_tail = bytearray()
     try:
         try:
@@ -4891,16 +5760,9 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                     await proc.stdin.send_all(stdin_text.encode())
 
         async def pump_stdout() -> None:
-            pending = b""
             async for chunk in proc.stdout:
                 sink.write(chunk)
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                stdout_lines.extend(line.decode(errors="replace") for line in lines
-                                    if line.lstrip().startswith(b"{"))
-                del stdout_lines[:-50]
-            if pending.lstrip().startswith(b"{"):
-                stdout_lines.append(pending.decode(errors="replace"))
+                stdout_lines.feed(chunk)
 
         async def pump_stderr() -> None:
             async for chunk in proc.stderr:
@@ -4925,10 +5787,20 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 await terminate_group(proc, grace_s)
             else:
                 kill_group(proc.pid, signal.SIGKILL)   # leftovers of the group (background children)
-        return ProcessResult(proc.returncode, last_json_object(stdout_lines),
-                             stderr_tail.decode(errors="replace"), timed_out)
+        return ProcessResult(proc.returncode, stdout_lines.lines(), stderr_tail.decode(errors="replace"), timed_out)
     finally:
         sink.close()
+
+
+def cli_version(argv: list[str], env: dict[str, str]) -> str | None:
+    """The first line a CLI's version command prints, or None when it does not answer."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, env=env,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[0].strip()[:120] if done.returncode == 0 and lines else None
 
 
 def read_log(path: Path, offset: int = 0) -> tuple[str, int]:
@@ -5108,6 +5980,7 @@ class Deps:
     hub: Hub = dataclasses.field(default_factory=Hub)
     live: LiveRuns = dataclasses.field(default_factory=LiveRuns)
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
+    versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
 
     @functools.cached_property
     def run_token_key(self) -> bytes:
@@ -5150,8 +6023,24 @@ class Deps:
     def log_path(self, run_id: str) -> Path:
         return self.config.data_dir / "runs" / f"{run_id}.log"
 
-    def worktree(self, run_id: str) -> Path:
+    def worktree(self, run_id: str, session_branch: str | None = None) -> Path:
+        """A run's worktree: its own, or the one stable path of an Office task session (the
+        runs of one agent on one task), where a CLI that finds its sessions by directory finds them."""
+        if session_branch:
+            return self.config.data_dir / "worktrees" / session_branch.removeprefix("outpost/")
         return self.config.data_dir / "worktrees" / run_id
+
+    def private_dir(self, run_id: str) -> Path:
+        """Files of one run the agent may read but not others (its prompt file)."""
+        return self.config.data_dir / "private" / run_id
+
+    @functools.cached_property
+    def profile_digests(self) -> dict[str, str]:
+        return {a.name: profile_digest(a) for a in self.config.agents}
+
+    @functools.cached_property
+    def profile_caps(self) -> dict[str, int]:
+        return {a.name: a.max_running for a in self.config.agents if a.max_running}
 
 
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
@@ -5184,7 +6073,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
             now = deps.clock.now()
-            queued = await deps.transaction_retrying(deps.store.claim_due, now)
+            queued = await deps.transaction_retrying(deps.store.claim_due, now, digests=deps.profile_digests)
             if queued:
                 clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
                 resolving.start_soon(resolve_and_admit, deps, queued)
@@ -5214,16 +6103,16 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     async with trio.open_nursery() as runs:
         while True:
             await dispatch_wakeups(deps)
-            for run_id, is_resume in await deps.transaction_retrying(deps.store.admit_ready, deps.config.max_running,
-                                                            deps.clock.now()):
+            for run_id, is_resume in await deps.transaction_retrying(
+                    deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps):
                 if is_resume:
                     live = deps.live.get(run_id)
                     if live is not None:
                         live.resume()
                 else:
                     runs.start_soon(run_supervisor, deps, run_id)
-            # Asleep until nudged, or until a scheduled retry, a self-wake or a cooldown comes due.
-            wake_at = await deps.transaction_retrying(deps.store.next_wakeup_at, deps.clock.now())
+            # Asleep until nudged, or until a scheduled retry, a self-wake, a cooldown or a limit ends.
+            wake_at = await deps.transaction_retrying(deps.store.next_admission_at, deps.clock.now())
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
 
@@ -5252,87 +6141,137 @@ async def dispatch_wakeups(deps: Deps) -> None:
             return
 
 
+def run_workspace(deps: Deps, info: dict[str, Any]) -> Path:
+    return deps.worktree(info["id"], info["result_branch"] if info["office"] and info["task_id"] else None)
+
+
+async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:
+    """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
+    commit, or, for a run that continues a branch (an Office task session, a reply), that
+    branch's head, on a fresh worktree of it."""
+    repository, branch = info["repository"], info["result_branch"]
+    head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
+            if info["continues_branch"] and Path(repository).is_dir() else "")
+    if not head:
+        commit = info["resolved_commit"] or await resolve_ref(repository, info["source_ref"])
+        commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
+        await add_worktree(repository, commit, branch, workspace)
+        return commit
+    commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], head)
+    if workspace.exists():   # kept by an earlier run of the session (its changes could not be saved)
+        on = await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False)
+        if on != branch:
+            raise LaunchError(f"{workspace} exists and is not a worktree of {branch}; remove it")
+        return commit
+    await git(repository, "worktree", "prune", check=False)
+    workspace.parent.mkdir(parents=True, exist_ok=True)
+    await git(repository, "worktree", "add", "--quiet", "--end-of-options", str(workspace), branch)
+    return commit
+
+
+async def agent_version(deps: Deps, profile: AgentProfile, env: dict[str, str]) -> str | None:
+    """The version of a profile's CLI, asked once per process (for the agent report)."""
+    if profile.name not in deps.versions:
+        binary = shutil.which(profile.command[0], path=env.get("PATH", os.defpath)) or profile.command[0]
+        deps.versions[profile.name] = await trio.to_thread.run_sync(
+            cli_version, [binary, *profile.kind.version[1:]], env)
+    return deps.versions[profile.name]
+
+
+def login_hint(profile: AgentProfile) -> str:
+    """What the ``agent_auth`` item tells a human to do, and as which user."""
+    import getpass
+    how = profile.kind.login or "log the agent's CLI in"
+    return (f"Log in as user {getpass.getuser()} (HOME={os.environ.get('HOME', '?')}): {how}. Then resume "
+            f"the profile on the Agents page, or POST /v1/outpost/agents/{profile.name}/control "
+            '{"action": "resume"}.')
+
+
 async def run_supervisor(deps: Deps, run_id: str) -> None:
     """One run, from worktree to settlement. Its failures settle the run as failed. When
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
     info = await deps.transaction_retrying(deps.store.launch_info, run_id)
-    workspace = deps.worktree(run_id)
+    workspace = run_workspace(deps, info)
     live = LiveRun(run_id, trio.CancelScope())
     deps.live.add(live)
-    commit, settled = info["resolved_commit"], False
+    commit, settled, exit_code = info["resolved_commit"], False, None
     try:
-        exit_code, result = None, None
         try:
-            commit = commit or await deps.transaction_retrying(
-                deps.store.set_resolved_commit, run_id, await resolve_ref(info["repository"], info["source_ref"]))
             profile = deps.config.agent(info["agent"])
             if profile is None:
                 raise LaunchError(f"agent profile {info['agent']!r} is not configured")
-            await add_worktree(info["repository"], commit, info["result_branch"], workspace)
+            commit = await prepare_worktree(deps, info, workspace)
             cwd = (workspace / info["workdir"]).resolve()
             if not cwd.is_relative_to(workspace.resolve()):   # a symlink in the tree pointing elsewhere
                 raise LaunchError(f"workdir {info['workdir']!r} leads outside the worktree (a symlink); refused")
             if not cwd.is_dir():
                 raise LaunchError(f"workdir {info['workdir']!r} does not exist in commit {commit[:12]}")
-            session = info["resume_session"]
-            argv, prompt_on_stdin = fill_command(profile.resume if session else profile.command, info["prompt"],
-                                                 info["model"], run_id, session)
+            session = info["resume_session"] if profile.resume else None
+            private = deps.private_dir(run_id)
+            private.mkdir(parents=True, exist_ok=True, mode=0o700)
+            (private / "prompt.md").write_text(info["prompt"])
+            argv = profile_argv(profile, model=info["model"] or profile.model, run_id=run_id, session_id=session,
+                                prompt_file=str(private / "prompt.md"), max_cost_usd=info["max_cost_usd"])
             if deps.isolation.active:
                 argv = isolated_argv(argv, data_dir=deps.config.data_dir, worktree=workspace,
-                                     repository=info["repository"], cwd=cwd)
+                                     repository=info["repository"], cwd=cwd, private=private)
             env = agent_env(profile, dict(os.environ), run_id)
+            env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url}
             if info["office"]:   # the agent acts on Office through the run-scoped token
-                env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url,
-                        "OUTPOST_TASK_ID": info["task_id"] or ""}
+                env["OUTPOST_TASK_ID"] = info["task_id"] or ""
             rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
 
             async def on_spawn(pid: int) -> None:
                 await deps.transaction_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
 
             done = await run_agent_process(
-                argv, cwd=cwd, env=env,
-                stdin_text=info["prompt"] if prompt_on_stdin else None,
+                argv, cwd=cwd, env=env, stdin_text=info["prompt"],
                 timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
                 log_path=deps.log_path(run_id), live=live,
                 on_spawn=on_spawn, grace_s=deps.grace_s)
-            exit_code, result = done.exit_code, done.result
-            outcome = (Outcome(RunStatus.CANCELLED, "cancelled") if live.cancelled else
-                       run_outcome(done.exit_code, done.result, done.stderr_tail, timed_out=done.timed_out))
+            exit_code = done.exit_code
+            reading = READERS[profile.format](done.lines)
+            if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
+                reading.agent_version = await agent_version(deps, profile, env)
+            outcome = (Outcome(RunStatus.CANCELLED, "cancelled", reading=reading) if live.cancelled else
+                       run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
+                                   now=deps.clock.now(), tz=profile.zone))
         except LaunchError as exc:
             unavailable = isinstance(exc, RepositoryUnavailable)
-            outcome = Outcome(RunStatus.FAILED, f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else str(exc))
+            outcome = failed(f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else str(exc), "launch")
             sink = LogSink(deps.log_path(run_id))
             sink.write(f"[outpost] {exc}\n".encode())
             sink.close()
-        await finish_run(deps, run_id, info, commit, outcome, exit_code, result)
+        await finish_run(deps, run_id, info, commit, outcome, exit_code)
         settled = True
     finally:
         deps.live.discard(run_id)
+        shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
-                await finish_run(deps, run_id, info, commit, Outcome(RunStatus.FAILED, INTERRUPTED), None, None)
+                await finish_run(deps, run_id, info, commit, failed(INTERRUPTED, "interrupted"), None)
 
 
 async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
-                     exit_code: int | None, result: dict | None) -> None:
+                     exit_code: int | None) -> None:
     """Fire step 5: keep leftovers, count commits, drop the worktree, record settlement."""
-    workspace = deps.worktree(run_id)
+    workspace = run_workspace(deps, info)
     kept = None
     try:
         await save_leftovers(workspace, run_id)
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's uncommitted changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
-        outcome = Outcome(RunStatus.FAILED, kept)
+        outcome = failed(kept, "agent", outcome.reading)
     commits = await count_commits(info["repository"], commit, info["result_branch"]) if commit else 0
     if kept is None and Path(info["repository"]).is_dir():
         await remove_worktree(info["repository"], workspace)
     now = deps.clock.now()
-    settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome.status, now,
-                                              exit_code=exit_code, error=outcome.error, result=result,
-                                              commits=commits)
+    profile = deps.config.agent(info["agent"])
+    settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome, now, exit_code=exit_code,
+                                              commits=commits, auth_hint=login_hint(profile) if profile else "")
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
@@ -5363,8 +6302,7 @@ async def recover_at_boot(deps: Deps) -> None:
                 while process_start_time(pid) == info["pid_started"]:
                     await trio.sleep(0.05)
             kill_group(pid, signal.SIGKILL)
-        await finish_run(deps, run_id, info, info["resolved_commit"], Outcome(RunStatus.FAILED, INTERRUPTED),
-                         None, None)
+        await finish_run(deps, run_id, info, info["resolved_commit"], failed(INTERRUPTED, "interrupted"), None)
 
 
 async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -5531,6 +6469,8 @@ DONE_NOTICES = {
     "fired_received": "Fired: the agent's wakeup is queued.", "fired_task_created": "Fired: a task was created.",
     "fired_skipped": "Not fired: the routine's previous run is still active (skip_if_active).",
     "fired_coalesced": "Merged into the routine's active run (coalesce_if_active).",
+    "adopted": "Run adopted: you can reply to it.", "replied": "Reply sent: this run continues the answered one.",
+    "resumed": "Profile resumed: its queued runs may start.",
 }
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
 CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
@@ -5624,6 +6564,7 @@ class Auth(enum.StrEnum):
     TOKEN = "token"           # the API token (Bearer), or a dashboard session with its CSRF token on writes
     SESSION = "session"       # a dashboard page: the session cookie (or the token); GET without one: sign-in
     RUN = "run"               # a running Office run's own token ($OUTPOST_RUN_TOKEN)
+    ANY_RUN = "any_run"       # the run token of any running run (a schedule's or a dispatch's too)
     SIGNATURE = "signature"   # a webhook: its trigger's signing mode, checked by the handler (API.md 7.2)
     PUBLIC = "public"         # no credentials: health and sign-in
 
@@ -5849,11 +6790,13 @@ async def authenticate(web: Web):
     if auth in (Auth.PUBLIC, Auth.SIGNATURE):
         return None
     header = request.headers.get("Authorization")
-    if auth is Auth.RUN:   # only a live Office run's own token speaks for an agent
+    if auth in (Auth.RUN, Auth.ANY_RUN):   # a live run's own token; only an Office run's speaks for an agent
         run_id = run_of_token(web.deps.run_token_key, bearer(header))
         web.agent = run_id and await web.call(web.store.run_agent_context, run_id)
         if not web.agent:
-            raise Unauthorized("the agent API takes the run token of a running Office run ($OUTPOST_RUN_TOKEN)")
+            raise Unauthorized("the agent API takes the run token of a running run ($OUTPOST_RUN_TOKEN)")
+        if auth is Auth.RUN and web.agent["agent_id"] is None:
+            raise Forbidden("a schedule or dispatch run may only call POST /api/agent/needs-you")
         web.caller = "agent"
         return None
     if header is not None:
@@ -5980,9 +6923,11 @@ async def security_headers(response):
 TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
-    "curl_example": curl_example}
+    "curl_example": curl_example, "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v >= 0.01 else f"${v:.4f}",
+    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v)}
 #: Constants the templates use, so a status set is spelled once.
-TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES}
+TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
+                    "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
 
 
 def create_app(deps: Deps):
@@ -6012,7 +6957,7 @@ def create_app(deps: Deps):
 
 async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, Any]:
     """A manual occurrence (API.md 4.4 ``fire``): committed, then its commit resolved and admission woken."""
-    fired = await web.commit(web.store.fire_manual, schedule_id, revision, web.now)
+    fired = await web.commit(web.store.fire_manual, schedule_id, revision, web.now, web.deps.profile_digests)
     await after_fire(web.deps, fired)
     return fired
 
@@ -6039,6 +6984,41 @@ async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
     web.deps.live.signal(run_id, action)
     web.deps.nudge(Actor.CLAIM)   # pause frees a slot, resume asks for one
     return view
+
+
+async def reply_to_run(web: Web, run_id: str, message: Any) -> dict[str, Any]:
+    """API.md 8.5: answer an adopted needs_you run; its continuation joins the FIFO queue."""
+    if not isinstance(message, str) or not message.strip() or len(message) > MAX_TEXT_CHARS:
+        raise invalid("message", f"the answer, 1-{MAX_TEXT_CHARS} characters, is required")
+    reply = await web.commit(web.store.reply_to_run, run_id, message.strip(), web.now)
+    web.deps.nudge(Actor.CLAIM)
+    return reply
+
+
+async def adopt_run(web: Web, run_id: str, workspace: Any) -> dict[str, Any]:
+    if not isinstance(workspace, str) or not 1 <= len(workspace.strip()) <= 200:
+        raise invalid("workspace", "a workspace name of 1-200 characters is required")
+    return await web.commit(web.store.adopt_run, run_id, workspace.strip(), web.now)
+
+
+async def agents_overview(web: Web) -> list[dict[str, Any]]:
+    """Every agent profile (API.md 8.4): its configuration and its standing, by name."""
+    profiles = sorted(web.deps.config.agents, key=lambda a: a.name)
+    states = await web.call(web.store.profile_states, [a.name for a in profiles], web.now)
+    versions = {a.name: await web.call(web.store.last_agent_version, a.name) for a in profiles}
+    return [{**state, "preset": a.preset, "model": a.model, "max_running": a.max_running,
+             "agent_version": versions[a.name], "timeout_seconds": a.timeout_seconds}
+            for a, state in zip(profiles, states, strict=True)]
+
+
+async def control_profile(web: Web, name: str, action: Any) -> dict[str, Any]:
+    if web.deps.config.agent(name) is None:
+        raise NotFound(f"no agent profile {name!r} (profiles are declared in outpost.toml)")
+    if action != "resume":
+        raise invalid("action", "must be resume")
+    await web.commit(web.store.resume_profile, name, web.now)
+    web.deps.nudge(Actor.CLAIM)
+    return next(a for a in await agents_overview(web) if a["name"] == name)
 
 
 async def wake_agent(web: Web, agent_id: str, context: str | None) -> dict[str, Any]:
@@ -6157,7 +7137,8 @@ async def api_create_schedule(web: Web):
     raw = await web.body()
     definition = await checked_definition(web.deps, raw.get("definition"))
     check_confirmation(definition, raw.get("confirmation"))
-    return await web.commit(web.store.create_schedule, definition, web.now)
+    return await web.commit(web.store.create_schedule, definition, web.now,
+                            web.deps.profile_digests.get(definition["agent"]))
 
 
 @api.get("/v1/outpost/schedules", auth=Auth.TOKEN)
@@ -6182,7 +7163,8 @@ async def api_patch_schedule(web: Web, schedule_id: str):
     definition = await checked_definition(web.deps, merge_changes(current["definition"], raw.get("changes")),
                                           current["definition"])
     check_confirmation(definition, raw.get("confirmation"))
-    return await web.commit(web.store.update_schedule, schedule_id, revision, definition, web.now)
+    return await web.commit(web.store.update_schedule, schedule_id, revision, definition, web.now,
+                            web.deps.profile_digests.get(definition["agent"]))
 
 
 @api.post("/v1/outpost/schedules/<schedule_id>/control", auth=Auth.TOKEN, idempotent=True, etag=True)
@@ -6225,10 +7207,22 @@ async def api_run_log(web: Web, run_id: str):
 
 @api.post("/v1/outpost/runs/<run_id>/adopt", auth=Auth.TOKEN, idempotent=True)
 async def api_adopt_run(web: Web, run_id: str):
-    workspace = (await web.body()).get("workspace")
-    if not isinstance(workspace, str) or not 1 <= len(workspace) <= 200:
-        raise invalid("workspace", "a workspace name of 1-200 characters is required")
-    return await web.commit(web.store.adopt_run, run_id, workspace, web.now)
+    return await adopt_run(web, run_id, (await web.body()).get("workspace"))
+
+
+@api.post("/v1/outpost/runs/<run_id>/reply", auth=Auth.TOKEN, idempotent=True, status=202)
+async def api_reply_run(web: Web, run_id: str):
+    return await reply_to_run(web, run_id, (await web.body()).get("message"))
+
+
+@api.get("/v1/outpost/agents", auth=Auth.TOKEN)
+async def api_agents(web: Web):
+    return {"agents": await agents_overview(web)}
+
+
+@api.post("/v1/outpost/agents/<name>/control", auth=Auth.TOKEN, idempotent=True)
+async def api_control_agent(web: Web, name: str):
+    return await control_profile(web, name, (await web.body()).get("action"))
 
 
 @api.post("/v1/outpost/runs/<run_id>/control", auth=Auth.TOKEN, idempotent=True)
@@ -6552,6 +7546,15 @@ def own_task(web: Web, raw: dict[str, Any]) -> str:
     return task_id
 
 
+@agent_api.post("/api/agent/needs-you", auth=Auth.ANY_RUN)
+async def agent_needs_you(web: Web):
+    """API.md 8.5: the run asks a human; it settles ``needs_you`` with this question."""
+    question = (await web.body()).get("question")
+    if not isinstance(question, str) or not question.strip() or len(question) > MAX_TEXT_CHARS:
+        raise invalid("question", f"the question, 1-{MAX_TEXT_CHARS} characters, is required")
+    return await web.commit(web.store.ask_human, web.agent["run_id"], question.strip(), web.now)
+
+
 @agent_api.get("/api/agent/me", auth=Auth.RUN)
 async def agent_me(web: Web):
     ctx = web.agent
@@ -6739,7 +7742,8 @@ async def page_confirm_new(web: Web):
     form = dict((await web.form()).items())
     definition = await confirmed_definition(web, form, None)
     try:
-        created = await web.commit(web.store.create_schedule, definition, web.now)
+        created = await web.commit(web.store.create_schedule, definition, web.now,
+                                   web.deps.profile_digests.get(definition["agent"]))
     except Conflict as err:
         return await web.page("schedule_form.html", status=409, section="schedules",
                               **form_context(web, form_from_definition(definition), errors_by_field(err), edit=None))
@@ -6788,7 +7792,8 @@ async def page_confirm_edit(web: Web, schedule_id: str):
     edit = edit_from(schedule_id, form)
     definition = await confirmed_definition(web, form, edit["definition"])
     try:
-        await web.commit(web.store.update_schedule, schedule_id, edit["revision"], definition, web.now)
+        await web.commit(web.store.update_schedule, schedule_id, edit["revision"], definition, web.now,
+                         web.deps.profile_digests.get(definition["agent"]))
     except RevisionMismatch:
         current = await web.call(web.store.get_schedule, schedule_id)
         diff = [{"field": f, "base": edit["definition"].get(f), "now": current[f], "yours": definition[f]}
@@ -6830,6 +7835,33 @@ async def page_run(web: Web, run_id: str):
         changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
     return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
                           schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes)
+
+
+@pages.post("/runs/<run_id>/adopt", auth=Auth.SESSION)
+async def page_run_adopt(web: Web, run_id: str):
+    from quart import redirect
+    await adopt_run(web, run_id, (await web.form()).get("workspace", ""))
+    return redirect(f"/runs/{run_id}?done=adopted")
+
+
+@pages.post("/runs/<run_id>/reply", auth=Auth.SESSION)
+async def page_run_reply(web: Web, run_id: str):
+    from quart import redirect
+    reply = await reply_to_run(web, run_id, (await web.form()).get("message", ""))
+    return redirect(f"/runs/{reply['run_id']}?done=replied")
+
+
+@pages.get("/agents", auth=Auth.SESSION)
+async def page_agents(web: Web):
+    return await web.page("agents.html", section="agents", agents=await agents_overview(web),
+                          tz=host_zone().key)
+
+
+@pages.post("/agents/<name>/resume", auth=Auth.SESSION)
+async def page_agent_resume(web: Web, name: str):
+    from quart import redirect
+    await control_profile(web, name, "resume")
+    return redirect("/agents?done=resumed")
 
 
 @pages.post("/runs/<run_id>/control", auth=Auth.SESSION)
@@ -7546,6 +8578,40 @@ def print_inspect(report: dict[str, Any]) -> None:
                 print(f"   {key}: {json.dumps(value) if isinstance(value, dict) else value}")
 
 
+def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, str]:
+    """One profile, checked as its runs will see it: binary on the PATH it gets, version, login."""
+    if profile.name == "demo":
+        return True, "demo: ok, built in (outpost demo-agent)"
+    env = agent_env(profile, parent, "doctor")
+    binary = shutil.which(profile.command[0], path=env.get("PATH", os.defpath))
+    if binary is None:
+        return False, (f"{profile.name}: {profile.command[0]!r} not found on the PATH it gets "
+                       f"({env.get('PATH', os.defpath)}); install it for this user, or name it by absolute path")
+    if profile.preset == "generic":
+        return True, f"{profile.name}: ok, {binary} (generic: no version or login check)"
+    preset = profile.kind
+    version = cli_version([binary, *preset.version[1:]], env)
+    if version is None:
+        return False, f"{profile.name}: {binary} did not answer `{' '.join(preset.version)}`"
+    home = Path(env.get("HOME", "~")).expanduser()
+    keys = [k for k in preset.login_env if env.get(k)]
+    files = [f for f in preset.login_files if (home / f).exists()]
+    if not keys and not files:
+        wanted = " or ".join([*preset.login_env[:2], *(f"~/{f}" for f in preset.login_files)])
+        return False, f"{profile.name}: {version} at {binary}, but no login found ({wanted}): {preset.login}"
+    return True, f"{profile.name}: ok, {version} at {binary}, logged in by {', '.join(keys + files)}"
+
+
+def cli_doctor(config: Config) -> int:
+    """``outpost doctor``: one line per profile; exit 0 when every one is usable."""
+    usable = True
+    for profile in sorted(config.agents, key=lambda a: a.name):
+        ok, line = doctor_line(profile, dict(os.environ))
+        usable &= ok
+        print(line)
+    return 0 if usable else EXIT_REFUSED
+
+
 def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
     """Reads the store directly, so it answers even while the daemon is down."""
     if not (data_dir / "outpost.sqlite3").exists():
@@ -7578,6 +8644,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p.add_argument("schedule")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("doctor", help="check each agent profile: binary, version, login")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
     demo.add_argument("--resume", metavar="SESSION_ID", help="continue this session (Office resumes)")
     for name, actions in (("schedules", ("list", "show", "create", "edit", "fire", "pause", "resume", "archive")),
@@ -7616,6 +8684,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 deps.store.close()
             return 0
+        if args.command == "doctor":
+            try:
+                return cli_doctor(load_config(data_dir))
+            except ConfigError as exc:
+                raise CliError(str(exc), EXIT_USAGE) from None
         if args.command == "token":
             token = api_token(data_dir, create=False)
             if token is None:

@@ -17,6 +17,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
@@ -322,7 +323,8 @@ class Api:
 
     async def settle(self, run_id: str, status: outpost.RunStatus, **kw) -> None:
         """What the claim and notification actors would record for a finished run."""
-        await self.deps.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
+        await self.deps.transaction(self.store.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
+                                    self.clock.now(), **kw)
         await self.deps.transaction(self.store.notify_run, run_id, self.clock.now())
 
     async def auto_paused(self) -> dict:
@@ -385,7 +387,8 @@ class OfficeApi(Api):
         return started
 
     def settle(self, run_id: str, status=outpost.RunStatus.SUCCEEDED, **kw) -> None:
-        self.store.transaction(self.store.settle_run, run_id, status, self.clock.now(), **kw)
+        self.store.transaction(self.store.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
+                               self.clock.now(), **kw)
 
     def token(self, run_id: str) -> str:
         return outpost.run_token(self.deps.run_token_key, run_id)
@@ -475,11 +478,33 @@ def start(store: outpost.Store, run_id: str, now: datetime) -> None:
             return
 
 
+def ended(status: outpost.RunStatus, error: str | None = None, result: dict | None = None,
+          failure_kind: str | None = None, limit: outpost.Limit | None = None,
+          now: datetime | None = None) -> outpost.Outcome:
+    """How a run ended, as the run supervisor would have read it (a generic agent's result):
+    at ``now``, a failure whose text names a login problem or a limit is one."""
+    if failure_kind is None and status == outpost.RunStatus.FAILED:
+        found = outpost.find_limit(error or "", now, ZoneInfo("UTC")) if now else None
+        failure_kind = ("interrupted" if error == outpost.INTERRUPTED else
+                        "auth" if outpost.is_auth_failure(error or "") else "limit" if found else "agent")
+        limit = limit or found
+    result = result or {}
+    reading = outpost.Reading("generic", result=result or None, session_id=result.get("session_id"),
+                              question=result.get("question"))
+    return outpost.Outcome(status, error, failure_kind, limit, question=reading.question, reading=reading)
+
+
+def ended_with(status: outpost.RunStatus, kw: dict, now: datetime | None = None) -> tuple[outpost.Outcome]:
+    """``ended`` from the outcome keywords of ``kw`` (taken out of it)."""
+    fields = {k: kw.pop(k) for k in ("error", "result", "failure_kind", "limit") if k in kw}
+    return (ended(status, **fields, now=now),)
+
+
 def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) -> None:
     """Admit (FIFO) until ``run_id`` runs, then settle it as the run supervisor would."""
     if call(store, store.get_run, run_id)["status"] == "queued":
         start(store, run_id, now)
-    assert call(store, store.settle_run, run_id, outpost.RunStatus(status), now, **kw)
+    assert call(store, store.settle_run, run_id, *ended_with(outpost.RunStatus(status), kw, now), now, **kw)
 
 
 def activity(store: outpost.Store, code: str, workspace_id: str | None = None) -> list[dict]:

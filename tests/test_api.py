@@ -420,7 +420,8 @@ async def test_create_returns_201_with_etag_and_every_schedule_field(api):
                                                                                                   False, 0)
     assert s["next_fire_at"] == z(T0 + timedelta(minutes=5))
     assert s["last_fired_at"] is None and s["active_run_id"] is None
-    assert s["authority"] == {"confirmation": composed.body["confirmation"], "confirmed_at": z(T0)}
+    assert s["authority"] == {"confirmation": composed.body["confirmation"], "confirmed_at": z(T0),
+                              "profile_digest": outpost.profile_digest(outpost.demo_profile())}
     assert s["created_at"] == s["updated_at"] == z(T0)
     assert {k: s[k] for k in outpost.DEFINITION_FIELDS} == composed.body["definition"]
     got = await api.get(f"/v1/outpost/schedules/{s['id']}")

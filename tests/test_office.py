@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 import trio
@@ -22,6 +23,7 @@ from conftest import (
     at,
     call,
     dispatch,
+    ended,
     instant,
     new_agent,
     new_task,
@@ -199,71 +201,31 @@ def test_agent_and_settings_defaults():
 def test_plan_retry_backoff_table_with_25_percent_jitter(retry_count):
     base = BACKOFF[retry_count]
     now = T0
-    lo = outpost.plan_retry("network timeout", retry_count, now, -1.0)
-    hi = outpost.plan_retry("network timeout", retry_count, now, 1.0)
-    mid = outpost.plan_retry("network timeout", retry_count, now, 0.0)
+    lo = outpost.plan_retry(retry_count, now, -1.0)
+    hi = outpost.plan_retry(retry_count, now, 1.0)
+    mid = outpost.plan_retry(retry_count, now, 0.0)
     assert (lo.source, lo.retry_count) == ("backoff", retry_count + 1)
     assert lo.retry_at == now + timedelta(seconds=base * 0.75)
     assert hi.retry_at == now + timedelta(seconds=base * 1.25)
     assert mid.retry_at == now + timedelta(seconds=base)
     # Out-of-range jitter is clamped to +-25%.
-    assert outpost.plan_retry("x", retry_count, now, 7.0).retry_at == hi.retry_at
-    assert outpost.plan_retry("x", retry_count, now, -7.0).retry_at == lo.retry_at
+    assert outpost.plan_retry(retry_count, now, 7.0).retry_at == hi.retry_at
+    assert outpost.plan_retry(retry_count, now, -7.0).retry_at == lo.retry_at
     for j in (-0.99, -0.5, 0.3, 0.99):
-        plan = outpost.plan_retry("x", retry_count, now, j)
+        plan = outpost.plan_retry(retry_count, now, j)
         assert lo.retry_at <= plan.retry_at <= hi.retry_at
 
 
-def test_plan_retry_escalates_after_max_retry_count_even_for_rate_limits():
+def test_plan_retry_escalates_after_max_retry_count_even_for_limits():
     assert outpost.MAX_RETRY_COUNT == 4
-    plan = outpost.plan_retry("network timeout", 4, T0, 0.0)
+    plan = outpost.plan_retry(4, T0, 0.0)
     assert (plan.retry_count, plan.retry_at, plan.source) == (5, None, "escalated")
-    rl = outpost.plan_retry("429 Too Many Requests; Retry-After: 60", 4, T0, 0.0)
+    limited = T0 + timedelta(seconds=90)
+    rl = outpost.plan_retry(4, T0, 0.0, limited)
     assert (rl.retry_count, rl.retry_at, rl.source) == (5, None, "escalated")
-    # Below the cap a parsed reset wins over the table, whatever the retry count.
-    rl3 = outpost.plan_retry("429 Too Many Requests; Retry-After: 60", 3, T0, 0.0)
-    assert (rl3.retry_count, rl3.retry_at, rl3.source) == (4, T0 + timedelta(seconds=90), "rate_limit_parsed")
-
-
-def test_rate_limit_detection_words():
-    for text in ("Rate limit reached", "rate_limit_error", "HTTP 429", "Too Many Requests", "Quota exceeded"):
-        assert outpost.is_rate_limit(text), text
-    assert not outpost.is_rate_limit("connection reset by peer")
-
-
-def test_parse_rate_limit_reset_patterns():
-    now = datetime(2026, 4, 25, 3, 45, tzinfo=UTC)
-    parse = outpost.parse_rate_limit_reset
-    # "resets at HH:MM AM/PM": wall-clock time today, the next occurrence if past.
-    assert parse("rate_limit_error: resets at 4:00 AM UTC", now) == datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC)
-    assert parse("rate limit; resets at 4:30 PM", now) == datetime(2026, 4, 25, 16, 30, 30, tzinfo=UTC)
-    assert parse("rate limit; resets at 12:15 AM", now) == datetime(2026, 4, 26, 0, 15, 30, tzinfo=UTC)
-    assert parse("rate limit; resets at 3:00 AM", now) == datetime(2026, 4, 26, 3, 0, 30, tzinfo=UTC)
-    assert parse("rate limit; resets at 9:00 AM Europe/Berlin", now) == datetime(2026, 4, 25, 7, 0, 30,
-                                                                                 tzinfo=UTC)
-    # "Retry-After: N": N seconds from now.
-    assert parse("429 Too Many Requests\nRetry-After: 3600", now) == now + timedelta(seconds=3630)
-    assert parse("429; retry-after:120", now) == now + timedelta(seconds=150)
-    # "try again in X minutes / seconds".
-    assert parse("Rate limit reached. Please try again in 5 minutes.", now) == now + timedelta(minutes=5, seconds=30)
-    assert parse("rate limit: try again in 20 seconds", now) == now + timedelta(seconds=50)
-    assert parse("rate limit: try again in 1 hour", now) == now + timedelta(hours=1, seconds=30)
-    # "reset_time: <unix>": epoch seconds.
-    reset = datetime(2026, 4, 25, 5, 0, tzinfo=UTC)
-    assert (parse(f"rate limit exceeded for org; reset_time: {int(reset.timestamp())}", now)
-            == reset + timedelta(seconds=30))
-    # No pattern, or already past after the buffer: None (the backoff applies).
-    assert parse("rate limit exceeded", now) is None
-    past = int((now - timedelta(minutes=5)).timestamp())
-    assert parse(f"rate limit exceeded; reset_time: {past}", now) is None
-
-
-def test_rate_limit_without_parseable_reset_falls_through_to_backoff():
-    plan = outpost.plan_retry("429 Too Many Requests", 0, T0, 0.0)
-    assert (plan.source, plan.retry_at) == ("backoff", T0 + timedelta(minutes=2))
-    # A reset pattern without a rate-limit word is not a rate limit.
-    plan = outpost.plan_retry("server said: try again in 5 minutes", 1, T0, 0.0)
-    assert (plan.source, plan.retry_at) == ("backoff", T0 + timedelta(minutes=10))
+    # Below the cap the profile's limit end wins over the table, whatever the retry count.
+    rl3 = outpost.plan_retry(3, T0, 0.0, limited)
+    assert (rl3.retry_count, rl3.retry_at, rl3.source) == (4, limited, "rate_limit_parsed")
 
 
 # --- the wakeup queue: producers ---------------------------------------------------------------------
@@ -472,8 +434,9 @@ def test_a_pending_retry_meeting_a_new_wakeup_keeps_its_due_time_and_retry_count
 
 def test_rate_limit_reset_just_passed_still_schedules_within_the_buffer():
     now = datetime(2026, 4, 25, 4, 0, 10, tzinfo=UTC)
-    assert (outpost.parse_rate_limit_reset("rate_limit_error: resets at 4:00 AM UTC", now)
-            == datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC))
+    limit = outpost.find_limit("rate_limit_error: resets at 4:00 AM UTC", now, ZoneInfo("UTC"))
+    assert limit.resets_at == now   # a wall time just passed means now
+    assert outpost.limit_wait(limit, 0, now, 0.0) == now + timedelta(seconds=30)
 
 
 @pytest.mark.parametrize(("error", "wait"), [
@@ -1486,7 +1449,7 @@ def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     (run_id,) = dispatch(office, at(1))
     start(office, run_id, at(2))
     # The daemon died; at the next start recover_at_boot settles the run failed/interrupted.
-    assert call(office, office.settle_run, run_id, outpost.RunStatus.FAILED, at(HOUR), error="interrupted")
+    assert call(office, office.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="interrupted"), at(HOUR))
     w = wakeup(office, w["id"])
     assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 1, None)
     assert task(office, tid)["checkout_agent_id"] is None
@@ -1611,7 +1574,11 @@ async def test_actor_rate_limited_run_is_retried_at_the_parsed_reset(autojump_cl
     run2 = call(store, store.get_run, second["run_id"])
     assert run1["status"] == "failed" and "try again in 20 seconds" in run1["error"]
     assert first["status"] == "queued"
-    assert instant(first["scheduled_retry_at"]) == instant(run1["finished_at"]) + timedelta(seconds=50)
+    # 20 s from the moment the agent said so, plus the 30 s buffer (settling takes a moment more).
+    retry = instant(first["scheduled_retry_at"])
+    finished = instant(run1["finished_at"])
+    assert finished + timedelta(seconds=40) <= retry <= finished + timedelta(seconds=50)
+    assert run1["failure_kind"] == "limit"
     # The actor slept until the parsed reset (+30 s), not less.
     assert instant(run2["started_at"]) >= instant(first["scheduled_retry_at"])
     assert instant(run2["started_at"]) < instant(first["scheduled_retry_at"]) + timedelta(seconds=10)

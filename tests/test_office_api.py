@@ -632,14 +632,26 @@ async def test_the_api_token_is_not_an_agent_token(office_api):
     assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["comments"] == []
 
 
-async def test_a_running_dispatch_has_no_agent_token(office_api):
+async def test_a_running_dispatch_token_may_only_ask_for_a_human(office_api):
+    """API.md 8.5: every run gets a run token; a dispatch's (or a schedule's) may only call
+    POST /api/agent/needs-you, never the Office agent API."""
     reply = await office_api.post("/v1/outpost/dispatches",
                                   {"brief": "@print x", "repository": str(office_api.repo), "agent": "demo"},
                                   key=uuid.uuid4().hex)
     run_id = reply.body["run_id"]
     office_api.admit_all()
     assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "running"
-    assert_problem(await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
+    token = office_api.token(run_id)
+    assert_problem(await office_api.as_run(token, "GET", "/api/agent/me"), 403, "forbidden")
+    assert_problem(await office_api.as_run(token, "POST", "/api/agent/comments", {"task_id": "tsk_x", "body": "x"}),
+                   403, "forbidden")
+    asked = await office_api.as_run(token, "POST", "/api/agent/needs-you", {"question": "Which branch?"})
+    assert asked.status == 200 and asked.body["question"] == "Which branch?"
+    office_api.settle(run_id, outpost.RunStatus.SUCCEEDED)
+    run = (await office_api.get(f"/v1/outpost/runs/{run_id}")).body
+    assert (run["status"], run["question"]) == ("needs_you", "Which branch?")
+    assert_problem(await office_api.as_run(token, "POST", "/api/agent/needs-you", {"question": "again?"}),
+                   401, "unauthorized")   # a settled run's token speaks for nobody
 
 
 async def test_a_run_token_cannot_reach_the_operator_api(office_api):

@@ -7,7 +7,18 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import T0, call, make_deps, make_repo, new_agent, new_task, normalized, set_settings, sign_in_client
+from conftest import (
+    T0,
+    call,
+    ended,
+    make_deps,
+    make_repo,
+    new_agent,
+    new_task,
+    normalized,
+    set_settings,
+    sign_in_client,
+)
 
 import outpost
 
@@ -22,7 +33,7 @@ def fill(store: outpost.Store, repo: Path) -> dict[str, str]:
     schedule_id = call(store, store.create_schedule, normalized(repo), T0)["id"]
     run_id = call(store, store.fire_manual, schedule_id, 1, T0)["run_id"]
     call(store, store.admit_ready, 2, T0)
-    call(store, store.settle_run, run_id, outpost.RunStatus.FAILED, T0, exit_code=1, error="boom")
+    call(store, store.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="boom"), T0, exit_code=1)
     call(store, store.notify_run, run_id, T0)
     agent_id = new_agent(store, "Worker", T0)
     task_id = new_task(store, "Write notes", T0, assignee_agent_id=agent_id)
@@ -55,7 +66,7 @@ async def test_the_settings_page_names_the_embedded_repository_while_none_is_set
 
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
-    assert len(PAGES) == 19
+    assert len(PAGES) == 20
 
 
 @pytest.mark.parametrize("rule", PAGES)

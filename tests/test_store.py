@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import T0, normalized
+from conftest import T0, ended, normalized
 
 import outpost
 from outpost import RunStatus
@@ -95,7 +95,7 @@ def run_due_slot(tx: Tx, now, status: RunStatus, *, commits: int = 0, error: str
     [run_id] = tx.claim_due(now)
     assert tx.admit_next(100, now) == (run_id, False)
     exit_code = 1 if status == RunStatus.FAILED else 0
-    assert tx.settle_run(run_id, status, now, exit_code=exit_code, error=error, result=result, commits=commits)
+    assert tx.settle_run(run_id, ended(status, error=error, result=result), now, exit_code=exit_code, commits=commits)
     tx.notify_run(run_id, now)
     return run_id
 
@@ -118,7 +118,7 @@ def test_create_schedule_sets_its_first_fire(tx, timing, first_fire):
         1, True, False, False, 0)
     assert s["active_run_id"] is None and s["last_fired_at"] is None
     assert s["authority"] == {"confirmation": outpost.confirmation_of(definition),
-                              "confirmed_at": "2026-11-30T08:00:00Z"}
+                              "confirmed_at": "2026-11-30T08:00:00Z", "profile_digest": None}
     assert tx.get_schedule(s["id"]) == s
 
 
@@ -223,7 +223,7 @@ def test_two_claimers_racing_never_exceed_max_running(tx, claimers):
         running = tx.runs_in(["running"])
         assert len(running) <= 1, running
         for run_id in running:
-            tx.settle_run(run_id, RunStatus.SUCCEEDED, T0)
+            tx.settle_run(run_id, ended(RunStatus.SUCCEEDED), T0)
         for run_id in tx.runs_in(["queued"]):
             tx.control_run(run_id, "cancel", T0)
 
@@ -306,7 +306,7 @@ def test_admission_is_fifo_by_queued_at_within_max_running(tx):
     assert tx.admit_next(2, T0) == (second, False)
     assert tx.admit_next(2, T0) is None
     assert tx.get_run(third)["status"] == "queued"
-    tx.settle_run(first, RunStatus.SUCCEEDED, T0)
+    tx.settle_run(first, ended(RunStatus.SUCCEEDED), T0)
     assert tx.admit_next(2, T0) == (third, False)
     assert tx.admit_next(2, T0) is None
 
@@ -321,10 +321,10 @@ def test_a_paused_run_frees_its_slot_and_a_resumed_run_goes_before_queued_ones(t
     tx.control_run(a, "resume", now)
     assert tx.admit_next(1, now) is None                               # b holds the only slot
     assert tx.get_run(a)["status"] == "paused"
-    tx.settle_run(b, RunStatus.SUCCEEDED, now)
+    tx.settle_run(b, ended(RunStatus.SUCCEEDED), now)
     assert tx.admit_next(1, now) == (a, True)                          # before c, queued earlier than the resume
     assert tx.get_run(a)["status"] == "running"
-    tx.settle_run(a, RunStatus.SUCCEEDED, now)
+    tx.settle_run(a, ended(RunStatus.SUCCEEDED), now)
     assert tx.admit_next(1, now) == (c, False)
 
 
@@ -432,7 +432,7 @@ def test_a_run_failing_after_the_auto_pause_raises_no_second_auto_pause_item(tx)
     queued = [run for i in range(4) for run in tx.claim_due(T0 + (i + 1) * 5 * MIN)]
     assert len(queued) == 4
     for run_id in queued:
-        tx.settle_run(run_id, RunStatus.FAILED, T0 + 21 * MIN, exit_code=1, error="boom")
+        tx.settle_run(run_id, ended(RunStatus.FAILED, error="boom"), T0 + 21 * MIN, exit_code=1)
         tx.notify_run(run_id, T0 + 21 * MIN)
     assert tx.get_schedule(s["id"])["failure_streak"] == 4
     assert Counter(a["kind"] for a in tx.list_attention(False)) == {"failed": 4, "auto_pause": 1}
@@ -471,7 +471,7 @@ def test_notify_run_applies_a_settled_run_exactly_once(tx):
     tx.admit_next(1, T0 + 5 * MIN)
     tx.notify_run(run_id, T0 + 5 * MIN)                                # not settled yet: nothing to apply
     assert tx.list_attention(False) == [] and tx.unnotified_runs() == []
-    tx.settle_run(run_id, RunStatus.FAILED, T0 + 6 * MIN, exit_code=1, error="boom")
+    tx.settle_run(run_id, ended(RunStatus.FAILED, error="boom"), T0 + 6 * MIN, exit_code=1)
     assert tx.unnotified_runs() == [run_id]
     for _ in range(3):
         tx.notify_run(run_id, T0 + 6 * MIN)
@@ -484,8 +484,8 @@ def test_settle_run_records_the_first_end_only(tx):
     schedule(tx)
     [run_id] = tx.claim_due(T0 + 5 * MIN)
     tx.admit_next(1, T0 + 5 * MIN)
-    assert tx.settle_run(run_id, RunStatus.FAILED, T0 + 6 * MIN, exit_code=1, error="boom")
-    assert not tx.settle_run(run_id, RunStatus.SUCCEEDED, T0 + 7 * MIN, exit_code=0)
+    assert tx.settle_run(run_id, ended(RunStatus.FAILED, error="boom"), T0 + 6 * MIN, exit_code=1)
+    assert not tx.settle_run(run_id, ended(RunStatus.SUCCEEDED), T0 + 7 * MIN, exit_code=0)
     run = tx.get_run(run_id)
     assert (run["status"], run["exit_code"], run["error"], run["finished_at"]) == (
         "failed", 1, "boom", "2026-11-30T08:06:00Z")
@@ -557,7 +557,7 @@ def test_manual_fire_is_admitted_then_skipped_while_its_run_is_active(tx):
     assert tx.admit_next(1, T0 + 3 * SEC) == (first["run_id"], False)
     running = tx.fire_manual(s["id"], 1, T0 + 4 * SEC)
     assert (running["outcome"], running["run_id"]) == ("skipped_overlap", first["run_id"])
-    tx.settle_run(first["run_id"], RunStatus.SUCCEEDED, T0 + 5 * SEC)
+    tx.settle_run(first["run_id"], ended(RunStatus.SUCCEEDED), T0 + 5 * SEC)
     again = tx.fire_manual(s["id"], 1, T0 + 6 * SEC)
     assert again["outcome"] == "admitted" and again["run_id"] != first["run_id"]
     assert tx.get_schedule(s["id"])["revision"] == 1                    # fire is not a change of the schedule

@@ -242,13 +242,13 @@ def drain(work: Path) -> None:
             if batched:
                 admitted = store.transaction(admit_many)[0]
                 store.transaction(lambda ids=admitted, st=store: [
-                    st.settle_run(r, outpost.RunStatus.SUCCEEDED, B.now_utc(), exit_code=0) for r in ids])
+                    st.settle_run(r, B.SUCCESS, B.now_utc(), exit_code=0) for r in ids])
             else:
                 admitted = []
                 while len(admitted) < agents_n and (a := store.transaction(store.admit_next, agents_n, B.now_utc())[0]):
                     admitted.append(a[0])
                 for r in admitted:
-                    store.transaction(store.settle_run, r, outpost.RunStatus.SUCCEEDED, B.now_utc(), exit_code=0)
+                    store.transaction(store.settle_run, r, B.SUCCESS, B.now_utc(), exit_code=0)
             if not admitted:
                 break
             done += len(admitted)

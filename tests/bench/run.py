@@ -52,6 +52,9 @@ import trio
 
 import outpost
 
+#: A run that ended well, as settle_run takes it.
+SUCCESS = outpost.Outcome(outpost.RunStatus.SUCCEEDED, None)
+
 UTC = timezone.utc
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -685,7 +688,7 @@ def outpost_drain(d: Path, repo: Path, n: int, agents_n: int) -> float:
         if not admitted:
             break
         for rid in admitted:
-            store.transaction(store.settle_run, rid, outpost.RunStatus.SUCCEEDED, now_utc(), exit_code=0)
+            store.transaction(store.settle_run, rid, SUCCESS, now_utc(), exit_code=0)
             done += 1
     el = time.perf_counter() - t0
     store.close()
@@ -815,7 +818,7 @@ def outpost_wakeup_drain(d: Path, pairs: list[tuple[str, str]]) -> dict[str, flo
             processed += p
         admitted = [run_id for run_id, _ in store.transaction(store.admit_ready, max_running, now)[0]]
         for run_id in admitted:
-            store.transaction(store.settle_run, run_id, outpost.RunStatus.SUCCEEDED, now, exit_code=0)
+            store.transaction(store.settle_run, run_id, SUCCESS, now, exit_code=0)
         runs += len(admitted)
         if not processed and not admitted:
             later = store.transaction(store.next_wakeup_at, now)[0]
@@ -882,7 +885,7 @@ def admit_latency(db: Path, m: int) -> float:
         t0 = time.perf_counter()
         a = store.transaction(store.admit_next, 2, now_utc())[0]
         lat.append((time.perf_counter() - t0) * 1000)
-        store.transaction(store.settle_run, a[0], outpost.RunStatus.SUCCEEDED, now_utc(), exit_code=0)
+        store.transaction(store.settle_run, a[0], SUCCESS, now_utc(), exit_code=0)
     store.close()
     return pct(lat, 50)
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import Reply, Server, make_repo, wait_for
+from conftest import Reply, Server, ended, make_repo, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -104,7 +104,7 @@ class Adv:
         sid = self.schedule()["id"]
         rid = self.fire(sid)
         now = datetime.now(UTC)
-        self.db(self.store.settle_run, rid, outpost.RunStatus.FAILED, now, exit_code=1, error="boom")
+        self.db(self.store.settle_run, rid, ended(outpost.RunStatus.FAILED, error="boom"), now, exit_code=1)
         self.db(self.store.notify_run, rid, now)
         attention = [a for a in self.db(self.store.list_attention, True) if a["run_id"] == rid]
         return sid, rid, attention[0]["id"]

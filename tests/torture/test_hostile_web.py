@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import Reply, Server, make_repo, wait_for
+from conftest import Reply, Server, ended, make_repo, wait_for
 
 import outpost
 
@@ -134,8 +134,9 @@ def web(tmp_path_factory):
     env.sid = env.schedule(name=XSS, brief=f"{XSS}\n@print hi")["id"]
     env.rid = env.fire(env.sid)
     now = datetime.now(UTC)
-    env.db(env.store.settle_run, env.rid, outpost.RunStatus.FAILED, now, exit_code=1, error=f"boom {XSS}",
-           result={"status": "failed", "summary": XSS, "question": XSS})
+    env.db(env.store.settle_run, env.rid, ended(outpost.RunStatus.FAILED, error=f"boom {XSS}",
+                                                result={"status": "failed", "summary": XSS, "question": XSS}),
+           now, exit_code=1)
     env.db(env.store.notify_run, env.rid, now)
     env.deps.log_path(env.rid).parent.mkdir(parents=True, exist_ok=True)
     env.deps.log_path(env.rid).write_text(f"agent said {XSS}\n")

@@ -38,7 +38,7 @@ import time
 from collections import Counter
 from datetime import datetime, timedelta
 
-from conftest import T0
+from conftest import T0, ended
 
 import outpost
 
@@ -171,12 +171,14 @@ def drain(office: Office, n: int, rng: random.Random) -> dict:
             if ctx["task_id"]:   # the null agent finishes its task, as an agent does through the API
                 store.transaction(store.move_task, ctx["task_id"], outpost.TaskState.DONE, now,
                                   by_agent=ctx["agent_id"], workspace_id=ctx["workspace_id"])
-            ok, wrote = store.transaction(store.settle_run, run_id, outpost.RunStatus.SUCCEEDED, now, exit_code=0)
+            ok, wrote = store.transaction(store.settle_run, run_id, ended(outpost.RunStatus.SUCCEEDED), now,
+                                          exit_code=0)
             assert ok and wrote, f"run {run_id} was already settled"
             settled += 1
             if settled % 10 == 0:   # a second settlement changes nothing
                 with office.checking():
-                    again = store.transaction(store.settle_run, run_id, outpost.RunStatus.FAILED, now, error="late")
+                    again = store.transaction(store.settle_run, run_id,
+                                              ended(outpost.RunStatus.FAILED, error="late"), now)
                 assert again == (False, False), f"run {run_id} settled twice: {again}"
                 resettled += 1
         with office.checking():
