@@ -365,9 +365,11 @@ class Preset:
 #: - Claude Code: print mode reads the prompt from stdin; stream-json needs --verbose;
 #:   acceptEdits lets an unattended run edit files (other tools are denied and reported).
 #:   https://docs.claude.com/en/docs/claude-code/cli-reference, .../headless
-#: - Codex: ``exec`` reads the prompt from stdin with ``-``; --json prints JSONL events;
-#:   --sandbox workspace-write replaces the deprecated --full-auto; ``exec resume ID``.
-#:   https://github.com/openai/codex/blob/main/docs/exec.md
+#: - Codex 0.171: ``exec`` reads the prompt from stdin with ``-``; --json prints JSONL events;
+#:   --sandbox workspace-write replaces --full-auto (refused, exit 2); options go before
+#:   ``resume ID`` (after it --sandbox is refused); --skip-git-repo-check; ``exec`` reads
+#:   CODEX_API_KEY or ~/.codex/auth.json, not OPENAI_API_KEY.
+#:   https://github.com/openai/codex/blob/main/docs/exec.md, codex-rs/exec/src/cli.rs
 #: - Gemini CLI: headless when stdin is not a terminal; stream-json events; a new worktree is
 #:   an untrusted folder (exit 55) unless GEMINI_CLI_TRUST_WORKSPACE=true.
 #:   https://github.com/google-gemini/gemini-cli/blob/main/docs/cli/headless.md
@@ -386,8 +388,9 @@ PRESETS: dict[str, Preset] = {
         resume=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "resume",
                 "{session_id}", "-"),
         format="codex", model_flag="--model", version=("codex", "--version"),
-        login_env=("OPENAI_API_KEY", "CODEX_API_KEY"), login_files=(".codex/auth.json",),
-        login="run `codex login` (or give OPENAI_API_KEY through pass_env)"),
+        login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",),
+        login="run `codex login` (or `printenv OPENAI_API_KEY | codex login --with-api-key`), or give "
+              "CODEX_API_KEY through pass_env (codex exec ignores OPENAI_API_KEY)"),
     "gemini": Preset(
         command=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit"),
         resume=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--resume",
@@ -1331,8 +1334,8 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
 # --- agent CLIs: limits (API.md 8.3) ------------------------------------------------------
 
 #: Words that mark a limit in an error text or the tail of stderr (case-insensitive).
-USAGE_LIMIT_WORDS = ("usage limit", "limit reached", "hit your limit", "hit your usage limit", "quota",
-                     "exhausted your capacity", "resource_exhausted")
+USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "limit reached", "hit your limit", "hit your usage limit", "quota",
+                     "exhausted your capacity", "resource_exhausted", "limit will reset")
 RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "too many requests")
 #: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
 LIMIT_LADDER_S = (120, 600, 1800, 7200)
@@ -1350,7 +1353,7 @@ DURATION_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s":
                   "second": 1, "seconds": 1, "m": MINUTE_S, "min": MINUTE_S, "mins": MINUTE_S,
                   "minute": MINUTE_S, "minutes": MINUTE_S, "h": HOUR_S, "hr": HOUR_S, "hrs": HOUR_S,
                   "hour": HOUR_S, "hours": HOUR_S, "d": DAY_S, "day": DAY_S, "days": DAY_S}
-_UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)\b"
+_UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)(?![a-z])"
 _DURATION = rf"(?:\d+(?:\.\d+)?\s*{_UNIT}[\s,]*(?:and\s+)?)+"
 _WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
 MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
@@ -1611,13 +1614,12 @@ def read_codex(lines: list[str]) -> Reading:
             item = e["item"]
             if item.get("type") in ("agent_message", "assistant_message"):
                 reading.final_message = _final(item.get("text")) or reading.final_message
-        elif kind == "turn.completed":
+        elif kind == "turn.completed":   # its usage is the thread's running total: the last one counts
             reading.result, reading.verdict, reading.error = e, "succeeded", None
             usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
-            reading.input_tokens = (reading.input_tokens or 0) + (_count(usage.get("input_tokens")) or 0)
-            reading.output_tokens = (reading.output_tokens or 0) + (_count(usage.get("output_tokens")) or 0)
-            reading.cache_read_tokens = ((reading.cache_read_tokens or 0)
-                                         + (_count(usage.get("cached_input_tokens")) or 0))
+            reading.input_tokens = _count(usage.get("input_tokens"))
+            reading.output_tokens = _count(usage.get("output_tokens"))
+            reading.cache_read_tokens = _count(usage.get("cached_input_tokens"))
             reading.turns = (reading.turns or 0) + 1
         elif kind == "turn.failed":
             error = e.get("error") if isinstance(e.get("error"), dict) else {}
@@ -2089,8 +2091,10 @@ RETRY_JITTER = 0.25
 #: Failed attempts retried before a wakeup is escalated to the coordinator.
 MAX_RETRY_COUNT = 4
 #: What agent CLIs print when asked to resume a session they no longer know (Claude Code:
-#: "No conversation found with session ID: ..."; others: "session not found").
-UNKNOWN_SESSION_MARKERS = ("no conversation found", "session not found", "no session found", "unknown session")
+#: "No conversation found with session ID: ..."; Codex 0.171: "no rollout found for thread id ...";
+#: others: "session not found").
+UNKNOWN_SESSION_MARKERS = ("no conversation found", "session not found", "no session found", "unknown session",
+                           "no rollout found")
 
 
 def is_unknown_session(error: str) -> bool:

@@ -1,0 +1,263 @@
+"""Agent CLIs (API.md 8): limits and login failures read from what the CLIs print, the
+readers of their output formats against the fake CLIs of tests/fakes, and what a limit, a
+login failure, a question or a changed profile does to runs, profiles and schedules."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import outpost
+import pytest
+from conftest import T0
+
+FAKES = Path(__file__).parent / "fakes"
+CHICAGO = ZoneInfo("America/Chicago")
+
+
+###############################################################################
+# Limits (API.md 8.3): every form of the table, with the reset it means
+###############################################################################
+
+#: 2026-11-30 08:00 UTC is 02:00 in Chicago (CST, UTC-6), 08:00 in Lisbon (WET).
+#: An epoch a CLI names (2026-12-01 09:00 UTC).
+EPOCH = 1796115600
+LIMIT_FORMS = [
+    (f"Claude AI usage limit reached|{EPOCH}", datetime.fromtimestamp(EPOCH, UTC)),
+    ("5-hour limit reached ∙ resets 4pm (America/Chicago)", datetime(2026, 11, 30, 22, 0, tzinfo=UTC)),
+    ("You've hit your limit · resets 1pm (Europe/Lisbon)", datetime(2026, 11, 30, 13, 0, tzinfo=UTC)),
+    ("Limit reached · resets 12:50am (America/Los_Angeles)", datetime(2026, 11, 30, 8, 50, tzinfo=UTC)),
+    ("Your limit will reset at 3pm (America/Bogota)", datetime(2026, 11, 30, 20, 0, tzinfo=UTC)),
+    ("Rate limit exceeded, resets at 4:00 AM UTC", datetime(2026, 12, 1, 4, 0, tzinfo=UTC)),
+    ("Rate limit reached. Please try again in 14.036s.", T0 + timedelta(seconds=14.036)),
+    ("429 Too Many Requests: try again in 20ms", T0 + timedelta(milliseconds=20)),
+    ("rate limit: try again in 1m30s", T0 + timedelta(seconds=90)),
+    ("Usage limit reached. Try again in 3 days 6 hours 57 minutes.", T0 + timedelta(days=3, hours=6, minutes=57)),
+    ("HTTP 429 Too Many Requests\nRetry-After: 120", T0 + timedelta(seconds=120)),
+    # a wall time without a zone is in the profile's timezone (here Chicago)
+    ("You’ve hit your usage limit. Upgrade to Pro or try again at 3:28 PM.", datetime(2026, 11, 30, 21, 28, tzinfo=UTC)),
+    ("You've hit your usage limit. Try again at Jul 5th, 2027 8:19 PM.", datetime(2027, 7, 6, 1, 19, tzinfo=UTC)),
+    ("Your quota will reset after 1h49m8s", T0 + timedelta(hours=1, minutes=49, seconds=8)),
+    (f'{{"error": "rate_limit", "reset_time": {EPOCH}}}', datetime.fromtimestamp(EPOCH, UTC)),
+    ('{"type": "usage_limit", "resets_in_seconds": 900}', T0 + timedelta(seconds=900)),
+]
+
+
+@pytest.mark.parametrize(("text", "reset"), LIMIT_FORMS, ids=[t[:40] for t, _ in LIMIT_FORMS])
+def test_every_limit_form_gives_its_reset(text, reset):
+    limit = outpost.find_limit(text, T0, CHICAGO)
+    assert limit is not None, text
+    assert limit.resets_at == reset
+    # the profile is held until the reset plus 30 s
+    assert outpost.limit_wait(limit, 0, T0, 0.0) == reset + timedelta(seconds=30)
+
+
+@pytest.mark.parametrize(("text", "reset"), [
+    ("RATE LIMIT EXCEEDED, RESETS AT 4:00 AM UTC", datetime(2026, 12, 1, 4, 0, tzinfo=UTC)),   # capitals
+    ("Rate limit: Resets at 11:30 PM PST", datetime(2026, 12, 1, 7, 30, tzinfo=UTC)),   # PST is UTC-8, not UTC
+    ("usage limit · Resets 9AM (Asia/Tokyo)", datetime(2026, 12, 1, 0, 0, tzinfo=UTC)),
+    ("Rate limit exceeded, resets at 7:55 AM UTC", T0),   # 5 minutes ago: now, not tomorrow
+    ("Rate limit exceeded, resets at 7:30 AM UTC", datetime(2026, 12, 1, 7, 30, tzinfo=UTC)),   # 30 min ago: tomorrow
+    ("rate limit: try again in 20 MS", T0 + timedelta(milliseconds=20)),   # ms is milliseconds, never minutes
+    ("quota exceeded; retry in 2 minutes and 5 seconds", T0 + timedelta(seconds=125)),
+])
+def test_limit_resets_read_as_a_human_would(text, reset):
+    assert outpost.find_limit(text, T0, CHICAGO).resets_at == reset
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("Claude AI usage limit reached|1796115600", "usage_limit"), ("You've hit your limit", "usage_limit"),
+    ("Quota exceeded for quota metric", "usage_limit"), ("RESOURCE_EXHAUSTED", "usage_limit"),
+    ("You have exhausted your capacity on this model", "usage_limit"), ("rate_limit_error", "rate_limit"),
+    ("HTTP 429", "rate_limit"), ("Too Many Requests", "rate_limit"),
+])
+def test_limit_words_and_their_kind(text, kind):
+    assert outpost.find_limit(text, T0, CHICAGO).kind == kind
+
+
+@pytest.mark.parametrize("text", ["connection reset by peer", "tests failed: 4290 assertions",
+                                  "the result limits are fine", "Try again at 3pm"])
+def test_text_without_a_limit_word_is_no_limit(text):
+    assert outpost.find_limit(text, T0, CHICAGO) is None
+
+
+def test_an_epoch_already_past_means_now():
+    assert outpost.find_limit("Claude AI usage limit reached|1767000000", T0, CHICAGO).resets_at == T0
+
+
+def test_a_limit_that_names_no_reset_climbs_the_ladder():
+    limit = outpost.find_limit("429 Too Many Requests", T0, CHICAGO)
+    assert limit.resets_at is None
+    for streak, minutes in enumerate((2, 10, 30, 120, 120)):
+        assert outpost.limit_wait(limit, streak, T0, 0.0) == T0 + timedelta(minutes=minutes)
+        assert outpost.limit_wait(limit, streak, T0, 1.0) == T0 + timedelta(minutes=minutes * 1.25)
+        assert outpost.limit_wait(limit, streak, T0, -1.0) == T0 + timedelta(minutes=minutes * 0.75)
+
+
+@pytest.mark.parametrize(("text", "auth"), [
+    ("Not logged in · Please run /login", True), ("Invalid API key · Fix external API key", True),
+    ('{"type":"error","error":{"type":"authentication_error","message":"invalid x-api-key"}}', True),
+    ("authentication_failed", True), ("Please set an Auth method in your settings.json", True),
+    ("unexpected status 401 Unauthorized: Missing bearer or basic authentication in header", True),
+    ("OPENAI_API_KEY is not set", True), ("Missing OPENAI_API_KEY", True),
+    ("exit code 1", False), ("failed at line 401 of main.c", False), ("uses OPENAI_API_KEY from env", False),
+])
+def test_login_failures_are_told_from_other_failures(text, auth):
+    assert outpost.is_auth_failure(text) is auth
+
+
+###############################################################################
+# Readers (API.md 8.2): each preset against its fake CLI
+###############################################################################
+
+def fake_env(home: Path, log: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a run of a fake CLI: the fakes first on PATH, their own HOME."""
+    env = {"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "HOME": str(home), "LANG": "C.UTF-8", **extra}
+    if log is not None:
+        env["FAKE_CLI_LOG"] = str(log)
+    return env
+
+
+def preset_profile(preset: str, **fields) -> outpost.AgentProfile:
+    return outpost.agent_profile(Path("outpost.toml"), preset, {"preset": preset, **fields})
+
+
+def run_fake(tmp_path: Path, preset: str, prompt: str, *, session: str | None = None, model: str | None = None,
+             max_cost_usd: float | None = None, cwd: Path | None = None, now: datetime = T0) -> outpost.Outcome:
+    """One run of a preset's command line against its fake CLI, read as the run supervisor reads it."""
+    profile = preset_profile(preset)
+    cwd = cwd or tmp_path / "work"
+    cwd.mkdir(exist_ok=True)
+    prompt_file = tmp_path / "prompt.md"
+    prompt_file.write_text(prompt)
+    argv = outpost.profile_argv(profile, model=model, run_id="out_1", session_id=session,
+                                prompt_file=str(prompt_file), max_cost_usd=max_cost_usd)
+    env = fake_env(tmp_path / "home", tmp_path) | dict(profile.env)
+    done = subprocess.run(argv, input=prompt, capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
+    reading = outpost.READERS[profile.format](done.stdout.splitlines())
+    return outpost.run_outcome(reading, done.returncode, done.stderr, now=now, tz=CHICAGO)
+
+
+def calls(tmp_path: Path, cli: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / f"{cli}.jsonl").read_text().splitlines()]
+
+
+#: preset -> (cost, input, output, cache read tokens) of the fake's successful run
+SUCCESS_FIGURES = {"claude-code": (0.0123, 1200, 345, 5000), "codex": (None, 2400, 512, 1000)}
+
+
+@pytest.mark.parametrize("preset", sorted(SUCCESS_FIGURES))
+def test_a_successful_run_reports_session_model_cost_and_tokens(tmp_path, preset):
+    outcome = run_fake(tmp_path, preset, "fake:success\nfake-write: notes.txt hello", model="gpt-x")
+    assert (outcome.status, outcome.error, outcome.failure_kind) == (outpost.RunStatus.SUCCEEDED, None, None)
+    report = outcome.report()
+    assert report["format"] == preset
+    assert report["session_id"] and len(report["session_id"]) >= 8
+    cost, tokens_in, tokens_out, cached = SUCCESS_FIGURES[preset]
+    assert (report["cost_usd"], report["input_tokens"], report["output_tokens"], report["cache_read_tokens"]) == (
+        cost, tokens_in, tokens_out, cached)
+    assert report["final_message"].startswith("Done.") and "wrote notes.txt" in report["final_message"]
+    assert (tmp_path / "work" / "notes.txt").read_text() == "hello\n"
+    (call,) = calls(tmp_path, {"claude-code": "claude"}.get(preset, preset))
+    assert call["stdin"].startswith("fake:success")   # the prompt came on stdin, never in argv
+    assert not any("fake:success" in arg for arg in call["argv"])
+    assert "gpt-x" in call["argv"]
+
+
+@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+def test_a_brief_that_starts_like_an_option_reaches_the_cli_intact_on_stdin(tmp_path, preset):
+    brief = "- fix the flaky test\n--help is not an option here\nfake:success"
+    assert run_fake(tmp_path, preset, brief).status == outpost.RunStatus.SUCCEEDED
+    (call,) = calls(tmp_path, {"claude-code": "claude"}.get(preset, preset))
+    assert call["stdin"] == brief
+    assert "--help" not in call["argv"] and "- fix the flaky test" not in call["argv"]
+
+
+def test_claude_failure_in_result_with_exit_0_is_a_failure_with_its_text(tmp_path):
+    outcome = run_fake(tmp_path, "claude-code", "fake:fail-result")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "agent")
+    assert "API Error" in outcome.error
+
+
+def test_claude_max_turns_is_no_success(tmp_path):
+    outcome = run_fake(tmp_path, "claude-code", "fake:max-turns")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "agent")
+    assert "max_turns" in outcome.error or "max turns" in outcome.error.lower()
+
+
+def test_claude_json_array_under_verbose_is_read(tmp_path):
+    """``--output-format json --verbose`` prints one JSON array of every message."""
+    profile = outpost.agent_profile(Path("outpost.toml"), "c", {
+        "preset": "claude-code", "command": ["claude", "-p", "--output-format", "json", "--verbose"]})
+    done = subprocess.run(outpost.profile_argv(profile, model=None, run_id="r", session_id=None, prompt_file=None,
+                                               max_cost_usd=None),
+                          input="fake:success", capture_output=True, text=True, cwd=tmp_path,
+                          env=fake_env(tmp_path / "home"), timeout=60)
+    assert done.stdout.lstrip().startswith("[")
+    outcome = outpost.run_outcome(outpost.read_claude(done.stdout.splitlines()), done.returncode, done.stderr, now=T0)
+    assert outcome.status == outpost.RunStatus.SUCCEEDED
+    assert outcome.report()["session_id"] and outcome.report()["cost_usd"] == 0.0123
+
+
+def test_claude_permission_denials_on_a_success_ask_a_human(tmp_path):
+    outcome = run_fake(tmp_path, "claude-code", "fake:permission-denials")
+    assert outcome.status == outpost.RunStatus.NEEDS_YOU
+    assert "Bash" in outcome.question and "Write" in outcome.question
+    assert {d["tool_name"] for d in outcome.report()["permission_denials"]} >= {"Bash", "Write"}
+
+
+def test_claude_rate_limit_event_gives_the_exact_reset(tmp_path):
+    reset = T0 + timedelta(hours=3)
+    outcome = run_fake(tmp_path, "claude-code", f"fake:rate-limit-event\nfake-text: {int(reset.timestamp())}")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "limit")
+    assert outcome.limit.resets_at == reset
+
+
+@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+@pytest.mark.parametrize(("text", "reset"), LIMIT_FORMS[:7], ids=[t[:30] for t, _ in LIMIT_FORMS[:7]])
+def test_a_limit_the_cli_reports_is_a_limit_with_its_reset(tmp_path, preset, text, reset):
+    outcome = run_fake(tmp_path, preset, f"fake:limit\nfake-text: {text.splitlines()[0]}")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "limit")
+    assert outcome.limit.resets_at == reset
+    assert outcome.report()["limit"]["resets_at"] == outpost.rfc3339(reset)
+
+
+@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+def test_a_cli_without_a_login_is_an_auth_failure(tmp_path, preset):
+    outcome = run_fake(tmp_path, preset, "fake:auth")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "auth")
+
+
+@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+def test_a_stream_that_ends_without_a_terminal_event_is_no_result(tmp_path, preset):
+    outcome = run_fake(tmp_path, preset, "fake:no-terminal")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "no_result")
+
+
+def test_codex_session_is_the_first_events_thread_id_and_error_text_is_kept(tmp_path):
+    outcome = run_fake(tmp_path, "codex", "fake:error-event")
+    assert outcome.status == outpost.RunStatus.FAILED and outcome.error
+    first = json.loads((tmp_path / "codex.jsonl").read_text().splitlines()[0])
+    assert first["argv"][:2] == ["exec", "--json"]
+    assert outcome.report()["session_id"]
+
+
+@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+def test_resume_passes_the_session_and_an_unknown_session_is_told(tmp_path, preset):
+    first = run_fake(tmp_path, preset, "fake:success")
+    session = first.report()["session_id"]
+    again = run_fake(tmp_path, preset, "go on", session=session)
+    assert again.status == outpost.RunStatus.SUCCEEDED and again.report()["session_id"] == session
+    cli = {"claude-code": "claude"}.get(preset, preset)
+    assert session in calls(tmp_path, cli)[-1]["argv"]
+    gone = run_fake(tmp_path, preset, "go on", session="0b4c1a55-6c9e-4d5b-9f0e-123456789abc")
+    assert gone.status == outpost.RunStatus.FAILED and outpost.is_unknown_session(gone.error)
+
+
+def test_claude_max_cost_is_passed_to_the_cli(tmp_path):
+    run_fake(tmp_path, "claude-code", "fake:success", max_cost_usd=0.5)
+    argv = calls(tmp_path, "claude")[0]["argv"]
+    assert argv[argv.index("--max-budget-usd") + 1] == "0.5"
