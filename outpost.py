@@ -1334,7 +1334,7 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
 # --- agent CLIs: limits (API.md 8.3) ------------------------------------------------------
 
 #: Words that mark a limit in an error text or the tail of stderr (case-insensitive).
-USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "limit reached", "hit your limit", "hit your usage limit", "quota",
+USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "hit your limit", "hit your usage limit", "quota",
                      "exhausted your capacity", "resource_exhausted", "limit will reset")
 RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "too many requests")
 #: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
@@ -1436,14 +1436,20 @@ def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     return None
 
 
+#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit".
+HIT_A_LIMIT = re.compile(r"\bhit your [\w -]{0,30}\blimit\b")
+
+
 def find_limit(text: str, now: datetime, tz: ZoneInfo) -> Limit | None:
     """A limit named in ``text`` (an error, the tail of stderr), or None."""
     lower = text.lower()
-    usage = any(word in lower for word in USAGE_LIMIT_WORDS)
-    if not usage and not any(word in lower for word in RATE_LIMIT_WORDS) and not re.search(r"\b429\b", lower):
+    usage = any(word in lower for word in USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
+    rate = any(word in lower for word in RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower))
+    if not usage and not rate and "limit reached" not in lower:   # "5-hour limit reached": a usage limit
         return None
+    usage = usage or not rate
     line = next((ln.strip() for ln in text.splitlines()
-                 if any(w in ln.lower() for w in (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429"))), text.strip())
+                 if any(w in ln.lower() for w in (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit"))), text.strip())
     return Limit("usage_limit" if usage else "rate_limit", limit_reset(text, now, tz), line[:500])
 
 

@@ -3,6 +3,7 @@ readers of their output formats against the fake CLIs of tests/fakes, and what a
 login failure, a question or a changed profile does to runs, profiles and schedules."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,9 +11,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-import outpost
+import conftest
 import pytest
-from conftest import T0
+import trio
+from conftest import T0, YEARLY, call, make_deps, only, until
+
+import outpost
 
 FAKES = Path(__file__).parent / "fakes"
 CHICAGO = ZoneInfo("America/Chicago")
@@ -38,7 +42,8 @@ LIMIT_FORMS = [
     ("Usage limit reached. Try again in 3 days 6 hours 57 minutes.", T0 + timedelta(days=3, hours=6, minutes=57)),
     ("HTTP 429 Too Many Requests\nRetry-After: 120", T0 + timedelta(seconds=120)),
     # a wall time without a zone is in the profile's timezone (here Chicago)
-    ("You’ve hit your usage limit. Upgrade to Pro or try again at 3:28 PM.", datetime(2026, 11, 30, 21, 28, tzinfo=UTC)),
+    ("You’ve hit your usage limit. Upgrade to Pro or try again at 3:28 PM.",
+     datetime(2026, 11, 30, 21, 28, tzinfo=UTC)),
     ("You've hit your usage limit. Try again at Jul 5th, 2027 8:19 PM.", datetime(2027, 7, 6, 1, 19, tzinfo=UTC)),
     ("Your quota will reset after 1h49m8s", T0 + timedelta(hours=1, minutes=49, seconds=8)),
     (f'{{"error": "rate_limit", "reset_time": {EPOCH}}}', datetime.fromtimestamp(EPOCH, UTC)),
@@ -63,9 +68,12 @@ def test_every_limit_form_gives_its_reset(text, reset):
     ("Rate limit exceeded, resets at 7:30 AM UTC", datetime(2026, 12, 1, 7, 30, tzinfo=UTC)),   # 30 min ago: tomorrow
     ("rate limit: try again in 20 MS", T0 + timedelta(milliseconds=20)),   # ms is milliseconds, never minutes
     ("quota exceeded; retry in 2 minutes and 5 seconds", T0 + timedelta(seconds=125)),
+    ("You've hit your session limit · resets 3:50pm (Asia/Tokyo)", datetime(2026, 12, 1, 6, 50, tzinfo=UTC)),
+    ("You've hit your weekly Opus limit · resets Dec 3, 9am", None),   # Claude Code 2.1 wordings
 ])
 def test_limit_resets_read_as_a_human_would(text, reset):
-    assert outpost.find_limit(text, T0, CHICAGO).resets_at == reset
+    limit = outpost.find_limit(text, T0, CHICAGO)
+    assert limit is not None and limit.resets_at == reset
 
 
 @pytest.mark.parametrize(("text", "kind"), [
@@ -261,3 +269,140 @@ def test_claude_max_cost_is_passed_to_the_cli(tmp_path):
     run_fake(tmp_path, "claude-code", "fake:success", max_cost_usd=0.5)
     argv = calls(tmp_path, "claude")[0]["argv"]
     assert argv[argv.index("--max-budget-usd") + 1] == "0.5"
+
+
+###############################################################################
+# What a limit, a login failure and a session do (API.md 8.4, 8.5): the real actors
+###############################################################################
+
+@pytest.fixture
+def fakes_on_path(tmp_path, monkeypatch) -> Path:
+    """The fake CLIs first on the daemon's PATH, a HOME of their own (their sessions), and the
+    log of their calls: what a profile's runs inherit through pass_env."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("FAKE_CLI_LOG", str(tmp_path))
+    return tmp_path
+
+
+def fake_deps(tmp_path: Path, store: outpost.Store, *profiles: outpost.AgentProfile) -> outpost.Deps:
+    pass_env = ("PATH", "HOME", "FAKE_CLI_LOG")
+    agents = (outpost.demo_profile(), *(dataclasses.replace(p, pass_env=pass_env) for p in profiles))
+    return make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True, agents=agents)
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = outpost.Store(tmp_path / "agents.sqlite3")
+    yield store
+    store.close()
+
+
+def claude(**fields) -> outpost.AgentProfile:
+    return preset_profile("claude-code", **fields) if not fields else dataclasses.replace(
+        preset_profile("claude-code"), **fields)
+
+
+def dispatch_run(deps: outpost.Deps, repo: Path, agent: str, brief: str) -> str:
+    payload = outpost.normalize_dispatch({"brief": brief, "repository": str(repo), "agent": agent},
+                                         deps.clock.now(), agents=deps.profiles)
+    return call(deps.store, deps.store.create_dispatch, payload, deps.clock.now())["run_id"]
+
+
+def schedule_of(deps: outpost.Deps, repo: Path, agent: str, brief: str) -> dict:
+    definition = outpost.normalize_definition(conftest.definition(repo, agent=agent, brief=brief, timing=YEARLY),
+                                              deps.clock.now(), agents=deps.profiles)
+    return call(deps.store, deps.store.create_schedule, definition, deps.clock.now(),
+                deps.profile_digests[agent])
+
+
+def run(deps: outpost.Deps, run_id: str) -> dict:
+    return call(deps.store, deps.store.get_run, run_id)
+
+
+async def actors(deps: outpost.Deps, nursery) -> None:
+    nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+    nursery.start_soon(outpost.notification_actor, deps, deps.settled.rx)
+
+
+async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak_stands(
+        autojump_clock, fakes_on_path, store, git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    sched = schedule_of(deps, git_repo, "claude", "fake:limit\nfake-text: Rate limit reached. Try again in 1h.")
+    fired = call(store, store.fire_manual, sched["id"], 1, deps.clock.now(), deps.profile_digests)
+    with trio.fail_after(6 * 3600):   # MockClock time
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            limited = await until(lambda: (r := run(deps, fired["run_id"]))["status"] == "failed" and r)
+            waiting = dispatch_run(deps, git_repo, "claude", "fake:success")
+            passing = dispatch_run(deps, git_repo, "demo", "@print passed")
+            deps.claim_wake.poke()
+            await until(lambda: run(deps, passing)["status"] == "succeeded")
+            await trio.sleep(30 * 60)   # half the limit: the claude run still waits
+            assert run(deps, waiting)["status"] == "queued"
+            agents = {a["name"]: a for a in call(store, store.profile_states, ["claude", "demo"], deps.clock.now())}
+            assert agents["claude"]["queued"] == 1 and agents["claude"]["limited_until"]
+            await until(lambda: run(deps, waiting)["status"] == "succeeded")   # after the reset (+30 s)
+            nursery.cancel_scope.cancel()
+    assert (limited["failure_kind"], limited["agent_report"]["limit"]["kind"]) == ("limit", "rate_limit")
+    reset = outpost.parse_instant(limited["agent_report"]["limit"]["resets_at"])
+    assert outpost.parse_instant(run(deps, waiting)["started_at"]) >= reset + timedelta(seconds=30)
+    assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
+    kinds = [a["kind"] for a in call(store, store.list_attention, False)]
+    assert kinds.count("agent_limited") == 1 and "failed" not in kinds
+
+
+async def test_a_second_limit_in_the_same_window_raises_no_second_item(autojump_clock, fakes_on_path, store,
+                                                                         git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude", max_running=2))
+    first = dispatch_run(deps, git_repo, "claude", "fake:limit\nfake-text: usage limit reached, try again in 2h")
+    second = dispatch_run(deps, git_repo, "claude", "fake:limit\nfake-text: usage limit reached, try again in 2h")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            await until(lambda: run(deps, first)["status"] == run(deps, second)["status"] == "failed")
+            nursery.cancel_scope.cancel()
+    assert [a["kind"] for a in call(store, store.list_attention, False)].count("agent_limited") == 1
+
+
+async def test_a_login_failure_pauses_the_profile_until_resumed(autojump_clock, fakes_on_path, store, git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    sched = schedule_of(deps, git_repo, "claude", "fake:auth")
+    fired = call(store, store.fire_manual, sched["id"], 1, deps.clock.now(), deps.profile_digests)
+    with trio.fail_after(6 * 3600):   # MockClock time
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            failed = await until(lambda: (r := run(deps, fired["run_id"]))["status"] == "failed" and r)
+            waiting = dispatch_run(deps, git_repo, "claude", "fake:success")
+            deps.claim_wake.poke()
+            await trio.sleep(3600)
+            assert run(deps, waiting)["status"] == "queued", "a paused profile starts nothing"
+            state = only(call(store, store.profile_states, ["claude"], deps.clock.now()))
+            assert state["paused_reason"] and "Not logged in" in state["paused_reason"]
+            call(store, store.resume_profile, "claude", deps.clock.now())
+            deps.claim_wake.poke()
+            await until(lambda: run(deps, waiting)["status"] == "succeeded")
+            nursery.cancel_scope.cancel()
+    assert failed["failure_kind"] == "auth"
+    items = [a for a in call(store, store.list_attention, False) if a["kind"] == "agent_auth"]
+    assert len(items) == 1 and "claude" in items[0]["title"]
+    assert "/login" in items[0]["detail"] and "resume" in items[0]["detail"]
+    assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
+
+
+async def test_the_log_of_a_3_mib_run_ends_with_the_agents_last_line(autojump_clock, fakes_on_path, store, git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    run_id = dispatch_run(deps, git_repo, "claude", "fake:big-output")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            done = await until(lambda: (r := run(deps, run_id))["status"] in ("succeeded", "failed") and r)
+            nursery.cancel_scope.cancel()
+    assert done["status"] == "succeeded", done["error"]
+    assert done["agent_report"]["final_message"] == "the end of a big run"
+    text = deps.log_path(run_id).read_text()
+    assert len(text.encode()) <= outpost.MAX_LOG_BYTES + 100 and "bytes cut ..." in text
+    last = json.loads(text.rstrip("\n").splitlines()[-1])
+    assert (last["type"], last["result"]) == ("result", "the end of a big run")
