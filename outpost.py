@@ -1448,8 +1448,8 @@ def find_limit(text: str, now: datetime, tz: ZoneInfo) -> Limit | None:
     if not usage and not rate and "limit reached" not in lower:   # "5-hour limit reached": a usage limit
         return None
     usage = usage or not rate
-    line = next((ln.strip() for ln in text.splitlines()
-                 if any(w in ln.lower() for w in (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit"))), text.strip())
+    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit")
+    line = next((ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in words)), text.strip())
     return Limit("usage_limit" if usage else "rate_limit", limit_reset(text, now, tz), line[:500])
 
 
