@@ -370,11 +370,13 @@ class Preset:
 #:   ``resume ID`` (after it --sandbox is refused); --skip-git-repo-check; ``exec`` reads
 #:   CODEX_API_KEY or ~/.codex/auth.json, not OPENAI_API_KEY.
 #:   https://github.com/openai/codex/blob/main/docs/exec.md, codex-rs/exec/src/cli.rs
-#: - Gemini CLI: headless when stdin is not a terminal; stream-json events; a new worktree is
-#:   an untrusted folder (exit 55) unless GEMINI_CLI_TRUST_WORKSPACE=true.
+#: - Gemini CLI 0.61: headless when stdin is not a terminal; stream-json events; a new worktree
+#:   is an untrusted folder (exit 55) unless GEMINI_CLI_TRUST_WORKSPACE=true (or --skip-trust);
+#:   auto_edit approves edits, a shell command is denied; ``--resume UUID`` in the same directory.
 #:   https://github.com/google-gemini/gemini-cli/blob/main/docs/cli/headless.md
-#: - aider: one message from a file, no questions, no commits of its own (Outpost saves the
-#:   edits), plain output. https://aider.chat/docs/config/options.html
+#: - aider 0.86: one message from a file, no questions, no commits of its own (Outpost saves the
+#:   edits), plain unwrapped output, no self-update, no .gitignore edit, no analytics; it has no
+#:   sessions. https://aider.chat/docs/config/options.html
 PRESETS: dict[str, Preset] = {
     "claude-code": Preset(
         command=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits"),
@@ -395,14 +397,16 @@ PRESETS: dict[str, Preset] = {
         command=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit"),
         resume=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--resume",
                 "{session_id}"),
-        format="gemini", model_flag="--model", env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"),),
-        version=("gemini", "--version"), login_env=("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI"),
+        format="gemini", model_flag="--model", env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")),
+        version=("gemini", "--version"),
+        login_env=("GEMINI_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA"),
         login_files=(".gemini/oauth_creds.json",),
         login="run `gemini` once and choose a login (or give GEMINI_API_KEY through pass_env)"),
     "aider": Preset(
         command=("aider", "--message-file", "{prompt_file}", "--yes-always", "--no-auto-commits", "--no-pretty",
-                 "--no-stream"),
+                 "--no-stream", "--no-check-update", "--no-gitignore", "--no-analytics", "--no-show-release-notes"),
         format="aider", model_flag="--model", version=("aider", "--version"),
+        env=(("COLUMNS", "1000"), ("BROWSER", "true")),
         login_env=("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "DEEPSEEK_API_KEY", "OPENROUTER_API_KEY"),
         login="give the model provider's API key (ANTHROPIC_API_KEY, OPENAI_API_KEY, ...) through pass_env"),
     "generic": Preset(command=()),
@@ -1462,10 +1466,10 @@ def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datet
     return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
 
 
-#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4).
+#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4); aider's through litellm.
 AUTH_MARKERS = ("not logged in", "please run /login", "invalid api key", "authentication_error",
                 "authentication_failed", "please set an auth method", "401 unauthorized", "http 401",
-                "status 401", "unauthorized: 401")
+                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you")
 
 
 def is_auth_failure(text: str) -> bool:
@@ -1677,17 +1681,23 @@ def read_gemini(lines: list[str]) -> Reading:
             stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
             reading.input_tokens = _count(stats.get("input_tokens"))
             reading.output_tokens = _count(stats.get("output_tokens"))
-            reading.cache_read_tokens = _count(stats.get("cached")) or _count(stats.get("cached_tokens"))
+            reading.cache_read_tokens = _count(stats.get("cached", stats.get("cached_tokens")))
             reading.turns = _count(stats.get("turns"))
+            models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
+            if reading.model in (None, "auto") and len(models) == 1:   # init says "auto" when no model was asked
+                reading.model = next(iter(models))
     return reading
 
 
 def read_aider(lines: list[str]) -> Reading:
-    """aider (plain text): the exit status decides; its last ``Tokens: ... Cost: $X message,
-    $Y session.`` line gives the cost; the reply is the final message."""
+    """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
+    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run; each ``Tokens: ...
+    Cost: $X message, $Y session.`` line adds its cost; the reply is the final message."""
     reading = Reading("aider")
-    cost, tokens_at = 0.0, None
+    cost, tokens_at, errors_at = 0.0, None, None
     for i, line in enumerate(lines):
+        if re.match(r"\s*litellm\.\w*(Error|Exception)\b", line):
+            errors_at = i
         if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
                          r"Cost:\s*\$([\d.]+)\s+message", line):
             sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
@@ -1697,9 +1707,12 @@ def read_aider(lines: list[str]) -> Reading:
             cost += float(m[5])
             reading.cost_usd = round(cost, 6)
             tokens_at = i
-    if tokens_at is not None:
-        reply = [ln for ln in lines[max(0, tokens_at - 60):tokens_at] if ln.strip()]
-        reading.final_message = _final("\n".join(reply[-20:]))
+    if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
+        reading.verdict = "failed"
+        reading.error = "\n".join(ln.strip() for ln in lines[errors_at:errors_at + 3] if ln.strip())[-ERROR_TAIL_BYTES:]
+    if tokens_at is not None:   # the reply: the paragraph before the Tokens line, after aider's header
+        before = "\n".join(lines[max(0, tokens_at - 200):tokens_at]).strip()
+        reading.final_message = _final(before.rsplit("\n\n", 1)[-1])
     elif text := [ln for ln in lines if ln.strip()]:
         reading.final_message = _final("\n".join(text[-20:]))
     return reading
@@ -2100,7 +2113,7 @@ MAX_RETRY_COUNT = 4
 #: "No conversation found with session ID: ..."; Codex 0.171: "no rollout found for thread id ...";
 #: others: "session not found").
 UNKNOWN_SESSION_MARKERS = ("no conversation found", "session not found", "no session found", "unknown session",
-                           "no rollout found")
+                           "no rollout found", "invalid session identifier", "no previous sessions found")
 
 
 def is_unknown_session(error: str) -> bool:

@@ -133,7 +133,7 @@ def preset_profile(preset: str, **fields) -> outpost.AgentProfile:
     return outpost.agent_profile(Path("outpost.toml"), preset, {"preset": preset, **fields})
 
 
-def run_fake(tmp_path: Path, preset: str, prompt: str, *, session: str | None = None, model: str | None = None,
+def run_fake(tmp_path: Path, preset: str, prompt: str, *, session: str | None = None, model: str = "test-model",
              max_cost_usd: float | None = None, cwd: Path | None = None, now: datetime = T0) -> outpost.Outcome:
     """One run of a preset's command line against its fake CLI, read as the run supervisor reads it."""
     profile = preset_profile(preset)
@@ -154,7 +154,12 @@ def calls(tmp_path: Path, cli: str) -> list[dict]:
 
 
 #: preset -> (cost, input, output, cache read tokens) of the fake's successful run
-SUCCESS_FIGURES = {"claude-code": (0.0123, 1200, 345, 5000), "codex": (None, 2400, 512, 1000)}
+SUCCESS_FIGURES = {"claude-code": (0.0123, 1200, 345, 5000), "codex": (None, 2400, 512, 1000),
+                   "gemini": (None, 2500, 500, 0), "aider": (0.01, 2300, 512, None)}
+#: preset -> the fake CLI's name
+CLI = {"claude-code": "claude", "codex": "codex", "gemini": "gemini", "aider": "aider"}
+#: presets whose CLI keeps sessions (aider has none)
+SESSIONS = ["claude-code", "codex", "gemini"]
 
 
 @pytest.mark.parametrize("preset", sorted(SUCCESS_FIGURES))
@@ -163,25 +168,33 @@ def test_a_successful_run_reports_session_model_cost_and_tokens(tmp_path, preset
     assert (outcome.status, outcome.error, outcome.failure_kind) == (outpost.RunStatus.SUCCEEDED, None, None)
     report = outcome.report()
     assert report["format"] == preset
-    assert report["session_id"] and len(report["session_id"]) >= 8
+    assert (report["session_id"] is not None) is (preset in SESSIONS)
     cost, tokens_in, tokens_out, cached = SUCCESS_FIGURES[preset]
     assert (report["cost_usd"], report["input_tokens"], report["output_tokens"], report["cache_read_tokens"]) == (
         cost, tokens_in, tokens_out, cached)
     assert report["final_message"].startswith("Done.") and "wrote notes.txt" in report["final_message"]
     assert (tmp_path / "work" / "notes.txt").read_text() == "hello\n"
-    (call,) = calls(tmp_path, {"claude-code": "claude"}.get(preset, preset))
-    assert call["stdin"].startswith("fake:success")   # the prompt came on stdin, never in argv
+    (call,) = calls(tmp_path, CLI[preset])
+    if preset != "aider":   # aider reads the prompt from its --message-file
+        assert call["stdin"].startswith("fake:success")   # the prompt came on stdin, never in argv
     assert not any("fake:success" in arg for arg in call["argv"])
     assert "gpt-x" in call["argv"]
 
 
-@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+@pytest.mark.parametrize("preset", SESSIONS)
 def test_a_brief_that_starts_like_an_option_reaches_the_cli_intact_on_stdin(tmp_path, preset):
     brief = "- fix the flaky test\n--help is not an option here\nfake:success"
     assert run_fake(tmp_path, preset, brief).status == outpost.RunStatus.SUCCEEDED
-    (call,) = calls(tmp_path, {"claude-code": "claude"}.get(preset, preset))
+    (call,) = calls(tmp_path, CLI[preset])
     assert call["stdin"] == brief
     assert "--help" not in call["argv"] and "- fix the flaky test" not in call["argv"]
+
+
+@pytest.mark.parametrize("preset", sorted(CLI))
+def test_a_failure_the_cli_reports_is_a_failure_with_its_text(tmp_path, preset):
+    outcome = run_fake(tmp_path, preset, "fake:fail-result")
+    assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "agent")
+    assert outcome.error and len(outcome.error) > 10
 
 
 def test_claude_failure_in_result_with_exit_0_is_a_failure_with_its_text(tmp_path):
@@ -224,7 +237,7 @@ def test_claude_rate_limit_event_gives_the_exact_reset(tmp_path):
     assert outcome.limit.resets_at == reset
 
 
-@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+@pytest.mark.parametrize("preset", sorted(CLI))
 @pytest.mark.parametrize(("text", "reset"), LIMIT_FORMS[:7], ids=[t[:30] for t, _ in LIMIT_FORMS[:7]])
 def test_a_limit_the_cli_reports_is_a_limit_with_its_reset(tmp_path, preset, text, reset):
     outcome = run_fake(tmp_path, preset, f"fake:limit\nfake-text: {text.splitlines()[0]}")
@@ -233,13 +246,13 @@ def test_a_limit_the_cli_reports_is_a_limit_with_its_reset(tmp_path, preset, tex
     assert outcome.report()["limit"]["resets_at"] == outpost.rfc3339(reset)
 
 
-@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+@pytest.mark.parametrize("preset", sorted(CLI))
 def test_a_cli_without_a_login_is_an_auth_failure(tmp_path, preset):
     outcome = run_fake(tmp_path, preset, "fake:auth")
     assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "auth")
 
 
-@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+@pytest.mark.parametrize("preset", SESSIONS)
 def test_a_stream_that_ends_without_a_terminal_event_is_no_result(tmp_path, preset):
     outcome = run_fake(tmp_path, preset, "fake:no-terminal")
     assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "no_result")
@@ -253,14 +266,13 @@ def test_codex_session_is_the_first_events_thread_id_and_error_text_is_kept(tmp_
     assert outcome.report()["session_id"]
 
 
-@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+@pytest.mark.parametrize("preset", SESSIONS)
 def test_resume_passes_the_session_and_an_unknown_session_is_told(tmp_path, preset):
     first = run_fake(tmp_path, preset, "fake:success")
     session = first.report()["session_id"]
     again = run_fake(tmp_path, preset, "go on", session=session)
     assert again.status == outpost.RunStatus.SUCCEEDED and again.report()["session_id"] == session
-    cli = {"claude-code": "claude"}.get(preset, preset)
-    assert session in calls(tmp_path, cli)[-1]["argv"]
+    assert session in calls(tmp_path, CLI[preset])[-1]["argv"]
     gone = run_fake(tmp_path, preset, "go on", session="0b4c1a55-6c9e-4d5b-9f0e-123456789abc")
     assert gone.status == outpost.RunStatus.FAILED and outpost.is_unknown_session(gone.error)
 
