@@ -2753,6 +2753,7 @@ def define_entities(db: orm.Database) -> None:
         over_budget = Required(bool, default=False)
         question = Optional(str, nullable=True)            # a needs_you run's question
         continues = Optional(str, nullable=True)           # the needs_you run a reply continues
+        worktree_run = Optional(str, nullable=True)        # a reply works where the run it continues worked
         answered_by = Optional(str, nullable=True)         # the reply run that answered this one
         continues_branch = Required(bool, default=False)   # starts from its result branch's head when it exists
         resume_session_id = Optional(str, nullable=True)   # the agent session this run resumes
@@ -3080,6 +3081,7 @@ SCHEMA_SQL = {
         'ALTER TABLE "Run" ADD COLUMN over_budget BOOLEAN NOT NULL DEFAULT 0',
         'ALTER TABLE "Run" ADD COLUMN question TEXT',
         'ALTER TABLE "Run" ADD COLUMN continues TEXT',
+        'ALTER TABLE "Run" ADD COLUMN worktree_run TEXT',
         'ALTER TABLE "Run" ADD COLUMN answered_by TEXT',
         'ALTER TABLE "Run" ADD COLUMN continues_branch BOOLEAN NOT NULL DEFAULT 0',
         'ALTER TABLE "Run" ADD COLUMN resume_session_id TEXT',
@@ -3851,7 +3853,7 @@ class RunStore(ScheduleStore):
                 "status": r.status, "pid": r.pid, "pid_started": r.pid_started,
                 "office": o is not None, "task_id": o.task_id if o else None,
                 "resume_session": r.resume_session_id, "continues_branch": r.continues_branch,
-                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger}
+                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run}
 
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None) -> None:
         r = self.db.Run[run_id]
@@ -4004,8 +4006,9 @@ class RunStore(ScheduleStore):
                                 repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
                                 limits={"timeout_seconds": r.timeout_seconds, "model": r.model}, notify=r.notify,
                                 now=now)
+        # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
         reply.set(result_branch=r.result_branch, continues_branch=True, continues=r.id, resume_session_id=session,
-                  owner=r.owner, max_cost_usd=r.max_cost_usd)
+                  owner=r.owner, max_cost_usd=r.max_cost_usd, worktree_run=r.worktree_run or r.id)
         r.answered_by = reply.id
         self.emit("run.answered", {"run_id": r.id, "reply_run_id": reply.id}, now)
         return {"run_id": reply.id}
@@ -6165,7 +6168,10 @@ async def dispatch_wakeups(deps: Deps) -> None:
 
 
 def run_workspace(deps: Deps, info: dict[str, Any]) -> Path:
-    return deps.worktree(info["id"], info["result_branch"] if info["office"] and info["task_id"] else None)
+    """Where a run works: an Office task session's one path, the path of the run a reply
+    answers, or a path of its own."""
+    return deps.worktree(info["worktree_run"] or info["id"],
+                         info["result_branch"] if info["office"] and info["task_id"] else None)
 
 
 async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:

@@ -418,3 +418,221 @@ async def test_the_log_of_a_3_mib_run_ends_with_the_agents_last_line(autojump_cl
     assert len(text.encode()) <= outpost.MAX_LOG_BYTES + 100 and "bytes cut ..." in text
     last = json.loads(text.rstrip("\n").splitlines()[-1])
     assert (last["type"], last["result"]) == ("result", "the end of a big run")
+
+
+async def office_session(deps: outpost.Deps, repo: Path, description: str) -> tuple[str, str, list[dict]]:
+    """An Office worker on the claude profile, assigned one task: (agent id, task id, its wakeups)."""
+    conftest.set_settings(deps.store, repository=str(repo))
+    worker = conftest.new_agent(deps.store, "Worker", deps.clock.now(), profiles=("demo", "claude"),
+                                executor="claude", cooldown_sec=0)
+    tid = conftest.new_task(deps.store, "Write the notes", deps.clock.now(), description=description,
+                            assignee_agent_id=worker)
+    return worker, tid, conftest.wakeups(deps.store, worker)
+
+
+async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(autojump_clock, fakes_on_path, store,
+                                                                             git_repo):
+    """API.md 8.5: the runs of one (agent, task) share one worktree path and branch, each
+    continuing from the branch's head, so the resumed CLI finds its session (by directory)
+    and its earlier edits."""
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    worker, tid, (first,) = await office_session(deps, git_repo, "fake:success\nfake-write: notes.txt first draft")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
+            call(store, store.add_comment, tid, "fake:success please go on", deps.clock.now())
+            deps.claim_wake.poke()
+            comment = only(conftest.wakeups(store, worker, source="comment"))
+            await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
+            nursery.cancel_scope.cancel()
+    run1 = conftest.office_run(store, conftest.wakeup(store, first["id"])["run_id"])
+    run2 = conftest.office_run(store, conftest.wakeup(store, comment["id"])["run_id"])
+    assert run1["status"] == run2["status"] == "succeeded"
+    branch = f"outpost/office/{tid}/worker"
+    assert run1["result_branch"] == run2["result_branch"] == branch
+    first_call, second_call = calls(fakes_on_path, "claude")
+    assert first_call["cwd"] == second_call["cwd"] == str(deps.worktree(run1["id"], branch))
+    session = run1["agent_report"]["session_id"]
+    assert second_call["argv"][second_call["argv"].index("--resume") + 1] == session
+    assert run2["agent_report"]["session_id"] == session and run2["resumed"] is True
+    assert "notes.txt" in run2["agent_report"]["final_message"].partition("saw ")[2]   # it saw its earlier edit
+    assert conftest.git(git_repo, "show", f"{branch}:notes.txt") == "first draft"
+    # the second run started from the branch's head (the first run's saved edit), and added nothing
+    assert run2["resolved_commit"] == conftest.git(git_repo, "rev-parse", branch) != run1["resolved_commit"]
+    assert run2["changes"]["commits"] == 0
+    assert not deps.worktree(run1["id"], branch).exists(), "removed between runs; the branch stays"
+
+
+async def test_a_dead_session_falls_back_to_one_fresh_run_without_a_retry(autojump_clock, fakes_on_path, store,
+                                                                         git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    worker, tid, (first,) = await office_session(deps, git_repo, "fake:success")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
+            for path in sorted((fakes_on_path / "home" / ".fake-cli" / "claude").rglob("*"), reverse=True):
+                path.unlink() if path.is_file() else path.rmdir()   # the CLI forgot every session
+            call(store, store.add_comment, tid, "fake:success again", deps.clock.now())
+            deps.claim_wake.poke()
+            comment = only(conftest.wakeups(store, worker, source="comment"))
+            await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
+            nursery.cancel_scope.cancel()
+    done = conftest.wakeup(store, comment["id"])
+    assert done["retry_count"] == 0
+    fresh = conftest.office_run(store, done["run_id"])
+    assert fresh["status"] == "succeeded" and fresh["resumed"] is False
+    argvs = [c["argv"] for c in calls(fakes_on_path, "claude")]
+    assert len(argvs) == 3 and "--resume" in argvs[1] and "--resume" not in argvs[2]
+    assert any(a["code"] == "session_dropped" for a in conftest.activity(store, "session_dropped"))
+
+
+###############################################################################
+# Needs-you and replies (API.md 8.5), end to end on the real server
+###############################################################################
+
+ASKER = """import json, os, sys, urllib.request
+sys.stdin.read()
+request = urllib.request.Request(os.environ["OUTPOST_API_URL"] + "/api/agent/needs-you", method="POST",
+    data=json.dumps({"question": "Which database may I migrate?"}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OUTPOST_RUN_TOKEN"], "Content-Type": "application/json"})
+urllib.request.urlopen(request, timeout=30).read()
+print("asked")
+"""
+
+
+def fake_server(server_factory, tmp_path: Path, toml: str):
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "outpost.toml").write_text(toml)
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return server_factory(data_dir=data, env={"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}",
+                                              "HOME": str(home), "FAKE_CLI_LOG": str(tmp_path)})
+
+
+def settled_run(client, run_id: str) -> dict:
+    return conftest.wait_for(lambda: (r := client.get(f"/v1/outpost/runs/{run_id}").json())["status"]
+                             in conftest.SETTLED and r, timeout_s=60)
+
+
+def post(client, path: str, body: dict):
+    import uuid
+    return client.post(path, json=body, headers={"Idempotency-Key": uuid.uuid4().hex})
+
+
+def test_a_needs_you_run_is_adopted_and_answered_by_a_continuation_on_its_branch(server_factory, tmp_path):
+    script = tmp_path / "asker.py"
+    script.write_text(ASKER)
+    repo = conftest.make_repo(tmp_path / "repo")
+    server = fake_server(server_factory, tmp_path, f"""
+[agents.claude]
+preset = "claude-code"
+pass_env = ["PATH", "HOME", "FAKE_CLI_LOG"]
+
+[agents.asker]
+command = [{json.dumps(os.sys.executable)}, {json.dumps(str(script))}]
+""")
+    with server.client() as client:
+        # Claude's permission denials on a successful result: the run needs a human.
+        run_id = post(client, "/v1/outpost/dispatches", {"brief": "fake:permission-denials", "repository": str(repo),
+                                                         "agent": "claude"}).json()["run_id"]
+        asked = settled_run(client, run_id)
+        assert asked["status"] == "needs_you" and "Bash" in asked["question"]
+        refused = post(client, f"/v1/outpost/runs/{run_id}/reply", {"message": "go on"})
+        assert refused.status_code == 409 and "adopt" in refused.json()["detail"]
+        assert post(client, f"/v1/outpost/runs/{run_id}/adopt", {"workspace": "team"}).status_code == 200
+        reply = post(client, f"/v1/outpost/runs/{run_id}/reply", {"message": "fake:success Bash is fine, go on"})
+        assert reply.status_code == 202
+        answer = settled_run(client, reply.json()["run_id"])
+        assert answer["status"] == "succeeded", answer["error"]
+        assert (answer["status"], answer["trigger"], answer["continues"]) == ("succeeded", "reply", run_id)
+        assert answer["result_branch"] == asked["result_branch"]
+        assert answer["agent_report"]["session_id"] == asked["agent_report"]["session_id"]
+        assert client.get(f"/v1/outpost/runs/{run_id}").json()["answered_by"] == answer["id"]
+        again = post(client, f"/v1/outpost/runs/{run_id}/reply", {"message": "twice?"})
+        assert again.status_code == 409
+        # A script that asks through the run-scoped API.
+        script_run = post(client, "/v1/outpost/dispatches", {"brief": "work", "repository": str(repo),
+                                                             "agent": "asker"}).json()["run_id"]
+        asked = settled_run(client, script_run)
+        assert (asked["status"], asked["question"]) == ("needs_you", "Which database may I migrate?")
+        assert post(client, f"/v1/outpost/runs/{script_run}/adopt", {"workspace": "team"}).status_code == 200
+        reply = post(client, f"/v1/outpost/runs/{script_run}/reply", {"message": "the staging one"})
+        continued = settled_run(client, reply.json()["run_id"])
+        assert (continued["trigger"], continued["result_branch"]) == ("reply", asked["result_branch"])
+    resumed = calls(tmp_path, "claude")[-1]
+    assert resumed["argv"][resumed["argv"].index("--resume") + 1] == answer["agent_report"]["session_id"]
+    assert resumed["stdin"].startswith("fake:success Bash is fine")
+
+
+###############################################################################
+# The profile in a schedule's authority (API.md 8.1), and outpost doctor
+###############################################################################
+
+def test_a_changed_profile_holds_the_schedules_fires_until_it_is_confirmed_again(store, git_repo):
+    before = preset_profile("claude-code")
+    after = dataclasses.replace(before, command=(*before.command, "--max-turns", "50"))
+    digests = {"claude-code": outpost.profile_digest(before)}
+    definition = outpost.normalize_definition(conftest.definition(
+        git_repo, agent="claude-code", timing={"kind": "interval", "seconds": 3600, "timezone": "UTC"}),
+        T0, agents=digests)
+    sched = call(store, store.create_schedule, definition, T0, digests["claude-code"])
+    assert sched["authority"]["profile_digest"] == digests["claude-code"]
+    changed = {"claude-code": outpost.profile_digest(after)}
+    assert changed != digests
+    for hour in (1, 2):   # two fires held, one item
+        assert call(store, store.claim_due, T0 + timedelta(hours=hour), digests=changed) == []
+    ledger = call(store, store.occurrences, sched["id"], 10)
+    assert [o["outcome"] for o in ledger] == ["held_reconfirm", "held_reconfirm"]
+    items = [a for a in call(store, store.list_attention, True) if a["kind"] == "reconfirm"]
+    assert len(items) == 1 and items[0]["schedule_id"] == sched["id"]
+    with pytest.raises(outpost.Conflict):
+        call(store, store.fire_manual, sched["id"], 1, T0 + timedelta(hours=2), changed)
+    # Confirming the same definition again, under the profile as it is now, releases it.
+    call(store, store.update_schedule, sched["id"], 1, definition, T0 + timedelta(hours=2), changed["claude-code"])
+    assert len(call(store, store.claim_due, T0 + timedelta(hours=3), digests=changed)) == 1
+    # An unchanged profile never holds anything.
+    assert outpost.profile_digest(preset_profile("claude-code")) == digests["claude-code"]
+
+
+def doctor(tmp_path: Path, toml: str, **env: str) -> subprocess.CompletedProcess:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "outpost.toml").write_text(toml)
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return subprocess.run([os.sys.executable, str(conftest.OUTPOST_PY), "doctor", "--data-dir", str(data)],
+                          capture_output=True, text=True, timeout=60,
+                          env=fake_env(home) | env)
+
+
+def test_doctor_prints_one_clear_line_per_profile(tmp_path):
+    done = doctor(tmp_path, """
+[agents.claude]
+preset = "claude-code"
+pass_env = ["PATH", "HOME", "ANTHROPIC_API_KEY"]
+
+[agents.codex]
+preset = "codex"
+
+[agents.missing]
+command = ["no-such-agent-cli", "--go"]
+""", ANTHROPIC_API_KEY="sk-test")
+    lines = dict(line.split(": ", 1) for line in done.stdout.strip().splitlines())
+    assert sorted(lines) == ["claude", "codex", "demo", "missing"]
+    assert lines["claude"].startswith("ok, 2.1.197 (Claude Code)") and "ANTHROPIC_API_KEY" in lines["claude"]
+    assert "codex-cli 0.171.0" in lines["codex"] and "no login found" in lines["codex"] and "codex login" in lines[
+        "codex"]
+    assert "'no-such-agent-cli' not found" in lines["missing"]
+    assert lines["demo"].startswith("ok")
+    assert done.returncode == 1 and done.stderr == ""
+
+
+def test_doctor_exits_0_when_every_profile_is_usable(tmp_path):
+    (tmp_path / "home" / ".codex").mkdir(parents=True)
+    (tmp_path / "home" / ".codex" / "auth.json").write_text("{}")
+    done = doctor(tmp_path, '[agents.codex]\npreset = "codex"\n')
+    assert done.returncode == 0, done.stdout
+    assert "codex: ok, codex-cli 0.171.0" in done.stdout and ".codex/auth.json" in done.stdout
