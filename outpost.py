@@ -2253,14 +2253,58 @@ def build_summary(previous: str, result: dict[str, Any] | None, stats: dict[str,
 
 # --- Office: checking what the API is given ----------------------------------------------------
 
+#: A budget of a workspace, a project or an agent: runs in 24 h, US dollars in 24 h and in the
+#: calendar month (in the workspace's timezone). None: no budget.
+BUDGET_FIELDS = ("budget_runs_per_day", "budget_usd_per_day", "budget_usd_per_month")
+#: What a wakeup does when a budget is used up (the spec's action_on_exceed).
+BUDGET_ACTIONS = ("pause", "skip")
 AGENT_FIELDS = ("workspace_id", "name", "role", "status", "executor", "instructions", "max_concurrent_sessions",
-                "cooldown_sec", "skip_idle_wakeups", "budget_runs_per_day")
+                "cooldown_sec", "skip_idle_wakeups", *BUDGET_FIELDS)
 TASK_FIELDS = ("workspace_id", "title", "description", "state", "assignee_agent_id", "parent_id", "blocked_by",
                "requires_approval", "reviewers", "project_id", "workflow", "executor", "archived")
 SETTINGS_FIELDS = ("name", "timezone", "repository", "source_ref", "default_executor",
-                   "recovery_lookback_hours", "budget_runs_per_day")
+                   "recovery_lookback_hours", *BUDGET_FIELDS, "budget_action")
 #: recovery_lookback_hours is clamped into this range on write (spec: 1-720).
 LOOKBACK_HOURS = (1, 720)
+
+
+def budget_fields(raw: dict, runs_max: int) -> dict[str, Any]:
+    """The budget fields of an agent, a project or a workspace (each optional)."""
+    budget = {"budget_runs_per_day": _optional_int(raw, "budget_runs_per_day", 1, runs_max)}
+    for key in ("budget_usd_per_day", "budget_usd_per_month"):
+        value = raw.get(key)
+        if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
+            raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
+        budget[key] = None if value is None else float(value)
+    return budget
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spend:
+    """What a scope (workspace, project, agent) used: runs and dollars in 24 h, dollars this month."""
+    runs_day: int
+    usd_day: float
+    usd_month: float
+
+
+def budget_used_up(scope: str, budget: dict[str, Any], spend: Spend) -> str | None:
+    """The sentence saying which budget of ``scope`` is used up, or None (the pre-check)."""
+    if budget.get("budget_runs_per_day") and spend.runs_day >= budget["budget_runs_per_day"]:
+        return f"{scope} budget of {budget['budget_runs_per_day']} runs per day is used up"
+    for key, spent, window in (("budget_usd_per_day", spend.usd_day, "day"),
+                               ("budget_usd_per_month", spend.usd_month, "month")):
+        if budget.get(key) and spent >= budget[key]:
+            return f"{scope} budget of ${budget[key]:,.2f} per {window} is used up (${spent:,.2f} spent)"
+    return None
+
+
+def budget_share(budget: dict[str, Any], spend: Spend) -> tuple[float, str]:
+    """The largest share of a budget used, and its window ("day" or "month"): for the 80% alert."""
+    shares = [(spend.runs_day / budget["budget_runs_per_day"], "day") if budget.get("budget_runs_per_day") else None,
+              (spend.usd_day / budget["budget_usd_per_day"], "day") if budget.get("budget_usd_per_day") else None,
+              (spend.usd_month / budget["budget_usd_per_month"], "month") if budget.get("budget_usd_per_month")
+              else None]
+    return max((s for s in shares if s), default=(0.0, "day"))
 
 
 def _optional_name(raw: dict, key: str, allowed: Iterable[str], what: str) -> str | None:
@@ -2322,7 +2366,7 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
     a["max_concurrent_sessions"] = _int(merged.get("max_concurrent_sessions", 1), "max_concurrent_sessions", 1, 16)
     a["cooldown_sec"] = _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, DAY_S)
     a["skip_idle_wakeups"] = _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role])
-    a["budget_runs_per_day"] = _optional_int(merged, "budget_runs_per_day", 1, 100000)
+    a |= budget_fields(merged, 100000)
     return a
 
 
@@ -2381,7 +2425,10 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
                                                                          and not math.isfinite(hours)):
         raise invalid("recovery_lookback_hours", "must be a number of hours")
     s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
-    s["budget_runs_per_day"] = _optional_int(merged, "budget_runs_per_day", 1, 1_000_000)
+    s |= budget_fields(merged, 1_000_000)
+    s["budget_action"] = merged.get("budget_action", "pause")
+    if s["budget_action"] not in BUDGET_ACTIONS:
+        raise invalid("budget_action", "must be pause (the agent is paused) or skip (the wakeup is skipped)")
     return s
 
 
@@ -3155,6 +3202,7 @@ def agent_view(a) -> dict[str, Any]:
             "executor": a.executor, "instructions": a.instructions,
             "max_concurrent_sessions": a.max_concurrent_sessions, "cooldown_sec": a.cooldown_sec,
             "skip_idle_wakeups": a.skip_idle_wakeups, "budget_runs_per_day": a.budget_runs_per_day,
+            "budget_usd_per_day": a.budget_usd_per_day, "budget_usd_per_month": a.budget_usd_per_month,
             "last_wakeup_finished_at": rfc3339(aware(a.last_wakeup_finished_at)),
             "created_at": rfc3339(aware(a.created_at)), "updated_at": rfc3339(aware(a.updated_at))}
 
@@ -3196,7 +3244,8 @@ def workspace_view(ws) -> dict[str, Any]:
     return {"id": ws.id, "name": ws.name, "timezone": ws.timezone, "repository": ws.repository,
             "source_ref": ws.source_ref, "default_executor": ws.default_executor,
             "recovery_lookback_hours": ws.recovery_lookback_hours,
-            "budget_runs_per_day": ws.budget_runs_per_day}
+            "budget_runs_per_day": ws.budget_runs_per_day, "budget_usd_per_day": ws.budget_usd_per_day,
+            "budget_usd_per_month": ws.budget_usd_per_month, "budget_action": ws.budget_action}
 
 
 def activity_view(x) -> dict[str, Any]:
@@ -3207,7 +3256,7 @@ def activity_view(x) -> dict[str, Any]:
 
 def project_view(p) -> dict[str, Any]:
     return {"id": p.id, "workspace_id": p.workspace_id, "name": p.name, "repository": p.repository,
-            "executor": p.executor}
+            "executor": p.executor, **{f: getattr(p, f) for f in BUDGET_FIELDS}}
 
 
 def trigger_view(t) -> dict[str, Any]:
@@ -4295,12 +4344,6 @@ class WakeupStore(AccessStore):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
                                     and a.id != except_id)
 
-    def _runs_last_day(self, now: datetime, *, agent_id: str | None = None, workspace_id: str | None = None) -> int:
-        since = naive(now - timedelta(days=1))
-        if agent_id:
-            return orm.count(o for o in self.db.OfficeRun if o.agent_id == agent_id and o.queued_at >= since)
-        return orm.count(o for o in self.db.OfficeRun if o.workspace_id == workspace_id and o.queued_at >= since)
-
     def wakeups_by_agent(self, status: str) -> dict[str, int]:
         """How many wakeups in ``status`` each agent has (claimed ones are its sessions)."""
         return dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = $s GROUP BY agent_id',
@@ -4356,10 +4399,10 @@ class OfficeStore(WakeupStore):
         return workspace_view(ws)
 
     def create_project(self, workspace_id: str | None, name: str, repository: str | None, executor: str | None,
-                       now: datetime) -> dict[str, Any]:
+                       now: datetime, budget: dict[str, Any] | None = None) -> dict[str, Any]:
         ws = self._workspace(workspace_id)
         p = self.db.Project(id=new_id("prj"), workspace_id=ws.id, name=name, repository=repository,
-                            executor=executor, created_at=naive(now))
+                            executor=executor, created_at=naive(now), **(budget or {}))
         return project_view(p)
 
     def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
@@ -4733,26 +4776,45 @@ class PipelineStore(OfficeStore):
         t.checkout_agent_id, t.checkout_at = agent_id, naive(now)
         return True
 
-    def _budget_exceeded(self, agent, ws, now: datetime) -> str | None:
-        """Pre-execution budget check (workspace, then agent): a run budget per 24 h."""
-        if ws.budget_runs_per_day and self._runs_last_day(now, workspace_id=ws.id) >= ws.budget_runs_per_day:
-            return f"workspace budget of {ws.budget_runs_per_day} runs per day is used up"
-        if agent.budget_runs_per_day and self._runs_last_day(now, agent_id=agent.id) >= agent.budget_runs_per_day:
-            return f"agent budget of {agent.budget_runs_per_day} runs per day is used up"
+    def _spend(self, now: datetime, tz: ZoneInfo, column: str, value: str) -> Spend:
+        """Runs and dollars of one scope: ``column`` is workspace_id, agent_id or project_id."""
+        day = sql_time(now - timedelta(days=1))
+        month = sql_time(now.astimezone(tz).replace(day=1, hour=0, minute=0, second=0, microsecond=0))
+        scope = ('o.task_id IN (SELECT id FROM "Task" WHERE project_id = $v)' if column == "project_id"
+                 else f"o.{column} = $v")
+        runs, usd_day, usd_month = self.db.select(
+            f'SELECT COALESCE(SUM(o.queued_at >= $day), 0), COALESCE(SUM(CASE WHEN o.queued_at >= $day '
+            f'THEN r.cost_usd END), 0), COALESCE(SUM(r.cost_usd), 0) FROM "OfficeRun" o JOIN "Run" r ON '
+            f'r.id = o.run_id WHERE {scope} AND o.queued_at >= MIN($day, $month)',
+            {"v": value, "day": day, "month": month})[0]
+        return Spend(int(runs), float(usd_day), float(usd_month))
+
+    def _budget_exceeded(self, agent, ws, project, now: datetime) -> str | None:
+        """The budget pre-check (workspace, project, agent): runs per 24 h and dollars per day
+        and month, from the cost the runs already recorded."""
+        tz = ZoneInfo(ws.timezone)
+        for scope, entity, column in (("workspace", ws, "workspace_id"), ("project", project, "project_id"),
+                                      ("agent", agent, "agent_id")):
+            budget = {f: getattr(entity, f) for f in BUDGET_FIELDS} if entity is not None else {}
+            if any(budget.values()) and (used := budget_used_up(scope, budget, self._spend(now, tz, column,
+                                                                                           entity.id))):
+                return used
         return None
 
-    def _budget_alert(self, agent, now: datetime) -> None:
-        """When a run takes an agent to or past 80% of its budget, its coordinators hear of it,
-        once per 24 h window (the wakeup's key), however far the run jumped past the mark."""
-        if not agent.budget_runs_per_day:
+    def _budget_alert(self, agent, ws, now: datetime) -> None:
+        """When an agent reaches 80% of a budget, its coordinators hear of it once per window
+        (the day or the month, in the wakeup's key), however far a run jumped past the mark."""
+        budget = {f: getattr(agent, f) for f in BUDGET_FIELDS}
+        if not any(budget.values()):
             return
-        used = self._runs_last_day(now, agent_id=agent.id)
-        if used >= math.ceil(agent.budget_runs_per_day * BUDGET_ALERT_PCT / 100):
+        tz = ZoneInfo(ws.timezone)
+        share, window = budget_share(budget, self._spend(now, tz, "agent_id", agent.id))
+        if share * 100 >= BUDGET_ALERT_PCT:
+            stamp = now.astimezone(tz).strftime("%Y-%m-%d" if window == "day" else "%Y-%m")
             for c in self._coordinators(agent.workspace_id, agent.id):
                 self.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
-                                    {"agent_instance_id": agent.id,
-                                     "budget_pct": round(100 * used / agent.budget_runs_per_day)}, now,
-                                    idempotency_key=f"budget_alert:{agent.id}:{c.id}")
+                                    {"agent_instance_id": agent.id, "budget_pct": round(100 * share)}, now,
+                                    idempotency_key=f"budget_alert:{agent.id}:{c.id}:{stamp}")
 
     def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
                          limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
@@ -4856,12 +4918,18 @@ class PipelineStore(OfficeStore):
             holder = self.db.Task[w.task_id].checkout_agent_id
             self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
-        # 6. Budget pre-check.
+        # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.
         ws = self.db.Workspace[w.workspace_id]
-        if blocked := self._budget_exceeded(agent, ws, now):
-            agent.status, agent.updated_at = "paused", naive(now)
+        t = self.db.Task.get(id=w.task_id) if w.task_id else None
+        project = self.db.Project.get(id=t.project_id) if t is not None and t.project_id else None
+        if blocked := self._budget_exceeded(agent, ws, project, now):
             self._release_checkout(w.task_id, agent.id)
             self._end_wakeup(w, "skipped", now, note=blocked)
+            if ws.budget_action == "skip":
+                self._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
+                               wakeup_id=w.id, detail=blocked)
+                return PipelineOutcome(claimed=True)
+            agent.status, agent.updated_at = "paused", naive(now)
             self._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                            wakeup_id=w.id, detail=blocked)
             self.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
@@ -4883,8 +4951,6 @@ class PipelineStore(OfficeStore):
         for other in others:
             self._coalesce(w, other, now)
         # 8. Resolve executor (task override -> agent -> project -> workspace default), and the repository.
-        t = self.db.Task.get(id=w.task_id) if w.task_id else None
-        project = self.db.Project.get(id=t.project_id) if t is not None and t.project_id else None
         executor = resolve_executor(t.executor if t else None, agent.executor,
                                     project.executor if project else None, ws.default_executor)
         repository = (project.repository if project else None) or self._repository_of(ws)
@@ -4919,7 +4985,7 @@ class PipelineStore(OfficeStore):
         for other in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id):
             other.run_id = run.id
         agent.status = "working"
-        self._budget_alert(agent, now)
+        self._budget_alert(agent, ws, now)
         self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run.id}, now)
         return PipelineOutcome(claimed=True, run_id=run.id)
 
@@ -5050,6 +5116,8 @@ class PipelineStore(OfficeStore):
             agent.last_wakeup_finished_at = naive(now)
             if agent.status == "working" and not self._active_sessions(agent.id):
                 agent.status = "idle"
+            if r.cost_usd:   # the cost it reported may take the agent past 80% of a dollar budget
+                self._budget_alert(agent, self.db.Workspace[o.workspace_id], now)
 
     def _update_summary(self, o, scope: str, result: dict[str, Any], now: datetime) -> None:
         """Upsert one continuation summary (``scope``) of a successful taskless run; on a
@@ -5430,7 +5498,8 @@ class RoutineStore(PipelineStore):
                 if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t AND status IN '
                                   "('queued', 'claimed')", {"t": task_id})[0]:
                     continue
-                if self._budget_exceeded(agent, ws, now):
+                project = self.db.Project.get(id=t.project_id) if t.project_id else None
+                if self._budget_exceeded(agent, ws, project, now):
                     continue
                 if self._open_blockers(t.blocked_by or []):
                     continue   # task_blockers_resolved wakes it when its blockers are done
@@ -7341,11 +7410,11 @@ async def office_projects(web: Web):
 @office_api.post("/api/office/projects", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
 async def office_create_project(web: Web):
     raw = await web.body()
-    _unknown(raw, ("workspace_id", "name", "repository", "executor"), "a project")
+    _unknown(raw, ("workspace_id", "name", "repository", "executor", *BUDGET_FIELDS), "a project")
     repository = _repository(raw) if raw.get("repository") is not None else None
     executor = _optional_name(raw, "executor", web.profile_names, "agent profile")
     return await web.commit(web.store.create_project, web.workspace_arg(raw), _text_field(raw, "name", 100),
-                            repository, executor, web.now)
+                            repository, executor, web.now, budget_fields(raw, 1_000_000))
 
 
 @office_api.get("/api/office/agents", auth=Auth.TOKEN)
@@ -7968,6 +8037,18 @@ def agent_form(form: dict[str, str]) -> dict[str, Any]:
             raw[key] = None
     if form.get("skip_idle_wakeups") in ("yes", "no"):
         raw["skip_idle_wakeups"] = form["skip_idle_wakeups"] == "yes"
+    return raw | dollars_form(form)
+
+
+def dollars_form(form: dict[str, str]) -> dict[str, Any]:
+    """The dollar budgets of a form (blank: no budget)."""
+    raw: dict[str, Any] = {}
+    for key in ("budget_usd_per_day", "budget_usd_per_month"):
+        text = form.get(key, "").strip().lstrip("$").replace(",", "")
+        try:
+            raw[key] = float(text) if text else None
+        except ValueError:
+            raise invalid(key, "must be an amount of US dollars, such as 5 or 12.50") from None
     return raw
 
 
@@ -8267,6 +8348,8 @@ async def page_office_settings_save(web: Web):
             if text and parse_count(text) is None:
                 raise invalid(key, "must be a whole number")
             raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
+        raw |= dollars_form(form)
+        raw["budget_action"] = form.get("budget_action") or "pause"
         await update_settings(web, None, raw)
         return "/office/settings?done=settings_saved"
     return await office_form(web, save, page_office_settings)

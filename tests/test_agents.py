@@ -636,3 +636,91 @@ def test_doctor_exits_0_when_every_profile_is_usable(tmp_path):
     done = doctor(tmp_path, '[agents.codex]\npreset = "codex"\n')
     assert done.returncode == 0, done.stdout
     assert "codex: ok, codex-cli 0.171.0" in done.stdout and ".codex/auth.json" in done.stdout
+
+
+###############################################################################
+# Budgets in dollars (the Office spec's budget pre-check, with recorded cost)
+###############################################################################
+
+def office_with_budget(store, repo, *, action: str = "pause", **agent_budget) -> tuple[str, str]:
+    conftest.set_settings(store, repository=str(repo), budget_action=action)
+    lead = conftest.new_agent(store, "Lead", T0, role="coordinator")
+    worker = conftest.new_agent(store, "Worker", T0, cooldown_sec=0, **agent_budget)
+    return lead, worker
+
+
+def costly_task(store, worker: str, minute: int, cost: float) -> str:
+    """Assign a task, dispatch its wakeup and settle its run as having cost ``cost`` dollars."""
+    now = T0 + timedelta(minutes=minute)
+    conftest.new_task(store, f"task {minute}", now, assignee_agent_id=worker)
+    runs = [r for r in call(store, store.dispatch_wakeups, now, {"demo": outpost.demo_profile()})[0]
+            if conftest.office_run(store, r)["agent_id"] == worker]
+    for run_id in runs:
+        conftest.start(store, run_id, now)
+        reading = outpost.Reading("claude-code", verdict="succeeded", cost_usd=cost)
+        call(store, store.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=reading),
+             now + timedelta(seconds=30))
+    return runs[0] if runs else ""
+
+
+def test_a_dollar_budget_alerts_at_80_percent_once_then_pauses_the_agent(store, git_repo):
+    lead, worker = office_with_budget(store, git_repo, budget_usd_per_day=1.0)
+    assert costly_task(store, worker, 1, 0.5)
+    assert conftest.wakeups(store, lead, source="budget_alert") == []
+    assert costly_task(store, worker, 2, 0.35)   # 85 %: the coordinator hears of it
+    alert = only(conftest.wakeups(store, lead, source="budget_alert"))
+    assert alert["payload"] == {"agent_instance_id": worker, "budget_pct": 85}
+    assert costly_task(store, worker, 3, 0.2)    # 0.85 < 1: still allowed; 1.05 after it
+    assert len(conftest.wakeups(store, lead, source="budget_alert")) == 1, "once per window"
+    assert costly_task(store, worker, 4, 0.1) == ""   # the pre-check reads the cost already spent
+    blocked = only(conftest.wakeups(store, worker, status="skipped"))
+    assert "$1.00 per day is used up ($1.05 spent)" in blocked["note"]
+    assert call(store, store.get_agent, worker)["status"] == "paused"
+    assert [a["kind"] for a in call(store, store.list_attention, True)] == ["budget_blocked"]
+
+
+def test_a_budget_whose_action_is_skip_skips_the_wakeup_and_logs_it(store, git_repo):
+    _, worker = office_with_budget(store, git_repo, action="skip", budget_usd_per_month=2.0)
+    assert costly_task(store, worker, 1, 2.5)
+    assert costly_task(store, worker, 2, 0.1) == ""
+    skipped = only(conftest.wakeups(store, worker, status="skipped"))
+    assert "$2.00 per month is used up" in skipped["note"]
+    assert call(store, store.get_agent, worker)["status"] != "paused"
+    assert only(conftest.activity(store, "wakeup_budget_skipped"))["wakeup_id"] == skipped["id"]
+    assert call(store, store.list_attention, True) == []
+
+
+def test_a_project_budget_counts_only_its_tasks(store, git_repo):
+    _, worker = office_with_budget(store, git_repo)
+    project = call(store, store.create_project, None, "Site", None, None, T0,
+                   outpost.budget_fields({"budget_usd_per_day": 1.0}, 1000))
+    now = T0 + timedelta(minutes=1)
+    conftest.new_task(store, "in the project", now, assignee_agent_id=worker, project_id=project["id"])
+    (run_id,) = call(store, store.dispatch_wakeups, now, {"demo": outpost.demo_profile()})[0]
+    conftest.start(store, run_id, now)
+    call(store, store.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=outpost.Reading(
+        "claude-code", verdict="succeeded", cost_usd=1.5)), now)
+    assert costly_task(store, worker, 5, 0.1), "a task outside the project is not held by its budget"
+    later = T0 + timedelta(minutes=9)
+    conftest.new_task(store, "more in the project", later, assignee_agent_id=worker, project_id=project["id"])
+    assert call(store, store.dispatch_wakeups, later, {"demo": outpost.demo_profile()})[0] == []
+    assert "project budget of $1.00 per day" in only(conftest.wakeups(store, worker, status="skipped"))["note"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("budget_usd_per_day", 0), ("budget_usd_per_month", "5"),
+                                              ("budget_usd_per_day", True)])
+def test_a_bad_dollar_budget_is_refused_naming_its_field(field, value):
+    with pytest.raises(outpost.ValidationFailed) as err:
+        outpost.normalize_agent({"name": "a", field: value}, profiles=["demo"])
+    assert err.value.errors[0]["field"] == field
+
+
+def test_a_run_over_its_max_cost_is_marked_over_budget(store, git_repo):
+    payload = outpost.normalize_dispatch({"brief": "x", "repository": str(git_repo), "agent": "demo",
+                                          "limits": {"max_cost_usd": 0.01}}, T0, agents=["demo"])
+    run_id = call(store, store.create_dispatch, payload, T0)["run_id"]
+    conftest.start(store, run_id, T0)
+    call(store, store.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=outpost.Reading(
+        "claude-code", verdict="succeeded", cost_usd=0.0123)), T0)
+    view = call(store, store.get_run, run_id)
+    assert (view["max_cost_usd"], view["cost_usd"], view["over_budget"]) == (0.01, 0.0123, True)
