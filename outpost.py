@@ -5956,7 +5956,7 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
                                cwd=cwd, check=True)
             summary.append(f"{'committed' if verb == 'commit' else 'edited'} {path}")
         elif verb == "needs-you":
-            print(json.dumps({"status": "needs_you", "question": rest}), file=out, flush=True)
+            print(json.dumps({"status": "needs_you", "question": rest, "session_id": session_id}), file=out, flush=True)
             return 0
         elif verb == "result":
             try:

@@ -361,3 +361,69 @@ def test_office_routine_run_now_asks_for_a_required_variable_first(page, server,
     # The secret is not shown again.
     page.reload()
     assert secret not in page.content()
+
+
+def test_adopt_and_reply_to_a_run_that_needs_you(page, server, repo):
+    import uuid
+
+    import httpx
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}) as api:
+        run_id = api.post("/v1/outpost/dispatches", json={"brief": "@needs-you Which branch may I push to?",
+                                                          "repository": str(repo), "agent": "demo"},
+                          headers={"Idempotency-Key": uuid.uuid4().hex}).json()["run_id"]
+    sign_in(page, server)
+    page.goto(f"{server.url}/runs/{run_id}")
+    sync_api.expect(page.locator("#run-status")).to_have_text("needs you", timeout=30_000)
+    page.reload()
+    assert "Which branch may I push to?" in page.inner_text("#run-question")
+    assert page.query_selector("#reply-form") is None, "a run is adopted before it is answered"
+    page.fill("#adopt-form input[name=workspace]", "team")
+    page.click("#adopt-form button[type=submit]")
+    assert "Run adopted" in page.inner_text("#flash")
+    page.fill("#reply-message", "Push to release/2.0\n@print answered")
+    shot(page, "reply")
+    page.click("#reply-form button[type=submit]")
+    assert "Reply sent" in page.inner_text("#flash")
+    assert run_id in page.inner_text("main")   # "This run answers run <id>"
+    sync_api.expect(page.locator("#run-status")).to_have_text("succeeded", timeout=30_000)
+    page.goto(f"{server.url}/runs/{run_id}")
+    assert "Answered by run" in page.inner_text("#needs-you")
+
+
+def test_the_agents_page_shows_a_paused_profile_and_resumes_it(browser, repo, tmp_path_factory):
+    import uuid
+
+    import httpx
+    data = tmp_path_factory.mktemp("agents-page") / "data"
+    data.mkdir()
+    (data / "outpost.toml").write_text('[agents.claude]\npreset = "claude-code"\nmodel = "sonnet"\n'
+                                       'pass_env = ["PATH", "HOME"]\n')
+    home = data.parent / "home"
+    home.mkdir()
+    fakes = Path(__file__).parent / "fakes"
+    server = Server(data, env={"PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "HOME": str(home)}).start()
+    try:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}) as api:
+            api.post("/v1/outpost/dispatches", json={"brief": "fake:auth", "repository": str(repo), "agent": "claude"},
+                     headers={"Idempotency-Key": uuid.uuid4().hex})
+            wait_until(lambda: api.get("/v1/outpost/agents").json()["agents"][0]["paused_reason"])
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        sign_in(page, server)
+        page.goto(server.url + "/agents")
+        row = page.locator("tr[data-agent=claude]")
+        assert "claude-code" in row.inner_text() and "sonnet" in row.inner_text()
+        assert "paused" in row.locator(".agent-standing").inner_text()
+        assert "ready" in page.locator("tr[data-agent=demo] .agent-standing").inner_text()
+        shot(page, "agents")
+        row.locator("button.resume-agent").click()
+        assert "Profile resumed" in page.inner_text("#flash")
+        assert "ready" in page.locator("tr[data-agent=claude] .agent-standing").inner_text()
+        context.close()
+    finally:
+        server.stop()
+
+
+def wait_until(predicate, timeout_s: float = 30):
+    from conftest import wait_for
+    return wait_for(predicate, timeout_s)
