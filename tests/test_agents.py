@@ -334,6 +334,17 @@ def run(deps: outpost.Deps, run_id: str) -> dict:
     return call(deps.store, deps.store.get_run, run_id)
 
 
+def fired_schedule(deps: outpost.Deps, repo: Path, brief: str) -> tuple[dict, str]:
+    """A claude schedule with ``brief``, fired by hand: the schedule and its run's id."""
+    sched = schedule_of(deps, repo, "claude", brief)
+    return sched, call(deps.store, deps.store.fire_manual, sched["id"], 1, deps.clock.now(),
+                       deps.profile_digests)["run_id"]
+
+
+async def ended_as(deps: outpost.Deps, run_id: str, status: str) -> dict:
+    return await until(lambda: (r := run(deps, run_id))["status"] == status and r)
+
+
 async def actors(deps: outpost.Deps, nursery) -> None:
     nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
     nursery.start_soon(outpost.notification_actor, deps, deps.settled.rx)
@@ -342,12 +353,11 @@ async def actors(deps: outpost.Deps, nursery) -> None:
 async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak_stands(
         autojump_clock, fakes_on_path, store, git_repo):
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
-    sched = schedule_of(deps, git_repo, "claude", "fake:limit\nfake-text: Rate limit reached. Try again in 1h.")
-    fired = call(store, store.fire_manual, sched["id"], 1, deps.clock.now(), deps.profile_digests)
+    sched, fired = fired_schedule(deps, git_repo, "fake:limit\nfake-text: Rate limit reached. Try again in 1h.")
     with trio.fail_after(6 * 3600):   # MockClock time
         async with trio.open_nursery() as nursery:
             await actors(deps, nursery)
-            limited = await until(lambda: (r := run(deps, fired["run_id"]))["status"] == "failed" and r)
+            limited = await ended_as(deps, fired, "failed")
             waiting = dispatch_run(deps, git_repo, "claude", "fake:success")
             passing = dispatch_run(deps, git_repo, "demo", "@print passed")
             deps.claim_wake.poke()
@@ -381,12 +391,11 @@ async def test_a_second_limit_in_the_same_window_raises_no_second_item(autojump_
 
 async def test_a_login_failure_pauses_the_profile_until_resumed(autojump_clock, fakes_on_path, store, git_repo):
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
-    sched = schedule_of(deps, git_repo, "claude", "fake:auth")
-    fired = call(store, store.fire_manual, sched["id"], 1, deps.clock.now(), deps.profile_digests)
+    sched, fired = fired_schedule(deps, git_repo, "fake:auth")
     with trio.fail_after(6 * 3600):   # MockClock time
         async with trio.open_nursery() as nursery:
             await actors(deps, nursery)
-            failed = await until(lambda: (r := run(deps, fired["run_id"]))["status"] == "failed" and r)
+            failed = await ended_as(deps, fired, "failed")
             waiting = dispatch_run(deps, git_repo, "claude", "fake:success")
             deps.claim_wake.poke()
             await trio.sleep(3600)
