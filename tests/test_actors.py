@@ -600,7 +600,9 @@ async def test_run_fail_needs_you_and_workdir(real_deps, git_repo):
     assert runs[failed]["status"] == "failed" and "boom" in runs[failed]["error"]
     assert runs[failed]["exit_code"] == 1
     assert runs[asked]["status"] == "needs_you"
-    assert runs[asked]["result"] == {"status": "needs_you", "question": "Which DB?"}
+    assert runs[asked]["result"] == {"status": "needs_you", "question": "Which DB?",
+                                     "session_id": runs[asked]["agent_report"]["session_id"]}
+    assert runs[asked]["question"] == "Which DB?"
     assert runs[in_sub]["status"] == "succeeded"
     assert git(git_repo, "show", f"{runs[in_sub]['result_branch']}:sub/here.txt") == "y"
     assert runs[no_dir]["status"] == "failed"

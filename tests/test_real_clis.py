@@ -85,6 +85,6 @@ def test_gemini_without_a_login_reports_auth(clis, tmp_path):
 
 
 def test_codex_waiting_for_a_network_ends_as_a_timeout_with_its_thread_id(clis, tmp_path):
-    outcome = run_real(clis, tmp_path, "codex", "say hi", 20)
+    outcome = run_real(clis, tmp_path, "codex", "say hi", 8)
     assert (outcome.status, outcome.failure_kind) == (outpost.RunStatus.FAILED, "timeout"), outcome.error
     assert outcome.report()["session_id"]
