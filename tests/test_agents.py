@@ -366,7 +366,8 @@ async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak
             assert run(deps, waiting)["status"] == "queued"
             agents = {a["name"]: a for a in call(store, store.profile_states, ["claude", "demo"], deps.clock.now())}
             assert agents["claude"]["queued"] == 1 and agents["claude"]["limited_until"]
-            await until(lambda: run(deps, waiting)["status"] == "succeeded")   # after the reset (+30 s)
+            # after the reset (+30 s); polled each mock second, not 20 times one
+            await until(lambda: run(deps, waiting)["status"] == "succeeded", poll_s=1)
             nursery.cancel_scope.cancel()
     assert (limited["failure_kind"], limited["agent_report"]["limit"]["kind"]) == ("limit", "rate_limit")
     reset = outpost.parse_instant(limited["agent_report"]["limit"]["resets_at"])
