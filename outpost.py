@@ -175,8 +175,9 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 7      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
-                        # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets)
+SCHEMA_VERSION = 8      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+                        # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
+                        # 8: catch-up plans, re-runs, chart indexes
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -201,6 +202,10 @@ SETTLED_BUFFER = 1000
 MAX_TEXT_CHARS = 20000
 #: How long ``outpost doctor`` waits for a CLI's ``--version``.
 VERSION_TIMEOUT_S = 20
+#: Largest diff a run page or a comparison shows.
+MAX_DIFF_BYTES = 1024 * 1024
+#: Days the charts show.
+CHART_DAYS = 30
 #: Longest prompt a run is given (a brief is at most 32,768 characters; a reply adds to it).
 MAX_PROMPT_CHARS = 65536
 
@@ -656,15 +661,19 @@ class SlotOutcome(enum.StrEnum):
     SKIPPED_MISSED = "skipped_missed"     # missed during downtime under skip_missed
     PAUSED = "paused"                     # the schedule was paused when it came due
     HELD_RECONFIRM = "held_reconfirm"     # its agent profile changed since it was confirmed
+    SKIPPED_UNCHANGED = "skipped_unchanged"   # skip_if_unchanged: the commit of its last success
+    PENDING_CATCH_UP = "pending_catch_up"     # catch_up ask: missed, waiting for a human's decision
 
 
 CONCURRENCY_POLICIES = ("skip_if_active", "coalesce_if_active", "always_enqueue")
-CATCH_UP_POLICIES = ("enqueue_missed_with_cap", "skip_missed")
+#: Control actions of a schedule that change its state (``fire`` is the other one).
+SCHEDULE_ACTIONS = ("enable", "pause", "resume", "archive", "approve_catch_up", "dismiss_catch_up")
+CATCH_UP_POLICIES = ("enqueue_missed_with_cap", "skip_missed", "ask")
 NOTIFY_POLICIES = ("attention", "failures_only", "always")
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                 "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
 DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
-                     "limits", "notify", "concurrency_policy", "catch_up")
+                     "limits", "notify", "concurrency_policy", "catch_up", "skip_if_unchanged")
 
 
 # --- instants ----------------------------------------------------------------
@@ -1119,14 +1128,19 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
         raise invalid("concurrency_policy", "must be " + ", ".join(CONCURRENCY_POLICIES))
     catch_up = _object(raw, "catch_up") or {"policy": "enqueue_missed_with_cap", "max": 1}
     if not isinstance(catch_up.get("policy"), str) or catch_up["policy"] not in CATCH_UP_POLICIES:
-        raise invalid("catch_up.policy", "must be enqueue_missed_with_cap or skip_missed")
-    if catch_up["policy"] == "skip_missed":
+        raise invalid("catch_up.policy", "must be enqueue_missed_with_cap, skip_missed or ask")
+    if catch_up["policy"] in ("skip_missed", "ask"):
         if set(catch_up) - {"policy"}:
-            raise invalid("catch_up.max", "is not used with skip_missed")
-        d["catch_up"] = {"policy": "skip_missed"}
+            raise invalid("catch_up.max", f"is not used with {catch_up['policy']}")
+        d["catch_up"] = {"policy": catch_up["policy"]}
     else:
         d["catch_up"] = {"policy": "enqueue_missed_with_cap",
                          "max": _int(catch_up.get("max", 1), "catch_up.max", 1, 25)}
+    skip = raw.get("skip_if_unchanged", False)
+    if not isinstance(skip, bool):
+        raise invalid("skip_if_unchanged", "must be true or false")
+    if skip:   # only when set: older confirmations stay valid
+        d["skip_if_unchanged"] = True
     return d
 
 
@@ -1212,9 +1226,12 @@ def schedule_summary(d: dict[str, Any], first_fire: datetime | None) -> str:
     first = (f", first at {first_fire.astimezone(tz):%Y-%m-%d %H:%M %Z}" if first_fire else
              ", and never fires again")
     ref = f"{d['source_ref']} of {d['repository']}" + (f" (in {d['workdir']})" if d["workdir"] != "." else "")
+    unchanged = ("; skips a fire when the commit has not changed since its last successful run"
+                 if d.get("skip_if_unchanged") else "")
+    asks = "; asks before catching up missed fires" if d["catch_up"]["policy"] == "ask" else ""
     return (f"Runs agent '{d['agent']}' {when}{first} on a fresh worktree of {ref}; "
             f"{d['concurrency_policy'].replace('_', ' ')}, times out after "
-            f"{d['limits']['timeout_seconds']} s, notifies: {d['notify'].replace('_', ' ')}.")
+            f"{d['limits']['timeout_seconds']} s, notifies: {d['notify'].replace('_', ' ')}{unchanged}{asks}.")
 
 
 def merge_changes(current: dict[str, Any], changes: Any) -> dict[str, Any]:
@@ -2753,6 +2770,7 @@ def define_entities(db: orm.Database) -> None:
         confirmation = Required(str)
         confirmed_at = Required(datetime)
         profile_digest = Optional(str, nullable=True)   # the agent profile confirmed with it (API.md 8.1)
+        pending_catch_up = Optional(orm.Json, nullable=True)   # catch_up ask: {missed_count, first/last_missed_at}
         created_at = Required(datetime)
         updated_at = Required(datetime)
         occurrences = Set("Occurrence")
@@ -2800,6 +2818,7 @@ def define_entities(db: orm.Database) -> None:
         over_budget = Required(bool, default=False)
         question = Optional(str, nullable=True)            # a needs_you run's question
         continues = Optional(str, nullable=True)           # the needs_you run a reply continues
+        rerun_of = Optional(str, nullable=True)            # the run a re-run repeats
         worktree_run = Optional(str, nullable=True)        # a reply works where the run it continues worked
         answered_by = Optional(str, nullable=True)         # the reply run that answered this one
         continues_branch = Required(bool, default=False)   # starts from its result branch's head when it exists
@@ -3143,6 +3162,12 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS run_profile ON "Run"(agent, status)',
         'CREATE INDEX IF NOT EXISTS run_cost ON "Run"(finished_at) WHERE cost_usd IS NOT NULL',
     ],
+    8: [   # beyond the seeds: catch-up plans, re-runs, the charts' day counts
+        'ALTER TABLE "Schedule" ADD COLUMN pending_catch_up JSON',
+        'ALTER TABLE "Run" ADD COLUMN rerun_of TEXT',
+        'CREATE INDEX IF NOT EXISTS run_queued_day ON "Run"(queued_at)',
+        'CREATE INDEX IF NOT EXISTS occurrence_recorded ON "Occurrence"(created_at)',
+    ],
 }
 
 
@@ -3156,6 +3181,7 @@ def schedule_view(s, active_run_id: str | None) -> dict[str, Any]:
             "active_run_id": active_run_id,
             "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at)),
                           "profile_digest": s.profile_digest},
+            "pending_catch_up": s.pending_catch_up,
             "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
 
 
@@ -3171,7 +3197,7 @@ def run_view(r) -> dict[str, Any]:
             "result": r.result, "agent_report": r.agent_report, "failure_kind": r.failure_kind,
             "cost_usd": r.cost_usd, "max_cost_usd": r.max_cost_usd, "over_budget": r.over_budget,
             "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
-            "continues": r.continues, "answered_by": r.answered_by}
+            "continues": r.continues, "answered_by": r.answered_by, "rerun_of": r.rerun_of}
 
 
 def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
@@ -3504,10 +3530,12 @@ class ScheduleStore(StoreBase):
             if not s.enabled:
                 self._settle_paused_slots(s, now)
             s.enabled, s.auto_paused, s.failure_streak = True, False, 0
+        elif action in ("approve_catch_up", "dismiss_catch_up"):
+            self.decide_catch_up(s, action == "approve_catch_up", now)
         elif action == "archive":
             s.archived, s.enabled, s.next_fire_at = True, False, None
         else:
-            raise invalid("action", "must be enable, pause, resume, fire or archive")
+            raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
         s.revision += 1
         s.updated_at = naive(now)
         self.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
@@ -3596,9 +3624,11 @@ class ScheduleStore(StoreBase):
         return r
 
     def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime, missed_count: int = 0,
-                   since: datetime | None = None,
-                   counted_all: bool = True) -> tuple[SlotOutcome, str | None, str | None]:
-        """Apply the overlap rule to one due slot: returns (outcome, run id, occurrence id)."""
+                   since: datetime | None = None, counted_all: bool = True, head: str | None = None,
+                   pending: str | None = None) -> tuple[SlotOutcome, str | None, str | None]:
+        """Apply the overlap rule (and skip_if_unchanged: ``head`` is what source_ref resolves
+        to now) to one due slot: returns (outcome, run id, occurrence id). ``pending`` is the
+        ledger row of a slot that waited for a human (catch_up ask): it is decided, not added."""
         d = s.definition
         active = self._active_run(s.id)
         policy = d["concurrency_policy"]
@@ -3606,10 +3636,18 @@ class ScheduleStore(StoreBase):
             outcome, run = SlotOutcome.SKIPPED_OVERLAP, active
         elif active is not None and policy == "coalesce_if_active":
             outcome, run = SlotOutcome.COALESCED, active
+        elif head is not None and trigger != "manual" and head == self._last_success_commit(s.id):
+            outcome, run = SlotOutcome.SKIPPED_UNCHANGED, None
         else:
             outcome, run = SlotOutcome.ADMITTED, None
-        oid = self._record_slot(s, due_at, trigger, outcome, now, run_id=run.id if run else None,
-                                missed_count=missed_count)
+        if pending is not None:
+            self.db.execute('UPDATE "Occurrence" SET outcome = $o, trigger = $t, missed_count = $m, run_id = $r '
+                            'WHERE id = $oid', {"o": str(outcome), "t": trigger, "m": missed_count,
+                                                "r": run.id if run else None, "oid": pending})
+            oid = pending
+        else:
+            oid = self._record_slot(s, due_at, trigger, outcome, now, run_id=run.id if run else None,
+                                    missed_count=missed_count)
         if oid is None:
             return outcome, None, None
         if outcome == SlotOutcome.ADMITTED:
@@ -3629,8 +3667,65 @@ class ScheduleStore(StoreBase):
         if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
             run.missed_count += 1
         self.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
-                                         "outcome": str(outcome), "active_run_id": run.id}, now)
+                                         "outcome": str(outcome), "active_run_id": run.id if run else None}, now)
         return outcome, None, oid
+
+    def _last_success_commit(self, schedule_id: str) -> str | None:
+        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid AND status = 'succeeded' "
+                             "ORDER BY finished_at DESC, id DESC LIMIT 1", {"sid": schedule_id})
+        return row[0] if row else None
+
+    def unchanged_checks(self, now: datetime) -> list[tuple[str, str, str]]:
+        """(schedule id, repository, source_ref) of the due schedules that skip_if_unchanged:
+        the cron actor resolves their refs (git) before it claims."""
+        due = self.db.Schedule.select(lambda s: s.enabled and not s.archived and s.next_fire_at is not None
+                                      and s.next_fire_at <= naive(now))
+        return [(s.id, s.definition["repository"], s.definition["source_ref"]) for s in due
+                if s.definition.get("skip_if_unchanged")]
+
+    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime) -> None:
+        """catch_up ask: the missed slots wait (ledger ``pending_catch_up``) and one
+        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them."""
+        kind = s.definition["timing"]["kind"]
+        for slot in missed:
+            self._record_slot(s, slot, kind, SlotOutcome.PENDING_CATCH_UP, now)
+        plan = s.pending_catch_up or {}
+        first = plan.get("first_missed_at") or rfc3339(missed[0])
+        s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
+                              "last_missed_at": rfc3339(missed[-1])}
+        if not plan:
+            tz = ZoneInfo(s.definition["timing"]["timezone"])
+            title = f"Schedule '{s.name}' missed {total} occurrence{'s' if total != 1 else ''}: run a catch-up?"
+            since = f"{missed[0].astimezone(tz):%Y-%m-%d %H:%M %Z}"
+            self.raise_attention("catch_up_plan", title, f"Missed since {since}. Approve one catch-up run, or "
+                                 "dismiss them.", now, schedule_id=s.id, run_id=None)
+        self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
+
+    def decide_catch_up(self, s, approve: bool, now: datetime) -> str | None:
+        """approve_catch_up (one catch-up run, as enqueue_missed_with_cap with max 1) or
+        dismiss_catch_up (the slots are ``skipped_missed``). The run's id, if one was queued."""
+        plan = s.pending_catch_up
+        if not plan:
+            raise Conflict(f"schedule {s.id} has no pending catch-up to decide")
+        sid = s.id
+        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
+                    .order_by(lambda o: o.due_at))
+        s.pending_catch_up = None
+        for item in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "catch_up_plan"
+                                             and a.acknowledged_at is None):
+            item.acknowledged_at = naive(now)
+        if not approve or not rows:
+            for o in rows:
+                o.outcome = str(SlotOutcome.SKIPPED_MISSED)
+            self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                                             "count": plan["missed_count"]}, now)
+            return None
+        last = rows[-1]
+        _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
+                                       since=parse_instant(plan["first_missed_at"]), pending=last.id)
+        for o in rows[:-1]:
+            o.outcome, o.run_id = str(SlotOutcome.FOLDED), run_id
+        return run_id
 
     def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
         for slot in slots:
@@ -3671,14 +3766,17 @@ class ScheduleStore(StoreBase):
                                  "definition).", now, schedule_id=s.id, run_id=None)
         return True
 
-    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S,
-                  digests: dict[str, str] | None = None) -> list[str]:
+    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S, digests: dict[str, str] | None = None,
+                  heads: dict[str, str] | None = None, up_since: datetime | None = None) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
 
         A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``;
         a paused schedule's slots are recorded as ``paused``, and those of a schedule whose
-        profile changed since it was confirmed ``held_reconfirm``. The next fire advances in the
-        same transaction, and the ledger's UNIQUE (schedule, due_at) stops a second claimer."""
+        profile changed since it was confirmed ``held_reconfirm``. ``heads`` (schedule id ->
+        commit) serve skip_if_unchanged. A slot missed while the daemon was up (due after
+        ``up_since``: a stalled store, a clock step) raises the dead-man's ``missed_fire`` item.
+        The next fire advances in the same transaction, and the ledger's UNIQUE (schedule,
+        due_at) stops a second claimer."""
         queued: list[str] = []
         due = self.db.Schedule.select(lambda s: not s.archived and s.next_fire_at is not None
                                       and s.next_fire_at <= naive(now))
@@ -3703,10 +3801,15 @@ class ScheduleStore(StoreBase):
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
             current = slots[len(missed):]
             policy = s.definition["catch_up"]["policy"]
+            if up_since is not None and (while_up := [t for t in missed if t >= up_since]):
+                self._missed_fire(s, while_up, now)
             if missed and policy == "enqueue_missed_with_cap":
                 missed, current = slots, []   # the slot just due joins the catch-up: one run, not two
             missed_total = total - len(current)   # slots older than the recorded ones were missed too
-            if missed and policy == "skip_missed":
+            head = (heads or {}).get(s.id)
+            if missed and policy == "ask":
+                self._plan_catch_up(s, missed, missed_total, now)
+            elif missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
                 self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
@@ -3716,17 +3819,29 @@ class ScheduleStore(StoreBase):
                 fired, folded = missed[-cap:], missed[:-cap]
                 outcome, run_id, _ = self._fire_slot(s, fired[0], "catch_up", now,
                                                      missed_count=missed_total - len(fired) + 1, since=first_due,
-                                                     counted_all=due.counted_all)
+                                                     counted_all=due.counted_all, head=head)
                 for slot in folded:
                     self._record_slot(s, slot, kind, SlotOutcome.FOLDED, now, run_id=run_id)
                 queued += [run_id] if run_id else []
                 for slot in fired[1:]:
-                    _, run_id, _ = self._fire_slot(s, slot, "catch_up", now, missed_count=1, since=slot)
+                    _, run_id, _ = self._fire_slot(s, slot, "catch_up", now, missed_count=1, since=slot, head=head)
                     queued += [run_id] if run_id else []
             for slot in current:
-                _, run_id, _ = self._fire_slot(s, slot, kind, now)
+                _, run_id, _ = self._fire_slot(s, slot, kind, now, head=head)
                 queued += [run_id] if run_id else []
         return queued
+
+    def _missed_fire(self, s, late: list[datetime], now: datetime) -> None:
+        """The dead-man alert: slots that came due while the daemon was up and were not claimed
+        within MISFIRE_GRACE_S (a stalled actor or store, a clock step): one item per claim."""
+        tz = ZoneInfo(s.definition["timing"]["timezone"])
+        lateness = int((now - late[0]).total_seconds())
+        more = f" and {len(late) - 1} more" if len(late) > 1 else ""
+        self.raise_attention("missed_fire", f"Schedule '{s.name}' missed its fire at "
+                                            f"{late[0].astimezone(tz):%Y-%m-%d %H:%M %Z}{more}",
+                             f"Claimed {lateness} s late while Outpost was running (a stalled scheduler or "
+                             f"database, or a clock step); catch_up {s.definition['catch_up']['policy']} applied.",
+                             now, schedule_id=s.id, run_id=None)
 
     def fire_manual(self, schedule_id: str, revision: int, now: datetime,
                     digests: dict[str, str] | None = None) -> dict[str, Any]:
@@ -4026,6 +4141,60 @@ class RunStore(ScheduleStore):
         rows = list(query.order_by(lambda r: orm.desc(r.id))[:limit + 1])
         return {"runs": [run_view(r) for r in rows[:limit]],
                 "next": rows[limit - 1].id if len(rows) > limit else None}
+
+    def rerun(self, run_id: str, now: datetime) -> dict[str, Any]:
+        """API.md 9: a new run (trigger ``rerun``) with the same resolved commit, prompt, agent
+        profile and model, on a branch of its own: is the agent deterministic enough for this job?"""
+        r = self._run(run_id)
+        if r.status not in SETTLED_RUN_STATUSES:
+            raise Conflict(f"run {run_id} is {r.status}; re-run it once it has settled")
+        if r.resolved_commit is None:
+            raise Conflict(f"run {run_id} never resolved a commit (it failed before it started): fire again instead")
+        if r.trigger == "wakeup":
+            raise Conflict(f"run {run_id} is an Office run; wake its agent instead")
+        again = self._queue_run(schedule=r.schedule, agent=r.agent, trigger="rerun", prompt=r.prompt,
+                                repository=r.repository, workdir=r.workdir, source_ref=r.source_ref,
+                                limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
+                                        "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now)
+        again.set(resolved_commit=r.resolved_commit, rerun_of=r.id)
+        return {"run_id": again.id}
+
+    def run_facts(self, run_id: str) -> dict[str, Any]:
+        """A run as a comparison needs it: its view plus its prompt."""
+        r = self._run(run_id)
+        return {**run_view(r), "prompt": r.prompt}
+
+    def daily_runs(self, now: datetime, tz: ZoneInfo, days: int, *, schedule_id: str | None = None,
+                   office_agent_id: str | None = None) -> list[dict[str, Any]]:
+        """Runs per day by outcome (succeeded, failed, needs you, skipped) and their cost, for the
+        last ``days`` days in ``tz``, oldest first: the charts (API.md 9)."""
+        first = (now.astimezone(tz) - timedelta(days=days - 1)).date()
+        since = sql_time(datetime.combine(first, datetime.min.time(), tz))
+        where, params = "r.queued_at >= $since", {"since": since}
+        if schedule_id:
+            where, params["sid"] = where + " AND r.schedule = $sid", schedule_id
+        if office_agent_id:
+            where += ' AND r.id IN (SELECT run_id FROM "OfficeRun" WHERE agent_id = $aid)'
+            params["aid"] = office_agent_id
+        rows = self.db.select(f'SELECT r.queued_at, r.status, r.cost_usd FROM "Run" r WHERE {where}', params)
+        if office_agent_id:   # a day's skips: wakeups skipped (budget, checkout), or ledger slots skipped
+            skips = self.db.select("SELECT finished_at FROM \"Wakeup\" WHERE agent_id = $aid AND status = 'skipped' "
+                                   "AND finished_at >= $since", params)
+        else:
+            skips = self.db.select("SELECT due_at FROM \"Occurrence\" WHERE outcome LIKE 'skipped%' "
+                                   "AND due_at >= $since" + (" AND schedule = $sid" if schedule_id else ""), params)
+        chart = {first + timedelta(days=i): {"succeeded": 0, "failed": 0, "needs_you": 0, "skipped": 0, "cost": 0.0}
+                 for i in range(days)}
+        for at, status, cost in rows:
+            day = chart.get(sql_instant(at).astimezone(tz).date())
+            if day is not None:
+                if status in ("succeeded", "failed", "needs_you"):
+                    day[status] += 1
+                day["cost"] += cost or 0.0
+        for at in skips:
+            if at and (day := chart.get(sql_instant(at).astimezone(tz).date())) is not None:
+                day["skipped"] += 1
+        return [{"day": day.isoformat(), **counts} for day, counts in chart.items()]
 
     def adopt_run(self, run_id: str, workspace: str, now: datetime) -> dict[str, Any]:
         r = self._run(run_id)
@@ -5909,6 +6078,48 @@ def read_log(path: Path, offset: int = 0) -> tuple[str, int]:
     return data.decode(errors="replace"), offset + len(data)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileDiff:
+    """One file of a unified diff: its path, lines added and removed, and the diff text."""
+    path: str
+    added: int
+    removed: int
+    text: str
+
+
+async def branch_diff(repository: str, base: str, branch: str) -> tuple[list[FileDiff], bool]:
+    """The unified diff from ``base`` to ``branch``, file by file, capped at MAX_DIFF_BYTES
+    (True when cut). Empty when the repository or a ref is gone."""
+    if not Path(repository).is_dir():
+        return [], False
+    text = await git(repository, "diff", "--no-color", "--no-ext-diff", "--end-of-options", base, branch,
+                     check=False)
+    cut = len(text.encode()) > MAX_DIFF_BYTES
+    text = text.encode()[:MAX_DIFF_BYTES].decode(errors="ignore")
+    files = []
+    for part in re.split(r"^(?=diff --git )", text, flags=re.MULTILINE):
+        if not part.startswith("diff --git "):
+            continue
+        m = re.match(r"diff --git a/(.*?) b/(.*)$", part.splitlines()[0])
+        lines = part.splitlines()
+        files.append(FileDiff(m[2] if m else lines[0][11:], sum(1 for ln in lines if ln.startswith("+")
+                                                               and not ln.startswith("+++")),
+                              sum(1 for ln in lines if ln.startswith("-") and not ln.startswith("---")), part))
+    return files, cut
+
+
+async def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """API.md 9: whether two runs started alike, and the diff between their result branches."""
+    files, cut = await branch_diff(a["repository"], a["result_branch"], b["result_branch"])
+    stat = await git(a["repository"], "diff", "--stat", "--end-of-options", a["result_branch"], b["result_branch"],
+                     check=False) if Path(a["repository"]).is_dir() else ""
+    return {"a": a["id"], "b": b["id"], "same_commit": a["resolved_commit"] == b["resolved_commit"],
+            "same_prompt": a["prompt"] == b["prompt"],
+            "same_profile": (a["agent"], a["model"]) == (b["agent"], b["model"]),
+            "diff_stat": stat, "diff": "".join(f.text for f in files), "diff_cut": cut,
+            "files": [{"path": f.path, "added": f.added, "removed": f.removed} for f in files]}
+
+
 async def changes_summary(repository: str, base: str, branch: str) -> str:
     """``git log --stat`` of what a run added to its result branch (capped)."""
     if not Path(repository).is_dir():
@@ -6054,6 +6265,16 @@ class Actor(enum.StrEnum):
     CLAIM = "claim"   # runs or wakeups may be ready, or a slot was freed
 
 
+@dataclasses.dataclass
+class CronWatch:
+    """The dead-man's view of the cron actor: the earliest due instant it has not claimed yet.
+    A measurement for /healthz (the claims themselves are the store's)."""
+    waiting_for: datetime | None = None
+
+    def lag_s(self, now: datetime) -> float:
+        return max(0.0, (now - self.waiting_for).total_seconds()) if self.waiting_for else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Deps:
     """What the actors and the web share, fixed once built: config, clock, store access, and
@@ -6076,6 +6297,7 @@ class Deps:
     live: LiveRuns = dataclasses.field(default_factory=LiveRuns)
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
+    cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
 
     @functools.cached_property
     def run_token_key(self) -> bytes:
@@ -6159,16 +6381,29 @@ async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
         await resolve_and_admit(deps, [fired["run_id"]])
 
 
+async def unchanged_heads(deps: Deps, now: datetime) -> dict[str, str]:
+    """skip_if_unchanged: the commit each due schedule's source_ref names now (git, before the
+    claim's transaction). A ref that does not resolve is left out: that fire runs and says why."""
+    heads = {}
+    for schedule_id, repository, ref in await deps.transaction_retrying(deps.store.unchanged_checks, now):
+        with contextlib.suppress(LaunchError):
+            heads[schedule_id] = await resolve_ref(repository, ref)
+    return heads
+
+
 async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     """In: nudges (a schedule or routine changed). Out: queued runs and routine wakeups,
     announced to the claim actor. One timing engine for both: sleeps until the earliest
     next fire of a schedule or a routine's schedule trigger (no polling tick), then claims
     every due slot of each kind in one transaction. Ends when cancelled. Errors: a store error ends the process."""
     clog = log.getChild("cron")
+    up_since = deps.clock.now()   # a slot due before this was missed in downtime: catch_up, no alarm
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
             now = deps.clock.now()
-            queued = await deps.transaction_retrying(deps.store.claim_due, now, digests=deps.profile_digests)
+            heads = await unchanged_heads(deps, now)
+            queued = await deps.transaction_retrying(deps.store.claim_due, now, digests=deps.profile_digests,
+                                                     heads=heads, up_since=up_since)
             if queued:
                 clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
                 resolving.start_soon(resolve_and_admit, deps, queued)
@@ -6182,6 +6417,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                 clog.info("fired %d routine tick(s)", fired)
                 deps.nudge(Actor.CLAIM)   # their wakeups wait for the dispatcher
             upcoming = await deps.transaction_retrying(deps.store.next_fire_at)
+            deps.cron_watch.waiting_for = upcoming
             wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
@@ -6529,7 +6765,7 @@ def definition_from_form(form: dict[str, str]) -> dict[str, Any]:
         "limits": {"timeout_seconds": number("timeout_seconds", "3600"), "model": form.get("model") or None},
         "notify": form.get("notify", "attention"),
         "concurrency_policy": form.get("concurrency_policy", "skip_if_active"),
-        "catch_up": catch_up}
+        "catch_up": catch_up, "skip_if_unchanged": form.get("skip_if_unchanged") == "yes"}
 
 
 def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
@@ -6539,7 +6775,8 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
                                     "concurrency_policy")}
     form |= {"timing_kind": t["kind"], "timezone": t["timezone"], "expression": t.get("expression", ""),
              "timeout_seconds": str(d["limits"]["timeout_seconds"]), "model": d["limits"]["model"] or "",
-             "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1))}
+             "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1)),
+             "skip_if_unchanged": "yes" if d.get("skip_if_unchanged") else ""}
     if t["kind"] == "interval":
         unit = next(u for u, n in reversed(INTERVAL_UNITS.items()) if t["seconds"] % n == 0)
         form |= {"interval_amount": str(t["seconds"] // INTERVAL_UNITS[unit]), "interval_unit": unit}
@@ -6569,6 +6806,9 @@ DONE_NOTICES = {
     "fired_coalesced": "Merged into the routine's active run (coalesce_if_active).",
     "adopted": "Run adopted: you can reply to it.", "replied": "Reply sent: this run continues the answered one.",
     "resumed": "Profile resumed: its queued runs may start.",
+    "rerun": "Re-run queued: same commit, prompt, profile and model.",
+    "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
+    "dismiss_catch_up": "Catch-up dismissed: the missed occurrences are recorded as skipped.",
 }
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
 CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
@@ -7017,6 +7257,55 @@ async def security_headers(response):
     return response
 
 
+#: The outcomes a chart stacks, bottom to top, with their words.
+CHART_OUTCOMES = (("succeeded", "succeeded"), ("failed", "failed"), ("needs_you", "needs you"),
+                  ("skipped", "skipped"))
+
+
+def _svg_text(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
+    """Runs per day by outcome (stacked bars) and cost per day (a second row when any run cost
+    something), as inline SVG: classes for colours (the stylesheet's, light and dark), a
+    <title> per bar for readers and tooltips, no script."""
+    width, bar_h, gap = 24 * len(days), 110, 4
+    peak = max((sum(d[k] for k, _ in CHART_OUTCOMES) for d in days), default=0) or 1
+    costs = [d["cost"] for d in days]
+    cost_peak = max(costs, default=0.0)
+    height = bar_h + (70 if cost_peak else 0) + 24
+    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="{_svg_text(title)}"><title>{_svg_text(title)}</title>']
+    for i, d in enumerate(days):
+        x, y = i * 24 + gap // 2, bar_h
+        words = ", ".join(f"{d[k]} {w}" for k, w in CHART_OUTCOMES if d[k]) or "no runs"
+        cost = f", ${d['cost']:,.2f}" if d["cost"] else ""
+        parts.append(f'<g class="day" data-day="{d["day"]}"><title>{d["day"]}: {words}{cost}</title>')
+        for key, _ in CHART_OUTCOMES:
+            if d[key]:
+                h = max(2, round(d[key] / peak * (bar_h - 10)))
+                y -= h
+                parts.append(f'<rect class="bar bar-{key}" data-count="{d[key]}" x="{x}" y="{y}" width="{24 - gap}" '
+                             f'height="{h}"/>')
+        if cost_peak:
+            h = max(1, round(d["cost"] / cost_peak * 56)) if d["cost"] else 0
+            parts.append(f'<rect class="bar bar-cost" x="{x}" y="{bar_h + 64 - h}" width="{24 - gap}" height="{h}"/>')
+        parts.append("</g>")
+    label_y = height - 6
+    parts.append(f'<text class="axis" x="0" y="{label_y}">{days[0]["day"][5:]}</text>'
+                 f'<text class="axis" x="{width}" y="{label_y}" text-anchor="end">{days[-1]["day"][5:]}</text>')
+    if cost_peak:
+        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak ${cost_peak:,.2f})</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str:
+    days = await web.call(web.store.daily_runs, web.now, ZoneInfo(tz), CHART_DAYS, **scope)
+    return runs_chart_svg(days, title)
+
+
 #: Filters the templates use.
 TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
@@ -7061,13 +7350,15 @@ async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, 
 
 
 async def control_schedule(web: Web, schedule_id: str, revision: int, action: Any) -> dict[str, Any]:
-    """enable | pause | resume | archive (the schedule's view) or fire (the occurrence)."""
+    """enable | pause | resume | archive | approve_catch_up | dismiss_catch_up (the schedule's
+    view) or fire (the occurrence)."""
     if action == "fire":
         return await fire_schedule(web, schedule_id, revision)
-    if action not in ("enable", "pause", "resume", "archive"):
-        raise invalid("action", "must be enable, pause, resume, fire or archive")
+    if action not in SCHEDULE_ACTIONS:
+        raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
     view = await web.commit(web.store.control_schedule, schedule_id, revision, action, web.now)
     web.deps.nudge(Actor.CRON)
+    web.deps.nudge(Actor.CLAIM)   # an approved catch-up queued a run
     return view
 
 
@@ -7191,8 +7482,14 @@ async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, A
 
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
-    # Answered by the event loop alone: it stays up while another process locks the database.
-    return {"ok": True, "live_runs": len(web.deps.live)}
+    """Answered by the event loop alone (it stays up while another process locks the database):
+    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire (API.md 9)."""
+    from quart import jsonify
+    lag = round(web.deps.cron_watch.lag_s(web.now), 1)
+    ok = lag <= MISFIRE_GRACE_S
+    body = {"status": "ok" if ok else "cron_lagging", "ok": ok, "cron_lag_seconds": lag,
+            "live_runs": len(web.deps.live)}
+    return body if ok else (jsonify(body), 503)
 
 
 def _text_field(raw: dict[str, Any], key: str, hi: int) -> str:
@@ -7306,6 +7603,31 @@ async def api_run_log(web: Web, run_id: str):
 @api.post("/v1/outpost/runs/<run_id>/adopt", auth=Auth.TOKEN, idempotent=True)
 async def api_adopt_run(web: Web, run_id: str):
     return await adopt_run(web, run_id, (await web.body()).get("workspace"))
+
+
+@api.post("/v1/outpost/runs/<run_id>/rerun", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
+async def api_rerun(web: Web, run_id: str):
+    return await web.commit(web.store.rerun, run_id, web.now)
+
+
+@api.get("/v1/outpost/runs/<run_id>/compare/<other_id>", auth=Auth.TOKEN)
+async def api_compare(web: Web, run_id: str, other_id: str):
+    a, b = await web.call(web.store.run_facts, run_id), await web.call(web.store.run_facts, other_id)
+    return await compare_runs(a, b)
+
+
+@api.get("/v1/outpost/charts/runs.svg", auth=Auth.TOKEN)
+async def api_runs_chart(web: Web):
+    """Runs per day by outcome and cost per day, last 30 days: of a schedule, an Office agent, or all."""
+    scope = {}
+    if schedule_id := web.args.get("schedule_id"):
+        await web.call(web.store.get_schedule, schedule_id)   # 404 for an unknown one
+        scope["schedule_id"] = schedule_id
+    if agent_id := web.args.get("agent_id"):
+        await web.call(web.store.get_agent, agent_id)
+        scope["office_agent_id"] = agent_id
+    svg = await runs_chart(web, "Runs per day, last 30 days", web.args.get("tz", "UTC"), **scope)
+    return svg, 200, {"Content-Type": "image/svg+xml; charset=utf-8", "Cache-Control": "no-store"}
 
 
 @api.post("/v1/outpost/runs/<run_id>/reply", auth=Auth.TOKEN, idempotent=True, status=202)
@@ -7854,8 +8176,10 @@ async def page_schedule(web: Web, schedule_id: str):
         return (web.store.get_schedule(schedule_id), web.store.occurrences(schedule_id, 50),
                 web.store.list_runs(schedule_id, None, 20, None)["runs"], web.store.inspect(schedule_id))
     schedule, ledger, runs, report = await web.call(data)
+    tz = schedule["timing"]["timezone"]
+    chart = await runs_chart(web, f"Runs of {schedule['name']} per day, last 30 days", tz, schedule_id=schedule_id)
     return await web.page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
-                          runs=runs, checks=report["checks"], tz=schedule["timing"]["timezone"])
+                          runs=runs, checks=report["checks"], tz=tz, chart=chart)
 
 
 @pages.get("/schedules/<schedule_id>/edit", auth=Auth.SESSION)
@@ -7918,9 +8242,11 @@ async def page_runs(web: Web):
     schedule_id = web.args.get("schedule_id") or None
     status = web.choice_arg("status", RunStatus)
     page = await web.call(web.store.list_runs, schedule_id, status, 50, web.args.get("before") or None)
+    chart = await runs_chart(web, "Runs per day, last 30 days (UTC)", "UTC",
+                             **({"schedule_id": schedule_id} if schedule_id else {}))
     return await web.page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
                           schedules=await web.call(web.store.schedule_zones), schedule_id=schedule_id,
-                          status=status, statuses=[s.value for s in RunStatus])
+                          status=status, statuses=[s.value for s in RunStatus], chart=chart)
 
 
 @pages.get("/runs/<run_id>", auth=Auth.SESSION)
@@ -7928,11 +8254,34 @@ async def page_run(web: Web, run_id: str):
     run = await web.call(web.store.get_run, run_id)
     name, tz = (await web.call(web.store.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
     log_text, log_size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id))
-    changes = ""
+    changes, files, cut = "", [], False
     if run["changes"]["commits"] and run["resolved_commit"]:
         changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
+        files, cut = await branch_diff(run["repository"], run["resolved_commit"], run["result_branch"])
     return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
-                          schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes)
+                          schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes,
+                          files=files, diff_cut=cut)
+
+
+@pages.post("/runs/<run_id>/rerun", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
+async def page_run_rerun(web: Web, run_id: str):
+    from quart import redirect
+    again = await web.commit(web.store.rerun, run_id, web.now)
+    return redirect(f"/runs/{again['run_id']}?done=rerun")
+
+
+@pages.get("/runs/<run_id>/compare", auth=Auth.SESSION)
+async def page_compare(web: Web, run_id: str):
+    a = await web.call(web.store.run_facts, run_id)
+    other = web.args.get("with") or a["rerun_of"] or ""
+    candidates = [r for r in (await web.call(web.store.list_runs, a["schedule_id"], None, 20, None))["runs"]
+                  if r["id"] != run_id] if a["schedule_id"] else []
+    b = await web.call(web.store.run_facts, other) if other else None
+    report = await compare_runs(a, b) if b else None
+    files = (await branch_diff(a["repository"], a["result_branch"], b["result_branch"]))[0] if b else []
+    name, tz = (await web.call(web.store.schedule_zones)).get(a["schedule_id"], ("dispatch", "UTC"))
+    return await web.page("compare.html", section="runs", a=a, b=b, report=report, files=files,
+                          candidates=candidates, schedule_name=name, tz=tz)
 
 
 @pages.post("/runs/<run_id>/adopt", auth=Auth.SESSION)
@@ -8123,9 +8472,10 @@ async def page_office_agent(web: Web, agent_id: str, form: dict[str, str] | None
                 web.store.list_wakeups(None, agent_id, None, None, 30), web.store.summary_of(agent_id),
                 web.store.list_tasks(None, agent_id), web.store.scheduled_wakeups(agent_id))
     agent, runs, wakeups, summaries, tasks, scheduled = await web.call(data)
+    chart = await runs_chart(web, f"Runs of {agent['name']} per day, last 30 days (UTC)", office_agent_id=agent_id)
     return await office_page(web, "office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
                              wakeups=wakeups, hide_agent=True, summaries=summaries, tasks=tasks,
-                             scheduled_wakeups=scheduled, form=form or agent, errors=errors or {})
+                             scheduled_wakeups=scheduled, form=form or agent, errors=errors or {}, chart=chart)
 
 
 @pages.post("/office/agents/<agent_id>", auth=Auth.SESSION)

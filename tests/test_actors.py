@@ -249,9 +249,9 @@ class CountingStore(outpost.Store):
 
     claims = 0
 
-    def claim_due(self, now, grace_s=outpost.MISFIRE_GRACE_S, digests=None):
+    def claim_due(self, now, grace_s=outpost.MISFIRE_GRACE_S, **kw):
         self.claims += 1
-        return super().claim_due(now, grace_s, digests)
+        return super().claim_due(now, grace_s, **kw)
 
 
 async def test_cron_idle_actor_does_not_poll(autojump_clock, tmp_path, git_repo):
