@@ -137,6 +137,8 @@ MISFIRE_GRACE_S = 60.0
 CRON_MAX_SLEEP_S = 300.0
 #: How long an actor waits before retrying a store that was locked or full.
 STORE_RETRY_S = 2.0
+#: How long one database statement waits for another process's write lock.
+BUSY_TIMEOUT_MS = 5000
 #: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
 CLEANUP_S = 10.0
 #: The notification actor looks for settled runs it was not told about this often.
@@ -3322,7 +3324,7 @@ class StoreBase:
             cur = connection.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
-            cur.execute("PRAGMA busy_timeout=5000")
+            cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             cur.execute("PRAGMA foreign_keys=ON")
 
         fresh = not Path(path).exists() if str(path) != ":memory:" else True
@@ -6330,11 +6332,16 @@ class Deps:
 
     async def transaction_retrying(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call an actor must make: waits out a locked or full database."""
+        return await self.until_stored(lambda: self.transaction(fn, *args, **kwargs), fn.__name__)
+
+    async def until_stored(self, attempt: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """``attempt()`` again and again while the database is locked or full. Each attempt is
+        built anew, so one that reads the clock reads it when it runs, not when the stall began."""
         while True:
             try:
-                return await self.transaction(fn, *args, **kwargs)
+                return await attempt()
             except StoreUnavailable as exc:
-                log.warning("%s: %s; retrying in %.0f s", fn.__name__, exc.detail, STORE_RETRY_S)
+                log.warning("%s: %s; retrying in %.0f s", what, exc.detail, STORE_RETRY_S)
                 await trio.sleep(STORE_RETRY_S)
 
     def log_path(self, run_id: str) -> Path:
@@ -6400,18 +6407,20 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     up_since = deps.clock.now()   # a slot due before this was missed in downtime: catch_up, no alarm
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
-            now = deps.clock.now()
-            heads = await unchanged_heads(deps, now)
-            queued = await deps.transaction_retrying(deps.store.claim_due, now, digests=deps.profile_digests,
-                                                     heads=heads, up_since=up_since)
+            heads = await unchanged_heads(deps, deps.clock.now())
+            # now is read when the claim runs: after a stall its slots are late, and the dead-man says so
+            queued = await deps.until_stored(lambda heads=heads: deps.transaction(
+                deps.store.claim_due, deps.clock.now(), digests=deps.profile_digests, heads=heads,
+                up_since=up_since), "claim_due")
             if queued:
                 clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
                 resolving.start_soon(resolve_and_admit, deps, queued)
             try:
-                fired = await deps.transaction_retrying(deps.store.claim_due_routines, now)
+                fired = await deps.until_stored(lambda: deps.transaction(deps.store.claim_due_routines,
+                                                                         deps.clock.now()), "claim_due_routines")
             except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
                 clog.exception("claiming routine ticks failed; skipping the due ticks")
-                fired = await deps.transaction_retrying(deps.store.skip_due_routines, now,
+                fired = await deps.transaction_retrying(deps.store.skip_due_routines, deps.clock.now(),
                                                         f"{type(exc).__name__}: {exc}"[:300])
             if fired:
                 clog.info("fired %d routine tick(s)", fired)

@@ -1,0 +1,278 @@
+"""Beyond the seeds (API.md 9): skip when nothing changed, ask before catching up, the
+dead-man alert and /healthz, re-run and compare, the charts."""
+from __future__ import annotations
+
+import re
+import sqlite3
+from datetime import timedelta
+
+import pytest
+import trio
+from conftest import T0, Api, call, git, make_deps, normalized, only, settle, until
+
+import outpost
+
+MIN = timedelta(minutes=1)
+EVERY_10_MIN = {"kind": "interval", "seconds": 600, "timezone": "UTC"}
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = outpost.Store(tmp_path / "beyond.sqlite3")
+    yield store
+    store.close()
+
+
+def ledger(store, schedule_id: str) -> list[str]:
+    """The slot ledger's outcomes, oldest first."""
+    return [o["outcome"] for o in reversed(call(store, store.occurrences, schedule_id, 100))]
+
+
+###############################################################################
+# skip_if_unchanged
+###############################################################################
+
+def test_an_unchanged_commit_skips_the_fire_and_a_new_one_admits_it(store, git_repo):
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    head = git(git_repo, "rev-parse", "HEAD")
+    (first,) = call(store, store.claim_due, T0 + 10 * MIN, heads={sched["id"]: head})
+    call(store, store.set_resolved_commit, first, head)
+    settle(store, first, "succeeded", T0 + 11 * MIN)
+    assert call(store, store.claim_due, T0 + 20 * MIN, heads={sched["id"]: head}) == []
+    (again,) = call(store, store.claim_due, T0 + 30 * MIN, heads={sched["id"]: "0" * 40})   # a new commit
+    assert ledger(store, sched["id"]) == ["admitted", "skipped_unchanged", "admitted"]
+    assert again != first
+    # A manual fire ignores the flag.
+    settle(store, again, "succeeded", T0 + 31 * MIN)
+    fired = call(store, store.fire_manual, sched["id"], 1, T0 + 32 * MIN)
+    assert fired["outcome"] == "admitted"
+
+
+def test_only_a_success_counts_as_the_last_commit(store, git_repo):
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    head = git(git_repo, "rev-parse", "HEAD")
+    (first,) = call(store, store.claim_due, T0 + 10 * MIN, heads={sched["id"]: head})
+    call(store, store.set_resolved_commit, first, head)
+    settle(store, first, "failed", T0 + 11 * MIN, error="boom")
+    assert len(call(store, store.claim_due, T0 + 20 * MIN, heads={sched["id"]: head})) == 1
+
+
+async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path, git_repo):
+    """What the cron actor does before each claim: git resolves the source_ref of every due
+    schedule that skips when unchanged (and only of those), outside the claim's transaction."""
+    store = outpost.Store(tmp_path / "cron.sqlite3")
+    deps = make_deps(tmp_path, store=store, token="t", inline_db=True)
+    sched = call(store, store.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
+                                                          skip_if_unchanged=True), T0)
+    call(store, store.create_schedule, normalized(git_repo, name="always", timing=EVERY_10_MIN), T0)
+    head = git(git_repo, "rev-parse", "HEAD")
+    assert await outpost.unchanged_heads(deps, T0 + 5 * MIN) == {}, "nothing is due yet"
+    assert await outpost.unchanged_heads(deps, T0 + 10 * MIN) == {sched["id"]: head}
+    broken = call(store, store.create_schedule, normalized(git_repo, name="gone", timing=EVERY_10_MIN,
+                                                           skip_if_unchanged=True, source_ref="main"), T0)
+    git(git_repo, "branch", "-m", "main", "renamed")
+    heads = await outpost.unchanged_heads(deps, T0 + 10 * MIN)
+    assert broken["id"] not in heads, "a ref that no longer resolves is left to the run, which says why"
+    store.close()
+
+
+###############################################################################
+# catch_up ask
+###############################################################################
+
+def asking_schedule(store, git_repo) -> dict:
+    return call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, catch_up={"policy": "ask"}),
+                T0)
+
+
+def test_missed_slots_under_ask_wait_for_a_human_then_approve_runs_one_catch_up(store, git_repo):
+    sched = asking_schedule(store, git_repo)
+    # The daemon was down for an hour: six slots were missed; nothing runs.
+    assert call(store, store.claim_due, T0 + 65 * MIN) == []
+    s = call(store, store.get_schedule, sched["id"])
+    assert s["pending_catch_up"] == {"missed_count": 6, "first_missed_at": "2026-11-30T08:10:00Z",
+                                     "last_missed_at": "2026-11-30T09:00:00Z"}
+    assert ledger(store, sched["id"]) == ["pending_catch_up"] * 6
+    item = only([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"])
+    assert "missed 6 occurrences" in item["title"]
+    approved = call(store, store.control_schedule, sched["id"], 1, "approve_catch_up", T0 + 61 * MIN)
+    assert approved["pending_catch_up"] is None and approved["revision"] == 2
+    (run,) = call(store, store.list_runs, sched["id"], None, 10, None)["runs"]
+    assert (run["trigger"], run["missed_count"], run["status"]) == ("catch_up", 6, "queued")
+    assert ledger(store, sched["id"]) == ["folded"] * 5 + ["admitted"]
+    assert call(store, store.list_attention, True) == [], "the decision closes the plan's item"
+    with pytest.raises(outpost.Conflict):
+        call(store, store.control_schedule, sched["id"], 2, "approve_catch_up", T0 + 62 * MIN)
+
+
+def test_dismissing_a_catch_up_records_the_slots_as_skipped(store, git_repo):
+    sched = asking_schedule(store, git_repo)
+    call(store, store.claim_due, T0 + 35 * MIN)
+    call(store, store.claim_due, T0 + 55 * MIN)   # more missed slots join the same plan: one item
+    assert call(store, store.get_schedule, sched["id"])["pending_catch_up"]["missed_count"] == 5
+    assert len([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"]) == 1
+    call(store, store.control_schedule, sched["id"], 1, "dismiss_catch_up", T0 + 56 * MIN)
+    assert ledger(store, sched["id"]) == ["skipped_missed"] * 5
+    assert call(store, store.list_runs, sched["id"], None, 10, None)["runs"] == []
+    # A slot on time fires as usual.
+    assert len(call(store, store.claim_due, T0 + 60 * MIN)) == 1
+
+
+async def test_approve_and_dismiss_are_controls_of_the_api(tmp_path, git_repo):
+    api = Api(make_deps(tmp_path), git_repo)
+    created = await api.schedule(timing=EVERY_10_MIN, catch_up={"policy": "ask"})
+    call(api.store, api.store.claim_due, T0 + 45 * MIN)
+    reply = await api.control(created["id"], "approve_catch_up", 1)
+    assert reply.status == 200 and reply.body["pending_catch_up"] is None
+    reply = await api.control(created["id"], "dismiss_catch_up", 2)
+    assert reply.status == 409 and reply.body["code"] == "conflict"
+
+
+###############################################################################
+# The dead-man alert and /healthz
+###############################################################################
+
+class SteppedClock(outpost.TrioClock):
+    """Trio time plus steps of the wall clock (an NTP correction, a suspend)."""
+
+    def __init__(self, origin):
+        super().__init__(origin)
+        self.offset = timedelta()
+
+    def now(self):
+        return super().now() + self.offset
+
+
+async def healthz(deps) -> tuple[int, dict]:
+    response = await outpost.create_app(deps).test_client().get("/healthz")
+    return response.status_code, await response.get_json()
+
+
+async def test_a_stalled_store_raises_one_missed_fire_and_healthz_says_503_until_it_recovers(
+        autojump_clock, tmp_path, git_repo, monkeypatch):
+    monkeypatch.setattr(outpost, "BUSY_TIMEOUT_MS", 50)   # a locked attempt costs 50 ms here, not 5 s
+    path = tmp_path / "stalled.sqlite3"
+    store = outpost.Store(path)
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True)
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)
+    outside = sqlite3.connect(path, isolation_level=None)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(9 * 60)
+            assert (await healthz(deps))[0] == 200
+            outside.execute("BEGIN IMMEDIATE")   # another process holds the write lock
+            await trio.sleep(2 * 60 + 30)        # the 08:10 slot is 90 s overdue
+            status, body = await healthz(deps)
+            assert status == 503 and body["status"] == "cron_lagging" and body["cron_lag_seconds"] > 60
+            outside.execute("ROLLBACK")
+            await until(lambda: call(store, store.occurrences, sched["id"], 10), poll_s=1)
+            await trio.sleep(1)
+            assert (await healthz(deps))[0] == 200
+            nursery.cancel_scope.cancel()
+    outside.close()
+    item = only([a for a in call(store, store.list_attention, True) if a["kind"] == "missed_fire"])
+    assert item["schedule_id"] == sched["id"] and "08:10" in item["title"] and "late" in item["detail"]
+    store.close()
+
+
+async def test_a_clock_step_raises_a_missed_fire_but_downtime_does_not(autojump_clock, tmp_path, git_repo):
+    store = outpost.Store(tmp_path / "step.sqlite3")
+    clock = SteppedClock(T0)
+    deps = make_deps(tmp_path, store=store, clock=clock, token="t", inline_db=True)
+    down = call(store, store.create_schedule, normalized(git_repo, name="down", timing=EVERY_10_MIN), T0 - 60 * MIN)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(60)   # the first pass caught up the downtime's slots: no alarm
+            assert [a["kind"] for a in call(store, store.list_attention, True)] == []
+            stepped = call(store, store.create_schedule, normalized(git_repo, name="stepped", timing=EVERY_10_MIN),
+                           clock.now())
+            deps.cron_wake.poke()
+            await trio.sleep(1)
+            clock.offset = timedelta(hours=1)     # the wall clock jumps an hour ahead
+            status, body = await healthz(deps)
+            assert status == 503 and body["cron_lag_seconds"] > 60
+            await trio.sleep(outpost.CRON_MAX_SLEEP_S)   # the actor wakes and claims
+            assert (await healthz(deps))[0] == 200
+            nursery.cancel_scope.cancel()
+    items = [a for a in call(store, store.list_attention, True) if a["kind"] == "missed_fire"]
+    assert {a["schedule_id"] for a in items} == {stepped["id"], down["id"]}
+    assert len(items) == 2, "one item per schedule and claim"
+    store.close()
+
+
+###############################################################################
+# Re-run and compare
+###############################################################################
+
+async def run_to_end(deps, run_id: str) -> dict:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+        deps.claim_wake.poke()
+        view = await until(lambda: (r := call(deps.store, deps.store.get_run, run_id))["status"]
+                           in ("succeeded", "failed") and r)
+        nursery.cancel_scope.cancel()
+    return view
+
+
+async def test_a_rerun_repeats_commit_prompt_and_profile_and_compare_shows_the_diff(autojump_clock, tmp_path,
+                                                                                  git_repo):
+    store = outpost.Store(tmp_path / "rerun.sqlite3")
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), inline_db=True)
+    api = Api(deps, git_repo)
+    first = (await api.post("/v1/outpost/dispatches", {"brief": "@commit notes.txt hello", "repository": str(git_repo),
+                                                        "agent": "demo"})).body["run_id"]
+    one = await run_to_end(deps, first)
+    git(git_repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "moved on")
+    reply = await api.post(f"/v1/outpost/runs/{first}/rerun", {})
+    assert reply.status == 202
+    two = await run_to_end(deps, reply.body["run_id"])
+    assert (two["trigger"], two["rerun_of"], two["status"]) == ("rerun", first, "succeeded")
+    assert two["resolved_commit"] == one["resolved_commit"] != git(git_repo, "rev-parse", "HEAD")
+    assert two["result_branch"] != one["result_branch"]
+    # The second run turned out differently: one more file on its branch.
+    worktree = tmp_path / "wt"
+    git(git_repo, "worktree", "add", "-q", str(worktree), two["result_branch"])
+    (worktree / "extra.txt").write_text("only in the re-run\n")
+    git(worktree, "add", "extra.txt")
+    git(worktree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "extra")
+    compared = (await api.get(f"/v1/outpost/runs/{first}/compare/{two['id']}")).body
+    assert (compared["a"], compared["b"]) == (first, two["id"])
+    assert (compared["same_commit"], compared["same_prompt"], compared["same_profile"]) == (True, True, True)
+    assert "extra.txt" in compared["diff_stat"] and "+only in the re-run" in compared["diff"]
+    assert [f["path"] for f in compared["files"]] == ["extra.txt"]
+    assert (await api.post(f"/v1/outpost/runs/{first}/rerun", {})).status == 202
+    store.close()
+
+
+async def test_a_run_still_active_is_not_rerun_and_unknown_runs_are_404(tmp_path, git_repo):
+    api = Api(make_deps(tmp_path), git_repo)
+    run_id = (await api.post("/v1/outpost/dispatches", {"brief": "x", "repository": str(git_repo),
+                                                         "agent": "demo"})).body["run_id"]
+    assert (await api.post(f"/v1/outpost/runs/{run_id}/rerun", {})).status == 409
+    assert (await api.get(f"/v1/outpost/runs/{run_id}/compare/out_nope")).status == 404
+
+
+###############################################################################
+# Charts
+###############################################################################
+
+async def test_the_chart_holds_one_bar_per_day_with_the_right_counts(tmp_path, git_repo):
+    api = Api(make_deps(tmp_path), git_repo)
+    sched = await api.schedule(timing=EVERY_10_MIN)
+    store = api.store
+    for minutes, status in ((5, "succeeded"), (6, "succeeded"), (7, "failed")):
+        fired = call(store, store.fire_manual, sched["id"], 1, T0 - timedelta(days=2) + minutes * MIN)
+        settle(store, fired["run_id"], status, T0 - timedelta(days=2) + (minutes + 1) * MIN,
+               **({"error": "boom"} if status == "failed" else {}))
+    reply = await api.get(f"/v1/outpost/charts/runs.svg?schedule_id={sched['id']}")
+    assert reply.status == 200 and reply.headers["Content-Type"].startswith("image/svg+xml")
+    svg = reply.text
+    days = re.findall(r'<g class="day" data-day="([0-9-]+)">', svg)
+    assert len(days) == outpost.CHART_DAYS and days[-1] == "2026-11-30" and days[-3] == "2026-11-28"
+    day = svg.split('data-day="2026-11-28"')[1].split("</g>")[0]
+    assert 'bar-succeeded" data-count="2"' in day and 'bar-failed" data-count="1"' in day
+    assert "<title>2026-11-28: 2 succeeded, 1 failed</title>" in day
+    assert "<script" not in svg
+    assert (await api.get("/v1/outpost/charts/runs.svg?schedule_id=sch_nope")).status == 404
