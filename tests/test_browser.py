@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from conftest import Server, git, make_repo
+
+import outpost
 
 CHROMIUM = os.environ.get("OUTPOST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -427,3 +430,96 @@ def test_the_agents_page_shows_a_paused_profile_and_resumes_it(browser, repo, tm
 def wait_until(predicate, timeout_s: float = 30):
     from conftest import wait_for
     return wait_for(predicate, timeout_s)
+
+
+def api_client(server: Server):
+    import httpx
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}, timeout=30)
+
+
+def keyed() -> dict:
+    import uuid
+    return {"Idempotency-Key": uuid.uuid4().hex}
+
+
+def settled(api, run_id: str) -> dict:
+    from conftest import wait_for
+    return wait_for(lambda: (r := api.get(f"/v1/outpost/runs/{run_id}").json())["status"]
+                    in ("succeeded", "failed", "needs_you") and r, 30)
+
+
+def test_chart_diff_and_compare_of_two_runs(page, server, repo):
+    with api_client(server) as api:
+        raw = {"name": "notes-twice", "brief": "@commit notes.txt written at {{datetime}}", "repository": str(repo),
+               "agent": "demo", "timing": {"kind": "cron", "expression": "0 3 * * *", "timezone": "Europe/Berlin"}}
+        composed = api.post("/v1/outpost/schedules/compose", json=raw).json()
+        sched = api.post("/v1/outpost/schedules", json={"definition": composed["definition"],
+                                                         "confirmation": composed["confirmation"]},
+                         headers=keyed()).json()
+        runs = []
+        for revision in (1, 1):
+            fired = api.post(f"/v1/outpost/schedules/{sched['id']}/control", json={"action": "fire"},
+                             headers={**keyed(), "If-Match": f'"{revision}"'}).json()
+            runs.append(settled(api, fired["run_id"]))
+    first, second = runs
+    assert first["status"] == second["status"] == "succeeded"
+    sign_in(page, server)
+    page.goto(f"{server.url}/schedules/{sched['id']}")
+    chart = page.locator("#schedule-chart svg.chart")
+    assert chart.get_attribute("role") == "img"
+    assert page.locator("#schedule-chart g.day").count() == 30
+    assert "2 succeeded" in page.locator("#schedule-chart g.day").last.inner_html()
+    shot(page, "schedule-chart")
+    page.goto(f"{server.url}/runs/{first['id']}")
+    assert "notes.txt" in page.inner_text("#run-diff summary")
+    assert "+written at" in page.inner_text("#run-diff pre.diff")
+    shot(page, "run-diff")
+    page.click("#compare-link")
+    page.select_option("select[name=with]", second["id"])
+    page.click("#compare-form button[type=submit]")
+    assert "✗ same prompt" in page.inner_text("#compare-verdict")
+    assert "✓ same agent profile" in page.inner_text("#compare-verdict")
+    assert "notes.txt" in page.inner_text("#compare-diff")
+    shot(page, "compare")
+    page.goto(f"{server.url}/runs/{second['id']}")
+    page.click("#rerun-button")
+    assert "Re-run queued" in page.inner_text("#flash")
+    assert second["id"] in page.inner_text("main")
+
+
+def test_a_catch_up_plan_is_approved_from_the_dashboard(browser, repo, tmp_path_factory):
+    import sqlite3
+    data = tmp_path_factory.mktemp("catch-up") / "data"
+    server = Server(data).start()
+    try:
+        with api_client(server) as api:
+            raw = {"name": "hourly-ask", "brief": "@print caught up", "repository": str(repo), "agent": "demo",
+                   "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"},
+                   "catch_up": {"policy": "ask"}}
+            composed = api.post("/v1/outpost/schedules/compose", json=raw).json()
+            sched = api.post("/v1/outpost/schedules", json={"definition": composed["definition"],
+                                                            "confirmation": composed["confirmation"]},
+                             headers=keyed()).json()
+        server.stop()
+        # Three hours of downtime: the schedule's fires came due 3 h, 2 h and 1 h ago (its next is 30 s ahead).
+        first_missed = outpost.sql_time(datetime.now(UTC) - timedelta(hours=3) + timedelta(seconds=30))
+        with sqlite3.connect(data / "outpost.sqlite3") as db:
+            db.execute('UPDATE "Schedule" SET next_fire_at = ?, anchored_at = ? WHERE id = ?',
+                       (first_missed, first_missed, sched["id"]))
+        server.start()
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        sign_in(page, server)
+        page.goto(f"{server.url}/schedules/{sched['id']}")
+        plan = page.inner_text("#catch-up-plan")
+        assert "missed 3 occurrences" in plan and "Nothing ran" in plan
+        shot(page, "catch-up-plan")
+        page.click("#catch-up-plan button[data-action=approve_catch_up]")
+        assert "Catch-up approved" in page.inner_text("#flash")
+        assert page.query_selector("#catch-up-plan") is None
+        with api_client(server) as api:
+            (run,) = api.get(f"/v1/outpost/runs?schedule_id={sched['id']}").json()["runs"]
+        assert (run["trigger"], run["missed_count"]) == ("catch_up", 3)
+        context.close()
+    finally:
+        server.stop()
