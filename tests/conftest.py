@@ -104,6 +104,17 @@ def normalized(repo: Path | str, now: datetime = T0, **overrides) -> dict:
     return outpost.normalize_definition(definition(repo, **overrides), now, agents=["demo"])
 
 
+class SteppedClock(outpost.TrioClock):
+    """Trio time plus steps of the wall clock (an NTP correction, a suspend)."""
+
+    def __init__(self, origin):
+        super().__init__(origin)
+        self.offset = timedelta()
+
+    def now(self):
+        return super().now() + self.offset
+
+
 class FixedClock(outpost.Clock):
     """Wall time that moves only when a test sets ``at``."""
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 import trio
-from conftest import T0, Api, call, git, make_deps, normalized, only, settle, until
+from conftest import T0, Api, SteppedClock, call, git, make_deps, normalized, only, settle, until
 
 import outpost
 
@@ -131,17 +131,6 @@ async def test_approve_and_dismiss_are_controls_of_the_api(tmp_path, git_repo):
 ###############################################################################
 # The dead-man alert and /healthz
 ###############################################################################
-
-class SteppedClock(outpost.TrioClock):
-    """Trio time plus steps of the wall clock (an NTP correction, a suspend)."""
-
-    def __init__(self, origin):
-        super().__init__(origin)
-        self.offset = timedelta()
-
-    def now(self):
-        return super().now() + self.offset
-
 
 async def healthz(deps) -> tuple[int, dict]:
     response = await outpost.create_app(deps).test_client().get("/healthz")

@@ -6,20 +6,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import trio
-from conftest import T0, normalized
+from conftest import T0, SteppedClock, normalized
 
 import outpost
-
-
-class SteppedClock(outpost.TrioClock):
-    """Wall time that a test can step, as NTP or a suspended machine would."""
-
-    def __init__(self, origin):
-        super().__init__(origin)
-        self.offset = timedelta()
-
-    def now(self):
-        return super().now() + self.offset
 
 
 async def test_clock_steps_back_an_hour_and_forward_a_day(autojump_clock, tmp_path, store, git_repo, monkeypatch):
