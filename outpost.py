@@ -7319,7 +7319,8 @@ async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str
 TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
-    "curl_example": curl_example, "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",
+    "curl_example": curl_example,
+    "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",
     "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v)}
 #: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
