@@ -8228,9 +8228,9 @@ async def page_confirm_edit(web: Web, schedule_id: str):
                          web.deps.profile_digests.get(definition["agent"]))
     except RevisionMismatch:
         current = await web.call(web.store.get_schedule, schedule_id)
-        diff = [{"field": f, "base": edit["definition"].get(f), "now": current[f], "yours": definition[f]}
-                for f in sorted(DEFINITION_FIELDS)
-                if edit["definition"].get(f) != current[f] or definition[f] != current[f]]
+        diff = [{"field": f, "base": edit["definition"].get(f), "now": current.get(f), "yours": definition.get(f)}
+                for f in sorted(DEFINITION_FIELDS)   # skip_if_unchanged is only there when true
+                if edit["definition"].get(f) != current.get(f) or definition.get(f) != current.get(f)]
         return await web.page("schedule_stale.html", status=412, section="schedules", s=current, edit=edit,
                               diff=diff)
     return redirect(f"/schedules/{schedule_id}?done=updated")

@@ -461,6 +461,9 @@ def test_chart_diff_and_compare_of_two_runs(page, server, repo):
             fired = api.post(f"/v1/outpost/schedules/{sched['id']}/control", json={"action": "fire"},
                              headers={**keyed(), "If-Match": f'"{revision}"'}).json()
             runs.append(settled(api, fired["run_id"]))
+        drafts = [settled(api, api.post("/v1/outpost/dispatches", json={
+            "brief": f"@commit notes.txt {word} draft", "repository": str(repo), "agent": "demo"},
+            headers=keyed()).json()["run_id"]) for word in ("first", "second")]
     first, second = runs
     assert first["status"] == second["status"] == "succeeded"
     sign_in(page, server)
@@ -475,11 +478,15 @@ def test_chart_diff_and_compare_of_two_runs(page, server, repo):
     assert "+written at" in page.inner_text("#run-diff pre.diff")
     shot(page, "run-diff")
     page.click("#compare-link")
-    page.select_option("select[name=with]", second["id"])
+    page.select_option("select[name=with]", second["id"])   # the other run of the schedule
+    page.click("#compare-form button[type=submit]")
+    assert "✓ same commit" in page.inner_text("#compare-verdict")
+    page.goto(f"{server.url}/runs/{drafts[0]['id']}/compare")   # two dispatches: no schedule, an id to type
+    page.fill("#compare-form input[name=with]", drafts[1]["id"])
     page.click("#compare-form button[type=submit]")
     assert "✗ same prompt" in page.inner_text("#compare-verdict")
     assert "✓ same agent profile" in page.inner_text("#compare-verdict")
-    assert "notes.txt" in page.inner_text("#compare-diff")
+    assert "-first draft" in page.inner_text("#compare-diff") and "+second draft" in page.inner_text("#compare-diff")
     shot(page, "compare")
     page.goto(f"{server.url}/runs/{second['id']}")
     page.click("#rerun-button")
