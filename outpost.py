@@ -4109,11 +4109,12 @@ class RunStore(ScheduleStore):
                                    last_run_at=sql_instant(last[name]) if last.get(name) else None,
                                    cost_usd_24h=cost.get(name) or 0.0, now=now) for name in names]
 
-    def last_agent_version(self, name: str) -> str | None:
-        row = self.db.select("SELECT json_extract(agent_report, '$$.agent_version') FROM \"Run\" WHERE agent = $a "
-                             "AND json_extract(agent_report, '$$.agent_version') IS NOT NULL "
-                             "ORDER BY finished_at DESC LIMIT 1", {"a": name})
-        return row[0] if row else None
+    def agent_versions(self) -> dict[str, str]:
+        """The CLI version each profile's latest reporting run named, in one query."""
+        return dict(self.db.select(
+            "SELECT agent, json_extract(agent_report, '$$.agent_version') FROM \"Run\" r WHERE finished_at = "
+            "(SELECT MAX(finished_at) FROM \"Run\" WHERE agent = r.agent AND "
+            "json_extract(agent_report, '$$.agent_version') IS NOT NULL)"))
 
     def _on_run_settled(self, r, status: RunStatus, now: datetime) -> None:
         """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
@@ -6110,8 +6111,9 @@ async def branch_diff(repository: str, base: str, branch: str) -> tuple[list[Fil
     return files, cut
 
 
-async def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """API.md 9: whether two runs started alike, and the diff between their result branches."""
+async def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], list[FileDiff]]:
+    """API.md 9: whether two runs started alike, and the diff between their result branches
+    (the report, and the diff file by file for the compare page)."""
     files, cut = await branch_diff(a["repository"], a["result_branch"], b["result_branch"])
     stat = await git(a["repository"], "diff", "--stat", "--end-of-options", a["result_branch"], b["result_branch"],
                      check=False) if Path(a["repository"]).is_dir() else ""
@@ -6119,7 +6121,7 @@ async def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "same_prompt": a["prompt"] == b["prompt"],
             "same_profile": (a["agent"], a["model"]) == (b["agent"], b["model"]),
             "diff_stat": stat, "diff": "".join(f.text for f in files), "diff_cut": cut,
-            "files": [{"path": f.path, "added": f.added, "removed": f.removed} for f in files]}
+            "files": [{"path": f.path, "added": f.added, "removed": f.removed} for f in files]}, files
 
 
 async def changes_summary(repository: str, base: str, branch: str) -> str:
@@ -7404,9 +7406,9 @@ async def agents_overview(web: Web) -> list[dict[str, Any]]:
     """Every agent profile (API.md 8.4): its configuration and its standing, by name."""
     profiles = sorted(web.deps.config.agents, key=lambda a: a.name)
     states = await web.call(web.store.profile_states, [a.name for a in profiles], web.now)
-    versions = {a.name: await web.call(web.store.last_agent_version, a.name) for a in profiles}
+    versions = await web.call(web.store.agent_versions)
     return [{**state, "preset": a.preset, "model": a.model, "max_running": a.max_running,
-             "agent_version": versions[a.name], "timeout_seconds": a.timeout_seconds}
+             "agent_version": versions.get(a.name), "timeout_seconds": a.timeout_seconds}
             for a, state in zip(profiles, states, strict=True)]
 
 
@@ -7623,7 +7625,7 @@ async def api_rerun(web: Web, run_id: str):
 @api.get("/v1/outpost/runs/<run_id>/compare/<other_id>", auth=Auth.TOKEN)
 async def api_compare(web: Web, run_id: str, other_id: str):
     a, b = await web.call(web.store.run_facts, run_id), await web.call(web.store.run_facts, other_id)
-    return await compare_runs(a, b)
+    return (await compare_runs(a, b))[0]
 
 
 @api.get("/v1/outpost/charts/runs.svg", auth=Auth.TOKEN)
@@ -8287,8 +8289,7 @@ async def page_compare(web: Web, run_id: str):
     candidates = [r for r in (await web.call(web.store.list_runs, a["schedule_id"], None, 20, None))["runs"]
                   if r["id"] != run_id] if a["schedule_id"] else []
     b = await web.call(web.store.run_facts, other) if other else None
-    report = await compare_runs(a, b) if b else None
-    files = (await branch_diff(a["repository"], a["result_branch"], b["result_branch"]))[0] if b else []
+    report, files = await compare_runs(a, b) if b else (None, [])
     name, tz = (await web.call(web.store.schedule_zones)).get(a["schedule_id"], ("dispatch", "UTC"))
     return await web.page("compare.html", section="runs", a=a, b=b, report=report, files=files,
                           candidates=candidates, schedule_name=name, tz=tz)

@@ -416,6 +416,7 @@ def test_the_agents_page_shows_a_paused_profile_and_resumes_it(browser, repo, tm
         page.goto(server.url + "/agents")
         row = page.locator("tr[data-agent=claude]")
         assert "claude-code" in row.inner_text() and "sonnet" in row.inner_text()
+        assert "2.1.197" in row.inner_text(), "the version its last run reported"
         assert "paused" in row.locator(".agent-standing").inner_text()
         assert "ready" in page.locator("tr[data-agent=demo] .agent-standing").inner_text()
         shot(page, "agents")
