@@ -139,6 +139,8 @@ CRON_MAX_SLEEP_S = 300.0
 STORE_RETRY_S = 2.0
 #: How long one database statement waits for another process's write lock.
 BUSY_TIMEOUT_MS = 5000
+#: Store calls one group commit takes at most (a bound on how long its first caller waits).
+GROUP_COMMIT_MAX = 128
 #: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
 CLEANUP_S = 10.0
 #: The notification actor looks for settled runs it was not told about this often.
@@ -3307,6 +3309,33 @@ def routine_run_view(x) -> dict[str, Any]:
             "started_at": rfc3339(aware(x.started_at)), "completed_at": rfc3339(aware(x.completed_at))}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Written:
+    """One store call's end in a group commit: its result, whether it emitted events, or its error."""
+    result: Any
+    wrote: bool
+    error: Exception | None
+
+
+class GroupMemberFailed(Exception):
+    """A call of a group raised: the group's transaction rolls back; ``index`` names the call."""
+
+    def __init__(self, index: int):
+        super().__init__(index)
+        self.index = index
+
+
+def _run_group(calls: list[Callable[[], Any]]) -> list[Any]:
+    results = []
+    for index, call in enumerate(calls):
+        try:
+            results.append(call())
+            orm.flush()
+        except Exception as exc:
+            raise GroupMemberFailed(index) from exc
+    return results
+
+
 class StoreBase:
     """The bottom layer: the database (bind, pragmas, migrations), one transaction per call
     with its events numbered last, the event log, and attention items."""
@@ -3391,6 +3420,31 @@ class StoreBase:
                                      "data": json.dumps(data, ensure_ascii=False)})
         self._pending_events = []
         return result, wrote
+
+    def transactions(self, calls: list[Callable[[], Any]]) -> list[Written]:
+        """Group commit: several store calls in one transaction, one commit (one fsync) for all.
+        Each call is flushed before the next, so a constraint it breaks is its own error. A
+        call that raises never takes the others' writes with it: the whole transaction rolls
+        back (Pony's cache does not roll back with a SAVEPOINT, DESIGN.md) and runs again as the
+        calls before it together, the failed one alone (its own error), the rest together."""
+        if len(calls) == 1:
+            return [self._alone(calls[0])]
+        try:
+            results, wrote = self.transaction(_run_group, calls)
+        except GroupMemberFailed as failed:
+            head, rest = calls[:failed.index], calls[failed.index + 1:]
+            return [*(self.transactions(head) if head else []), self._alone(calls[failed.index]),
+                    *(self.transactions(rest) if rest else [])]
+        except Exception as exc:   # the commit itself failed: nothing was written for anyone
+            return [Written(None, False, exc)] * len(calls)
+        return [Written(result, wrote, None) for result in results]
+
+    def _alone(self, call: Callable[[], Any]) -> Written:
+        try:
+            result, wrote = self.transaction(call)
+        except Exception as exc:
+            return Written(None, False, exc)
+        return Written(result, wrote, None)
 
     def returning(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
         """Run a write with RETURNING; the first column of each row that came back."""
@@ -6279,6 +6333,56 @@ class CronWatch:
         return max(0.0, (now - self.waiting_for).total_seconds()) if self.waiting_for else 0.0
 
 
+class PendingCall:
+    """A store call waiting for the writer thread."""
+    __slots__ = ("call", "taken", "written", "done")
+
+    def __init__(self, call: Callable[[], Any]):
+        self.call, self.taken, self.written, self.done = call, False, None, trio.Event()
+
+
+class GroupCommit:
+    """The one writer: store calls run on a worker thread one transaction at a time, and the
+    calls that arrive while a transaction is in flight run together in the next one, so one
+    fsync answers them all (DESIGN.md). Nobody is answered before the commit that holds their
+    call. The first waiter whose call nobody has taken leads the next group; the others wait
+    for the lock and find theirs done. ``sizes`` counts groups by size."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.queue: list[PendingCall] = []
+        self.lock = trio.Lock()
+        self.sizes: collections.Counter[int] = collections.Counter()
+
+    async def run(self, call: Callable[[], Any]) -> Written:
+        pending = PendingCall(call)
+        self.queue.append(pending)
+        try:
+            async with self.lock:
+                if not pending.taken:
+                    await self._lead()
+        except trio.Cancelled:
+            if not pending.taken:   # withdrawn before it ran: nothing was written
+                self.queue.remove(pending)
+                raise
+            with trio.CancelScope(shield=True):   # running in another's group: it commits; wait for it
+                await pending.done.wait()
+        return pending.written
+
+    async def _lead(self) -> None:
+        group, self.queue = self.queue[:GROUP_COMMIT_MAX], self.queue[GROUP_COMMIT_MAX:]
+        for pending in group:
+            pending.taken = True
+        try:
+            written = await trio.to_thread.run_sync(self.store.transactions, [p.call for p in group])
+        except Exception as exc:   # the writer thread itself failed (never a call's own error)
+            written = [Written(None, False, exc)] * len(group)
+        self.sizes[len(group)] += 1
+        for pending, outcome in zip(group, written, strict=True):
+            pending.written = outcome
+            pending.done.set()
+
+
 @dataclasses.dataclass(frozen=True)
 class Deps:
     """What the actors and the web share, fixed once built: config, clock, store access, and
@@ -6293,7 +6397,6 @@ class Deps:
     inline_db: bool = False                      # tests with MockClock: no worker thread
     grace_s: float = GRACE_S
     api_url: str = ""
-    limiter: trio.CapacityLimiter = dataclasses.field(default_factory=lambda: trio.CapacityLimiter(1))
     cron_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
     claim_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
     settled: SettledChannel = dataclasses.field(default_factory=lambda: SettledChannel(SETTLED_BUFFER))
@@ -6302,6 +6405,11 @@ class Deps:
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
+    writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
+
+    def __post_init__(self) -> None:
+        if self.writer is None:
+            object.__setattr__(self, "writer", GroupCommit(self.store))
 
     @functools.cached_property
     def run_token_key(self) -> bytes:
@@ -6315,22 +6423,20 @@ class Deps:
         (self.cron_wake if actor is Actor.CRON else self.claim_wake).poke()
 
     async def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one store function in its own transaction on the one writer thread."""
-        call = functools.partial(self.store.transaction, fn, *args, **kwargs)
-        try:
-            if self.inline_db:
-                result, wrote = call()
-            else:
-                result, wrote = await trio.to_thread.run_sync(call, limiter=self.limiter)
-        except (orm.dbapiprovider.OperationalError, orm.CommitException) as exc:   # a failed commit is wrapped
-            text = str(exc).lower()
+        """Run one store function in a transaction on the one writer thread (grouped with the
+        calls that arrive while another commits); inline in tests that drive a MockClock."""
+        call = functools.partial(fn, *args, **kwargs)
+        written = self.store._alone(call) if self.inline_db else await self.writer.run(call)
+        if isinstance(written.error, orm.dbapiprovider.OperationalError | orm.CommitException):
+            text = str(written.error).lower()   # a failed commit is wrapped
             if "locked" in text or "busy" in text or "full" in text or "disk" in text:
-                raise StoreUnavailable(f"the database cannot be written now ({exc}); nothing was changed, "
-                                       "retry shortly") from None
-            raise
-        if wrote:
+                raise StoreUnavailable(f"the database cannot be written now ({written.error}); nothing was "
+                                       "changed, retry shortly") from None
+        if written.error is not None:
+            raise written.error
+        if written.wrote:
             self.hub.poke()
-        return result
+        return written.result
 
     async def transaction_retrying(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A store call an actor must make: waits out a locked or full database."""

@@ -1,0 +1,183 @@
+"""Group commit (DESIGN.md, issue 15): store calls that arrive while a commit is in flight run
+together in the next transaction, one commit for all, and each caller still gets exactly its
+own answer, only after the commit that holds its write.
+
+These tests use the real writer thread (no ``inline_db``): a store call that waits on a
+``threading.Event`` holds the writer while the others queue behind it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+import trio.testing
+from conftest import T0, make_deps, normalized
+
+import outpost
+
+
+def held(gate: threading.Event):
+    """A store call that keeps the writer thread busy until ``gate`` opens."""
+    def hold() -> str:
+        assert gate.wait(10), "the test never opened the gate"
+        return "held"
+    return hold
+
+
+def schedule_names(store: outpost.Store) -> list[str]:
+    return sorted(s["name"] for s in store.transaction(store.list_schedules)[0])
+
+
+def create(deps: outpost.Deps, name: str):
+    return deps.transaction(deps.store.create_schedule, normalized("/srv/app", name=name), T0)
+
+
+async def hold_writer(deps: outpost.Deps, nursery: trio.Nursery, gate: threading.Event, answers: dict) -> None:
+    async def first() -> None:
+        answers["first"] = await deps.transaction(held(gate))
+    nursery.start_soon(first)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_calls_that_arrive_during_a_commit_share_the_next_one(tmp_path):
+    deps = make_deps(tmp_path)
+    gate, answers = threading.Event(), {}
+
+    async def make(name: str) -> None:
+        answers[name] = (await create(deps, name))["name"]
+    async with trio.open_nursery() as nursery:
+        await hold_writer(deps, nursery, gate, answers)
+        for i in range(10):
+            nursery.start_soon(make, f"s{i}")
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    assert answers == {"first": "held", **{f"s{i}": f"s{i}" for i in range(10)}}
+    assert deps.writer.sizes == {1: 1, 10: 1}   # two commits answered eleven calls
+    assert schedule_names(deps.store) == sorted(f"s{i}" for i in range(10))
+
+
+async def test_a_failing_call_gets_its_own_error_and_the_others_writes_commit(tmp_path):
+    """The middle call writes, then fails: its write is gone, its caller gets its error, and
+    the calls before and after it in the group commit. Pony's cache is not trusted across the
+    failure: the call after it reads the database's value, not the failed call's."""
+    deps = make_deps(tmp_path)
+    store = deps.store
+    gate, answers = threading.Event(), {}
+    victim = store.transaction(store.create_schedule, normalized("/srv/app", name="victim"), T0)[0]["id"]
+
+    def rename_then_fail() -> None:
+        store.db.Schedule[victim].name = "renamed-by-a-failed-call"
+        outpost.orm.flush()
+        raise outpost.Conflict("refused after writing")
+
+    def read_name() -> str:
+        return store.db.Schedule[victim].name
+
+    async def record(key: str, fn) -> None:
+        try:
+            answers[key] = await deps.transaction(fn)
+        except outpost.OutpostError as exc:
+            answers[key] = exc
+    async with trio.open_nursery() as nursery:
+        await hold_writer(deps, nursery, gate, answers)
+        nursery.start_soon(record, "before", lambda: store.create_schedule(normalized("/srv/app", name="a"), T0)["name"])
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(record, "failing", rename_then_fail)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(record, "reader", read_name)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(record, "after", lambda: store.create_schedule(normalized("/srv/app", name="b"), T0)["name"])
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    assert answers["before"] == "a" and answers["after"] == "b"
+    assert isinstance(answers["failing"], outpost.Conflict) and "refused after writing" in str(answers["failing"])
+    assert answers["reader"] == "victim"
+    assert schedule_names(store) == ["a", "b", "victim"]
+
+
+async def test_a_failed_commit_answers_every_caller_of_the_group_and_writes_nothing(tmp_path, monkeypatch):
+    deps = make_deps(tmp_path)
+    store = deps.store
+    gate, answers = threading.Event(), {}
+    real = store.transaction
+
+    def full_disk(fn, *args, **kwargs):
+        if fn is outpost._run_group:   # the group's commit fails as a full disk does
+            raise outpost.orm.dbapiprovider.OperationalError(Exception("database or disk is full"))
+        return real(fn, *args, **kwargs)
+    monkeypatch.setattr(store, "transaction", full_disk)
+
+    async def make(name: str) -> None:
+        try:
+            answers[name] = await create(deps, name)
+        except outpost.StoreUnavailable as exc:
+            answers[name] = exc
+    async with trio.open_nursery() as nursery:
+        await hold_writer(deps, nursery, gate, answers)
+        for name in ("x", "y", "z"):
+            nursery.start_soon(make, name)
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    assert all(isinstance(answers[n], outpost.StoreUnavailable) for n in ("x", "y", "z")), answers
+    monkeypatch.undo()
+    assert schedule_names(store) == []
+
+
+async def test_a_call_cancelled_while_it_waits_is_withdrawn_and_never_written(tmp_path):
+    deps = make_deps(tmp_path)
+    gate, answers = threading.Event(), {}
+    async with trio.open_nursery() as nursery:
+        await hold_writer(deps, nursery, gate, answers)
+        nursery.start_soon(create, deps, "kept")
+        await trio.testing.wait_all_tasks_blocked()
+        scope = trio.CancelScope()
+
+        async def cancelled() -> None:
+            with scope:
+                await create(deps, "withdrawn")
+        nursery.start_soon(cancelled)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(deps.writer.queue) == 2
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(deps.writer.queue) == 1
+        gate.set()
+    assert schedule_names(deps.store) == ["kept"]
+
+
+async def test_a_call_already_in_a_running_group_commits_even_if_its_caller_is_cancelled(tmp_path):
+    """Like a worker thread that has started: the write it carries completes, and the caller
+    is answered only once it has."""
+    deps = make_deps(tmp_path)
+    gate, second_gate, answers = threading.Event(), threading.Event(), {}
+    async with trio.open_nursery() as nursery:
+        await hold_writer(deps, nursery, gate, answers)
+        scope = trio.CancelScope()
+
+        async def grouped() -> None:
+            with scope:
+                answers["grouped"] = await deps.transaction(held(second_gate))
+        async def leader() -> None:
+            answers["leader"] = (await create(deps, "led"))["name"]
+        nursery.start_soon(leader)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(grouped)
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()   # the leader's group (its call and the held one) goes to the writer thread
+        while deps.writer.queue or not deps.writer.sizes:
+            await trio.sleep(0.001)
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert "grouped" not in answers and "leader" not in answers   # nobody answered before the commit
+        second_gate.set()
+    assert answers == {"first": "held", "leader": "led", "grouped": "held"}
+    assert deps.writer.sizes == {1: 1, 2: 1}
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_store_transactions_returns_each_calls_result_in_order(store, size):
+    calls = [lambda i=i: store.create_schedule(normalized("/srv/app", name=f"n{i}"), T0)["name"] for i in range(size)]
+    written = store.transactions(calls)
+    assert [w.result for w in written] == [f"n{i}" for i in range(size)]
+    assert all(w.wrote and w.error is None for w in written)
