@@ -5775,18 +5775,100 @@ async def resolve_ref(repository: str, ref: str) -> str:
         raise RepositoryUnavailable(f"source_ref {ref!r} does not resolve to a commit in {repository}") from None
 
 
+class CatFile:
+    """One resident ``git cat-file --batch-check`` of a repository: a question is one line in,
+    one line out (``<sha> <type> <size>``, or ``<name> missing``), no process per question."""
+
+    def __init__(self, process: trio.Process):
+        self.process = process
+        self.lock = trio.Lock()
+        self.buffer = bytearray()
+
+    async def ask(self, name: str) -> str:
+        async with self.lock:
+            try:
+                await self.process.stdin.send_all(name.encode() + b"\n")
+                while b"\n" not in self.buffer:
+                    chunk = await self.process.stdout.receive_some(4096)
+                    if not chunk:
+                        raise LaunchError("git cat-file ended")
+                    self.buffer += chunk
+            except BaseException:   # a question cut short leaves its answer unread: never reuse it
+                self.close()
+                raise
+            line, _, rest = bytes(self.buffer).partition(b"\n")
+            self.buffer[:] = rest
+            return line.decode(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    def close(self) -> None:
+        if self.alive():
+            self.process.kill()
+
+
+class Refs:
+    """Resolving refs to commits. While the daemon serves (``resident``), through one resident
+    ``git cat-file --batch-check`` per repository, started on demand and restarted if it dies
+    (Gitea keeps the same per open repository: go-gitea/gitea#15667); it reads refs afresh at
+    each question, also after commits, ``pack-refs`` and ``gc``. Anything it cannot answer
+    (a missing ref, a path that is no repository, a ref with blanks in it) takes the one-process
+    ``git rev-parse`` path, which also words the error."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self.cat_files: dict[str, CatFile] = {}
+
+    @contextlib.asynccontextmanager
+    async def resident(self):
+        self.serving = True
+        try:
+            yield self
+        finally:
+            self.serving = False
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                for cat_file in self.cat_files.values():
+                    cat_file.close()
+                    await cat_file.process.wait()
+            self.cat_files.clear()
+
+    async def resolve(self, repository: str, ref: str) -> str:
+        """The exact commit a branch, tag or commit names now."""
+        if self.serving and ref.isprintable() and " " not in ref and Path(repository).is_dir():
+            with contextlib.suppress(LaunchError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                cat_file = await self._cat_file(repository)
+                sha, _, kind = (await cat_file.ask(f"{ref}^{{commit}}")).partition(" ")
+                if kind.startswith("commit "):
+                    return sha
+        return await resolve_ref(repository, ref)
+
+    async def _cat_file(self, repository: str) -> CatFile:
+        cat_file = self.cat_files.get(repository)
+        if cat_file is None or not cat_file.alive():
+            started = CatFile(await trio.lowlevel.open_process(
+                ["git", "-C", repository, "cat-file", "--batch-check"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+            cat_file = self.cat_files.get(repository)
+            if cat_file is not None and cat_file.alive():   # another question started one meanwhile
+                started.close()
+            else:
+                cat_file = self.cat_files[repository] = started
+        return cat_file
+
+
 async def _is_git_repo(path: str) -> bool:
     return (await git(path, "rev-parse", "--git-dir", check=False)) != ""
 
 
-async def check_repository(definition: dict[str, Any]) -> str:
+async def check_repository(definition: dict[str, Any], refs: Refs) -> str:
     """The validation rules that need git: repository exists, source_ref resolves now.
     Returns the commit it resolves to (a dispatch records it: fire step 2)."""
     repo = definition["repository"]
     if not Path(repo).is_dir():
         raise invalid("repository", f"{repo} is not an existing git repository on this machine")
     try:
-        return await resolve_ref(repo, definition["source_ref"])
+        return await refs.resolve(repo, definition["source_ref"])
     except LaunchError as exc:
         field = "repository" if "not a git repository" in str(exc) else "source_ref"
         raise invalid(field, str(exc) if field == "source_ref" else
@@ -6369,6 +6451,11 @@ class GroupCommit:
                 await pending.done.wait()
         return pending.written
 
+    def summary(self) -> str:
+        calls, groups = sum(size * n for size, n in self.sizes.items()), sum(self.sizes.values())
+        return (f"{calls} store calls in {groups} transactions ({calls / groups:.1f} per transaction, "
+                f"largest group {max(self.sizes)})" if groups else "no store calls")
+
     async def _lead(self) -> None:
         group, self.queue = self.queue[:GROUP_COMMIT_MAX], self.queue[GROUP_COMMIT_MAX:]
         for pending in group:
@@ -6405,6 +6492,7 @@ class Deps:
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
+    refs: Refs = dataclasses.field(default_factory=Refs)
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
 
     def __post_init__(self) -> None:
@@ -6481,7 +6569,7 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
         for run_id, repository, ref in await deps.transaction(deps.store.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
-                await deps.transaction(deps.store.set_resolved_commit, run_id, await resolve_ref(repository, ref))
+                await deps.transaction(deps.store.set_resolved_commit, run_id, await deps.refs.resolve(repository, ref))
 
 
 async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
@@ -6502,7 +6590,7 @@ async def unchanged_heads(deps: Deps, now: datetime) -> dict[str, str]:
     heads = {}
     for schedule_id, repository, ref in await deps.transaction_retrying(deps.store.unchanged_checks, now):
         with contextlib.suppress(LaunchError):
-            heads[schedule_id] = await resolve_ref(repository, ref)
+            heads[schedule_id] = await deps.refs.resolve(repository, ref)
     return heads
 
 
@@ -6604,7 +6692,7 @@ async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) ->
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
             if info["continues_branch"] and Path(repository).is_dir() else "")
     if not head:
-        commit = info["resolved_commit"] or await resolve_ref(repository, info["source_ref"])
+        commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
         commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
         await add_worktree(repository, commit, branch, workspace)
         return commit
@@ -6987,7 +7075,7 @@ async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | Non
                                       check_past=current is None)
     if current is not None and definition["timing"] != current["timing"]:
         normalize_timing(definition["timing"], now, check_past=True)
-    await check_repository(definition)
+    await check_repository(definition, deps.refs)
     return definition
 
 
@@ -7771,7 +7859,7 @@ async def api_control_run(web: Web, run_id: str):
 @api.post("/v1/outpost/dispatches", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
 async def api_dispatch(web: Web):
     payload = normalize_dispatch(await web.body(), web.now, agents=web.profile_names)
-    commit = await check_repository(payload)   # resolved once, recorded with the run: one transaction
+    commit = await check_repository(payload, web.deps.refs)   # resolved once, recorded with the run: one transaction
     return await web.commit(web.store.create_dispatch, payload, web.now, commit)
 
 
@@ -8900,7 +8988,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         finally:
             web_done.set()
 
-    async with trio.open_nursery() as nursery:
+    async with deps.refs.resident(), trio.open_nursery() as nursery:
         await nursery.start(recovery_actor, deps)
         binds = await nursery.start(web_server)
         actors = dataclasses.replace(deps, api_url=binds[0] if binds else f"http://{deps.config.host}:{deps.config.port}")
@@ -8916,6 +9004,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         with trio.move_on_after(hc.graceful_timeout + 2):
             await web_done.wait()
         nursery.cancel_scope.cancel()
+    log.info("group commit: %s", deps.writer.summary())
 
 
 async def run_until_signal(deps: Deps) -> None:

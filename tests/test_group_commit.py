@@ -29,6 +29,11 @@ def schedule_names(store: outpost.Store) -> list[str]:
     return sorted(s["name"] for s in store.transaction(store.list_schedules)[0])
 
 
+def create_now(store: outpost.Store, name: str) -> str:
+    """Inside a transaction: a schedule named ``name``; its name."""
+    return store.create_schedule(normalized("/srv/app", name=name), T0)["name"]
+
+
 def create(deps: outpost.Deps, name: str):
     return deps.transaction(deps.store.create_schedule, normalized("/srv/app", name=name), T0)
 
@@ -81,13 +86,13 @@ async def test_a_failing_call_gets_its_own_error_and_the_others_writes_commit(tm
             answers[key] = exc
     async with trio.open_nursery() as nursery:
         await hold_writer(deps, nursery, gate, answers)
-        nursery.start_soon(record, "before", lambda: store.create_schedule(normalized("/srv/app", name="a"), T0)["name"])
+        nursery.start_soon(record, "before", lambda: create_now(store, "a"))
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(record, "failing", rename_then_fail)
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(record, "reader", read_name)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(record, "after", lambda: store.create_schedule(normalized("/srv/app", name="b"), T0)["name"])
+        nursery.start_soon(record, "after", lambda: create_now(store, "b"))
         await trio.testing.wait_all_tasks_blocked()
         gate.set()
     assert answers["before"] == "a" and answers["after"] == "b"
