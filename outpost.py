@@ -3325,7 +3325,7 @@ class GroupMemberFailed(Exception):
         self.index = index
 
 
-def _run_group(calls: list[Callable[[], Any]]) -> list[Any]:
+def _run_group(db: orm.Database, calls: list[Callable[[], Any]]) -> list[Any]:
     results = []
     for index, call in enumerate(calls):
         try:
@@ -3333,7 +3333,22 @@ def _run_group(calls: list[Callable[[], Any]]) -> list[Any]:
             orm.flush()
         except Exception as exc:
             raise GroupMemberFailed(index) from exc
+        _forget_loaded(db)
     return results
+
+
+def _forget_loaded(db: orm.Database) -> None:
+    """Between the calls of a group: a fresh Pony session cache on the same connection and
+    transaction, so no call reads a row as an earlier call's Pony objects last saw it (a
+    plain-SQL write does not update them)."""
+    old = orm.core.local.db2cache[db]
+    new = orm.core.SessionCache(db)
+    new.connection, new.in_transaction, new.immediate = old.connection, old.in_transaction, old.immediate
+    new.db_session, new.saved_fk_state = old.db_session, old.saved_fk_state
+    old.connection, old.is_alive = None, False
+    for obj in old.objects:
+        obj._session_cache_ = None
+    orm.core.local.db2cache[db] = new
 
 
 class StoreBase:
@@ -3430,7 +3445,7 @@ class StoreBase:
         if len(calls) == 1:
             return [self._alone(calls[0])]
         try:
-            results, wrote = self.transaction(_run_group, calls)
+            results, wrote = self.transaction(_run_group, self.db, calls)
         except GroupMemberFailed as failed:
             head, rest = calls[:failed.index], calls[failed.index + 1:]
             return [*(self.transactions(head) if head else []), self._alone(calls[failed.index]),

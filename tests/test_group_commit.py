@@ -186,3 +186,20 @@ def test_store_transactions_returns_each_calls_result_in_order(store, size):
     written = store.transactions(calls)
     assert [w.result for w in written] == [f"n{i}" for i in range(size)]
     assert all(w.wrote and w.error is None for w in written)
+
+
+def test_a_call_of_a_group_reads_what_the_calls_before_it_wrote_in_plain_sql(store):
+    """Pony's objects of one call are not the next call's: a row an earlier call loaded and a
+    later call rewrote in plain SQL reads as rewritten."""
+    sid = store.transaction(store.create_schedule, normalized("/srv/app", name="old"), T0)[0]["id"]
+    loaded = []
+
+    def load():
+        loaded.append(store.db.Schedule[sid])
+        return loaded[0].name
+
+    def rename():
+        store.db.execute('UPDATE "Schedule" SET name = \'new\' WHERE id = $sid', {"sid": sid})
+
+    written = store.transactions([load, rename, lambda: store.db.Schedule[sid].name])
+    assert [w.result for w in written] == ["old", None, "new"]

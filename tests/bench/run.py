@@ -745,7 +745,7 @@ def outpost_drain(d: Path, repo: Path, n: int, agents_n: int) -> tuple[float, di
     queue_dispatches(store, dispatch_payload(repo), n)
     deps = bench_deps(store, d)
     t0 = time.perf_counter()
-    done = trio.run(drain_like_the_claim_actor, deps, agents_n, dispatch=False)
+    done = trio.run(functools.partial(drain_like_the_claim_actor, deps, agents_n, dispatch=False))
     el = time.perf_counter() - t0
     store.close()
     assert done == n, f"drained {done} of {n}"
