@@ -3989,6 +3989,21 @@ class ScheduleStore(StoreBase):
             ]}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SettledRun:
+    """A run as its settlement left it: what the profile hold and the Office pipeline read."""
+    id: str
+    schedule_id: str | None
+    agent: str
+    trigger: str
+    status: RunStatus
+    error: str | None
+    result: Any
+    agent_report: dict[str, Any]
+    failure_kind: str | None
+    cost_usd: float | None
+
+
 class RunStore(ScheduleStore):
     """Runs and admission: FIFO admission into max_running slots by conditional UPDATE,
     launch and settlement, run control, and the failure streak and attention that settlement raises.
@@ -4099,25 +4114,37 @@ class RunStore(ScheduleStore):
         """Record a run's end once, with its agent report. A cancel asked for wins over how the
         process ended; a question the agent asked (``POST /api/agent/needs-you``) makes a run that
         ended on its own ``needs_you``. A limit or a login failure holds the run's profile."""
-        r = self.db.Run[run_id]
-        if r.status in SETTLED_RUN_STATUSES:
+        rows = self.db.select('SELECT status, cancel_requested, question, max_cost_usd, schedule, agent, trigger '
+                              'FROM "Run" WHERE id = $run_id', {"run_id": run_id})
+        if not rows:
+            raise NotFound(f"no run {run_id}")
+        was, cancel_requested, question, max_cost_usd, schedule_id, agent, trigger = rows[0]
+        if was in SETTLED_RUN_STATUSES:
             return False
         status, error = outcome.status, outcome.error
-        if r.cancel_requested and status != RunStatus.SUCCEEDED:
+        if cancel_requested and status != RunStatus.SUCCEEDED:
             status, error = RunStatus.CANCELLED, error if status == RunStatus.CANCELLED else "cancelled"
-        elif r.question and (status == RunStatus.SUCCEEDED or outcome.failure_kind in ("agent", "no_result")):
+        elif question and (status == RunStatus.SUCCEEDED or outcome.failure_kind in ("agent", "no_result")):
             status, error = RunStatus.NEEDS_YOU, None
         report = outcome.report()
-        r.status, r.exit_code, r.error, r.commits = str(status), exit_code, error, commits
-        r.result = outcome.reading.result if outcome.reading else None
-        r.agent_report, r.failure_kind = report, outcome.failure_kind if status == RunStatus.FAILED else None
-        r.cost_usd = report["cost_usd"]
-        r.question = r.question or outcome.question
-        r.over_budget = r.max_cost_usd is not None and (r.cost_usd or 0) > r.max_cost_usd
-        r.finished_at = naive(now)
-        r.resume_requested_at = None
-        self.emit("run.settled", {"run_id": r.id, "schedule_id": r.schedule.id if r.schedule else None,
-                                  "status": str(status), "error": error, "failure_kind": r.failure_kind}, now)
+        r = SettledRun(id=run_id, schedule_id=schedule_id, agent=agent, trigger=trigger, status=status, error=error,
+                       result=outcome.reading.result if outcome.reading else None, agent_report=report,
+                       failure_kind=outcome.failure_kind if status == RunStatus.FAILED else None,
+                       cost_usd=report["cost_usd"])
+        # One conditional statement: of two settlers, the one that still finds ``was`` wins.
+        if not self.returning(
+                'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
+                'result = $result, agent_report = $report, failure_kind = $kind, cost_usd = $cost, '
+                'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL '
+                'WHERE id = $run_id AND status = $was RETURNING id',
+                {"status": str(status), "exit_code": exit_code, "error": error, "commits": commits,
+                 "result": None if r.result is None else json.dumps(r.result), "report": json.dumps(report),
+                 "kind": r.failure_kind, "cost": r.cost_usd, "question": question or outcome.question,
+                 "over": max_cost_usd is not None and (r.cost_usd or 0) > max_cost_usd, "now": sql_time(now),
+                 "run_id": run_id, "was": was}):
+            return False
+        self.emit("run.settled", {"run_id": run_id, "schedule_id": schedule_id, "status": str(status),
+                                  "error": error, "failure_kind": r.failure_kind}, now)
         self._hold_profile(r, outcome, now, auth_hint)
         self._on_run_settled(r, status, now)
         return True
@@ -4126,7 +4153,7 @@ class RunStore(ScheduleStore):
         st = self.db.ProfileState.get(name=name)
         return st if st is not None else self.db.ProfileState(name=name, updated_at=naive(now))
 
-    def _hold_profile(self, r, outcome: Outcome, now: datetime, auth_hint: str) -> None:
+    def _hold_profile(self, r: SettledRun, outcome: Outcome, now: datetime, auth_hint: str) -> None:
         """API.md 8.4: a limit holds the profile until its reset (+30 s), with one
         ``agent_limited`` item per limit window; a login failure pauses it, with one
         ``agent_auth`` item, until ``resume``. A success ends the ladder of unnamed resets."""
@@ -4143,7 +4170,7 @@ class RunStore(ScheduleStore):
                 self.raise_attention("agent_limited", f"Agent profile {r.agent} hit a {words}",
                                      f"{outcome.limit.message}\nIts queued runs wait until "
                                      f"{rfc3339(aware(st.limited_until))}; other profiles' runs go on.", now,
-                                     schedule_id=r.schedule.id if r.schedule else None, run_id=r.id)
+                                     schedule_id=r.schedule_id, run_id=r.id)
             self.emit("agent.limited", {"agent": r.agent, "limited_until": rfc3339(aware(st.limited_until))}, now)
         elif kind == "auth":
             st = self._profile_state(r.agent, now)
@@ -4151,7 +4178,7 @@ class RunStore(ScheduleStore):
                 st.paused_reason, st.updated_at = f"login needed: {(r.error or '')[:300]}", naive(now)
                 self.raise_attention("agent_auth", f"Agent profile {r.agent} is not logged in; its runs wait",
                                      f"{r.error}\n{auth_hint}".strip(), now,
-                                     schedule_id=r.schedule.id if r.schedule else None, run_id=r.id)
+                                     schedule_id=r.schedule_id, run_id=r.id)
                 self.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
         elif r.status == RunStatus.SUCCEEDED:
             st = self.db.ProfileState.get(name=r.agent)
@@ -4185,7 +4212,7 @@ class RunStore(ScheduleStore):
             "(SELECT MAX(finished_at) FROM \"Run\" WHERE agent = r.agent AND "
             "json_extract(agent_report, '$$.agent_version') IS NOT NULL)"))
 
-    def _on_run_settled(self, r, status: RunStatus, now: datetime) -> None:
+    def _on_run_settled(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
         """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
 
     def runs_in(self, statuses: Iterable[str]) -> list[str]:
@@ -4318,6 +4345,8 @@ class RunStore(ScheduleStore):
         if action == "cancel":
             if r.status == RunStatus.QUEUED:
                 self.settle_run(r.id, Outcome(RunStatus.CANCELLED, "cancelled before it started"), now)
+                _forget_loaded(self.db)   # settled in plain SQL: read the run again
+                r = self._run(run_id)
             else:
                 r.cancel_requested = True
         elif action == "pause":
@@ -4447,25 +4476,23 @@ class WakeupStore(AccessStore):
     coalescing window, merges into unstarted runs, ending wakeups, task checkouts, and the facts
     a prompt is built from."""
 
-    def _unstarted_target(self, agent_id: str, task_id: str | None, now: datetime):
-        """A wakeup of this agent and scope whose run has not started: claimed with its run
-        still queued, or waiting for a scheduled retry. New context can still reach it."""
-        rows = self.db.select(   # two index probes (agent, scope, status), never the agent's whole history
-            'SELECT id, requested_at FROM (SELECT w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
-            "WHERE w.agent_id = $a AND w.task_id IS $t AND w.status = 'claimed' AND r.status = 'queued' "
-            'UNION ALL SELECT w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND w.task_id IS $t '
-            "AND w.status = 'queued' AND w.scheduled_retry_at > $now) ORDER BY requested_at LIMIT 1",
-            {"a": agent_id, "t": task_id, "now": sql_time(now)})
-        return self.db.Wakeup[rows[0][0]] if rows else None
-
-    def _window_target(self, agent_id: str, source: str, task_id: str | None, now: datetime):
-        """The coalescing window: a queued wakeup of the same agent, source and scope from the last 5 s."""
-        since = naive(now - timedelta(seconds=COALESCING_WINDOW_S))
-        same_scope = (lambda w: w.task_id == task_id) if task_id else (lambda w: w.task_id is None)
-        return self.db.Wakeup.select(lambda w: w.agent_id == agent_id and w.status == "queued"
-                                     and w.source == source and w.requested_at >= since
-                                     and w.scheduled_retry_at is None and w.wake_at is None
-                                     ).filter(same_scope).order_by(lambda w: w.requested_at).first()
+    def _coalescing_target(self, agent_id: str, source: str, task_id: str | None, now: datetime) -> str | None:
+        """Where a new request of this agent and scope merges: first a wakeup whose run has not
+        started (claimed with its run still queued, or waiting for a scheduled retry: new context
+        can still reach it), else the coalescing window (a queued wakeup of the same source from
+        the last 5 s). Three index probes (agent, scope, status), never the agent's whole history."""
+        scope = "w.task_id = $t" if task_id else "w.task_id IS NULL"
+        rows = self.db.select(
+            f'SELECT id FROM (SELECT 0 AS rank, w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
+            f"WHERE w.agent_id = $a AND {scope} AND w.status = 'claimed' AND r.status = 'queued' "
+            f'UNION ALL SELECT 0, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
+            f"AND w.status = 'queued' AND w.scheduled_retry_at > $now "
+            f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
+            f"AND w.status = 'queued' AND w.source = $s AND w.requested_at >= $since "
+            f"AND w.scheduled_retry_at IS NULL AND w.wake_at IS NULL) x ORDER BY rank, requested_at, id LIMIT 1",
+            {"a": agent_id, "t": task_id, "s": source, "now": sql_time(now),
+             "since": sql_time(now - timedelta(seconds=COALESCING_WINDOW_S))})
+        return rows[0] if rows else None
 
     def _coalesce(self, target, w, now: datetime) -> None:
         """Merge ``w`` into ``target``: its payload joins the context the agent will read."""
@@ -4482,29 +4509,35 @@ class WakeupStore(AccessStore):
 
     def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
                        now: datetime, *, reason: str | None = None, wake_at: datetime | None = None,
-                       idempotency_key: str | None = None):
-        """Insert a wakeup request (spec: Enqueue). A key seen in the last 24 h returns the
-        earlier request and inserts nothing; a request for an agent whose run of the same
-        scope has not started merges into it; otherwise it is queued."""
+                       idempotency_key: str | None = None) -> str:
+        """Insert a wakeup request (spec: Enqueue) and return its id. A key seen in the last 24 h
+        returns the earlier request and inserts nothing; a request for an agent whose run of the
+        same scope has not started merges into it; otherwise it is queued. Plain SQL: an
+        assignment burst enqueues many."""
         payload = dataclasses.asdict(wakeup_payload(source, payload))
         key = idempotency_key or wakeup_idempotency_key(source, payload, agent_id)
-        if key is not None and (earlier := self.db.Wakeup.get(idempotency_key=key)) is not None:
-            if aware(earlier.requested_at) > now - timedelta(seconds=IDEMPOTENCY_TTL_S):
-                return earlier
-            earlier.idempotency_key = None   # outside the 24 h window: the key is free again
-        task_id = payload_task_id(payload)
-        w = self.db.Wakeup(id=new_id("wk"), workspace_id=workspace_id, agent_id=agent_id, source=str(source),
-                           reason=reason or str(source), payload=payload, task_id=task_id, status="queued",
-                           idempotency_key=key, wake_at=naive(wake_at), requested_at=naive(now),
-                           context_snapshot=merge_context({}, str(source), reason or str(source), payload, now))
-        target = None if wake_at else (self._unstarted_target(agent_id, task_id, now)
-                                       or self._window_target(agent_id, str(source), task_id, now))
-        if target is not None and target.id != w.id:
-            self.flush()
-            self._coalesce(target, w, now)
+        if key is not None and (earlier := self.db.select('SELECT id, requested_at FROM "Wakeup" '
+                                                          'WHERE idempotency_key = $k', {"k": key})):
+            if sql_instant(earlier[0][1]) > now - timedelta(seconds=IDEMPOTENCY_TTL_S):
+                return earlier[0][0]
+            # outside the 24 h window: the key is free again
+            self.db.execute('UPDATE "Wakeup" SET idempotency_key = NULL WHERE id = $w', {"w": earlier[0][0]})
+        task_id, reason = payload_task_id(payload), reason or str(source)
+        target = None if wake_at else self._coalescing_target(agent_id, str(source), task_id, now)
+        wakeup_id = new_id("wk")
+        self.db.execute(
+            'INSERT INTO "Wakeup" (id, workspace_id, agent_id, source, reason, payload, task_id, status, '
+            'coalesced_count, idempotency_key, retry_count, wake_at, context_snapshot, requested_at) VALUES '
+            "($w, $ws, $a, $s, $reason, $payload, $t, 'queued', 1, $k, 0, $wake_at, $context, $now)",
+            {"w": wakeup_id, "ws": workspace_id, "a": agent_id, "s": str(source), "reason": reason,
+             "payload": json.dumps(payload), "t": task_id, "k": key,
+             "wake_at": sql_time(wake_at) if wake_at else None, "now": sql_time(now),
+             "context": json.dumps(merge_context({}, str(source), reason, payload, now))})
+        if target is not None:
+            self._coalesce(self.db.Wakeup[target], self.db.Wakeup[wakeup_id], now)
         else:
-            self.emit("wakeup.queued", {"wakeup_id": w.id, "agent_id": agent_id, "source": str(source)}, now)
-        return w
+            self.emit("wakeup.queued", {"wakeup_id": wakeup_id, "agent_id": agent_id, "source": str(source)}, now)
+        return wakeup_id
 
     def _release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
         """Drop the checkout lock of a task (held by ``agent_id``, or by anyone when None)."""
@@ -4517,7 +4550,7 @@ class WakeupStore(AccessStore):
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
-        if w.source == WakeupSource.ROUTINE or w.coalesced_count:
+        if w.source == WakeupSource.ROUTINE or w.coalesced_count > 1:   # it carries merged requests
             self._end_routine_runs(w, status, note or cancel_reason, now)
 
     def _end_routine_runs(self, w, status: str, why: str | None, now: datetime) -> None:
@@ -4548,25 +4581,24 @@ class WakeupStore(AccessStore):
         t = self.db.Task.get(id=task_id)
         return task_view(t) if t is not None and t.workspace_id == workspace_id else None
 
-    def _office_prompt(self, agent, w, *, resumed: bool, summary: str) -> str:
+    def _office_prompt(self, agent, w, *, resumed: bool, summary: str, task: dict[str, Any] | None = None) -> str:
         """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
         into the run before it starts). A resumed session gets comments since its last run."""
-        task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
+        task = task or (self._task_facts(w.task_id, w.workspace_id) if w.task_id else None)
         since = None   # a resumed session has read the comments up to its previous run's prompt
         if resumed and (session := self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id)):
             previous = self.db.OfficeRun.get(run_id=session.run_id)
             since = previous.queued_at if previous else session.updated_at
         comments = []
-        if task is not None:
-            task_id = task["id"]
-            query = self.db.Comment.select(lambda c: c.task_id == task_id)
-            if since is not None:
-                query = query.filter(lambda c: c.created_at > since)
-            names = dict(self.db.select('SELECT id, name FROM "Agent" WHERE workspace_id = $ws',
-                                        {"ws": w.workspace_id}))
-            comments = [{"author": names.get(c.author_agent_id, "agent") if c.author_agent_id else "user",
-                         "created_at": rfc3339(aware(c.created_at)), "body": c.body}
-                        for c in query.order_by(lambda c: orm.desc(c.created_at))[:PROMPT_COMMENTS]][::-1]
+        if task is not None:   # the newest PROMPT_COMMENTS, oldest first, with their authors' names
+            rows = self.db.select(
+                'SELECT c.author_agent_id, a.name, c.created_at, c.body FROM "Comment" c LEFT JOIN "Agent" a '
+                'ON a.id = c.author_agent_id WHERE c.task_id = $t AND c.created_at > $since '
+                'ORDER BY c.created_at DESC, c.id DESC LIMIT $n',
+                {"t": task["id"], "since": sql_time(aware(since)) if since else "", "n": PROMPT_COMMENTS})
+            comments = [{"author": (name or "agent") if author else "user",
+                         "created_at": rfc3339(sql_instant(created)), "body": body}
+                        for author, name, created, body in rows][::-1]
         blockers = []
         if task is not None and task["blocked_by"]:
             ids = task["blocked_by"]
@@ -4917,8 +4949,8 @@ class OfficeStore(WakeupStore):
         a = self._agent(agent_id)
         if workspace_id is not None and a.workspace_id != workspace_id:
             raise NotFound(f"no agent {agent_id}")
-        return wakeup_view(self.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
-                                                    reason=reason, wake_at=wake_at))
+        return wakeup_view(self.db.Wakeup[self.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
+                                                              reason=reason, wake_at=wake_at)])
 
     def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
                      source: str | None = None, limit: int = 100, task_id: str | None = None) -> list[dict[str, Any]]:
@@ -5086,19 +5118,19 @@ class PipelineStore(OfficeStore):
         or in its cooldown, or whose retry or wake time is ahead, stays queued."""
         due = sql_time(now)
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
-            'SELECT a.id FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
+            'SELECT a.id, a.status, a.last_wakeup_finished_at, a.cooldown_sec, a.max_concurrent_sessions '
+            'FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
             "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
         active = self.wakeups_by_agent("claimed")
         candidates: list[tuple[Any, str]] = []
-        for a in self.db.Agent.select(lambda a: a.id in waiting):
-            if a.status in ("paused", "stopped"):
+        for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
+            if status in ("paused", "stopped"):
                 room = limit   # the status guard finishes these without a session
-            elif (a.last_wakeup_finished_at is not None
-                  and aware(a.last_wakeup_finished_at) + timedelta(seconds=a.cooldown_sec) > now):
+            elif last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
                 continue
             else:
-                room = a.max_concurrent_sessions - active.get(a.id, 0)
+                room = max_sessions - active.get(agent_id, 0)
             if room <= 0:
                 continue
             candidates += self.db.select(
@@ -5106,7 +5138,7 @@ class PipelineStore(OfficeStore):
                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
-                'ORDER BY requested_at, rowid LIMIT $room', {"agent": a.id, "due": due, "room": room})
+                'ORDER BY requested_at, rowid LIMIT $room', {"agent": agent_id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> PipelineOutcome:
@@ -5180,11 +5212,11 @@ class PipelineStore(OfficeStore):
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge). A
         # retry still waiting (a rate-limit reset, a backoff) is not pulled forward: this wakeup
         # joins it instead, so the later due time and the retry count stand.
-        agent_id, scope = agent.id, w.task_id
-        same_scope = (lambda q: q.task_id == scope) if scope else (lambda q: q.task_id is None)
-        queued = self.db.Wakeup.select(lambda q: q.agent_id == agent_id and q.status == "queued"
-                                       and q.wake_at is None and q.id != wakeup_id).filter(same_scope)
-        others = list(queued.order_by(lambda q: (q.requested_at, q.id)))
+        others = [self.db.Wakeup[other] for other in self.db.select(
+            'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
+            + ("task_id = $t" if w.task_id else "task_id IS NULL")
+            + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
+            {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
         if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
             self._release_checkout(w.task_id, agent.id)
             self._coalesce(waiting[0], w, now)
@@ -5210,7 +5242,7 @@ class PipelineStore(OfficeStore):
         resumed = bool(session and profile.resume)
         row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
         summary = row.content[:SUMMARY_PROMPT_CHARS] if row else ""
-        prompt = self._office_prompt(agent, w, resumed=resumed, summary=summary)
+        prompt = self._office_prompt(agent, w, resumed=resumed, summary=summary, task=task)
         run = self._queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt, repository=repository,
                               workdir=".", source_ref=ws.source_ref, notify="wakeup", now=now, label=agent.name,
                               limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
@@ -5223,8 +5255,7 @@ class PipelineStore(OfficeStore):
                           context_snapshot=w.context_snapshot, resumed=resumed,
                           session_id=session.session_id if resumed else None, queued_at=naive(now))
         w.run_id = run.id
-        for other in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id):
-            other.run_id = run.id
+        self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run.id, "w": wakeup_id})
         agent.status = "working"
         self._budget_alert(agent, ws, now)
         self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run.id}, now)
@@ -5306,11 +5337,11 @@ class PipelineStore(OfficeStore):
                                  "error": error[:ERROR_TAIL_BYTES]}, now,
                                 idempotency_key=f"agent_error:{w.run_id or w.id}:{c.id}")   # no run: the wakeup
 
-    def _on_run_settled(self, r, status: RunStatus, now: datetime) -> None:
+    def _on_run_settled(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
         if r.trigger == "wakeup":
             self._settle_office_run(r, status, now)
 
-    def _settle_office_run(self, r, status: RunStatus, now: datetime) -> None:
+    def _settle_office_run(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
         """Pipeline step 12, in the run's settlement transaction: the wakeup finishes (or
         is retried), the lock is released, the session and the summary are kept."""
         o = self.db.OfficeRun.get(run_id=r.id)
@@ -5609,10 +5640,9 @@ class RoutineStore(PipelineStore):
         else:
             payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks}   # with {{date}}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
-            w = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
-                                    reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
-                                    idempotency_key=key)
-            x.wakeup_id = w.id
+            x.wakeup_id = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
+                                              reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
+                                              idempotency_key=key)
         self.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
         return routine_run_view(x)

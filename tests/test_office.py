@@ -66,7 +66,7 @@ def retry_due(w: dict) -> datetime:
 
 
 def enqueue(store: outpost.Store, agent_id: str, source, payload: dict, now: datetime, **kw) -> str:
-    return store.transaction(lambda: store.enqueue_wakeup(WS, agent_id, source, payload, now, **kw).id)[0]
+    return store.transaction(store.enqueue_wakeup, WS, agent_id, source, payload, now, **kw)[0]
 
 
 def routine_wake(store: outpost.Store, agent_id: str, now: datetime, routine_id: str = "r1", **payload) -> str:
