@@ -141,6 +141,8 @@ STORE_RETRY_S = 2.0
 BUSY_TIMEOUT_MS = 5000
 #: Store calls one group commit takes at most (a bound on how long its first caller waits).
 GROUP_COMMIT_MAX = 128
+#: A cron wake-up this close after the instant it slept until is on time: what it read while asleep holds.
+CRON_ON_TIME_S = 1.0
 #: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
 CLEANUP_S = 10.0
 #: The notification actor looks for settled runs it was not told about this often.
@@ -3838,7 +3840,8 @@ class ScheduleStore(StoreBase):
         return True
 
     def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S, digests: dict[str, str] | None = None,
-                  heads: dict[str, str] | None = None, up_since: datetime | None = None) -> list[str]:
+                  heads: dict[str, str] | None = None, up_since: datetime | None = None,
+                  until: datetime | None = None) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
 
         A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``;
@@ -3847,15 +3850,17 @@ class ScheduleStore(StoreBase):
         commit) serve skip_if_unchanged. A slot missed while the daemon was up (due after
         ``up_since``: a stalled store, a clock step) raises the dead-man's ``missed_fire`` item.
         The next fire advances in the same transaction, and the ledger's UNIQUE (schedule,
-        due_at) stops a second claimer."""
+        due_at) stops a second claimer. ``until``: claim only slots due by then (those whose
+        ``heads`` were resolved); later ones wait for the next claim."""
         queued: list[str] = []
+        cutoff = min(until, now) if until is not None else now
         due = self.db.Schedule.select(lambda s: not s.archived and s.next_fire_at is not None
-                                      and s.next_fire_at <= naive(now))
+                                      and s.next_fire_at <= naive(cutoff))
         for s in due.order_by(lambda s: s.next_fire_at):
             timing = s.definition["timing"]
             anchor = aware(s.anchored_at)
             first_due = aware(s.next_fire_at)
-            due = due_slots(timing, first_due, now, anchor=anchor)
+            due = due_slots(timing, first_due, cutoff, anchor=anchor)
             total, slots = due.count, due.recent
             later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
             s.next_fire_at = naive(later[0]) if later else None
@@ -5706,6 +5711,11 @@ class RoutineStore(PipelineStore):
         """The cron actor's wake-up: the earliest next fire of a schedule or a routine trigger."""
         return min((t for t in (self.next_due_at(), self.next_routine_due_at()) if t), default=None)
 
+    def next_fire_plan(self) -> tuple[datetime | None, list[tuple[str, str, str]]]:
+        """The cron actor's wake-up and, for it, the due schedules whose refs it resolves first."""
+        upcoming = self.next_fire_at()
+        return upcoming, self.unchanged_checks(upcoming) if upcoming is not None else []
+
     def webhook_trigger(self, public_id: str, now: datetime) -> dict[str, Any]:
         t = self.db.RoutineTrigger.get(public_id=public_id)
         if t is None or t.kind != "webhook":
@@ -6629,11 +6639,15 @@ async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
         await resolve_and_admit(deps, [fired["run_id"]])
 
 
-async def unchanged_heads(deps: Deps, now: datetime) -> dict[str, str]:
+async def unchanged_heads(deps: Deps, now: datetime,
+                          checks: list[tuple[str, str, str]] | None = None) -> dict[str, str]:
     """skip_if_unchanged: the commit each due schedule's source_ref names now (git, before the
-    claim's transaction). A ref that does not resolve is left out: that fire runs and says why."""
+    claim's transaction). A ref that does not resolve is left out: that fire runs and says why.
+    ``checks``: the due schedules that ask for it, as read before the sleep (None: read them now)."""
     heads = {}
-    for schedule_id, repository, ref in await deps.transaction_retrying(deps.store.unchanged_checks, now):
+    if checks is None:
+        checks = await deps.transaction_retrying(deps.store.unchanged_checks, now)
+    for schedule_id, repository, ref in checks:
         with contextlib.suppress(LaunchError):
             heads[schedule_id] = await deps.refs.resolve(repository, ref)
     return heads
@@ -6646,13 +6660,19 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     every due slot of each kind in one transaction. Ends when cancelled. Errors: a store error ends the process."""
     clog = log.getChild("cron")
     up_since = deps.clock.now()   # a slot due before this was missed in downtime: catch_up, no alarm
+    # Read while asleep, for the instant it sleeps until: the due schedules that skip_if_unchanged.
+    # Then the due instant costs no read before the claim, and the claim takes only the slots due
+    # by that instant (a later one waits for the next pass, which reads its checks first).
+    checks, prepared_for = None, None
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
-            heads = await unchanged_heads(deps, deps.clock.now())
+            if prepared_for is not None and deps.clock.now() - prepared_for > timedelta(seconds=CRON_ON_TIME_S):
+                checks, prepared_for = None, None   # woke late (a stall, a clock step): read them for now
+            heads = await unchanged_heads(deps, deps.clock.now(), checks)
             # now is read when the claim runs: after a stall its slots are late, and the dead-man says so
-            queued = await deps.until_stored(lambda heads=heads: deps.transaction(
+            queued = await deps.until_stored(lambda heads=heads, until=prepared_for: deps.transaction(
                 deps.store.claim_due, deps.clock.now(), digests=deps.profile_digests, heads=heads,
-                up_since=up_since), "claim_due")
+                up_since=up_since, until=until), "claim_due")
             if queued:
                 clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
                 resolving.start_soon(resolve_and_admit, deps, queued)
@@ -6666,13 +6686,15 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             if fired:
                 clog.info("fired %d routine tick(s)", fired)
                 deps.nudge(Actor.CLAIM)   # their wakeups wait for the dispatcher
-            upcoming = await deps.transaction_retrying(deps.store.next_fire_at)
+            upcoming, checks = await deps.transaction_retrying(deps.store.next_fire_plan)
+            prepared_for = upcoming
             deps.cron_watch.waiting_for = upcoming
             wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
             with trio.move_on_at(deps.clock.deadline(wake_at)):
                 await wake_in.receive()
+                checks, prepared_for = None, None   # nudged: a schedule changed; read them again
 
 
 async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:

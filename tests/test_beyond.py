@@ -76,6 +76,60 @@ async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path,
     store.close()
 
 
+async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_costs_only_the_claim(
+        autojump_clock, tmp_path, git_repo, monkeypatch):
+    """Fire lag (issue 15): what the claim needs to know before it runs is read with the
+    wake-up plan, before the sleep; at the due instant the actor resolves the ref and claims,
+    with no read in between. A commit that lands while it sleeps still counts: the ref is
+    resolved at the instant, not before. (The ref's commit is a fake here: a real git process
+    under MockClock lets the clock jump while it runs.)"""
+    store = outpost.Store(tmp_path / "prepared.sqlite3")
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True)
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    head = {"now": "1" * 40}
+    asked_at = []
+
+    async def resolve_ref(repository: str, ref: str) -> str:
+        asked_at.append(deps.clock.now())
+        return head["now"]
+    monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
+    cron_calls = []
+    real = store.transaction
+
+    def recording(fn, *args, **kwargs):
+        name = getattr(fn, "func", fn).__name__   # Deps.transaction hands a partial
+        if name in ("unchanged_checks", "claim_due", "next_fire_plan"):
+            cron_calls.append(name)
+        return real(fn, *args, **kwargs)
+    monkeypatch.setattr(store, "transaction", recording)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(10 * 60 + 1)    # 08:10: the first run of this schedule
+            (run,) = call(store, store.list_runs, sched["id"], None, 10, None)["runs"]
+            settle(store, run["id"], "succeeded", deps.clock.now())
+            await trio.sleep(10 * 60)        # 08:20: nothing changed, so it skips
+            head["now"] = "2" * 40           # a commit lands while the actor sleeps
+            await trio.sleep(10 * 60)        # 08:30: it fires
+            nursery.cancel_scope.cancel()
+    assert ledger(store, sched["id"]) == ["admitted", "skipped_unchanged", "admitted"]
+    assert {T0 + 10 * MIN, T0 + 20 * MIN, T0 + 30 * MIN} <= set(asked_at), "asked at each due instant"
+    assert cron_calls.count("unchanged_checks") == 1, "after the first pass the checks come with the wake-up plan"
+    claims = [i for i, name in enumerate(cron_calls) if name == "claim_due"][1:]
+    assert all(cron_calls[i - 1] == "next_fire_plan" for i in claims), cron_calls
+    store.close()
+
+
+def test_a_claim_until_an_instant_leaves_later_slots_for_the_next_claim(store, git_repo):
+    early = call(store, store.create_schedule, normalized(git_repo, name="early", timing=EVERY_10_MIN), T0)
+    later = call(store, store.create_schedule, normalized(git_repo, name="later", timing=EVERY_10_MIN),
+                 T0 + timedelta(seconds=2))
+    assert len(call(store, store.claim_due, T0 + 10 * MIN + timedelta(seconds=3), until=T0 + 10 * MIN)) == 1
+    assert ledger(store, early["id"]) == ["admitted"] and ledger(store, later["id"]) == []
+    assert len(call(store, store.claim_due, T0 + 10 * MIN + timedelta(seconds=3))) == 1
+    assert ledger(store, later["id"]) == ["admitted"]
+
+
 ###############################################################################
 # catch_up ask
 ###############################################################################
