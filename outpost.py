@@ -3683,18 +3683,24 @@ class ScheduleStore(StoreBase):
     def _queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
                    workdir: str, source_ref: str, limits: dict[str, Any], notify: str, now: datetime,
                    due_at: datetime | None = None, missed_count: int = 0, occurrence_id: str | None = None,
-                   label: str | None = None):
+                   label: str | None = None, **more: Any) -> str:
+        """A queued run, as one plain INSERT (a fire, a dispatch and a wakeup's claim all make
+        one); ``more``: further columns of the run (a reply's branch, a re-run's commit). Its id."""
         rid = new_id("out")
-        r = self.db.Run(id=rid, schedule=schedule, occurrence_id=occurrence_id, agent=agent, trigger=trigger,
-                        due_at=naive(due_at), missed_count=missed_count, status=str(RunStatus.QUEUED),
-                        prompt=prompt, repository=repository, workdir=workdir, source_ref=source_ref,
-                        timeout_seconds=limits["timeout_seconds"], model=limits.get("model"),
-                        max_cost_usd=limits.get("max_cost_usd"), notify=notify,
-                        result_branch=result_branch(schedule.name if schedule else label, rid),
-                        queued_at=naive(now))
+        columns = {"id": rid, "schedule": schedule.id if schedule else None, "occurrence_id": occurrence_id,
+                   "agent": agent, "trigger": trigger, "due_at": sql_time(due_at) if due_at else None,
+                   "missed_count": missed_count, "status": str(RunStatus.QUEUED), "prompt": prompt,
+                   "repository": repository, "workdir": workdir, "source_ref": source_ref,
+                   "timeout_seconds": limits["timeout_seconds"], "model": limits.get("model"),
+                   "max_cost_usd": limits.get("max_cost_usd"), "notify": notify,
+                   "result_branch": result_branch(schedule.name if schedule else label, rid), "commits": 0,
+                   "over_budget": False, "continues_branch": False, "cancel_requested": False, "notified": False,
+                   "queued_at": sql_time(now), **more}
+        self.db.execute(f'INSERT INTO "Run" ({", ".join(columns)}) VALUES ({", ".join("$" + c for c in columns)})',
+                        columns)
         self.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
                                  "trigger": trigger}, now)
-        return r
+        return rid
 
     def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime, missed_count: int = 0,
                    since: datetime | None = None, counted_all: bool = True, head: str | None = None,
@@ -3728,15 +3734,15 @@ class ScheduleStore(StoreBase):
             prompt = render_brief(d["brief"], due_at, tz)
             if trigger == "catch_up":
                 prompt += catch_up_note(missed_count, since or due_at, tz, counted_all=counted_all)
-            run = self._queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
-                                  repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
-                                  limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
-                                  missed_count=missed_count, occurrence_id=oid)
-            self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run.id, "oid": oid})
+            run_id = self._queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
+                                     repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
+                                     limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
+                                     missed_count=missed_count, occurrence_id=oid)
+            self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
             s.last_fired_at = naive(now)
             self.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
-                                             "run_id": run.id, "trigger": trigger}, now)
-            return outcome, run.id, oid
+                                             "run_id": run_id, "trigger": trigger}, now)
+            return outcome, run_id, oid
         if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
             run.missed_count += 1
         self.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
@@ -3936,12 +3942,11 @@ class ScheduleStore(StoreBase):
         return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
 
     def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None) -> dict[str, Any]:
-        r = self._queue_run(schedule=None, agent=payload["agent"], trigger="dispatch", prompt=payload["brief"],
-                            repository=payload["repository"], workdir=payload["workdir"],
-                            source_ref=payload["source_ref"], limits=payload["limits"],
-                            notify=payload["notify"], now=now)
-        r.resolved_commit = commit
-        return {"run_id": r.id}
+        return {"run_id": self._queue_run(schedule=None, agent=payload["agent"], trigger="dispatch",
+                                          prompt=payload["brief"], repository=payload["repository"],
+                                          workdir=payload["workdir"], source_ref=payload["source_ref"],
+                                          limits=payload["limits"], notify=payload["notify"], now=now,
+                                          resolved_commit=commit)}
 
     def snapshot(self) -> dict[str, Any]:
         active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
@@ -4256,12 +4261,11 @@ class RunStore(ScheduleStore):
             raise Conflict(f"run {run_id} never resolved a commit (it failed before it started): fire again instead")
         if r.trigger == "wakeup":
             raise Conflict(f"run {run_id} is an Office run; wake its agent instead")
-        again = self._queue_run(schedule=r.schedule, agent=r.agent, trigger="rerun", prompt=r.prompt,
-                                repository=r.repository, workdir=r.workdir, source_ref=r.source_ref,
-                                limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
-                                        "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now)
-        again.set(resolved_commit=r.resolved_commit, rerun_of=r.id)
-        return {"run_id": again.id}
+        return {"run_id": self._queue_run(schedule=r.schedule, agent=r.agent, trigger="rerun", prompt=r.prompt,
+                                          repository=r.repository, workdir=r.workdir, source_ref=r.source_ref,
+                                          limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
+                                                  "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
+                                          resolved_commit=r.resolved_commit, rerun_of=r.id)}
 
     def run_facts(self, run_id: str) -> dict[str, Any]:
         """A run as a comparison needs it: its view plus its prompt."""
@@ -4324,16 +4328,16 @@ class RunStore(ScheduleStore):
         note = (f"\n\n(Outpost: this answers your question in run {r.id}: {r.question or 'see that run'}. "
                 f"Go on with that work on branch {r.result_branch}.)")
         prompt = message + note if session else f"{r.prompt}\n\n(Outpost: you asked: {r.question}.)\n\n{message}"
+        # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
         reply = self._queue_run(schedule=r.schedule, agent=r.agent, trigger="reply", prompt=prompt[:MAX_PROMPT_CHARS],
                                 repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
-                                limits={"timeout_seconds": r.timeout_seconds, "model": r.model}, notify=r.notify,
-                                now=now)
-        # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
-        reply.set(result_branch=r.result_branch, continues_branch=True, continues=r.id, resume_session_id=session,
-                  owner=r.owner, max_cost_usd=r.max_cost_usd, worktree_run=r.worktree_run or r.id)
-        r.answered_by = reply.id
-        self.emit("run.answered", {"run_id": r.id, "reply_run_id": reply.id}, now)
-        return {"run_id": reply.id}
+                                limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
+                                        "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
+                                result_branch=r.result_branch, continues_branch=True, continues=r.id,
+                                resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id)
+        r.answered_by = reply
+        self.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
+        return {"run_id": reply}
 
     def ask_human(self, run_id: str, question: str, now: datetime) -> dict[str, Any]:
         """``POST /api/agent/needs-you``: the run's question; it settles ``needs_you``."""
@@ -5248,23 +5252,24 @@ class PipelineStore(OfficeStore):
         row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
         summary = row.content[:SUMMARY_PROMPT_CHARS] if row else ""
         prompt = self._office_prompt(agent, w, resumed=resumed, summary=summary, task=task)
-        run = self._queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt, repository=repository,
-                              workdir=".", source_ref=ws.source_ref, notify="wakeup", now=now, label=agent.name,
-                              limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
-                                      "model": None})
-        if w.task_id:   # API.md 8.5: one worktree path and branch per (agent, task), continued run after run
-            run.result_branch, run.continues_branch = office_branch(w.task_id, agent.name), True
-            run.resume_session_id = session.session_id if resumed else None
-        self.db.OfficeRun(run_id=run.id, wakeup_id=w.id, agent_id=agent.id, workspace_id=w.workspace_id,
+        # API.md 8.5: one worktree path and branch per (agent, task), continued run after run
+        session_run = ({"result_branch": office_branch(w.task_id, agent.name), "continues_branch": True,
+                        "resume_session_id": session.session_id if resumed else None} if w.task_id else {})
+        run_id = self._queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt,
+                                 repository=repository, workdir=".", source_ref=ws.source_ref, notify="wakeup",
+                                 now=now, label=agent.name,
+                                 limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
+                                         "model": None}, **session_run)
+        self.db.OfficeRun(run_id=run_id, wakeup_id=w.id, agent_id=agent.id, workspace_id=w.workspace_id,
                           task_id=w.task_id, assembled_prompt=prompt, summary_injected=summary,
                           context_snapshot=w.context_snapshot, resumed=resumed,
                           session_id=session.session_id if resumed else None, queued_at=naive(now))
-        w.run_id = run.id
-        self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run.id, "w": wakeup_id})
+        w.run_id = run_id
+        self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run_id, "w": wakeup_id})
         agent.status = "working"
         self._budget_alert(agent, ws, now)
-        self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run.id}, now)
-        return PipelineOutcome(claimed=True, run_id=run.id)
+        self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
+        return PipelineOutcome(claimed=True, run_id=run_id)
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
                               limited_until: datetime | None = None) -> None:
