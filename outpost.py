@@ -3343,7 +3343,9 @@ def _forget_loaded(db: orm.Database) -> None:
     """Between the calls of a group: a fresh Pony session cache on the same connection and
     transaction, so no call reads a row as an earlier call's Pony objects last saw it (a
     plain-SQL write does not update them)."""
-    old = orm.core.local.db2cache[db]
+    old = orm.core.local.db2cache.get(db)
+    if old is None:   # the call read and wrote nothing
+        return
     new = orm.core.SessionCache(db)
     new.connection, new.in_transaction, new.immediate = old.connection, old.in_transaction, old.immediate
     new.db_session, new.saved_fk_state = old.db_session, old.saved_fk_state
@@ -4434,9 +4436,8 @@ class AccessStore(RunStore):
         return rec.status, rec.body
 
     def finish_idempotent(self, key: str, status: int, body: Any) -> None:
-        rec = self.db.IdempotencyRecord.get(key=key)
-        if rec is not None:
-            rec.state, rec.status, rec.body = "done", status, body
+        self.db.execute('UPDATE "IdempotencyRecord" SET state = \'done\', status = $status, body = $body '
+                        'WHERE key = $key', {"status": status, "body": json.dumps(body), "key": key})
 
     def abandon_idempotent(self, key: str) -> None:
         self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key AND state = 'in_flight'", {"key": key})

@@ -203,3 +203,9 @@ def test_a_call_of_a_group_reads_what_the_calls_before_it_wrote_in_plain_sql(sto
 
     written = store.transactions([load, rename, lambda: store.db.Schedule[sid].name])
     assert [w.result for w in written] == ["old", None, "new"]
+
+
+def test_calls_that_touch_nothing_share_a_group_with_those_that_do(store):
+    written = store.transactions([lambda: "nothing read", lambda: store.list_schedules(), lambda: 3])
+    assert [w.result for w in written] == ["nothing read", [], 3]
+    assert [w.error for w in written] == [None, None, None]

@@ -327,8 +327,8 @@ def outpost_fire_lag(tmp: Path, repo: Path, total: int, due_n: int, window: floa
     config = outpost.Config(data_dir=tmp, agents=(outpost.demo_profile(),))
     deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="bench")
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
+    async def main() -> None:   # refs resident, as under `outpost serve`
+        async with deps.refs.resident(), trio.open_nursery() as nursery:
             nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
             deadline = trio.current_time() + lead + window + 5.0
             while trio.current_time() < deadline and sum(len(r) for _, r in store.claims) < due_n:
@@ -475,8 +475,8 @@ def bench_due_to_start(q: bool, work: Path) -> list[dict[str, Any]]:
             with outpost.orm.db_session:
                 return store.db.select("SELECT COUNT(*) FROM \"Run\" WHERE finished_at IS NOT NULL")[0]
 
-        async def main(deps: outpost.Deps = deps) -> None:
-            async with trio.open_nursery() as nursery:
+        async def main(deps: outpost.Deps = deps) -> None:   # refs resident, as under `outpost serve`
+            async with deps.refs.resident(), trio.open_nursery() as nursery:
                 nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
                 nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
                 deadline = trio.current_time() + 1.0 + 2 * n * gap + 20
