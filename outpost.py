@@ -3535,9 +3535,10 @@ class ScheduleStore(StoreBase):
         return s
 
     def _active_run(self, schedule_id: str):
-        return self.db.Run.select(lambda r: r.schedule.id == schedule_id
-                                  and r.status in ACTIVE_RUN_STATUSES
-                                  ).order_by(lambda r: r.queued_at).first()
+        """The schedule's oldest queued, running or paused run (one index probe), or None."""
+        rows = self.db.select(f'SELECT id FROM "Run" WHERE schedule = $sid AND status IN {ACTIVE_RUN_SQL} '
+                              "ORDER BY queued_at, id LIMIT 1", {"sid": schedule_id})
+        return self.db.Run[rows[0]] if rows else None
 
     def _schedule_view(self, s) -> dict[str, Any]:
         active = self._active_run(s.id)
