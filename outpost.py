@@ -3327,6 +3327,15 @@ class GroupMemberFailed(Exception):
         self.index = index
 
 
+def cannot_write(error: Exception | None) -> bool:
+    """Whether a store error is the database's, not a call's: locked by another process past the
+    busy timeout, or a full or failing disk (a failed commit comes wrapped)."""
+    if not isinstance(error, orm.dbapiprovider.OperationalError | orm.CommitException):
+        return False
+    text = str(error).lower()
+    return "locked" in text or "busy" in text or "full" in text or "disk" in text
+
+
 def _run_group(db: orm.Database, calls: list[Callable[[], Any]]) -> list[Any]:
     results = []
     for index, call in enumerate(calls):
@@ -3334,6 +3343,8 @@ def _run_group(db: orm.Database, calls: list[Callable[[], Any]]) -> list[Any]:
             results.append(call())
             orm.flush()
         except Exception as exc:
+            if cannot_write(exc):   # the whole group's: nobody is run again into the same lock
+                raise
             raise GroupMemberFailed(index) from exc
         _forget_loaded(db)
     return results
@@ -6577,11 +6588,9 @@ class Deps:
         calls that arrive while another commits); inline in tests that drive a MockClock."""
         call = functools.partial(fn, *args, **kwargs)
         written = self.store._alone(call) if self.inline_db else await self.writer.run(call)
-        if isinstance(written.error, orm.dbapiprovider.OperationalError | orm.CommitException):
-            text = str(written.error).lower()   # a failed commit is wrapped
-            if "locked" in text or "busy" in text or "full" in text or "disk" in text:
-                raise StoreUnavailable(f"the database cannot be written now ({written.error}); nothing was "
-                                       "changed, retry shortly") from None
+        if cannot_write(written.error):
+            raise StoreUnavailable(f"the database cannot be written now ({written.error}); nothing was "
+                                   "changed, retry shortly") from None
         if written.error is not None:
             raise written.error
         if written.wrote:

@@ -7,6 +7,7 @@ These tests use the real writer thread (no ``inline_db``): a store call that wai
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import pytest
@@ -209,3 +210,27 @@ def test_calls_that_touch_nothing_share_a_group_with_those_that_do(store):
     written = store.transactions([lambda: "nothing read", lambda: store.list_schedules(), lambda: 3])
     assert [w.result for w in written] == ["nothing read", [], 3]
     assert [w.error for w in written] == [None, None, None]
+
+
+def test_a_database_locked_by_another_process_fails_the_group_once_not_each_call_again(tmp_path, monkeypatch):
+    """A lock held past the busy timeout is the database's error, not a call's: every call of
+    the group gets it after one wait (the API answers 503), none is run again into the same lock."""
+    monkeypatch.setattr(outpost, "BUSY_TIMEOUT_MS", 50)
+    store = outpost.Store(tmp_path / "locked.sqlite3")
+    outside = sqlite3.connect(tmp_path / "locked.sqlite3", isolation_level=None)
+    outside.execute("BEGIN EXCLUSIVE")
+    tries = []
+    real = store.transaction
+
+    def counting(fn, *args, **kwargs):
+        tries.append(fn)
+        return real(fn, *args, **kwargs)
+    monkeypatch.setattr(store, "transaction", counting)
+    written = store.transactions([lambda i=i: create_now(store, f"s{i}") for i in range(3)])
+    assert all(outpost.cannot_write(w.error) for w in written), written
+    assert len(tries) == 1
+    outside.execute("ROLLBACK")
+    outside.close()
+    monkeypatch.undo()
+    assert schedule_names(store) == []
+    store.close()
