@@ -3771,10 +3771,11 @@ class ScheduleStore(StoreBase):
     def unchanged_checks(self, now: datetime) -> list[tuple[str, str, str]]:
         """(schedule id, repository, source_ref) of the due schedules that skip_if_unchanged:
         the cron actor resolves their refs (git) before it claims."""
-        due = self.db.Schedule.select(lambda s: s.enabled and not s.archived and s.next_fire_at is not None
-                                      and s.next_fire_at <= naive(now))
-        return [(s.id, s.definition["repository"], s.definition["source_ref"]) for s in due
-                if s.definition.get("skip_if_unchanged")]
+        rows = self.db.select(   # the flag is stored only when true: a LIKE keeps the others unread
+            'SELECT id, definition FROM "Schedule" WHERE enabled AND NOT archived AND next_fire_at <= $now '
+            "AND definition LIKE '%\"skip_if_unchanged\"%' ORDER BY next_fire_at, id", {"now": sql_time(now)})
+        definitions = [(sid, json.loads(text) if isinstance(text, str) else text) for sid, text in rows]
+        return [(sid, d["repository"], d["source_ref"]) for sid, d in definitions if d.get("skip_if_unchanged")]
 
     def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime) -> None:
         """catch_up ask: the missed slots wait (ledger ``pending_catch_up``) and one

@@ -120,6 +120,14 @@ async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_
     store.close()
 
 
+def test_the_checks_name_only_schedules_that_skip_even_when_a_brief_mentions_the_flag(store, git_repo):
+    skips = call(store, store.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
+                                                          skip_if_unchanged=True), T0)
+    call(store, store.create_schedule, normalized(git_repo, name="talks", timing=EVERY_10_MIN,
+                                                  brief='Explain "skip_if_unchanged" to the team'), T0)
+    assert call(store, store.unchanged_checks, T0 + 10 * MIN) == [(skips["id"], str(git_repo), "HEAD")]
+
+
 def test_a_claim_until_an_instant_leaves_later_slots_for_the_next_claim(store, git_repo):
     early = call(store, store.create_schedule, normalized(git_repo, name="early", timing=EVERY_10_MIN), T0)
     later = call(store, store.create_schedule, normalized(git_repo, name="later", timing=EVERY_10_MIN),
