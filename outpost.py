@@ -2739,6 +2739,13 @@ def sql_instant(value: str | datetime) -> datetime:
     return aware(datetime.fromisoformat(value) if isinstance(value, str) else value)
 
 
+def sql_list(name: str, values: Iterable[str]) -> tuple[str, dict[str, str]]:
+    """``(...)`` of an ``IN`` for plain SQL, one parameter per value ($name0, $name1, ...):
+    portable, where SQLite's json_each is not. Never call it for no values (``IN ()``)."""
+    params = {f"{name}{i}": value for i, value in enumerate(values)}
+    return "(" + ", ".join(f"${key}" for key in params) + ")", params
+
+
 def sql_time(dt: datetime) -> str:
     """An instant as Pony stores it in SQLite, for raw SQL (sqlite3's own adapter drops
     ``.000000`` on whole seconds, and then text comparisons with Pony's rows fail)."""
@@ -4056,8 +4063,9 @@ class RunStore(ScheduleStore):
         runs in the order they were queued, passing over those of a profile that is limited,
         paused for a login, or at its own ``max_running`` (``caps``): its runs wait, the others
         go by (no head-of-line blocking). The conditional UPDATEs let one claimer win; their
-        ``+status`` keeps SQLite on the primary key for the few ids chosen (with a plain
-        ``status`` it walks every queued run: 31 ms at 100,000 queued instead of 1 ms)."""
+        ``status || ''`` keeps SQLite on the primary key for the few ids chosen (with a plain
+        ``status`` it walks every queued run: 31 ms at 100,000 queued instead of 1 ms). Plain,
+        portable SQL: it runs unchanged on PostgreSQL."""
         running = self.db.select('SELECT COUNT(*) FROM "Run" WHERE status = \'running\'')[0]
         free = min(max_running - running, limit if limit is not None else max_running)
         if free <= 0:
@@ -4065,14 +4073,14 @@ class RunStore(ScheduleStore):
         resumed = self.returning(
             'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
             '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
-            ' ORDER BY resume_requested_at LIMIT $free) AND +status = \'paused\' RETURNING id', {"free": free})
+            " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id", {"free": free})
         for run_id in resumed:
             self.emit("run.resumed", {"run_id": run_id}, now)
         chosen = self._choose_queued(free - len(resumed), now, caps or {})
+        ids, params = sql_list("id", chosen)
         started = self.returning(
-            'UPDATE "Run" SET status = \'running\', started_at = $now WHERE id IN '
-            "(SELECT value FROM json_each($ids)) AND +status = 'queued' RETURNING id",
-            {"now": sql_time(now), "ids": json.dumps(chosen)})
+            f"UPDATE \"Run\" SET status = 'running', started_at = $now WHERE id IN {ids} "
+            "AND status || '' = 'queued' RETURNING id", {"now": sql_time(now), **params}) if chosen else []
         for run_id in sorted(started):   # run ids are ULIDs: queue order
             self.emit("run.started", {"run_id": run_id}, now)
         return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
@@ -4084,11 +4092,11 @@ class RunStore(ScheduleStore):
         held |= {name for name, cap in caps.items() if counts.get(name, 0) >= cap}
         chosen: list[str] = []
         while len(chosen) < free:   # each pass chooses a run or holds a profile: it ends
+            (held_in, held_params), (chosen_in, chosen_params) = sql_list("h", sorted(held)), sql_list("c", chosen)
             rows = self.db.select(
-                'SELECT id, agent FROM "Run" WHERE status = \'queued\' AND agent NOT IN '
-                '(SELECT value FROM json_each($held)) AND id NOT IN (SELECT value FROM json_each($chosen)) '
-                'ORDER BY queued_at, rowid LIMIT $n',
-                {"held": json.dumps(sorted(held)), "chosen": json.dumps(chosen), "n": free - len(chosen)})
+                'SELECT id, agent FROM "Run" WHERE status = \'queued\''
+                + (f" AND agent NOT IN {held_in}" if held else "") + (f" AND id NOT IN {chosen_in}" if chosen else "")
+                + " ORDER BY queued_at, rowid LIMIT $n", {**held_params, **chosen_params, "n": free - len(chosen)})
             if not rows:
                 break
             for run_id, agent in rows:
