@@ -4096,7 +4096,7 @@ class RunStore(ScheduleStore):
             rows = self.db.select(
                 'SELECT id, agent FROM "Run" WHERE status = \'queued\''
                 + (f" AND agent NOT IN {held_in}" if held else "") + (f" AND id NOT IN {chosen_in}" if chosen else "")
-                + " ORDER BY queued_at, rowid LIMIT $n", {**held_params, **chosen_params, "n": free - len(chosen)})
+                + " ORDER BY queued_at, id LIMIT $n", {**held_params, **chosen_params, "n": free - len(chosen)})
             if not rows:
                 break
             for run_id, agent in rows:
@@ -5169,7 +5169,7 @@ class PipelineStore(OfficeStore):
                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
-                'ORDER BY requested_at, rowid LIMIT $room', {"agent": agent_id, "due": due, "room": room})
+                'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> PipelineOutcome:
@@ -5744,15 +5744,19 @@ class RoutineStore(PipelineStore):
         return upcoming, self.unchanged_checks(upcoming) if upcoming is not None else []
 
     def webhook_trigger(self, public_id: str, now: datetime) -> dict[str, Any]:
-        t = self.db.RoutineTrigger.get(public_id=public_id)
-        if t is None or t.kind != "webhook":
+        """What a delivery is checked against, in one query (each webhook fire asks)."""
+        rows = self.db.select(
+            'SELECT t.id, t.routine_id, t.signing_mode, t.secret, t.previous_secret, t.previous_secret_until, '
+            't.enabled, r.status FROM "RoutineTrigger" t LEFT JOIN "Routine" r ON r.id = t.routine_id '
+            "WHERE t.public_id = $p AND t.kind = 'webhook'", {"p": public_id})
+        if not rows:
             raise NotFound("no webhook trigger at this address")
-        r = self.db.Routine.get(id=t.routine_id)
-        secrets_ = [t.secret] if t.secret else []
-        if t.previous_secret and t.previous_secret_until and aware(t.previous_secret_until) > now:
-            secrets_.append(t.previous_secret)
-        return {"trigger_id": t.id, "routine_id": t.routine_id, "signing_mode": t.signing_mode, "secrets": secrets_,
-                "enabled": t.enabled, "routine_status": r.status if r else "archived"}
+        trigger_id, routine_id, signing_mode, secret, previous, previous_until, enabled, status = rows[0]
+        secrets_ = [secret] if secret else []
+        if previous and previous_until and sql_instant(previous_until) > now:
+            secrets_.append(previous)
+        return {"trigger_id": trigger_id, "routine_id": routine_id, "signing_mode": signing_mode, "secrets": secrets_,
+                "enabled": bool(enabled), "routine_status": status or "archived"}
 
     def refuse_webhook(self, trigger_id: str, reason: str, source_address: str | None, size: int,
                        now: datetime) -> None:
@@ -5765,17 +5769,18 @@ class RoutineStore(PipelineStore):
         """(routine run, None) when fired; (None, earlier routine run id) when the signature
         or delivery id was accepted before. The replay key and the run share a transaction."""
         if replay_key:
-            earlier = self.db.WebhookReplay.get(key=replay_key)
-            if earlier is not None and aware(earlier.expires_at) > now:
-                return None, earlier.routine_run_id
-            if earlier is not None:
-                earlier.delete()
-                self.flush()
+            earlier = self.db.select('SELECT routine_run_id, expires_at FROM "WebhookReplay" WHERE key = $k',
+                                     {"k": replay_key})
+            if earlier and sql_instant(earlier[0][1]) > now:
+                return None, earlier[0][0]
+            if earlier:   # expired: the key is free again
+                self.db.execute('DELETE FROM "WebhookReplay" WHERE key = $k', {"k": replay_key})
         t = self.db.RoutineTrigger[trigger_id]
         run = self.fire_routine(t.routine_id, t.id, "webhook", provided, now)
         if replay_key:
-            self.db.WebhookReplay(key=replay_key, routine_run_id=run["id"],
-                                  expires_at=naive(now + timedelta(seconds=replay_ttl_s)))
+            self.db.execute('INSERT INTO "WebhookReplay" (key, routine_run_id, expires_at) VALUES ($k, $run, $until)',
+                            {"k": replay_key, "run": run["id"],
+                             "until": sql_time(now + timedelta(seconds=replay_ttl_s))})
         return run, None
 
     def recovery_sweep(self, now: datetime) -> int:
@@ -6542,8 +6547,9 @@ class GroupCommit:
         group, self.queue = self.queue[:GROUP_COMMIT_MAX], self.queue[GROUP_COMMIT_MAX:]
         for pending in group:
             pending.taken = True
-        try:
-            written = await trio.to_thread.run_sync(self.store.transactions, [p.call for p in group])
+        try:   # shielded: a group once taken is always run and answered, whoever leads it is cancelled
+            with trio.CancelScope(shield=True):
+                written = await trio.to_thread.run_sync(self.store.transactions, [p.call for p in group])
         except Exception as exc:   # the writer thread itself failed (never a call's own error)
             written = [Written(None, False, exc)] * len(group)
         self.sizes[len(group)] += 1

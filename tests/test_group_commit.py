@@ -234,3 +234,35 @@ def test_a_database_locked_by_another_process_fails_the_group_once_not_each_call
     monkeypatch.undo()
     assert schedule_names(store) == []
     store.close()
+
+
+async def test_a_leader_cancelled_on_its_way_to_the_writer_still_runs_and_answers_its_group(tmp_path, monkeypatch):
+    """The group a cancelled caller leads is run anyway: the calls it took (others' among
+    them) are answered, nobody waits forever for a group that never reached the thread."""
+    deps = make_deps(tmp_path)
+    gate, answers = threading.Event(), {}
+    leader_scope = trio.CancelScope()
+    real_run_sync = trio.to_thread.run_sync
+
+    async def cancelled_on_the_way(fn, *args, **kwargs):
+        if len(args[0]) == 2:   # the leader's group: its own call and the follower's
+            leader_scope.cancel()
+        return await real_run_sync(fn, *args, **kwargs)
+    monkeypatch.setattr(trio.to_thread, "run_sync", cancelled_on_the_way)
+
+    async def leader() -> None:
+        with leader_scope:
+            answers["leader"] = (await create(deps, "led"))["name"]
+
+    async def follower() -> None:
+        answers["follower"] = (await create(deps, "followed"))["name"]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await hold_writer(deps, nursery, gate, answers)
+            nursery.start_soon(leader)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(follower)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    assert answers["follower"] == "followed"
+    assert schedule_names(deps.store) == ["followed", "led"]   # the leader's call ran: it had been taken
