@@ -5870,6 +5870,7 @@ class CatFile:
         self.process = process
         self.lock = trio.Lock()
         self.buffer = bytearray()
+        self.closed = False
 
     async def ask(self, name: str) -> str:
         async with self.lock:
@@ -5888,11 +5889,14 @@ class CatFile:
             return line.decode(errors="replace")
 
     def alive(self) -> bool:
-        return self.process.returncode is None
+        return not self.closed and self.process.returncode is None
 
     def close(self) -> None:
+        """Ends it; it counts as gone at once (the next question starts another), even before
+        the killed process has been reaped."""
         if self.alive():
             self.process.kill()
+        self.closed = True
 
 
 class Refs:

@@ -4,6 +4,7 @@ demand, restarted when it dies and ended at shutdown. Real git repositories in a
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,20 @@ async def test_outside_the_daemon_each_question_is_one_rev_parse(tmp_path, no_gi
     assert await refs.resolve(str(repo), "main") == git(repo, "rev-parse", "main")
     assert [argv[3] for argv in no_git_processes] == ["rev-parse"]
     assert refs.cat_files == {}
+
+
+async def test_a_question_cut_short_retires_its_cat_file_and_the_next_one_starts_another(tmp_path):
+    """A question cancelled while it waits leaves its answer unread in the pipe: that process is
+    never asked again, and the next question starts another (a silent process stands in for a
+    cat-file that has not answered yet)."""
+    repo = make_repo(tmp_path / "repo")
+    refs = outpost.Refs()
+    async with refs.resident():
+        silent = outpost.CatFile(await trio.lowlevel.open_process(
+            ["sleep", "30"], stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        refs.cat_files[str(repo)] = silent
+        with trio.move_on_after(0.2):   # it never answers: only the cancel ends the wait
+            await silent.ask("main^{commit}")
+        assert not silent.alive()
+        assert await refs.resolve(str(repo), "main") == git(repo, "rev-parse", "main")
+        assert refs.cat_files[str(repo)] is not silent
