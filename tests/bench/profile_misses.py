@@ -16,6 +16,7 @@ import collections
 import functools
 import json
 import shutil
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -35,6 +36,15 @@ import outpost  # noqa: E402
 TIMED = ("enqueue_wakeup", "dispatch_wakeups", "_claimable_wakeups", "process_wakeup", "_task_facts",
          "_office_prompt", "_queue_run", "settle_run", "_settle_office_run", "_release_checkout",
          "_end_wakeup", "_active_sessions", "admit_ready")
+
+
+def statement_kind(sql: str) -> str:
+    """SELECT, or a write with its table ("INSERT Event")."""
+    words = sql.split()
+    verb = words[0].upper() if words else "?"
+    if verb in ("INSERT", "UPDATE", "DELETE") and '"' in sql:
+        return f"{verb} {sql.split(chr(34))[1]}"
+    return verb
 
 
 def timed_store_methods() -> tuple[collections.Counter, collections.Counter]:
@@ -63,14 +73,29 @@ def wakeup_drain(work: Path) -> None:
     pairs = B.office_template(tpl, repo, n)
     shutil.copytree(tpl, work / "run")
     spent, calls = timed_store_methods()
-    figures = B.outpost_wakeup_drain(work / "run", pairs)
+    statements = collections.Counter()
+    real_connect = sqlite3.connect
+
+    def traced_connect(*args, **kwargs):   # every connection Pony opens, the writer thread's too
+        connection = real_connect(*args, **kwargs)
+        connection.set_trace_callback(lambda sql: statements.update([statement_kind(sql)]))
+        return connection
+    sqlite3.connect = traced_connect
+    try:
+        figures = B.outpost_wakeup_drain(work / "run", pairs)
+    finally:
+        sqlite3.connect = real_connect
     print(f"  enqueue {figures['enqueue']:.0f}/s, drain {figures['drain']:.0f}/s, end to end {figures['e2e']:.0f}/s")
     print(f"  {'store method':22} {'us per wakeup':>14} {'calls':>7}")
     for name, seconds in spent.most_common():
         print(f"  {name:22} {seconds / n * 1e6:14.0f} {calls[name]:7d}")
+    print(f"  {'statement':22} {'per wakeup':>14}")
+    for kind, count in statements.most_common(12):
+        print(f"  {kind:22} {count / n:14.2f}")
     print("  A wakeup is three store calls (enqueue, its claim through the twelve steps, its settlement);\n"
           "  the claim and the settlement load about seven Pony rows (wakeup, agent, task, office run) at\n"
-          "  100-150 us each. Huey's whole cycle is two small SQL statements.")
+          "  100-150 us each. Huey's whole cycle is two small SQL statements; the counts above are\n"
+          "  the contract's: six events, the checkout lock taken and released, the agent's status.")
 
 
 async def rate(port: int, method: str, path: str, headers: dict[str, str], body: bytes, n: int, tag: str | None):
