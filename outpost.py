@@ -2752,6 +2752,10 @@ def sql_time(dt: datetime) -> str:
     return naive(dt).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
+#: Before any instant Outpost stores: "since the beginning" in a comparison of plain SQL.
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 class StoredInstant(SQLiteDatetimeConverter):
     """Pony reads every datetime column with ``time.strptime`` (about 15 µs each, a tenth of
     the CPU of loading a wakeup); the text it wrote is ISO 8601, which ``fromisoformat`` reads
@@ -3117,7 +3121,7 @@ def define_entities(db: orm.Database) -> None:
 #: (new entities). Constraints Pony cannot declare live here, so every rule is in the database.
 SCHEMA_SQL = {
     1: [
-        'CREATE UNIQUE INDEX IF NOT EXISTS schedule_live_name ON "Schedule"(name) WHERE archived = 0',
+        'CREATE UNIQUE INDEX IF NOT EXISTS schedule_live_name ON "Schedule"(name) WHERE NOT archived',
         'CREATE INDEX IF NOT EXISTS run_admission ON "Run"(status, queued_at)',
         'CREATE INDEX IF NOT EXISTS run_schedule ON "Run"(schedule, status)',
         'CREATE INDEX IF NOT EXISTS event_at ON "Event"(at)',
@@ -3157,12 +3161,12 @@ SCHEMA_SQL = {
         'ALTER TABLE "Run" ADD COLUMN failure_kind TEXT',
         'ALTER TABLE "Run" ADD COLUMN cost_usd REAL',
         'ALTER TABLE "Run" ADD COLUMN max_cost_usd REAL',
-        'ALTER TABLE "Run" ADD COLUMN over_budget BOOLEAN NOT NULL DEFAULT 0',
+        'ALTER TABLE "Run" ADD COLUMN over_budget BOOLEAN NOT NULL DEFAULT FALSE',
         'ALTER TABLE "Run" ADD COLUMN question TEXT',
         'ALTER TABLE "Run" ADD COLUMN continues TEXT',
         'ALTER TABLE "Run" ADD COLUMN worktree_run TEXT',
         'ALTER TABLE "Run" ADD COLUMN answered_by TEXT',
-        'ALTER TABLE "Run" ADD COLUMN continues_branch BOOLEAN NOT NULL DEFAULT 0',
+        'ALTER TABLE "Run" ADD COLUMN continues_branch BOOLEAN NOT NULL DEFAULT FALSE',
         'ALTER TABLE "Run" ADD COLUMN resume_session_id TEXT',
         'ALTER TABLE "Workspace" ADD COLUMN budget_usd_per_day REAL',
         'ALTER TABLE "Workspace" ADD COLUMN budget_usd_per_month REAL',
@@ -3339,8 +3343,8 @@ def cannot_write(error: Exception | None) -> bool:
     busy timeout, or a full or failing disk (a failed commit comes wrapped)."""
     if not isinstance(error, orm.dbapiprovider.OperationalError | orm.CommitException):
         return False
-    text = str(error).lower()
-    return "locked" in text or "busy" in text or "full" in text or "disk" in text
+    text = str(error).lower()   # SQLite's lock and disk; PostgreSQL's lost or refused connection
+    return any(word in text for word in ("locked", "busy", "full", "disk", "connect", "terminating"))
 
 
 def _run_group(db: orm.Database, calls: list[Callable[[], Any]]) -> list[Any]:
@@ -3373,17 +3377,91 @@ def _forget_loaded(db: orm.Database) -> None:
     orm.core.local.db2cache[db] = new
 
 
+def is_postgres_url(database: Path | str) -> bool:
+    return str(database).startswith(("postgresql://", "postgres://"))
+
+
+def postgres_bind(url: str) -> dict[str, Any]:
+    """Pony's bind arguments for a postgresql:// URL. The password is the URL's or
+    ``$OUTPOST_DATABASE_PASSWORD`` (API.md 10); query parameters (``sslmode=require``) pass
+    through to libpq."""
+    try:
+        import psycopg2  # noqa: F401, PLC0415 - the optional extra
+    except ImportError:
+        raise ConfigError("a PostgreSQL database needs its driver: pip install 'outpost[postgres]'") from None
+    u = urllib.parse.urlsplit(url)
+    if not u.path.strip("/"):
+        raise ConfigError(f"the database URL {database_label(url)} names no database (postgresql://user@host/NAME)")
+    bind = {"provider": "postgres", "host": u.hostname or "localhost", "port": u.port or 5432,
+            "database": urllib.parse.unquote(u.path.strip("/")), **dict(urllib.parse.parse_qsl(u.query))}
+    if u.username:
+        bind["user"] = urllib.parse.unquote(u.username)
+    if password := (urllib.parse.unquote(u.password) if u.password else os.environ.get("OUTPOST_DATABASE_PASSWORD")):
+        bind["password"] = password
+    return bind
+
+
+def database_label(database: Path | str) -> str:
+    """The database as logs and errors show it: a URL without its password."""
+    if not is_postgres_url(database):
+        return str(database)
+    u = urllib.parse.urlsplit(str(database))
+    user = f"{u.username}@" if u.username else ""
+    return urllib.parse.urlunsplit((u.scheme, f"{user}{u.hostname or ''}{f':{u.port}' if u.port else ''}",
+                                    u.path, "", ""))
+
+
+#: The advisory locks of a PostgreSQL store: one per write transaction, so the nodes of a fleet
+#: write one at a time as SQLite's writers do (every "exactly once" rule of the single process
+#: holds unchanged), and one around a schema migration.
+PG_WRITE_LOCK, PG_MIGRATION_LOCK = 8_102_001, 8_102_002
+
+
+@contextlib.contextmanager
+def postgres_migration_lock(bind: dict[str, Any]) -> Iterator[None]:
+    """A session advisory lock on a connection of its own (Pony's pooled connection forgets
+    session locks between db_sessions): nodes starting together migrate one after another."""
+    import psycopg2  # noqa: PLC0415 - the optional extra, checked by postgres_bind
+
+    params = {k: v for k, v in bind.items() if k != "provider"}
+    params["dbname"] = params.pop("database")
+    connection = psycopg2.connect(**params)
+    try:
+        connection.autocommit = True
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_lock(%s)", (PG_MIGRATION_LOCK,))
+        yield
+    finally:
+        connection.close()   # ends the session, and its lock with it
+
+
 class StoreBase:
     """The bottom layer: the database (bind, pragmas, migrations), one transaction per call
     with its events numbered last, the event log, and attention items."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, database: Path | str, *, data_dir: Path | None = None):
+        """``database``: a SQLite file (the embedded default), ``:memory:``, or a postgresql://
+        URL (API.md 10). ``data_dir`` holds the default workspace's embedded repository; it is
+        the SQLite file's directory unless given."""
         self.db = orm.Database()
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
+        self.database, self.postgres = database, is_postgres_url(database)
+        if data_dir is None and not self.postgres and str(database) != ":memory:":
+            data_dir = Path(database).absolute().parent
         #: Where the default workspace's runs go while it names no repository (API.md 7.1).
-        self.embedded_repository = (None if str(path) == ":memory:" else
-                                    str(Path(path).absolute().parent / "workspaces" / DEFAULT_WORKSPACE))
+        self.embedded_repository = str(data_dir / "workspaces" / DEFAULT_WORKSPACE) if data_dir else None
+        if self.postgres:
+            bind = postgres_bind(str(database))
+            self.db.bind(**bind)
+            # Pony lowercases generated table names on PostgreSQL; the plain SQL names "Run".
+            self.db.provider.normalize_name = lambda name: name[:self.db.provider.max_name_len]
+            with postgres_migration_lock(bind):   # two nodes starting together migrate one at a time
+                with orm.db_session:
+                    fresh = not self.db.select("SELECT COUNT(*) FROM information_schema.tables "
+                                               "WHERE table_schema = current_schema()")[0]
+                self._migrate(fresh)
+            return
 
         @self.db.on_connect(provider="sqlite")
         def _pragmas(_db, connection):
@@ -3393,8 +3471,8 @@ class StoreBase:
             cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             cur.execute("PRAGMA foreign_keys=ON")
 
-        fresh = not Path(path).exists() if str(path) != ":memory:" else True
-        self.db.bind(provider="sqlite", filename=str(path), create_db=True)
+        fresh = not Path(database).exists() if str(database) != ":memory:" else True
+        self.db.bind(provider="sqlite", filename=str(database), create_db=True)
         self.db.provider.converter_classes = [(datetime, StoredInstant), *self.db.provider.converter_classes]
         self._migrate(fresh)
 
@@ -3432,7 +3510,13 @@ class StoreBase:
         """Whether ``sql`` adds a column to a table that exists without it (a new database's
         tables are made whole from their entities)."""
         m = re.match(r'ALTER TABLE "(\w+)" ADD COLUMN (\w+)', sql)
-        columns = [row[1] for row in self.db.execute(f'PRAGMA table_info("{m[1]}")').fetchall()] if m else []
+        if not m:
+            return False
+        if self.postgres:
+            columns = self.db.select("SELECT column_name FROM information_schema.columns WHERE table_schema = "
+                                     "current_schema() AND table_name = $t", {"t": m[1]})
+        else:
+            columns = [row[1] for row in self.db.execute(f'PRAGMA table_info("{m[1]}")').fetchall()]
         return bool(columns) and m[2] not in columns
 
     def close(self) -> None:
@@ -3442,9 +3526,13 @@ class StoreBase:
         """Run ``fn`` in one db_session; events it emitted are numbered last, then committed.
         Returns (result, whether events were written)."""
         self._pending_events = []
-        # serializable: BEGIN IMMEDIATE before the first read, so a claim's reads and
-        # writes are one step that a second process (or connection) cannot interleave.
-        with orm.db_session(serializable=True):
+        # SQLite, serializable: BEGIN IMMEDIATE before the first read, so a claim's reads and
+        # writes are one step that a second process (or connection) cannot interleave. PostgreSQL:
+        # a transaction from the first statement (READ COMMITTED), which takes the fleet's write
+        # lock first, so the nodes' transactions are one after another in the same way.
+        with orm.db_session(serializable=not self.postgres, immediate=self.postgres):
+            if self.postgres:
+                self.db.execute(f"SELECT pg_advisory_xact_lock({PG_WRITE_LOCK})")
             result = fn(*args, **kwargs)
             wrote = bool(self._pending_events)
             if wrote:   # plain SQL: a transaction's events are its last writes, at no ORM cost
@@ -3486,6 +3574,16 @@ class StoreBase:
     def returning(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
         """Run a write with RETURNING; the first column of each row that came back."""
         return [row[0] for row in self.db.execute(sql, params or {}).fetchall()]
+
+    def json_text(self, column: str, *path: str) -> str:
+        """SQL for the text at ``path`` in a JSON column, in this database's dialect."""
+        if self.postgres:
+            return f"{column} #>> '{{{','.join(path)}}}'"
+        return f"json_extract({column}, '$$.{'.'.join(path)}')"
+
+    def json_elements(self, column: str) -> str:
+        """SQL for a JSON array column's elements as rows with a ``value`` column."""
+        return f"jsonb_array_elements_text({column})" if self.postgres else f"json_each({column})"
 
     def emit(self, type_: str, data: dict[str, Any], at: datetime) -> None:
         self._pending_events.append((type_, data, at))
@@ -3662,9 +3760,12 @@ class ScheduleStore(StoreBase):
 
     def last_runs(self, schedule_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The newest run of each of these schedules, in one query (an index probe each)."""
+        if not schedule_ids:
+            return {}
+        ids, params = sql_list("s", schedule_ids)
         rows = self.db.select(
-            'SELECT s.value, r.id, r.status, r.queued_at FROM json_each($ids) s JOIN "Run" r ON r.id = '
-            '(SELECT MAX(id) FROM "Run" WHERE schedule = s.value)', {"ids": json.dumps(schedule_ids)})
+            'SELECT r.schedule, r.id, r.status, r.queued_at FROM "Schedule" s JOIN "Run" r ON r.id = '
+            f'(SELECT MAX(id) FROM "Run" WHERE schedule = s.id) WHERE s.id IN {ids}', params)
         return {sid: {"id": rid, "status": status, "queued_at": rfc3339(sql_instant(queued))}
                 for sid, rid, status, queued in rows}
 
@@ -3682,7 +3783,8 @@ class ScheduleStore(StoreBase):
 
     def schedule_zones(self) -> dict[str, tuple[str, str]]:
         """schedule id -> (name, timezone), for pages that list runs of many schedules."""
-        rows = self.db.select("SELECT id, name, json_extract(definition, '$$.timing.timezone') FROM \"Schedule\"")
+        rows = self.db.select(f"SELECT id, name, {self.json_text('definition', 'timing', 'timezone')} "
+                              'FROM "Schedule"')
         return {sid: (name, tz) for sid, name, tz in rows}
 
     def next_due_at(self) -> datetime | None:
@@ -3780,7 +3882,8 @@ class ScheduleStore(StoreBase):
         the cron actor resolves their refs (git) before it claims."""
         rows = self.db.select(   # the flag is stored only when true: a LIKE keeps the others unread
             'SELECT id, definition FROM "Schedule" WHERE enabled AND NOT archived AND next_fire_at <= $now '
-            "AND definition LIKE '%\"skip_if_unchanged\"%' ORDER BY next_fire_at, id", {"now": sql_time(now)})
+            "AND CAST(definition AS TEXT) LIKE '%\"skip_if_unchanged\"%' ORDER BY next_fire_at, id",
+            {"now": sql_time(now)})
         definitions = [(sid, json.loads(text) if isinstance(text, str) else text) for sid, text in rows]
         return [(sid, d["repository"], d["source_ref"]) for sid, d in definitions if d.get("skip_if_unchanged")]
 
@@ -4240,10 +4343,10 @@ class RunStore(ScheduleStore):
 
     def agent_versions(self) -> dict[str, str]:
         """The CLI version each profile's latest reporting run named, in one query."""
+        version = self.json_text("agent_report", "agent_version")
         return dict(self.db.select(
-            "SELECT agent, json_extract(agent_report, '$$.agent_version') FROM \"Run\" r WHERE finished_at = "
-            "(SELECT MAX(finished_at) FROM \"Run\" WHERE agent = r.agent AND "
-            "json_extract(agent_report, '$$.agent_version') IS NOT NULL)"))
+            f'SELECT agent, {version} FROM "Run" r WHERE finished_at = '
+            f'(SELECT MAX(finished_at) FROM "Run" WHERE agent = r.agent AND {version} IS NOT NULL)'))
 
     def _on_run_settled(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
         """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
@@ -4605,8 +4708,10 @@ class WakeupStore(AccessStore):
 
     def _open_blockers(self, blocker_ids: list[str]) -> list[str]:
         """The blockers not yet Done or Cancelled (a deleted blocker blocks nothing)."""
-        return self.db.select('SELECT id FROM "Task" WHERE id IN (SELECT value FROM json_each($ids)) '
-                              f"AND state NOT IN {TERMINAL_TASK_SQL}", {"ids": json.dumps(blocker_ids)})
+        if not blocker_ids:
+            return []
+        ids, params = sql_list("b", blocker_ids)
+        return self.db.select(f'SELECT id FROM "Task" WHERE id IN {ids} AND state NOT IN {TERMINAL_TASK_SQL}', params)
 
     def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
         t = self.db.Task.get(id=task_id)
@@ -4626,7 +4731,7 @@ class WakeupStore(AccessStore):
                 'SELECT c.author_agent_id, a.name, c.created_at, c.body FROM "Comment" c LEFT JOIN "Agent" a '
                 'ON a.id = c.author_agent_id WHERE c.task_id = $t AND c.created_at > $since '
                 'ORDER BY c.created_at DESC, c.id DESC LIMIT $n',
-                {"t": task["id"], "since": sql_time(aware(since)) if since else "", "n": PROMPT_COMMENTS})
+                {"t": task["id"], "since": sql_time(aware(since) if since else EPOCH), "n": PROMPT_COMMENTS})
             comments = [{"author": (name or "agent") if author else "user",
                          "created_at": rfc3339(sql_instant(created)), "body": body}
                         for author, name, created, body in rows][::-1]
@@ -4899,8 +5004,8 @@ class OfficeStore(WakeupStore):
         """A task reached Done or Cancelled: wake the tasks it was the last blocker of
         (task_blockers_resolved) and the parent whose children are all finished
         (task_children_completed)."""
-        blocked = self.db.select('SELECT id FROM "Task" WHERE workspace_id = $ws AND EXISTS '
-                                 '(SELECT 1 FROM json_each("Task".blocked_by) WHERE value = $tid)',
+        blocked = self.db.select('SELECT id FROM "Task" t WHERE workspace_id = $ws AND EXISTS '
+                                 f'(SELECT 1 FROM {self.json_elements("t.blocked_by")} j WHERE j.value = $tid)',
                                  {"ws": t.workspace_id, "tid": t.id})
         for dependent in (self.db.Task[i] for i in blocked):
             blockers = dependent.blocked_by or []
@@ -5087,10 +5192,10 @@ class PipelineStore(OfficeStore):
         scope = ('o.task_id IN (SELECT id FROM "Task" WHERE project_id = $v)' if column == "project_id"
                  else f"o.{column} = $v")
         runs, usd_day, usd_month = self.db.select(
-            f'SELECT COALESCE(SUM(o.queued_at >= $day), 0), COALESCE(SUM(CASE WHEN o.queued_at >= $day '
-            f'THEN r.cost_usd END), 0), COALESCE(SUM(r.cost_usd), 0) FROM "OfficeRun" o JOIN "Run" r ON '
-            f'r.id = o.run_id WHERE {scope} AND o.queued_at >= MIN($day, $month)',
-            {"v": value, "day": day, "month": month})[0]
+            f'SELECT COALESCE(SUM(CASE WHEN o.queued_at >= $day THEN 1 ELSE 0 END), 0), COALESCE(SUM(CASE '
+            f'WHEN o.queued_at >= $day THEN r.cost_usd END), 0), COALESCE(SUM(r.cost_usd), 0) FROM "OfficeRun" o '
+            f'JOIN "Run" r ON r.id = o.run_id WHERE {scope} AND o.queued_at >= $since',
+            {"v": value, "day": day, "since": min(day, month)})[0]
         return Spend(int(runs), float(usd_day), float(usd_month))
 
     def _budget_exceeded(self, agent, ws, project, now: datetime) -> str | None:
@@ -5428,7 +5533,8 @@ class PipelineStore(OfficeStore):
         builder failure the last good summary stays."""
         row = self.db.ContinuationSummary.get(agent_id=o.agent_id, scope=scope)
         stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
-            "SELECT COUNT(*), COALESCE(SUM(state = 'IN_PROGRESS'), 0), COALESCE(SUM(state = 'IN_REVIEW'), 0) "
+            "SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'IN_PROGRESS' THEN 1 ELSE 0 END), 0), "
+            "COALESCE(SUM(CASE WHEN state = 'IN_REVIEW' THEN 1 ELSE 0 END), 0) "
             f"FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN {TERMINAL_TASK_SQL} "
             "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
         since = sql_time(now - timedelta(days=1))
@@ -5441,7 +5547,7 @@ class PipelineStore(OfficeStore):
         # Open tasks waiting on an open blocker: one query, only what the summary shows, however
         # many tasks the workspace has (this runs inside the settlement's write transaction).
         blocked = (f'FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN {TERMINAL_TASK_SQL} '
-                   "AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM json_each(t.blocked_by) j "
+                   f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
                    f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL})")
         blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
                     for tid, title, ids, created in self.db.select(
@@ -5584,7 +5690,7 @@ class RoutineStore(PipelineStore):
         """Enabled schedule triggers of active routines that wake this agent (the coordinator banner)."""
         return self.db.select('SELECT COUNT(*) FROM "RoutineTrigger" t JOIN "Routine" r ON r.id = t.routine_id '
                               "WHERE r.assignee_agent_id = $a AND r.status = 'active' AND t.kind = 'schedule' "
-                              "AND t.enabled = 1", {"a": agent_id})[0]
+                              "AND t.enabled", {"a": agent_id})[0]
 
     def install_heartbeat(self, agent_id: str, now: datetime) -> dict[str, Any]:
         """The pre-installed coordinator routine, exactly as the spec lists it; an ordinary

@@ -93,11 +93,54 @@ def definition(repo: Path | str, **overrides) -> dict:
     return raw
 
 
+#: A throwaway PostgreSQL cluster's admin URL (``.ci/run`` starts one). With
+#: ``OUTPOST_TEST_STORE=postgres`` the store fixtures below use a fresh database of it per test.
+POSTGRES_ADMIN = os.environ.get("OUTPOST_TEST_POSTGRES_URL")
+ON_POSTGRES = os.environ.get("OUTPOST_TEST_STORE") == "postgres"
+needs_postgres = pytest.mark.skipif(not POSTGRES_ADMIN, reason="no PostgreSQL: .ci/run starts one and sets "
+                                                               "$OUTPOST_TEST_POSTGRES_URL")
+
+
+def postgres_database() -> str:
+    """A new, empty database on the test cluster: its URL."""
+    import psycopg2
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    connection = psycopg2.connect(POSTGRES_ADMIN)
+    connection.autocommit = True
+    connection.cursor().execute(f'CREATE DATABASE "{name}"')
+    connection.close()
+    return f"{POSTGRES_ADMIN.rsplit('/', 1)[0]}/{name}"
+
+
+def drop_postgres_database(url: str) -> None:
+    import psycopg2
+
+    connection = psycopg2.connect(POSTGRES_ADMIN)
+    connection.autocommit = True
+    connection.cursor().execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    connection.close()
+
+
+def new_store(tmp_path: Path, name: str = "outpost.sqlite3") -> outpost.Store:
+    """A store of its own: SQLite in ``tmp_path``, or a fresh PostgreSQL database."""
+    if ON_POSTGRES:
+        return outpost.Store(postgres_database(), data_dir=tmp_path)
+    return outpost.Store(tmp_path / name)
+
+
+def close_store(s: outpost.Store) -> None:
+    url = s.database if s.postgres else None
+    s.close()
+    if url:
+        drop_postgres_database(url)
+
+
 @pytest.fixture
 def store(tmp_path: Path):
-    s = outpost.Store(tmp_path / "outpost.sqlite3")
+    s = new_store(tmp_path)
     yield s
-    s.close()
+    close_store(s)
 
 
 def normalized(repo: Path | str, now: datetime = T0, **overrides) -> dict:
@@ -131,7 +174,7 @@ def make_deps(tmp_path: Path, *, allowed_hosts: tuple[str, ...] = (), store: out
     """Deps on ``tmp_path`` with ``agents`` (the demo agent): by default a store of their own
     (``db.sqlite3``), a FixedClock at T0 and the API token ``TOKEN``; ``deps`` are more Deps fields."""
     config = outpost.Config(data_dir=tmp_path, agents=agents, allowed_hosts=allowed_hosts)
-    return outpost.Deps(config=config, store=store if store is not None else outpost.Store(tmp_path / "db.sqlite3"),
+    return outpost.Deps(config=config, store=store if store is not None else new_store(tmp_path, "db.sqlite3"),
                         clock=clock if clock is not None else FixedClock(), token=token, **deps)
 
 

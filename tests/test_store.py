@@ -43,7 +43,7 @@ def tx(store) -> Tx:
 @pytest.fixture
 def claimers(store, tmp_path: Path):
     """Two more Store objects on the same database file as ``store``: two more connections."""
-    pair = [outpost.Store(tmp_path / "outpost.sqlite3") for _ in range(2)]
+    pair = [outpost.Store(store.database, data_dir=tmp_path) for _ in range(2)]
     yield [Tx(s) for s in pair]
     for s in pair:
         s.close()
