@@ -81,6 +81,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,6 +136,10 @@ IN_FLIGHT_STALE_S = 60
 MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
 CRON_MAX_SLEEP_S = 300.0
+#: A fleet (API.md 10): heartbeats every NODE_HEARTBEAT_S on the database's clock; a node silent
+#: for NODE_LOST_S is lost; the actors of every node look at the shared store every FLEET_POLL_S
+#: (the nudges of another node's requests do not reach them).
+NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S = 2.0, 10, 1.0
 #: How long an actor waits before retrying a store that was locked or full.
 STORE_RETRY_S = 2.0
 #: How long one database statement waits for another process's write lock.
@@ -181,9 +186,9 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 8      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 9      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
-                        # 8: catch-up plans, re-runs, chart indexes
+                        # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10)
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -481,6 +486,9 @@ class Config:
     allowed_hosts: tuple[str, ...] = ()
     agents: tuple[AgentProfile, ...] = ()
     isolate_agents: str = "auto"      # auto | always | never: bubblewrap around every agent
+    database: str | None = None       # a postgresql:// URL (a fleet, API.md 10); None: SQLite in data_dir
+    node_name: str = ""               # this process in a fleet; "" -> <hostname>:<port>
+    fleet_max_running: int | None = None
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -488,6 +496,10 @@ class Config:
     @property
     def db_path(self) -> Path:
         return self.data_dir / "outpost.sqlite3"
+
+    @property
+    def node(self) -> str:
+        return self.node_name or f"{socket.gethostname()}:{self.port}"
 
 
 def default_data_dir() -> Path:
@@ -528,11 +540,24 @@ def _one_of(*choices: str) -> Callable[[Any], str | None]:
     return check
 
 
-SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
-    "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
-    "isolate_agents": _one_of(*ISOLATION_MODES)}
+def is_postgres_url(database: Path | str) -> bool:
+    return str(database).startswith(("postgresql://", "postgres://"))
+
+
+def _database_url(value: Any) -> str | None:
+    if isinstance(value, str) and is_postgres_url(value):
+        return None
+    return f"must be a postgresql:// URL (SQLite in the data dir is the default), not {value!r}"
+
+
 def _text_value(value: Any) -> str | None:
     return None if isinstance(value, str) and value.strip() else f"must be a non-empty string, not {value!r}"
+
+
+SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
+    "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
+    "isolate_agents": _one_of(*ISOLATION_MODES), "database": _database_url,
+    "node_name": _text_value, "fleet_max_running": _whole(1, 100_000)}
 
 
 def _zone_name(value: Any) -> str | None:
@@ -582,7 +607,7 @@ def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[
 
 
 def load_config(data_dir: Path, *, host: str | None = None, port: int | None = None,
-                max_running: int | None = None) -> Config:
+                max_running: int | None = None, database: str | None = None) -> Config:
     """Read ``<data dir>/outpost.toml`` (optional), check every key and type, and merge flags
     over it. The data dir becomes absolute here, whatever directory the caller ran in."""
     data_dir = data_dir.expanduser().absolute()
@@ -612,9 +637,13 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
     limit = max_running if max_running is not None else settings.get("max_running", DEFAULT_MAX_RUNNING)
     if limit < 1:
         raise ConfigError(f"--max-running must be a whole number >= 1, not {limit}")
+    database = database or os.environ.get("OUTPOST_DATABASE_URL") or settings.get("database")
+    if database and (problem := _database_url(database)):
+        raise ConfigError(f"--database {problem}")
     return Config(data_dir=data_dir, host=host or "127.0.0.1", port=port if port is not None else DEFAULT_PORT,
                   max_running=limit, allowed_hosts=tuple(settings.get("allowed_hosts", ())), agents=tuple(agents),
-                  isolate_agents=settings.get("isolate_agents", "auto"))
+                  isolate_agents=settings.get("isolate_agents", "auto"), database=database or None,
+                  node_name=settings.get("node_name", ""), fleet_max_running=settings.get("fleet_max_running"))
 
 
 def api_token(data_dir: Path, *, create: bool) -> str | None:
@@ -2845,6 +2874,8 @@ def define_entities(db: orm.Database) -> None:
         resume_requested_at = Optional(datetime)
         cancel_requested = Required(bool, default=False)
         notified = Required(bool, default=False)     # attention + failure streak applied
+        node = Optional(str, nullable=True)          # the node that admitted it (API.md 10)
+        attempt = Required(int, default=0)           # admissions so far: with node, fences its writes
         queued_at = Required(datetime)
         started_at = Optional(datetime)
         finished_at = Optional(datetime)
@@ -2896,6 +2927,7 @@ def define_entities(db: orm.Database) -> None:
         key = PrimaryKey(str)
         fingerprint = Required(str)
         state = Required(str)              # in_flight | done
+        node = Optional(str, nullable=True)   # the node whose request holds it in flight
         status = Optional(int)
         body = Optional(orm.Json, nullable=True)
         created_at = Required(datetime, index=True)
@@ -3110,6 +3142,15 @@ def define_entities(db: orm.Database) -> None:
         size = Required(int)
         created_at = Required(datetime)
 
+    class Node(db.Entity):
+        """A process serving this database (API.md 10): alive while its heartbeat, written on
+        the database's clock, is under NODE_LOST_S old."""
+        name = PrimaryKey(str)
+        started_at = Required(datetime)
+        heartbeat_at = Required(datetime)
+        max_running = Required(int)
+        status = Required(str)             # up | lost
+
     class WebhookReplay(db.Entity):
         """Signatures and GitHub delivery ids already accepted: a repeat is refused, by key."""
         key = PrimaryKey(str)
@@ -3185,6 +3226,12 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS run_queued_day ON "Run"(queued_at)',
         'CREATE INDEX IF NOT EXISTS occurrence_recorded ON "Occurrence"(created_at)',
     ],
+    9: [   # a fleet: runs belong to the node that admitted them
+        'ALTER TABLE "Run" ADD COLUMN node TEXT',
+        'ALTER TABLE "Run" ADD COLUMN attempt INTEGER NOT NULL DEFAULT 0',
+        'ALTER TABLE "IdempotencyRecord" ADD COLUMN node TEXT',
+        'CREATE INDEX IF NOT EXISTS run_node ON "Run"(node, status)',
+    ],
 }
 
 
@@ -3214,7 +3261,7 @@ def run_view(r) -> dict[str, Any]:
             "result": r.result, "agent_report": r.agent_report, "failure_kind": r.failure_kind,
             "cost_usd": r.cost_usd, "max_cost_usd": r.max_cost_usd, "over_budget": r.over_budget,
             "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
-            "continues": r.continues, "answered_by": r.answered_by, "rerun_of": r.rerun_of}
+            "continues": r.continues, "answered_by": r.answered_by, "rerun_of": r.rerun_of, "node": r.node}
 
 
 def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
@@ -3377,10 +3424,6 @@ def _forget_loaded(db: orm.Database) -> None:
     orm.core.local.db2cache[db] = new
 
 
-def is_postgres_url(database: Path | str) -> bool:
-    return str(database).startswith(("postgresql://", "postgres://"))
-
-
 def postgres_bind(url: str) -> dict[str, Any]:
     """Pony's bind arguments for a postgresql:// URL. The password is the URL's or
     ``$OUTPOST_DATABASE_PASSWORD`` (API.md 10); query parameters (``sslmode=require``) pass
@@ -3439,10 +3482,11 @@ class StoreBase:
     """The bottom layer: the database (bind, pragmas, migrations), one transaction per call
     with its events numbered last, the event log, and attention items."""
 
-    def __init__(self, database: Path | str, *, data_dir: Path | None = None):
+    def __init__(self, database: Path | str, *, data_dir: Path | None = None, node: str | None = None):
         """``database``: a SQLite file (the embedded default), ``:memory:``, or a postgresql://
         URL (API.md 10). ``data_dir`` holds the default workspace's embedded repository; it is
-        the SQLite file's directory unless given."""
+        the SQLite file's directory unless given. ``node``: this process's name in a fleet."""
+        self.node = node or socket.gethostname()
         self.db = orm.Database()
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
@@ -3574,6 +3618,13 @@ class StoreBase:
     def returning(self, sql: str, params: dict[str, Any] | None = None) -> list[Any]:
         """Run a write with RETURNING; the first column of each row that came back."""
         return [row[0] for row in self.db.execute(sql, params or {}).fetchall()]
+
+    def db_now(self, seconds: int = 0) -> str:
+        """SQL for the database's clock (naive UTC), ``seconds`` from now: the one clock the
+        nodes of a fleet share."""
+        if self.postgres:
+            return f"(CURRENT_TIMESTAMP AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
+        return f"strftime('%Y-%m-%d %H:%M:%f', 'now', '{seconds} seconds')"
 
     def json_text(self, column: str, *path: str) -> str:
         """SQL for the text at ``path`` in a JSON column, in this database's dialect."""
@@ -3818,7 +3869,7 @@ class ScheduleStore(StoreBase):
                    "max_cost_usd": limits.get("max_cost_usd"), "notify": notify,
                    "result_branch": result_branch(schedule.name if schedule else label, rid), "commits": 0,
                    "over_budget": False, "continues_branch": False, "cancel_requested": False, "notified": False,
-                   "queued_at": sql_time(now), **more}
+                   "attempt": 0, "queued_at": sql_time(now), **more}
         self.db.execute(f'INSERT INTO "Run" ({", ".join(columns)}) VALUES ({", ".join("$" + c for c in columns)})',
                         columns)
         self.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
@@ -4158,7 +4209,7 @@ class RunStore(ScheduleStore):
         return self.db.select('SELECT resolved_commit FROM "Run" WHERE id = $rid', {"rid": run_id})[0]
 
     def admit_ready(self, max_running: int, now: datetime, limit: int | None = None,
-                    caps: dict[str, int] | None = None) -> list[tuple[str, bool]]:
+                    caps: dict[str, int] | None = None, fleet_max: int | None = None) -> list[tuple[str, bool]]:
         """FIFO admission: (run id, is a resume) for every run that may start now, as many as
         there are free slots (at most ``limit``), in one transaction.
 
@@ -4168,22 +4219,30 @@ class RunStore(ScheduleStore):
         go by (no head-of-line blocking). The conditional UPDATEs let one claimer win; their
         ``status || ''`` keeps SQLite on the primary key for the few ids chosen (with a plain
         ``status`` it walks every queued run: 31 ms at 100,000 queued instead of 1 ms). Plain,
-        portable SQL: it runs unchanged on PostgreSQL."""
-        running = self.db.select('SELECT COUNT(*) FROM "Run" WHERE status = \'running\'')[0]
-        free = min(max_running - running, limit if limit is not None else max_running)
+        portable SQL: it runs unchanged on PostgreSQL.
+
+        In a fleet (API.md 10) ``max_running`` is this node's slots and ``fleet_max`` all nodes'; an
+        admitted run is this node's (``node``, ``attempt`` + 1), and only its node resumes a pause."""
+        mine, everyone = self.db.select(
+            "SELECT COALESCE(SUM(CASE WHEN node = $me OR node IS NULL THEN 1 ELSE 0 END), 0), COUNT(*) "
+            "FROM \"Run\" WHERE status = 'running'", {"me": self.node})[0]
+        free = min(max_running - mine, limit if limit is not None else max_running,
+                   fleet_max - everyone if fleet_max is not None else max_running)
         if free <= 0:
             return []
         resumed = self.returning(
             'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
-            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
-            " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id", {"free": free})
+            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL AND node = $me '
+            " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id",
+            {"free": free, "me": self.node})
         for run_id in resumed:
             self.emit("run.resumed", {"run_id": run_id}, now)
         chosen = self._choose_queued(free - len(resumed), now, caps or {})
         ids, params = sql_list("id", chosen)
         started = self.returning(
-            f"UPDATE \"Run\" SET status = 'running', started_at = $now WHERE id IN {ids} "
-            "AND status || '' = 'queued' RETURNING id", {"now": sql_time(now), **params}) if chosen else []
+            f"UPDATE \"Run\" SET status = 'running', started_at = $now, node = $me, attempt = attempt + 1 "
+            f"WHERE id IN {ids} AND status || '' = 'queued' RETURNING id",
+            {"now": sql_time(now), "me": self.node, **params}) if chosen else []
         for run_id in sorted(started):   # run ids are ULIDs: queue order
             self.emit("run.started", {"run_id": run_id}, now)
         return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
@@ -4224,6 +4283,57 @@ class RunStore(ScheduleStore):
                             {"now": sql_time(now)})[0]
         return sql_instant(at) if at else None
 
+    # --- nodes (API.md 10): the processes serving this database, and the runs they own ---------
+
+    def register_node(self, max_running: int) -> None:
+        """This process is a node, up from now (a restart under the same name is the same node,
+        starting again)."""
+        self.db.execute(
+            'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status) '
+            f"VALUES ($name, {self.db_now()}, {self.db_now()}, $max, 'up') ON CONFLICT (name) DO UPDATE SET "
+            "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
+            "max_running = excluded.max_running, status = 'up'", {"name": self.node, "max": max_running})
+
+    def node_heartbeat(self) -> bool:
+        """On the database's clock. False once a survivor has declared this node lost: the runs
+        it was running are settled and no longer its own."""
+        return bool(self.returning(f'UPDATE "Node" SET heartbeat_at = {self.db_now()} '
+                                   "WHERE name = $name AND status = 'up' RETURNING name", {"name": self.node}))
+
+    def settle_lost_nodes(self, now: datetime) -> list[str]:
+        """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
+        the queue (a later admission's attempt fences the lost one's writes); their in-flight
+        Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
+        never started again (API.md 10): nothing here can reach their processes. Returns the
+        runs it settled."""
+        lost = self.returning(f"UPDATE \"Node\" SET status = 'lost' WHERE status = 'up' AND name <> $me "
+                              f"AND heartbeat_at < {self.db_now(-NODE_LOST_S)} RETURNING name", {"me": self.node})
+        if not lost:
+            return []
+        names, params = sql_list("n", lost)
+        log.getChild("fleet").warning("node(s) lost: %s", ", ".join(lost))
+        requeued = self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
+                                  f"WHERE node IN {names} AND status = 'running' AND pid IS NULL RETURNING id", params)
+        for run_id in requeued:
+            self.emit("run.requeued", {"run_id": run_id, "reason": "its node was lost before it started"}, now)
+        self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node IN {names}", params)
+        settled = []
+        for run_id, node, attempt in self.db.select(
+                f"SELECT id, node, attempt FROM \"Run\" WHERE node IN {names} AND status IN ('running', 'paused') "
+                "ORDER BY id", params):
+            if self.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(node, attempt)):
+                settled.append(run_id)
+        for name in lost:
+            self.emit("node.lost", {"node": name, "settled": settled, "requeued": requeued}, now)
+        return settled
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
+        return [{"name": n.name, "started_at": rfc3339(aware(n.started_at)),
+                 "heartbeat_at": rfc3339(aware(n.heartbeat_at)), "running": running.get(n.name, 0),
+                 "max_running": n.max_running, "status": n.status}
+                for n in self.db.Node.select().order_by(lambda n: n.name)]
+
     def admit_next(self, max_running: int, now: datetime) -> tuple[str, bool] | None:
         """One admission at a time (what a single claim costs; tests and the benchmark's claim latency)."""
         admitted = self.admit_ready(max_running, now, limit=1)
@@ -4236,20 +4346,27 @@ class RunStore(ScheduleStore):
                 "prompt": r.prompt, "repository": r.repository,
                 "workdir": r.workdir, "source_ref": r.source_ref, "resolved_commit": r.resolved_commit,
                 "result_branch": r.result_branch, "timeout_seconds": r.timeout_seconds, "model": r.model,
-                "status": r.status, "pid": r.pid, "pid_started": r.pid_started,
+                "status": r.status, "pid": r.pid, "pid_started": r.pid_started, "node": r.node,
+                "attempt": r.attempt,
                 "office": o is not None, "task_id": o.task_id if o else None,
                 "resume_session": r.resume_session_id, "continues_branch": r.continues_branch,
                 "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run}
 
-    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None) -> None:
-        r = self.db.Run[run_id]
-        r.pid, r.pid_started = pid, pid_started
+    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
+        """Record the agent's process, if the run is still this admission's (``fence``: node,
+        attempt); false when it is not (its node was declared lost): the caller ends the process."""
+        return bool(self.returning(
+            'UPDATE "Run" SET pid = $pid, pid_started = $started WHERE id = $run_id AND node = $node '
+            f"AND attempt = $attempt AND status IN {ACTIVE_RUN_SQL} RETURNING id",
+            {"pid": pid, "started": pid_started, "run_id": run_id, "node": fence[0], "attempt": fence[1]}))
 
     def settle_run(self, run_id: str, outcome: Outcome, now: datetime, *, exit_code: int | None = None,
-                   commits: int = 0, auth_hint: str = "") -> bool:
+                   commits: int = 0, auth_hint: str = "", fence: tuple[str, int] | None = None) -> bool:
         """Record a run's end once, with its agent report. A cancel asked for wins over how the
         process ended; a question the agent asked (``POST /api/agent/needs-you``) makes a run that
-        ended on its own ``needs_you``. A limit or a login failure holds the run's profile."""
+        ended on its own ``needs_you``. A limit or a login failure holds the run's profile.
+        ``fence``: the (node, attempt) that admitted the run, as its supervisor knows it; a run
+        admitted again since (its node was declared lost) is no longer that supervisor's to settle."""
         rows = self.db.select('SELECT status, cancel_requested, question, max_cost_usd, schedule, agent, trigger '
                               'FROM "Run" WHERE id = $run_id', {"run_id": run_id})
         if not rows:
@@ -4272,8 +4389,10 @@ class RunStore(ScheduleStore):
                 'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
                 'result = $result, agent_report = $report, failure_kind = $kind, cost_usd = $cost, '
                 'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL '
-                'WHERE id = $run_id AND status = $was RETURNING id',
-                {"status": str(status), "exit_code": exit_code, "error": error, "commits": commits,
+                'WHERE id = $run_id AND status = $was' + (" AND node = $node AND attempt = $attempt" if fence else "")
+                + " RETURNING id",
+                {**({"node": fence[0], "attempt": fence[1]} if fence else {}),
+                 "status": str(status), "exit_code": exit_code, "error": error, "commits": commits,
                  "result": None if r.result is None else json.dumps(r.result), "report": json.dumps(report),
                  "kind": r.failure_kind, "cost": r.cost_usd, "question": question or outcome.question,
                  "over": max_cost_usd is not None and (r.cost_usd or 0) > max_cost_usd, "now": sql_time(now),
@@ -4350,6 +4469,12 @@ class RunStore(ScheduleStore):
 
     def _on_run_settled(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
         """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
+
+    def own_runs_in(self, statuses: Iterable[str]) -> list[str]:
+        """This node's runs (and those no node admitted) in these states."""
+        states, params = sql_list("s", statuses)
+        return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND (node = $me OR node IS NULL) '
+                              "ORDER BY id", {"me": self.node, **params})
 
     def runs_in(self, statuses: Iterable[str]) -> list[str]:
         statuses = list(statuses)
@@ -4543,9 +4668,9 @@ class AccessStore(RunStore):
         horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
         self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
                         {"key": key, "h": horizon})
-        rows = self.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, created_at) '
-                              "VALUES ($key, $fp, 'in_flight', $now) ON CONFLICT (key) DO NOTHING RETURNING key",
-                              {"key": key, "fp": fingerprint, "now": sql_time(now)})
+        rows = self.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, node, created_at) '
+                              "VALUES ($key, $fp, 'in_flight', $node, $now) ON CONFLICT (key) DO NOTHING RETURNING key",
+                              {"key": key, "fp": fingerprint, "node": self.node, "now": sql_time(now)})
         if rows:
             return None
         rec = self.db.IdempotencyRecord[key]
@@ -4595,8 +4720,10 @@ class AccessStore(RunStore):
             "RETURNING id", {"now": sql_time(now), "cid": hashlib.sha256(code.encode()).hexdigest()}))
 
     def forget_in_flight(self) -> int:
-        """At boot: an in-flight key belongs to a process that died before committing its action."""
-        return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight'").rowcount
+        """At boot: an in-flight key of this node belongs to its previous process, which died
+        before committing its action (another node's are its own, still in flight)."""
+        return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' "
+                               "AND (node = $me OR node IS NULL)", {"me": self.node}).rowcount
 
     def purge_expired(self, now: datetime) -> int:
         horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
@@ -6261,6 +6388,12 @@ class LiveRuns:
     def get(self, run_id: str) -> LiveRun | None:
         return self._runs.get(run_id)
 
+    def cancel_all(self) -> int:
+        """End every agent of this process (its node was declared lost): how many."""
+        for live in list(self._runs.values()):
+            live.cancel()
+        return len(self._runs)
+
     def pausable(self, run_id: str) -> bool:
         """Only a run whose process is alive can be paused (SIGSTOP needs a process group)."""
         live = self._runs.get(run_id)
@@ -6830,7 +6963,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             upcoming, checks = await deps.transaction_retrying(deps.store.next_fire_plan)
             prepared_for = upcoming
             deps.cron_watch.waiting_for = upcoming
-            wake_at = deps.clock.now() + timedelta(seconds=CRON_MAX_SLEEP_S)
+            wake_at = deps.clock.now() + timedelta(seconds=FLEET_POLL_S if deps.store.postgres else CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
             with trio.move_on_at(deps.clock.deadline(wake_at)):
@@ -6848,7 +6981,8 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
         while True:
             await dispatch_wakeups(deps)
             for run_id, is_resume in await deps.transaction_retrying(
-                    deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps):
+                    deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
+                    fleet_max=deps.config.fleet_max_running):
                 if is_resume:
                     live = deps.live.get(run_id)
                     if live is not None:
@@ -6857,6 +6991,9 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                     runs.start_soon(run_supervisor, deps, run_id)
             # Asleep until nudged, or until a scheduled retry, a self-wake, a cooldown or a limit ends.
             wake_at = await deps.transaction_retrying(deps.store.next_admission_at, deps.clock.now())
+            if deps.store.postgres:   # another node's requests and freed slots reach this one by looking
+                soon = deps.clock.now() + timedelta(seconds=FLEET_POLL_S)
+                wake_at = min(wake_at, soon) if wake_at else soon
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
 
@@ -6971,7 +7108,10 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
 
             async def on_spawn(pid: int) -> None:
-                await deps.transaction_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid))
+                if not await deps.transaction_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid),
+                                                       (info["node"], info["attempt"])):
+                    rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
+                    live.cancel()
 
             done = await run_agent_process(
                 argv, cwd=cwd, env=env, stdin_text=info["prompt"],
@@ -7018,7 +7158,8 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
     now = deps.clock.now()
     profile = deps.config.agent(info["agent"])
     settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome, now, exit_code=exit_code,
-                                              commits=commits, auth_hint=login_hint(profile) if profile else "")
+                                              commits=commits, auth_hint=login_hint(profile) if profile else "",
+                                              fence=(info["node"], info["attempt"]) if info["node"] else None)
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
@@ -7038,7 +7179,8 @@ async def recover_at_boot(deps: Deps) -> None:
     forgotten = await deps.transaction_retrying(deps.store.forget_in_flight)
     if forgotten:
         rlog.info("forgot %d in-flight idempotency key(s) of the previous process", forgotten)
-    for run_id in await deps.transaction_retrying(deps.store.runs_in, ["running", "paused"]):
+    await deps.transaction_retrying(deps.store.register_node, deps.config.max_running)
+    for run_id in await deps.transaction_retrying(deps.store.own_runs_in, ["running", "paused"]):
         info = await deps.transaction_retrying(deps.store.launch_info, run_id)
         pid = info["pid"]
         if pid and info["pid_started"] and process_start_time(pid) == info["pid_started"]:
@@ -8069,6 +8211,11 @@ async def api_dispatch(web: Web):
     payload = normalize_dispatch(await web.body(), web.now, agents=web.profile_names)
     commit = await check_repository(payload, web.deps.refs)   # resolved once, recorded with the run: one transaction
     return await web.commit(web.store.create_dispatch, payload, web.now, commit)
+
+
+@api.get("/v1/outpost/nodes", auth=Auth.TOKEN)
+async def api_list_nodes(web: Web):
+    return {"nodes": await web.call(web.store.list_nodes)}
 
 
 @api.get("/v1/outpost/attention", auth=Auth.TOKEN)
@@ -9150,6 +9297,27 @@ def watchdog_interval_s() -> float | None:
     return int(usec) / 2e6
 
 
+async def node_actor(deps: Deps) -> None:
+    """A fleet (API.md 10): this node's heartbeat, on the database's clock, every
+    NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
+    started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes). A
+    node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
+    runs are no longer its to settle, and comes back up. Ends when cancelled."""
+    flog = log.getChild("fleet")
+    while True:
+        if not await deps.transaction_retrying(deps.store.node_heartbeat):
+            ended = deps.live.cancel_all()
+            flog.error("node %s was declared lost by another node: ended its %d agent(s); up again",
+                       deps.store.node, ended)
+            await deps.transaction_retrying(deps.store.register_node, deps.config.max_running)
+        if settled := await deps.transaction_retrying(deps.store.settle_lost_nodes, deps.clock.now()):
+            flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
+            for run_id in settled:
+                deps.settled.announce(run_id)
+            deps.nudge(Actor.CLAIM)
+        await trio.sleep(NODE_HEARTBEAT_S)
+
+
 async def watchdog_actor() -> None:
     """Pings systemd's watchdog from the trio loop: a blocked loop stops the pings and
     systemd restarts the service. Ends when cancelled."""
@@ -9164,8 +9332,9 @@ async def watchdog_actor() -> None:
 def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = api_token(config.data_dir, create=True)
-    store = Store(config.db_path)
-    os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
+    store = Store(config.database or config.db_path, data_dir=config.data_dir, node=config.node)
+    if not store.postgres:
+        os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
     ensure_embedded_repository(Path(store.embedded_repository))
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
                 isolation=agent_isolation(config.isolate_agents))
@@ -9203,6 +9372,8 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(notification_actor, actors, deps.settled.rx)
         nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
+        if deps.store.postgres:
+            nursery.start_soon(node_actor, actors)
         task_status.started(binds)
         nursery.start_soon(watchdog_actor)
         sd_notify("READY=1\nSTATUS=listening")
@@ -9513,6 +9684,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--database", default=None, help="a postgresql:// URL: one of a fleet's nodes (default $OUTPOST_"
+                   "DATABASE_URL, [settings] database, or SQLite in the data dir)")
     p.add_argument("--verbose", action="store_true")
     p = sub.add_parser("token", help="print the API token")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
@@ -9550,9 +9723,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             setup_logging(args.verbose)
             try:
-                config = load_config(data_dir, host=args.host, port=args.port, max_running=args.max_running)
+                config = load_config(data_dir, host=args.host, port=args.port, max_running=args.max_running,
+                                     database=args.database)
                 deps = open_deps(config)
-            except (ConfigError, SchemaTooNew) as exc:
+            except (ConfigError, SchemaTooNew, orm.dbapiprovider.DatabaseError) as exc:
                 print(f"outpost: {exc}", file=sys.stderr)
                 return EXIT_USAGE
             try:

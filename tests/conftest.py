@@ -101,46 +101,49 @@ needs_postgres = pytest.mark.skipif(not POSTGRES_ADMIN, reason="no PostgreSQL: .
                                                                "$OUTPOST_TEST_POSTGRES_URL")
 
 
-def postgres_database() -> str:
-    """A new, empty database on the test cluster: its URL."""
+#: The test databases made on the cluster, by the path a SQLite store would have: a test that
+#: opens "the same file" again (a restart) gets the same database. Dropped at the session's end.
+POSTGRES_DATABASES: dict[Path, str] = {}
+
+
+def postgres_admin(sql: str) -> None:
     import psycopg2
 
-    name = f"t_{uuid.uuid4().hex[:16]}"
     connection = psycopg2.connect(POSTGRES_ADMIN)
     connection.autocommit = True
-    connection.cursor().execute(f'CREATE DATABASE "{name}"')
+    connection.cursor().execute(sql)
     connection.close()
+
+
+def postgres_database() -> str:
+    """A new, empty database on the test cluster: its URL."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    postgres_admin(f'CREATE DATABASE "{name}"')
     return f"{POSTGRES_ADMIN.rsplit('/', 1)[0]}/{name}"
 
 
-def drop_postgres_database(url: str) -> None:
-    import psycopg2
-
-    connection = psycopg2.connect(POSTGRES_ADMIN)
-    connection.autocommit = True
-    connection.cursor().execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
-    connection.close()
+@pytest.fixture(scope="session", autouse=True)
+def drop_postgres_databases():
+    yield
+    for url in POSTGRES_DATABASES.values():
+        postgres_admin(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
 
 
 def new_store(tmp_path: Path, name: str = "outpost.sqlite3") -> outpost.Store:
-    """A store of its own: SQLite in ``tmp_path``, or a fresh PostgreSQL database."""
+    """A store of its own: SQLite in ``tmp_path``, or (OUTPOST_TEST_STORE=postgres) a
+    PostgreSQL database for that path."""
     if ON_POSTGRES:
-        return outpost.Store(postgres_database(), data_dir=tmp_path)
+        url = POSTGRES_DATABASES.get(tmp_path / name) or POSTGRES_DATABASES.setdefault(tmp_path / name,
+                                                                                        postgres_database())
+        return outpost.Store(url, data_dir=tmp_path)
     return outpost.Store(tmp_path / name)
-
-
-def close_store(s: outpost.Store) -> None:
-    url = s.database if s.postgres else None
-    s.close()
-    if url:
-        drop_postgres_database(url)
 
 
 @pytest.fixture
 def store(tmp_path: Path):
     s = new_store(tmp_path)
     yield s
-    close_store(s)
+    s.close()
 
 
 def normalized(repo: Path | str, now: datetime = T0, **overrides) -> dict:

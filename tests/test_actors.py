@@ -882,7 +882,7 @@ async def test_recover_at_boot_settles_running_runs_and_ends_their_process_group
             for run_id, proc, start in ((alive, survivor, outpost.process_start_time(survivor.pid)),
                                         (reused, stranger, "1")):
                 assert call(store, store.admit_next, 100, now)
-                call(store, store.mark_spawned, run_id, proc.pid, start)
+                assert call(store, store.mark_spawned, run_id, proc.pid, start, (store.node, 1))
             assert call(store, store.begin_idempotent, "half-done", "fp1", now) is None
             assert call(store, store.begin_idempotent, "done", "fp2", now) is None
             call(store, store.finish_idempotent, "done", 202, {"body": {"run_id": waiting}, "headers": {}})

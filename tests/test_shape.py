@@ -42,6 +42,7 @@ ROUTES = [
     ("POST", "/v1/outpost/agents/<name>/control", "token"),
     ("POST", "/v1/outpost/runs/<run_id>/control", "token"),
     ("POST", "/v1/outpost/dispatches", "token"),
+    ("GET", "/v1/outpost/nodes", "token"),
     ("GET", "/v1/outpost/attention", "token"),
     ("POST", "/v1/outpost/attention/<attention_id>/ack", "token"),
     ("GET", "/v1/outpost/events", "token"),
