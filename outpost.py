@@ -499,7 +499,9 @@ class Config:
 
     @property
     def node(self) -> str:
-        return self.node_name or f"{socket.gethostname()}:{self.port}"
+        """Unique in a fleet: ``node_name``, or ``<hostname>:<port>`` (the process id for a port
+        chosen at start, ``--port 0``)."""
+        return self.node_name or f"{socket.gethostname()}:{self.port or f'pid{os.getpid()}'}"
 
 
 def default_data_dir() -> Path:
@@ -3150,6 +3152,7 @@ def define_entities(db: orm.Database) -> None:
         heartbeat_at = Required(datetime)
         max_running = Required(int)
         status = Required(str)             # up | lost
+        orphans = Optional(orm.Json, nullable=True)   # [run id, pid, pid start] settled while it was lost
 
     class WebhookReplay(db.Entity):
         """Signatures and GitHub delivery ids already accepted: a repeat is refused, by key."""
@@ -4285,14 +4288,19 @@ class RunStore(ScheduleStore):
 
     # --- nodes (API.md 10): the processes serving this database, and the runs they own ---------
 
-    def register_node(self, max_running: int) -> None:
+    def register_node(self, max_running: int) -> list[tuple[str, int, str]]:
         """This process is a node, up from now (a restart under the same name is the same node,
-        starting again)."""
+        starting again). Returns the agents its previous process may have left behind whose runs
+        another node settled meanwhile (declared lost): (run id, pid, pid start time)."""
+        previous = self.db.select('SELECT orphans FROM "Node" WHERE name = $name', {"name": self.node})
+        orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
         self.db.execute(
             'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status) '
             f"VALUES ($name, {self.db_now()}, {self.db_now()}, $max, 'up') ON CONFLICT (name) DO UPDATE SET "
             "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
-            "max_running = excluded.max_running, status = 'up'", {"name": self.node, "max": max_running})
+            "max_running = excluded.max_running, status = 'up', orphans = NULL",
+            {"name": self.node, "max": max_running})
+        return orphans
 
     def node_heartbeat(self) -> bool:
         """On the database's clock. False once a survivor has declared this node lost: the runs
@@ -4317,13 +4325,16 @@ class RunStore(ScheduleStore):
         for run_id in requeued:
             self.emit("run.requeued", {"run_id": run_id, "reason": "its node was lost before it started"}, now)
         self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node IN {names}", params)
-        settled = []
-        for run_id, node, attempt in self.db.select(
-                f"SELECT id, node, attempt FROM \"Run\" WHERE node IN {names} AND status IN ('running', 'paused') "
-                "ORDER BY id", params):
+        settled, orphans = [], collections.defaultdict(list)
+        for run_id, node, attempt, pid, pid_started in self.db.select(
+                f"SELECT id, node, attempt, pid, pid_started FROM \"Run\" WHERE node IN {names} "
+                "AND status IN ('running', 'paused') ORDER BY id", params):
             if self.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(node, attempt)):
                 settled.append(run_id)
-        for name in lost:
+                orphans[node].append([run_id, pid, pid_started])
+        for name in lost:   # its agents may live on: the node ends them when it comes back (register_node)
+            self.db.execute('UPDATE "Node" SET orphans = $agents WHERE name = $name',
+                            {"agents": json.dumps(orphans[name]), "name": name})
             self.emit("node.lost", {"node": name, "settled": settled, "requeued": requeued}, now)
         return settled
 
@@ -7179,19 +7190,25 @@ async def recover_at_boot(deps: Deps) -> None:
     forgotten = await deps.transaction_retrying(deps.store.forget_in_flight)
     if forgotten:
         rlog.info("forgot %d in-flight idempotency key(s) of the previous process", forgotten)
-    await deps.transaction_retrying(deps.store.register_node, deps.config.max_running)
+    for run_id, pid, started in await deps.transaction_retrying(deps.store.register_node, deps.config.max_running):
+        await end_survivor(deps, run_id, pid, started)   # settled by another node: not ours to settle
     for run_id in await deps.transaction_retrying(deps.store.own_runs_in, ["running", "paused"]):
         info = await deps.transaction_retrying(deps.store.launch_info, run_id)
-        pid = info["pid"]
-        if pid and info["pid_started"] and process_start_time(pid) == info["pid_started"]:
-            rlog.warning("run %s: ending its surviving process group %d", run_id, pid)
-            kill_group(pid, signal.SIGTERM)
-            kill_group(pid, signal.SIGCONT)
-            with trio.move_on_after(deps.grace_s):
-                while process_start_time(pid) == info["pid_started"]:
-                    await trio.sleep(0.05)
-            kill_group(pid, signal.SIGKILL)
+        await end_survivor(deps, run_id, info["pid"], info["pid_started"])
         await finish_run(deps, run_id, info, info["resolved_commit"], failed(INTERRUPTED, "interrupted"), None)
+
+
+async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | None) -> None:
+    """An agent that outlived its daemon: its process group is ended, if that pid is still the
+    same process (a pid alone may have been reused)."""
+    if pid and started and process_start_time(pid) == started:
+        log.getChild("recovery").warning("run %s: ending its surviving process group %d", run_id, pid)
+        kill_group(pid, signal.SIGTERM)
+        kill_group(pid, signal.SIGCONT)
+        with trio.move_on_after(deps.grace_s):
+            while process_start_time(pid) == started:
+                await trio.sleep(0.05)
+        kill_group(pid, signal.SIGKILL)
 
 
 async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -9309,7 +9326,9 @@ async def node_actor(deps: Deps) -> None:
             ended = deps.live.cancel_all()
             flog.error("node %s was declared lost by another node: ended its %d agent(s); up again",
                        deps.store.node, ended)
-            await deps.transaction_retrying(deps.store.register_node, deps.config.max_running)
+            for run_id, pid, started in await deps.transaction_retrying(deps.store.register_node,
+                                                                       deps.config.max_running):
+                await end_survivor(deps, run_id, pid, started)
         if settled := await deps.transaction_retrying(deps.store.settle_lost_nodes, deps.clock.now()):
             flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
             for run_id in settled:

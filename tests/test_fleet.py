@@ -1,0 +1,230 @@
+"""A fleet (API.md 10): several nodes on one PostgreSQL. Store-level rules with two Store
+objects as two nodes, then real `outpost serve --database` processes. Needs the throwaway
+cluster `.ci/run` starts ($OUTPOST_TEST_POSTGRES_URL); skipped without it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import (
+    POSTGRES_DATABASES,
+    call,
+    needs_postgres,
+    postgres_database,
+    wait_for,
+)
+
+import outpost
+
+pytestmark = needs_postgres
+NOW = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> str:
+    url = postgres_database()
+    POSTGRES_DATABASES[tmp_path / "fleet"] = url
+    return url
+
+
+@pytest.fixture
+def nodes(database: str, tmp_path: Path):
+    """Two nodes, a and b, on one database (two Store objects: two connections)."""
+    pair = [outpost.Store(database, data_dir=tmp_path, node=name) for name in ("a", "b")]
+    for store in pair:
+        call(store, store.register_node, 2)
+    yield pair
+    for store in pair:
+        store.close()
+
+
+def queue(store: outpost.Store, repo: Path, n: int) -> list[str]:
+    payload = outpost.normalize_dispatch({"brief": "fleet", "repository": str(repo), "agent": "demo"}, NOW,
+                                         agents=["demo"])
+    return [call(store, store.create_dispatch, payload, NOW, "0" * 40)["run_id"] for _ in range(n)]
+
+
+def silence(store: outpost.Store, node: str, seconds: int) -> None:
+    """Make ``node``'s last heartbeat ``seconds`` old on the database's clock."""
+    call(store, lambda: store.db.execute(
+        f'UPDATE "Node" SET heartbeat_at = {store.db_now(-seconds)} WHERE name = $n', {"n": node}))
+
+
+def run_row(store: outpost.Store, run_id: str) -> dict:
+    return call(store, store.get_run, run_id)
+
+
+def test_each_node_admits_into_its_own_slots_and_the_fleet_cap(nodes, tmp_path, git_repo):
+    a, b = nodes
+    runs = queue(a, git_repo, 6)
+    admitted_a = [r for r, _ in call(a, a.admit_ready, 2, NOW)]
+    admitted_b = [r for r, _ in call(b, b.admit_ready, 2, NOW, fleet_max=3)]
+    assert admitted_a == runs[:2] and admitted_b == runs[2:3]   # the fleet's third slot is the last
+    assert call(a, a.admit_ready, 2, NOW) == []                 # a's own two slots are full
+    assert [run_row(a, r)["node"] for r in runs[:3]] == ["a", "a", "b"]
+    nodes_view = {n["name"]: n for n in call(b, b.list_nodes)}
+    assert (nodes_view["a"]["running"], nodes_view["b"]["running"]) == (2, 1)
+    assert {n["status"] for n in nodes_view.values()} == {"up"}
+
+
+def test_a_lost_node_s_runs_are_settled_or_requeued_and_its_writes_are_fenced(nodes, git_repo):
+    a, b = nodes
+    started, unstarted = queue(a, git_repo, 2)
+    assert [r for r, _ in call(b, b.admit_ready, 2, NOW)] == [started, unstarted]
+    assert call(b, b.mark_spawned, started, 4242, "1", ("b", 1))
+    silence(a, "b", 9)
+    assert call(a, a.settle_lost_nodes, NOW) == []               # 9 s of silence is not lost yet
+    silence(a, "b", 11)
+    assert call(a, a.settle_lost_nodes, NOW) == [started]
+    settled = run_row(a, started)
+    assert (settled["status"], settled["error"], settled["failure_kind"]) == ("failed", "interrupted", "interrupted")
+    assert (run_row(a, unstarted)["status"], run_row(a, unstarted)["node"]) == ("queued", None)
+    assert {n["name"]: n["status"] for n in call(a, a.list_nodes)} == {"a": "up", "b": "lost"}
+    # b comes back: it learns it was lost, cannot start or settle what it admitted before
+    assert call(b, b.node_heartbeat) is False
+    assert call(b, b.mark_spawned, unstarted, 4343, "1", ("b", 1)) is False
+    done = outpost.Outcome(outpost.RunStatus.SUCCEEDED, None)
+    assert call(b, b.settle_run, started, done, NOW, fence=("b", 1)) is False
+    assert run_row(a, started)["status"] == "failed"
+    # the unstarted run is admitted again, by a, as its second attempt; b's stale fence stays shut
+    assert [r for r, _ in call(a, a.admit_ready, 2, NOW)] == [unstarted]
+    assert call(b, b.settle_run, unstarted, done, NOW, fence=("b", 1)) is False
+    assert call(a, a.settle_run, unstarted, done, NOW, fence=("a", 2)) is True
+    # b's restart: up again, and the agent it left behind is named for ending
+    assert call(b, b.register_node, 2) == [(started, 4242, "1")]
+    assert call(b, b.node_heartbeat) is True
+
+
+def test_two_nodes_claim_a_due_slot_once(nodes, git_repo):
+    a, b = nodes
+    raw = {"name": "every-minute", "brief": "@print hi", "repository": str(git_repo), "agent": "demo",
+           "timing": {"kind": "interval", "seconds": 60, "timezone": "UTC"}}
+    schedule = call(a, a.create_schedule, outpost.normalize_definition(raw, NOW, agents=["demo"]), NOW)
+    for minute in range(1, 6):
+        at = NOW + timedelta(minutes=minute, seconds=1)
+        claimed = [call(s, s.claim_due, at, digests={}, heads={}, up_since=NOW) for s in (b, a)]
+        assert claimed[1] == []   # b claimed the slot (a run, or a skip while the last one is active)
+    occurrences = call(a, a.occurrences, schedule["id"])
+    assert len(occurrences) == len({o["due_at"] for o in occurrences}) == 5
+
+
+# --- real nodes: `outpost serve --database` processes -------------------------------------------
+
+PROBE = """import os, sys, time
+ledger = os.environ["FLEET_LEDGER"]
+def note(word):
+    with open(ledger, "a") as f:
+        f.write(f"{word} {os.environ['OUTPOST_RUN_ID']} {time.time():.6f}\\n")
+note("start")
+sys.stdin.read()
+time.sleep(float(os.environ.get("FLEET_SLEEP", "0.4")))
+note("end")
+"""
+
+
+class Node:
+    """One `outpost serve --database URL` process with a data dir of its own."""
+
+    def __init__(self, tmp_path: Path, name: str, database: str, ledger: Path, *, max_running: int = 2,
+                 fleet_max: int | None = None, sleep_s: float = 0.4):
+        self.name, self.database = name, database
+        self.data_dir = tmp_path / name
+        self.data_dir.mkdir(exist_ok=True)
+        (tmp_path / "probe.py").write_text(PROBE)
+        settings = f'node_name = "{name}"\nmax_running = {max_running}\n' + (
+            f"fleet_max_running = {fleet_max}\n" if fleet_max else "")
+        command = json.dumps([sys.executable, str(tmp_path / "probe.py")])
+        (self.data_dir / "outpost.toml").write_text(
+            f"[settings]\n{settings}\n[agents.probe]\ncommand = {command}\n"
+            'pass_env = ["FLEET_LEDGER", "FLEET_SLEEP"]\n')
+        self.env = {"FLEET_LEDGER": str(ledger), "FLEET_SLEEP": str(sleep_s)}
+
+    def start(self, server_factory):
+        self.server = server_factory("--database", self.database, data_dir=self.data_dir, env=self.env)
+        return self
+
+    def client(self) -> httpx.Client:
+        return self.server.client()
+
+
+def dispatch(client: httpx.Client, repo: Path, brief: str = "fleet") -> str:
+    reply = client.post("/v1/outpost/dispatches", headers={"Idempotency-Key": uuid.uuid4().hex},
+                        json={"brief": brief, "repository": str(repo), "agent": "probe"})
+    assert reply.status_code == 202, reply.text
+    return reply.json()["run_id"]
+
+
+def ledger_lines(ledger: Path) -> list[tuple[str, str, float]]:
+    if not ledger.exists():
+        return []
+    return [(w, r, float(t)) for w, r, t in (line.split() for line in ledger.read_text().splitlines())]
+
+
+def settled(client: httpx.Client, run_ids: list[str]) -> list[dict]:
+    runs = [client.get(f"/v1/outpost/runs/{r}").json() for r in run_ids]
+    return runs if all(r["status"] in ("succeeded", "failed", "cancelled", "needs_you") for r in runs) else []
+
+
+def test_two_nodes_share_one_queue_within_the_fleet_limit(tmp_path, database, git_repo, server_factory):
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger, max_running=2, fleet_max=3).start(server_factory)
+    b = Node(tmp_path, "b", database, ledger, max_running=2, fleet_max=3).start(server_factory)
+    with a.client() as ca, b.client() as cb:
+        run_ids = [dispatch(c, git_repo) for _ in range(12) for c in (ca, cb)]
+        runs = wait_for(lambda: settled(ca, run_ids), timeout_s=90, interval_s=0.3)
+        assert {r["status"] for r in runs} == {"succeeded"}, [(r["id"], r["status"], r["error"]) for r in runs]
+        assert {r["node"] for r in runs} == {"a", "b"}                    # both nodes worked
+        assert cb.get(f"/v1/outpost/runs/{run_ids[0]}").json()["node"] in ("a", "b")
+        nodes = {n["name"]: n for n in ca.get("/v1/outpost/nodes").json()["nodes"]}
+        assert {name: n["status"] for name, n in nodes.items()} == {"a": "up", "b": "up"}
+    lines = ledger_lines(ledger)
+    starts = [r for w, r, _ in lines if w == "start"]
+    assert sorted(starts) == sorted(run_ids)                             # every run started exactly once
+    running, most = 0, 0
+    for word, _, _ in sorted(lines, key=lambda line: (line[2], line[0] == "start")):   # an end before a start
+        running += 1 if word == "start" else -1
+        most = max(most, running)
+    assert most <= 3                                                     # the fleet's limit, by the agents' clocks
+    for node in (a, b):
+        assert "Traceback" not in node.server.logs()
+
+
+def test_kill_9_of_a_node_the_survivor_settles_its_runs_and_the_restart_leaves_them(
+        tmp_path, database, git_repo, server_factory):
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger, max_running=1, sleep_s=60)
+    b = Node(tmp_path, "b", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    with b.client() as cb:
+        long_run = dispatch(cb, git_repo)
+        wait_for(lambda: any(w == "start" and r == long_run for w, r, _ in ledger_lines(ledger)), timeout_s=30)
+        waiting = dispatch(cb, git_repo)   # b's only slot is taken: it waits in the shared queue
+    a.env["FLEET_SLEEP"] = "0.2"
+    a.start(server_factory)
+    b.server.stop(signal.SIGKILL)
+    killed_at = time.monotonic()
+    with a.client() as ca:
+        run = wait_for(lambda: (r := ca.get(f"/v1/outpost/runs/{long_run}").json())["status"] == "failed" and r,
+                       timeout_s=outpost.NODE_LOST_S + 10, interval_s=0.2)
+        assert (run["error"], run["node"]) == ("interrupted", "b")
+        assert time.monotonic() - killed_at <= outpost.NODE_LOST_S + 2 * outpost.NODE_HEARTBEAT_S + 2
+        after = wait_for(lambda: settled(ca, [waiting]), timeout_s=30, interval_s=0.2)[0]
+        assert (after["status"], after["node"]) == ("succeeded", "a")
+        assert {n["name"]: n["status"] for n in ca.get("/v1/outpost/nodes").json()["nodes"]}["b"] == "lost"
+        b.start(server_factory)   # the dead node comes back: it ends its orphaned agent, settles nothing
+        with b.client() as cb:
+            wait_for(lambda: {n["name"]: n["status"] for n in cb.get("/v1/outpost/nodes").json()["nodes"]}["b"]
+                     == "up", timeout_s=10)
+            assert cb.get(f"/v1/outpost/runs/{long_run}").json()["finished_at"] == run["finished_at"]
+    starts = [r for w, r, _ in ledger_lines(ledger) if w == "start"]
+    assert sorted(starts) == sorted([long_run, waiting])                # nothing started twice
+    assert not any(w == "end" and r == long_run for w, r, _ in ledger_lines(ledger))
+    assert "ending its surviving process group" in b.server.logs()
+
