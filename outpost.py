@@ -3622,6 +3622,12 @@ class StoreBase:
         """Run a write with RETURNING; the first column of each row that came back."""
         return [row[0] for row in self.db.execute(sql, params or {}).fetchall()]
 
+    @property
+    def own_rows(self) -> str:
+        """SQL: the row (a run, an Idempotency-Key) is this process's. In a fleet, its node's or no
+        node's; on SQLite the one process owns every row, whatever name its previous start had."""
+        return "(node = $me OR node IS NULL)" if self.postgres else "1 = 1"
+
     def db_now(self, seconds: int = 0) -> str:
         """SQL for the database's clock (naive UTC), ``seconds`` from now: the one clock the
         nodes of a fleet share."""
@@ -4227,7 +4233,7 @@ class RunStore(ScheduleStore):
         In a fleet (API.md 10) ``max_running`` is this node's slots and ``fleet_max`` all nodes'; an
         admitted run is this node's (``node``, ``attempt`` + 1), and only its node resumes a pause."""
         mine, everyone = self.db.select(
-            "SELECT COALESCE(SUM(CASE WHEN node = $me OR node IS NULL THEN 1 ELSE 0 END), 0), COUNT(*) "
+            f"SELECT COALESCE(SUM(CASE WHEN {self.own_rows} THEN 1 ELSE 0 END), 0), COUNT(*) "
             "FROM \"Run\" WHERE status = 'running'", {"me": self.node})[0]
         free = min(max_running - mine, limit if limit is not None else max_running,
                    fleet_max - everyone if fleet_max is not None else max_running)
@@ -4235,7 +4241,8 @@ class RunStore(ScheduleStore):
             return []
         resumed = self.returning(
             'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
-            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL AND node = $me '
+            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
+            f"AND {self.own_rows}"
             " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id",
             {"free": free, "me": self.node})
         for run_id in resumed:
@@ -4292,6 +4299,8 @@ class RunStore(ScheduleStore):
         """This process is a node, up from now (a restart under the same name is the same node,
         starting again). Returns the agents its previous process may have left behind whose runs
         another node settled meanwhile (declared lost): (run id, pid, pid start time)."""
+        if not self.postgres:   # the one process of an appliance is its only node, whatever it was called
+            self.db.execute('DELETE FROM "Node" WHERE name <> $name', {"name": self.node})
         previous = self.db.select('SELECT orphans FROM "Node" WHERE name = $name', {"name": self.node})
         orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
         self.db.execute(
@@ -4337,6 +4346,11 @@ class RunStore(ScheduleStore):
                             {"agents": json.dumps(orphans[name]), "name": name})
             self.emit("node.lost", {"node": name, "settled": settled, "requeued": requeued}, now)
         return settled
+
+    def cancels_requested(self, run_ids: list[str]) -> list[str]:
+        """Of these live runs, those whose cancel was asked (possibly through another node)."""
+        ids, params = sql_list("r", run_ids)
+        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND cancel_requested', params)
 
     def list_nodes(self) -> list[dict[str, Any]]:
         running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
@@ -4484,7 +4498,7 @@ class RunStore(ScheduleStore):
     def own_runs_in(self, statuses: Iterable[str]) -> list[str]:
         """This node's runs (and those no node admitted) in these states."""
         states, params = sql_list("s", statuses)
-        return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND (node = $me OR node IS NULL) '
+        return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND {self.own_rows} '
                               "ORDER BY id", {"me": self.node, **params})
 
     def runs_in(self, statuses: Iterable[str]) -> list[str]:
@@ -4734,7 +4748,7 @@ class AccessStore(RunStore):
         """At boot: an in-flight key of this node belongs to its previous process, which died
         before committing its action (another node's are its own, still in flight)."""
         return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' "
-                               "AND (node = $me OR node IS NULL)", {"me": self.node}).rowcount
+                               f"AND {self.own_rows}", {"me": self.node}).rowcount
 
     def purge_expired(self, now: datetime) -> int:
         horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
@@ -6398,6 +6412,9 @@ class LiveRuns:
 
     def get(self, run_id: str) -> LiveRun | None:
         return self._runs.get(run_id)
+
+    def ids(self) -> list[str]:
+        return sorted(self._runs)
 
     def cancel_all(self) -> int:
         """End every agent of this process (its node was declared lost): how many."""
@@ -8270,8 +8287,10 @@ async def api_event_stream(web: Web):
 
 
 async def event_stream(deps: Deps, cursor: int):
-    """Server-sent events from ``cursor`` on: read from the store, woken by the hub."""
+    """Server-sent events from ``cursor`` on: read from the store, woken by the hub (in a
+    fleet also every FLEET_POLL_S: another node's events do not poke this one's hub)."""
     yield b"retry: 2000\n\n"
+    quiet_since = trio.current_time()
     while True:
         page = await deps.transaction(deps.store.events_after, cursor, 200)
         for event in page["events"]:
@@ -8279,10 +8298,13 @@ async def event_stream(deps: Deps, cursor: int):
         cursor = page["next_cursor"]
         if len(page["events"]) == 200:
             continue
-        with trio.move_on_after(15):
+        if page["events"]:
+            quiet_since = trio.current_time()
+        elif trio.current_time() - quiet_since >= 15:
+            yield b": keep-alive\n\n"
+            quiet_since = trio.current_time()
+        with trio.move_on_after(FLEET_POLL_S if deps.store.postgres else 15):
             await deps.hub.wait()
-            continue
-        yield b": keep-alive\n\n"
 
 
 @api.get("/v1/outpost/snapshot", auth=Auth.TOKEN)
@@ -9329,6 +9351,9 @@ async def node_actor(deps: Deps) -> None:
             for run_id, pid, started in await deps.transaction_retrying(deps.store.register_node,
                                                                        deps.config.max_running):
                 await end_survivor(deps, run_id, pid, started)
+        if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
+            for run_id in await deps.transaction_retrying(deps.store.cancels_requested, live):
+                deps.live.signal(run_id, "cancel")
         if settled := await deps.transaction_retrying(deps.store.settle_lost_nodes, deps.clock.now()):
             flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
             for run_id in settled:

@@ -228,3 +228,23 @@ def test_kill_9_of_a_node_the_survivor_settles_its_runs_and_the_restart_leaves_t
     assert not any(w == "end" and r == long_run for w, r, _ in ledger_lines(ledger))
     assert "ending its surviving process group" in b.server.logs()
 
+
+
+def test_every_node_s_event_stream_sees_another_node_s_events(tmp_path, database, git_repo, server_factory):
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger).start(server_factory)
+    b = Node(tmp_path, "b", database, ledger).start(server_factory)
+    seen: list[dict] = []
+    # a read timeout under the 15 s keep-alive: only the fleet's poll can bring a's events in time
+    with a.client() as ca, b.client() as cb, cb.stream("GET", "/v1/outpost/events/stream", timeout=8) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("retry:")   # b streams from its latest cursor on
+        run_id = dispatch(ca, git_repo)           # a request to a; nothing pokes b
+        for line in lines:
+            if line.startswith("data:"):
+                seen.append(json.loads(line[5:]))
+                if seen[-1]["type"] == "run.settled" and seen[-1]["data"]["run_id"] == run_id:
+                    break
+    mine = [e["type"] for e in seen if e["data"].get("run_id") == run_id]
+    assert mine[0] == "run.queued" and mine[-1] == "run.settled", mine
+    assert [e["cursor"] for e in seen] == sorted(e["cursor"] for e in seen)   # one fleet-wide order

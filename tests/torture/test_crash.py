@@ -17,7 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from conftest import Server, definition, wait_for
+import psycopg2
+from conftest import POSTGRES_DATABASES, Server, definition, needs_postgres, postgres_database, wait_for
 
 import outpost
 
@@ -56,59 +57,105 @@ def create_schedule(api: httpx.Client, repo: Path, name: str) -> str | None:
     return reply.json()["id"] if reply.status_code == 201 else None
 
 
-def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
-    rng = random.Random(SEED)
-    data_dir, marker = tmp_path / "data", tmp_path / "started.log"
-    marker_profile(data_dir, marker, work_s=0.4)
-    acked_schedules: set[str] = set()
-    acked_runs: set[str] = set()
-    acked_routine_runs: set[str] = set()
-    # Office: a routine whose webhook wakes an agent on the marker profile (set up before the kills).
-    server = Server(data_dir).start()
-    with server.client() as api:
-        api.patch("/api/office/settings", json={"repository": str(git_repo)}).raise_for_status()
+class Ledger:
+    """What the servers acknowledged, from a random mix of requests; then what the database
+    holds must account for every acknowledgement, and nothing may have started twice."""
+
+    def __init__(self, rng: random.Random, repo: Path, marker: Path):
+        self.rng, self.repo, self.marker = rng, repo, marker
+        self.schedules: set[str] = set()
+        self.runs: set[str] = set()
+        self.routine_runs: set[str] = set()
+        self.counter = 0
+
+    def set_up_office(self, api: httpx.Client) -> None:
+        """A routine whose webhook wakes an agent on the marker profile (set up before the kills)."""
+        api.patch("/api/office/settings", json={"repository": str(self.repo)}).raise_for_status()
         agent = api.post("/api/office/agents", json={"name": "torture", "executor": "mark", "cooldown_sec": 0,
                                                      "max_concurrent_sessions": 2}).json()
         routine = api.post("/api/office/routines", json={
             "name": "hook", "assignee_agent_id": agent["id"], "concurrency_policy": "always_enqueue",
             "triggers": [{"kind": "webhook", "signing_mode": "none"}]}).json()
-    hook = routine["triggers"][0]["fire_path"]
+        self.hook = routine["triggers"][0]["fire_path"]
+
+    def drive(self, apis: list[httpx.Client], seconds: float) -> None:
+        """Requests for ``seconds``, each to one of ``apis``, until a server stops answering."""
+        until = time.monotonic() + seconds
+        with contextlib.suppress(httpx.TransportError):
+            while time.monotonic() < until:
+                self.request(self.rng.choice(apis))
+
+    def request(self, api: httpx.Client) -> None:
+        self.counter += 1
+        counter, op = self.counter, self.rng.random()
+        if op < 0.15 or not self.schedules:
+            sid = create_schedule(api, self.repo, f"s{counter}")
+            if sid:
+                self.schedules.add(sid)
+        elif op < 0.55:
+            reply = api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": f"d{counter}"},
+                             json={"brief": f"job {counter}", "repository": str(self.repo), "agent": "mark"})
+            if reply.status_code == 202:
+                self.runs.add(reply.json()["run_id"])
+        elif op < 0.75:
+            reply = api.post(self.hook, json={"n": counter})   # a webhook fire: 202 only after its commit
+            if reply.status_code == 202:
+                self.routine_runs.add(reply.json()["routine_run_id"])
+        else:
+            sid = self.rng.choice(sorted(self.schedules))
+            revision = api.get(f"/v1/outpost/schedules/{sid}").json()["revision"]
+            reply = api.post(f"/v1/outpost/schedules/{sid}/control", json={"action": "fire"},
+                             headers={"Idempotency-Key": f"f{counter}", "If-Match": f'"{revision}"'})
+            if reply.status_code == 200 and reply.json()["outcome"] == "admitted":
+                self.runs.add(reply.json()["run_id"])
+
+    def check(self, query, kills: int) -> str:
+        """``query(sql)``: the rows of a statement on the database the servers shared. The summary."""
+        schedules = {row[0] for row in query('SELECT id FROM "Schedule"')}
+        runs = dict(query('SELECT id, status FROM "Run"'))
+        routine_runs = dict(query('SELECT id, wakeup_id FROM "RoutineRun"'))
+        lost = (self.schedules - schedules) | (self.runs - set(runs)) | (self.routine_runs - set(routine_runs))
+        assert not lost, f"acknowledged but missing (seed {SEED}): {lost}"
+        wakeups = dict(query('SELECT id, status FROM "Wakeup"'))
+        assert all(routine_runs[r] in wakeups for r in self.routine_runs), "a webhook fire without its wakeup"
+        assert set(wakeups.values()) <= {"queued", "claimed", "finished", "coalesced"}, Counter(wakeups.values())
+        for wakeup_id, run_id in query('SELECT id, run_id FROM "Wakeup" WHERE status = \'claimed\''):
+            assert runs[run_id] == "queued", (wakeup_id, runs[run_id])   # claimed: its run waits for admission
+        doubled = query('SELECT occurrence_id, COUNT(*) FROM "Run" WHERE occurrence_id IS NOT NULL '
+                        "GROUP BY occurrence_id HAVING COUNT(*) > 1")
+        assert not doubled, f"occurrences with two runs: {doubled}"
+        started = Counter(self.marker.read_text().split()) if self.marker.exists() else Counter()
+        assert not [r for r, n in started.items() if n > 1], f"runs started twice (seed {SEED}): {started}"
+        assert set(runs.values()) <= {"queued", *map(str, outpost.SETTLED_RUN_STATUSES)}, Counter(runs.values())
+        for run_id in started:   # every run that started is settled, never queued again
+            assert runs[run_id] in map(str, outpost.SETTLED_RUN_STATUSES), (run_id, runs[run_id])
+        assert not agents_alive(self.marker), "orphaned agent processes survived the restarts"
+        assert len(self.runs) >= kills and self.routine_runs, "the driver acknowledged too little to prove anything"
+        return (f"{kills} kills; acknowledged {len(self.schedules)} schedules, {len(self.runs)} runs, "
+                f"{len(self.routine_runs)} webhook fires; lost 0, started twice 0; {len(started)} runs started, "
+                f"runs by status {dict(Counter(runs.values()))}")
+
+
+def kill9(server: Server) -> None:
+    server.proc.kill()                     # SIGKILL: no cleanup of any kind
+    server.proc.wait()
+    server.log_file.close()
+
+
+def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
+    data_dir, marker = tmp_path / "data", tmp_path / "started.log"
+    marker_profile(data_dir, marker, work_s=0.4)
+    ledger = Ledger(random.Random(SEED), git_repo, marker)
+    server = Server(data_dir).start()
+    with server.client() as api:
+        ledger.set_up_office(api)
     assert server.stop() == 0
-    counter = 0
     for _ in range(KILLS):
         server = Server(data_dir).start()
         api = server.client()
         api.timeout = 5
-        until = time.monotonic() + rng.uniform(0.8, 2.5)
-        try:
-            while time.monotonic() < until:
-                counter += 1
-                op = rng.random()
-                if op < 0.15 or not acked_schedules:
-                    sid = create_schedule(api, git_repo, f"s{counter}")
-                    if sid:
-                        acked_schedules.add(sid)
-                elif op < 0.55:
-                    reply = api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": f"d{counter}"},
-                                     json={"brief": f"job {counter}", "repository": str(git_repo), "agent": "mark"})
-                    if reply.status_code == 202:
-                        acked_runs.add(reply.json()["run_id"])
-                elif op < 0.75:
-                    reply = api.post(hook, json={"n": counter})   # a webhook fire: 202 only after its commit
-                    if reply.status_code == 202:
-                        acked_routine_runs.add(reply.json()["routine_run_id"])
-                else:
-                    sid = rng.choice(sorted(acked_schedules))
-                    revision = api.get(f"/v1/outpost/schedules/{sid}").json()["revision"]
-                    reply = api.post(f"/v1/outpost/schedules/{sid}/control", json={"action": "fire"},
-                                     headers={"Idempotency-Key": f"f{counter}", "If-Match": f'"{revision}"'})
-                    if reply.status_code == 200 and reply.json()["outcome"] == "admitted":
-                        acked_runs.add(reply.json()["run_id"])
-        except httpx.TransportError:
-            pass
-        server.proc.kill()                     # SIGKILL: no cleanup of any kind
-        server.proc.wait()
-        server.log_file.close()
+        ledger.drive([api], ledger.rng.uniform(0.8, 2.5))
+        kill9(server)
 
     # Restart once more, let the queue move, then stop cleanly.
     server = Server(data_dir).start()
@@ -118,29 +165,50 @@ def test_kill9_ledger_loses_nothing_and_does_nothing_twice(tmp_path, git_repo):
 
     db = sqlite3.connect(data_dir / "outpost.sqlite3")
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    schedules = {row[0] for row in db.execute('SELECT id FROM "Schedule"')}
-    runs = dict(db.execute('SELECT id, status FROM "Run"').fetchall())
-    routine_runs = dict(db.execute('SELECT id, wakeup_id FROM "RoutineRun"').fetchall())
-    lost = (acked_schedules - schedules) | (acked_runs - set(runs)) | (acked_routine_runs - set(routine_runs))
-    assert not lost, f"acknowledged but missing (seed {SEED}): {lost}"
-    wakeups = dict(db.execute('SELECT id, status FROM "Wakeup"').fetchall())
-    assert all(routine_runs[r] in wakeups for r in acked_routine_runs), "a webhook fire without its wakeup"
-    assert set(wakeups.values()) <= {"queued", "claimed", "finished", "coalesced"}, Counter(wakeups.values())
-    for wakeup_id, run_id in db.execute('SELECT id, run_id FROM "Wakeup" WHERE status = \'claimed\''):
-        assert runs[run_id] == "queued", (wakeup_id, runs[run_id])   # claimed: its run waits for admission
-    doubled = db.execute('SELECT occurrence_id, COUNT(*) FROM "Run" WHERE occurrence_id IS NOT NULL '
-                         "GROUP BY occurrence_id HAVING COUNT(*) > 1").fetchall()
-    assert not doubled, f"occurrences with two runs: {doubled}"
-    started = Counter(marker.read_text().split()) if marker.exists() else Counter()
-    assert not [r for r, n in started.items() if n > 1], f"runs started twice (seed {SEED}): {started}"
-    assert set(runs.values()) <= {"queued", *map(str, outpost.SETTLED_RUN_STATUSES)}, Counter(runs.values())
-    for run_id in started:   # every run that started is settled, never queued again
-        assert runs[run_id] in map(str, outpost.SETTLED_RUN_STATUSES), (run_id, runs[run_id])
-    assert not agents_alive(marker), "orphaned agent processes survived the restarts"
-    assert len(acked_runs) >= KILLS and acked_routine_runs, "the driver acknowledged too little to prove anything"
-    print(f"\nkill -9 ledger (seed {SEED}): {KILLS} kills; acknowledged {len(acked_schedules)} schedules, "
-          f"{len(acked_runs)} runs, {len(acked_routine_runs)} webhook fires; lost 0, started twice 0; "
-          f"{len(started)} runs started, runs by status {dict(Counter(runs.values()))}")
+    summary = ledger.check(lambda sql: db.execute(sql).fetchall(), KILLS)
+    print(f"\nkill -9 ledger (seed {SEED}): {summary}")
+
+
+@needs_postgres
+def test_kill9_ledger_on_two_postgresql_nodes(tmp_path, git_repo):
+    """The same ledger against a fleet: two nodes on one PostgreSQL, requests to both, and at
+    each round one of them killed -9 while the other serves on; it comes back before the next."""
+    database, marker = postgres_database(), tmp_path / "started.log"
+    POSTGRES_DATABASES[tmp_path / "fleet"] = database
+    dirs = [tmp_path / name for name in ("a", "b")]
+    for data_dir, name in zip(dirs, ("a", "b"), strict=True):
+        marker_profile(data_dir, marker, work_s=0.4)
+        with (data_dir / "outpost.toml").open("a") as toml:
+            toml.write(f'[settings]\nnode_name = "{name}"\n')
+    ledger = Ledger(random.Random(SEED), git_repo, marker)
+    nodes = [Server(d, ("--database", database)).start() for d in dirs]
+    with nodes[0].client() as api:
+        ledger.set_up_office(api)
+    for _ in range(KILLS):
+        apis = [node.client() for node in nodes]
+        for api in apis:
+            api.timeout = 5
+        ledger.drive(apis, ledger.rng.uniform(0.8, 2.5))
+        victim = ledger.rng.randrange(2)
+        kill9(nodes[victim])
+        ledger.drive([apis[1 - victim]], ledger.rng.uniform(0.3, 1.0))   # the survivor serves on
+        nodes[victim] = Server(dirs[victim], ("--database", database)).start()
+
+    time.sleep(2)   # let the queue move, then stop both cleanly
+    for node in nodes:
+        assert node.stop(signal.SIGTERM) == 0
+        assert "Traceback" not in node.logs()
+    connection = psycopg2.connect(database)
+
+    def query(sql: str) -> list[tuple]:
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
+            return cursor.fetchall()
+    try:
+        summary = ledger.check(query, KILLS)
+    finally:
+        connection.close()
+    print(f"\nkill -9 ledger on two PostgreSQL nodes (seed {SEED}): {summary}")
 
 
 def test_sigterm_under_load_exits_cleanly(tmp_path, git_repo):
