@@ -3427,6 +3427,21 @@ def _forget_loaded(db: orm.Database) -> None:
     orm.core.local.db2cache[db] = new
 
 
+def postgres_is_empty(url: str) -> bool:
+    """Whether the database of a postgresql:// URL holds no table yet (``outpost migrate``'s target)."""
+    import psycopg2  # noqa: PLC0415 - the optional extra, checked by postgres_bind
+
+    params = {k: v for k, v in postgres_bind(url).items() if k != "provider"}
+    params["dbname"] = params.pop("database")
+    connection = psycopg2.connect(**params)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = current_schema()")
+            return cursor.fetchone()[0] == 0
+    finally:
+        connection.close()
+
+
 def postgres_bind(url: str) -> dict[str, Any]:
     """Pony's bind arguments for a postgresql:// URL. The password is the URL's or
     ``$OUTPOST_DATABASE_PASSWORD`` (API.md 10); query parameters (``sslmode=require``) pass
@@ -3546,12 +3561,54 @@ class StoreBase:
             for sql in pending:
                 if not sql.startswith("ALTER TABLE"):
                     self.db.execute(sql)
+            if self.postgres and version == 0:
+                self._widen_auto_keys()
             self.db.execute("DELETE FROM schema_version")
             self.db.execute(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION})")
             if not self.db.EventSequence.get(id=1):
                 self.db.EventSequence(id=1, value=0)
             if not self.db.Workspace.get(id=DEFAULT_WORKSPACE):
                 self.db.Workspace(id=DEFAULT_WORKSPACE, name="Default", created_at=naive(datetime.now(UTC)))
+
+    def copy_into(self, target: StoreBase) -> dict[str, int]:
+        """``outpost migrate``: every row of every table into ``target`` (a new store, which holds
+        only what its migrations seed), tables in dependency order, committed once at the end;
+        its automatic keys continue after the copied ones. Nodes are not copied: they are
+        processes, not history. Returns the rows copied per table."""
+        counts: dict[str, int] = {}
+        mark = "%s" if target.postgres else "?"
+        with orm.db_session(immediate=True):
+            connection = target.db.get_connection()
+            cursor = connection.cursor()
+            for entity in self.db.entities.values():
+                if entity is self.db.Node:
+                    continue
+                table = entity._table_
+                source = self.db.execute(f'SELECT * FROM "{table}"')
+                columns = [d[0] for d in source.description]
+                flags = {a.column for a in entity._attrs_ if a.py_type is bool and a.column}
+                cursor.execute(f'DELETE FROM "{table}"')
+                insert = f'INSERT INTO "{table}" ({", ".join(columns)}) VALUES ({", ".join([mark] * len(columns))})'
+                counts[table] = 0
+                while rows := source.fetchmany(1000):   # SQLite's 0/1 flags are PostgreSQL's booleans
+                    cursor.executemany(insert, [tuple(bool(v) if c in flags and v is not None else v
+                                                      for c, v in zip(columns, row, strict=True)) for row in rows])
+                    counts[table] += len(rows)
+                if target.postgres and entity._pk_attrs_[0].auto:
+                    column = entity._pk_columns_[0]
+                    cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{column}'), "
+                                   f'COALESCE(MAX({column}), 0) + 1, false) FROM "{table}"')
+            connection.commit()
+        return counts
+
+    def _widen_auto_keys(self) -> None:
+        """Pony makes an automatic key SERIAL on PostgreSQL (32-bit); ours are 64-bit, as on SQLite."""
+        for entity in self.db.entities.values():
+            if entity._pk_attrs_[0].auto:
+                table, column = entity._table_, entity._pk_columns_[0]
+                self.db.execute(f'ALTER TABLE "{table}" ALTER COLUMN {column} TYPE BIGINT')
+                sequence = self.db.select(f"SELECT pg_get_serial_sequence('\"{table}\"', '{column}')")[0]
+                self.db.execute(f"ALTER SEQUENCE {sequence} AS BIGINT")
 
     def _column_missing(self, sql: str) -> bool:
         """Whether ``sql`` adds a column to a table that exists without it (a new database's
@@ -8900,7 +8957,8 @@ async def page_run_reply(web: Web, run_id: str):
 @pages.get("/agents", auth=Auth.SESSION)
 async def page_agents(web: Web):
     return await web.page("agents.html", section="agents", agents=await agents_overview(web),
-                          tz=host_zone().key)
+                          nodes=await web.call(web.store.list_nodes), this_node=web.store.node,
+                          fleet=web.store.postgres, tz=host_zone().key)
 
 
 @pages.post("/agents/<name>/resume", auth=Auth.SESSION)
@@ -9703,6 +9761,32 @@ def cli_doctor(config: Config) -> int:
     return 0 if usable else EXIT_REFUSED
 
 
+def cli_migrate(data_dir: Path, url: str) -> None:
+    """An appliance's SQLite history into an empty PostgreSQL database (API.md 10)."""
+    if not (data_dir / "outpost.sqlite3").exists():
+        raise CliError(f"no Outpost database in {data_dir}", EXIT_USAGE)
+    if problem := _database_url(url):
+        raise CliError(f"--to {problem}", EXIT_USAGE)
+    try:
+        if not postgres_is_empty(url):
+            raise CliError(f"{database_label(url)} is not empty: outpost migrate copies into a new, empty "
+                           "database only (create one: createdb --owner outpost outpost)", EXIT_REFUSED)
+        source = Store(data_dir / "outpost.sqlite3")
+        target = Store(url, data_dir=data_dir)
+    except (ConfigError, orm.dbapiprovider.DatabaseError) as exc:
+        raise CliError(f"{database_label(url)}: {exc}".strip(), EXIT_USAGE) from None
+    try:
+        counts = source.copy_into(target)
+    finally:
+        source.close()
+        target.close()
+    width = max(map(len, counts))
+    for table, count in counts.items():
+        print(f"{table:{width}}  {count}")
+    print(f"copied {sum(counts.values())} rows of {data_dir / 'outpost.sqlite3'} into {database_label(url)}; "
+          f"serve it with: outpost serve --database {database_label(url)}")
+
+
 def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
     """Reads the store directly, so it answers even while the daemon is down."""
     if not (data_dir / "outpost.sqlite3").exists():
@@ -9737,6 +9821,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p.add_argument("schedule")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("migrate", help="copy this appliance's SQLite database into an empty PostgreSQL one")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("--to", required=True, metavar="URL", help="postgresql://user@host:5432/dbname (the password "
+                   "from $OUTPOST_DATABASE_PASSWORD)")
     p = sub.add_parser("doctor", help="check each agent profile: binary, version, login")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
@@ -9791,6 +9879,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "inspect":
             cli_inspect(data_dir, args.schedule, args.json)
+            return 0
+        if args.command == "migrate":
+            cli_migrate(data_dir, args.to)
             return 0
         if args.target is None and args.action not in ("list",):
             raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)

@@ -5,7 +5,9 @@ cluster `.ci/run` starts ($OUTPOST_TEST_POSTGRES_URL); skipped without it."""
 from __future__ import annotations
 
 import json
+import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -248,3 +250,85 @@ def test_every_node_s_event_stream_sees_another_node_s_events(tmp_path, database
     mine = [e["type"] for e in seen if e["data"].get("run_id") == run_id]
     assert mine[0] == "run.queued" and mine[-1] == "run.settled", mine
     assert [e["cursor"] for e in seen] == sorted(e["cursor"] for e in seen)   # one fleet-wide order
+
+
+# --- outpost migrate ------------------------------------------------------------------------------
+
+def table_counts(query) -> dict[str, int]:
+    tables = [e._table_ for e in outpost.Store(":memory:").db.entities.values() if e.__name__ != "Node"]
+    return {t: query(f'SELECT COUNT(*) FROM "{t}"')[0][0] for t in tables}
+
+
+def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_path, git_repo, server_factory):
+    import sqlite3
+
+    import psycopg2
+
+    data = tmp_path / "appliance"
+    appliance = server_factory(data_dir=data)   # SQLite: some history of every kind
+    with appliance.client() as api:
+        raw = {"name": "nightly", "brief": "@print hello", "repository": str(git_repo), "agent": "demo",
+               "timing": {"kind": "cron", "expression": "0 0 1 1 *", "timezone": "UTC"}}
+        composed = api.post("/v1/outpost/schedules/compose", json=raw).json()
+        schedule = api.post("/v1/outpost/schedules", headers={"Idempotency-Key": "create"}, json={
+            "definition": composed["definition"], "confirmation": composed["confirmation"]}).json()
+        fired = api.post(f"/v1/outpost/schedules/{schedule['id']}/control", json={"action": "fire"},
+                         headers={"Idempotency-Key": "fire", "If-Match": '"1"'}).json()
+        failing = api.post("/v1/outpost/dispatches", headers={"Idempotency-Key": "fail"}, json={
+            "brief": "@print x", "repository": str(tmp_path / "nowhere"), "agent": "demo"})
+        api.patch("/api/office/settings", json={"repository": str(git_repo)}).raise_for_status()
+        agent = api.post("/api/office/agents", json={"name": "worker", "executor": "demo"}).json()
+        api.post("/api/office/tasks", json={"title": "write it", "assignee_agent_id": agent["id"]}).raise_for_status()
+        wait_for(lambda: api.get(f"/v1/outpost/runs/{fired['run_id']}").json()["status"] == "succeeded", 30)
+        assert failing.status_code in (202, 422), failing.text
+    assert appliance.stop() == 0
+    before = table_counts(lambda sql: sqlite3.connect(data / "outpost.sqlite3").execute(sql).fetchall())
+    assert before["Run"] >= 2 and before["Event"] > 5 and before["Wakeup"] >= 1 and before["Task"] == 1
+    assert before["IdempotencyRecord"] >= 3 and before["Occurrence"] == 1
+
+    url = postgres_database()
+    POSTGRES_DATABASES[tmp_path / "migrated"] = url
+    migrate = [sys.executable, str(Path(outpost.__file__)), "migrate", "--data-dir", str(data), "--to", url]
+    done = subprocess.run(migrate, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = dict(line.split() for line in done.stdout.splitlines()[:-1])
+    connection = psycopg2.connect(url)
+    try:
+        def query(sql):
+            with connection.cursor() as cursor:
+                cursor.execute(sql)
+                return cursor.fetchall()
+        assert table_counts(query) == before == {t: int(n) for t, n in printed.items()}
+    finally:
+        connection.close()
+    again = subprocess.run(migrate, capture_output=True, text=True, timeout=120)
+    assert (again.returncode, again.stdout) == (1, "") and "is not empty" in again.stderr
+
+    served = server_factory("--database", url, data_dir=tmp_path / "node")   # the appliance, now on PostgreSQL
+    with served.client() as api:
+        assert [s["name"] for s in api.get("/v1/outpost/schedules").json()["schedules"]] == ["nightly"]
+        assert api.get(f"/v1/outpost/runs/{fired['run_id']}").json()["status"] == "succeeded"
+        fired_again = api.post(f"/v1/outpost/schedules/{schedule['id']}/control", json={"action": "fire"},
+                               headers={"Idempotency-Key": "fire-2", "If-Match": '"1"'}).json()
+        assert fired_again["outcome"] == "admitted", fired_again
+        wait_for(lambda: api.get(f"/v1/outpost/runs/{fired_again['run_id']}").json()["status"] == "succeeded", 30)
+        replay = api.post(f"/v1/outpost/schedules/{schedule['id']}/control", json={"action": "fire"},
+                          headers={"Idempotency-Key": "fire", "If-Match": '"1"'})
+        assert replay.headers.get("Idempotent-Replayed") == "true"   # its keys came along
+        assert replay.json()["run_id"] == fired["run_id"]
+    assert "Traceback" not in served.logs()
+
+
+async def test_the_nodes_panel_shows_a_lost_node(nodes, tmp_path):
+    from conftest import make_deps, sign_in_client
+
+    a, b = nodes
+    silence(a, "b", 11)
+    call(a, a.settle_lost_nodes, NOW)
+    deps = make_deps(tmp_path, store=a)
+    client = outpost.create_app(deps).test_client()
+    sign_in_client(client, a, NOW)
+    page = await (await client.get("/agents")).get_data(as_text=True)
+    rows = dict(re.findall(r'<tr data-node="([^"]+)">.*?class="badge \w+">(\w+)</span>', page, re.S))
+    assert rows == {"a": "up", "b": "lost"}
+    assert 'id="nodes-single"' not in page

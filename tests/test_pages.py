@@ -105,3 +105,13 @@ async def test_a_page_answers_on_a_filled_database(dashboard, tmp_path, rule):
     for name in ("schedule_id", "run_id", "agent_id", "task_id", "routine_id"):
         if f"<{name}>" in rule:
             assert ids["office_run_id" if rule.startswith("/office/runs/") else name] in page
+
+
+async def test_the_agents_page_shows_this_appliance_as_its_only_node(dashboard):
+    call(dashboard.store, dashboard.store.register_node, 3)
+    client = outpost.create_app(dashboard).test_client()
+    sign_in_client(client, dashboard.store, T0)
+    page = await (await client.get("/agents")).get_data(as_text=True)
+    row = re.search(r'<tr data-node="([^"]+)">(.*?)</tr>', page, re.S)
+    assert row and row[1] == dashboard.store.node and "(this one)" in row[2] and "0 / 3" in row[2]
+    assert 'id="nodes-single"' in page and "Running a fleet" in page
