@@ -140,6 +140,8 @@ CRON_MAX_SLEEP_S = 300.0
 #: for NODE_LOST_S is lost; the actors of every node look at the shared store every FLEET_POLL_S
 #: (the nudges of another node's requests do not reach them).
 NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S = 2.0, 10, 1.0
+#: A fleet: how often a running agent's new log lines go into the database for the other nodes.
+LOG_SHIP_S = 1.0
 #: How long an actor waits before retrying a store that was locked or full.
 STORE_RETRY_S = 2.0
 #: How long one database statement waits for another process's write lock.
@@ -3154,6 +3156,15 @@ def define_entities(db: orm.Database) -> None:
         status = Required(str)             # up | lost
         orphans = Optional(orm.Json, nullable=True)   # [run id, pid, pid start] settled while it was lost
 
+    class LogChunk(db.Entity):
+        """A fleet (API.md 10): a run's log in the database, so every node serves it. The node
+        running it appends what its log file gained (at byte ``at_byte``); at settlement one chunk
+        replaces them: the file as it ended, head and tail."""
+        run_id = Required(str)
+        at_byte = Required(int, size=64)
+        data = Required(bytes)
+        PrimaryKey(run_id, at_byte)
+
     class WebhookReplay(db.Entity):
         """Signatures and GitHub delivery ids already accepted: a repeat is refused, by key."""
         key = PrimaryKey(str)
@@ -4408,6 +4419,17 @@ class RunStore(ScheduleStore):
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
         ids, params = sql_list("r", run_ids)
         return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND cancel_requested', params)
+
+    def append_log(self, run_id: str, at_byte: int, data: bytes) -> None:
+        self.db.LogChunk(run_id=run_id, at_byte=at_byte, data=data)
+
+    def replace_log(self, run_id: str, data: bytes) -> None:
+        self.db.execute('DELETE FROM "LogChunk" WHERE run_id = $r', {"r": run_id})
+        self.db.LogChunk(run_id=run_id, at_byte=0, data=data)
+
+    def stored_log(self, run_id: str) -> bytes:
+        return b"".join(bytes(c.data) for c in self.db.LogChunk.select(lambda c: c.run_id == run_id)
+                        .order_by(lambda c: c.at_byte))
 
     def list_nodes(self) -> list[dict[str, Any]]:
         running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
@@ -6621,15 +6643,42 @@ def cli_version(argv: list[str], env: dict[str, str]) -> str | None:
     return lines[0].strip()[:120] if done.returncode == 0 and lines else None
 
 
-def read_log(path: Path, offset: int = 0) -> tuple[str, int]:
-    """The log from byte ``offset`` on, and the log's size (a live page asks for what is new)."""
+def read_log_bytes(path: Path, offset: int = 0) -> bytes | None:
+    """The log file from byte ``offset`` on; None when there is no file."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            data = f.read()
+            return f.read()
     except FileNotFoundError:
-        return "", 0
+        return None
+
+
+def read_log(path: Path, offset: int = 0) -> tuple[str, int]:
+    """The log from byte ``offset`` on, and the log's size (a live page asks for what is new)."""
+    data = read_log_bytes(path, offset)
+    return ("", 0) if data is None else (data.decode(errors="replace"), offset + len(data))
+
+
+async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
+    """read_log of a run: this node's file or, in a fleet, the copy that the node that ran it
+    keeps in the database."""
+    path = deps.log_path(run_id)
+    if not deps.store.postgres or path.exists():
+        return await trio.to_thread.run_sync(read_log, path, offset)
+    data = (await deps.transaction(deps.store.stored_log, run_id))[offset:]
     return data.decode(errors="replace"), offset + len(data)
+
+
+async def ship_log(deps: Deps, run_id: str) -> None:
+    """A fleet: what the run's log file gained, into the database every LOG_SHIP_S, so any
+    node serves the live log. Ends when cancelled (finish_run stores the final log)."""
+    shipped = 0
+    while True:
+        await trio.sleep(LOG_SHIP_S)
+        data = await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id), shipped)
+        if data:
+            await deps.transaction_retrying(deps.store.append_log, run_id, shipped, data)
+            shipped += len(data)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -7198,11 +7247,15 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
-            done = await run_agent_process(
-                argv, cwd=cwd, env=env, stdin_text=info["prompt"],
-                timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
-                log_path=deps.log_path(run_id), live=live,
-                on_spawn=on_spawn, grace_s=deps.grace_s)
+            async with trio.open_nursery() as shipping:
+                if deps.store.postgres:
+                    shipping.start_soon(ship_log, deps, run_id)
+                done = await run_agent_process(
+                    argv, cwd=cwd, env=env, stdin_text=info["prompt"],
+                    timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
+                    log_path=deps.log_path(run_id), live=live,
+                    on_spawn=on_spawn, grace_s=deps.grace_s)
+                shipping.cancel_scope.cancel()
             exit_code = done.exit_code
             reading = READERS[profile.format](done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
@@ -7240,6 +7293,8 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
     commits = await count_commits(info["repository"], commit, info["result_branch"]) if commit else 0
     if kept is None and Path(info["repository"]).is_dir():
         await remove_worktree(info["repository"], workspace)
+    if deps.store.postgres and (ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
+        await deps.transaction_retrying(deps.store.replace_log, run_id, ended)   # as it ended, for every node
     now = deps.clock.now()
     profile = deps.config.agent(info["agent"])
     settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome, now, exit_code=exit_code,
@@ -8242,8 +8297,7 @@ async def api_get_run(web: Web, run_id: str):
 async def api_run_log(web: Web, run_id: str):
     from quart import Response
     await web.call(web.store.get_run, run_id)
-    text, size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id),
-                                               web.int_arg("offset", 0, 0, 2**40))
+    text, size = await run_log(web.deps, run_id, web.int_arg("offset", 0, 0, 2**40))
     return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
 
 
@@ -8910,7 +8964,7 @@ async def page_runs(web: Web):
 async def page_run(web: Web, run_id: str):
     run = await web.call(web.store.get_run, run_id)
     name, tz = (await web.call(web.store.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
-    log_text, log_size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id))
+    log_text, log_size = await run_log(web.deps, run_id)
     changes, files, cut = "", [], False
     if run["changes"]["commits"] and run["resolved_commit"]:
         changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
@@ -9234,7 +9288,7 @@ async def page_office_wakeups(web: Web):
 @pages.get("/office/runs/<run_id>", auth=Auth.SESSION)
 async def page_office_run(web: Web, run_id: str):
     run = await web.call(web.store.office_run, run_id)
-    log_text, log_size = await trio.to_thread.run_sync(read_log, web.deps.log_path(run_id))
+    log_text, log_size = await run_log(web.deps, run_id)
     return await office_page(web, "office_run.html", tab="agents", live=run["status"] in ACTIVE_RUN_STATUSES,
                              run=run, log_text=log_text, log_size=log_size)
 

@@ -126,6 +126,7 @@ def note(word):
     with open(ledger, "a") as f:
         f.write(f"{word} {os.environ['OUTPOST_RUN_ID']} {time.time():.6f}\\n")
 note("start")
+print(f"probe started {os.environ['OUTPOST_RUN_ID']}", flush=True)
 sys.stdin.read()
 time.sleep(float(os.environ.get("FLEET_SLEEP", "0.4")))
 note("end")
@@ -185,6 +186,9 @@ def test_two_nodes_share_one_queue_within_the_fleet_limit(tmp_path, database, gi
         assert {r["status"] for r in runs} == {"succeeded"}, [(r["id"], r["status"], r["error"]) for r in runs]
         assert {r["node"] for r in runs} == {"a", "b"}                    # both nodes worked
         assert cb.get(f"/v1/outpost/runs/{run_ids[0]}").json()["node"] in ("a", "b")
+        for run in runs[:4]:   # any node serves any run's log
+            other = cb if run["node"] == "a" else ca
+            assert f"probe started {run['id']}" in other.get(f"/v1/outpost/runs/{run['id']}/log").text
         nodes = {n["name"]: n for n in ca.get("/v1/outpost/nodes").json()["nodes"]}
         assert {name: n["status"] for name, n in nodes.items()} == {"a": "up", "b": "up"}
     lines = ledger_lines(ledger)
@@ -210,6 +214,9 @@ def test_kill_9_of_a_node_the_survivor_settles_its_runs_and_the_restart_leaves_t
         waiting = dispatch(cb, git_repo)   # b's only slot is taken: it waits in the shared queue
     a.env["FLEET_SLEEP"] = "0.2"
     a.start(server_factory)
+    with a.client() as ca:   # b's live log, through a
+        wait_for(lambda: f"probe started {long_run}" in ca.get(f"/v1/outpost/runs/{long_run}/log").text,
+                 timeout_s=10)
     b.server.stop(signal.SIGKILL)
     killed_at = time.monotonic()
     with a.client() as ca:
