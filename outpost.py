@@ -1036,11 +1036,22 @@ def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
         raise invalid(sorted(unknown)[0], f"is not a field of {what}")
 
 
+#: A repository named by URL (API.md 10): https://, ssh://, file:// or scp-like user@host:path.
+REPOSITORY_URL = re.compile(r"^(?:(?:https|ssh|file)://\S+|[\w.-]+@[\w.-]+:(?!//)\S+)$")
+
+
+def is_repository_url(repository: str) -> bool:
+    return bool(REPOSITORY_URL.match(repository))
+
+
 def _repository(d: dict) -> str:
-    """An absolute path, normalized; whether it is a git repository is asked of git."""
+    """An absolute path, normalized, or a git URL; whether it is a git repository is asked of git."""
     repo = _text(d, "repository", 1, 4096, single_line=True)
+    if is_repository_url(repo):
+        return repo
     if not os.path.isabs(repo):
-        raise invalid("repository", "must be an absolute path")
+        raise invalid("repository", "must be an absolute path or a git URL (https://, ssh://, user@host:path, "
+                                    "file://)")
     return os.path.normpath(repo)
 
 
@@ -6236,6 +6247,50 @@ class CatFile:
         self.closed = True
 
 
+class Mirrors:
+    """API.md 10: a repository named by URL is worked on in a bare mirror of its own under
+    ``<data dir>/mirrors``, cloned on first use and fetched before a ref of it is resolved; a
+    run's result branch is pushed back to the URL when it settles. Credentials are the service
+    user's git configuration and SSH keys, never Outpost's. The fetch takes branches and tags
+    and never touches ``outpost/*`` (result branches, some checked out in a worktree) nor
+    deletes anything: a branch whose push failed stays in the mirror."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._locks: dict[str, trio.Lock] = collections.defaultdict(trio.Lock)
+
+    def path(self, repository: str) -> str:
+        """The local repository a run of ``repository`` works in: the path itself, or its mirror."""
+        if not is_repository_url(repository):
+            return repository
+        tail = re.sub(r"[^\w.-]+", "-", repository.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1])
+        digest = hashlib.sha256(repository.encode()).hexdigest()[:12]
+        return str(self.root / f"{tail.removesuffix('.git')[:40]}-{digest}.git")
+
+    async def fetched(self, repository: str) -> str:
+        """``path``, cloned or fetched now; RepositoryUnavailable with git's words when it cannot be."""
+        local = self.path(repository)
+        if local == repository:
+            return local
+        async with self._locks[repository]:   # one git at a time per mirror (its lock files)
+            try:
+                if not Path(local, "HEAD").exists():
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    await git(self.root, "clone", "--bare", "--quiet", "--", repository, local)
+                else:
+                    await git(local, "fetch", "--quiet", "--force", "--tags", "--", repository,
+                              "+refs/heads/*:refs/heads/*", "^refs/heads/outpost/*")
+            except LaunchError as exc:
+                raise RepositoryUnavailable(f"cannot fetch {repository}: {exc}") from None
+        return local
+
+    async def push(self, repository: str, branch: str) -> None:
+        """The result branch to the URL it came from (never a mirror push: that branch only)."""
+        async with self._locks[repository]:
+            await git(self.path(repository), "push", "--quiet", "--", repository,
+                      f"refs/heads/{branch}:refs/heads/{branch}")
+
+
 class Refs:
     """Resolving refs to commits. While the daemon serves (``resident``), through one resident
     ``git cat-file --batch-check`` per repository, started on demand and restarted if it dies
@@ -6289,14 +6344,20 @@ async def _is_git_repo(path: str) -> bool:
     return (await git(path, "rev-parse", "--git-dir", check=False)) != ""
 
 
-async def check_repository(definition: dict[str, Any], refs: Refs) -> str:
-    """The validation rules that need git: repository exists, source_ref resolves now.
-    Returns the commit it resolves to (a dispatch records it: fire step 2)."""
+async def check_repository(definition: dict[str, Any], deps: Deps) -> str:
+    """The validation rules that need git: repository exists (a URL: it is fetched), source_ref
+    resolves now. Returns the commit it resolves to (a dispatch records it: fire step 2)."""
     repo = definition["repository"]
+    if is_repository_url(repo):
+        try:
+            return await deps.resolve_ref(repo, definition["source_ref"])
+        except RepositoryUnavailable as exc:
+            field = "source_ref" if str(exc).startswith("source_ref") else "repository"
+            raise invalid(field, str(exc)) from None
     if not Path(repo).is_dir():
         raise invalid("repository", f"{repo} is not an existing git repository on this machine")
     try:
-        return await refs.resolve(repo, definition["source_ref"])
+        return await deps.resolve_ref(repo, definition["source_ref"])
     except LaunchError as exc:
         field = "repository" if "not a git repository" in str(exc) else "source_ref"
         raise invalid(field, str(exc) if field == "source_ref" else
@@ -6711,12 +6772,13 @@ async def branch_diff(repository: str, base: str, branch: str) -> tuple[list[Fil
     return files, cut
 
 
-async def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], list[FileDiff]]:
+async def compare_runs(a: dict[str, Any], b: dict[str, Any], local: str) -> tuple[dict[str, Any], list[FileDiff]]:
     """API.md 9: whether two runs started alike, and the diff between their result branches
-    (the report, and the diff file by file for the compare page)."""
-    files, cut = await branch_diff(a["repository"], a["result_branch"], b["result_branch"])
-    stat = await git(a["repository"], "diff", "--stat", "--end-of-options", a["result_branch"], b["result_branch"],
-                     check=False) if Path(a["repository"]).is_dir() else ""
+    (the report, and the diff file by file for the compare page). ``local``: a's repository
+    on this machine (a URL's mirror)."""
+    files, cut = await branch_diff(local, a["result_branch"], b["result_branch"])
+    stat = await git(local, "diff", "--stat", "--end-of-options", a["result_branch"], b["result_branch"],
+                     check=False) if Path(local).is_dir() else ""
     return {"a": a["id"], "b": b["id"], "same_commit": a["resolved_commit"] == b["resolved_commit"],
             "same_prompt": a["prompt"] == b["prompt"],
             "same_profile": (a["agent"], a["model"]) == (b["agent"], b["model"]),
@@ -6959,10 +7021,17 @@ class Deps:
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
     refs: Refs = dataclasses.field(default_factory=Refs)
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
+    mirrors: Mirrors = None      # type: ignore[assignment]   # one per data dir; kept by dataclasses.replace
 
     def __post_init__(self) -> None:
         if self.writer is None:
             object.__setattr__(self, "writer", GroupCommit(self.store))
+        if self.mirrors is None:
+            object.__setattr__(self, "mirrors", Mirrors(self.config.data_dir / "mirrors"))
+
+    async def resolve_ref(self, repository: str, ref: str) -> str:
+        """The commit ``ref`` names now in ``repository`` (a URL's is fetched first)."""
+        return await self.refs.resolve(await self.mirrors.fetched(repository), ref)
 
     @functools.cached_property
     def run_token_key(self) -> bytes:
@@ -7032,7 +7101,7 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
         for run_id, repository, ref in await deps.transaction(deps.store.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
-                await deps.transaction(deps.store.set_resolved_commit, run_id, await deps.refs.resolve(repository, ref))
+                await deps.transaction(deps.store.set_resolved_commit, run_id, await deps.resolve_ref(repository, ref))
 
 
 async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
@@ -7057,7 +7126,7 @@ async def unchanged_heads(deps: Deps, now: datetime,
         checks = await deps.transaction_retrying(deps.store.unchanged_checks, now)
     for schedule_id, repository, ref in checks:
         with contextlib.suppress(LaunchError):
-            heads[schedule_id] = await deps.refs.resolve(repository, ref)
+            heads[schedule_id] = await deps.resolve_ref(repository, ref)
     return heads
 
 
@@ -7167,7 +7236,7 @@ async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) ->
     """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
     commit, or, for a run that continues a branch (an Office task session, a reply), that
     branch's head, on a fresh worktree of it."""
-    repository, branch = info["repository"], info["result_branch"]
+    repository, branch = await deps.mirrors.fetched(info["repository"]), info["result_branch"]
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
             if info["continues_branch"] and Path(repository).is_dir() else "")
     if not head:
@@ -7234,7 +7303,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                                 prompt_file=str(private / "prompt.md"), max_cost_usd=info["max_cost_usd"])
             if deps.isolation.active:
                 argv = isolated_argv(argv, data_dir=deps.config.data_dir, worktree=workspace,
-                                     repository=info["repository"], cwd=cwd, private=private)
+                                     repository=deps.mirrors.path(info["repository"]), cwd=cwd, private=private)
             env = agent_env(profile, dict(os.environ), run_id)
             env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url}
             if info["office"]:   # the agent acts on Office through the run-scoped token
@@ -7290,9 +7359,18 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
         kept = f"the agent's uncommitted changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
         outcome = failed(kept, "agent", outcome.reading)
-    commits = await count_commits(info["repository"], commit, info["result_branch"]) if commit else 0
-    if kept is None and Path(info["repository"]).is_dir():
-        await remove_worktree(info["repository"], workspace)
+    local = deps.mirrors.path(info["repository"])
+    commits = await count_commits(local, commit, info["result_branch"]) if commit else 0
+    if kept is None and Path(local).is_dir():
+        await remove_worktree(local, workspace)
+    unpushed = None
+    if commits and is_repository_url(info["repository"]):   # API.md 10: the result goes back where it came from
+        try:
+            await deps.mirrors.push(info["repository"], info["result_branch"])
+        except LaunchError as exc:
+            unpushed = (f"git push of {info['result_branch']} to {info['repository']} failed: {exc}\n"
+                        f"The branch is kept in {local}; push it from there, or fix the access and re-run.")
+            log.getChild("run").warning("run %s: %s", run_id, unpushed.splitlines()[0])
     if deps.store.postgres and (ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
         await deps.transaction_retrying(deps.store.replace_log, run_id, ended)   # as it ended, for every node
     now = deps.clock.now()
@@ -7300,6 +7378,10 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
     settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome, now, exit_code=exit_code,
                                               commits=commits, auth_hint=login_hint(profile) if profile else "",
                                               fence=(info["node"], info["attempt"]) if info["node"] else None)
+    if unpushed is not None:
+        await deps.transaction_retrying(deps.store.raise_attention, "push_failed",
+                                        f"Run {run_id}: its result branch was not pushed", unpushed, now,
+                                        schedule_id=info["schedule_id"], run_id=run_id)
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
@@ -7571,7 +7653,7 @@ async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | Non
                                       check_past=current is None)
     if current is not None and definition["timing"] != current["timing"]:
         normalize_timing(definition["timing"], now, check_past=True)
-    await check_repository(definition, deps.refs)
+    await check_repository(definition, deps)
     return definition
 
 
@@ -8314,7 +8396,7 @@ async def api_rerun(web: Web, run_id: str):
 @api.get("/v1/outpost/runs/<run_id>/compare/<other_id>", auth=Auth.TOKEN)
 async def api_compare(web: Web, run_id: str, other_id: str):
     a, b = await web.call(web.store.run_facts, run_id), await web.call(web.store.run_facts, other_id)
-    return (await compare_runs(a, b))[0]
+    return (await compare_runs(a, b, web.deps.mirrors.path(a["repository"])))[0]
 
 
 @api.get("/v1/outpost/charts/runs.svg", auth=Auth.TOKEN)
@@ -8354,7 +8436,7 @@ async def api_control_run(web: Web, run_id: str):
 @api.post("/v1/outpost/dispatches", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
 async def api_dispatch(web: Web):
     payload = normalize_dispatch(await web.body(), web.now, agents=web.profile_names)
-    commit = await check_repository(payload, web.deps.refs)   # resolved once, recorded with the run: one transaction
+    commit = await check_repository(payload, web.deps)   # resolved once, recorded with the run: one transaction
     return await web.commit(web.store.create_dispatch, payload, web.now, commit)
 
 
@@ -8967,8 +9049,9 @@ async def page_run(web: Web, run_id: str):
     log_text, log_size = await run_log(web.deps, run_id)
     changes, files, cut = "", [], False
     if run["changes"]["commits"] and run["resolved_commit"]:
-        changes = await changes_summary(run["repository"], run["resolved_commit"], run["result_branch"])
-        files, cut = await branch_diff(run["repository"], run["resolved_commit"], run["result_branch"])
+        local = web.deps.mirrors.path(run["repository"])
+        changes = await changes_summary(local, run["resolved_commit"], run["result_branch"])
+        files, cut = await branch_diff(local, run["resolved_commit"], run["result_branch"])
     return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
                           schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes,
                           files=files, diff_cut=cut)
@@ -8988,7 +9071,7 @@ async def page_compare(web: Web, run_id: str):
     candidates = [r for r in (await web.call(web.store.list_runs, a["schedule_id"], None, 20, None))["runs"]
                   if r["id"] != run_id] if a["schedule_id"] else []
     b = await web.call(web.store.run_facts, other) if other else None
-    report, files = await compare_runs(a, b) if b else (None, [])
+    report, files = await compare_runs(a, b, web.deps.mirrors.path(a["repository"])) if b else (None, [])
     name, tz = (await web.call(web.store.schedule_zones)).get(a["schedule_id"], ("dispatch", "UTC"))
     return await web.page("compare.html", section="runs", a=a, b=b, report=report, files=files,
                           candidates=candidates, schedule_name=name, tz=tz)

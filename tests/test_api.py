@@ -569,10 +569,10 @@ async def test_a_repeat_while_the_first_is_in_flight_is_409(api, monkeypatch):
     entered, release = trio.Event(), trio.Event()
     real_check = outpost.check_repository
 
-    async def held_check(definition, refs):
+    async def held_check(definition, deps):
         entered.set()
         await release.wait()
-        return await real_check(definition, refs)
+        return await real_check(definition, deps)
     monkeypatch.setattr(outpost, "check_repository", held_check)
     body = {"brief": "@print once", "repository": str(api.repo), "agent": "demo"}
     replies = {}
