@@ -38,6 +38,7 @@ import os
 import py_compile
 import shutil
 import signal
+import socket
 import sqlite3
 import statistics
 import subprocess
@@ -295,8 +296,8 @@ class TimedStore(outpost.Store):
     """The real Store; records when a claim_due call has committed (and mark_spawned began).
     Every call of the daemon reaches the store through ``transactions`` (the group commit)."""
 
-    def __init__(self, path: Path | str):
-        super().__init__(path)
+    def __init__(self, path: Path | str, **kwargs: Any):
+        super().__init__(path, **kwargs)
         self.claims: list[tuple[float, list[str]]] = []
         self.spawned: dict[str, float] = {}
 
@@ -317,9 +318,10 @@ def fire_instants(n: int, window: float, lead: float) -> list[datetime]:
     return [start + timedelta(seconds=window * (i + 0.5) / n) for i in range(n)]
 
 
-def outpost_fire_lag(tmp: Path, repo: Path, total: int, due_n: int, window: float) -> dict[str, Any]:
-    db = tmp / "outpost.sqlite3"
-    store = TimedStore(db)
+def outpost_fire_lag(tmp: Path, repo: Path, total: int, due_n: int, window: float,
+                     database: str | None = None) -> dict[str, Any]:
+    """``database``: a postgresql:// URL (the fleet row); SQLite in ``tmp`` by default."""
+    store = TimedStore(database or tmp / "outpost.sqlite3", data_dir=tmp)
     add_far_schedules(store, repo, total - due_n)
     lead = 1.0
     dues = fire_instants(due_n, window, lead)
@@ -1202,6 +1204,117 @@ def bench_dashboard(q: bool, work: Path) -> list[dict[str, Any]]:
 # main
 # --------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------
+# A fleet on PostgreSQL (API.md 10)
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def throwaway_postgres(work: Path):
+    """$OUTPOST_BENCH_POSTGRES_URL (an admin URL), else a cluster of Debian's postgresql started
+    here (initdb in ``work`` as the postgres user, a free port) and stopped at the end."""
+    if url := os.environ.get("OUTPOST_BENCH_POSTGRES_URL"):
+        yield url
+        return
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not bins:
+        raise RuntimeError("no PostgreSQL: apt-get install postgresql, or set $OUTPOST_BENCH_POSTGRES_URL")
+    pgbin, data = bins[-1].parent, work / "pg"
+    data.mkdir()
+    as_postgres = ["runuser", "-u", "postgres", "--"] if os.getuid() == 0 else []
+    if os.getuid() == 0:
+        shutil.chown(data, "postgres")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    subprocess.run([*as_postgres, str(pgbin / "initdb"), "-D", str(data / "data"), "-A", "trust", "-U", "postgres"],
+                   check=True, capture_output=True)
+    subprocess.run([*as_postgres, str(pgbin / "pg_ctl"), "-D", str(data / "data"), "-l", str(data / "log"), "-w",
+                    "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],   # fsync on, as deployed
+                   check=True, capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_postgres, str(pgbin / "pg_ctl"), "-D", str(data / "data"), "-m", "fast", "stop"],
+                       capture_output=True)
+
+
+def new_database(admin: str, name: str) -> str:
+    import psycopg2
+    connection = psycopg2.connect(admin)
+    connection.autocommit = True
+    connection.cursor().execute(f'CREATE DATABASE "{name}"')
+    connection.close()
+    return f"{admin.rsplit('/', 1)[0]}/{name}"
+
+
+def fleet_node_drain(url: str, node: str, d: str, max_running: int, start: Any, out: Any) -> None:
+    """One node of the queue-drain row, in a process of its own: the claim actor's loop with a null
+    executor until the shared queue is empty; puts (runs settled here, start, end) on ``out``."""
+    store = outpost.Store(url, data_dir=Path(d), node=node)
+    deps = bench_deps(store, Path(d))
+    start.wait()
+    t0 = time.perf_counter()
+    done = trio.run(functools.partial(drain_like_the_claim_actor, deps, max_running, dispatch=False))
+    out.put((done, t0, time.perf_counter()))
+    store.close()
+
+
+def fleet_drain(admin: str, d: Path, repo: Path, n: int, nodes: int, max_running: int) -> float:
+    """n runs queued in a new database, drained by ``nodes`` processes at once: runs per second
+    from the start to the last node's end."""
+    import multiprocessing
+    url = new_database(admin, f"drain_{nodes}_{time.time_ns()}")
+    store = outpost.Store(url, data_dir=d)
+    queue_dispatches(store, dispatch_payload(repo), n)
+    store.close()
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=fleet_node_drain, args=(url, f"node{i}", str(d), max_running, start, out))
+             for i in range(nodes)]
+    for p in procs:
+        p.start()
+    time.sleep(3)   # every node imported and bound before the start
+    start.set()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sum(r[0] for r in results) == n, f"drained {sum(r[0] for r in results)} of {n}"
+    return n / (max(r[2] for r in results) - min(r[1] for r in results))
+
+
+def bench_fleet(q: bool, work: Path) -> list[dict[str, Any]]:
+    n, max_running = (1000, 50) if q else (5000, 50)
+    total, due_n, window = (200, 40, 2.0) if q else (1000, 200, 10.0)
+    repo = make_repo(work / "repo")
+    one, two, lag_pg, lag_sqlite = [], [], [], []
+    with throwaway_postgres(work) as admin:
+        for rep in range(REPS):
+            d = work / f"rep{rep}"
+            d.mkdir()
+            one.append(fleet_drain(admin, d, repo, n, 1, max_running))
+            two.append(fleet_drain(admin, d, repo, n, 2, max_running))
+            for kind, lags in (("pg", lag_pg), ("sqlite", lag_sqlite)):
+                (d / kind).mkdir()
+                url = new_database(admin, f"lag_{rep}_{time.time_ns()}") if kind == "pg" else None
+                lags.append(outpost_fire_lag(d / kind, repo, total, due_n, window, database=url)["p99"])
+            log(f"fleet rep {rep}: drain one node {one[-1]:.0f}/s, two {two[-1]:.0f}/s; fire lag p99 "
+                f"PostgreSQL {lag_pg[-1]:.1f} ms, SQLite {lag_sqlite[-1]:.1f} ms")
+    scale = statistics.median(two) / statistics.median(one)
+    lag_ratio = statistics.median(lag_pg) / statistics.median(lag_sqlite)
+    return [
+        row("queue drain on PostgreSQL, two nodes", statistics.median(two), "runs/s", ">= 1.5x one node",
+            scale >= 1.5, vals=two, peer="one node, same database server", peer_value=statistics.median(one),
+            peer_vals=one,
+            note=f"{n} queued; ratio {scale:.2f}x. Each node a process of its own with the claim actor's loop "
+                 f"and a null executor, max_running {max_running} per node, on one PostgreSQL (fsync on) on "
+                 f"this machine; every write transaction takes the fleet's advisory lock"),
+        row("fire lag p99 on PostgreSQL", statistics.median(lag_pg), "ms", "<= 2x SQLite's", lag_ratio <= 2.0,
+            vals=lag_pg, peer="SQLite, same run", peer_value=statistics.median(lag_sqlite), peer_vals=lag_sqlite,
+            note=f"ratio {lag_ratio:.2f}x; {total} active schedules, {due_n} due over {window:g} s; the cron "
+                 f"actor of one node, as in the fire lag row"),
+    ]
+
+
 BENCHES: dict[str, Callable[[bool, Path], list[dict[str, Any]]]] = {
     "fire_lag": bench_fire_lag,
     "due_to_start": bench_due_to_start,
@@ -1212,6 +1325,7 @@ BENCHES: dict[str, Callable[[bool, Path], list[dict[str, Any]]]] = {
     "restart": bench_restart,
     "memory": bench_memory,
     "dashboard": bench_dashboard,
+    "fleet": bench_fleet,
 }
 
 
