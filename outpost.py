@@ -4297,7 +4297,8 @@ class RunStore(ScheduleStore):
         return self.db.select('SELECT resolved_commit FROM "Run" WHERE id = $rid', {"rid": run_id})[0]
 
     def admit_ready(self, max_running: int, now: datetime, limit: int | None = None,
-                    caps: dict[str, int] | None = None, fleet_max: int | None = None) -> list[tuple[str, bool]]:
+                    caps: dict[str, int] | None = None, fleet_max: int | None = None,
+                    unreachable: Iterable[str] = ()) -> list[tuple[str, bool]]:
         """FIFO admission: (run id, is a resume) for every run that may start now, as many as
         there are free slots (at most ``limit``), in one transaction.
 
@@ -4310,7 +4311,8 @@ class RunStore(ScheduleStore):
         portable SQL: it runs unchanged on PostgreSQL.
 
         In a fleet (API.md 10) ``max_running`` is this node's slots and ``fleet_max`` all nodes'; an
-        admitted run is this node's (``node``, ``attempt`` + 1), and only its node resumes a pause."""
+        admitted run is this node's (``node``, ``attempt`` + 1), and only its node resumes a pause;
+        runs of a repository path this node cannot reach (``unreachable``) wait for another node."""
         mine, everyone = self.db.select(
             f"SELECT COALESCE(SUM(CASE WHEN {self.own_rows} THEN 1 ELSE 0 END), 0), COUNT(*) "
             "FROM \"Run\" WHERE status = 'running'", {"me": self.node})[0]
@@ -4326,7 +4328,7 @@ class RunStore(ScheduleStore):
             {"free": free, "me": self.node})
         for run_id in resumed:
             self.emit("run.resumed", {"run_id": run_id}, now)
-        chosen = self._choose_queued(free - len(resumed), now, caps or {})
+        chosen = self._choose_queued(free - len(resumed), now, caps or {}, sorted(unreachable))
         ids, params = sql_list("id", chosen)
         started = self.returning(
             f"UPDATE \"Run\" SET status = 'running', started_at = $now, node = $me, attempt = attempt + 1 "
@@ -4336,8 +4338,10 @@ class RunStore(ScheduleStore):
             self.emit("run.started", {"run_id": run_id}, now)
         return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
 
-    def _choose_queued(self, free: int, now: datetime, caps: dict[str, int]) -> list[str]:
-        """The next ``free`` queued runs in FIFO order whose profile may start one now."""
+    def _choose_queued(self, free: int, now: datetime, caps: dict[str, int], unreachable: list[str]) -> list[str]:
+        """The next ``free`` queued runs in FIFO order whose profile may start one now, of a
+        repository this node reaches."""
+        elsewhere, elsewhere_params = sql_list("u", unreachable) if unreachable else ("", {})
         held = set(self.held_profiles(now))
         counts = dict(self.db.select('SELECT agent, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY agent'))
         held |= {name for name, cap in caps.items() if counts.get(name, 0) >= cap}
@@ -4347,7 +4351,9 @@ class RunStore(ScheduleStore):
             rows = self.db.select(
                 'SELECT id, agent FROM "Run" WHERE status = \'queued\''
                 + (f" AND agent NOT IN {held_in}" if held else "") + (f" AND id NOT IN {chosen_in}" if chosen else "")
-                + " ORDER BY queued_at, id LIMIT $n", {**held_params, **chosen_params, "n": free - len(chosen)})
+                + (f" AND repository NOT IN {elsewhere}" if unreachable else "")
+                + " ORDER BY queued_at, id LIMIT $n",
+                {**held_params, **chosen_params, **elsewhere_params, "n": free - len(chosen)})
             if not rows:
                 break
             for run_id, agent in rows:
@@ -4425,6 +4431,9 @@ class RunStore(ScheduleStore):
                             {"agents": json.dumps(orphans[name]), "name": name})
             self.emit("node.lost", {"node": name, "settled": settled, "requeued": requeued}, now)
         return settled
+
+    def queued_repositories(self) -> list[str]:
+        return self.db.select('SELECT DISTINCT repository FROM "Run" WHERE status = \'queued\' ORDER BY repository')
 
     def cancels_requested(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
@@ -7183,9 +7192,12 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     async with trio.open_nursery() as runs:
         while True:
             await dispatch_wakeups(deps)
+            unreachable = [] if not deps.store.postgres else [   # API.md 10: runs this node can reach
+                r for r in await deps.transaction_retrying(deps.store.queued_repositories)
+                if not is_repository_url(r) and not Path(r).is_dir()]
             for run_id, is_resume in await deps.transaction_retrying(
                     deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
-                    fleet_max=deps.config.fleet_max_running):
+                    fleet_max=deps.config.fleet_max_running, unreachable=unreachable):
                 if is_resume:
                     live = deps.live.get(run_id)
                     if live is not None:

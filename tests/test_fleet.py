@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     POSTGRES_DATABASES,
     call,
+    make_repo,
     needs_postgres,
     postgres_database,
     wait_for,
@@ -339,3 +340,38 @@ async def test_the_nodes_panel_shows_a_lost_node(nodes, tmp_path):
     rows = dict(re.findall(r'<tr data-node="([^"]+)">.*?class="badge \w+">(\w+)</span>', page, re.S))
     assert rows == {"a": "up", "b": "lost"}
     assert 'id="nodes-single"' not in page
+
+
+def test_an_interval_schedule_fires_once_per_slot_with_two_nodes_running(tmp_path, database, git_repo,
+                                                                         server_factory):
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger, sleep_s=0.1).start(server_factory)
+    b = Node(tmp_path, "b", database, ledger, sleep_s=0.1).start(server_factory)
+    with a.client() as ca, b.client() as cb:
+        raw = {"name": "tick", "brief": "tick", "repository": str(git_repo), "agent": "probe",
+               "concurrency_policy": "always_enqueue", "timing": {"kind": "interval", "seconds": 10, "timezone": "UTC"}}
+        composed = cb.post("/v1/outpost/schedules/compose", json=raw).json()
+        schedule = cb.post("/v1/outpost/schedules", headers={"Idempotency-Key": uuid.uuid4().hex}, json={
+            "definition": composed["definition"], "confirmation": composed["confirmation"]}).json()
+
+        def slots():
+            listed = ca.get(f"/v1/outpost/schedules/{schedule['id']}/occurrences").json()["occurrences"]
+            return listed if len(listed) >= 3 else None
+        occurrences = wait_for(slots, timeout_s=45, interval_s=0.5)
+        runs = [r for r in ca.get("/v1/outpost/runs", params={"schedule_id": schedule["id"], "limit": 100})
+                .json()["runs"]]
+    assert len({o["due_at"] for o in occurrences}) == len(occurrences)      # one ledger row per slot
+    assert {o["outcome"] for o in occurrences} == {"admitted"}
+    assert len({r["occurrence_id"] for r in runs}) == len(runs) >= 3        # one run per slot
+    starts = [r for w, r, _ in ledger_lines(ledger) if w == "start"]
+    assert len(starts) == len(set(starts))                                  # none started twice
+
+
+def test_a_node_leaves_runs_of_a_repository_it_cannot_reach_to_the_others(nodes, git_repo, tmp_path):
+    a, b = nodes
+    elsewhere = make_repo(tmp_path / "only-on-b")
+    first = queue(a, elsewhere, 1)[0]
+    second = queue(a, git_repo, 1)[0]
+    assert call(a, a.queued_repositories) == sorted([str(elsewhere), str(git_repo)])
+    assert [r for r, _ in call(a, a.admit_ready, 2, NOW, unreachable=[str(elsewhere)])] == [second]
+    assert [r for r, _ in call(b, b.admit_ready, 2, NOW)] == [first]   # FIFO for the node that reaches it
