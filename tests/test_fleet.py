@@ -375,3 +375,22 @@ def test_a_node_leaves_runs_of_a_repository_it_cannot_reach_to_the_others(nodes,
     assert call(a, a.queued_repositories) == sorted([str(elsewhere), str(git_repo)])
     assert [r for r, _ in call(a, a.admit_ready, 2, NOW, unreachable=[str(elsewhere)])] == [second]
     assert [r for r, _ in call(b, b.admit_ready, 2, NOW)] == [first]   # FIFO for the node that reaches it
+
+
+def test_a_cancel_sent_to_another_node_ends_the_agent_where_it_runs(tmp_path, database, git_repo, server_factory):
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    b = Node(tmp_path, "b", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    with a.client() as ca, b.client() as cb:
+        run_id = dispatch(ca, git_repo)
+        wait_for(lambda: any(w == "start" and r == run_id for w, r, _ in ledger_lines(ledger)), timeout_s=30)
+        runner, other = (ca, cb) if ca.get(f"/v1/outpost/runs/{run_id}").json()["node"] == "a" else (cb, ca)
+        reply = other.post(f"/v1/outpost/runs/{run_id}/control", json={"action": "cancel"},
+                           headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert reply.status_code == 200, reply.text
+        run = wait_for(lambda: settled(runner, [run_id]), timeout_s=15, interval_s=0.2)[0]
+        paused = other.post(f"/v1/outpost/runs/{run_id}/control", json={"action": "pause"},
+                            headers={"Idempotency-Key": uuid.uuid4().hex})
+    assert run["status"] == "cancelled"
+    assert not any(w == "end" and r == run_id for w, r, _ in ledger_lines(ledger))   # ended, not finished
+    assert paused.status_code == 409
