@@ -327,10 +327,13 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
     assert "Traceback" not in served.logs()
 
 
-async def test_the_nodes_panel_shows_a_lost_node(nodes, tmp_path):
+async def test_the_nodes_panel_shows_a_lost_node_and_a_run_its_node(nodes, tmp_path, git_repo):
     from conftest import make_deps, sign_in_client
 
     a, b = nodes
+    run_id = queue(b, git_repo, 1)[0]
+    call(b, b.admit_ready, 1, NOW)
+    assert call(b, b.mark_spawned, run_id, 999_999, "1", ("b", 1))   # started on b: settled, not requeued
     silence(a, "b", 11)
     call(a, a.settle_lost_nodes, NOW)
     deps = make_deps(tmp_path, store=a)
@@ -340,6 +343,8 @@ async def test_the_nodes_panel_shows_a_lost_node(nodes, tmp_path):
     rows = dict(re.findall(r'<tr data-node="([^"]+)">.*?class="badge \w+">(\w+)</span>', page, re.S))
     assert rows == {"a": "up", "b": "lost"}
     assert 'id="nodes-single"' not in page
+    run_page = await (await client.get(f"/runs/{run_id}")).get_data(as_text=True)
+    assert re.search(r'id="run-node">b</dd>', run_page)
 
 
 def test_an_interval_schedule_fires_once_per_slot_with_two_nodes_running(tmp_path, database, git_repo,
