@@ -29,6 +29,7 @@ import outpost
 
 pytestmark = needs_postgres
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+PASSWORD = "fleet-password-never-printed"
 
 
 @pytest.fixture
@@ -149,7 +150,8 @@ class Node:
         (self.data_dir / "outpost.toml").write_text(
             f"[settings]\n{settings}\n[agents.probe]\ncommand = {command}\n"
             'pass_env = ["FLEET_LEDGER", "FLEET_SLEEP"]\n')
-        self.env = {"FLEET_LEDGER": str(ledger), "FLEET_SLEEP": str(sleep_s)}
+        self.env = {"FLEET_LEDGER": str(ledger), "FLEET_SLEEP": str(sleep_s),
+                    "OUTPOST_DATABASE_PASSWORD": PASSWORD}   # the test cluster trusts; never printed either way
 
     def start(self, server_factory):
         self.server = server_factory("--database", self.database, data_dir=self.data_dir, env=self.env)
@@ -201,7 +203,7 @@ def test_two_nodes_share_one_queue_within_the_fleet_limit(tmp_path, database, gi
         most = max(most, running)
     assert most <= 3                                                     # the fleet's limit, by the agents' clocks
     for node in (a, b):
-        assert "Traceback" not in node.server.logs()
+        assert "Traceback" not in node.server.logs() and PASSWORD not in node.server.logs()
 
 
 def test_kill_9_of_a_node_the_survivor_settles_its_runs_and_the_restart_leaves_them(

@@ -463,6 +463,22 @@ def test_a_bad_outpost_toml_stops_serve_at_start_with_one_line_naming_the_key(tm
     assert str(data / "outpost.toml") in line and key in line, line
 
 
+@pytest.mark.parametrize(("args", "env", "words"), [
+    (("--database", "mysql://db/outpost"), {}, "must be a postgresql:// URL"),
+    (("--database", "postgresql://outpost:in-the-url@127.0.0.1:1/outpost"), {}, "Connection refused"),
+    (("--database", "postgresql://outpost@127.0.0.1:1/outpost"), {"OUTPOST_DATABASE_PASSWORD": "in-the-env"},
+     "Connection refused"),
+    ((), {"OUTPOST_DATABASE_URL": "postgresql://outpost@127.0.0.1:1/"}, "names no database"),
+])
+def test_a_database_that_cannot_be_used_stops_serve_without_printing_its_password(tmp_path, args, env, words):
+    done = subprocess.run([sys.executable, str(OUTPOST_PY), "serve", "--data-dir", str(tmp_path / "data"),
+                           "--port", "0", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr
+    assert "in-the-url" not in done.stderr + done.stdout and "in-the-env" not in done.stderr + done.stdout
+
+
 def test_serve_with_a_relative_data_dir_from_another_directory(tmp_path):
     """Defect 9: ``--data-dir ./data`` died with Pony's "unable to open database file" (Pony reads
     a relative SQLite path against its caller's module, not the working directory)."""
