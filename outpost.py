@@ -6739,6 +6739,24 @@ async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
     return data.decode(errors="replace"), offset + len(data)
 
 
+async def log_shipped(deps: Deps, run_id: str, work: Callable[[], Awaitable[Any]]) -> Any:
+    """``work()``, while in a fleet the run's log goes to the database beside it (ship_log).
+    What ``work`` raises comes out as itself, never inside an exception group."""
+    if not deps.store.postgres:
+        return await work()
+    failure: Exception | None = None
+    async with trio.open_nursery() as shipping:
+        shipping.start_soon(ship_log, deps, run_id)
+        try:
+            result = await work()
+        except Exception as exc:   # noqa: BLE001 - raised below, unwrapped
+            failure = exc
+        shipping.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return result
+
+
 async def ship_log(deps: Deps, run_id: str) -> None:
     """A fleet: what the run's log file gained, into the database every LOG_SHIP_S, so any
     node serves the live log. Ends when cancelled (finish_run stores the final log)."""
@@ -7328,15 +7346,10 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
-            async with trio.open_nursery() as shipping:
-                if deps.store.postgres:
-                    shipping.start_soon(ship_log, deps, run_id)
-                done = await run_agent_process(
-                    argv, cwd=cwd, env=env, stdin_text=info["prompt"],
-                    timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
-                    log_path=deps.log_path(run_id), live=live,
-                    on_spawn=on_spawn, grace_s=deps.grace_s)
-                shipping.cancel_scope.cancel()
+            done = await log_shipped(deps, run_id, functools.partial(
+                run_agent_process, argv, cwd=cwd, env=env, stdin_text=info["prompt"],
+                timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
+                log_path=deps.log_path(run_id), live=live, on_spawn=on_spawn, grace_s=deps.grace_s))
             exit_code = done.exit_code
             reading = READERS[profile.format](done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it

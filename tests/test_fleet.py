@@ -144,12 +144,12 @@ class Node:
         self.data_dir = tmp_path / name
         self.data_dir.mkdir(exist_ok=True)
         (tmp_path / "probe.py").write_text(PROBE)
-        settings = f'node_name = "{name}"\nmax_running = {max_running}\n' + (
+        settings = f'node_name = "{name}"\nmax_running = {max_running}\nisolate_agents = "never"\n' + (
             f"fleet_max_running = {fleet_max}\n" if fleet_max else "")
         command = json.dumps([sys.executable, str(tmp_path / "probe.py")])
         (self.data_dir / "outpost.toml").write_text(
             f"[settings]\n{settings}\n[agents.probe]\ncommand = {command}\n"
-            'pass_env = ["FLEET_LEDGER", "FLEET_SLEEP"]\n')
+            'pass_env = ["FLEET_LEDGER", "FLEET_SLEEP"]\n[agents.missing]\ncommand = ["/nonexistent/agent"]\n')
         self.env = {"FLEET_LEDGER": str(ledger), "FLEET_SLEEP": str(sleep_s),
                     "OUTPOST_DATABASE_PASSWORD": PASSWORD}   # the test cluster trusts; never printed either way
 
@@ -161,9 +161,9 @@ class Node:
         return self.server.client()
 
 
-def dispatch(client: httpx.Client, repo: Path, brief: str = "fleet") -> str:
+def dispatch(client: httpx.Client, repo: Path, brief: str = "fleet", agent: str = "probe") -> str:
     reply = client.post("/v1/outpost/dispatches", headers={"Idempotency-Key": uuid.uuid4().hex},
-                        json={"brief": brief, "repository": str(repo), "agent": "probe"})
+                        json={"brief": brief, "repository": str(repo), "agent": agent})
     assert reply.status_code == 202, reply.text
     return reply.json()["run_id"]
 
@@ -184,10 +184,13 @@ def test_two_nodes_share_one_queue_within_the_fleet_limit(tmp_path, database, gi
     a = Node(tmp_path, "a", database, ledger, max_running=2, fleet_max=3).start(server_factory)
     b = Node(tmp_path, "b", database, ledger, max_running=2, fleet_max=3).start(server_factory)
     with a.client() as ca, b.client() as cb:
+        broken = dispatch(ca, git_repo, agent="missing")   # a launch failure settles its run, nothing more
         run_ids = [dispatch(c, git_repo) for _ in range(12) for c in (ca, cb)]
         runs = wait_for(lambda: settled(ca, run_ids), timeout_s=90, interval_s=0.3)
         assert {r["status"] for r in runs} == {"succeeded"}, [(r["id"], r["status"], r["error"]) for r in runs]
         assert {r["node"] for r in runs} == {"a", "b"}                    # both nodes worked
+        failed = wait_for(lambda: settled(ca, [broken]), timeout_s=30)[0]
+        assert failed["status"] == "failed" and "could not start agent command" in failed["error"]
         assert cb.get(f"/v1/outpost/runs/{run_ids[0]}").json()["node"] in ("a", "b")
         for run in runs[:4]:   # any node serves any run's log
             other = cb if run["node"] == "a" else ca
