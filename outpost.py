@@ -137,9 +137,11 @@ MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
 CRON_MAX_SLEEP_S = 300.0
 #: A fleet (API.md 10): heartbeats every NODE_HEARTBEAT_S on the database's clock; a node silent
-#: for NODE_LOST_S is lost; the actors of every node look at the shared store every FLEET_POLL_S
-#: (the nudges of another node's requests do not reach them).
-NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S = 2.0, 10, 1.0
+#: for NODE_LOST_S is lost; the claim actor and the event streams of every node look at the shared
+#: store every FLEET_POLL_S (the nudges of another node's requests do not reach them), the cron
+#: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
+#: others only take over its fires when it is gone).
+NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 10, 1.0, 10.0
 #: A fleet: how often a running agent's new log lines go into the database for the other nodes.
 LOG_SHIP_S = 1.0
 #: How long an actor waits before retrying a store that was locked or full.
@@ -7193,7 +7195,8 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             upcoming, checks = await deps.transaction_retrying(deps.store.next_fire_plan)
             prepared_for = upcoming
             deps.cron_watch.waiting_for = upcoming
-            wake_at = deps.clock.now() + timedelta(seconds=FLEET_POLL_S if deps.store.postgres else CRON_MAX_SLEEP_S)
+            wake_at = deps.clock.now() + timedelta(seconds=CRON_FLEET_POLL_S if deps.store.postgres
+                                                   else CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
             with trio.move_on_at(deps.clock.deadline(wake_at)):
