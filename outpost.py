@@ -4,7 +4,9 @@ Outpost runs as one process on a small always-on machine. It wakes agent CLIs
 (Claude Code, Codex, aider, any script) on schedules and one-shot dispatches; each
 run gets its own git worktree and result branch, and everything a human should look
 at becomes an attention item. The database is the source of truth: a fire that was
-committed survives ``kill -9``, and no occurrence is ever admitted twice.
+committed survives ``kill -9``, and no occurrence is ever admitted twice. SQLite in the
+data dir is the embedded default; several processes (nodes) may share one PostgreSQL
+database and act as one appliance, the database their only coordinator (a fleet).
 
 Usage::
 
@@ -12,6 +14,8 @@ Usage::
     outpost token                      # the API token
     outpost schedules create nightly.toml
     outpost inspect nightly-deps       # "why didn't it run at 09:00?"
+    outpost serve --database postgresql://outpost@db/outpost   # one node of a fleet
+    outpost migrate --to postgresql://outpost@db/outpost       # an appliance's history into it
 
 The process (section 9 builds it)::
 
@@ -24,6 +28,7 @@ The process (section 9 builds it)::
          │   └─ runs nursery    worktree, agent subprocess, timeout, settlement
          ├─ recovery actor      boot reconciliation; periodic hygiene
          ├─ notification actor  settled runs -> failure streak, attention items
+         ├─ node actor          a fleet only: heartbeat, lost nodes' runs settled or requeued
          └─ watchdog actor      systemd WATCHDOG=1 from the loop (under Type=notify)
 
 Shutdown: the web server stops through its trigger, then the actors are cancelled; run
@@ -37,7 +42,7 @@ Where to look:
   ``agent_api``, ``hooks`` and ``pages`` in section 8, each route a module-level handler
   declaring its auth; ``create_app`` only installs them;
 - every actor: ``grep -n '^async def .*_actor' outpost.py``; ``serve`` (section 9) starts them
-  in order: recovery, web, then cron, claim and notification;
+  in order: recovery, web, then notification, cron, claim (and in a fleet the node actor);
 - every store layer: ``grep -n '^class .*Store' outpost.py``, bottom to top, each calling only
   itself and the layers below (``StoreBase`` ... ``RoutineStore``, then ``Store``);
 - a behaviour of the spec: search for its name (``skip_if_active``, ``task_blockers_resolved``,
@@ -2768,7 +2773,7 @@ def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> t
 
 
 ###############################################################################
-# 5. Store: Pony entities on SQLite, migrations, synchronous db_session functions.
+# 5. Store: Pony entities on SQLite or PostgreSQL, migrations, synchronous db_session functions.
 ###############################################################################
 
 def naive(dt: datetime | None) -> datetime | None:
