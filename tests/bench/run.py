@@ -1209,17 +1209,17 @@ def bench_dashboard(q: bool, work: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def throwaway_postgres(work: Path):
+def throwaway_postgres():
     """$OUTPOST_BENCH_POSTGRES_URL (an admin URL), else a cluster of Debian's postgresql started
-    here (initdb in ``work`` as the postgres user, a free port) and stopped at the end."""
+    here (initdb as the postgres user in a temp dir it can reach, a free port), stopped and
+    removed at the end."""
     if url := os.environ.get("OUTPOST_BENCH_POSTGRES_URL"):
         yield url
         return
     bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     if not bins:
         raise RuntimeError("no PostgreSQL: apt-get install postgresql, or set $OUTPOST_BENCH_POSTGRES_URL")
-    pgbin, data = bins[-1].parent, work / "pg"
-    data.mkdir()
+    pgbin, data = bins[-1].parent, Path(tempfile.mkdtemp(prefix="outpost-bench-pg-"))   # not under ``work``: 0700
     as_postgres = ["runuser", "-u", "postgres", "--"] if os.getuid() == 0 else []
     if os.getuid() == 0:
         shutil.chown(data, "postgres")
@@ -1236,6 +1236,7 @@ def throwaway_postgres(work: Path):
     finally:
         subprocess.run([*as_postgres, str(pgbin / "pg_ctl"), "-D", str(data / "data"), "-m", "fast", "stop"],
                        capture_output=True)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def new_database(admin: str, name: str) -> str:
@@ -1287,7 +1288,7 @@ def bench_fleet(q: bool, work: Path) -> list[dict[str, Any]]:
     total, due_n, window = (200, 40, 2.0) if q else (1000, 200, 10.0)
     repo = make_repo(work / "repo")
     one, two, lag_pg, lag_sqlite = [], [], [], []
-    with throwaway_postgres(work) as admin:
+    with throwaway_postgres() as admin:
         for rep in range(REPS):
             d = work / f"rep{rep}"
             d.mkdir()
