@@ -1055,6 +1055,10 @@ def _repository(d: dict) -> str:
     """An absolute path, normalized, or a git URL; whether it is a git repository is asked of git."""
     repo = _text(d, "repository", 1, 4096, single_line=True)
     if is_repository_url(repo):
+        if repo.startswith("https://") and "@" in urllib.parse.urlsplit(repo).netloc or (
+                repo.startswith("ssh://") and urllib.parse.urlsplit(repo).password):
+            raise invalid("repository", "must not hold a password or token: git reads credentials from the "
+                                        "service user's configuration (a credential helper, ~/.ssh), never the URL")
         return repo
     if not os.path.isabs(repo):
         raise invalid("repository", "must be an absolute path or a git URL (https://, ssh://, user@host:path, "

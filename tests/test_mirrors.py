@@ -21,7 +21,9 @@ def test_a_git_url_is_a_repository(url):
         outpost.UTC), agents=["demo"])["repository"] == url
 
 
-@pytest.mark.parametrize("text", ["relative/path", "ftp://host/r.git", "host:path"])
+@pytest.mark.parametrize("text", ["relative/path", "ftp://host/r.git", "host:path",
+                                  "https://x-access-token:ghp_secret@github.com/o/r.git",
+                                  "https://ghp_secret@github.com/o/r.git", "ssh://git:secret@host/o/r"])
 def test_neither_a_path_nor_a_git_url_is_refused(text):
     with pytest.raises(outpost.ValidationFailed) as caught:
         outpost.normalize_dispatch({"brief": "x", "repository": text, "agent": "demo"}, outpost.datetime.now(
