@@ -3460,13 +3460,18 @@ def _forget_loaded(db: orm.Database) -> None:
     orm.core.local.db2cache[db] = new
 
 
-def postgres_is_empty(url: str) -> bool:
-    """Whether the database of a postgresql:// URL holds no table yet (``outpost migrate``'s target)."""
+def postgres_connection(bind: dict[str, Any]):
+    """A psycopg2 connection of its own (outside Pony's pool), from Pony's bind arguments."""
     import psycopg2  # noqa: PLC0415 - the optional extra, checked by postgres_bind
 
-    params = {k: v for k, v in postgres_bind(url).items() if k != "provider"}
+    params = {k: v for k, v in bind.items() if k != "provider"}
     params["dbname"] = params.pop("database")
-    connection = psycopg2.connect(**params)
+    return psycopg2.connect(**params)
+
+
+def postgres_is_empty(url: str) -> bool:
+    """Whether the database of a postgresql:// URL holds no table yet (``outpost migrate``'s target)."""
+    connection = postgres_connection(postgres_bind(url))
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = current_schema()")
@@ -3515,11 +3520,7 @@ PG_WRITE_LOCK, PG_MIGRATION_LOCK = 8_102_001, 8_102_002
 def postgres_migration_lock(bind: dict[str, Any]) -> Iterator[None]:
     """A session advisory lock on a connection of its own (Pony's pooled connection forgets
     session locks between db_sessions): nodes starting together migrate one after another."""
-    import psycopg2  # noqa: PLC0415 - the optional extra, checked by postgres_bind
-
-    params = {k: v for k, v in bind.items() if k != "provider"}
-    params["dbname"] = params.pop("database")
-    connection = psycopg2.connect(**params)
+    connection = postgres_connection(bind)
     try:
         connection.autocommit = True
         with connection.cursor() as cursor:
@@ -3722,7 +3723,8 @@ class StoreBase:
         """SQL for the database's clock (naive UTC), ``seconds`` from now: the one clock the
         nodes of a fleet share."""
         if self.postgres:
-            return f"(CURRENT_TIMESTAMP AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
+            # clock_timestamp: when the statement runs, not when its transaction began (before the write lock)
+            return f"(clock_timestamp() AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
         return f"strftime('%Y-%m-%d %H:%M:%f', 'now', '{seconds} seconds')"
 
     def json_text(self, column: str, *path: str) -> str:
