@@ -4613,10 +4613,6 @@ class RunStore(ScheduleStore):
         return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND {self.own_rows} '
                               "ORDER BY id", {"me": self.node, **params})
 
-    def runs_in(self, statuses: Iterable[str]) -> list[str]:
-        statuses = list(statuses)
-        return [r.id for r in self.db.Run.select(lambda r: r.status in statuses)]
-
     def _run(self, run_id: str):
         r = self.db.Run.get(id=run_id)
         if r is None:

@@ -536,7 +536,7 @@ def test_a_wakeup_whose_workspace_has_no_repository_waits_without_counting_a_ret
     assert outpost.wakeup_label(w) == "Waiting for its repository"
     assert task(store, tid)["checkout_agent_id"] is None
     assert agent(store, worker)["status"] == "idle"
-    assert call(store, store.runs_in, ["queued", "running"]) == []
+    assert call(store, store.own_runs_in, ["queued", "running"]) == []
     # Once a repository is set, it starts at once.
     set_repository(store, Path("/srv/repos/app"), other)
     (run_id,) = dispatch(store, at(2))
@@ -966,7 +966,7 @@ def test_idle_skip_coordinator_default_false_proceeds(office):
 def settle_all(store: outpost.Store, now: datetime, run_ids: list[str] | None = None,
                status: str = "succeeded") -> None:
     """Settle the given runs (default: every queued or running run)."""
-    for run_id in run_ids if run_ids is not None else call(store, store.runs_in, ["queued", "running"]):
+    for run_id in run_ids if run_ids is not None else call(store, store.own_runs_in, ["queued", "running"]):
         settle(store, run_id, status, now)
 
 
@@ -1432,7 +1432,7 @@ def test_crash_between_pipeline_steps_leaves_wakeup_consistent(office, monkeypat
     assert (after["status"], after["claimed_at"], after["run_id"]) == ("queued", None, None)
     assert task(office, tid)["checkout_agent_id"] is None
     assert agent(office, worker)["status"] == "idle"
-    assert call(office, office.runs_in, ["queued", "running"]) == []
+    assert call(office, office.own_runs_in, ["queued", "running"]) == []
     monkeypatch.undo()
     (run_id,) = dispatch(office, at(2))
     assert wakeup(office, w["id"])["run_id"] == run_id
@@ -1456,7 +1456,7 @@ def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     assert call(office, office.get_run, run_id)["status"] == "failed"
     (again,) = dispatch(office, at(HOUR))
     assert again != run_id and wakeup(office, w["id"])["run_id"] == again
-    assert call(office, office.runs_in, ["queued"]) == [again]
+    assert call(office, office.own_runs_in, ["queued"]) == [again]
     # A session that is interrupted every time is escalated like any failure.
     now = at(HOUR)
     for _ in range(outpost.MAX_RETRY_COUNT):

@@ -220,11 +220,11 @@ def test_two_claimers_racing_never_exceed_max_running(tx, claimers):
         dispatch(tx, T0)
         dispatch(tx, T0 + SEC)
         race(lambda: a.admit_next(1, T0), lambda: b.admit_next(1, T0))
-        running = tx.runs_in(["running"])
+        running = tx.own_runs_in(["running"])
         assert len(running) <= 1, running
         for run_id in running:
             tx.settle_run(run_id, ended(RunStatus.SUCCEEDED), T0)
-        for run_id in tx.runs_in(["queued"]):
+        for run_id in tx.own_runs_in(["queued"]):
             tx.control_run(run_id, "cancel", T0)
 
 
