@@ -9960,10 +9960,18 @@ def cli_migrate(data_dir: Path, url: str) -> None:
 
 
 def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
-    """Reads the store directly, so it answers even while the daemon is down."""
-    if not (data_dir / "outpost.sqlite3").exists():
+    """Reads the store directly, so it answers even while the daemon is down: the data dir's
+    SQLite file, or a fleet's database (``[settings] database``, ``$OUTPOST_DATABASE_URL``)."""
+    try:
+        database = load_config(data_dir).database
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    if database is None and not (data_dir / "outpost.sqlite3").exists():
         raise CliError(f"no Outpost database in {data_dir}", EXIT_USAGE)
-    store = Store(data_dir / "outpost.sqlite3")
+    try:
+        store = Store(database or data_dir / "outpost.sqlite3", data_dir=data_dir)
+    except (ConfigError, SchemaTooNew, orm.dbapiprovider.DatabaseError) as exc:
+        raise CliError(f"{database_label(database or data_dir)}: {exc}".strip(), EXIT_USAGE) from None
     try:
         sid = store.transaction(store.find_schedule_id, target)[0]
         report = store.transaction(store.inspect, sid)[0]

@@ -5,6 +5,7 @@ cluster `.ci/run` starts ($OUTPOST_TEST_POSTGRES_URL); skipped without it."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -330,6 +331,12 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
         assert replay.headers.get("Idempotent-Replayed") == "true"   # its keys came along
         assert replay.json()["run_id"] == fired["run_id"]
     assert "Traceback" not in served.logs()
+    inspect = [sys.executable, str(Path(outpost.__file__)), "inspect", "--data-dir", str(tmp_path / "node"),
+               "nightly", "--json"]   # the fleet's database, named by the environment as under systemd
+    inspected = subprocess.run(inspect, capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "OUTPOST_DATABASE_URL": url})
+    assert inspected.returncode == 0, inspected.stderr
+    assert [c["check"] for c in json.loads(inspected.stdout)["checks"]] == [1, 2, 3, 4, 5, 6]
 
 
 async def test_the_nodes_panel_shows_a_lost_node_and_a_run_its_node(nodes, tmp_path, git_repo):
