@@ -4445,6 +4445,15 @@ class RunStore(ScheduleStore):
             self.emit("node.lost", {"node": name, "settled": settled, "requeued": requeued}, now)
         return settled
 
+    def requeue_unstarted(self, run_id: str, now: datetime) -> bool:
+        """An admitted run whose agent never started goes back to the queue (the daemon stopped
+        before its supervisor began): nothing ran, so it waits for a slot again."""
+        requeued = self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
+                                  "WHERE id = $r AND status = 'running' AND pid IS NULL RETURNING id", {"r": run_id})
+        for rid in requeued:
+            self.emit("run.requeued", {"run_id": rid, "reason": "the daemon stopped before it started"}, now)
+        return bool(requeued)
+
     def queued_repositories(self) -> list[str]:
         return self.db.select('SELECT DISTINCT repository FROM "Run" WHERE status = \'queued\' ORDER BY repository')
 
@@ -7319,7 +7328,12 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
-    info = await deps.transaction_retrying(deps.store.launch_info, run_id)
+    try:
+        info = await deps.transaction_retrying(deps.store.launch_info, run_id)
+    except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
+        with trio.move_on_after(CLEANUP_S, shield=True):
+            await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now())
+        raise
     workspace = run_workspace(deps, info)
     live = LiveRun(run_id, trio.CancelScope())
     deps.live.add(live)

@@ -902,3 +902,17 @@ async def test_recover_at_boot_settles_running_runs_and_ends_their_process_group
         for proc in (survivor, stranger):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def test_a_run_admitted_as_the_daemon_stops_goes_back_to_the_queue(tmp_path, store, git_repo):
+    """Shutdown between an admission and its supervisor's start (the torture's clean stop caught it:
+    the run was left running with nobody to run or settle it until the next start)."""
+    deps = make_deps(tmp_path / "data", store=store, clock=outpost.WallClock(), token="t")
+    run_id = await queue_dispatch(deps, git_repo, "@print later")
+    assert call(store, store.admit_next, 1, deps.clock.now()) == (run_id, False)
+    with trio.CancelScope() as stopping:
+        stopping.cancel()   # the runs nursery is cancelled: the supervisor starts cancelled
+        await outpost.run_supervisor(deps, run_id)
+    run = call(store, store.get_run, run_id)
+    assert (run["status"], run["started_at"], run["node"]) == ("queued", None, None)
+    assert call(store, store.admit_next, 1, deps.clock.now()) == (run_id, False)   # admitted again later
