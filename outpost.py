@@ -4425,34 +4425,36 @@ class RunStore(ScheduleStore):
                               f"AND heartbeat_at < {self.db_now(-NODE_LOST_S)} RETURNING name", {"me": self.node})
         if not lost:
             return []
-        names, params = sql_list("n", lost)
         log.getChild("fleet").warning("node(s) lost: %s", ", ".join(lost))
-        requeued = self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
-                                  f"WHERE node IN {names} AND status = 'running' AND pid IS NULL RETURNING id", params)
-        for run_id in requeued:
-            self.emit("run.requeued", {"run_id": run_id, "reason": "its node was lost before it started"}, now)
-        self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node IN {names}", params)
-        settled, orphans = [], collections.defaultdict(list)
-        for run_id, node, attempt, pid, pid_started in self.db.select(
-                f"SELECT id, node, attempt, pid, pid_started FROM \"Run\" WHERE node IN {names} "
-                "AND status IN ('running', 'paused') ORDER BY id", params):
-            if self.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(node, attempt)):
-                settled.append(run_id)
-                orphans[node].append([run_id, pid, pid_started])
-        for name in lost:   # its agents may live on: the node ends them when it comes back (register_node)
-            self.db.execute('UPDATE "Node" SET orphans = $agents WHERE name = $name',
-                            {"agents": json.dumps(orphans[name]), "name": name})
-            self.emit("node.lost", {"node": name, "settled": settled, "requeued": requeued}, now)
+        settled = []
+        for name in lost:
+            unstarted = self.db.select("SELECT id FROM \"Run\" WHERE node = $n AND status = 'running' "
+                                       "AND pid IS NULL ORDER BY id", {"n": name})
+            requeued = [r for r in unstarted if self.requeue_unstarted(r, now, "its node was lost before it started")]
+            self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node = $n", {"n": name})
+            mine, orphans = [], []
+            for run_id, attempt, pid, pid_started in self.db.select(
+                    "SELECT id, attempt, pid, pid_started FROM \"Run\" WHERE node = $n "
+                    "AND status IN ('running', 'paused') ORDER BY id", {"n": name}):
+                if self.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(name, attempt)):
+                    mine.append(run_id)
+                    orphans.append([run_id, pid, pid_started])
+            # its agents may live on: the node ends them when it comes back (register_node)
+            self.db.execute('UPDATE "Node" SET orphans = $agents WHERE name = $n',
+                            {"agents": json.dumps(orphans), "n": name})
+            self.emit("node.lost", {"node": name, "settled": mine, "requeued": requeued}, now)
+            settled += mine
         return settled
 
-    def requeue_unstarted(self, run_id: str, now: datetime) -> bool:
+    def requeue_unstarted(self, run_id: str, now: datetime, reason: str) -> bool:
         """An admitted run whose agent never started goes back to the queue (the daemon stopped
-        before its supervisor began): nothing ran, so it waits for a slot again."""
-        requeued = self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
-                                  "WHERE id = $r AND status = 'running' AND pid IS NULL RETURNING id", {"r": run_id})
-        for rid in requeued:
-            self.emit("run.requeued", {"run_id": rid, "reason": "the daemon stopped before it started"}, now)
-        return bool(requeued)
+        before its supervisor began, or its node was lost): nothing ran, so it waits for a slot
+        again; a later admission's attempt fences the earlier one's writes."""
+        if not self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
+                              "WHERE id = $r AND status = 'running' AND pid IS NULL RETURNING id", {"r": run_id}):
+            return False
+        self.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
+        return True
 
     def queued_repositories(self) -> list[str]:
         return self.db.select('SELECT DISTINCT repository FROM "Run" WHERE status = \'queued\' ORDER BY repository')
@@ -7229,9 +7231,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     async with trio.open_nursery() as runs:
         while True:
             await dispatch_wakeups(deps)
-            unreachable = [] if not deps.store.postgres else [   # API.md 10: runs this node can reach
-                r for r in await deps.transaction_retrying(deps.store.queued_repositories)
-                if not is_repository_url(r) and not Path(r).is_dir()]
+            unreachable = await unreachable_repositories(deps) if deps.store.postgres else []
             for run_id, is_resume in await deps.transaction_retrying(
                     deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
                     fleet_max=deps.config.fleet_max_running, unreachable=unreachable):
@@ -7248,6 +7248,15 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                 wake_at = min(wake_at, soon) if wake_at else soon
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
+
+
+async def unreachable_repositories(deps: Deps) -> list[str]:
+    """API.md 10: the local paths of queued runs this node cannot reach; their runs wait for a
+    node that can. Asked off the event loop: a shared mount that hangs must not stop it."""
+    def missing(paths: list[str]) -> list[str]:
+        return [p for p in paths if not Path(p).is_dir()]
+    queued = [r for r in await deps.transaction_retrying(deps.store.queued_repositories) if not is_repository_url(r)]
+    return await trio.to_thread.run_sync(missing, queued) if queued else []
 
 
 async def dispatch_wakeups(deps: Deps) -> None:
@@ -7332,7 +7341,8 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         info = await deps.transaction_retrying(deps.store.launch_info, run_id)
     except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
         with trio.move_on_after(CLEANUP_S, shield=True):
-            await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now())
+            await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(),
+                                            "the daemon stopped before it started")
         raise
     workspace = run_workspace(deps, info)
     live = LiveRun(run_id, trio.CancelScope())
