@@ -195,9 +195,10 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 9      # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
-                        # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10)
+                        # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10);
+                        # 10: PostgreSQL numbers events by a sequence (StoreBase._number_events)
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -2932,7 +2933,8 @@ def define_entities(db: orm.Database) -> None:
         data = Required(orm.Json)
 
     class EventSequence(db.Entity):
-        """One row: the last event cursor, bumped as the last write of a transaction."""
+        """One row: the last event cursor, bumped as the last write of a transaction (SQLite;
+        PostgreSQL numbers events by its event_cursor sequence)."""
         id = PrimaryKey(int)
         value = Required(int)
 
@@ -3421,9 +3423,25 @@ class GroupMemberFailed(Exception):
         self.index = index
 
 
+def serialization_failure(error: BaseException | None) -> bool:
+    """Whether PostgreSQL rolled a transaction back because it could not stand beside a
+    concurrent one (SERIALIZABLE's 40001, or a deadlock): running it again is always safe. Pony
+    wraps the driver's error, in a failed flush as the context of its own."""
+    while error is not None:
+        if isinstance(error, orm.CommitException):
+            return any(serialization_failure(exc) for _, exc, _ in error.exceptions)
+        if getattr(getattr(error, "original_exc", error), "pgcode", None) in ("40001", "40P01"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def cannot_write(error: Exception | None) -> bool:
     """Whether a store error is the database's, not a call's: locked by another process past the
-    busy timeout, or a full or failing disk (a failed commit comes wrapped)."""
+    busy timeout, or a full or failing disk (a failed commit comes wrapped), or PostgreSQL's
+    serialization failure (a whole group's, run again; one that outlasts PG_ATTEMPTS)."""
+    if serialization_failure(error):
+        return True
     if not isinstance(error, orm.dbapiprovider.OperationalError | orm.CommitException):
         return False
     text = str(error).lower()   # SQLite's lock and disk; PostgreSQL's lost or refused connection
@@ -3510,10 +3528,15 @@ def database_label(database: Path | str) -> str:
                                     u.path, "", ""))
 
 
-#: The advisory locks of a PostgreSQL store: one per write transaction, so the nodes of a fleet
-#: write one at a time as SQLite's writers do (every "exactly once" rule of the single process
-#: holds unchanged), and one around a schema migration.
-PG_WRITE_LOCK, PG_MIGRATION_LOCK = 8_102_001, 8_102_002
+#: The advisory locks of a PostgreSQL store: one from numbering a transaction's events to its
+#: commit (cursors in commit order), and one around a schema migration.
+PG_EVENT_LOCK, PG_MIGRATION_LOCK = 8_102_001, 8_102_002
+#: A transaction's events go in by multi-row INSERTs of at most this many rows.
+EVENT_INSERT_ROWS = 200
+#: A PostgreSQL transaction that could not commit as if alone (SERIALIZABLE) runs again, up to
+#: this many times in all, after a random pause of up to PG_RETRY_S times its attempt.
+PG_ATTEMPTS, PG_RETRY_S = 50, 0.002
+
 
 
 @contextlib.contextmanager
@@ -3542,6 +3565,7 @@ class StoreBase:
         self.db = orm.Database()
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
+        self.serialization_retries = 0   # PostgreSQL transactions run again (benchmarks and tests read it)
         self.database, self.postgres = database, is_postgres_url(database)
         if data_dir is None and not self.postgres and str(database) != ":memory:":
             data_dir = Path(database).absolute().parent
@@ -3597,6 +3621,9 @@ class StoreBase:
                     self.db.execute(sql)
             if self.postgres and version == 0:
                 self._widen_auto_keys()
+            if self.postgres and version < 10:
+                self.db.execute("CREATE SEQUENCE IF NOT EXISTS event_cursor AS BIGINT")
+                self._continue_event_cursor()
             self.db.execute("DELETE FROM schema_version")
             self.db.execute(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION})")
             if not self.db.EventSequence.get(id=1):
@@ -3633,7 +3660,14 @@ class StoreBase:
                     cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{column}'), "
                                    f'COALESCE(MAX({column}), 0) + 1, false) FROM "{table}"')
             connection.commit()
+        if target.postgres:
+            with orm.db_session:
+                target._continue_event_cursor()
         return counts
+
+    def _continue_event_cursor(self) -> None:
+        """PostgreSQL's event_cursor sequence goes on from the last cursor the EventSequence row gave."""
+        self.db.execute("""SELECT setval('event_cursor', value) FROM "EventSequence" WHERE id = 1 AND value > 0""")
 
     def _widen_auto_keys(self) -> None:
         """Pony makes an automatic key SERIAL on PostgreSQL (32-bit); ours are 64-bit, as on SQLite."""
@@ -3661,28 +3695,55 @@ class StoreBase:
         self.db.disconnect()
 
     def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
-        """Run ``fn`` in one db_session; events it emitted are numbered last, then committed.
-        Returns (result, whether events were written)."""
+        """Run ``fn`` in one serializable transaction; events it emitted are numbered last, then
+        committed. Returns (result, whether events were written).
+
+        SQLite: BEGIN IMMEDIATE before the first read, so a claim's reads and writes are one step
+        that another process (or connection) cannot interleave. PostgreSQL: SERIALIZABLE, so the
+        nodes of a fleet work at once yet each transaction commits only as it would have alone,
+        one after another; one that could not is rolled back and ``fn`` runs again on what is
+        there now. Either way every "exactly once" rule holds as in the one process."""
+        for attempt in itertools.count(1):
+            try:
+                return self._serializable(fn, *args, **kwargs)
+            except Exception as exc:
+                if not self.postgres or not serialization_failure(exc) or attempt == PG_ATTEMPTS:
+                    raise
+                self.serialization_retries += 1
+                time.sleep(random.uniform(0, PG_RETRY_S * attempt))
+        raise AssertionError("unreachable")
+
+    def _serializable(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
         self._pending_events = []
-        # SQLite, serializable: BEGIN IMMEDIATE before the first read, so a claim's reads and
-        # writes are one step that a second process (or connection) cannot interleave. PostgreSQL:
-        # a transaction from the first statement (READ COMMITTED), which takes the fleet's write
-        # lock first, so the nodes' transactions are one after another in the same way.
-        with orm.db_session(serializable=not self.postgres, immediate=self.postgres):
-            if self.postgres:
-                self.db.execute(f"SELECT pg_advisory_xact_lock({PG_WRITE_LOCK})")
+        with orm.db_session(serializable=True):
             result = fn(*args, **kwargs)
             wrote = bool(self._pending_events)
-            if wrote:   # plain SQL: a transaction's events are its last writes, at no ORM cost
-                last = self.returning('UPDATE "EventSequence" SET value = value + $n WHERE id = 1 RETURNING value',
-                                      {"n": len(self._pending_events)})[0]
-                first = last - len(self._pending_events) + 1
-                for cursor, (type_, data, at) in enumerate(self._pending_events, first):
-                    self.db.execute('INSERT INTO "Event" (cursor, type, at, data) VALUES ($cursor, $type_, $at, $data)',
-                                    {"cursor": cursor, "type_": type_, "at": sql_time(at),
-                                     "data": json.dumps(data, ensure_ascii=False)})
+            if wrote:
+                self._number_events(self._pending_events)
         self._pending_events = []
         return result, wrote
+
+    def _number_events(self, events: list[tuple[str, dict[str, Any], datetime]]) -> None:
+        """A transaction's last writes: its events, numbered after every commit before it.
+        SQLite: the one-row EventSequence, whose update holds the writer lock to the commit.
+        PostgreSQL: the event_cursor sequence, taken under PG_EVENT_LOCK (held to the commit), so
+        a cursor is never behind one that commits later and a reader never skips a row."""
+        if self.postgres:
+            self.db.execute(f"SELECT pg_advisory_xact_lock({PG_EVENT_LOCK})")
+            last = self.db.select("SELECT setval('event_cursor', nextval('event_cursor') + $n)",
+                                  {"n": len(events) - 1})[0]
+        else:
+            last = self.returning('UPDATE "EventSequence" SET value = value + $n WHERE id = 1 RETURNING value',
+                                  {"n": len(events)})[0]
+        first = last - len(events) + 1
+        for at in range(0, len(events), EVENT_INSERT_ROWS):   # plain SQL, a few statements at most
+            rows = list(enumerate(events[at:at + EVENT_INSERT_ROWS], first + at))
+            params = {}
+            for i, (cursor, (type_, data, when)) in enumerate(rows):
+                params.update({f"c{i}": cursor, f"t{i}": type_, f"a{i}": sql_time(when),
+                               f"d{i}": json.dumps(data, ensure_ascii=False)})
+            values = ", ".join(f"($c{i}, $t{i}, $a{i}, $d{i})" for i in range(len(rows)))
+            self.db.execute(f'INSERT INTO "Event" (cursor, type, at, data) VALUES {values}', params)
 
     def transactions(self, calls: list[Callable[[], Any]]) -> list[Written]:
         """Group commit: several store calls in one transaction, one commit (one fsync) for all.
@@ -3723,7 +3784,7 @@ class StoreBase:
         """SQL for the database's clock (naive UTC), ``seconds`` from now: the one clock the
         nodes of a fleet share."""
         if self.postgres:
-            # clock_timestamp: when the statement runs, not when its transaction began (before the write lock)
+            # clock_timestamp: when the statement runs, not when its transaction began (or began its first attempt)
             return f"(clock_timestamp() AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
         return f"strftime('%Y-%m-%d %H:%M:%f', 'now', '{seconds} seconds')"
 
@@ -3764,6 +3825,8 @@ class StoreBase:
         return {"events": events, "next_cursor": events[-1]["cursor"] if events else cursor}
 
     def latest_cursor(self) -> int:
+        if self.postgres:   # a number taken by a transaction still open is not an event yet
+            return self.db.select('SELECT COALESCE(MAX(cursor), 0) FROM "Event"')[0]
         return self.db.EventSequence[1].value
 
     def list_attention(self, open_only: bool) -> list[dict[str, Any]]:

@@ -4,12 +4,14 @@ cluster `.ci/run` starts ($OUTPOST_TEST_POSTGRES_URL); skipped without it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -120,6 +122,78 @@ def test_two_nodes_claim_a_due_slot_once(nodes, git_repo):
     occurrences = call(a, a.occurrences, schedule["id"])
     assert len(occurrences) == len({o["due_at"] for o in occurrences}) == 5
 
+
+
+def test_two_nodes_admitting_at_once_keep_the_fleet_cap(nodes, tmp_path, git_repo):
+    """Both admissions count the fleet's running runs before either commits: PostgreSQL rolls the
+    later one back (SERIALIZABLE) and it runs again, whole group and all, on what is there now."""
+    a, b = nodes
+    here, there = queue(a, git_repo, 1)[0], queue(a, make_repo(tmp_path / "other"), 1)[0]
+    repo_here, repo_there = run_row(a, here)["repository"], run_row(a, there)["repository"]
+    a_counted, b_committed = threading.Event(), threading.Event()
+
+    def admit_and_hold():
+        admitted = a.admit_ready(2, NOW, fleet_max=1, unreachable=[repo_there])
+        if not a_counted.is_set():   # the first attempt only: b admits and commits meanwhile
+            a_counted.set()
+            assert b_committed.wait(30)
+        return admitted
+
+    attention = lambda: a.raise_attention("probe", "in the same group", None, NOW, schedule_id=None, run_id=None)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        group = pool.submit(a.transactions, [admit_and_hold, attention])
+        assert a_counted.wait(30)
+        assert [r for r, _ in call(b, b.admit_ready, 2, NOW, fleet_max=1, unreachable=[repo_here])] == [there]
+        b_committed.set()
+        admitted, raised = group.result(30)
+    assert (admitted.error, admitted.result, raised.error) == (None, [], None)   # a found the one slot taken
+    assert a.serialization_retries == 1
+    assert [run_row(a, r)["status"] for r in (here, there)] == ["queued", "running"]
+    assert [i["title"] for i in call(a, a.list_attention, True)] == ["in the same group"]   # written once
+
+
+def test_event_cursors_follow_commit_order_across_nodes(nodes):
+    """Two nodes write events at once while a reader follows the cursor: it misses none (a
+    number taken by a transaction that commits later never falls behind the reader)."""
+    a, b = nodes
+    writing, seen = 2, []
+
+    def write(store: outpost.Store, node: str) -> None:
+        nonlocal writing
+        for i in range(150):
+            call(store, store.raise_attention, "probe", f"{node} {i}", None, NOW, schedule_id=None, run_id=None)
+        writing -= 1
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        writers = [pool.submit(write, a, "a"), pool.submit(write, b, "b")]
+        reader = outpost.Store(a.database, node="reader")
+        cursor = 0
+        while True:
+            last_pass = writing == 0
+            page = call(reader, reader.events_after, cursor, 1000)
+            seen += [e["data"]["title"] for e in page["events"]]
+            cursor = page["next_cursor"]
+            if last_pass:
+                break
+        for w in writers:
+            w.result()
+    every = [e["data"]["title"] for e in call(reader, reader.events_after, 0, 10_000)["events"]]
+    reader.close()
+    assert len(every) == 300 and seen == every
+
+
+def test_an_upgraded_fleet_database_numbers_events_after_its_last_cursor(database):
+    """Schema 9 numbered events by the EventSequence row; from 10 PostgreSQL's sequence goes on from it."""
+    store = outpost.Store(database, node="a")
+    call(store, store.raise_attention, "probe", "before", None, NOW, schedule_id=None, run_id=None)
+    call(store, lambda: store.db.execute(
+        'DROP SEQUENCE event_cursor; UPDATE schema_version SET version = 9; UPDATE "EventSequence" SET value = 41'))
+    store.close()
+    store = outpost.Store(database, node="a")
+    call(store, store.raise_attention, "probe", "after", None, NOW, schedule_id=None, run_id=None)
+    assert [e["cursor"] for e in call(store, store.events_after, 0, 10)["events"]] == [1, 42]
+    assert call(store, store.latest_cursor) == 42
+    store.close()
 
 # --- real nodes: `outpost serve --database` processes -------------------------------------------
 
