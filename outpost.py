@@ -198,7 +198,8 @@ GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost",
 SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10);
-                        # 10: PostgreSQL numbers events by a sequence (StoreBase._number_events)
+                        # 10: PostgreSQL numbers events by a sequence (StoreBase._number_events);
+                        #     a node's name is one process's (Node.process)
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -3179,6 +3180,7 @@ def define_entities(db: orm.Database) -> None:
         max_running = Required(int)
         status = Required(str)             # up | lost
         orphans = Optional(orm.Json, nullable=True)   # [run id, pid, pid start] settled while it was lost
+        process = Optional(str, nullable=True)         # the process holding the name (this_process); NULL: free
 
     class LogChunk(db.Entity):
         """A fleet (API.md 10): a run's log in the database, so every node serves it. The node
@@ -3269,6 +3271,9 @@ SCHEMA_SQL = {
         'ALTER TABLE "Run" ADD COLUMN attempt INTEGER NOT NULL DEFAULT 0',
         'ALTER TABLE "IdempotencyRecord" ADD COLUMN node TEXT',
         'CREATE INDEX IF NOT EXISTS run_node ON "Run"(node, status)',
+    ],
+    10: [   # a node's name is one process's at a time
+        'ALTER TABLE "Node" ADD COLUMN process TEXT',
     ],
 }
 
@@ -3557,15 +3562,18 @@ class StoreBase:
     """The bottom layer: the database (bind, pragmas, migrations), one transaction per call
     with its events numbered last, the event log, and attention items."""
 
-    def __init__(self, database: Path | str, *, data_dir: Path | None = None, node: str | None = None):
+    def __init__(self, database: Path | str, *, data_dir: Path | None = None, node: str | None = None,
+                 process: str | None = None):
         """``database``: a SQLite file (the embedded default), ``:memory:``, or a postgresql://
         URL (API.md 10). ``data_dir`` holds the default workspace's embedded repository; it is
-        the SQLite file's directory unless given. ``node``: this process's name in a fleet."""
+        the SQLite file's directory unless given. ``node``: this process's name in a fleet;
+        ``process``: who holds that name (``this_process()`` in the daemon)."""
         self.node = node or socket.gethostname()
+        self.process = process or f"{socket.gethostname()} pid {os.getpid()}"
         self.db = orm.Database()
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
-        self.serialization_retries = 0   # PostgreSQL transactions run again (benchmarks and tests read it)
+        self.serialization_retries = 0   # PostgreSQL transactions run again (logged at a stop; the benchmark)
         self.database, self.postgres = database, is_postgres_url(database)
         if data_dir is None and not self.postgres and str(database) != ":memory:":
             data_dir = Path(database).absolute().parent
@@ -4471,6 +4479,27 @@ class RunStore(ScheduleStore):
             "max_running = excluded.max_running, status = 'up', orphans = NULL",
             {"name": self.node, "max": max_running})
         return orphans
+
+    def claim_node_name(self, replacing: str | None = None) -> str | None:
+        """A node's name is one process's at a time (API.md 10): two processes under one name would
+        take each other's runs for their own. Claims it for this process, unless another process
+        holds it and its heartbeat is under NODE_LOST_S old (and it is not ``replacing``, one the
+        caller saw end): then returns that process and changes nothing."""
+        held = self.db.select("SELECT process FROM \"Node\" WHERE name = $name AND status = 'up' AND process <> $me "
+                              f"AND heartbeat_at >= {self.db_now(-NODE_LOST_S)}",
+                              {"name": self.node, "me": self.process})
+        if held and held[0] != replacing:
+            return held[0]
+        self.db.execute(
+            'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
+            f"VALUES ($name, {self.db_now()}, {self.db_now()}, 0, 'up', $me) ON CONFLICT (name) DO UPDATE SET "
+            "heartbeat_at = excluded.heartbeat_at, process = excluded.process", {"name": self.node, "me": self.process})
+        return None
+
+    def release_node_name(self) -> None:
+        """A clean stop: the name is free for the next process at once."""
+        self.db.execute('UPDATE "Node" SET process = NULL WHERE name = $name AND process = $me',
+                        {"name": self.node, "me": self.process})
 
     def node_heartbeat(self) -> bool:
         """On the database's clock. False once a survivor has declared this node lost: the runs
@@ -6537,13 +6566,37 @@ def ensure_embedded_repository(path: Path) -> None:
         subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, stdin=subprocess.DEVNULL)
 
 
-def process_start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat: with the pid, names one process across pid reuse."""
+def process_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from its third field (the state) on, or None: no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat: with the pid, names one process across pid reuse."""
+    stat = process_stat(pid)
+    return stat[19] if stat else None
+
+
+def this_process() -> str:
+    """Names this process across machines, boots and pid reuse (who holds a node's name)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()} boot {boot} pid {os.getpid()} start {process_start_time(os.getpid())}"
+
+
+def process_alive_here(process: str) -> bool | None:
+    """Whether ``process`` (another's ``this_process()``) is alive: known only for a process of
+    this machine since its boot; None for one elsewhere (only its heartbeat can tell)."""
+    theirs, mine = process.split(), this_process().split()
+    if len(theirs) != len(mine) or theirs[:3] != mine[:3]:
+        return None
+    stat = process_stat(int(theirs[4]))
+    return bool(stat) and stat[0] not in "ZX" and stat[19] == theirs[6]   # killed, not yet reaped: ended
 
 
 def kill_group(pid: int, sig: int) -> bool:
@@ -9690,11 +9743,33 @@ async def watchdog_actor() -> None:
         await trio.sleep(interval)
 
 
+def acquire_node_name(store: Store) -> None:
+    """Before a fleet node serves: its name, unless another live process holds it. One of this
+    machine is known alive or ended (a predecessor killed with -9 gives way at once); one
+    elsewhere is waited for, until its heartbeat is NODE_LOST_S old."""
+    deadline, replacing = time.monotonic() + NODE_LOST_S + NODE_HEARTBEAT_S, None
+    while holder := store.transaction(store.claim_node_name, replacing)[0]:
+        alive = process_alive_here(holder)
+        if alive is False:
+            replacing = holder
+            continue
+        if alive or time.monotonic() >= deadline:
+            store.close()
+            raise ConfigError(f"node name {store.node!r} is held by another running process ({holder}): "
+                              "give each node its own [settings] node_name")
+        log.getChild("fleet").warning("node name %r is held by %s; waiting for its heartbeat to stop",
+                                      store.node, holder)
+        time.sleep(NODE_HEARTBEAT_S)
+
+
 def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = api_token(config.data_dir, create=True)
-    store = Store(config.database or config.db_path, data_dir=config.data_dir, node=config.node)
-    if not store.postgres:
+    store = Store(config.database or config.db_path, data_dir=config.data_dir, node=config.node,
+                  process=this_process())
+    if store.postgres:
+        acquire_node_name(store)
+    else:
         os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
     ensure_embedded_repository(Path(store.embedded_repository))
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
@@ -9744,7 +9819,12 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         with trio.move_on_after(hc.graceful_timeout + 2):
             await web_done.wait()
         nursery.cancel_scope.cancel()
+    if deps.store.postgres:
+        with contextlib.suppress(StoreUnavailable):   # then the name frees itself in NODE_LOST_S
+            await deps.transaction(deps.store.release_node_name)
     log.info("group commit: %s", deps.writer.summary())
+    if deps.store.postgres:
+        log.info("%d transaction(s) ran again after a serialization failure", deps.store.serialization_retries)
 
 
 async def run_until_signal(deps: Deps) -> None:

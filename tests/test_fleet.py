@@ -195,6 +195,22 @@ def test_an_upgraded_fleet_database_numbers_events_after_its_last_cursor(databas
     assert call(store, store.latest_cursor) == 42
     store.close()
 
+
+def test_a_node_name_is_one_process_s_at_a_time(database):
+    first = outpost.Store(database, node="same", process="host-a pid 1")
+    second = outpost.Store(database, node="same", process="host-b pid 2")
+    assert call(first, first.claim_node_name) is None
+    call(first, first.register_node, 2)
+    assert call(second, second.claim_node_name) == "host-a pid 1"        # its heartbeat is fresh
+    assert call(second, second.claim_node_name, "host-a pid 1") is None  # one the caller saw end
+    assert call(first, first.claim_node_name) == "host-b pid 2"
+    silence(first, "same", outpost.NODE_LOST_S + 1)
+    assert call(first, first.claim_node_name) is None                    # silent for NODE_LOST_S: free
+    call(first, first.release_node_name)
+    assert call(second, second.claim_node_name) is None                  # released by a clean stop: free at once
+    for store in (first, second):
+        store.close()
+
 # --- real nodes: `outpost serve --database` processes -------------------------------------------
 
 PROBE = """import os, sys, time
@@ -485,3 +501,23 @@ def test_a_cancel_sent_to_another_node_ends_the_agent_where_it_runs(tmp_path, da
     assert run["status"] == "cancelled"
     assert not any(w == "end" and r == run_id for w, r, _ in ledger_lines(ledger))   # ended, not finished
     assert paused.status_code == 409
+
+
+def test_a_second_process_under_a_live_node_s_name_is_refused(tmp_path, database, git_repo, server_factory):
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "same", database, ledger).start(server_factory)
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    (twin / "outpost.toml").write_text('[settings]\nnode_name = "same"\n')
+    serve = [sys.executable, str(Path(outpost.__file__)), "serve", "--data-dir", str(twin), "--port", "0",
+             "--database", database]
+    refused = subprocess.run(serve, capture_output=True, text=True, timeout=60)   # on this machine: known alive
+    assert refused.returncode == 2, refused.stderr
+    assert "node name 'same' is held by another running process" in refused.stderr
+    assert f"pid {a.server.proc.pid} " in refused.stderr and "Traceback" not in refused.stderr
+    a.server.stop(signal.SIGKILL)   # killed: the name's holder has ended; the next process takes it at once
+    started = time.monotonic()
+    again = server_factory("--database", database, data_dir=twin)
+    assert time.monotonic() - started < outpost.NODE_LOST_S, again.logs()
+    with again.client() as client:
+        assert {n["name"]: n["status"] for n in client.get("/v1/outpost/nodes").json()["nodes"]} == {"same": "up"}

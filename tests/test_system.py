@@ -494,3 +494,19 @@ def test_serve_with_a_relative_data_dir_from_another_directory(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_process_alive_here_tells_a_live_process_an_ended_one_and_one_elsewhere():
+    """Who holds a fleet node's name: a process of this machine is known alive or ended (killed
+    and not yet reaped counts as ended); one of another machine is not known here."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    mine = outpost.this_process().split()
+    process = " ".join([*mine[:4], str(child.pid), "start", outpost.process_start_time(child.pid)])
+    assert outpost.process_alive_here(process) is True
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)   # a zombie now, not reaped
+    assert outpost.process_alive_here(process) is False
+    child.wait()
+    assert outpost.process_alive_here(process) is False
+    assert outpost.process_alive_here(process.replace(mine[0], "another-host", 1)) is None
+    assert outpost.process_alive_here(outpost.this_process()) is True
