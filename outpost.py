@@ -340,6 +340,10 @@ class ConfigError(OutpostError):
     status, code, title = 500, "config_invalid", "Configuration cannot be used"
 
 
+class NodeNameTaken(ConfigError):
+    """A fleet node's name is held by another running process (API.md 10: names are unique)."""
+
+
 class SchemaTooNew(OutpostError):
     """The database was written by a newer Outpost; refuse rather than damage it."""
     status, code, title = 500, "schema_too_new", "Database is newer than this Outpost"
@@ -4467,17 +4471,20 @@ class RunStore(ScheduleStore):
     def register_node(self, max_running: int) -> list[tuple[str, int, str]]:
         """This process is a node, up from now (a restart under the same name is the same node,
         starting again). Returns the agents its previous process may have left behind whose runs
-        another node settled meanwhile (declared lost): (run id, pid, pid start time)."""
+        another node settled meanwhile (declared lost): (run id, pid, pid start time). In a fleet,
+        NodeNameTaken if another process holds the name (it took it while this one was silent)."""
         if not self.postgres:   # the one process of an appliance is its only node, whatever it was called
             self.db.execute('DELETE FROM "Node" WHERE name <> $name', {"name": self.node})
         previous = self.db.select('SELECT orphans FROM "Node" WHERE name = $name', {"name": self.node})
         orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
-        self.db.execute(
-            'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status) '
-            f"VALUES ($name, {self.db_now()}, {self.db_now()}, $max, 'up') ON CONFLICT (name) DO UPDATE SET "
-            "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
-            "max_running = excluded.max_running, status = 'up', orphans = NULL",
-            {"name": self.node, "max": max_running})
+        if not self.returning(
+                'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
+                f"VALUES ($name, {self.db_now()}, {self.db_now()}, $max, 'up', $me) ON CONFLICT (name) DO UPDATE SET "
+                "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
+                "max_running = excluded.max_running, status = 'up', orphans = NULL, process = excluded.process"
+                + (' WHERE "Node".process IS NULL OR "Node".process = excluded.process' if self.postgres else "")
+                + " RETURNING name", {"name": self.node, "max": max_running, "me": self.process}):
+            raise NodeNameTaken(f"node name {self.node!r} is held by another process now")
         return orphans
 
     def claim_node_name(self, replacing: str | None = None) -> str | None:
@@ -4502,10 +4509,11 @@ class RunStore(ScheduleStore):
                         {"name": self.node, "me": self.process})
 
     def node_heartbeat(self) -> bool:
-        """On the database's clock. False once a survivor has declared this node lost: the runs
-        it was running are settled and no longer its own."""
-        return bool(self.returning(f'UPDATE "Node" SET heartbeat_at = {self.db_now()} '
-                                   "WHERE name = $name AND status = 'up' RETURNING name", {"name": self.node}))
+        """On the database's clock. False once a survivor has declared this node lost (the runs
+        it was running are settled and no longer its own), or another process holds its name."""
+        return bool(self.returning(f'UPDATE "Node" SET heartbeat_at = {self.db_now()} WHERE name = $name '
+                                   "AND status = 'up' AND process = $me RETURNING name",
+                                   {"name": self.node, "me": self.process}))
 
     def settle_lost_nodes(self, now: datetime) -> list[str]:
         """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
@@ -9706,20 +9714,26 @@ def watchdog_interval_s() -> float | None:
     return int(usec) / 2e6
 
 
-async def node_actor(deps: Deps) -> None:
+async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
     """A fleet (API.md 10): this node's heartbeat, on the database's clock, every
     NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
     started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes). A
     node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
-    runs are no longer its to settle, and comes back up. Ends when cancelled."""
+    runs are no longer its to settle, and comes back up; if another process took its name
+    meanwhile, this one stops (``shutdown``). Ends when cancelled."""
     flog = log.getChild("fleet")
     while True:
         if not await deps.transaction_retrying(deps.store.node_heartbeat):
             ended = deps.live.cancel_all()
+            try:
+                orphans = await deps.transaction_retrying(deps.store.register_node, deps.config.max_running)
+            except NodeNameTaken as exc:
+                flog.error("%s: ended this process's %d agent(s); stopping", exc, ended)
+                shutdown.set()
+                return
             flog.error("node %s was declared lost by another node: ended its %d agent(s); up again",
                        deps.store.node, ended)
-            for run_id, pid, started in await deps.transaction_retrying(deps.store.register_node,
-                                                                       deps.config.max_running):
+            for run_id, pid, started in orphans:
                 await end_survivor(deps, run_id, pid, started)
         if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
             for run_id in await deps.transaction_retrying(deps.store.cancels_requested, live):
@@ -9809,7 +9823,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
         if deps.store.postgres:
-            nursery.start_soon(node_actor, actors)
+            nursery.start_soon(node_actor, actors, shutdown)
         task_status.started(binds)
         nursery.start_soon(watchdog_actor)
         sd_notify("READY=1\nSTATUS=listening")

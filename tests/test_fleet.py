@@ -19,9 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from conftest import (
     POSTGRES_DATABASES,
     call,
+    make_deps,
     make_repo,
     needs_postgres,
     postgres_database,
@@ -209,6 +211,26 @@ def test_a_node_name_is_one_process_s_at_a_time(database):
     call(first, first.release_node_name)
     assert call(second, second.claim_node_name) is None                  # released by a clean stop: free at once
     for store in (first, second):
+        store.close()
+
+
+async def test_a_node_whose_name_was_taken_while_it_was_silent_stops(database, tmp_path):
+    stalled = outpost.Store(database, data_dir=tmp_path, node="same", process="host-a pid 1")
+    call(stalled, stalled.register_node, 2)
+    silence(stalled, "same", outpost.NODE_LOST_S + 1)                   # a long stall: another process takes over
+    newcomer = outpost.Store(database, data_dir=tmp_path, node="same", process="host-b pid 2")
+    assert call(newcomer, newcomer.claim_node_name) is None
+    call(newcomer, newcomer.register_node, 2)
+    assert call(stalled, stalled.node_heartbeat) is False              # the name is another process's now
+    with pytest.raises(outpost.NodeNameTaken):
+        call(stalled, stalled.register_node, 2)
+    shutdown = trio.Event()
+    deps = make_deps(tmp_path / "stalled", store=stalled, clock=outpost.WallClock(), inline_db=True)
+    with trio.fail_after(30):
+        await outpost.node_actor(deps, shutdown)                        # it stops instead of coming back up
+    assert shutdown.is_set()
+    assert call(newcomer, newcomer.node_heartbeat) is True
+    for store in (stalled, newcomer):
         store.close()
 
 # --- real nodes: `outpost serve --database` processes -------------------------------------------
