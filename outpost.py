@@ -3715,7 +3715,8 @@ class StoreBase:
         nodes of a fleet work at once yet each transaction commits only as it would have alone,
         one after another; one that could not is rolled back and ``fn`` runs again on what is
         there now. Either way every "exactly once" rule holds as in the one process."""
-        for attempt in itertools.count(1):
+        attempt = 1
+        while True:
             try:
                 return self._serializable(fn, *args, **kwargs)
             except Exception as exc:
@@ -3723,7 +3724,7 @@ class StoreBase:
                     raise
                 self.serialization_retries += 1
                 time.sleep(random.uniform(0, PG_RETRY_S * attempt))
-        raise AssertionError("unreachable")
+                attempt += 1
 
     def _serializable(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
         self._pending_events = []
