@@ -84,6 +84,7 @@ import os
 import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -194,6 +195,15 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: Author of the commit that saves what an agent left uncommitted: its own identity, never signed
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
+#: Every git command Outpost runs obeys no hook: a user's hooks are for the user's own commits, and
+#: one that an agent planted must never run with the daemon's rights (API.md 12).
+GIT_NO_HOOKS = ("-c", "core.hooksPath=/dev/null")
+#: What of the service user's HOME an isolated agent may write: the agent CLIs' own state folders
+#: (logins, sessions, settings) and caches. The rest of HOME (~/.gitconfig, ~/.ssh, shell profiles)
+#: stays read-only: Outpost's own git and ssh read it outside the sandbox. Claude Code replaces
+#: ~/.claude.json by a rename in HOME itself, so inside it keeps that file in ~/.claude
+#: (CLAUDE_CONFIG_DIR), as Codex and Gemini keep theirs in their folders.
+AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider", ".cache", ".npm")
 #: Current schema version of the store (section 5).
 SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
@@ -6316,11 +6326,71 @@ class Store(RoutineStore):
 # 6. Executors: git worktrees, the agent subprocess, output capture, the demo agent.
 ###############################################################################
 
-async def git(repo: str | Path, *args: str, check: bool = True) -> str:
-    """Run git with an argument list (never a shell); stdout, or LaunchError with stderr."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sandbox:
+    """API.md 12: the machine as one run's agent sees it under bubblewrap. Everything read-only
+    but its worktree (a private clone, see add_worktree) and its CLIs' state in HOME; the data
+    dir (API token, database, other runs) and /tmp replaced by empty ones, of which only the
+    worktree, its prompt file and the repository it borrows objects from (read-only) are shown;
+    its own PID, IPC and mount view (a fresh /proc: no daemon, no other run to see, signal or
+    read), no capabilities when the daemon is root, and it dies with the daemon. Outpost's own
+    git commands on the worktree run in it too: whatever the agent planted there (a filter, an
+    fsmonitor, a hook, a redirected .git) runs, if at all, where the agent could run it anyway."""
+    data_dir: Path
+    worktree: Path
+    repository: Path     # the user's repository (or its mirror), whose objects the worktree borrows
+    private: Path        # the run's prompt file
+    home: Path | None
+
+    def argv(self, argv: list[str], cwd: Path | None = None) -> list[str]:
+        hidden = (Path("/tmp"), self.data_dir.resolve())
+
+        def shown(path: Path, how: str) -> list[str]:
+            path = path.resolve()
+            return [how, str(path), str(path)]
+
+        args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--proc", "/proc",
+                "--unshare-ipc", "--die-with-parent", "--tmpfs", "/tmp"]
+        if self.home is not None:
+            if self.home.resolve().is_relative_to(hidden[0]):
+                args += shown(self.home, "--ro-bind")
+            for name in AGENT_HOME_STATE:
+                if (self.home / name).exists():
+                    args += shown(self.home / name, "--bind")
+        args += ["--tmpfs", str(hidden[1])]
+        if any(self.repository.resolve().is_relative_to(h) for h in hidden):
+            args += shown(self.repository, "--ro-bind")
+        args += [*shown(self.worktree, "--bind"), "--ro-bind-try", str(self.private), str(self.private)]
+        if os.geteuid() == 0:   # root keeps no capability: no umount of what hides the data dir
+            args += ["--cap-drop", "ALL"]
+        return [*args, "--chdir", str((cwd or self.worktree).resolve()), "--", *argv]
+
+    def make_home_state(self) -> None:
+        """The CLIs' state folders in HOME, made when missing (only they are writable inside), and
+        Claude Code's ~/.claude.json copied once to where it keeps it inside."""
+        if self.home is None or not self.home.is_dir():
+            return
+        with contextlib.suppress(OSError):
+            for name in AGENT_HOME_STATE:
+                (self.home / name).mkdir(mode=0o700, exist_ok=True)
+            if (self.home / ".claude.json").is_file() and not (self.home / ".claude" / ".claude.json").exists():
+                shutil.copy2(self.home / ".claude.json", self.home / ".claude" / ".claude.json")
+
+    @staticmethod
+    def env(parent: dict[str, str]) -> dict[str, str]:
+        """The environment of Outpost's own sandboxed git: no secret of the daemon's."""
+        return {k: parent[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TZ") if k in parent} | {"TMPDIR": "/tmp"}
+
+
+async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox | None = None) -> str:
+    """Run git with an argument list (never a shell), hooks off; stdout, or LaunchError with
+    stderr. In ``sandbox``: on a path an agent has written (API.md 12)."""
+    argv, env = ["git", "-C", str(repo), *GIT_NO_HOOKS, *args], None
+    if sandbox is not None:
+        argv, env = sandbox.argv(argv), Sandbox.env(dict(os.environ))
     try:
-        done = await trio.run_process(["git", "-C", str(repo), *args], capture_stdout=True,
-                                      capture_stderr=True, check=False, stdin=b"")
+        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"",
+                                      env=env)
     except OSError as exc:
         raise LaunchError(f"could not run git: {exc}") from None
     if check and done.returncode != 0:
@@ -6495,18 +6565,50 @@ async def check_repository(definition: dict[str, Any], deps: Deps) -> str:
 
 
 async def add_worktree(repository: str, commit: str, branch: str, path: Path) -> None:
+    """A run's worktree: a private clone on ``branch`` at ``commit`` that borrows the repository's
+    objects read-only (alternates), never a ``git worktree`` of it: an agent that can write a
+    worktree's ``.git`` could write the repository's config, hooks and refs (API.md 12). Made
+    before the agent runs, so git here obeys only the user's own configuration."""
+    common = Path(repository, await git(repository, "rev-parse", "--git-common-dir")).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    await git(repository, "worktree", "add", "--quiet", "-b", branch, "--end-of-options", str(path), commit)
+    await git(path.parent, "init", "--quiet", "--template=", str(path))
+    (path / ".git" / "objects" / "info").mkdir(parents=True, exist_ok=True)
+    (path / ".git" / "objects" / "info" / "alternates").write_text(f"{common / 'objects'}\n")
+    # The user's hooks check the agent's commits as they check the user's own (inside the sandbox,
+    # read-only); Outpost's own git never runs them (GIT_NO_HOOKS).
+    hooks = await git(repository, "config", "--file", str(common / "config"), "--get", "core.hooksPath", check=False)
+    if hooks or not await git(repository, "config", "--global", "--get", "core.hooksPath", check=False):
+        await git(path, "config", "core.hooksPath", hooks or str(common / "hooks"))
+    await git(path, "update-ref", f"refs/heads/{branch}", commit)
+    await git(path, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
+    await git(path, "reset", "--quiet", "--hard")
 
 
-async def save_leftovers(workspace: Path, run_id: str) -> None:
+def worktree_intact(path: Path) -> bool:
+    """Whether the worktree's ``.git`` is still the folder Outpost made (not a file or a link
+    that redirects git elsewhere)."""
+    return (path / ".git").is_dir() and not (path / ".git").is_symlink()
+
+
+async def save_leftovers(workspace: Path, run_id: str, sandbox: Sandbox | None) -> None:
     """Commit what the agent left uncommitted to the result branch: never lost. Outpost's own
-    identity, no signing and no hooks: the user's git config must not decide whether it works."""
-    if not workspace.exists() or not await git(workspace, "status", "--porcelain", check=False):
+    identity, no signing and no hooks: the user's git config must not decide whether it works.
+    In the run's sandbox: the agent may have planted a filter or an fsmonitor in its worktree."""
+    if not workspace.exists() or not await git(workspace, "status", "--porcelain", check=False, sandbox=sandbox):
         return
-    await git(workspace, "add", "-A")
+    await git(workspace, "add", "-A", sandbox=sandbox)
     await git(workspace, *GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m",
-              f"outpost: save uncommitted changes of run {run_id}")
+              f"outpost: save uncommitted changes of run {run_id}", sandbox=sandbox)
+
+
+async def bring_back(repository: str, workspace: Path, branch: str, sandbox: Sandbox | None) -> None:
+    """The result branch from the run's worktree into the repository, and nothing else: a fetch
+    of that one ref, its objects checked, whose far end (``git upload-pack`` in the worktree,
+    which reads the worktree's config) runs in the run's sandbox."""
+    upload_pack = shlex.join(sandbox.argv(["git-upload-pack"])) if sandbox else "git-upload-pack"
+    await git(repository, "-c", "fetch.fsckObjects=true", "-c", "protocol.file.allow=always", "fetch", "--quiet",
+              "--no-tags", "--no-write-fetch-head", f"--upload-pack={upload_pack}", "--", str(workspace),
+              f"+refs/heads/{branch}:refs/heads/{branch}")
 
 
 async def count_commits(repository: str, base: str, branch: str) -> int:
@@ -6514,15 +6616,24 @@ async def count_commits(repository: str, base: str, branch: str) -> int:
     return int(out) if out.isdigit() else 0
 
 
-async def remove_worktree(repository: str, path: Path) -> None:
+async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
     """Remove a run's worktree once its changes are on the result branch. One that still holds
-    uncommitted changes is never removed (``--force`` would delete them)."""
-    if path.exists():
-        if await git(path, "status", "--porcelain", check=False):
-            log.getChild("run").warning("worktree %s holds uncommitted changes: kept", path)
-            return
-        await git(repository, "worktree", "remove", "--force", str(path), check=False)
-    await git(repository, "worktree", "prune", check=False)
+    uncommitted changes is never removed."""
+    if not path.exists():
+        return
+    if await git(path, "status", "--porcelain", check=False, sandbox=sandbox):
+        log.getChild("run").warning("worktree %s holds uncommitted changes: kept", path)
+        return
+    await trio.to_thread.run_sync(remove_tree, path)
+
+
+def remove_tree(path: Path) -> None:
+    """``rm -rf``, also of folders an agent made unwritable (links are removed, never followed)."""
+    def writable_then_again(function, name, _exc) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(name), 0o700)
+            function(name)
+    shutil.rmtree(path, onerror=writable_then_again)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -6533,12 +6644,13 @@ class Isolation:
 
 
 def agent_isolation(mode: str) -> Isolation:
-    """Probe bubblewrap once at start: an agent runs as the daemon's user, so without it an
-    agent could read the API token and the database in the data dir."""
+    """Probe bubblewrap once at start, with the namespaces a run's sandbox uses: an agent runs as
+    the daemon's user, so without it an agent could read the API token and the database."""
     if mode == "never":
         return Isolation(False, "agents are not isolated (isolate_agents = \"never\"): they can read the data dir")
     try:
-        probe = subprocess.run(["bwrap", "--dev-bind", "/", "/", "true"], capture_output=True, timeout=10)
+        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--unshare-pid", "--proc", "/proc",
+                                "--die-with-parent", "true"], capture_output=True, timeout=10)
         problem = None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[:200]
     except (OSError, subprocess.TimeoutExpired) as exc:
         problem = f"bwrap is not installed ({exc.__class__.__name__})"
@@ -6548,19 +6660,6 @@ def agent_isolation(mode: str) -> Isolation:
         raise ConfigError(f'isolate_agents = "always", but bubblewrap does not work here: {problem}')
     return Isolation(False, f"agents are not isolated: bubblewrap does not work here ({problem}); "
                             "install the bubblewrap package to hide the data dir from them")
-
-
-def isolated_argv(argv: list[str], *, data_dir: Path, worktree: Path, repository: str, cwd: Path,
-                  private: Path) -> list[str]:
-    """``argv`` inside bubblewrap: the whole system as it is, except the data dir (API token,
-    database, other runs), of which only this run's worktree (and a repository kept there, the
-    embedded one) stays visible, and its private dir (the prompt file) readable."""
-    visible = [worktree]
-    if Path(repository).absolute().is_relative_to(data_dir):
-        visible.append(Path(repository).absolute())
-    binds = [arg for path in visible for arg in ("--bind", str(path), str(path))]
-    return ["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(data_dir), *binds,
-            "--ro-bind", str(private), str(private), "--chdir", str(cwd), "--", *argv]
 
 
 def ensure_embedded_repository(path: Path) -> None:
@@ -6624,9 +6723,12 @@ class LogSink:
     takes its place when the log is closed."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.file = open(path, "ab")  # noqa: SIM115 (closed by close(), spans many awaits)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "ab")  # noqa: SIM115 (closed by close(), spans many awaits)
+        except OSError as exc:   # the run fails with the reason; the daemon serves on
+            raise LaunchError(f"cannot write the run's log {path}: {exc.strerror or exc}") from None
         self.written = self.file.tell()
         self.tail = bytearray()
         self.cut = 0
@@ -6771,12 +6873,27 @@ class ProcessResult:
     timed_out: bool
 
 
+def group_members(pgid: int) -> list[int]:
+    """The processes of a process group (those of a sandbox's PID namespace included)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        stat = process_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat and stat[2] == str(pgid):
+            members.append(int(entry.name))
+    return members
+
+
 async def terminate_group(proc: trio.Process, grace_s: float) -> None:
     """SIGTERM the process group, SIGKILL it after the grace. The grace is the group's, not
-    only the leader's: bubblewrap (the leader of an isolated agent) dies at SIGTERM at once,
-    while the agent inside may still be cleaning up. Shielded: runs during shutdown."""
+    only the leader's. The leader of an isolated agent is bubblewrap, which dies at SIGTERM and
+    takes its sandbox with it at once (``--die-with-parent``): it is spared the SIGTERM, so the
+    agent inside gets its grace to clean up. Shielded: runs during shutdown."""
     with trio.CancelScope(shield=True):
-        kill_group(proc.pid, signal.SIGTERM)
+        sandboxed = proc.args[0] == "bwrap"
+        for pid in group_members(proc.pid):
+            if pid != proc.pid or not sandboxed:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGTERM)
         kill_group(proc.pid, signal.SIGCONT)   # a stopped (paused) process must wake to die
         with trio.move_on_after(grace_s):
             await proc.wait()
@@ -6864,7 +6981,7 @@ def read_log_bytes(path: Path, offset: int = 0) -> bytes | None:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read()
-    except FileNotFoundError:
+    except OSError:   # none, or runs/ cannot be read: no log to show
         return None
 
 
@@ -7415,27 +7532,37 @@ def run_workspace(deps: Deps, info: dict[str, Any]) -> Path:
                          info["result_branch"] if info["office"] and info["task_id"] else None)
 
 
+def run_sandbox(deps: Deps, info: dict[str, Any]) -> Sandbox | None:
+    """The run's sandbox (API.md 12), or None when agents are not isolated."""
+    if not deps.isolation.active:
+        return None
+    home = os.environ.get("HOME")
+    return Sandbox(deps.config.data_dir, run_workspace(deps, info), Path(deps.mirrors.path(info["repository"])),
+                   deps.private_dir(info["id"]), Path(home) if home else None)
+
+
 async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:
     """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
     commit, or, for a run that continues a branch (an Office task session, a reply), that
-    branch's head, on a fresh worktree of it."""
+    branch's head, on a fresh worktree of it. The branch is made in the repository now; the
+    agent's commits reach it when the run settles (bring_back)."""
     repository, branch = await deps.mirrors.fetched(info["repository"]), info["result_branch"]
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
             if info["continues_branch"] and Path(repository).is_dir() else "")
     if not head:
         commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
         commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
+        await git(repository, "update-ref", f"refs/heads/{branch}", commit)   # the run's own: a retried start redoes it
         await add_worktree(repository, commit, branch, workspace)
         return commit
     commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], head)
     if workspace.exists():   # kept by an earlier run of the session (its changes could not be saved)
-        on = await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False)
+        on = (await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False, sandbox=run_sandbox(deps, info))
+              if worktree_intact(workspace) else "")
         if on != branch:
             raise LaunchError(f"{workspace} exists and is not a worktree of {branch}; remove it")
         return commit
-    await git(repository, "worktree", "prune", check=False)
-    workspace.parent.mkdir(parents=True, exist_ok=True)
-    await git(repository, "worktree", "add", "--quiet", "--end-of-options", str(workspace), branch)
+    await add_worktree(repository, head, branch, workspace)
     return commit
 
 
@@ -7490,10 +7617,12 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             (private / "prompt.md").write_text(info["prompt"])
             argv = profile_argv(profile, model=info["model"] or profile.model, run_id=run_id, session_id=session,
                                 prompt_file=str(private / "prompt.md"), max_cost_usd=info["max_cost_usd"])
-            if deps.isolation.active:
-                argv = isolated_argv(argv, data_dir=deps.config.data_dir, worktree=workspace,
-                                     repository=deps.mirrors.path(info["repository"]), cwd=cwd, private=private)
             env = agent_env(profile, dict(os.environ), run_id)
+            if sandbox := run_sandbox(deps, info):
+                await trio.to_thread.run_sync(sandbox.make_home_state)
+                argv, env["TMPDIR"] = sandbox.argv(argv, cwd), "/tmp"
+                if sandbox.home is not None:
+                    env.setdefault("CLAUDE_CONFIG_DIR", str(sandbox.home / ".claude"))
             env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url}
             if info["office"]:   # the agent acts on Office through the run-scoped token
                 env["OUTPOST_TASK_ID"] = info["task_id"] or ""
@@ -7516,12 +7645,14 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             outcome = (Outcome(RunStatus.CANCELLED, "cancelled", reading=reading) if live.cancelled else
                        run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
                                    now=deps.clock.now(), tz=profile.zone))
-        except LaunchError as exc:
+        except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
             unavailable = isinstance(exc, RepositoryUnavailable)
-            outcome = failed(f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else str(exc), "launch")
-            sink = LogSink(deps.log_path(run_id))
-            sink.write(f"[outpost] {exc}\n".encode())
-            sink.close()
+            reason = str(exc) if isinstance(exc, LaunchError) else f"cannot prepare the run's files: {exc}"
+            outcome = failed(f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else reason, "launch")
+            with contextlib.suppress(LaunchError):
+                sink = LogSink(deps.log_path(run_id))
+                sink.write(f"[outpost] {reason}\n".encode())
+                sink.close()
         await finish_run(deps, run_id, info, commit, outcome, exit_code)
         settled = True
     finally:
@@ -7534,19 +7665,25 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
 
 async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
                      exit_code: int | None) -> None:
-    """Fire step 5: keep leftovers, count commits, drop the worktree, record settlement."""
-    workspace = run_workspace(deps, info)
+    """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
+    worktree, record settlement."""
+    workspace, sandbox = run_workspace(deps, info), run_sandbox(deps, info)
+    local = deps.mirrors.path(info["repository"])
     kept = None
     try:
-        await save_leftovers(workspace, run_id)
+        if workspace.exists() and not worktree_intact(workspace):
+            raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "
+                              "nothing was brought back")
+        await save_leftovers(workspace, run_id, sandbox)
+        if workspace.exists() and Path(local).is_dir():
+            await bring_back(local, workspace, info["result_branch"], sandbox)
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
-        kept = f"the agent's uncommitted changes could not be saved ({exc}); they are kept in {workspace}"
+        kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
         outcome = failed(kept, "agent", outcome.reading)
-    local = deps.mirrors.path(info["repository"])
     commits = await count_commits(local, commit, info["result_branch"]) if commit else 0
-    if kept is None and Path(local).is_dir():
-        await remove_worktree(local, workspace)
+    if kept is None:
+        await remove_worktree(workspace, sandbox)
     unpushed = None
     if commits and is_repository_url(info["repository"]):   # API.md 10: the result goes back where it came from
         try:
@@ -9864,6 +10001,9 @@ async def run_until_signal(deps: Deps) -> None:
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
                 print(f"Agents: {deps.isolation.message}", flush=True)
+                if os.geteuid() == 0:
+                    print("Running as root: a dedicated user is safer (see README, Security): an agent's "
+                          "sandbox is all that stands between it and the whole machine", flush=True)
             outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
 
 
@@ -10222,6 +10362,10 @@ def main(argv: list[str] | None = None) -> int:
                 deps = open_deps(config)
             except (ConfigError, SchemaTooNew, orm.dbapiprovider.DatabaseError) as exc:
                 print(f"outpost: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            except OSError as exc:   # a read-only or unwritable data dir: one line, never a traceback
+                print(f"outpost: the data dir {data_dir} cannot be used: {exc.strerror or exc}"
+                      f"{f' ({exc.filename})' if exc.filename else ''}", file=sys.stderr)
                 return EXIT_USAGE
             try:
                 trio.run(run_until_signal, deps)

@@ -214,9 +214,11 @@ async def mock_deps(tmp_path: Path, store, autojump_clock):
 class Server:
     """A real ``outpost serve`` process on 127.0.0.1 with its own data dir."""
 
-    def __init__(self, data_dir: Path, extra_args: tuple[str, ...] = (), env: dict | None = None):
+    def __init__(self, data_dir: Path, extra_args: tuple[str, ...] = (), env: dict | None = None,
+                 runner: tuple[str, ...] = ()):
         self.data_dir = data_dir
         self.extra_args = extra_args
+        self.runner = runner   # e.g. setpriv ... --: serve as another user
         self.env = {k: v for k, v in os.environ.items() if k != "OUTPOST_API_TOKEN"} | (env or {})
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -227,7 +229,7 @@ class Server:
         self.log_path = self.data_dir.parent / f"serve-{time.time_ns()}.log"
         self.log_file = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, str(OUTPOST_PY), "serve", "--data-dir", str(self.data_dir), "--port", "0",
+            [*self.runner, sys.executable, str(OUTPOST_PY), "serve", "--data-dir", str(self.data_dir), "--port", "0",
              *self.extra_args], stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

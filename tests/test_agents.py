@@ -482,7 +482,7 @@ async def test_a_dead_session_falls_back_to_one_fresh_run_without_a_retry(autoju
         async with trio.open_nursery() as nursery:
             await actors(deps, nursery)
             await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
-            for path in sorted((fakes_on_path / "home" / ".fake-cli" / "claude").rglob("*"), reverse=True):
+            for path in sorted((fakes_on_path / "home" / ".claude" / "fake-sessions").rglob("*"), reverse=True):
                 path.unlink() if path.is_file() else path.rmdir()   # the CLI forgot every session
             call(store, store.add_comment, tid, "fake:success again", deps.clock.now())
             deps.claim_wake.poke()
@@ -517,9 +517,10 @@ def fake_server(server_factory, tmp_path: Path, toml: str):
     data.mkdir(exist_ok=True)
     (data / "outpost.toml").write_text(toml)
     home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
+    log = home / ".cache" / "fake-cli-log"   # writable from inside the sandbox (the CLIs' caches are)
+    log.mkdir(parents=True, exist_ok=True)
     return server_factory(data_dir=data, env={"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}",
-                                              "HOME": str(home), "FAKE_CLI_LOG": str(tmp_path)})
+                                              "HOME": str(home), "FAKE_CLI_LOG": str(log)})
 
 
 def settled_run(client, run_id: str) -> dict:
@@ -533,8 +534,6 @@ def post(client, path: str, body: dict):
 
 
 def test_a_needs_you_run_is_adopted_and_answered_by_a_continuation_on_its_branch(server_factory, tmp_path):
-    script = tmp_path / "asker.py"
-    script.write_text(ASKER)
     repo = conftest.make_repo(tmp_path / "repo")
     server = fake_server(server_factory, tmp_path, f"""
 [agents.claude]
@@ -542,7 +541,7 @@ preset = "claude-code"
 pass_env = ["PATH", "HOME", "FAKE_CLI_LOG"]
 
 [agents.asker]
-command = [{json.dumps(os.sys.executable)}, {json.dumps(str(script))}]
+command = [{json.dumps(os.sys.executable)}, "-c", {json.dumps(ASKER)}]
 """)
     with server.client() as client:
         # Claude's permission denials on a successful result: the run needs a human.
@@ -572,7 +571,7 @@ command = [{json.dumps(os.sys.executable)}, {json.dumps(str(script))}]
         reply = post(client, f"/v1/outpost/runs/{script_run}/reply", {"message": "the staging one"})
         continued = settled_run(client, reply.json()["run_id"])
         assert (continued["trigger"], continued["result_branch"]) == ("reply", asked["result_branch"])
-    resumed = calls(tmp_path, "claude")[-1]
+    resumed = calls(tmp_path / "home" / ".cache" / "fake-cli-log", "claude")[-1]
     assert resumed["argv"][resumed["argv"].index("--resume") + 1] == answer["agent_report"]["session_id"]
     assert resumed["stdin"].startswith("fake:success Bash is fine")
 

@@ -86,7 +86,7 @@ async def test_outside_the_daemon_each_question_is_one_rev_parse(tmp_path, no_gi
     repo = make_repo(tmp_path / "repo")
     refs = outpost.Refs()
     assert await refs.resolve(str(repo), "main") == git(repo, "rev-parse", "main")
-    assert [argv[3] for argv in no_git_processes] == ["rev-parse"]
+    assert [argv[3 + len(outpost.GIT_NO_HOOKS)] for argv in no_git_processes] == ["rev-parse"]
     assert refs.cat_files == {}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -234,7 +235,10 @@ def test_sigterm_kills_an_agent_that_ignores_sigterm_after_the_grace(server_fact
         assert (run["status"], run["error"]) == ("failed", "interrupted")
 
 
-def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_repo):
+def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_repo, tmp_path):
+    # Not isolated: a sandboxed agent dies with its daemon (tests/test_sandbox.py); this one outlives it.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "outpost.toml").write_text('[settings]\nisolate_agents = "never"\n')
     server = server_factory("--max-running", "1")
     with server.client() as client:
         schedule = create_schedule(client, definition(git_repo, brief="@edit wip.txt x\n@sleep 60", timing=YEARLY))
@@ -510,3 +514,45 @@ def test_process_alive_here_tells_a_live_process_an_ended_one_and_one_elsewhere(
     assert outpost.process_alive_here(process) is False
     assert outpost.process_alive_here(process.replace(mine[0], "another-host", 1)) is None
     assert outpost.process_alive_here(outpost.this_process()) is True
+
+
+# --- faults of the machine, not of the agent (API.md 12: the daemon keeps serving) -------------------
+
+@pytest.mark.parametrize("folder", ["runs", "private", "worktrees"])
+def test_a_run_whose_files_cannot_be_made_fails_with_the_reason_and_the_daemon_serves_on(
+        server_factory, git_repo, folder):
+    """A folder of the data dir that is not a folder (or cannot be written): that run fails naming
+    it, the daemon serves on (no crash, so no crash loop under systemd at the next start), and
+    runs work again once the folder is back."""
+    server = server_factory()
+    broken = server.data_dir / folder
+    with server.client() as client:
+        wait_status(client, dispatch(client, git_repo, "@print first").json()["run_id"])
+        subprocess.run(["rm", "-rf", str(broken)], check=True)
+        broken.write_text("not a folder\n")
+        run = wait_status(client, dispatch(client, git_repo, "@print second").json()["run_id"])
+        assert run["status"] == "failed" and str(broken) in run["error"], run["error"]
+        assert client.get("/healthz").status_code == 200
+    server.stop()
+    again = server_factory(data_dir=server.data_dir)   # a restart with the folder still broken
+    with again.client() as client:
+        run = wait_status(client, dispatch(client, git_repo, "@print third").json()["run_id"])
+        assert run["status"] == "failed" and str(broken) in run["error"], run["error"]
+        broken.unlink()
+        run = wait_status(client, dispatch(client, git_repo, "@print fourth").json()["run_id"])
+        assert run["status"] == "succeeded", run["error"]
+        assert "fourth" in client.get(f"/v1/outpost/runs/{run['id']}/log").text
+        assert again.proc.poll() is None
+    assert "Traceback" not in again.logs() + server.logs()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap makes a read-only data dir, also for root")
+def test_a_read_only_data_dir_stops_serve_with_one_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    done = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(data), str(data), "--",
+                           sys.executable, str(OUTPOST_PY), "serve", "--data-dir", str(data), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert str(data) in line and "Read-only file system" in line, line

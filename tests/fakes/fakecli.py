@@ -12,8 +12,9 @@ prompt add detail:
 
 Every call is recorded (argv, stdin, cwd, the OUTPOST_* environment) as one JSON line in
 ``$FAKE_CLI_LOG/<name>.jsonl`` when that variable names a directory. Sessions are kept like
-Claude Code keeps them, per working directory, under ``$HOME/.fake-cli/<name>/``: a resume
-from another directory does not find the session.
+Claude Code keeps them, per working directory, in the CLI's own state folder
+(``$HOME/.<name>/fake-sessions/``, where the real CLI keeps its own): a resume from another
+directory does not find the session.
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class Call:
 
     def _sessions(self) -> Path:
         home = Path(os.environ.get("HOME", "/tmp"))
-        return home / ".fake-cli" / self.name / hashlib.sha256(self.cwd.encode()).hexdigest()[:16]
+        return home / f".{self.name}" / "fake-sessions" / hashlib.sha256(self.cwd.encode()).hexdigest()[:16]
 
     def new_session(self) -> str:
         session_id = str(uuid.uuid4())

@@ -1,0 +1,348 @@
+"""The sandbox holds (API.md 12): a hostile agent, run by a real ``outpost serve`` under real
+bubblewrap, once with the daemon serving as root and once as an unprivileged user, tries every
+route out that review found: the data dir and the daemon through /proc, another run's
+environment, unmounting what hides the data dir, killing the daemon, and git (a clean filter, an
+fsmonitor and hooks planted in its worktree for Outpost's own git to obey; the user's repository's
+config, hooks, info/ and refs; a ``.git`` redirected to the user's repository). It gets nothing: no
+secret leaves, nothing it planted runs outside, the user's repository is unchanged but for the
+result branch, and the daemon keeps serving."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SETTLED, Server, make_repo, wait_for
+from conftest import git as git_here
+
+import outpost
+
+pytestmark = pytest.mark.skipif(not outpost.agent_isolation("auto").active,
+                                reason="bubblewrap does not work here (.ci/run installs the bubblewrap package)")
+
+#: The hostile agent: reads its plan (JSON) on stdin, tries each route, and leaves what it found in
+#: report.json, uncommitted (Outpost's own git saves it, and so meets what the agent planted).
+HOSTILE = r'''
+import json, os, signal, subprocess, sys
+plan = json.loads(sys.stdin.read())
+data, repo, marks = plan["data"], plan["repo"], plan["marks"]
+found = {}
+
+def attempt(name, fn):
+    try:
+        found[name] = repr(fn())[:2000]
+    except BaseException as exc:
+        found[name] = f"refused: {type(exc).__name__}: {exc}"[:300]
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read(4096).decode(errors="replace")
+
+def sh(*argv):
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip()[:200]}")
+    return done.stdout
+
+def write(path, text, mode="w"):
+    with open(path, mode) as f:
+        f.write(text)
+    return "written"
+
+def hook(path, mark):
+    write(path, f"#!/bin/sh\ntouch {marks}/{mark}\ncat {data}/api-token > {marks}/{mark}.loot 2>&1\n")
+    os.chmod(path, 0o755)
+    return "planted"
+
+if plan["mode"] == "redirect":   # the worktree's .git made to point at the user's repository
+    os.rename(".git", ".git-moved")
+    write(".git", f"gitdir: {repo}/.git\n")
+    write("redirected.txt", "left uncommitted\n")
+    print(json.dumps({"status": "succeeded", "summary": "redirected"}))
+    sys.exit(0)
+
+# The data dir and the daemon.
+attempt("api_token", lambda: read(f"{data}/api-token"))
+attempt("database", lambda: read(f"{data}/outpost.sqlite3"))
+attempt("other_worktrees", lambda: os.listdir(f"{data}/worktrees"))
+attempt("umount", lambda: sh("umount", "-l", data))
+attempt("api_token_after_umount", lambda: read(f"{data}/api-token"))
+attempt("remount_proc", lambda: sh("mount", "-t", "proc", "proc", "/proc"))
+own = os.environ.get("OUTPOST_RUN_TOKEN", "")
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+seen, tokens, secrets = [], [], []
+for pid in pids:
+    for what in ("cmdline", "environ"):
+        try:
+            text = read(f"/proc/{pid}/{what}").replace("\0", " ")
+        except OSError:
+            continue
+        seen.append(f"{pid} {what} {text[:200]}")
+        for word in text.split():
+            if word.startswith("OUTPOST_RUN_TOKEN=") and word != f"OUTPOST_RUN_TOKEN={own}":
+                tokens.append(word)
+            if word.startswith(("OUTPOST_API_TOKEN=", "OUTPOST_TEST_CANARY=")):
+                secrets.append(word)
+    attempt(f"proc_root_{pid}", lambda pid=pid: read(f"/proc/{pid}/root{data}/api-token"))
+found["pids_seen"] = seen
+found["run_tokens_of_others"] = tokens
+found["daemon_secrets"] = secrets
+attempt("kill_daemon", lambda: os.kill(plan["daemon_pid"], signal.SIGKILL))
+attempt("kill_victim", lambda: os.kill(plan["victim_pid"], signal.SIGKILL))
+
+# The user's repository: config, hooks, info/, refs.
+attempt("repo_config", lambda: write(f"{repo}/.git/config", "[core]\n\tfsmonitor = /bin/false\n", "a"))
+attempt("repo_git_config", lambda: sh("git", "-C", repo, "config", "alias.st", "!touch " + marks + "/alias-ran"))
+attempt("repo_hook", lambda: hook(f"{repo}/.git/hooks/post-checkout", "repo-hook-ran"))
+attempt("repo_info", lambda: write(f"{repo}/.git/info/attributes", "* filter=x\n"))
+attempt("repo_branch", lambda: sh("git", "-C", repo, "branch", "planted"))
+attempt("repo_main", lambda: sh("git", "-C", repo, "update-ref", "-d", "refs/heads/main"))
+
+# Its own worktree: what Outpost's git would obey if it ran outside the sandbox.
+attempt("filter", lambda: sh("git", "config", "filter.x.clean",
+                             f"sh -c 'touch {marks}/filter-ran; cat {data}/api-token > {marks}/filter.loot; cat'"))
+attempt("attributes", lambda: write(".gitattributes", "* filter=x\n"))
+attempt("fsmonitor_hook", lambda: hook(".git/fsmonitor.sh", "fsmonitor-ran"))
+attempt("fsmonitor", lambda: sh("git", "config", "core.fsmonitor", os.path.abspath(".git/fsmonitor.sh")))
+for name in ("pre-commit", "post-commit", "reference-transaction", "post-checkout"):
+    attempt(f"own_hook_{name}", lambda name=name: hook(f".git/hooks/{name}", f"own-{name}-ran"))
+attempt("hooks_path", lambda: sh("git", "config", "core.hooksPath", os.path.abspath(".git/hooks")))
+write("report.json", json.dumps(found, indent=1))
+print(json.dumps({"status": "succeeded", "summary": "looked around"}))
+'''
+
+
+@pytest.fixture
+def base():
+    """A folder outside /tmp (which the sandbox replaces), that an unprivileged daemon can use, and
+    whose marks folder the sandbox sees read-only: a mark there was made outside the sandbox."""
+    path = Path(tempfile.mkdtemp(prefix="outpost-sandbox-", dir="/var/tmp"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def git(repo: Path, *args: str) -> str:
+    """git as the test (root, perhaps) in a repository that an unprivileged daemon owns."""
+    return git_here(repo, "-c", "safe.directory=*", *args)
+
+
+def as_unprivileged(path: Path) -> tuple[str, ...]:
+    """The runner prefix that serves as nobody (when root; else as this user, unprivileged anyway)."""
+    if os.geteuid() != 0:
+        return ()
+    subprocess.run(["chown", "-R", "65534:65534", str(path)], check=True)
+    return ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+
+
+def repository_state(repo: Path) -> dict:
+    """What an agent must not change in the user's repository: every ref but Outpost's result
+    branches, the config, hooks and info/."""
+    refs = git(repo, "for-each-ref", "--format=%(refname) %(objectname)").splitlines()
+    files = {}
+    for folder in ("hooks", "info"):
+        for path in sorted((repo / ".git" / folder).rglob("*")):
+            files[str(path.relative_to(repo))] = path.read_bytes() if path.is_file() else b"dir"
+    return {"refs": [r for r in refs if not r.startswith("refs/heads/outpost/")],
+            "config": (repo / ".git" / "config").read_bytes(), "files": files}
+
+
+def post(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    return client.post(path, json=body, headers={"Idempotency-Key": uuid.uuid4().hex})
+
+
+def settled(client: httpx.Client, run_id: str) -> dict:
+    return wait_for(lambda: (r := client.get(f"/v1/outpost/runs/{run_id}").json())["status"] in SETTLED and r,
+                    timeout_s=60)
+
+
+@pytest.mark.parametrize("who", ["root", "unprivileged"])
+def test_a_hostile_agent_gets_nothing_and_the_daemon_keeps_serving(base, who):
+    if who == "root" and os.geteuid() != 0:
+        pytest.skip("serving as root needs root")
+    data, home, marks = base / "data", base / "home", base / "marks"
+    for folder in (data, home, marks):
+        folder.mkdir()
+    repo = make_repo(base / "repo")
+    # Agents an unprivileged user can run: the system's Python (a venv's may live in root's HOME) and sh.
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    (data / "outpost.toml").write_text(
+        '[settings]\nmax_running = 2\nisolate_agents = "always"\n\n'
+        f'[agents.hostile]\ncommand = [{json.dumps(python)}, "-c", {json.dumps(HOSTILE)}]\n\n'
+        '[agents.sleeper]\ncommand = ["sh", "-c", "echo started; sleep 60"]\n\n'
+        '[agents.committer]\ncommand = ["sh", "-c", "echo honest > honest.txt && git add honest.txt && '
+        'git -c user.name=a -c user.email=a@a commit -q -m honest"]\n')
+    runner = as_unprivileged(base) if who == "unprivileged" else ()
+    canary = f"canary-{uuid.uuid4().hex}"
+    server = Server(data, env={"HOME": str(home), "OUTPOST_TEST_CANARY": canary}, runner=runner).start()
+    try:
+        before = repository_state(repo)
+        api_token = server.token
+        with server.client() as client:
+            victim = post(client, "/v1/outpost/dispatches",
+                          {"brief": "sleep", "repository": str(repo), "agent": "sleeper"}).json()["run_id"]
+            victim_pid = wait_for(lambda: client.get(f"/v1/outpost/runs/{victim}").json()["status"] == "running"
+                                  and outpost_pid(data, victim))
+            plan = {"mode": "all", "data": str(data), "repo": str(repo), "marks": str(marks),
+                    "daemon_pid": server.proc.pid, "victim_pid": victim_pid}
+            hostile = post(client, "/v1/outpost/dispatches", {"brief": json.dumps(plan), "repository": str(repo),
+                                                              "agent": "hostile"}).json()["run_id"]
+            run = settled(client, hostile)
+            assert run["status"] == "succeeded", run["error"]
+            log = client.get(f"/v1/outpost/runs/{hostile}/log").text
+            branch = run["result_branch"]
+            report = json.loads(git(repo, "show", f"{branch}:report.json"))
+
+            # Nothing secret left: not in what the agent found, its log, or anything on its branch.
+            everything = log + git(repo, "log", "-p", "--all", "--format=%B") + json.dumps(report)
+            for secret in (api_token, canary):
+                assert secret not in everything
+            for route in ("api_token", "database", "api_token_after_umount"):
+                assert report[route].startswith("refused"), (route, report[route])
+            assert victim not in report["other_worktrees"] and hostile in report["other_worktrees"]
+            assert report["umount"].startswith("refused") and report["remount_proc"].startswith("refused")
+            assert report["run_tokens_of_others"] == [] and report["daemon_secrets"] == []
+            assert all("outpost.py" not in line for line in report["pids_seen"]), "the daemon is out of sight"
+            assert "ProcessLookupError" in report["kill_daemon"] and "ProcessLookupError" in report["kill_victim"]
+            # The user's repository: unchanged but for the result branch; no planted ref.
+            for route in ("repo_config", "repo_git_config", "repo_hook", "repo_info", "repo_branch", "repo_main"):
+                assert report[route].startswith("refused"), (route, report[route])
+            assert repository_state(repo) == before
+            # What it planted in its worktree ran nowhere outside (the marks folder is read-only inside).
+            assert report["filter"] == "''" and report["fsmonitor"] == "''", report
+            assert sorted(os.listdir(marks)) == []
+            # The leftovers were still saved, through its own filter, in the sandbox.
+            assert git(repo, "show", f"{branch}:.gitattributes") == "* filter=x"
+            # A .git redirected to the user's repository: nothing is brought back; the run fails, kept.
+            plan["mode"] = "redirect"
+            redirected = settled(client, post(client, "/v1/outpost/dispatches", {
+                "brief": json.dumps(plan), "repository": str(repo), "agent": "hostile"}).json()["run_id"])
+            assert redirected["status"] == "failed" and ".git" in redirected["error"], redirected
+            assert redirected["changes"]["commits"] == 0
+            items = client.get("/v1/outpost/attention?state=open").json()["attention"]
+            assert any(i["kind"] == "worktree_kept" and i["run_id"] == redirected["id"] for i in items)
+            assert repository_state(repo) == before
+            assert git(repo, "status", "--porcelain") == ""
+            # The daemon survived, and the victim ran on until cancelled.
+            assert server.proc.poll() is None
+            assert client.get(f"/v1/outpost/runs/{victim}").json()["status"] == "running"
+            post(client, f"/v1/outpost/runs/{victim}/control", {"action": "cancel"})
+            assert settled(client, victim)["status"] == "cancelled"
+            honest = settled(client, post(client, "/v1/outpost/dispatches", {
+                "brief": "commit", "repository": str(repo), "agent": "committer"}).json()["run_id"])
+            assert (honest["status"], honest["changes"]["commits"]) == ("succeeded", 1), honest
+        assert "Traceback" not in server.logs()
+    finally:
+        server.stop()
+
+
+def outpost_pid(data: Path, run_id: str) -> int | None:
+    """The pid the daemon recorded for a run's process (bubblewrap, the sandbox's outer end)."""
+    import sqlite3
+    db = sqlite3.connect(f"file:{data / 'outpost.sqlite3'}?mode=ro", uri=True, timeout=5)
+    try:
+        row = db.execute('SELECT pid FROM "Run" WHERE id = ?', (run_id,)).fetchone()
+    finally:
+        db.close()
+    return row[0] if row and row[0] else None
+
+
+def test_a_sandboxed_agent_dies_with_its_daemon(base):
+    """``--die-with-parent``: a kill -9 of the daemon leaves no agent running with nobody to settle it."""
+    data = base / "data"
+    data.mkdir()
+    repo = make_repo(base / "repo")
+    server = Server(data, env={"HOME": str(base)}).start()
+    try:
+        with server.client() as client:
+            run_id = post(client, "/v1/outpost/dispatches",
+                          {"brief": "@sleep 60", "repository": str(repo), "agent": "demo"}).json()["run_id"]
+            pid = wait_for(lambda: outpost_pid(data, run_id))
+            members = wait_for(lambda: len(outpost.group_members(pid)) >= 3 and outpost.group_members(pid))
+        server.stop(9)
+        wait_for(lambda: not any(outpost.process_stat(p) and outpost.process_stat(p)[0] != "Z" for p in members))
+    finally:
+        server.stop()
+
+
+def test_a_cancelled_sandboxed_agent_gets_its_grace(base):
+    """SIGTERM reaches the agent inside, not bubblewrap (which would take the sandbox down at once):
+    an agent that cleans up on SIGTERM gets to."""
+    data = base / "data"
+    data.mkdir()
+    repo = make_repo(base / "repo")
+    script = "trap 'echo cleaned > cleaned.txt; exit 143' TERM; echo started; sleep 60 & wait"
+    (data / "outpost.toml").write_text(f'[agents.graceful]\ncommand = ["sh", "-c", {json.dumps(script)}]\n')
+    server = Server(data, env={"HOME": str(base)}).start()
+    try:
+        with server.client() as client:
+            run_id = post(client, "/v1/outpost/dispatches",
+                          {"brief": "go", "repository": str(repo), "agent": "graceful"}).json()["run_id"]
+            wait_for(lambda: "started" in client.get(f"/v1/outpost/runs/{run_id}/log").text)
+            post(client, f"/v1/outpost/runs/{run_id}/control", {"action": "cancel"})
+            run = settled(client, run_id)
+        assert run["status"] == "cancelled"
+        assert git(repo, "show", f"{run['result_branch']}:cleaned.txt") == "cleaned"
+    finally:
+        server.stop()
+
+
+def test_the_users_own_git_setup_keeps_working(base):
+    """An honest user's repository: a hook for their own commits, commit signing, and a clean/smudge
+    filter in the global config, as git-lfs installs one. An agent that commits normally succeeds;
+    the user's hook checks the agent's commit (inside the sandbox) and still checks the user's own;
+    Outpost's own commit runs no hook."""
+    data, home, marks = base / "data", base / "home", base / "marks"
+    for folder in (data, home, marks):
+        folder.mkdir()
+    repo = make_repo(base / "repo")
+    (home / ".gitconfig").write_text('[filter "passthrough"]\n\tclean = cat\n\tsmudge = cat\n\trequired = true\n')
+    (repo / ".gitattributes").write_text("*.dat filter=passthrough\n")
+    (repo / "blob.dat").write_text("data\n")
+    git(repo, "add", ".gitattributes", "blob.dat")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "attributes")
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text(f"#!/bin/sh\necho checked >> .hook-ran\ntouch {marks}/user-hook-ran 2>/dev/null\nexit 0\n")
+    hook.chmod(0o755)
+    git(repo, "config", "commit.gpgsign", "true")
+    git(repo, "config", "gpg.program", "/bin/false")
+    server = Server(data, env={"HOME": str(home)}).start()
+    try:
+        with server.client() as client:
+            run = settled(client, post(client, "/v1/outpost/dispatches", {
+                "brief": "@commit notes.txt hello\n@edit blob.dat changed", "repository": str(repo),
+                "agent": "demo"}).json()["run_id"])
+        assert (run["status"], run["changes"]["commits"]) == ("succeeded", 2), run["error"]
+        assert git(repo, "show", f"{run['result_branch']}:blob.dat") == "changed"
+        assert git(repo, "show", f"{run['result_branch']}:.hook-ran") == "checked", "once: the agent's commit"
+        assert os.listdir(marks) == [], "the user's hook ran inside the sandbox only"
+        (repo / "mine.txt").write_text("mine\n")
+        git(repo, "add", "mine.txt")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit", "-q", "-m", "m")
+        assert os.listdir(marks) == ["user-hook-ran"]
+    finally:
+        server.stop()
+
+
+def test_a_sandbox_keeps_the_data_dir_hidden_and_the_worktree_writable(tmp_path):
+    """The bubblewrap command line itself: what each path of a run becomes inside."""
+    data = tmp_path / "data"
+    sandbox = outpost.Sandbox(data, data / "worktrees" / "out_1", data / "repo", data / "private" / "out_1",
+                              tmp_path / "home")
+    argv = sandbox.argv(["agent"])
+    pairs = [(argv[i], argv[i + 1]) for i in range(len(argv) - 1)]
+    assert ("--tmpfs", str(data.resolve())) in pairs and ("--ro-bind", "/") in pairs
+    assert argv.index("--tmpfs", argv.index("--ro-bind")) < argv.index(str((data / "worktrees" / "out_1").resolve()))
+    assert ("--ro-bind", str((data / "repo").resolve())) in pairs   # the embedded repository: read-only
+    for flag in ("--unshare-pid", "--die-with-parent", "--unshare-ipc"):
+        assert flag in argv
+    assert ("--proc", "/proc") in pairs
+    assert ("--cap-drop", "ALL") in pairs or os.geteuid() != 0
+    assert argv[-2:] == ["--", "agent"]
