@@ -88,6 +88,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -6609,6 +6610,45 @@ async def bring_back(repository: str, workspace: Path, branch: str, sandbox: San
     await git(repository, "-c", "fetch.fsckObjects=true", "-c", "protocol.file.allow=always", "fetch", "--quiet",
               "--no-tags", "--no-write-fetch-head", f"--upload-pack={upload_pack}", "--", str(workspace),
               f"+refs/heads/{branch}:refs/heads/{branch}")
+    await trio.to_thread.run_sync(bring_back_lfs, repository, workspace)
+
+
+def bring_back_lfs(repository: str, workspace: Path) -> int:
+    """The git-lfs objects the agent added (its worktree keeps its own; the repository's it reads
+    through alternates), copied into the repository's store so that its result branch checks out
+    there: only regular files named by the SHA-256 of their content, never through a link. How many."""
+    source = workspace / ".git" / "lfs" / "objects"
+    if any(p.is_symlink() for p in (workspace / ".git", source.parent, source)) or not source.is_dir():
+        return 0
+    common = Path(repository, subprocess.run(["git", "-C", repository, "rev-parse", "--git-common-dir"],
+                                             capture_output=True, text=True, check=False).stdout.strip())
+    copied = 0
+    for folder, _dirs, names in os.walk(source):   # never follows a linked folder
+        for name in names:
+            path = Path(folder, name)
+            target = common / "lfs" / "objects" / name[:2] / name[2:4] / name
+            if (not re.fullmatch(r"[0-9a-f]{64}", name) or path.relative_to(source).parts[:2] != (name[:2], name[2:4])
+                    or target.exists()):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)   # no link, and no FIFO's wait
+            except OSError:
+                continue
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
+            digest, part = hashlib.sha256(), target.with_name(f".{name}.outpost-{secrets.token_hex(4)}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with os.fdopen(fd, "rb") as src, open(part, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() == name:
+                os.replace(part, target)
+                copied += 1
+            else:
+                part.unlink()
+    return copied
 
 
 async def count_commits(repository: str, base: str, branch: str) -> int:
@@ -7566,12 +7606,15 @@ async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) ->
     return commit
 
 
-async def agent_version(deps: Deps, profile: AgentProfile, env: dict[str, str]) -> str | None:
-    """The version of a profile's CLI, asked once per process (for the agent report)."""
+async def agent_version(deps: Deps, profile: AgentProfile, env: dict[str, str],
+                        sandbox: Sandbox | None) -> str | None:
+    """The version of a profile's CLI, asked once per process (for the agent report), in the run's
+    sandbox: the CLI reads the state folders that agents write."""
     if profile.name not in deps.versions:
         binary = shutil.which(profile.command[0], path=env.get("PATH", os.defpath)) or profile.command[0]
+        argv = [binary, *profile.kind.version[1:]]
         deps.versions[profile.name] = await trio.to_thread.run_sync(
-            cli_version, [binary, *profile.kind.version[1:]], env)
+            cli_version, sandbox.argv(argv) if sandbox else argv, env)
     return deps.versions[profile.name]
 
 
@@ -7641,7 +7684,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             exit_code = done.exit_code
             reading = READERS[profile.format](done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
-                reading.agent_version = await agent_version(deps, profile, env)
+                reading.agent_version = await agent_version(deps, profile, env, sandbox)
             outcome = (Outcome(RunStatus.CANCELLED, "cancelled", reading=reading) if live.cancelled else
                        run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
                                    now=deps.clock.now(), tz=profile.zone))

@@ -346,3 +346,41 @@ def test_a_sandbox_keeps_the_data_dir_hidden_and_the_worktree_writable(tmp_path)
     assert ("--proc", "/proc") in pairs
     assert ("--cap-drop", "ALL") in pairs or os.geteuid() != 0
     assert argv[-2:] == ["--", "agent"]
+
+
+@pytest.mark.skipif(shutil.which("git-lfs") is None, reason="git-lfs is not installed (.ci/run installs it)")
+def test_git_lfs_files_come_back_with_the_result_branch(base):
+    """A repository with git-lfs: the worktree checks its files out (read through alternates), the
+    agent's new LFS file reaches the repository's LFS store with the branch, and an object the agent
+    forged (its name not the hash of its content) does not."""
+    data, home = base / "data", base / "home"
+    for folder in (data, home):
+        folder.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    subprocess.run(["git", "lfs", "install"], env=env, check=True, capture_output=True)
+    repo = make_repo(base / "repo")
+    for args in (("lfs", "track", "*.bin"), ("add", ".gitattributes")):
+        subprocess.run(["git", "-C", str(repo), *args], env=env, check=True, capture_output=True)
+    (repo / "old.bin").write_text("old large file\n")
+    subprocess.run(["git", "-C", str(repo), "add", "old.bin"], env=env, check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "lfs"],
+                   env=env, check=True)
+    forged = "0" * 64
+    script = (f"cat old.bin > seen.txt && echo new large file > new.bin && mkdir -p .git/lfs/objects/00/00 && "
+              f"echo forged > .git/lfs/objects/00/00/{forged} && git add seen.txt new.bin && "
+              "git -c user.name=a -c user.email=a@a commit -q -m new")
+    (data / "outpost.toml").write_text(f'[agents.lfs]\ncommand = ["sh", "-c", {json.dumps(script)}]\n')
+    server = Server(data, env={"HOME": str(home)}).start()
+    try:
+        with server.client() as client:
+            run = settled(client, post(client, "/v1/outpost/dispatches",
+                                       {"brief": "go", "repository": str(repo), "agent": "lfs"}).json()["run_id"])
+        assert (run["status"], run["changes"]["commits"]) == ("succeeded", 1), run["error"]
+        checkout = base / "checkout"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", str(checkout), run["result_branch"]],
+                       env=env, check=True, capture_output=True)
+        assert (checkout / "seen.txt").read_text() == "old large file\n"
+        assert (checkout / "new.bin").read_text() == "new large file\n"
+        assert not list((repo / ".git" / "lfs" / "objects").rglob(forged))
+    finally:
+        server.stop()

@@ -97,11 +97,13 @@ def test_the_unit_stops_the_daemon_first_so_it_records_its_agents_interrupted():
 
 def test_the_unit_keeps_the_agents_home_out_of_the_data_dir_and_allows_bubblewrap():
     """Defect 20: under the shipped unit the service user's HOME (the agents' HOME) was the data
-    dir itself; and RestrictNamespaces=yes would stop bubblewrap."""
+    dir itself; and RestrictNamespaces=yes would stop bubblewrap, as would ProtectKernelTunables
+    (the sandbox's fresh /proc)."""
     unit = UNIT.read_text()
     assert "--home-dir /home/outpost" in unit and "--home-dir /var/lib/outpost" not in unit
-    assert "RestrictNamespaces=user mnt" in unit and "RestrictNamespaces=yes" not in unit
+    assert "RestrictNamespaces=user mnt pid ipc" in unit and "RestrictNamespaces=yes" not in unit
     assert "/home/outpost" in unit.split("ReadWritePaths=")[1].split("\n")[0]
+    assert "\nProtectKernelTunables=" not in unit
 
 
 def test_the_unit_file_declares_notify_watchdog_and_hardening():
@@ -111,7 +113,7 @@ def test_the_unit_file_declares_notify_watchdog_and_hardening():
                       "ProtectSystem=strict", "ReadWritePaths=", "PrivateTmp=yes", "PrivateDevices=yes",
                       "CapabilityBoundingSet=\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077"):
         assert directive in unit, directive
-    for explained in ("MemoryDenyWriteExecute", "ProtectHome"):
+    for explained in ("MemoryDenyWriteExecute", "ProtectHome", "ProtectKernelTunables"):
         assert f"# - {explained}" in unit, f"the unit must say why {explained} is left off"
     stop_s = int(unit.split("TimeoutStopSec=")[1].split()[0])
     assert stop_s > 5 + 5, "TimeoutStopSec must outlast the agents' grace plus settlement"
