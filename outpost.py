@@ -8088,6 +8088,20 @@ async def screen_request(deps: Deps) -> None:
         raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
 
 
+async def read_body_to_end(response):
+    """Every answer, refusals included (401, 403, 404, 428 before the handler read the body): the
+    request's body is read to its end (at most MAX_BODY_BYTES) before the answer goes out.
+    Hypercorn takes the next request of a keep-alive connection only once this one is read
+    whole; unread, that request would wait for the read timeout."""
+    from quart import request
+    from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
+    try:
+        await request.get_data(cache=True)
+    except (RequestEntityTooLarge, RequestTimeout):   # the rest of the body is not read: no next request
+        response.headers["Connection"] = "close"
+    return response
+
+
 async def authenticate(web: Web):
     """The route's declared auth. Returns a redirect to sign-in for a signed-out page view."""
     from quart import redirect
@@ -8297,6 +8311,7 @@ def create_app(deps: Deps):
     app.jinja_env.globals.update(TEMPLATE_GLOBALS)
     app.before_request(functools.partial(screen_request, deps))
     app.after_request(security_headers)
+    app.after_request(read_body_to_end)
 
     async def error_boundary(err: Exception):
         return await answer_error(getattr(g, "web", None) or Web(deps, request, None), err)

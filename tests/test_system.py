@@ -291,6 +291,40 @@ def test_idempotency_key_survives_a_restart(server_factory, git_repo):
         assert reused.status_code == 422 and reused.json()["code"] == "idempotency_key_reused"
 
 
+# --- keep-alive connections ----------------------------------------------------------------------------
+
+def test_a_refusal_before_the_body_is_read_leaves_the_keep_alive_connection_usable(server_factory):
+    """A POST with a large body refused before Outpost reads it (401, 403, 404, 428): the next
+    request on the same HTTP/1.1 connection is answered at once, not after the read timeout."""
+    import http.client
+
+    server = server_factory()
+    port = int(server.url.rsplit(":", 1)[1])
+    body = json.dumps({"brief": "x" * (512 * 1024)}).encode()   # under the 1 MiB limit
+    token = {"Authorization": f"Bearer {server.token}"}
+    refusals = [
+        ("/v1/outpost/dispatches", {"Authorization": "Bearer wrong"}, 401),
+        ("/v1/outpost/dispatches", {**token, "Host": "evil.example"}, 403),
+        ("/v1/outpost/no-such-endpoint", token, 404),
+        ("/v1/outpost/dispatches", token, 428),   # no Idempotency-Key
+    ]
+    for path, headers, status in refusals:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            connection.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
+            refused = connection.getresponse()
+            refused.read()
+            assert refused.status == status, (path, refused.status)
+            connection.request("GET", "/healthz")
+            after = connection.getresponse()
+            after.read()
+            assert after.status == 200, (status, after.status)
+        except TimeoutError:
+            pytest.fail(f"after a {status} the next request on the same connection got no answer")
+        finally:
+            connection.close()
+
+
 # --- the CLI against the real daemon -------------------------------------------------------------------
 
 def cli(data_dir: Path, *args: str, port: int | None = None, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
