@@ -2762,7 +2762,7 @@ def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body
     header = headers.get("x-outpost-signature", "")
     parts = dict(p.strip().partition("=")[::2] for p in header.split(",") if "=" in p)
     stamp, given = parts.get("t", ""), parts.get("v1", "")
-    if not stamp.isdigit() or not given:
+    if not (stamp.isascii() and stamp.isdigit()) or not given:   # "²" is a digit to isdigit, not to int
         return WebhookCheck(False, "missing X-Outpost-Signature (t=<unix seconds>,v1=<hex>)")
     if abs(now.timestamp() - int(stamp[:12])) > WEBHOOK_TOLERANCE_S:
         return WebhookCheck(False, "stale timestamp")

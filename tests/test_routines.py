@@ -20,11 +20,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -762,6 +764,31 @@ def test_curl_fires_hmac_webhook_on_a_real_server(server_factory):
         assert (refusal["reason"], refusal["source_address"], refusal["size"]) == (
             "replayed signature", "127.0.0.1", len(env["BODY"]))
     assert server.stop() == 0
+
+
+def test_a_signature_timestamp_of_non_ascii_digits_is_401_on_a_real_server(server_factory):
+    """``t=²`` (a digit to str.isdigit, not to int) and its kin: a malformed signature, 401 and
+    recorded, never a 500."""
+    server = server_factory()
+    with server.client() as client:
+        worker = client.post("/api/office/agents", json={"name": "Release Worker", "executor": "demo"}).json()
+        created = client.post("/api/office/routines", json={
+            "name": "Release", "assignee_agent_id": worker["id"], "task_template": {"title": "Release"},
+            "triggers": [{"kind": "webhook", "signing_mode": "hmac_sha256"}]}).json()
+    fire_url = server.url + only(created["triggers"])["fire_path"]
+    stamps = ["²".encode("latin-1"), "¹²³".encode("latin-1"), f"{int(time.time())}²".encode("latin-1")]
+    with httpx.Client(timeout=30) as hooks:
+        for stamp in stamps:
+            reply = hooks.post(fire_url, content=b"{}", headers={
+                "Content-Type": "application/json", "X-Outpost-Signature": b"t=" + stamp + b",v1=" + b"0" * 64})
+            assert reply.status_code == 401, (stamp, reply.status_code, reply.text)
+            assert reply.headers["content-type"] == PROBLEM and reply.json()["code"] == "unauthorized"
+    with server.client() as client:
+        detail = client.get(f"/api/office/routines/{created['id']}").json()
+    assert detail["runs"] == []
+    assert [f["reason"] for f in detail["triggers"][0]["refused_deliveries"]] == [
+        "missing X-Outpost-Signature (t=<unix seconds>,v1=<hex>)"] * len(stamps)
+    assert "Traceback" not in server.logs()
 
 
 ###############################################################################
