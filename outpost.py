@@ -8283,7 +8283,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
 
 
 async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str:
-    days = await web.call(web.store.daily_runs, web.now, ZoneInfo(tz), CHART_DAYS, **scope)
+    days = await web.call(web.store.daily_runs, web.now, zone(tz, "tz"), CHART_DAYS, **scope)
     return runs_chart_svg(days, title)
 
 
