@@ -2530,7 +2530,8 @@ VARIABLE_TYPES = ("text", "number", "boolean", "select")
 BUILTIN_VARIABLES = ("date", "datetime")
 ROUTINE_FIELDS = ("workspace_id", "name", "description", "assignee_agent_id", "status", "concurrency_policy",
                   "catch_up_policy", "catch_up_max", "priority", "task_template", "variables", "triggers")
-#: A webhook signature (hmac_sha256) is valid this long around its timestamp, and remembered as long.
+#: A webhook signature (hmac_sha256) is valid this long around its timestamp (either way: the
+#: sender's clock may be ahead), and remembered until its timestamp is that far behind.
 WEBHOOK_TOLERANCE_S = 300
 #: A GitHub delivery id is remembered this long (its redeliveries are not fired again).
 GITHUB_DELIVERY_TTL_S = DAY_S
@@ -2764,12 +2765,15 @@ def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body
     stamp, given = parts.get("t", ""), parts.get("v1", "")
     if not (stamp.isascii() and stamp.isdigit()) or not given:   # "²" is a digit to isdigit, not to int
         return WebhookCheck(False, "missing X-Outpost-Signature (t=<unix seconds>,v1=<hex>)")
-    if abs(now.timestamp() - int(stamp[:12])) > WEBHOOK_TOLERANCE_S:
+    stamped = int(stamp[:12])
+    if abs(now.timestamp() - stamped) > WEBHOOK_TOLERANCE_S:
         return WebhookCheck(False, "stale timestamp")
     signed = stamp.encode() + b"." + body
     if not any_match(lambda s: hmac.new(s.encode(), signed, hashlib.sha256).hexdigest(), given):
         return WebhookCheck(False, "bad signature")
-    return WebhookCheck(True, replay_key=f"hmac:{given.lower()}", replay_ttl_s=WEBHOOK_TOLERANCE_S)
+    # Remembered past the last instant its stamp is accepted (up to 600 s for a stamp 300 s ahead).
+    accepted_until_s = stamped + WEBHOOK_TOLERANCE_S - now.timestamp()
+    return WebhookCheck(True, replay_key=f"hmac:{given.lower()}", replay_ttl_s=math.ceil(accepted_until_s) + 1)
 
 
 def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> tuple[list[datetime], int]:

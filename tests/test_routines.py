@@ -567,6 +567,25 @@ async def test_webhook_bad_signature_stale_timestamp_and_replay_are_refused_401_
     assert (await api.detail(r["id"]))["triggers"][0]["refused_deliveries"][0]["reason"] == "stale timestamp"
 
 
+async def test_a_signature_stamped_ahead_is_a_replay_for_as_long_as_its_stamp_is_accepted(api):
+    """A sender's clock 250 s ahead is within the skew tolerance; its signature is then refused
+    as a replay until its own stamp goes stale (stamp + 300 s), not only 300 s after it arrived."""
+    r, trigger = await webhook_routine(api, concurrency_policy="always_enqueue")
+    body = b'{"branch": "main"}'
+    ahead = outpost_signature(trigger["secret"], body, unix(T0) + 250)
+    assert (await api.deliver(trigger["public_id"], body, ahead)).status == 202
+    for later_s in (310, 550):   # 550: the stamp's last accepted second
+        api.clock.at = T0 + timedelta(seconds=later_s)
+        replay = await api.deliver(trigger["public_id"], body, ahead)
+        assert replay.status == 401 and "replay" in replay.body["detail"], (later_s, replay.body)
+    api.clock.at = T0 + timedelta(seconds=551)
+    assert (await api.deliver(trigger["public_id"], body, ahead)).status == 401
+    detail = await api.detail(r["id"])
+    assert len(detail["runs"]) == 1
+    assert [f["reason"] for f in detail["triggers"][0]["refused_deliveries"]] == [
+        "stale timestamp", "replayed signature", "replayed signature"]
+
+
 async def test_github_push_delivery_fires_once_and_redelivery_does_not(api):
     r, trigger = await webhook_routine(api, "github", concurrency_policy="always_enqueue",
                                        task_template={"title": "Deploy {{repository.full_name}} at {{ref}}"})
