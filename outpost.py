@@ -2729,7 +2729,8 @@ def dispatch_fingerprint(routine_id: str, title: str, description: str, assignee
 class WebhookCheck:
     ok: bool
     reason: str = ""
-    replay_key: str | None = None          # remembered after acceptance; a repeat is a replay
+    replay_keys: tuple[str, ...] = ()      # remembered after acceptance; a repeat of any is a replay
+    redelivery_key: str | None = None      # of them, GitHub's delivery id: its repeat is a redelivery
     replay_ttl_s: int = 0
 
 
@@ -2757,9 +2758,11 @@ def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body
             return WebhookCheck(False, "missing X-Hub-Signature-256")
         if not any_match(lambda s: "sha256=" + hmac.new(s.encode(), body, hashlib.sha256).hexdigest(), given):
             return WebhookCheck(False, "bad signature")
+        # The signature too: the same body under another delivery id, or none, is a replay.
         delivery = headers.get("x-github-delivery", "")[:200]
-        return WebhookCheck(True, replay_key=f"github:{delivery}" if delivery else None,
-                            replay_ttl_s=GITHUB_DELIVERY_TTL_S)
+        redelivery = f"github:{delivery}" if delivery else None
+        return WebhookCheck(True, replay_keys=(*([redelivery] if redelivery else []), f"github-sig:{given.lower()}"),
+                            redelivery_key=redelivery, replay_ttl_s=GITHUB_DELIVERY_TTL_S)
     header = headers.get("x-outpost-signature", "")
     parts = dict(p.strip().partition("=")[::2] for p in header.split(",") if "=" in p)
     stamp, given = parts.get("t", ""), parts.get("v1", "")
@@ -2773,7 +2776,7 @@ def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body
         return WebhookCheck(False, "bad signature")
     # Remembered past the last instant its stamp is accepted (up to 600 s for a stamp 300 s ahead).
     accepted_until_s = stamped + WEBHOOK_TOLERANCE_S - now.timestamp()
-    return WebhookCheck(True, replay_key=f"hmac:{given.lower()}", replay_ttl_s=math.ceil(accepted_until_s) + 1)
+    return WebhookCheck(True, replay_keys=(f"hmac:{given.lower()}",), replay_ttl_s=math.ceil(accepted_until_s) + 1)
 
 
 def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> tuple[list[datetime], int]:
@@ -6246,23 +6249,24 @@ class RoutineStore(PipelineStore):
                                size=size, created_at=naive(now))
         self.emit("webhook.refused", {"trigger_id": trigger_id, "reason": reason[:200]}, now)
 
-    def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_key: str | None, replay_ttl_s: int,
-                     now: datetime) -> tuple[dict[str, Any] | None, str | None]:
-        """(routine run, None) when fired; (None, earlier routine run id) when the signature
-        or delivery id was accepted before. The replay key and the run share a transaction."""
-        if replay_key:
+    def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_keys: Iterable[str], replay_ttl_s: int,
+                     now: datetime) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+        """(routine run, None) when fired; (None, (earlier routine run id, the key it matched))
+        when a signature or delivery id was accepted before. The replay keys and the run share
+        a transaction."""
+        replay_keys = list(replay_keys)
+        for key in replay_keys:
             earlier = self.db.select('SELECT routine_run_id, expires_at FROM "WebhookReplay" WHERE key = $k',
-                                     {"k": replay_key})
+                                     {"k": key})
             if earlier and sql_instant(earlier[0][1]) > now:
-                return None, earlier[0][0]
+                return None, (earlier[0][0], key)
             if earlier:   # expired: the key is free again
-                self.db.execute('DELETE FROM "WebhookReplay" WHERE key = $k', {"k": replay_key})
+                self.db.execute('DELETE FROM "WebhookReplay" WHERE key = $k', {"k": key})
         t = self.db.RoutineTrigger[trigger_id]
         run = self.fire_routine(t.routine_id, t.id, "webhook", provided, now)
-        if replay_key:
+        for key in replay_keys:
             self.db.execute('INSERT INTO "WebhookReplay" (key, routine_run_id, expires_at) VALUES ($k, $run, $until)',
-                            {"k": replay_key, "run": run["id"],
-                             "until": sql_time(now + timedelta(seconds=replay_ttl_s))})
+                            {"k": key, "run": run["id"], "until": sql_time(now + timedelta(seconds=replay_ttl_s))})
         return run, None
 
     def recovery_sweep(self, now: datetime) -> int:
@@ -8940,12 +8944,12 @@ async def hook_fire(web: Web, public_id: str):
     except OutpostError as err:
         return await refuse(err, err.detail)
     try:
-        run, earlier = await web.call(web.store.fire_webhook, target["trigger_id"], provided, check.replay_key,
+        run, earlier = await web.call(web.store.fire_webhook, target["trigger_id"], provided, check.replay_keys,
                                       check.replay_ttl_s, now)
     except ValidationFailed as err:
         return await refuse(err, err.detail)
-    if earlier is not None and target["signing_mode"] == "github":
-        return json_response({"routine_run_id": earlier, "status": "duplicate"}, 200)
+    if earlier is not None and earlier[1] == check.redelivery_key:   # GitHub's "Redeliver": the same delivery id
+        return json_response({"routine_run_id": earlier[0], "status": "duplicate"}, 200)
     if earlier is not None:
         return await refuse(WebhookRefused("webhook refused: this signature was already used (replay)"),
                             "replayed signature")

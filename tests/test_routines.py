@@ -279,7 +279,7 @@ def test_lightweight_routine_description_variable_from_webhook_reaches_the_promp
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="CI watch", description="Check the CI of {{branch}}.",
                     triggers=[{"kind": "webhook", "signing_mode": "none"}])
-    fired = call(office, office.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, None, 0, at(0))[0]
+    fired = call(office, office.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, (), 0, at(0))[0]
     (run_id,) = dispatch(office, at(1))
     assert "Check the CI of release/2.0." in office_run(office, run_id)["assembled_prompt"]
     assert fired["trigger_payload"] == {"branch": "release/2.0"}
@@ -610,11 +610,36 @@ async def test_github_push_delivery_fires_once_and_redelivery_does_not(api):
     assert wrong.status == unsigned.status == 401
     assert [f["reason"] for f in (await api.detail(r["id"]))["triggers"][0]["refused_deliveries"]] == [
         "missing X-Hub-Signature-256", "bad signature"]
-    # A new delivery fires; the old delivery id is forgotten after 24 h.
-    assert (await api.deliver(public_id, body, github_signature(secret, body, str(uuid.uuid4())))).status == 202
+    # A new delivery (a new push) fires; the old delivery id is forgotten after 24 h.
+    later = json.dumps({**push, "commits": [{"id": "def"}]}).encode()
+    assert (await api.deliver(public_id, later, github_signature(secret, later, str(uuid.uuid4())))).status == 202
     api.clock.at = T0 + timedelta(hours=24, seconds=1)
     assert (await api.deliver(public_id, body, github_signature(secret, body, delivery))).status == 202
     assert len((await api.detail(r["id"]))["runs"]) == 3
+
+
+async def test_a_github_body_replayed_under_another_or_no_delivery_id_is_refused_as_a_replay(api):
+    r, trigger = await webhook_routine(api, "github", concurrency_policy="always_enqueue",
+                                       task_template={"title": "Deploy {{ref}}"})
+    secret, public_id = trigger["secret"], trigger["public_id"]
+    body = json.dumps({"ref": "refs/heads/main", "after": "abc"}).encode()
+    assert (await api.deliver(public_id, body, github_signature(secret, body, str(uuid.uuid4())))).status == 202
+    other_id = github_signature(secret, body, str(uuid.uuid4()))
+    no_id = {k: v for k, v in other_id.items() if k != "X-GitHub-Delivery"}
+    for headers in (other_id, no_id):
+        replay = await api.deliver(public_id, body, headers)
+        assert replay.status == 401 and "replay" in replay.body["detail"], replay.body
+    # A first delivery without an id is accepted once, not twice.
+    tag = json.dumps({"ref": "refs/tags/v1", "after": "def"}).encode()
+    unnamed = {k: v for k, v in github_signature(secret, tag, "").items() if k != "X-GitHub-Delivery"}
+    assert (await api.deliver(public_id, tag, unnamed)).status == 202
+    assert (await api.deliver(public_id, tag, unnamed)).status == 401
+    detail = await api.detail(r["id"])
+    assert len(detail["runs"]) == 2 and len((await api.get("/api/office/tasks")).body["tasks"]) == 2
+    assert [f["reason"] for f in detail["triggers"][0]["refused_deliveries"]] == ["replayed signature"] * 3
+    # The replay window is GitHub's 24 h: after it the same body fires again.
+    api.clock.at = T0 + timedelta(hours=24, seconds=1)
+    assert (await api.deliver(public_id, body, other_id)).status == 202
 
 
 async def test_webhook_secret_shown_once_at_creation_never_in_get(api):
