@@ -2537,6 +2537,8 @@ WEBHOOK_TOLERANCE_S = 300
 GITHUB_DELIVERY_TTL_S = DAY_S
 #: After a secret rotation the old secret is still accepted this long.
 SECRET_ROTATION_GRACE_S = DAY_S
+#: Refused deliveries kept per webhook trigger, the newest: a flood of unsigned posts stays bounded.
+REFUSED_DELIVERIES_KEPT = 200
 
 
 def template_variables(*texts: str) -> list[str]:
@@ -6247,6 +6249,11 @@ class RoutineStore(PipelineStore):
                        now: datetime) -> None:
         self.db.WebhookRefusal(trigger_id=trigger_id, reason=reason[:500], source_address=source_address,
                                size=size, created_at=naive(now))
+        orm.flush()
+        self.db.execute(   # only the newest REFUSED_DELIVERIES_KEPT stay
+            'DELETE FROM "WebhookRefusal" WHERE trigger_id = $t AND id < (SELECT MIN(id) FROM ('
+            '  SELECT id FROM "WebhookRefusal" WHERE trigger_id = $t ORDER BY id DESC LIMIT $kept) AS newest)',
+            {"t": trigger_id, "kept": REFUSED_DELIVERIES_KEPT})
         self.emit("webhook.refused", {"trigger_id": trigger_id, "reason": reason[:200]}, now)
 
     def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_keys: Iterable[str], replay_ttl_s: int,

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -808,6 +809,38 @@ def test_curl_fires_hmac_webhook_on_a_real_server(server_factory):
         assert (refusal["reason"], refusal["source_address"], refusal["size"]) == (
             "replayed signature", "127.0.0.1", len(env["BODY"]))
     assert server.stop() == 0
+
+
+def test_only_the_newest_refused_deliveries_are_kept_and_accepted_ones_stay(server_factory):
+    """A flood of unauthenticated posts costs a bounded number of rows: each trigger keeps its
+    newest REFUSED_DELIVERIES_KEPT refusals. Accepted deliveries (routine runs) are not touched."""
+    kept = outpost.REFUSED_DELIVERIES_KEPT
+    server = server_factory()
+    with server.client() as client:
+        worker = client.post("/api/office/agents", json={"name": "Release Worker", "executor": "demo"}).json()
+        created = client.post("/api/office/routines", json={
+            "name": "Release", "assignee_agent_id": worker["id"], "task_template": {"title": "Release"},
+            "concurrency_policy": "always_enqueue", "triggers": [{"kind": "webhook", "signing_mode": "bearer"}]}).json()
+    trigger = only(created["triggers"])
+    fire_url = server.url + trigger["fire_path"]
+    with httpx.Client(timeout=30) as hooks:
+        for _ in range(3):
+            accepted = hooks.post(fire_url, json={}, headers={"Authorization": f"Bearer {trigger['secret']}"})
+            assert accepted.status_code == 202, accepted.text
+        for i in range(kept + 50):   # bodies of distinct sizes: the refusals are told apart by size
+            body = json.dumps({"n": "x" * i}).encode()
+            refused = hooks.post(fire_url, content=body, headers={"Authorization": "Bearer guess",
+                                                                  "Content-Type": "application/json"})
+            assert refused.status_code == 401
+    db = sqlite3.connect(f"file:{server.data_dir / 'outpost.sqlite3'}?mode=ro", uri=True, timeout=5)
+    sizes = [size for (size,) in db.execute(
+        'SELECT size FROM "WebhookRefusal" WHERE trigger_id = ? ORDER BY id', (trigger["id"],))]
+    db.close()
+    assert sizes == [len(json.dumps({"n": "x" * i})) for i in range(50, kept + 50)]
+    with server.client() as client:
+        detail = client.get(f"/api/office/routines/{created['id']}").json()
+    assert len(detail["runs"]) == 3
+    assert detail["triggers"][0]["refused_deliveries"][0]["size"] == len(json.dumps({"n": "x" * (kept + 49)}))
 
 
 def test_a_signature_timestamp_of_non_ascii_digits_is_401_on_a_real_server(server_factory):
