@@ -6668,11 +6668,16 @@ class LogSink:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             if self.tail and not self.broken:
-                cut = self.written - LOG_HEAD_BYTES + self.cut
-                keep = bytes(self.tail[-(MAX_LOG_BYTES - LOG_HEAD_BYTES):])
+                # The last LOG_TAIL_BYTES written: the tail in memory and, when it is shorter,
+                # the end of the file before it (never its head).
+                start = max(LOG_HEAD_BYTES, self.written - (LOG_TAIL_BYTES - len(self.tail)))
+                with open(self.path, "rb") as written:
+                    written.seek(start)
+                    keep = written.read(self.written - start) + bytes(self.tail)
+                cut = self.written + self.cut + len(self.tail) - LOG_HEAD_BYTES - len(keep)
                 self.file.seek(LOG_HEAD_BYTES)
                 self.file.truncate()
-                self.file.write(f"\n[... {cut + len(self.tail) - len(keep)} bytes cut ...]\n".encode() + keep)
+                self.file.write(f"\n[... {cut} bytes cut ...]\n".encode() + keep)
             self.file.close()
 
 
