@@ -1038,9 +1038,15 @@ def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None, *, si
         raise invalid(key, "must be a string")
     if not lo <= len(value) <= hi:
         raise invalid(key, f"must be {lo}-{hi} characters long")
-    if single_line and any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise invalid(key, "must not contain control characters")
+    if single_line and any(is_control(c) for c in value):
+        raise invalid(key, "must not contain control characters (escapes, line breaks)")
     return value
+
+
+def is_control(char: str) -> bool:
+    """A character a terminal acts on rather than prints: C0 (ESC, NUL, newlines), DEL, C1
+    (CSI, NEL) and the Unicode line and paragraph separators."""
+    return ord(char) < 32 or 127 <= ord(char) < 160 or char in "\u2028\u2029"
 
 
 def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
@@ -1159,7 +1165,7 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
         raise invalid("definition", "must be a JSON object")
     _check_unicode(raw, "")
     _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
-    d: dict[str, Any] = {"name": _text(raw, "name", 1, 100).strip()}
+    d: dict[str, Any] = {"name": _text(raw, "name", 1, 100, single_line=True).strip()}
     if not d["name"]:
         raise invalid("name", "must not be blank")
     d["brief"] = _text(raw, "brief", 1, 32768)
@@ -8495,8 +8501,8 @@ async def api_healthz(web: Web):
     return body if ok else (jsonify(body), 503)
 
 
-def _text_field(raw: dict[str, Any], key: str, hi: int) -> str:
-    value = _text(raw, key, 1, hi)
+def _text_field(raw: dict[str, Any], key: str, hi: int, *, single_line: bool = False) -> str:
+    value = _text(raw, key, 1, hi, single_line=single_line)
     if not value.strip():
         raise invalid(key, "must not be blank")
     return value
@@ -8733,7 +8739,8 @@ async def office_workspaces(web: Web):
 
 @office_api.post("/api/office/workspaces", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
 async def office_create_workspace(web: Web):
-    return await web.commit(web.store.create_workspace, _text_field(await web.body(), "name", 100).strip(), web.now)
+    name = _text_field(await web.body(), "name", 100, single_line=True).strip()
+    return await web.commit(web.store.create_workspace, name, web.now)
 
 
 @office_api.get("/api/office/projects", auth=Auth.TOKEN)
@@ -8747,8 +8754,9 @@ async def office_create_project(web: Web):
     _unknown(raw, ("workspace_id", "name", "repository", "executor", *BUDGET_FIELDS), "a project")
     repository = _repository(raw) if raw.get("repository") is not None else None
     executor = _optional_name(raw, "executor", web.profile_names, "agent profile")
-    return await web.commit(web.store.create_project, web.workspace_arg(raw), _text_field(raw, "name", 100),
-                            repository, executor, web.now, budget_fields(raw, 1_000_000))
+    return await web.commit(web.store.create_project, web.workspace_arg(raw),
+                            _text_field(raw, "name", 100, single_line=True), repository, executor, web.now,
+                            budget_fields(raw, 1_000_000))
 
 
 @office_api.get("/api/office/agents", auth=Auth.TOKEN)

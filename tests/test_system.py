@@ -291,6 +291,37 @@ def test_idempotency_key_survives_a_restart(server_factory, git_repo):
         assert reused.status_code == 422 and reused.json()["code"] == "idempotency_key_reused"
 
 
+# --- names the CLI prints ------------------------------------------------------------------------------
+
+#: Control characters a terminal would act on: ESC (a colour, a cursor move), NUL, newlines, DEL,
+#: C1 (CSI, NEL) and the Unicode line separator.
+CONTROL_NAMES = ["\x1b[31mred\x1b[0m", "a\x00b", "two\nlines", "cr\rover", "del\x7f", "csi\x9b2J", "nel\x85",
+                 "line\u2028separator"]
+
+
+def test_names_with_control_characters_are_422_naming_the_name(server_factory, git_repo):
+    """A schedule, an Office agent or a workspace named with control characters is refused:
+    the CLI prints these names raw into a terminal."""
+    server = server_factory()
+    with server.client() as client:
+        assert client.post("/v1/outpost/schedules/compose",
+                           json=definition(git_repo, name="Nächtlich ✓ 夜 report")).status_code == 200
+        for name in CONTROL_NAMES:
+            replies = {
+                "compose": client.post("/v1/outpost/schedules/compose", json=definition(git_repo, name=name)),
+                "create": client.post("/v1/outpost/schedules", headers=key(), json={
+                    "definition": definition(git_repo, name=name), "confirmation": "x"}),
+                "agent": client.post("/api/office/agents", json={"name": name, "executor": "demo"}),
+                "workspace": client.post("/api/office/workspaces", json={"name": name}),
+            }
+            for what, reply in replies.items():
+                assert reply.status_code == 422, (what, repr(name), reply.status_code, reply.text[:200])
+                assert [e["field"] for e in reply.json()["errors"]] == ["name"], (what, repr(name), reply.text)
+        assert client.get("/v1/outpost/schedules").json()["schedules"] == []
+        assert client.get("/api/office/agents").json()["agents"] == []
+        assert len(client.get("/api/office/workspaces").json()["workspaces"]) == 1   # the default one
+
+
 # --- keep-alive connections ----------------------------------------------------------------------------
 
 def test_a_refusal_before_the_body_is_read_leaves_the_keep_alive_connection_usable(server_factory):
