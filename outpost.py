@@ -9057,10 +9057,19 @@ async def agent_self_wake(web: Web):
 
 # --- dashboard: sign-in --------------------------------------------------------------------------------
 
+def same_origin_path(target: str) -> str:
+    """Where signing in may send the browser: ``target`` when it is a path of this origin, else
+    ``/``. Browsers read ``//host`` and ``/\\host`` as another origin and drop tabs and line
+    breaks before parsing, so none of those pass (nor any backslash)."""
+    if target.startswith("/") and target[1:2] != "/" and "\\" not in target and not any(map(is_control, target)):
+        return target
+    return "/"
+
+
 async def signed_in_response(web: Web, target: str):
     from quart import redirect
     cookie, _ = await web.call(web.store.create_session, web.now)
-    response = redirect(target if target.startswith("/") and not target.startswith("//") else "/schedules")
+    response = redirect(same_origin_path(target))
     response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict", path="/")
     return response
 

@@ -322,6 +322,29 @@ def test_names_with_control_characters_are_422_naming_the_name(server_factory, g
         assert len(client.get("/api/office/workspaces").json()["workspaces"]) == 1   # the default one
 
 
+# --- dashboard sign-in -----------------------------------------------------------------------------------
+
+#: ``next`` values a browser would follow to another origin: ``/\\`` reads as ``//``, and tabs and
+#: line breaks are dropped from a URL before it is parsed.
+OFF_ORIGIN_NEXT = ["/\\evil.example", "/\\/evil.example", "//evil.example", "/\t/evil.example", "/\n/evil.example",
+                   "/\r\n/evil.example", "https://evil.example/", "evil.example", "\\\\evil.example", ""]
+
+
+def test_sign_in_goes_only_to_a_path_of_this_origin(server_factory):
+    """``/signin?next=...``: the page carries ``next`` to the form; signing in follows it only
+    when it is a path here, else it lands on ``/``."""
+    server = server_factory()
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as browser:
+        form_page = browser.get("/signin", params={"next": "/\\evil.example"})
+        assert form_page.status_code == 200
+        for target, expected in [("/runs?status=failed", "/runs?status=failed"), ("/office/board", "/office/board"),
+                                 *((bad, "/") for bad in OFF_ORIGIN_NEXT)]:
+            reply = browser.post("/signin", data={"token": server.token, "next": target})
+            assert reply.status_code in (302, 303), (repr(target), reply.status_code, reply.text[:200])
+            assert reply.headers["Location"] == expected, (repr(target), reply.headers["Location"])
+            assert outpost.SESSION_COOKIE in reply.cookies
+
+
 # --- keep-alive connections ----------------------------------------------------------------------------
 
 def test_a_refusal_before_the_body_is_read_leaves_the_keep_alive_connection_usable(server_factory):
