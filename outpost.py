@@ -1049,9 +1049,15 @@ def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None, *, si
         raise invalid(key, "must be a string")
     if not lo <= len(value) <= hi:
         raise invalid(key, f"must be {lo}-{hi} characters long")
-    if single_line and any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise invalid(key, "must not contain control characters")
+    if single_line and any(is_control(c) for c in value):
+        raise invalid(key, "must not contain control characters (escapes, line breaks)")
     return value
+
+
+def is_control(char: str) -> bool:
+    """A character a terminal acts on rather than prints: C0 (ESC, NUL, newlines), DEL, C1
+    (CSI, NEL) and the Unicode line and paragraph separators."""
+    return ord(char) < 32 or 127 <= ord(char) < 160 or char in "\u2028\u2029"
 
 
 def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
@@ -1170,7 +1176,7 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
         raise invalid("definition", "must be a JSON object")
     _check_unicode(raw, "")
     _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
-    d: dict[str, Any] = {"name": _text(raw, "name", 1, 100).strip()}
+    d: dict[str, Any] = {"name": _text(raw, "name", 1, 100, single_line=True).strip()}
     if not d["name"]:
         raise invalid("name", "must not be blank")
     d["brief"] = _text(raw, "brief", 1, 32768)
@@ -2541,12 +2547,15 @@ VARIABLE_TYPES = ("text", "number", "boolean", "select")
 BUILTIN_VARIABLES = ("date", "datetime")
 ROUTINE_FIELDS = ("workspace_id", "name", "description", "assignee_agent_id", "status", "concurrency_policy",
                   "catch_up_policy", "catch_up_max", "priority", "task_template", "variables", "triggers")
-#: A webhook signature (hmac_sha256) is valid this long around its timestamp, and remembered as long.
+#: A webhook signature (hmac_sha256) is valid this long around its timestamp (either way: the
+#: sender's clock may be ahead), and remembered until its timestamp is that far behind.
 WEBHOOK_TOLERANCE_S = 300
 #: A GitHub delivery id is remembered this long (its redeliveries are not fired again).
 GITHUB_DELIVERY_TTL_S = DAY_S
 #: After a secret rotation the old secret is still accepted this long.
 SECRET_ROTATION_GRACE_S = DAY_S
+#: Refused deliveries kept per webhook trigger, the newest: a flood of unsigned posts stays bounded.
+REFUSED_DELIVERIES_KEPT = 200
 
 
 def template_variables(*texts: str) -> list[str]:
@@ -2739,7 +2748,8 @@ def dispatch_fingerprint(routine_id: str, title: str, description: str, assignee
 class WebhookCheck:
     ok: bool
     reason: str = ""
-    replay_key: str | None = None          # remembered after acceptance; a repeat is a replay
+    replay_keys: tuple[str, ...] = ()      # remembered after acceptance; a repeat of any is a replay
+    redelivery_key: str | None = None      # of them, GitHub's delivery id: its repeat is a redelivery
     replay_ttl_s: int = 0
 
 
@@ -2767,20 +2777,25 @@ def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body
             return WebhookCheck(False, "missing X-Hub-Signature-256")
         if not any_match(lambda s: "sha256=" + hmac.new(s.encode(), body, hashlib.sha256).hexdigest(), given):
             return WebhookCheck(False, "bad signature")
+        # The signature too: the same body under another delivery id, or none, is a replay.
         delivery = headers.get("x-github-delivery", "")[:200]
-        return WebhookCheck(True, replay_key=f"github:{delivery}" if delivery else None,
-                            replay_ttl_s=GITHUB_DELIVERY_TTL_S)
+        redelivery = f"github:{delivery}" if delivery else None
+        return WebhookCheck(True, replay_keys=(*([redelivery] if redelivery else []), f"github-sig:{given.lower()}"),
+                            redelivery_key=redelivery, replay_ttl_s=GITHUB_DELIVERY_TTL_S)
     header = headers.get("x-outpost-signature", "")
     parts = dict(p.strip().partition("=")[::2] for p in header.split(",") if "=" in p)
     stamp, given = parts.get("t", ""), parts.get("v1", "")
-    if not stamp.isdigit() or not given:
+    if not (stamp.isascii() and stamp.isdigit()) or not given:   # "²" is a digit to isdigit, not to int
         return WebhookCheck(False, "missing X-Outpost-Signature (t=<unix seconds>,v1=<hex>)")
-    if abs(now.timestamp() - int(stamp[:12])) > WEBHOOK_TOLERANCE_S:
+    stamped = int(stamp[:12])
+    if abs(now.timestamp() - stamped) > WEBHOOK_TOLERANCE_S:
         return WebhookCheck(False, "stale timestamp")
     signed = stamp.encode() + b"." + body
     if not any_match(lambda s: hmac.new(s.encode(), signed, hashlib.sha256).hexdigest(), given):
         return WebhookCheck(False, "bad signature")
-    return WebhookCheck(True, replay_key=f"hmac:{given.lower()}", replay_ttl_s=WEBHOOK_TOLERANCE_S)
+    # Remembered past the last instant its stamp is accepted (up to 600 s for a stamp 300 s ahead).
+    accepted_until_s = stamped + WEBHOOK_TOLERANCE_S - now.timestamp()
+    return WebhookCheck(True, replay_keys=(f"hmac:{given.lower()}",), replay_ttl_s=math.ceil(accepted_until_s) + 1)
 
 
 def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> tuple[list[datetime], int]:
@@ -6251,25 +6266,31 @@ class RoutineStore(PipelineStore):
                        now: datetime) -> None:
         self.db.WebhookRefusal(trigger_id=trigger_id, reason=reason[:500], source_address=source_address,
                                size=size, created_at=naive(now))
+        orm.flush()
+        self.db.execute(   # only the newest REFUSED_DELIVERIES_KEPT stay
+            'DELETE FROM "WebhookRefusal" WHERE trigger_id = $t AND id < (SELECT MIN(id) FROM ('
+            '  SELECT id FROM "WebhookRefusal" WHERE trigger_id = $t ORDER BY id DESC LIMIT $kept) AS newest)',
+            {"t": trigger_id, "kept": REFUSED_DELIVERIES_KEPT})
         self.emit("webhook.refused", {"trigger_id": trigger_id, "reason": reason[:200]}, now)
 
-    def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_key: str | None, replay_ttl_s: int,
-                     now: datetime) -> tuple[dict[str, Any] | None, str | None]:
-        """(routine run, None) when fired; (None, earlier routine run id) when the signature
-        or delivery id was accepted before. The replay key and the run share a transaction."""
-        if replay_key:
+    def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_keys: Iterable[str], replay_ttl_s: int,
+                     now: datetime) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+        """(routine run, None) when fired; (None, (earlier routine run id, the key it matched))
+        when a signature or delivery id was accepted before. The replay keys and the run share
+        a transaction."""
+        replay_keys = list(replay_keys)
+        for key in replay_keys:
             earlier = self.db.select('SELECT routine_run_id, expires_at FROM "WebhookReplay" WHERE key = $k',
-                                     {"k": replay_key})
+                                     {"k": key})
             if earlier and sql_instant(earlier[0][1]) > now:
-                return None, earlier[0][0]
+                return None, (earlier[0][0], key)
             if earlier:   # expired: the key is free again
-                self.db.execute('DELETE FROM "WebhookReplay" WHERE key = $k', {"k": replay_key})
+                self.db.execute('DELETE FROM "WebhookReplay" WHERE key = $k', {"k": key})
         t = self.db.RoutineTrigger[trigger_id]
         run = self.fire_routine(t.routine_id, t.id, "webhook", provided, now)
-        if replay_key:
+        for key in replay_keys:
             self.db.execute('INSERT INTO "WebhookReplay" (key, routine_run_id, expires_at) VALUES ($k, $run, $until)',
-                            {"k": replay_key, "run": run["id"],
-                             "until": sql_time(now + timedelta(seconds=replay_ttl_s))})
+                            {"k": key, "run": run["id"], "until": sql_time(now + timedelta(seconds=replay_ttl_s))})
         return run, None
 
     def recovery_sweep(self, now: datetime) -> int:
@@ -6795,11 +6816,16 @@ class LogSink:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             if self.tail and not self.broken:
-                cut = self.written - LOG_HEAD_BYTES + self.cut
-                keep = bytes(self.tail[-(MAX_LOG_BYTES - LOG_HEAD_BYTES):])
+                # The last LOG_TAIL_BYTES written: the tail in memory and, when it is shorter,
+                # the end of the file before it (never its head).
+                start = max(LOG_HEAD_BYTES, self.written - (LOG_TAIL_BYTES - len(self.tail)))
+                with open(self.path, "rb") as written:
+                    written.seek(start)
+                    keep = written.read(self.written - start) + bytes(self.tail)
+                cut = self.written + self.cut + len(self.tail) - LOG_HEAD_BYTES - len(keep)
                 self.file.seek(LOG_HEAD_BYTES)
                 self.file.truncate()
-                self.file.write(f"\n[... {cut + len(self.tail) - len(keep)} bytes cut ...]\n".encode() + keep)
+                self.file.write(f"\n[... {cut} bytes cut ...]\n".encode() + keep)
             self.file.close()
 
 
@@ -8268,6 +8294,20 @@ async def screen_request(deps: Deps) -> None:
         raise PayloadTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
 
 
+async def read_body_to_end(response):
+    """Every answer, refusals included (401, 403, 404, 428 before the handler read the body): the
+    request's body is read to its end (at most MAX_BODY_BYTES) before the answer goes out.
+    Hypercorn takes the next request of a keep-alive connection only once this one is read
+    whole; unread, that request would wait for the read timeout."""
+    from quart import request
+    from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
+    try:
+        await request.get_data(cache=True)
+    except (RequestEntityTooLarge, RequestTimeout):   # the rest of the body is not read: no next request
+        response.headers["Connection"] = "close"
+    return response
+
+
 async def authenticate(web: Web):
     """The route's declared auth. Returns a redirect to sign-in for a signed-out page view."""
     from quart import redirect
@@ -8449,7 +8489,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
 
 
 async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str:
-    days = await web.call(web.store.daily_runs, web.now, ZoneInfo(tz), CHART_DAYS, **scope)
+    days = await web.call(web.store.daily_runs, web.now, zone(tz, "tz"), CHART_DAYS, **scope)
     return runs_chart_svg(days, title)
 
 
@@ -8477,6 +8517,7 @@ def create_app(deps: Deps):
     app.jinja_env.globals.update(TEMPLATE_GLOBALS)
     app.before_request(functools.partial(screen_request, deps))
     app.after_request(security_headers)
+    app.after_request(read_body_to_end)
 
     async def error_boundary(err: Exception):
         return await answer_error(getattr(g, "web", None) or Web(deps, request, None), err)
@@ -8640,8 +8681,8 @@ async def api_healthz(web: Web):
     return body if ok else (jsonify(body), 503)
 
 
-def _text_field(raw: dict[str, Any], key: str, hi: int) -> str:
-    value = _text(raw, key, 1, hi)
+def _text_field(raw: dict[str, Any], key: str, hi: int, *, single_line: bool = False) -> str:
+    value = _text(raw, key, 1, hi, single_line=single_line)
     if not value.strip():
         raise invalid(key, "must not be blank")
     return value
@@ -8878,7 +8919,8 @@ async def office_workspaces(web: Web):
 
 @office_api.post("/api/office/workspaces", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
 async def office_create_workspace(web: Web):
-    return await web.commit(web.store.create_workspace, _text_field(await web.body(), "name", 100).strip(), web.now)
+    name = _text_field(await web.body(), "name", 100, single_line=True).strip()
+    return await web.commit(web.store.create_workspace, name, web.now)
 
 
 @office_api.get("/api/office/projects", auth=Auth.TOKEN)
@@ -8892,8 +8934,9 @@ async def office_create_project(web: Web):
     _unknown(raw, ("workspace_id", "name", "repository", "executor", *BUDGET_FIELDS), "a project")
     repository = _repository(raw) if raw.get("repository") is not None else None
     executor = _optional_name(raw, "executor", web.profile_names, "agent profile")
-    return await web.commit(web.store.create_project, web.workspace_arg(raw), _text_field(raw, "name", 100),
-                            repository, executor, web.now, budget_fields(raw, 1_000_000))
+    return await web.commit(web.store.create_project, web.workspace_arg(raw),
+                            _text_field(raw, "name", 100, single_line=True), repository, executor, web.now,
+                            budget_fields(raw, 1_000_000))
 
 
 @office_api.get("/api/office/agents", auth=Auth.TOKEN)
@@ -9101,12 +9144,12 @@ async def hook_fire(web: Web, public_id: str):
     except OutpostError as err:
         return await refuse(err, err.detail)
     try:
-        run, earlier = await web.call(web.store.fire_webhook, target["trigger_id"], provided, check.replay_key,
+        run, earlier = await web.call(web.store.fire_webhook, target["trigger_id"], provided, check.replay_keys,
                                       check.replay_ttl_s, now)
     except ValidationFailed as err:
         return await refuse(err, err.detail)
-    if earlier is not None and target["signing_mode"] == "github":
-        return json_response({"routine_run_id": earlier, "status": "duplicate"}, 200)
+    if earlier is not None and earlier[1] == check.redelivery_key:   # GitHub's "Redeliver": the same delivery id
+        return json_response({"routine_run_id": earlier[0], "status": "duplicate"}, 200)
     if earlier is not None:
         return await refuse(WebhookRefused("webhook refused: this signature was already used (replay)"),
                             "replayed signature")
@@ -9194,10 +9237,19 @@ async def agent_self_wake(web: Web):
 
 # --- dashboard: sign-in --------------------------------------------------------------------------------
 
+def same_origin_path(target: str) -> str:
+    """Where signing in may send the browser: ``target`` when it is a path of this origin, else
+    ``/``. Browsers read ``//host`` and ``/\\host`` as another origin and drop tabs and line
+    breaks before parsing, so none of those pass (nor any backslash)."""
+    if target.startswith("/") and target[1:2] != "/" and "\\" not in target and not any(map(is_control, target)):
+        return target
+    return "/"
+
+
 async def signed_in_response(web: Web, target: str):
     from quart import redirect
     cookie, _ = await web.call(web.store.create_session, web.now)
-    response = redirect(target if target.startswith("/") and not target.startswith("//") else "/schedules")
+    response = redirect(same_origin_path(target))
     response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict", path="/")
     return response
 

@@ -10,7 +10,9 @@ on the worker thread) under a ``trio.fail_after(30)`` guard.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -765,6 +767,32 @@ def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_pa
     assert len(head) + cut + len(tail) == total and len(tail) <= outpost.LOG_TAIL_BYTES
     assert tail.endswith(b'{"type": "result", "result": "THE END"}\n')
     assert len(data) <= outpost.MAX_LOG_BYTES + 100
+
+
+@pytest.mark.parametrize("total", [
+    outpost.MAX_LOG_BYTES + 1, 1_228_800, outpost.MAX_LOG_BYTES + outpost.LOG_TAIL_BYTES - 1,
+    outpost.MAX_LOG_BYTES + outpost.LOG_TAIL_BYTES, 3 * 1024 * 1024,
+], ids=["1 MiB + 1", "1.2 MB", "1.75 MiB - 1", "1.75 MiB", "3 MiB"])
+def test_a_log_over_1_mib_keeps_exactly_its_first_256_kib_and_its_last_768_kib(tmp_path, total):
+    """API.md 5.4, byte for byte: whatever the size over 1 MiB and however the output arrives
+    (chunks of 1 byte to 64 KiB), the log is the first 256 KiB, one line counting the bytes
+    cut, and the last 768 KiB."""
+    written = b"".join(b"%09d\n" % i for i in range(total // 10 + 1))[:total]
+    sink = outpost.LogSink(tmp_path / "run.log")
+    sizes, at = itertools.cycle([1, 7, 100, 4096, 65536, 333]), 0
+    while at < total:
+        step = next(sizes)
+        sink.write(written[at:at + step])
+        at += step
+    sink.close()
+    data = (tmp_path / "run.log").read_bytes()
+    head, rest = data[:outpost.LOG_HEAD_BYTES], data[outpost.LOG_HEAD_BYTES:]
+    marker = re.match(rb"\n\[\.\.\. (\d+) bytes cut \.\.\.\]\n", rest)
+    assert marker is not None, rest[:80]
+    tail = rest[marker.end():]
+    assert head == written[:outpost.LOG_HEAD_BYTES]
+    assert len(tail) == outpost.LOG_TAIL_BYTES and tail == written[-outpost.LOG_TAIL_BYTES:]
+    assert int(marker[1]) == total - outpost.LOG_HEAD_BYTES - outpost.LOG_TAIL_BYTES
 
 
 @pytest.mark.skipif(not outpost.agent_isolation("auto").active, reason="bubblewrap does not work here "

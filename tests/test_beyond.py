@@ -327,3 +327,15 @@ async def test_the_chart_holds_one_bar_per_day_with_the_right_counts(tmp_path, g
     assert "<title>2026-11-28: 2 succeeded, 1 failed</title>" in day
     assert "<script" not in svg
     assert (await api.get("/v1/outpost/charts/runs.svg?schedule_id=sch_nope")).status == 404
+
+
+def test_a_chart_in_an_unknown_timezone_is_422_naming_tz_on_a_real_server(server_factory):
+    server = server_factory()
+    with server.client() as client:
+        assert client.get("/v1/outpost/charts/runs.svg", params={"tz": "Europe/Berlin"}).status_code == 200
+        for tz in ("Nope", "", "Europe", "../../etc/passwd", "x" * 100):
+            reply = client.get("/v1/outpost/charts/runs.svg", params={"tz": tz})
+            assert reply.status_code == 422, (tz, reply.status_code, reply.text[:200])
+            assert reply.headers["content-type"] == "application/problem+json"
+            assert [e["field"] for e in reply.json()["errors"]] == ["tz"]
+    assert "Traceback" not in server.logs()

@@ -19,12 +19,15 @@ import math
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
+import time
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -277,7 +280,7 @@ def test_lightweight_routine_description_variable_from_webhook_reaches_the_promp
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="CI watch", description="Check the CI of {{branch}}.",
                     triggers=[{"kind": "webhook", "signing_mode": "none"}])
-    fired = call(office, office.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, None, 0, at(0))[0]
+    fired = call(office, office.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, (), 0, at(0))[0]
     (run_id,) = dispatch(office, at(1))
     assert "Check the CI of release/2.0." in office_run(office, run_id)["assembled_prompt"]
     assert fired["trigger_payload"] == {"branch": "release/2.0"}
@@ -565,6 +568,25 @@ async def test_webhook_bad_signature_stale_timestamp_and_replay_are_refused_401_
     assert (await api.detail(r["id"]))["triggers"][0]["refused_deliveries"][0]["reason"] == "stale timestamp"
 
 
+async def test_a_signature_stamped_ahead_is_a_replay_for_as_long_as_its_stamp_is_accepted(api):
+    """A sender's clock 250 s ahead is within the skew tolerance; its signature is then refused
+    as a replay until its own stamp goes stale (stamp + 300 s), not only 300 s after it arrived."""
+    r, trigger = await webhook_routine(api, concurrency_policy="always_enqueue")
+    body = b'{"branch": "main"}'
+    ahead = outpost_signature(trigger["secret"], body, unix(T0) + 250)
+    assert (await api.deliver(trigger["public_id"], body, ahead)).status == 202
+    for later_s in (310, 550):   # 550: the stamp's last accepted second
+        api.clock.at = T0 + timedelta(seconds=later_s)
+        replay = await api.deliver(trigger["public_id"], body, ahead)
+        assert replay.status == 401 and "replay" in replay.body["detail"], (later_s, replay.body)
+    api.clock.at = T0 + timedelta(seconds=551)
+    assert (await api.deliver(trigger["public_id"], body, ahead)).status == 401
+    detail = await api.detail(r["id"])
+    assert len(detail["runs"]) == 1
+    assert [f["reason"] for f in detail["triggers"][0]["refused_deliveries"]] == [
+        "stale timestamp", "replayed signature", "replayed signature"]
+
+
 async def test_github_push_delivery_fires_once_and_redelivery_does_not(api):
     r, trigger = await webhook_routine(api, "github", concurrency_policy="always_enqueue",
                                        task_template={"title": "Deploy {{repository.full_name}} at {{ref}}"})
@@ -589,11 +611,36 @@ async def test_github_push_delivery_fires_once_and_redelivery_does_not(api):
     assert wrong.status == unsigned.status == 401
     assert [f["reason"] for f in (await api.detail(r["id"]))["triggers"][0]["refused_deliveries"]] == [
         "missing X-Hub-Signature-256", "bad signature"]
-    # A new delivery fires; the old delivery id is forgotten after 24 h.
-    assert (await api.deliver(public_id, body, github_signature(secret, body, str(uuid.uuid4())))).status == 202
+    # A new delivery (a new push) fires; the old delivery id is forgotten after 24 h.
+    later = json.dumps({**push, "commits": [{"id": "def"}]}).encode()
+    assert (await api.deliver(public_id, later, github_signature(secret, later, str(uuid.uuid4())))).status == 202
     api.clock.at = T0 + timedelta(hours=24, seconds=1)
     assert (await api.deliver(public_id, body, github_signature(secret, body, delivery))).status == 202
     assert len((await api.detail(r["id"]))["runs"]) == 3
+
+
+async def test_a_github_body_replayed_under_another_or_no_delivery_id_is_refused_as_a_replay(api):
+    r, trigger = await webhook_routine(api, "github", concurrency_policy="always_enqueue",
+                                       task_template={"title": "Deploy {{ref}}"})
+    secret, public_id = trigger["secret"], trigger["public_id"]
+    body = json.dumps({"ref": "refs/heads/main", "after": "abc"}).encode()
+    assert (await api.deliver(public_id, body, github_signature(secret, body, str(uuid.uuid4())))).status == 202
+    other_id = github_signature(secret, body, str(uuid.uuid4()))
+    no_id = {k: v for k, v in other_id.items() if k != "X-GitHub-Delivery"}
+    for headers in (other_id, no_id):
+        replay = await api.deliver(public_id, body, headers)
+        assert replay.status == 401 and "replay" in replay.body["detail"], replay.body
+    # A first delivery without an id is accepted once, not twice.
+    tag = json.dumps({"ref": "refs/tags/v1", "after": "def"}).encode()
+    unnamed = {k: v for k, v in github_signature(secret, tag, "").items() if k != "X-GitHub-Delivery"}
+    assert (await api.deliver(public_id, tag, unnamed)).status == 202
+    assert (await api.deliver(public_id, tag, unnamed)).status == 401
+    detail = await api.detail(r["id"])
+    assert len(detail["runs"]) == 2 and len((await api.get("/api/office/tasks")).body["tasks"]) == 2
+    assert [f["reason"] for f in detail["triggers"][0]["refused_deliveries"]] == ["replayed signature"] * 3
+    # The replay window is GitHub's 24 h: after it the same body fires again.
+    api.clock.at = T0 + timedelta(hours=24, seconds=1)
+    assert (await api.deliver(public_id, body, other_id)).status == 202
 
 
 async def test_webhook_secret_shown_once_at_creation_never_in_get(api):
@@ -762,6 +809,63 @@ def test_curl_fires_hmac_webhook_on_a_real_server(server_factory):
         assert (refusal["reason"], refusal["source_address"], refusal["size"]) == (
             "replayed signature", "127.0.0.1", len(env["BODY"]))
     assert server.stop() == 0
+
+
+def test_only_the_newest_refused_deliveries_are_kept_and_accepted_ones_stay(server_factory):
+    """A flood of unauthenticated posts costs a bounded number of rows: each trigger keeps its
+    newest REFUSED_DELIVERIES_KEPT refusals. Accepted deliveries (routine runs) are not touched."""
+    kept = outpost.REFUSED_DELIVERIES_KEPT
+    server = server_factory()
+    with server.client() as client:
+        worker = client.post("/api/office/agents", json={"name": "Release Worker", "executor": "demo"}).json()
+        created = client.post("/api/office/routines", json={
+            "name": "Release", "assignee_agent_id": worker["id"], "task_template": {"title": "Release"},
+            "concurrency_policy": "always_enqueue", "triggers": [{"kind": "webhook", "signing_mode": "bearer"}]}).json()
+    trigger = only(created["triggers"])
+    fire_url = server.url + trigger["fire_path"]
+    with httpx.Client(timeout=30) as hooks:
+        for _ in range(3):
+            accepted = hooks.post(fire_url, json={}, headers={"Authorization": f"Bearer {trigger['secret']}"})
+            assert accepted.status_code == 202, accepted.text
+        for i in range(kept + 50):   # bodies of distinct sizes: the refusals are told apart by size
+            body = json.dumps({"n": "x" * i}).encode()
+            refused = hooks.post(fire_url, content=body, headers={"Authorization": "Bearer guess",
+                                                                  "Content-Type": "application/json"})
+            assert refused.status_code == 401
+    db = sqlite3.connect(f"file:{server.data_dir / 'outpost.sqlite3'}?mode=ro", uri=True, timeout=5)
+    sizes = [size for (size,) in db.execute(
+        'SELECT size FROM "WebhookRefusal" WHERE trigger_id = ? ORDER BY id', (trigger["id"],))]
+    db.close()
+    assert sizes == [len(json.dumps({"n": "x" * i})) for i in range(50, kept + 50)]
+    with server.client() as client:
+        detail = client.get(f"/api/office/routines/{created['id']}").json()
+    assert len(detail["runs"]) == 3
+    assert detail["triggers"][0]["refused_deliveries"][0]["size"] == len(json.dumps({"n": "x" * (kept + 49)}))
+
+
+def test_a_signature_timestamp_of_non_ascii_digits_is_401_on_a_real_server(server_factory):
+    """``t=²`` (a digit to str.isdigit, not to int) and its kin: a malformed signature, 401 and
+    recorded, never a 500."""
+    server = server_factory()
+    with server.client() as client:
+        worker = client.post("/api/office/agents", json={"name": "Release Worker", "executor": "demo"}).json()
+        created = client.post("/api/office/routines", json={
+            "name": "Release", "assignee_agent_id": worker["id"], "task_template": {"title": "Release"},
+            "triggers": [{"kind": "webhook", "signing_mode": "hmac_sha256"}]}).json()
+    fire_url = server.url + only(created["triggers"])["fire_path"]
+    stamps = ["²".encode("latin-1"), "¹²³".encode("latin-1"), f"{int(time.time())}²".encode("latin-1")]
+    with httpx.Client(timeout=30) as hooks:
+        for stamp in stamps:
+            reply = hooks.post(fire_url, content=b"{}", headers={
+                "Content-Type": "application/json", "X-Outpost-Signature": b"t=" + stamp + b",v1=" + b"0" * 64})
+            assert reply.status_code == 401, (stamp, reply.status_code, reply.text)
+            assert reply.headers["content-type"] == PROBLEM and reply.json()["code"] == "unauthorized"
+    with server.client() as client:
+        detail = client.get(f"/api/office/routines/{created['id']}").json()
+    assert detail["runs"] == []
+    assert [f["reason"] for f in detail["triggers"][0]["refused_deliveries"]] == [
+        "missing X-Outpost-Signature (t=<unix seconds>,v1=<hex>)"] * len(stamps)
+    assert "Traceback" not in server.logs()
 
 
 ###############################################################################

@@ -295,6 +295,94 @@ def test_idempotency_key_survives_a_restart(server_factory, git_repo):
         assert reused.status_code == 422 and reused.json()["code"] == "idempotency_key_reused"
 
 
+# --- names the CLI prints ------------------------------------------------------------------------------
+
+#: Control characters a terminal would act on: ESC (a colour, a cursor move), NUL, newlines, DEL,
+#: C1 (CSI, NEL) and the Unicode line separator.
+CONTROL_NAMES = ["\x1b[31mred\x1b[0m", "a\x00b", "two\nlines", "cr\rover", "del\x7f", "csi\x9b2J", "nel\x85",
+                 "line\u2028separator"]
+
+
+def test_names_with_control_characters_are_422_naming_the_name(server_factory, git_repo):
+    """A schedule, an Office agent or a workspace named with control characters is refused:
+    the CLI prints these names raw into a terminal."""
+    server = server_factory()
+    with server.client() as client:
+        assert client.post("/v1/outpost/schedules/compose",
+                           json=definition(git_repo, name="Nächtlich ✓ 夜 report")).status_code == 200
+        for name in CONTROL_NAMES:
+            replies = {
+                "compose": client.post("/v1/outpost/schedules/compose", json=definition(git_repo, name=name)),
+                "create": client.post("/v1/outpost/schedules", headers=key(), json={
+                    "definition": definition(git_repo, name=name), "confirmation": "x"}),
+                "agent": client.post("/api/office/agents", json={"name": name, "executor": "demo"}),
+                "workspace": client.post("/api/office/workspaces", json={"name": name}),
+            }
+            for what, reply in replies.items():
+                assert reply.status_code == 422, (what, repr(name), reply.status_code, reply.text[:200])
+                assert [e["field"] for e in reply.json()["errors"]] == ["name"], (what, repr(name), reply.text)
+        assert client.get("/v1/outpost/schedules").json()["schedules"] == []
+        assert client.get("/api/office/agents").json()["agents"] == []
+        assert len(client.get("/api/office/workspaces").json()["workspaces"]) == 1   # the default one
+
+
+# --- dashboard sign-in -----------------------------------------------------------------------------------
+
+#: ``next`` values a browser would follow to another origin: ``/\\`` reads as ``//``, and tabs and
+#: line breaks are dropped from a URL before it is parsed.
+OFF_ORIGIN_NEXT = ["/\\evil.example", "/\\/evil.example", "//evil.example", "/\t/evil.example", "/\n/evil.example",
+                   "/\r\n/evil.example", "https://evil.example/", "evil.example", "\\\\evil.example", ""]
+
+
+def test_sign_in_goes_only_to_a_path_of_this_origin(server_factory):
+    """``/signin?next=...``: the page carries ``next`` to the form; signing in follows it only
+    when it is a path here, else it lands on ``/``."""
+    server = server_factory()
+    with httpx.Client(base_url=server.url, timeout=30, follow_redirects=False) as browser:
+        form_page = browser.get("/signin", params={"next": "/\\evil.example"})
+        assert form_page.status_code == 200
+        for target, expected in [("/runs?status=failed", "/runs?status=failed"), ("/office/board", "/office/board"),
+                                 *((bad, "/") for bad in OFF_ORIGIN_NEXT)]:
+            reply = browser.post("/signin", data={"token": server.token, "next": target})
+            assert reply.status_code in (302, 303), (repr(target), reply.status_code, reply.text[:200])
+            assert reply.headers["Location"] == expected, (repr(target), reply.headers["Location"])
+            assert outpost.SESSION_COOKIE in reply.cookies
+
+
+# --- keep-alive connections ----------------------------------------------------------------------------
+
+def test_a_refusal_before_the_body_is_read_leaves_the_keep_alive_connection_usable(server_factory):
+    """A POST with a large body refused before Outpost reads it (401, 403, 404, 428): the next
+    request on the same HTTP/1.1 connection is answered at once, not after the read timeout."""
+    import http.client
+
+    server = server_factory()
+    port = int(server.url.rsplit(":", 1)[1])
+    body = json.dumps({"brief": "x" * (512 * 1024)}).encode()   # under the 1 MiB limit
+    token = {"Authorization": f"Bearer {server.token}"}
+    refusals = [
+        ("/v1/outpost/dispatches", {"Authorization": "Bearer wrong"}, 401),
+        ("/v1/outpost/dispatches", {**token, "Host": "evil.example"}, 403),
+        ("/v1/outpost/no-such-endpoint", token, 404),
+        ("/v1/outpost/dispatches", token, 428),   # no Idempotency-Key
+    ]
+    for path, headers, status in refusals:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            connection.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
+            refused = connection.getresponse()
+            refused.read()
+            assert refused.status == status, (path, refused.status)
+            connection.request("GET", "/healthz")
+            after = connection.getresponse()
+            after.read()
+            assert after.status == 200, (status, after.status)
+        except TimeoutError:
+            pytest.fail(f"after a {status} the next request on the same connection got no answer")
+        finally:
+            connection.close()
+
+
 # --- the CLI against the real daemon -------------------------------------------------------------------
 
 def cli(data_dir: Path, *args: str, port: int | None = None, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
