@@ -6593,16 +6593,17 @@ async def add_worktree(repository: str, commit: str, branch: str, path: Path) ->
     before the agent runs, so git here obeys only the user's own configuration."""
     common = Path(repository, await git(repository, "rev-parse", "--git-common-dir")).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    await git(path.parent, "init", "--quiet", "--template=", str(path))
+    await git(path.parent, "init", "--quiet", "--template=", f"--initial-branch={branch}", str(path))
     (path / ".git" / "objects" / "info").mkdir(parents=True, exist_ok=True)
     (path / ".git" / "objects" / "info" / "alternates").write_text(f"{common / 'objects'}\n")
     # The user's hooks check the agent's commits as they check the user's own (inside the sandbox,
-    # read-only); Outpost's own git never runs them (GIT_NO_HOOKS).
-    hooks = await git(repository, "config", "--file", str(common / "config"), "--get", "core.hooksPath", check=False)
-    if hooks or not await git(repository, "config", "--global", "--get", "core.hooksPath", check=False):
-        await git(path, "config", "core.hooksPath", hooks or str(common / "hooks"))
+    # read-only): the repository's own core.hooksPath, else a global one (the clone reads it too),
+    # else its hooks folder. Outpost's own git never runs them (GIT_NO_HOOKS).
+    scoped = dict(line.split("\t", 1) for line in (await git(
+        repository, "config", "--show-scope", "--get-all", "core.hooksPath", check=False)).splitlines() if "\t" in line)
+    if "local" in scoped or not scoped.keys() & {"global", "system"}:
+        await git(path, "config", "core.hooksPath", scoped.get("local", str(common / "hooks")))
     await git(path, "update-ref", f"refs/heads/{branch}", commit)
-    await git(path, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
     await git(path, "reset", "--quiet", "--hard")
 
 
