@@ -44,7 +44,7 @@ async def test_a_resident_cat_file_answers_every_question_and_sees_new_commits(t
         git(repo, "branch", "feature")
         git(repo, "pack-refs", "--all")
         third = commit(repo, "three")
-        git(repo, "tag", "-a", "v1", "-m", "annotated", "feature")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "tag", "-a", "v1", "-m", "annotated", "feature")
         assert await refs.resolve(str(repo), "main") == third
         assert await refs.resolve(str(repo), "v1") == second   # an annotated tag names its commit
         assert await refs.resolve(str(repo), "HEAD~1") == second
