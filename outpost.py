@@ -200,11 +200,16 @@ GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost",
 #: one that an agent planted must never run with the daemon's rights (API.md 12).
 GIT_NO_HOOKS = ("-c", "core.hooksPath=/dev/null")
 #: What of the service user's HOME an isolated agent may write: the agent CLIs' own state folders
-#: (logins, sessions, settings) and caches. The rest of HOME (~/.gitconfig, ~/.ssh, shell profiles)
+#: (logins, sessions). The rest of HOME (~/.gitconfig, ~/.ssh, shell profiles)
 #: stays read-only: Outpost's own git and ssh read it outside the sandbox. Claude Code replaces
 #: ~/.claude.json by a rename in HOME itself, so inside it keeps that file in ~/.claude
 #: (CLAUDE_CONFIG_DIR), as Codex and Gemini keep theirs in their folders.
-AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider", ".cache", ".npm")
+AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
+#: Of those, what stays read-only inside (made empty when missing): the files that name commands
+#: a CLI runs (hooks, MCP servers, notify) and its standing instructions. An agent must not leave
+#: a command for the next run, or for the user's own CLI outside, to run.
+AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
+                       ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
 #: Current schema version of the store (section 5).
 SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
@@ -6379,6 +6384,9 @@ class Sandbox:
             for name in AGENT_HOME_STATE:
                 if (self.home / name).exists():
                     args += shown(self.home / name, "--bind")
+            for name in AGENT_HOME_SETTINGS:
+                if (self.home / name).exists():
+                    args += shown(self.home / name, "--ro-bind")
         args += ["--tmpfs", str(hidden[1])]
         if any(self.repository.resolve().is_relative_to(h) for h in hidden):
             args += shown(self.repository, "--ro-bind")
@@ -6395,6 +6403,9 @@ class Sandbox:
         with contextlib.suppress(OSError):
             for name in AGENT_HOME_STATE:
                 (self.home / name).mkdir(mode=0o700, exist_ok=True)
+            for name, empty in AGENT_HOME_SETTINGS.items():
+                if empty is not None and not (self.home / name).exists():
+                    (self.home / name).write_text(empty)
             if (self.home / ".claude.json").is_file() and not (self.home / ".claude" / ".claude.json").exists():
                 shutil.copy2(self.home / ".claude.json", self.home / ".claude" / ".claude.json")
 

@@ -517,7 +517,7 @@ def fake_server(server_factory, tmp_path: Path, toml: str):
     data.mkdir(exist_ok=True)
     (data / "outpost.toml").write_text(toml)
     home = tmp_path / "home"
-    log = home / ".cache" / "fake-cli-log"   # writable from inside the sandbox (the CLIs' caches are)
+    log = home / ".claude" / "fake-cli-log"   # writable from inside the sandbox (a CLI state folder)
     log.mkdir(parents=True, exist_ok=True)
     return server_factory(data_dir=data, env={"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}",
                                               "HOME": str(home), "FAKE_CLI_LOG": str(log)})
@@ -571,7 +571,7 @@ command = [{json.dumps(os.sys.executable)}, "-c", {json.dumps(ASKER)}]
         reply = post(client, f"/v1/outpost/runs/{script_run}/reply", {"message": "the staging one"})
         continued = settled_run(client, reply.json()["run_id"])
         assert (continued["trigger"], continued["result_branch"]) == ("reply", asked["result_branch"])
-    resumed = calls(tmp_path / "home" / ".cache" / "fake-cli-log", "claude")[-1]
+    resumed = calls(tmp_path / "home" / ".claude" / "fake-cli-log", "claude")[-1]
     assert resumed["argv"][resumed["argv"].index("--resume") + 1] == answer["agent_report"]["session_id"]
     assert resumed["stdin"].startswith("fake:success Bash is fine")
 

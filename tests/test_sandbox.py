@@ -97,6 +97,12 @@ found["daemon_secrets"] = secrets
 attempt("kill_daemon", lambda: os.kill(plan["daemon_pid"], signal.SIGKILL))
 attempt("kill_victim", lambda: os.kill(plan["victim_pid"], signal.SIGKILL))
 
+# HOME: only the CLIs' state folders are writable, and not the files there that name commands.
+home = os.environ["HOME"]
+attempt("home_state", lambda: write(f"{home}/.claude/own-session.txt", "mine"))
+for name in (".claude/settings.json", ".codex/config.toml", ".bashrc", ".gitconfig", ".cache/planted", ".ssh/config"):
+    attempt(f"home {name}", lambda name=name: write(f"{home}/{name}", "planted\n", "a"))
+
 # The user's repository: config, hooks, info/, refs.
 attempt("repo_config", lambda: write(f"{repo}/.git/config", "[core]\n\tfsmonitor = /bin/false\n", "a"))
 attempt("repo_git_config", lambda: sh("git", "-C", repo, "config", "alias.st", "!touch " + marks + "/alias-ran"))
@@ -211,6 +217,11 @@ def test_a_hostile_agent_gets_nothing_and_the_daemon_keeps_serving(base, who):
             assert report["run_tokens_of_others"] == [] and report["daemon_secrets"] == []
             assert all("outpost.py" not in line for line in report["pids_seen"]), "the daemon is out of sight"
             assert "ProcessLookupError" in report["kill_daemon"] and "ProcessLookupError" in report["kill_victim"]
+            assert report["home_state"] == "'written'"
+            for name in (".claude/settings.json", ".codex/config.toml", ".bashrc", ".gitconfig", ".cache/planted",
+                         ".ssh/config"):
+                assert report[f"home {name}"].startswith("refused"), (name, report[f"home {name}"])
+                assert "planted" not in ((home / name).read_text() if (home / name).exists() else "")
             # The user's repository: unchanged but for the result branch; no planted ref.
             for route in ("repo_config", "repo_git_config", "repo_hook", "repo_info", "repo_branch", "repo_main"):
                 assert report[route].startswith("refused"), (route, report[route])
