@@ -6378,9 +6378,14 @@ class Sandbox:
 
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--proc", "/proc",
                 "--unshare-ipc", "--die-with-parent", "--tmpfs", "/tmp"]
+        # Under the private /tmp, what the command needs stays visible, read-only: HOME, the
+        # folders of PATH and of the command, and Outpost itself (the demo agent).
+        needed = [self.home, Path(sys.prefix), Path(__file__).parent, Path(shutil.which(argv[0]) or argv[0]).parent,
+                  *(Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p)]
+        for path in dict.fromkeys(p.resolve() for p in needed if p is not None):
+            if path.is_relative_to(hidden[0]) and path != hidden[0] and path.is_dir():
+                args += shown(path, "--ro-bind")
         if self.home is not None:
-            if self.home.resolve().is_relative_to(hidden[0]):
-                args += shown(self.home, "--ro-bind")
             for name in AGENT_HOME_STATE:
                 if (self.home / name).exists():
                     args += shown(self.home / name, "--bind")
