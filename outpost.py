@@ -6640,15 +6640,29 @@ async def save_leftovers(workspace: Path, run_id: str, sandbox: Sandbox | None) 
               f"outpost: save uncommitted changes of run {run_id}", sandbox=sandbox)
 
 
-async def bring_back(repository: str, workspace: Path, branch: str, sandbox: Sandbox | None) -> None:
+async def bring_back(repository: str, workspace: Path, branch: str, start: str | None,
+                     sandbox: Sandbox | None) -> None:
     """The result branch from the run's worktree into the repository, and nothing else: a fetch
     of that one ref, its objects checked, whose far end (``git upload-pack`` in the worktree,
-    which reads the worktree's config) runs in the run's sandbox."""
+    which reads the worktree's config) runs in the run's sandbox. None when the branch is still
+    at ``start`` (most runs that fail or change nothing)."""
+    if start is not None and loose_ref(workspace, branch) == start:
+        return
     upload_pack = shlex.join(sandbox.argv(["git-upload-pack"])) if sandbox else "git-upload-pack"
     await git(repository, "-c", "fetch.fsckObjects=true", "-c", "protocol.file.allow=always", "fetch", "--quiet",
               "--no-tags", "--no-write-fetch-head", f"--upload-pack={upload_pack}", "--", str(workspace),
               f"+refs/heads/{branch}:refs/heads/{branch}")
     await trio.to_thread.run_sync(bring_back_lfs, repository, workspace)
+
+
+def loose_ref(workspace: Path, branch: str) -> str | None:
+    """What the worktree's loose ref file says (read, never run: the agent may have written it)."""
+    try:
+        fd = os.open(workspace / ".git" / "refs" / "heads" / branch, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            return f.read(100).decode(errors="replace").strip()
+    except OSError:
+        return None
 
 
 def bring_back_lfs(repository: str, workspace: Path) -> int:
@@ -7762,7 +7776,7 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
                               "nothing was brought back")
         await save_leftovers(workspace, run_id, sandbox)
         if workspace.exists() and Path(local).is_dir():
-            await bring_back(local, workspace, info["result_branch"], sandbox)
+            await bring_back(local, workspace, info["result_branch"], commit, sandbox)
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
