@@ -189,6 +189,9 @@ def test_a_hostile_agent_gets_nothing_and_the_daemon_keeps_serving(base, who):
     canary = f"canary-{uuid.uuid4().hex}"
     server = Server(data, env={"HOME": str(home), "OUTPOST_TEST_CANARY": canary}, runner=runner).start()
     try:
+        if who == "root":   # after the sign-in line: the token line, the agents line, then this
+            started = [server.proc.stdout.readline() for _ in range(3)]
+            assert "isolated by bubblewrap" in started[1] and "a dedicated user is safer" in started[2], started
         before = repository_state(repo)
         api_token = server.token
         with server.client() as client:
