@@ -4591,6 +4591,11 @@ class RunStore(ScheduleStore):
         ids, params = sql_list("r", run_ids)
         return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND cancel_requested', params)
 
+    def pauses_recorded(self, run_ids: list[str]) -> list[str]:
+        """Of these live runs, those paused (possibly through another node)."""
+        ids, params = sql_list("r", run_ids)
+        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND status = \'paused\'', params)
+
     def append_log(self, run_id: str, at_byte: int, data: bytes) -> None:
         self.db.LogChunk(run_id=run_id, at_byte=at_byte, data=data)
 
@@ -6832,11 +6837,13 @@ class LogSink:
 
 @dataclasses.dataclass
 class LiveRun:
-    """A run whose process is alive: what run control needs to signal it."""
+    """A run this process supervises, from its worktree to its settlement: what run control
+    needs to signal it. ``pid`` is None until its process exists."""
     run_id: str
     scope: trio.CancelScope
     pid: int | None = None
     cancelled: bool = False
+    paused: bool = False                 # a pause is recorded: stopped, or stopped the moment it exists
     remaining_s: float | None = None     # of the timeout, while paused
 
     def cancel(self) -> None:
@@ -6844,22 +6851,38 @@ class LiveRun:
         self.scope.cancel()
 
     def pause(self) -> None:
-        """SIGSTOP the process group and stop its timeout: paused time is not run time."""
-        if self.pid and self.remaining_s is None:
+        """SIGSTOP the process group and stop its timeout: paused time is not run time. Before
+        its process exists (the worktree is being prepared), the pause waits for it (``spawned``)."""
+        if self.paused:
+            return
+        self.paused = True
+        if self.pid:
             kill_group(self.pid, signal.SIGSTOP)
             self.remaining_s = self.scope.deadline - trio.current_time()
             self.scope.deadline = math.inf
 
     def resume(self) -> None:
+        if not self.paused:
+            return
+        self.paused = False
         if self.pid and self.remaining_s is not None:
             self.scope.deadline = trio.current_time() + self.remaining_s
             self.remaining_s = None
             kill_group(self.pid, signal.SIGCONT)
 
+    def spawned(self, pid: int, timeout_s: float) -> None:
+        """The process exists: its timeout starts, or, paused before, it is stopped at once (API.md 5.4)."""
+        self.pid = pid
+        if self.paused:
+            kill_group(pid, signal.SIGSTOP)
+            self.remaining_s, self.scope.deadline = timeout_s, math.inf
+        else:
+            self.scope.deadline = trio.current_time() + timeout_s
+
 
 class LiveRuns:
-    """The runs whose process is alive, by id. Written by run supervisors (``add``,
-    ``discard``); read by run control through ``pausable`` and ``signal``."""
+    """The runs this process supervises, by id. Written by run supervisors (``add``,
+    ``discard``); read by run control through ``signal``."""
 
     def __init__(self) -> None:
         self._runs: dict[str, LiveRun] = {}
@@ -6885,13 +6908,14 @@ class LiveRuns:
             live.cancel()
         return len(self._runs)
 
-    def pausable(self, run_id: str) -> bool:
-        """Only a run whose process is alive can be paused (SIGSTOP needs a process group)."""
+    def has_process(self, run_id: str) -> bool:
+        """The run's agent process exists (its worktree is made, its agent spawned)."""
         live = self._runs.get(run_id)
         return live is not None and live.pid is not None
 
     def signal(self, run_id: str, action: str) -> None:
-        """Run control was recorded: cancel or pause the live process (resume waits for a slot)."""
+        """Run control was recorded: cancel or pause the run (resume waits for a slot). A run
+        not here yet (admitted, its supervisor not begun) reads its pause from the store."""
         live = self._runs.get(run_id)
         if live is not None and action == "cancel":
             live.cancel()
@@ -6990,7 +7014,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as exc:
             raise LaunchError(f"could not start agent command {argv[0]!r}: {exc.strerror or exc}") from None
-        live.pid = proc.pid
+        live.spawned(proc.pid, timeout_s)
         await on_spawn(proc.pid)
 
         async def feed() -> None:
@@ -7012,7 +7036,6 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
         timed_out = False
         try:
             with live.scope:
-                live.scope.deadline = trio.current_time() + timeout_s
                 async with trio.open_nursery() as nursery:
                     if stdin_text is not None:
                         nursery.start_soon(feed)
@@ -7541,6 +7564,9 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
         while True:
             await dispatch_wakeups(deps)
             unreachable = await unreachable_repositories(deps) if deps.store.postgres else []
+            if deps.store.postgres and (supervised := deps.live.ids()):   # a pause sent through another node
+                for run_id in await deps.transaction_retrying(deps.store.pauses_recorded, supervised):
+                    deps.live.signal(run_id, "pause")
             for run_id, is_resume in await deps.transaction_retrying(
                     deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
                     fleet_max=deps.config.fleet_max_running, unreachable=unreachable):
@@ -7659,16 +7685,19 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
+    live = LiveRun(run_id, trio.CancelScope())
+    deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
         info = await deps.transaction_retrying(deps.store.launch_info, run_id)
     except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
+        deps.live.discard(run_id)
         with trio.move_on_after(CLEANUP_S, shield=True):
             await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(),
                                             "the daemon stopped before it started")
         raise
+    if info["status"] == RunStatus.PAUSED:   # paused between its admission and now
+        live.pause()
     workspace = run_workspace(deps, info)
-    live = LiveRun(run_id, trio.CancelScope())
-    deps.live.add(live)
     commit, settled, exit_code = info["resolved_commit"], False, None
     try:
         try:
@@ -8553,12 +8582,11 @@ async def control_schedule(web: Web, schedule_id: str, revision: int, action: An
 
 
 async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
-    """cancel | pause | resume (API.md 5.4): recorded, then the live process is signalled."""
+    """cancel | pause | resume (API.md 5.4): recorded, then the live process is signalled. A
+    running run is paused also while its worktree is prepared: its process is stopped the moment
+    it exists; on another node of a fleet, that node's claim actor reads the pause."""
     if action not in ("cancel", "pause", "resume"):
         raise invalid("action", "must be cancel, pause or resume")
-    if action == "pause" and not web.deps.live.pausable(run_id):
-        await web.call(web.store.get_run, run_id)   # 404 for an unknown run
-        raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
     view = await web.commit(web.store.control_run, run_id, action, web.now)
     web.deps.live.signal(run_id, action)
     web.deps.nudge(Actor.CLAIM)   # pause frees a slot, resume asks for one

@@ -543,3 +543,40 @@ def test_a_second_process_under_a_live_node_s_name_is_refused(tmp_path, database
     assert time.monotonic() - started < outpost.NODE_LOST_S, again.logs()
     with again.client() as client:
         assert {n["name"]: n["status"] for n in client.get("/v1/outpost/nodes").json()["nodes"]} == {"same": "up"}
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat: T is stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_pause_sent_to_another_node_stops_the_agent_where_it_runs(tmp_path, database, git_repo, server_factory):
+    """API.md 5.4: a running run can always be paused: sent to a node that is not running it, the
+    pause is recorded there and the node that runs the agent stops it; resume continues it."""
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    b = Node(tmp_path, "b", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    with a.client() as ca, b.client() as cb:
+        run_id = dispatch(ca, git_repo)
+        wait_for(lambda: any(w == "start" and r == run_id for w, r, _ in ledger_lines(ledger)), timeout_s=30)
+        other = cb if ca.get(f"/v1/outpost/runs/{run_id}").json()["node"] == "a" else ca
+
+        def control(action: str) -> httpx.Response:
+            return other.post(f"/v1/outpost/runs/{run_id}/control", json={"action": action},
+                              headers={"Idempotency-Key": uuid.uuid4().hex})
+        import psycopg2
+        connection = psycopg2.connect(database)
+        cursor = connection.cursor()
+        cursor.execute('SELECT pid FROM "Run" WHERE id = %s', (run_id,))
+        (pid,) = cursor.fetchone()
+        connection.close()
+        paused = control("pause")
+        assert paused.status_code == 200 and paused.json()["status"] == "paused", paused.text
+        wait_for(lambda: process_state(pid) == "T", timeout_s=15)   # stopped by the node that runs it
+        resumed = control("resume")
+        assert resumed.status_code == 200, resumed.text
+        wait_for(lambda: other.get(f"/v1/outpost/runs/{run_id}").json()["status"] == "running", timeout_s=15)
+        wait_for(lambda: process_state(pid) != "T", timeout_s=15)
+        assert control("cancel").status_code == 200
+        run = wait_for(lambda: settled(other, [run_id]), timeout_s=30, interval_s=0.2)[0]
+    assert run["status"] == "cancelled"
