@@ -2874,7 +2874,7 @@ def define_entities(db: orm.Database) -> None:
         confirmation = Required(str)
         confirmed_at = Required(datetime)
         profile_digest = Optional(str, nullable=True)   # the agent profile confirmed with it (API.md 8.1)
-        pending_catch_up = Optional(orm.Json, nullable=True)   # catch_up ask: {missed_count, first/last_missed_at}
+        pending_catch_up = Optional(orm.Json, nullable=True)   # ask: {missed_count(_exact), first/last_missed_at}
         created_at = Required(datetime)
         updated_at = Required(datetime)
         occurrences = Set("Occurrence")
@@ -3318,7 +3318,7 @@ def schedule_view(s, active_run_id: str | None) -> dict[str, Any]:
             "active_run_id": active_run_id,
             "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at)),
                           "profile_digest": s.profile_digest},
-            "pending_catch_up": s.pending_catch_up,
+            "pending_catch_up": {"missed_count_exact": True, **s.pending_catch_up} if s.pending_catch_up else None,
             "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
 
 
@@ -4141,20 +4141,25 @@ class ScheduleStore(StoreBase):
         definitions = [(sid, json.loads(text) if isinstance(text, str) else text) for sid, text in rows]
         return [(sid, d["repository"], d["source_ref"]) for sid, d in definitions if d.get("skip_if_unchanged")]
 
-    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime) -> None:
+    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime, *, first_due: datetime,
+                       counted_all: bool = True) -> None:
         """catch_up ask: the missed slots wait (ledger ``pending_catch_up``) and one
-        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them."""
+        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them.
+        ``missed`` are the slots recorded (the newest of a long gap), ``first_due`` the gap's
+        first slot; ``counted_all`` false: more than ``total`` were missed (counting stopped)."""
         kind = s.definition["timing"]["kind"]
         for slot in missed:
             self._record_slot(s, slot, kind, SlotOutcome.PENDING_CATCH_UP, now)
         plan = s.pending_catch_up or {}
-        first = plan.get("first_missed_at") or rfc3339(missed[0])
+        first = plan.get("first_missed_at") or rfc3339(first_due)
+        exact = plan.get("missed_count_exact", True) and counted_all
         s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
-                              "last_missed_at": rfc3339(missed[-1])}
+                              "last_missed_at": rfc3339(missed[-1]), "missed_count_exact": exact}
         if not plan:
             tz = ZoneInfo(s.definition["timing"]["timezone"])
-            title = f"Schedule '{s.name}' missed {total} occurrence{'s' if total != 1 else ''}: run a catch-up?"
-            since = f"{missed[0].astimezone(tz):%Y-%m-%d %H:%M %Z}"
+            many = f"{total}" if counted_all else f"more than {total:,}"
+            title = f"Schedule '{s.name}' missed {many} occurrence{'s' if total != 1 else ''}: run a catch-up?"
+            since = f"{first_due.astimezone(tz):%Y-%m-%d %H:%M %Z}"
             self.raise_attention("catch_up_plan", title, f"Missed since {since}. Approve one catch-up run, or "
                                  "dismiss them.", now, schedule_id=s.id, run_id=None)
         self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
@@ -4180,7 +4185,8 @@ class ScheduleStore(StoreBase):
             return None
         last = rows[-1]
         _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
-                                       since=parse_instant(plan["first_missed_at"]), pending=last.id)
+                                       since=parse_instant(plan["first_missed_at"]), pending=last.id,
+                                       counted_all=plan.get("missed_count_exact", True))
         for o in rows[:-1]:
             o.outcome, o.run_id = str(SlotOutcome.FOLDED), run_id
         return run_id
@@ -4229,7 +4235,8 @@ class ScheduleStore(StoreBase):
                   until: datetime | None = None) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
 
-        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``;
+        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``, and
+        so was every slot due before ``up_since`` (the daemon was down) but the newest;
         a paused schedule's slots are recorded as ``paused``, and those of a schedule whose
         profile changed since it was confirmed ``held_reconfirm``. ``heads`` (schedule id ->
         commit) serve skip_if_unchanged. A slot missed while the daemon was up (due after
@@ -4260,6 +4267,8 @@ class ScheduleStore(StoreBase):
                                                  "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
+            if up_since is not None:   # back from downtime: only its newest slot can be on time
+                missed += list(itertools.takewhile(lambda t: t < up_since, slots[len(missed):-1]))
             current = slots[len(missed):]
             policy = s.definition["catch_up"]["policy"]
             if up_since is not None and (while_up := [t for t in missed if t >= up_since]):
@@ -4269,7 +4278,7 @@ class ScheduleStore(StoreBase):
             missed_total = total - len(current)   # slots older than the recorded ones were missed too
             head = (heads or {}).get(s.id)
             if missed and policy == "ask":
-                self._plan_catch_up(s, missed, missed_total, now)
+                self._plan_catch_up(s, missed, missed_total, now, first_due=first_due, counted_all=due.counted_all)
             elif missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
