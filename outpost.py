@@ -7321,12 +7321,30 @@ class Actor(enum.StrEnum):
 
 @dataclasses.dataclass
 class CronWatch:
-    """The dead-man's view of the cron actor: the earliest due instant it has not claimed yet.
-    A measurement for /healthz (the claims themselves are the store's)."""
+    """The dead-man's view of the cron and claim actors: the earliest due instant the cron
+    actor has not claimed yet, and since when each actor has been in the pass it is in (absent:
+    asleep, waiting for work). An actor held in one pass (a store another process holds, a git
+    that hangs) makes no progress whether or not it knew of a due fire. A measurement for
+    /healthz (the claims themselves are the store's)."""
     waiting_for: datetime | None = None
+    busy_since: dict[str, datetime] = dataclasses.field(default_factory=dict)
 
     def lag_s(self, now: datetime) -> float:
         return max(0.0, (now - self.waiting_for).total_seconds()) if self.waiting_for else 0.0
+
+    def busy(self, actor: str, now: datetime) -> None:
+        self.busy_since[actor] = now
+
+    def idle(self, actor: str) -> None:
+        self.busy_since.pop(actor, None)
+
+    def stuck(self, now: datetime) -> tuple[str, float] | None:
+        """The actor (cron first) in one pass for more than MISFIRE_GRACE_S, and for how long."""
+        for actor in ("cron", "claim"):
+            since = self.busy_since.get(actor)
+            if since is not None and (held := (now - since).total_seconds()) > MISFIRE_GRACE_S:
+                return actor, round(held, 1)
+        return None
 
 
 class PendingCall:
@@ -7531,6 +7549,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     checks, prepared_for = None, None
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
+            deps.cron_watch.busy("cron", deps.clock.now())
             if prepared_for is not None and deps.clock.now() - prepared_for > timedelta(seconds=CRON_ON_TIME_S):
                 checks, prepared_for = None, None   # woke late (a stall, a clock step): read them for now
             heads = await unchanged_heads(deps, deps.clock.now(), checks)
@@ -7558,6 +7577,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                                                    else CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
+            deps.cron_watch.idle("cron")
             with trio.move_on_at(deps.clock.deadline(wake_at)):
                 await wake_in.receive()
                 checks, prepared_for = None, None   # nudged: a schedule changed; read them again
@@ -7571,6 +7591,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     Ends when cancelled; run supervisors then end their processes and record it."""
     async with trio.open_nursery() as runs:
         while True:
+            deps.cron_watch.busy("claim", deps.clock.now())
             await dispatch_wakeups(deps)
             unreachable = await unreachable_repositories(deps) if deps.store.postgres else []
             if deps.store.postgres and (supervised := deps.live.ids()):   # a pause sent through another node
@@ -7590,6 +7611,7 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             if deps.store.postgres:   # another node's requests and freed slots reach this one by looking
                 soon = deps.clock.now() + timedelta(seconds=FLEET_POLL_S)
                 wake_at = min(wake_at, soon) if wake_at else soon
+            deps.cron_watch.idle("claim")
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
 
@@ -8710,13 +8732,21 @@ async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, A
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
     """Answered by the event loop alone (it stays up while another process locks the database):
-    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire (API.md 9)."""
+    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim
+    actor has been in one pass that long, whether or not it knew of a due fire (API.md 9)."""
     from quart import jsonify
     lag = round(web.deps.cron_watch.lag_s(web.now), 1)
-    ok = lag <= MISFIRE_GRACE_S
-    body = {"status": "ok" if ok else "cron_lagging", "ok": ok, "cron_lag_seconds": lag,
-            "live_runs": len(web.deps.live)}
-    return body if ok else (jsonify(body), 503)
+    stuck = web.deps.cron_watch.stuck(web.now)
+    body = {"status": "ok", "ok": True, "cron_lag_seconds": lag, "live_runs": len(web.deps.live)}
+    if lag > MISFIRE_GRACE_S:
+        body |= {"status": "cron_lagging", "ok": False,
+                 "reason": f"the cron actor is {lag:.0f} s behind a due fire"}
+    elif stuck is not None:
+        actor, held_s = stuck
+        body |= {"status": f"{actor}_stuck", "ok": False,
+                 "reason": f"the {actor} actor has made no progress for {held_s:.0f} s, held in one step "
+                           "(a database another process holds, or a git command that hangs)"}
+    return body if body["ok"] else (jsonify(body), 503)
 
 
 def _text_field(raw: dict[str, Any], key: str, hi: int, *, single_line: bool = False) -> str:

@@ -323,6 +323,51 @@ async def test_a_clock_step_raises_a_missed_fire_but_downtime_does_not(autojump_
     store.close()
 
 
+async def test_healthz_says_503_when_the_cron_actor_is_stuck_on_a_held_store_before_it_knew_of_a_due_fire(
+        autojump_clock, tmp_path, git_repo, monkeypatch):
+    """Defect 9a: held from its first claim, the cron actor never learnt of the 08:10 fire, so its
+    lag read 0 and /healthz said ok for as long as the hold lasted. Now a cron (or claim) actor in
+    one step for more than 60 s is reported, with the reason."""
+    monkeypatch.setattr(outpost, "BUSY_TIMEOUT_MS", 50)   # a locked attempt costs 50 ms here, not 5 s
+    head = git(git_repo, "rev-parse", "HEAD")
+
+    async def resolve_ref(repository: str, ref: str) -> str:   # no git subprocess under MockClock
+        return head
+    monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
+    path = tmp_path / "held.sqlite3"
+    store = outpost.Store(path)
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0 + 9 * MIN), token="t", inline_db=True)
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)   # due 08:10
+    outside = sqlite3.connect(path, isolation_level=None)
+    outside.execute("BEGIN IMMEDIATE")   # another process holds the write lock before the actors start
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(30)
+            assert (await healthz(deps))[0] == 200, "30 s in one step is not yet stuck"
+            await trio.sleep(2 * 60)   # 08:11:30: the 08:10 fire is 90 s overdue, unknown to the actor
+            status, body = await healthz(deps)
+            assert status == 503 and body["status"] == "cron_stuck" and not body["ok"]
+            assert "cron actor" in body["reason"] and "150 s" in body["reason"]
+            outside.execute("ROLLBACK")
+            await until(lambda: call(store, store.occurrences, sched["id"], 10), poll_s=1)
+            await trio.sleep(1)
+            status, body = await healthz(deps)
+            assert status == 200 and body["status"] == "ok", body
+            nursery.cancel_scope.cancel()
+    outside.close()
+    store.close()
+
+
+def test_a_claim_actor_stuck_in_one_step_is_not_healthy():
+    watch = outpost.CronWatch()
+    watch.busy("claim", T0)
+    assert watch.stuck(T0 + timedelta(seconds=60)) is None
+    assert watch.stuck(T0 + timedelta(seconds=61)) == ("claim", 61.0)
+    watch.idle("claim")
+    assert watch.stuck(T0 + timedelta(seconds=600)) is None
+
+
 ###############################################################################
 # Re-run and compare
 ###############################################################################
