@@ -215,8 +215,11 @@ SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
 REPOSITORY_UNAVAILABLE = "repository unavailable"
-#: How often a wakeup waiting for its repository looks again.
+#: How often a wakeup waiting for its repository looks again; and how long a node of a fleet that
+#: could not fetch a URL leaves its runs to the other nodes before it tries again.
 REPOSITORY_RECHECK_S = 30
+#: The start of the error of a run whose node could not fetch its repository URL (API.md 10).
+UNREACHABLE_ERROR = f"{REPOSITORY_UNAVAILABLE}: cannot fetch "
 #: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
 COALESCING_WINDOW_S = 5
 #: Wakeups the dispatcher takes through the pipeline in one transaction.
@@ -367,6 +370,10 @@ class LaunchError(OutpostError):
 
 class RepositoryUnavailable(LaunchError):
     """The run's repository is missing, is no git repository, or lacks the ref: not the agent's failure."""
+
+
+class RepositoryUnreachable(RepositoryUnavailable):
+    """This node cannot fetch the run's repository URL (API.md 10): never counted toward a failure streak."""
 
 
 class CliError(OutpostError):
@@ -1918,13 +1925,15 @@ def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: 
     return ["succeeded"] if notify == "always" else []
 
 
-def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None) -> int:
+def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None, error: str | None = None) -> int:
     """API.md 5.3: success resets the streak, the agent's own failure adds one; a run the
     daemon's stop or death interrupted, or one that hit a limit or a login wall, is not the
-    agent's failure and counts for nothing."""
+    agent's failure and counts for nothing; nor is one whose node could not fetch its
+    repository URL (API.md 10: ``error`` says so)."""
     if status == RunStatus.SUCCEEDED:
         return 0
-    if status == RunStatus.FAILED and failure_kind not in NOT_THE_AGENTS_FAILURE:
+    if (status == RunStatus.FAILED and failure_kind not in NOT_THE_AGENTS_FAILURE
+            and not (error or "").startswith(UNREACHABLE_ERROR)):
         return streak + 1
     return streak
 
@@ -4582,12 +4591,16 @@ class RunStore(ScheduleStore):
             settled += mine
         return settled
 
-    def requeue_unstarted(self, run_id: str, now: datetime, reason: str) -> bool:
+    def requeue_unstarted(self, run_id: str, now: datetime, reason: str,
+                          fence: tuple[str, int] | None = None) -> bool:
         """An admitted run whose agent never started goes back to the queue (the daemon stopped
-        before its supervisor began, or its node was lost): nothing ran, so it waits for a slot
-        again; a later admission's attempt fences the earlier one's writes."""
+        before its supervisor began, its node was lost, or its node cannot fetch its repository
+        URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
+        earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
+        fenced = " AND node = $node AND attempt = $attempt" if fence else ""
         if not self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
-                              "WHERE id = $r AND status = 'running' AND pid IS NULL RETURNING id", {"r": run_id}):
+                              f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
+                              {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
         self.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
         return True
@@ -4599,6 +4612,11 @@ class RunStore(ScheduleStore):
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
         ids, params = sql_list("r", run_ids)
         return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND cancel_requested', params)
+
+    def other_nodes_up(self) -> bool:
+        """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
+        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = 'up' AND name <> $me "
+                                   f"AND heartbeat_at >= {self.db_now(-NODE_LOST_S)} LIMIT 1", {"me": self.node}))
 
     def pauses_recorded(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those paused (possibly through another node)."""
@@ -4931,7 +4949,7 @@ class RunStore(ScheduleStore):
                                  schedule_id=s.id if s else None, run_id=r.id)
         if s is None:
             return
-        s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind)
+        s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind, r.error)
         if s.failure_streak >= AUTO_PAUSE_STREAK and not s.auto_paused and not s.archived:
             s.enabled, s.auto_paused = False, True
             s.revision += 1
@@ -6494,6 +6512,16 @@ class Mirrors:
     def __init__(self, root: Path):
         self.root = root
         self._locks: dict[str, trio.Lock] = collections.defaultdict(trio.Lock)
+        self._unreachable: dict[str, float] = {}   # URL -> trio time until which its runs are left to others
+
+    def leave_to_others(self, repository: str) -> None:
+        """A fleet node could not fetch ``repository``: for REPOSITORY_RECHECK_S it admits none of its runs."""
+        self._unreachable[repository] = trio.current_time() + REPOSITORY_RECHECK_S
+
+    def unreachable(self, repositories: Iterable[str]) -> list[str]:
+        """Of these URLs, those this node left to the other nodes a moment ago."""
+        now = trio.current_time()
+        return [r for r in repositories if self._unreachable.get(r, -math.inf) > now]
 
     def path(self, repository: str) -> str:
         """The local repository a run of ``repository`` works in: the path itself, or its mirror."""
@@ -6517,7 +6545,8 @@ class Mirrors:
                     await git(local, "fetch", "--quiet", "--force", "--tags", "--", repository,
                               "+refs/heads/*:refs/heads/*", "^refs/heads/outpost/*")
             except LaunchError as exc:
-                raise RepositoryUnavailable(f"cannot fetch {repository}: {exc}") from None
+                raise RepositoryUnreachable(f"cannot fetch {repository}: {exc}") from None
+        self._unreachable.pop(repository, None)
         return local
 
     async def push(self, repository: str, branch: str) -> None:
@@ -7617,12 +7646,15 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
 
 
 async def unreachable_repositories(deps: Deps) -> list[str]:
-    """API.md 10: the local paths of queued runs this node cannot reach; their runs wait for a
-    node that can. Asked off the event loop: a shared mount that hangs must not stop it."""
+    """API.md 10: the local paths of queued runs this node cannot reach, and the URLs it could not
+    fetch a moment ago (``Mirrors.leave_to_others``); their runs wait for a node that can. Paths
+    are asked off the event loop: a shared mount that hangs must not stop it."""
     def missing(paths: list[str]) -> list[str]:
         return [p for p in paths if not Path(p).is_dir()]
-    queued = [r for r in await deps.transaction_retrying(deps.store.queued_repositories) if not is_repository_url(r)]
-    return await trio.to_thread.run_sync(missing, queued) if queued else []
+    queued = await deps.transaction_retrying(deps.store.queued_repositories)
+    paths = [r for r in queued if not is_repository_url(r)]
+    urls = deps.mirrors.unreachable(r for r in queued if is_repository_url(r))   # a fetch of them failed here
+    return (await trio.to_thread.run_sync(missing, paths) if paths else []) + urls
 
 
 async def dispatch_wakeups(deps: Deps) -> None:
@@ -7776,6 +7808,9 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                        run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
                                    now=deps.clock.now(), tz=profile.zone))
         except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
+            if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, run_id, info, exc):
+                settled = True   # nothing ran: back in the queue, not settled
+                return
             unavailable = isinstance(exc, RepositoryUnavailable)
             reason = str(exc) if isinstance(exc, LaunchError) else f"cannot prepare the run's files: {exc}"
             outcome = failed(f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else reason, "launch")
@@ -7791,6 +7826,22 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
                 await finish_run(deps, run_id, info, commit, failed(INTERRUPTED, "interrupted"), None)
+
+
+async def left_to_another_node(deps: Deps, run_id: str, info: dict[str, Any], exc: RepositoryUnreachable) -> bool:
+    """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
+    the queue for a node that can, and leaves that URL's runs to the others for a while. False
+    when no other node is up (or the run is no longer this admission's): the run fails, with
+    a reason that never counts toward a failure streak."""
+    if not deps.store.postgres or not await deps.transaction_retrying(deps.store.other_nodes_up):
+        return False
+    deps.mirrors.leave_to_others(info["repository"])
+    reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
+    if not await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(), reason,
+                                           fence=(info["node"], info["attempt"])):
+        return False
+    log.getChild("run").warning("run %s: %s; left in the queue for another node", run_id, reason)
+    return True
 
 
 async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,

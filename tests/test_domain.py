@@ -567,6 +567,13 @@ def test_failures_that_are_not_the_agents_own_do_not_feed_the_failure_streak(kin
     assert outpost.next_failure_streak(2, RunStatus.FAILED, "no_result") == 3
 
 
+def test_a_node_that_could_not_fetch_the_repository_url_does_not_feed_the_failure_streak():
+    """API.md 10: the fetch failed, the agent never ran."""
+    fetch = "repository unavailable: cannot fetch https://git.example/o/r.git: fatal: unable to access"
+    assert outpost.next_failure_streak(2, RunStatus.FAILED, "launch", fetch) == 2
+    assert outpost.next_failure_streak(2, RunStatus.FAILED, "launch", "repository unavailable: /srv/r is gone") == 3
+
+
 ###############################################################################
 # Launching an agent: command, environment, prompt
 ###############################################################################

@@ -580,3 +580,44 @@ def test_a_pause_sent_to_another_node_stops_the_agent_where_it_runs(tmp_path, da
         assert control("cancel").status_code == 200
         run = wait_for(lambda: settled(other, [run_id]), timeout_s=30, interval_s=0.2)[0]
     assert run["status"] == "cancelled"
+
+
+def test_a_node_that_cannot_fetch_a_url_leaves_its_run_queued_for_a_node_that_can(
+        tmp_path, database, git_repo, server_factory):
+    """Defect 9b: a node that could not fetch a run's URL admitted it and failed it (a failure of
+    the schedule's streak). Now it puts the run back in the queue, stops taking that URL's runs for
+    a while, and a node that reaches the URL runs it."""
+    work = make_repo(tmp_path / "work")
+    bare = tmp_path / "remote.git"
+    subprocess.run(["git", "clone", "--quiet", "--bare", str(work), str(bare)], check=True)
+    url = f"file://{bare}"
+    ledger = tmp_path / "ledger"
+    b = Node(tmp_path, "b", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    with b.client() as cb:
+        holder = dispatch(cb, git_repo)   # b's one slot is taken: only a can admit the next run
+        wait_for(lambda: any(w == "start" and r == holder for w, r, _ in ledger_lines(ledger)), timeout_s=30)
+        a = Node(tmp_path, "a", database, ledger, max_running=1)
+        a.env["GIT_ALLOW_PROTOCOL"] = "https"   # a's git refuses file:// URLs: a cannot reach the remote
+        a.start(server_factory)
+        reply = cb.post("/v1/outpost/dispatches", headers={"Idempotency-Key": uuid.uuid4().hex},
+                        json={"brief": "@print fetched", "repository": url, "agent": "demo"})
+        assert reply.status_code == 202, reply.text
+        run_id = reply.json()["run_id"]
+
+        def requeued() -> bool:
+            events = cb.get("/v1/outpost/events?limit=1000").json()["events"]
+            return any(e["type"] == "run.requeued" and e["data"]["run_id"] == run_id for e in events)
+        wait_for(requeued, timeout_s=30)   # a took it, could not fetch, and put it back
+        assert cb.get(f"/v1/outpost/runs/{run_id}").json()["status"] == "queued"
+        cancel = cb.post(f"/v1/outpost/runs/{holder}/control", json={"action": "cancel"},
+                         headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert cancel.status_code == 200, cancel.text
+        run = wait_for(lambda: settled(cb, [run_id]), timeout_s=60, interval_s=0.2)[0]
+    assert (run["status"], run["node"]) == ("succeeded", "b"), run
+    assert "fetched" in cb_log(b, run_id)
+    assert "Traceback" not in a.server.logs()
+
+
+def cb_log(node: Node, run_id: str) -> str:
+    with node.client() as client:
+        return client.get(f"/v1/outpost/runs/{run_id}/log").text
