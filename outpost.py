@@ -3678,11 +3678,13 @@ class StoreBase:
             if not self.db.Workspace.get(id=DEFAULT_WORKSPACE):
                 self.db.Workspace(id=DEFAULT_WORKSPACE, name="Default", created_at=naive(datetime.now(UTC)))
 
-    def copy_into(self, target: StoreBase) -> dict[str, int]:
+    def copy_into(self, target: StoreBase, logs: Path | None = None) -> dict[str, int]:
         """``outpost migrate``: every row of every table into ``target`` (a new store, which holds
         only what its migrations seed), tables in dependency order, committed once at the end;
         its automatic keys continue after the copied ones. Nodes are not copied: they are
-        processes, not history. Returns the rows copied per table."""
+        processes, not history. ``logs``: the folder of the runs' log files (an appliance keeps
+        them there, a fleet in the database): each becomes one LogChunk, as a settled run's log
+        does. Returns the rows copied per table."""
         counts: dict[str, int] = {}
         mark = "%s" if target.postgres else "?"
         with orm.db_session(immediate=True):
@@ -3706,6 +3708,12 @@ class StoreBase:
                     column = entity._pk_columns_[0]
                     cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{column}'), "
                                    f'COALESCE(MAX({column}), 0) + 1, false) FROM "{table}"')
+            if logs is not None:
+                insert = f'INSERT INTO "LogChunk" (run_id, at_byte, data) VALUES ({mark}, 0, {mark})'
+                for (run_id,) in self.db.execute('SELECT id FROM "Run" ORDER BY id'):
+                    if (path := logs / f"{run_id}.log").is_file():   # one file in memory at a time
+                        cursor.execute(insert, (run_id, path.read_bytes()))
+                        counts["LogChunk"] = counts.get("LogChunk", 0) + 1
             connection.commit()
         if target.postgres:
             with orm.db_session:
@@ -10484,7 +10492,7 @@ def cli_migrate(data_dir: Path, url: str) -> None:
     except (ConfigError, orm.dbapiprovider.DatabaseError) as exc:
         raise CliError(f"{database_label(url)}: {exc}".strip(), EXIT_USAGE) from None
     try:
-        counts = source.copy_into(target)
+        counts = source.copy_into(target, logs=data_dir / "runs")
     finally:
         source.close()
         target.close()

@@ -411,6 +411,8 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
     before = table_counts(lambda sql: sqlite3.connect(data / "outpost.sqlite3").execute(sql).fetchall())
     assert before["Run"] >= 2 and before["Event"] > 5 and before["Wakeup"] >= 1 and before["Task"] == 1
     assert before["IdempotencyRecord"] >= 3 and before["Occurrence"] == 1
+    logs = sorted((data / "runs").glob("*.log"))   # on SQLite a run's log is a file of the data dir
+    assert before["LogChunk"] == 0 and f"{fired['run_id']}.log" in [p.name for p in logs]
 
     url = postgres_database()
     POSTGRES_DATABASES[tmp_path / "migrated"] = url
@@ -424,7 +426,8 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
             with connection.cursor() as cursor:
                 cursor.execute(sql)
                 return cursor.fetchall()
-        assert table_counts(query) == before == {t: int(n) for t, n in printed.items()}
+        copied = before | {"LogChunk": len(logs)}   # each log became one chunk in the database
+        assert table_counts(query) == copied == {t: int(n) for t, n in printed.items()}
     finally:
         connection.close()
     again = subprocess.run(migrate, capture_output=True, text=True, timeout=120)
@@ -434,6 +437,8 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
     with served.client() as api:
         assert [s["name"] for s in api.get("/v1/outpost/schedules").json()["schedules"]] == ["nightly"]
         assert api.get(f"/v1/outpost/runs/{fired['run_id']}").json()["status"] == "succeeded"
+        old_log = api.get(f"/v1/outpost/runs/{fired['run_id']}/log").text   # served from another data dir
+        assert "hello" in old_log and old_log == (data / "runs" / f"{fired['run_id']}.log").read_text()
         fired_again = api.post(f"/v1/outpost/schedules/{schedule['id']}/control", json={"action": "fire"},
                                headers={"Idempotency-Key": "fire-2", "If-Match": '"1"'}).json()
         assert fired_again["outcome"] == "admitted", fired_again
