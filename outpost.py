@@ -811,6 +811,46 @@ def wall_instants(wall: datetime, tz: ZoneInfo, *, follow_real_time: bool) -> li
     return [] if follow_real_time else [_gap_end(wall, tz)]
 
 
+#: The five cron fields: name, lowest and highest value, the names a value may have (lower case).
+CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day-of-month", 1, 31, ()),
+               ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")),
+               ("day-of-week", 0, 6, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")))
+
+
+def reversed_cron_range(text: str) -> str | None:
+    """Why a five-field cron is refused for a range whose start comes after its end (``23-3``,
+    ``sat-tue/2``), or None. Vixie cron and cronie refuse them too; croniter would accept them
+    and fire at times the range does not mean. The message names the values it reads as."""
+    for item_field, (name, lo, hi, names) in zip(text.split(" "), CRON_FIELDS, strict=True):
+        for item in item_field.split(","):
+            m = re.fullmatch(r"(\w+)-(\w+)(?:/(\d+))?", item)
+            if not m:
+                continue
+            bounds = [lo + names.index(w.lower()) if w.lower() in names else int(w) if w.isdigit() else None
+                      for w in m.group(1, 2)]
+            start, end = bounds
+            if start is None or end is None or not lo <= end < start <= hi + 1:   # in order, or not ours to judge
+                continue
+            step = int(m[3] or 1)
+            if start > hi:   # day-of-week 7 is Sunday, 0
+                instead = f"{lo}-{end}" + (f"/{step}" if m[3] else "")
+            elif step == 1:
+                instead = ",".join(f"{a}-{b}" if a < b else f"{a}" for a, b in ((start, hi), (lo, end)))
+            else:   # the values a wrapping range would mean: from start up to the field's end, then on to end
+                values, value, wrapped = [], start, False
+                while not wrapped or value <= end:
+                    values.append(value)
+                    value += step
+                    if value > hi:
+                        if wrapped:
+                            break
+                        value, wrapped = value - (hi - lo + 1), True
+                instead = ",".join(map(str, sorted(values)))
+            return (f"the {name} range {item} is reversed ({m[1]} comes after {m[2]}): cron does not wrap "
+                    f"around the end of the {name} field; write {instead} instead")
+    return None
+
+
 def cron_expression(expr: str) -> str:
     """Normalize a five-field cron or an @alias; raise ValidationFailed otherwise."""
     if not isinstance(expr, str) or not expr.strip():
@@ -831,6 +871,8 @@ def cron_expression(expr: str) -> str:
     if len(text.split(" ")) != 5:
         raise invalid("timing.expression", "must have exactly five fields "
                       "(minute hour day-of-month month day-of-week)")
+    if problem := reversed_cron_range(text):
+        raise invalid("timing.expression", problem)
     try:
         croniter(text)
     except (CroniterBadCronError, ValueError, KeyError) as exc:
