@@ -220,8 +220,11 @@ SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
 REPOSITORY_UNAVAILABLE = "repository unavailable"
-#: How often a wakeup waiting for its repository looks again.
+#: How often a wakeup waiting for its repository looks again; and how long a node of a fleet that
+#: could not fetch a URL leaves its runs to the other nodes before it tries again.
 REPOSITORY_RECHECK_S = 30
+#: The start of the error of a run whose node could not fetch its repository URL (API.md 10).
+UNREACHABLE_ERROR = f"{REPOSITORY_UNAVAILABLE}: cannot fetch "
 #: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
 COALESCING_WINDOW_S = 5
 #: Wakeups the dispatcher takes through the pipeline in one transaction.
@@ -372,6 +375,10 @@ class LaunchError(OutpostError):
 
 class RepositoryUnavailable(LaunchError):
     """The run's repository is missing, is no git repository, or lacks the ref: not the agent's failure."""
+
+
+class RepositoryUnreachable(RepositoryUnavailable):
+    """This node cannot fetch the run's repository URL (API.md 10): never counted toward a failure streak."""
 
 
 class CliError(OutpostError):
@@ -809,6 +816,46 @@ def wall_instants(wall: datetime, tz: ZoneInfo, *, follow_real_time: bool) -> li
     return [] if follow_real_time else [_gap_end(wall, tz)]
 
 
+#: The five cron fields: name, lowest and highest value, the names a value may have (lower case).
+CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day-of-month", 1, 31, ()),
+               ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")),
+               ("day-of-week", 0, 6, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")))
+
+
+def reversed_cron_range(text: str) -> str | None:
+    """Why a five-field cron is refused for a range whose start comes after its end (``23-3``,
+    ``sat-tue/2``), or None. Vixie cron and cronie refuse them too; croniter would accept them
+    and fire at times the range does not mean. The message names the values it reads as."""
+    for item_field, (name, lo, hi, names) in zip(text.split(" "), CRON_FIELDS, strict=True):
+        for item in item_field.split(","):
+            m = re.fullmatch(r"(\w+)-(\w+)(?:/(\d+))?", item)
+            if not m:
+                continue
+            bounds = [lo + names.index(w.lower()) if w.lower() in names else int(w) if w.isdigit() else None
+                      for w in m.group(1, 2)]
+            start, end = bounds
+            if start is None or end is None or not lo <= end < start <= hi + 1:   # in order, or not ours to judge
+                continue
+            step = int(m[3] or 1)
+            if start > hi:   # day-of-week 7 is Sunday, 0
+                instead = f"{lo}-{end}" + (f"/{step}" if m[3] else "")
+            elif step == 1:
+                instead = ",".join(f"{a}-{b}" if a < b else f"{a}" for a, b in ((start, hi), (lo, end)))
+            else:   # the values a wrapping range would mean: from start up to the field's end, then on to end
+                values, value, wrapped = [], start, False
+                while not wrapped or value <= end:
+                    values.append(value)
+                    value += step
+                    if value > hi:
+                        if wrapped:
+                            break
+                        value, wrapped = value - (hi - lo + 1), True
+                instead = ",".join(map(str, sorted(values)))
+            return (f"the {name} range {item} is reversed ({m[1]} comes after {m[2]}): cron does not wrap "
+                    f"around the end of the {name} field; write {instead} instead")
+    return None
+
+
 def cron_expression(expr: str) -> str:
     """Normalize a five-field cron or an @alias; raise ValidationFailed otherwise."""
     if not isinstance(expr, str) or not expr.strip():
@@ -829,6 +876,8 @@ def cron_expression(expr: str) -> str:
     if len(text.split(" ")) != 5:
         raise invalid("timing.expression", "must have exactly five fields "
                       "(minute hour day-of-month month day-of-week)")
+    if problem := reversed_cron_range(text):
+        raise invalid("timing.expression", problem)
     try:
         croniter(text)
     except (CroniterBadCronError, ValueError, KeyError) as exc:
@@ -1923,13 +1972,15 @@ def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: 
     return ["succeeded"] if notify == "always" else []
 
 
-def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None) -> int:
+def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None, error: str | None = None) -> int:
     """API.md 5.3: success resets the streak, the agent's own failure adds one; a run the
     daemon's stop or death interrupted, or one that hit a limit or a login wall, is not the
-    agent's failure and counts for nothing."""
+    agent's failure and counts for nothing; nor is one whose node could not fetch its
+    repository URL (API.md 10: ``error`` says so)."""
     if status == RunStatus.SUCCEEDED:
         return 0
-    if status == RunStatus.FAILED and failure_kind not in NOT_THE_AGENTS_FAILURE:
+    if (status == RunStatus.FAILED and failure_kind not in NOT_THE_AGENTS_FAILURE
+            and not (error or "").startswith(UNREACHABLE_ERROR)):
         return streak + 1
     return streak
 
@@ -2879,7 +2930,7 @@ def define_entities(db: orm.Database) -> None:
         confirmation = Required(str)
         confirmed_at = Required(datetime)
         profile_digest = Optional(str, nullable=True)   # the agent profile confirmed with it (API.md 8.1)
-        pending_catch_up = Optional(orm.Json, nullable=True)   # catch_up ask: {missed_count, first/last_missed_at}
+        pending_catch_up = Optional(orm.Json, nullable=True)   # ask: {missed_count(_exact), first/last_missed_at}
         created_at = Required(datetime)
         updated_at = Required(datetime)
         occurrences = Set("Occurrence")
@@ -3323,7 +3374,7 @@ def schedule_view(s, active_run_id: str | None) -> dict[str, Any]:
             "active_run_id": active_run_id,
             "authority": {"confirmation": s.confirmation, "confirmed_at": rfc3339(aware(s.confirmed_at)),
                           "profile_digest": s.profile_digest},
-            "pending_catch_up": s.pending_catch_up,
+            "pending_catch_up": {"missed_count_exact": True, **s.pending_catch_up} if s.pending_catch_up else None,
             "created_at": rfc3339(aware(s.created_at)), "updated_at": rfc3339(aware(s.updated_at))}
 
 
@@ -3674,11 +3725,13 @@ class StoreBase:
             if not self.db.Workspace.get(id=DEFAULT_WORKSPACE):
                 self.db.Workspace(id=DEFAULT_WORKSPACE, name="Default", created_at=naive(datetime.now(UTC)))
 
-    def copy_into(self, target: StoreBase) -> dict[str, int]:
+    def copy_into(self, target: StoreBase, logs: Path | None = None) -> dict[str, int]:
         """``outpost migrate``: every row of every table into ``target`` (a new store, which holds
         only what its migrations seed), tables in dependency order, committed once at the end;
         its automatic keys continue after the copied ones. Nodes are not copied: they are
-        processes, not history. Returns the rows copied per table."""
+        processes, not history. ``logs``: the folder of the runs' log files (an appliance keeps
+        them there, a fleet in the database): each becomes one LogChunk, as a settled run's log
+        does. Returns the rows copied per table."""
         counts: dict[str, int] = {}
         mark = "%s" if target.postgres else "?"
         with orm.db_session(immediate=True):
@@ -3702,6 +3755,12 @@ class StoreBase:
                     column = entity._pk_columns_[0]
                     cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{column}'), "
                                    f'COALESCE(MAX({column}), 0) + 1, false) FROM "{table}"')
+            if logs is not None:
+                insert = f'INSERT INTO "LogChunk" (run_id, at_byte, data) VALUES ({mark}, 0, {mark})'
+                for (run_id,) in self.db.execute('SELECT id FROM "Run" ORDER BY id'):
+                    if (path := logs / f"{run_id}.log").is_file():   # one file in memory at a time
+                        cursor.execute(insert, (run_id, path.read_bytes()))
+                        counts["LogChunk"] = counts.get("LogChunk", 0) + 1
             connection.commit()
         if target.postgres:
             with orm.db_session:
@@ -4146,20 +4205,25 @@ class ScheduleStore(StoreBase):
         definitions = [(sid, json.loads(text) if isinstance(text, str) else text) for sid, text in rows]
         return [(sid, d["repository"], d["source_ref"]) for sid, d in definitions if d.get("skip_if_unchanged")]
 
-    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime) -> None:
+    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime, *, first_due: datetime,
+                       counted_all: bool = True) -> None:
         """catch_up ask: the missed slots wait (ledger ``pending_catch_up``) and one
-        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them."""
+        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them.
+        ``missed`` are the slots recorded (the newest of a long gap), ``first_due`` the gap's
+        first slot; ``counted_all`` false: more than ``total`` were missed (counting stopped)."""
         kind = s.definition["timing"]["kind"]
         for slot in missed:
             self._record_slot(s, slot, kind, SlotOutcome.PENDING_CATCH_UP, now)
         plan = s.pending_catch_up or {}
-        first = plan.get("first_missed_at") or rfc3339(missed[0])
+        first = plan.get("first_missed_at") or rfc3339(first_due)
+        exact = plan.get("missed_count_exact", True) and counted_all
         s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
-                              "last_missed_at": rfc3339(missed[-1])}
+                              "last_missed_at": rfc3339(missed[-1]), "missed_count_exact": exact}
         if not plan:
             tz = ZoneInfo(s.definition["timing"]["timezone"])
-            title = f"Schedule '{s.name}' missed {total} occurrence{'s' if total != 1 else ''}: run a catch-up?"
-            since = f"{missed[0].astimezone(tz):%Y-%m-%d %H:%M %Z}"
+            many = f"{total}" if counted_all else f"more than {total:,}"
+            title = f"Schedule '{s.name}' missed {many} occurrence{'s' if total != 1 else ''}: run a catch-up?"
+            since = f"{first_due.astimezone(tz):%Y-%m-%d %H:%M %Z}"
             self.raise_attention("catch_up_plan", title, f"Missed since {since}. Approve one catch-up run, or "
                                  "dismiss them.", now, schedule_id=s.id, run_id=None)
         self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
@@ -4185,7 +4249,8 @@ class ScheduleStore(StoreBase):
             return None
         last = rows[-1]
         _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
-                                       since=parse_instant(plan["first_missed_at"]), pending=last.id)
+                                       since=parse_instant(plan["first_missed_at"]), pending=last.id,
+                                       counted_all=plan.get("missed_count_exact", True))
         for o in rows[:-1]:
             o.outcome, o.run_id = str(SlotOutcome.FOLDED), run_id
         return run_id
@@ -4234,7 +4299,8 @@ class ScheduleStore(StoreBase):
                   until: datetime | None = None) -> list[str]:
         """Claim every due slot of every schedule in one transaction; return the queued run ids.
 
-        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``;
+        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``, and
+        so was every slot due before ``up_since`` (the daemon was down) but the newest;
         a paused schedule's slots are recorded as ``paused``, and those of a schedule whose
         profile changed since it was confirmed ``held_reconfirm``. ``heads`` (schedule id ->
         commit) serve skip_if_unchanged. A slot missed while the daemon was up (due after
@@ -4265,6 +4331,8 @@ class ScheduleStore(StoreBase):
                                                  "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
+            if up_since is not None:   # back from downtime: only its newest slot can be on time
+                missed += list(itertools.takewhile(lambda t: t < up_since, slots[len(missed):-1]))
             current = slots[len(missed):]
             policy = s.definition["catch_up"]["policy"]
             if up_since is not None and (while_up := [t for t in missed if t >= up_since]):
@@ -4274,7 +4342,7 @@ class ScheduleStore(StoreBase):
             missed_total = total - len(current)   # slots older than the recorded ones were missed too
             head = (heads or {}).get(s.id)
             if missed and policy == "ask":
-                self._plan_catch_up(s, missed, missed_total, now)
+                self._plan_catch_up(s, missed, missed_total, now, first_due=first_due, counted_all=due.counted_all)
             elif missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
@@ -4578,12 +4646,16 @@ class RunStore(ScheduleStore):
             settled += mine
         return settled
 
-    def requeue_unstarted(self, run_id: str, now: datetime, reason: str) -> bool:
+    def requeue_unstarted(self, run_id: str, now: datetime, reason: str,
+                          fence: tuple[str, int] | None = None) -> bool:
         """An admitted run whose agent never started goes back to the queue (the daemon stopped
-        before its supervisor began, or its node was lost): nothing ran, so it waits for a slot
-        again; a later admission's attempt fences the earlier one's writes."""
+        before its supervisor began, its node was lost, or its node cannot fetch its repository
+        URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
+        earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
+        fenced = " AND node = $node AND attempt = $attempt" if fence else ""
         if not self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
-                              "WHERE id = $r AND status = 'running' AND pid IS NULL RETURNING id", {"r": run_id}):
+                              f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
+                              {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
         self.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
         return True
@@ -4595,6 +4667,16 @@ class RunStore(ScheduleStore):
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
         ids, params = sql_list("r", run_ids)
         return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND cancel_requested', params)
+
+    def other_nodes_up(self) -> bool:
+        """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
+        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = 'up' AND name <> $me "
+                                   f"AND heartbeat_at >= {self.db_now(-NODE_LOST_S)} LIMIT 1", {"me": self.node}))
+
+    def pauses_recorded(self, run_ids: list[str]) -> list[str]:
+        """Of these live runs, those paused (possibly through another node)."""
+        ids, params = sql_list("r", run_ids)
+        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND status = \'paused\'', params)
 
     def append_log(self, run_id: str, at_byte: int, data: bytes) -> None:
         self.db.LogChunk(run_id=run_id, at_byte=at_byte, data=data)
@@ -4922,7 +5004,7 @@ class RunStore(ScheduleStore):
                                  schedule_id=s.id if s else None, run_id=r.id)
         if s is None:
             return
-        s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind)
+        s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind, r.error)
         if s.failure_streak >= AUTO_PAUSE_STREAK and not s.auto_paused and not s.archived:
             s.enabled, s.auto_paused = False, True
             s.revision += 1
@@ -6496,6 +6578,16 @@ class Mirrors:
     def __init__(self, root: Path):
         self.root = root
         self._locks: dict[str, trio.Lock] = collections.defaultdict(trio.Lock)
+        self._unreachable: dict[str, float] = {}   # URL -> trio time until which its runs are left to others
+
+    def leave_to_others(self, repository: str) -> None:
+        """A fleet node could not fetch ``repository``: for REPOSITORY_RECHECK_S it admits none of its runs."""
+        self._unreachable[repository] = trio.current_time() + REPOSITORY_RECHECK_S
+
+    def unreachable(self, repositories: Iterable[str]) -> list[str]:
+        """Of these URLs, those this node left to the other nodes a moment ago."""
+        now = trio.current_time()
+        return [r for r in repositories if self._unreachable.get(r, -math.inf) > now]
 
     def path(self, repository: str) -> str:
         """The local repository a run of ``repository`` works in: the path itself, or its mirror."""
@@ -6519,7 +6611,8 @@ class Mirrors:
                     await git(local, "fetch", "--quiet", "--force", "--tags", "--", repository,
                               "+refs/heads/*:refs/heads/*", "^refs/heads/outpost/*")
             except LaunchError as exc:
-                raise RepositoryUnavailable(f"cannot fetch {repository}: {exc}") from None
+                raise RepositoryUnreachable(f"cannot fetch {repository}: {exc}") from None
+        self._unreachable.pop(repository, None)
         return local
 
     async def push(self, repository: str, branch: str) -> None:
@@ -6862,11 +6955,13 @@ class LogSink:
 
 @dataclasses.dataclass
 class LiveRun:
-    """A run whose process is alive: what run control needs to signal it."""
+    """A run this process supervises, from its worktree to its settlement: what run control
+    needs to signal it. ``pid`` is None until its process exists."""
     run_id: str
     scope: trio.CancelScope
     pid: int | None = None
     cancelled: bool = False
+    paused: bool = False                 # a pause is recorded: stopped, or stopped the moment it exists
     remaining_s: float | None = None     # of the timeout, while paused
 
     def cancel(self) -> None:
@@ -6874,22 +6969,38 @@ class LiveRun:
         self.scope.cancel()
 
     def pause(self) -> None:
-        """SIGSTOP the process group and stop its timeout: paused time is not run time."""
-        if self.pid and self.remaining_s is None:
+        """SIGSTOP the process group and stop its timeout: paused time is not run time. Before
+        its process exists (the worktree is being prepared), the pause waits for it (``spawned``)."""
+        if self.paused:
+            return
+        self.paused = True
+        if self.pid:
             kill_group(self.pid, signal.SIGSTOP)
             self.remaining_s = self.scope.deadline - trio.current_time()
             self.scope.deadline = math.inf
 
     def resume(self) -> None:
+        if not self.paused:
+            return
+        self.paused = False
         if self.pid and self.remaining_s is not None:
             self.scope.deadline = trio.current_time() + self.remaining_s
             self.remaining_s = None
             kill_group(self.pid, signal.SIGCONT)
 
+    def spawned(self, pid: int, timeout_s: float) -> None:
+        """The process exists: its timeout starts, or, paused before, it is stopped at once (API.md 5.4)."""
+        self.pid = pid
+        if self.paused:
+            kill_group(pid, signal.SIGSTOP)
+            self.remaining_s, self.scope.deadline = timeout_s, math.inf
+        else:
+            self.scope.deadline = trio.current_time() + timeout_s
+
 
 class LiveRuns:
-    """The runs whose process is alive, by id. Written by run supervisors (``add``,
-    ``discard``); read by run control through ``pausable`` and ``signal``."""
+    """The runs this process supervises, by id. Written by run supervisors (``add``,
+    ``discard``); read by run control through ``signal``."""
 
     def __init__(self) -> None:
         self._runs: dict[str, LiveRun] = {}
@@ -6915,13 +7026,14 @@ class LiveRuns:
             live.cancel()
         return len(self._runs)
 
-    def pausable(self, run_id: str) -> bool:
-        """Only a run whose process is alive can be paused (SIGSTOP needs a process group)."""
+    def has_process(self, run_id: str) -> bool:
+        """The run's agent process exists (its worktree is made, its agent spawned)."""
         live = self._runs.get(run_id)
         return live is not None and live.pid is not None
 
     def signal(self, run_id: str, action: str) -> None:
-        """Run control was recorded: cancel or pause the live process (resume waits for a slot)."""
+        """Run control was recorded: cancel or pause the run (resume waits for a slot). A run
+        not here yet (admitted, its supervisor not begun) reads its pause from the store."""
         live = self._runs.get(run_id)
         if live is not None and action == "cancel":
             live.cancel()
@@ -7020,7 +7132,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as exc:
             raise LaunchError(f"could not start agent command {argv[0]!r}: {exc.strerror or exc}") from None
-        live.pid = proc.pid
+        live.spawned(proc.pid, timeout_s)
         await on_spawn(proc.pid)
 
         async def feed() -> None:
@@ -7042,7 +7154,6 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
         timed_out = False
         try:
             with live.scope:
-                live.scope.deadline = trio.current_time() + timeout_s
                 async with trio.open_nursery() as nursery:
                     if stdin_text is not None:
                         nursery.start_soon(feed)
@@ -7319,12 +7430,30 @@ class Actor(enum.StrEnum):
 
 @dataclasses.dataclass
 class CronWatch:
-    """The dead-man's view of the cron actor: the earliest due instant it has not claimed yet.
-    A measurement for /healthz (the claims themselves are the store's)."""
+    """The dead-man's view of the cron and claim actors: the earliest due instant the cron
+    actor has not claimed yet, and since when each actor has been in the pass it is in (absent:
+    asleep, waiting for work). An actor held in one pass (a store another process holds, a git
+    that hangs) makes no progress whether or not it knew of a due fire. A measurement for
+    /healthz (the claims themselves are the store's)."""
     waiting_for: datetime | None = None
+    busy_since: dict[str, datetime] = dataclasses.field(default_factory=dict)
 
     def lag_s(self, now: datetime) -> float:
         return max(0.0, (now - self.waiting_for).total_seconds()) if self.waiting_for else 0.0
+
+    def busy(self, actor: str, now: datetime) -> None:
+        self.busy_since[actor] = now
+
+    def idle(self, actor: str) -> None:
+        self.busy_since.pop(actor, None)
+
+    def stuck(self, now: datetime) -> tuple[str, float] | None:
+        """The actor (cron first) in one pass for more than MISFIRE_GRACE_S, and for how long."""
+        for actor in ("cron", "claim"):
+            since = self.busy_since.get(actor)
+            if since is not None and (held := (now - since).total_seconds()) > MISFIRE_GRACE_S:
+                return actor, round(held, 1)
+        return None
 
 
 class PendingCall:
@@ -7529,6 +7658,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     checks, prepared_for = None, None
     async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
         while True:
+            deps.cron_watch.busy("cron", deps.clock.now())
             if prepared_for is not None and deps.clock.now() - prepared_for > timedelta(seconds=CRON_ON_TIME_S):
                 checks, prepared_for = None, None   # woke late (a stall, a clock step): read them for now
             heads = await unchanged_heads(deps, deps.clock.now(), checks)
@@ -7556,6 +7686,7 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                                                    else CRON_MAX_SLEEP_S)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
+            deps.cron_watch.idle("cron")
             with trio.move_on_at(deps.clock.deadline(wake_at)):
                 await wake_in.receive()
                 checks, prepared_for = None, None   # nudged: a schedule changed; read them again
@@ -7569,8 +7700,12 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     Ends when cancelled; run supervisors then end their processes and record it."""
     async with trio.open_nursery() as runs:
         while True:
+            deps.cron_watch.busy("claim", deps.clock.now())
             await dispatch_wakeups(deps)
             unreachable = await unreachable_repositories(deps) if deps.store.postgres else []
+            if deps.store.postgres and (supervised := deps.live.ids()):   # a pause sent through another node
+                for run_id in await deps.transaction_retrying(deps.store.pauses_recorded, supervised):
+                    deps.live.signal(run_id, "pause")
             for run_id, is_resume in await deps.transaction_retrying(
                     deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
                     fleet_max=deps.config.fleet_max_running, unreachable=unreachable):
@@ -7585,17 +7720,21 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             if deps.store.postgres:   # another node's requests and freed slots reach this one by looking
                 soon = deps.clock.now() + timedelta(seconds=FLEET_POLL_S)
                 wake_at = min(wake_at, soon) if wake_at else soon
+            deps.cron_watch.idle("claim")
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
 
 
 async def unreachable_repositories(deps: Deps) -> list[str]:
-    """API.md 10: the local paths of queued runs this node cannot reach; their runs wait for a
-    node that can. Asked off the event loop: a shared mount that hangs must not stop it."""
+    """API.md 10: the local paths of queued runs this node cannot reach, and the URLs it could not
+    fetch a moment ago (``Mirrors.leave_to_others``); their runs wait for a node that can. Paths
+    are asked off the event loop: a shared mount that hangs must not stop it."""
     def missing(paths: list[str]) -> list[str]:
         return [p for p in paths if not Path(p).is_dir()]
-    queued = [r for r in await deps.transaction_retrying(deps.store.queued_repositories) if not is_repository_url(r)]
-    return await trio.to_thread.run_sync(missing, queued) if queued else []
+    queued = await deps.transaction_retrying(deps.store.queued_repositories)
+    paths = [r for r in queued if not is_repository_url(r)]
+    urls = deps.mirrors.unreachable(r for r in queued if is_repository_url(r))   # a fetch of them failed here
+    return (await trio.to_thread.run_sync(missing, paths) if paths else []) + urls
 
 
 async def dispatch_wakeups(deps: Deps) -> None:
@@ -7689,16 +7828,19 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
+    live = LiveRun(run_id, trio.CancelScope())
+    deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
         info = await deps.transaction_retrying(deps.store.launch_info, run_id)
     except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
+        deps.live.discard(run_id)
         with trio.move_on_after(CLEANUP_S, shield=True):
             await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(),
                                             "the daemon stopped before it started")
         raise
+    if info["status"] == RunStatus.PAUSED:   # paused between its admission and now
+        live.pause()
     workspace = run_workspace(deps, info)
-    live = LiveRun(run_id, trio.CancelScope())
-    deps.live.add(live)
     commit, settled, exit_code = info["resolved_commit"], False, None
     try:
         try:
@@ -7746,6 +7888,9 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                        run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
                                    now=deps.clock.now(), tz=profile.zone))
         except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
+            if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, run_id, info, exc):
+                settled = True   # nothing ran: back in the queue, not settled
+                return
             unavailable = isinstance(exc, RepositoryUnavailable)
             reason = str(exc) if isinstance(exc, LaunchError) else f"cannot prepare the run's files: {exc}"
             outcome = failed(f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else reason, "launch")
@@ -7761,6 +7906,22 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
                 await finish_run(deps, run_id, info, commit, failed(INTERRUPTED, "interrupted"), None)
+
+
+async def left_to_another_node(deps: Deps, run_id: str, info: dict[str, Any], exc: RepositoryUnreachable) -> bool:
+    """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
+    the queue for a node that can, and leaves that URL's runs to the others for a while. False
+    when no other node is up (or the run is no longer this admission's): the run fails, with
+    a reason that never counts toward a failure streak."""
+    if not deps.store.postgres or not await deps.transaction_retrying(deps.store.other_nodes_up):
+        return False
+    deps.mirrors.leave_to_others(info["repository"])
+    reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
+    if not await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(), reason,
+                                           fence=(info["node"], info["attempt"])):
+        return False
+    log.getChild("run").warning("run %s: %s; left in the queue for another node", run_id, reason)
+    return True
 
 
 async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
@@ -8583,12 +8744,11 @@ async def control_schedule(web: Web, schedule_id: str, revision: int, action: An
 
 
 async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
-    """cancel | pause | resume (API.md 5.4): recorded, then the live process is signalled."""
+    """cancel | pause | resume (API.md 5.4): recorded, then the live process is signalled. A
+    running run is paused also while its worktree is prepared: its process is stopped the moment
+    it exists; on another node of a fleet, that node's claim actor reads the pause."""
     if action not in ("cancel", "pause", "resume"):
         raise invalid("action", "must be cancel, pause or resume")
-    if action == "pause" and not web.deps.live.pausable(run_id):
-        await web.call(web.store.get_run, run_id)   # 404 for an unknown run
-        raise Conflict(f"run {run_id} has no running process to pause (queued, settling or settled)")
     view = await web.commit(web.store.control_run, run_id, action, web.now)
     web.deps.live.signal(run_id, action)
     web.deps.nudge(Actor.CLAIM)   # pause frees a slot, resume asks for one
@@ -8703,13 +8863,21 @@ async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, A
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
     """Answered by the event loop alone (it stays up while another process locks the database):
-    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire (API.md 9)."""
+    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim
+    actor has been in one pass that long, whether or not it knew of a due fire (API.md 9)."""
     from quart import jsonify
     lag = round(web.deps.cron_watch.lag_s(web.now), 1)
-    ok = lag <= MISFIRE_GRACE_S
-    body = {"status": "ok" if ok else "cron_lagging", "ok": ok, "cron_lag_seconds": lag,
-            "live_runs": len(web.deps.live)}
-    return body if ok else (jsonify(body), 503)
+    stuck = web.deps.cron_watch.stuck(web.now)
+    body = {"status": "ok", "ok": True, "cron_lag_seconds": lag, "live_runs": len(web.deps.live)}
+    if lag > MISFIRE_GRACE_S:
+        body |= {"status": "cron_lagging", "ok": False,
+                 "reason": f"the cron actor is {lag:.0f} s behind a due fire"}
+    elif stuck is not None:
+        actor, held_s = stuck
+        body |= {"status": f"{actor}_stuck", "ok": False,
+                 "reason": f"the {actor} actor has made no progress for {held_s:.0f} s, held in one step "
+                           "(a database another process holds, or a git command that hangs)"}
+    return body if body["ok"] else (jsonify(body), 503)
 
 
 def _text_field(raw: dict[str, Any], key: str, hi: int, *, single_line: bool = False) -> str:
@@ -10396,7 +10564,7 @@ def cli_migrate(data_dir: Path, url: str) -> None:
     except (ConfigError, orm.dbapiprovider.DatabaseError) as exc:
         raise CliError(f"{database_label(url)}: {exc}".strip(), EXIT_USAGE) from None
     try:
-        counts = source.copy_into(target)
+        counts = source.copy_into(target, logs=data_dir / "runs")
     finally:
         source.close()
         target.close()

@@ -10,6 +10,7 @@ on the worker thread) under a ``trio.fail_after(30)`` guard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import re
@@ -24,7 +25,20 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from conftest import HOUR, MINUTE, T0, call, git, instant, make_deps, mock_deps_at, normalized, settle, until
+from conftest import (
+    HOUR,
+    MINUTE,
+    T0,
+    Api,
+    call,
+    git,
+    instant,
+    make_deps,
+    mock_deps_at,
+    normalized,
+    settle,
+    until,
+)
 
 import outpost
 
@@ -635,7 +649,7 @@ async def test_run_cancel_ends_a_running_run_and_a_queued_one_never_starts(real_
         running = await queue_dispatch(deps, git_repo, "@sleep 30")
         waiting = await queue_dispatch(deps, git_repo, "@print never")
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
-            await until(lambda: deps.live.pausable(running))
+            await until(lambda: deps.live.has_process(running))
             pid = deps.live.get(running).pid
             cancelled_queued = await deps.transaction(store.control_run, waiting, "cancel", deps.clock.now())
             assert cancelled_queued["status"] == "cancelled"
@@ -864,7 +878,7 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
         paused = await queue_dispatch(deps, git_repo, "@sleep 3\n@print resumed")
         other = await queue_dispatch(deps, git_repo, "@sleep 60\n@print other")   # holds the slot until cancelled
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
-            await until(lambda: deps.live.pausable(paused))
+            await until(lambda: deps.live.has_process(paused))
             await deps.transaction(store.control_run, paused, "pause", deps.clock.now())
             deps.live.get(paused).pause()
             deps.claim_wake.poke()
@@ -885,6 +899,62 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
     assert instant(a["started_at"]) < instant(b["started_at"])
     assert instant(a["finished_at"]) > instant(b["finished_at"])
     assert "resumed" in outpost.read_log(deps.log_path(paused))[0]
+
+
+class HeldFetch(outpost.Mirrors):
+    """Mirrors whose next fetch waits until the test lets it go: a run's worktree that is
+    still being prepared, for as long as the test likes."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.hold: trio.Event | None = None
+        self.holding = trio.Event()
+
+    async def fetched(self, repository: str) -> str:
+        if self.hold is not None:
+            hold, self.hold = self.hold, None
+            self.holding.set()
+            await hold.wait()
+        return await super().fetched(repository)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat: T is stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_run_paused_while_its_worktree_is_prepared_starts_stopped_and_frees_its_slot(tmp_path, store, git_repo):
+    """Defect 7: a run that read ``running`` while its worktree was prepared answered 409 to a
+    pause. Now the pause is recorded, the slot is free at once, and the agent is stopped the
+    moment it exists; resume continues it."""
+    mirrors = HeldFetch(tmp_path / "data" / "mirrors")
+    deps = make_deps(tmp_path / "data", store=store, clock=outpost.WallClock(), mirrors=mirrors, grace_s=1.0,
+                     inline_db=False)
+    deps = dataclasses.replace(deps, config=dataclasses.replace(deps.config, max_running=1))
+    api = Api(deps, git_repo)
+    with trio.fail_after(30):
+        held = await queue_dispatch(deps, git_repo, "@print resumed")
+        other = await queue_dispatch(deps, git_repo, "@print other")
+        release = mirrors.hold = trio.Event()
+        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+            await mirrors.holding.wait()   # admitted, its worktree not made yet
+            assert (await api.get(f"/v1/outpost/runs/{held}")).body["status"] == "running"
+            paused = await api.post(f"/v1/outpost/runs/{held}/control", {"action": "pause"})
+            assert paused.status == 200, paused.body
+            assert paused.body["status"] == "paused"
+            # Its slot is free: the other run starts and ends although max_running is 1.
+            assert (await until_status(deps, other))["status"] == "succeeded"
+            release.set()
+            live = await until(lambda: deps.live.get(held))
+            pid = await until(lambda: live.pid)
+            await until(lambda: process_state(pid) == "T")   # stopped, never ran on
+            assert (await api.get(f"/v1/outpost/runs/{held}")).body["status"] == "paused"
+            assert "resumed" not in outpost.read_log(deps.log_path(held))[0]
+            resumed = await api.post(f"/v1/outpost/runs/{held}/control", {"action": "resume"})
+            assert resumed.status == 200, resumed.body
+            run = await until_status(deps, held)
+    assert run["status"] == "succeeded"
+    assert "resumed" in outpost.read_log(deps.log_path(held))[0]
 
 
 # --- recovery at boot ---------------------------------------------------------------------------------

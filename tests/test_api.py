@@ -398,6 +398,19 @@ async def test_cron_with_random_field_is_refused(api):
     assert_problem(reply, 422, "validation_failed", "timing.expression")
 
 
+@pytest.mark.parametrize(("expression", "instead"), [("0 23-3/2 * * *", "1,3,23"), ("0 0 20-5/5 * *", "4,20,25,30"),
+                                                    ("* * * 9-8/3 *", "3,6,9,12"), ("0 9 * * sat-tue/2", "1,6")])
+async def test_compose_refuses_a_reversed_cron_range_instead_of_showing_fires_it_does_not_mean(api, expression,
+                                                                                            instead):
+    """Defect 11: compose accepted a wrapping range without a warning and its review listed fires
+    at 02:00 and 23:00 for ``23-3/2`` (meant: 23, 1, 3), on the 5th for ``20-5/5`` (meant: the 4th)."""
+    reply = await api.compose(api.raw(timing={"kind": "cron", "expression": expression, "timezone": "UTC"}))
+    assert_problem(reply, 422, "validation_failed", "timing.expression")
+    message = reply.body["errors"][0]["message"]
+    assert "is reversed" in message and f"write {instead} instead" in message
+    assert "next_fires" not in reply.body
+
+
 ###############################################################################
 # 4.2-4.3 Create and read.
 ###############################################################################

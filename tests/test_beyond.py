@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 import trio
-from conftest import T0, Api, SteppedClock, call, git, make_deps, normalized, only, settle, until
+from conftest import T0, Api, SteppedClock, call, git, make_deps, normalized, only, settle, sign_in_client, until
 
 import outpost
 
@@ -153,7 +153,7 @@ def test_missed_slots_under_ask_wait_for_a_human_then_approve_runs_one_catch_up(
     assert call(store, store.claim_due, T0 + 65 * MIN) == []
     s = call(store, store.get_schedule, sched["id"])
     assert s["pending_catch_up"] == {"missed_count": 6, "first_missed_at": "2026-11-30T08:10:00Z",
-                                     "last_missed_at": "2026-11-30T09:00:00Z"}
+                                     "last_missed_at": "2026-11-30T09:00:00Z", "missed_count_exact": True}
     assert ledger(store, sched["id"]) == ["pending_catch_up"] * 6
     item = only([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"])
     assert "missed 6 occurrences" in item["title"]
@@ -188,6 +188,76 @@ async def test_approve_and_dismiss_are_controls_of_the_api(tmp_path, git_repo):
     assert reply.status == 200 and reply.body["pending_catch_up"] is None
     reply = await api.control(created["id"], "dismiss_catch_up", 2)
     assert reply.status == 409 and reply.body["code"] == "conflict"
+
+
+EVERY_MINUTE = {"kind": "cron", "expression": "* * * * *", "timezone": "UTC"}
+
+
+async def test_a_long_outage_under_ask_names_its_first_slot_and_says_more_than(tmp_path, git_repo):
+    """Defect 8: past 500 missed slots the plan named the first of the newest recorded slots as
+    ``first_missed_at`` and showed the counting cap as the exact count; the approved run's prompt
+    repeated both. Now the true first slot, and "more than N" in the API, the page and the prompt."""
+    api = Api(make_deps(tmp_path), git_repo)
+    sched = await api.schedule(timing=EVERY_MINUTE, catch_up={"policy": "ask"})
+    back = T0 + timedelta(days=2, minutes=30, seconds=30)   # down two days: 2,909 per-minute slots missed
+    api.clock.at = back
+    call(api.store, api.store.claim_due, back)   # the cron actor's first claim
+    plan = (await api.get(f"/v1/outpost/schedules/{sched['id']}")).body["pending_catch_up"]
+    assert plan["first_missed_at"] == "2026-11-30T08:01:00Z"
+    assert plan["last_missed_at"] == "2026-12-02T08:29:00Z"
+    assert plan["missed_count_exact"] is False and plan["missed_count"] >= outpost.MISSED_COUNT_CAP
+    many = f"more than {plan['missed_count']:,}"
+    item = only([a for a in (await api.get("/v1/outpost/attention")).body["attention"]
+                 if a["kind"] == "catch_up_plan"])
+    assert f"missed {many} occurrences" in item["title"] and "2026-11-30 08:01" in item["detail"]
+    sign_in_client(api.client, api.store, back)
+    page = await (await api.client.get(f"/schedules/{sched['id']}")).get_data(as_text=True)
+    panel = page.split('id="catch-up-plan"', 1)[1].split("</div>", 1)[0]
+    assert f"<strong>{many}</strong>" in panel and "the first at 2026-11-30 08:01" in panel
+    (on_time,) = call(api.store, api.store.list_runs, sched["id"], None, 10, None)["runs"]   # 08:30 fired
+    await api.post(f"/v1/outpost/runs/{on_time['id']}/control", {"action": "cancel"})
+    approved = await api.control(sched["id"], "approve_catch_up", await api.revision(sched["id"]))
+    assert approved.status == 200, approved.body
+    run, _ = call(api.store, api.store.list_runs, sched["id"], None, 10, None)["runs"]
+    prompt = call(api.store, api.store.launch_info, run["id"])["prompt"]
+    assert f"missed {many} occurrences since 2026-11-30 08:01 UTC" in prompt
+
+
+def test_a_plan_of_few_slots_says_its_count_is_exact(store, git_repo):
+    sched = asking_schedule(store, git_repo)
+    call(store, store.claim_due, T0 + 65 * MIN)
+    plan = call(store, store.get_schedule, sched["id"])["pending_catch_up"]
+    assert (plan["missed_count"], plan["missed_count_exact"]) == (6, True)
+
+
+@pytest.mark.parametrize(("policy", "outcome"), [("skip_missed", "skipped_missed"), ("ask", "pending_catch_up")])
+@pytest.mark.parametrize("concurrency", ["skip_if_active", "always_enqueue"])
+async def test_after_a_restart_the_slots_of_the_downtime_follow_catch_up_not_overlap(
+        autojump_clock, tmp_path, git_repo, monkeypatch, policy, outcome, concurrency):
+    """Defect 8: the slots of the downtime due in the last 60 s before the restart were taken as
+    on time: one ran, the others were recorded ``skipped_overlap`` (or, always_enqueue, each ran).
+    Only the newest slot is on time; the older ones were missed and follow catch_up."""
+    head = git(git_repo, "rev-parse", "HEAD")
+
+    async def resolve_ref(repository: str, ref: str) -> str:   # no git subprocess under MockClock
+        return head
+    monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
+    store = outpost.Store(tmp_path / "restart.sqlite3")
+    every_10_s = {"kind": "interval", "seconds": 10, "timezone": "UTC"}
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=every_10_s, catch_up={"policy": policy},
+                                                          concurrency_policy=concurrency), T0)
+    back = T0 + timedelta(hours=1, seconds=5)   # down an hour: back 5 s after the 09:00:00 slot
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(back), token="t", inline_db=True)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(1)
+            nursery.cancel_scope.cancel()
+    slots = list(reversed(call(store, store.occurrences, sched["id"], 1000)))
+    assert slots[-1]["due_at"] == "2026-11-30T09:00:00Z" and slots[-1]["outcome"] == "admitted"
+    assert {o["outcome"] for o in slots[:-1]} == {outcome}, "every older slot of the downtime was missed"
+    assert len(call(store, store.list_runs, sched["id"], None, 100, None)["runs"]) == 1
+    store.close()
 
 
 ###############################################################################
@@ -251,6 +321,51 @@ async def test_a_clock_step_raises_a_missed_fire_but_downtime_does_not(autojump_
     assert {a["schedule_id"] for a in items} == {stepped["id"], down["id"]}
     assert len(items) == 2, "one item per schedule and claim"
     store.close()
+
+
+async def test_healthz_says_503_when_the_cron_actor_is_stuck_on_a_held_store_before_it_knew_of_a_due_fire(
+        autojump_clock, tmp_path, git_repo, monkeypatch):
+    """Defect 9a: held from its first claim, the cron actor never learnt of the 08:10 fire, so its
+    lag read 0 and /healthz said ok for as long as the hold lasted. Now a cron (or claim) actor in
+    one step for more than 60 s is reported, with the reason."""
+    monkeypatch.setattr(outpost, "BUSY_TIMEOUT_MS", 50)   # a locked attempt costs 50 ms here, not 5 s
+    head = git(git_repo, "rev-parse", "HEAD")
+
+    async def resolve_ref(repository: str, ref: str) -> str:   # no git subprocess under MockClock
+        return head
+    monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
+    path = tmp_path / "held.sqlite3"
+    store = outpost.Store(path)
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0 + 9 * MIN), token="t", inline_db=True)
+    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)   # due 08:10
+    outside = sqlite3.connect(path, isolation_level=None)
+    outside.execute("BEGIN IMMEDIATE")   # another process holds the write lock before the actors start
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            await trio.sleep(30)
+            assert (await healthz(deps))[0] == 200, "30 s in one step is not yet stuck"
+            await trio.sleep(2 * 60)   # 08:11:30: the 08:10 fire is 90 s overdue, unknown to the actor
+            status, body = await healthz(deps)
+            assert status == 503 and body["status"] == "cron_stuck" and not body["ok"]
+            assert "cron actor" in body["reason"] and "150 s" in body["reason"]
+            outside.execute("ROLLBACK")
+            await until(lambda: call(store, store.occurrences, sched["id"], 10), poll_s=1)
+            await trio.sleep(1)
+            status, body = await healthz(deps)
+            assert status == 200 and body["status"] == "ok", body
+            nursery.cancel_scope.cancel()
+    outside.close()
+    store.close()
+
+
+def test_a_claim_actor_stuck_in_one_step_is_not_healthy():
+    watch = outpost.CronWatch()
+    watch.busy("claim", T0)
+    assert watch.stuck(T0 + timedelta(seconds=60)) is None
+    assert watch.stuck(T0 + timedelta(seconds=61)) == ("claim", 61.0)
+    watch.idle("claim")
+    assert watch.stuck(T0 + timedelta(seconds=600)) is None
 
 
 ###############################################################################

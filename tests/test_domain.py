@@ -391,6 +391,32 @@ def test_invalid_definition_is_refused_naming_the_field(overrides, field):
     assert caught.value.problem()["code"] == "validation_failed"
 
 
+@pytest.mark.parametrize(("expression", "reversed_range", "instead"), [
+    ("0 23-3/2 * * *", "23-3/2", "1,3,23"),          # meant 23, 1, 3; croniter fired 02:00 and 23:00
+    ("0 0 20-5/5 * *", "20-5/5", "4,20,25,30"),      # meant the 4th; croniter fired the 5th
+    ("* * * 9-8/3 *", "9-8/3", "3,6,9,12"),
+    ("0 9 * * sat-tue/2", "sat-tue/2", "1,6"),
+    ("0 22-2 * * *", "22-2", "22-23,0-2"),
+    ("30-10 * * * *", "30-10", "30-59,0-10"),
+    ("0 9 * DEC-FEB *", "DEC-FEB", "12,1-2"),
+    ("0 9 * * 7-2", "7-2", "0-2"),                  # 7 is Sunday, 0
+])
+def test_a_reversed_cron_range_is_refused_saying_what_to_write(expression, reversed_range, instead):
+    """Defect 11: a range that wraps (23-3) was accepted and fired at times it does not read as.
+    Refused as Vixie cron and cronie refuse it, naming the range and what to write instead."""
+    with pytest.raises(outpost.ValidationFailed) as caught:
+        normalize(timing=cron(expression))
+    error = caught.value.errors[0]
+    assert error["field"] == "timing.expression"
+    assert f"{reversed_range} is reversed" in error["message"] and f"write {instead} instead" in error["message"]
+
+
+@pytest.mark.parametrize("expression", ["0 9 * * 1-5", "0 22-23,0-2 * * *", "0 9 * * 5-7", "0 0 1-1 * *",
+                                        "*/15 9-17 * * mon-fri", "0 0 * jan-dec sun-sat"])
+def test_ranges_in_order_are_accepted(expression):
+    assert normalize(timing=cron(expression))["timing"]["expression"] == expression
+
+
 @pytest.mark.parametrize(("overrides", "path", "value"), [
     pytest.param({"name": "x" * 100}, ("name",), "x" * 100, id="name-100"),
     pytest.param({"brief": "x" * 32768}, ("brief",), "x" * 32768, id="brief-32768"),
@@ -565,6 +591,13 @@ def test_failures_that_are_not_the_agents_own_do_not_feed_the_failure_streak(kin
     """API.md 5.3: a restart during a run, a limit or a login wall is not the agent's failure."""
     assert outpost.next_failure_streak(2, RunStatus.FAILED, kind) == 2
     assert outpost.next_failure_streak(2, RunStatus.FAILED, "no_result") == 3
+
+
+def test_a_node_that_could_not_fetch_the_repository_url_does_not_feed_the_failure_streak():
+    """API.md 10: the fetch failed, the agent never ran."""
+    fetch = "repository unavailable: cannot fetch https://git.example/o/r.git: fatal: unable to access"
+    assert outpost.next_failure_streak(2, RunStatus.FAILED, "launch", fetch) == 2
+    assert outpost.next_failure_streak(2, RunStatus.FAILED, "launch", "repository unavailable: /srv/r is gone") == 3
 
 
 ###############################################################################

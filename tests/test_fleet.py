@@ -411,6 +411,8 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
     before = table_counts(lambda sql: sqlite3.connect(data / "outpost.sqlite3").execute(sql).fetchall())
     assert before["Run"] >= 2 and before["Event"] > 5 and before["Wakeup"] >= 1 and before["Task"] == 1
     assert before["IdempotencyRecord"] >= 3 and before["Occurrence"] == 1
+    logs = sorted((data / "runs").glob("*.log"))   # on SQLite a run's log is a file of the data dir
+    assert before["LogChunk"] == 0 and f"{fired['run_id']}.log" in [p.name for p in logs]
 
     url = postgres_database()
     POSTGRES_DATABASES[tmp_path / "migrated"] = url
@@ -424,7 +426,8 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
             with connection.cursor() as cursor:
                 cursor.execute(sql)
                 return cursor.fetchall()
-        assert table_counts(query) == before == {t: int(n) for t, n in printed.items()}
+        copied = before | {"LogChunk": len(logs)}   # each log became one chunk in the database
+        assert table_counts(query) == copied == {t: int(n) for t, n in printed.items()}
     finally:
         connection.close()
     again = subprocess.run(migrate, capture_output=True, text=True, timeout=120)
@@ -434,6 +437,8 @@ def test_migrate_copies_an_appliance_into_postgresql_which_then_serves_it(tmp_pa
     with served.client() as api:
         assert [s["name"] for s in api.get("/v1/outpost/schedules").json()["schedules"]] == ["nightly"]
         assert api.get(f"/v1/outpost/runs/{fired['run_id']}").json()["status"] == "succeeded"
+        old_log = api.get(f"/v1/outpost/runs/{fired['run_id']}/log").text   # served from another data dir
+        assert "hello" in old_log and old_log == (data / "runs" / f"{fired['run_id']}.log").read_text()
         fired_again = api.post(f"/v1/outpost/schedules/{schedule['id']}/control", json={"action": "fire"},
                                headers={"Idempotency-Key": "fire-2", "If-Match": '"1"'}).json()
         assert fired_again["outcome"] == "admitted", fired_again
@@ -543,3 +548,81 @@ def test_a_second_process_under_a_live_node_s_name_is_refused(tmp_path, database
     assert time.monotonic() - started < outpost.NODE_LOST_S, again.logs()
     with again.client() as client:
         assert {n["name"]: n["status"] for n in client.get("/v1/outpost/nodes").json()["nodes"]} == {"same": "up"}
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat: T is stopped."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_pause_sent_to_another_node_stops_the_agent_where_it_runs(tmp_path, database, git_repo, server_factory):
+    """API.md 5.4: a running run can always be paused: sent to a node that is not running it, the
+    pause is recorded there and the node that runs the agent stops it; resume continues it."""
+    ledger = tmp_path / "ledger"
+    a = Node(tmp_path, "a", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    b = Node(tmp_path, "b", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    with a.client() as ca, b.client() as cb:
+        run_id = dispatch(ca, git_repo)
+        wait_for(lambda: any(w == "start" and r == run_id for w, r, _ in ledger_lines(ledger)), timeout_s=30)
+        other = cb if ca.get(f"/v1/outpost/runs/{run_id}").json()["node"] == "a" else ca
+
+        def control(action: str) -> httpx.Response:
+            return other.post(f"/v1/outpost/runs/{run_id}/control", json={"action": action},
+                              headers={"Idempotency-Key": uuid.uuid4().hex})
+        import psycopg2
+        connection = psycopg2.connect(database)
+        cursor = connection.cursor()
+        cursor.execute('SELECT pid FROM "Run" WHERE id = %s', (run_id,))
+        (pid,) = cursor.fetchone()
+        connection.close()
+        paused = control("pause")
+        assert paused.status_code == 200 and paused.json()["status"] == "paused", paused.text
+        wait_for(lambda: process_state(pid) == "T", timeout_s=15)   # stopped by the node that runs it
+        resumed = control("resume")
+        assert resumed.status_code == 200, resumed.text
+        wait_for(lambda: other.get(f"/v1/outpost/runs/{run_id}").json()["status"] == "running", timeout_s=15)
+        wait_for(lambda: process_state(pid) != "T", timeout_s=15)
+        assert control("cancel").status_code == 200
+        run = wait_for(lambda: settled(other, [run_id]), timeout_s=30, interval_s=0.2)[0]
+    assert run["status"] == "cancelled"
+
+
+def test_a_node_that_cannot_fetch_a_url_leaves_its_run_queued_for_a_node_that_can(
+        tmp_path, database, git_repo, server_factory):
+    """Defect 9b: a node that could not fetch a run's URL admitted it and failed it (a failure of
+    the schedule's streak). Now it puts the run back in the queue, stops taking that URL's runs for
+    a while, and a node that reaches the URL runs it."""
+    work = make_repo(tmp_path / "work")
+    bare = tmp_path / "remote.git"
+    subprocess.run(["git", "clone", "--quiet", "--bare", str(work), str(bare)], check=True)
+    url = f"file://{bare}"
+    ledger = tmp_path / "ledger"
+    b = Node(tmp_path, "b", database, ledger, max_running=1, sleep_s=60).start(server_factory)
+    with b.client() as cb:
+        holder = dispatch(cb, git_repo)   # b's one slot is taken: only a can admit the next run
+        wait_for(lambda: any(w == "start" and r == holder for w, r, _ in ledger_lines(ledger)), timeout_s=30)
+        a = Node(tmp_path, "a", database, ledger, max_running=1)
+        a.env["GIT_ALLOW_PROTOCOL"] = "https"   # a's git refuses file:// URLs: a cannot reach the remote
+        a.start(server_factory)
+        reply = cb.post("/v1/outpost/dispatches", headers={"Idempotency-Key": uuid.uuid4().hex},
+                        json={"brief": "@print fetched", "repository": url, "agent": "demo"})
+        assert reply.status_code == 202, reply.text
+        run_id = reply.json()["run_id"]
+
+        def requeued() -> bool:
+            events = cb.get("/v1/outpost/events?limit=1000").json()["events"]
+            return any(e["type"] == "run.requeued" and e["data"]["run_id"] == run_id for e in events)
+        wait_for(requeued, timeout_s=30)   # a took it, could not fetch, and put it back
+        assert cb.get(f"/v1/outpost/runs/{run_id}").json()["status"] == "queued"
+        cancel = cb.post(f"/v1/outpost/runs/{holder}/control", json={"action": "cancel"},
+                         headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert cancel.status_code == 200, cancel.text
+        run = wait_for(lambda: settled(cb, [run_id]), timeout_s=60, interval_s=0.2)[0]
+    assert (run["status"], run["node"]) == ("succeeded", "b"), run
+    assert "fetched" in cb_log(b, run_id)
+    assert "Traceback" not in a.server.logs()
+
+
+def cb_log(node: Node, run_id: str) -> str:
+    with node.client() as client:
+        return client.get(f"/v1/outpost/runs/{run_id}/log").text

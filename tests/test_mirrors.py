@@ -104,3 +104,35 @@ def test_an_unreachable_url_is_refused_at_dispatch_with_git_s_words(server_facto
     assert reply.status_code == 422, reply.text
     problem = reply.json()
     assert problem["errors"][0]["field"] == "repository" and "cannot fetch" in problem["detail"]
+
+
+def test_runs_of_a_url_this_appliance_cannot_reach_fail_without_feeding_the_failure_streak(
+        server_factory, remote, tmp_path):
+    """Defect 9b: a single appliance that could not fetch a schedule's URL failed its runs as
+    the agent's own failures, and three of them auto-paused the schedule. Now each fails with the
+    reason, and the streak is left as it was (API.md 10: a fetch that fails never counts)."""
+    bare, _ = remote
+    url = f"file://{bare}"
+    server = server_factory(data_dir=tmp_path / "data")
+    with server.client() as client:
+        definition = {"name": "far", "brief": "@print hi", "repository": url, "agent": "demo",
+                      "timing": {"kind": "cron", "expression": "0 0 1 1 *", "timezone": "UTC"}}
+        composed = client.post("/v1/outpost/schedules/compose", json=definition).json()
+        sched = client.post("/v1/outpost/schedules", headers={"Idempotency-Key": uuid.uuid4().hex},
+                            json={"definition": composed["definition"], "confirmation": composed["confirmation"]})
+        assert sched.status_code == 201, sched.text
+        sid = sched.json()["id"]
+        bare.rename(tmp_path / "gone.git")   # the remote cannot be reached any more
+        runs = []
+        for _ in range(outpost.AUTO_PAUSE_STREAK):
+            revision = client.get(f"/v1/outpost/schedules/{sid}").json()["revision"]
+            fired = client.post(f"/v1/outpost/schedules/{sid}/control", json={"action": "fire"},
+                                headers={"Idempotency-Key": uuid.uuid4().hex, "If-Match": str(revision)}).json()
+            assert fired["outcome"] == "admitted", fired
+            runs.append(wait_for(lambda run_id=fired["run_id"]: settled(client, run_id), timeout_s=30))
+        schedule = client.get(f"/v1/outpost/schedules/{sid}").json()
+        kinds = [a["kind"] for a in client.get("/v1/outpost/attention").json()["attention"]]
+    assert {r["status"] for r in runs} == {"failed"}
+    assert all(r["error"].startswith(f"repository unavailable: cannot fetch {url}") for r in runs), runs[0]["error"]
+    assert (schedule["failure_streak"], schedule["enabled"], schedule["auto_paused"]) == (0, True, False)
+    assert "auto_pause" not in kinds

@@ -773,3 +773,23 @@ def test_a_session_ends_on_sign_out_and_on_expiry(store):
     assert tx.session_csrf(cookie, T0 + timedelta(seconds=outpost.SESSION_TTL_S + 1)) is None
     tx.end_session(cookie)
     assert tx.session_csrf(cookie, T0) is None
+
+
+def test_migrate_copies_each_run_s_log_file_into_the_database(tmp_path):
+    """Defect 9c: ``outpost migrate`` copied the tables but not the logs, which an appliance keeps
+    as files: on PostgreSQL the old runs showed an empty log. Each file becomes the run's stored log."""
+    source = outpost.Store(tmp_path / "appliance.sqlite3")
+    target = outpost.Store(tmp_path / "target.sqlite3")   # the same copy a PostgreSQL target gets
+    try:
+        logged, silent = dispatch(Tx(source), T0), dispatch(Tx(source), T0)
+        runs = tmp_path / "runs"
+        runs.mkdir()
+        (runs / f"{logged}.log").write_bytes(b"hello\n\xff the end\n")
+        (runs / "out_not_a_run.log").write_bytes(b"stray")
+        counts = source.copy_into(target, logs=runs)
+        assert counts["LogChunk"] == 1 and counts["Run"] == 2
+        assert Tx(target).stored_log(logged) == b"hello\n\xff the end\n"
+        assert Tx(target).stored_log(silent) == b""
+    finally:
+        source.close()
+        target.close()
