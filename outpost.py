@@ -5648,8 +5648,9 @@ class PipelineStore(OfficeStore):
         return None
 
     def _claimable_wakeups(self, now: datetime, limit: int) -> list[str]:
-        """The claim query, oldest first: a wakeup whose agent is at max_concurrent_sessions
-        or in its cooldown, or whose retry or wake time is ahead, stays queued."""
+        """The claim query, oldest first: only agents that are idle or working claim; a wakeup
+        whose agent is paused or stopped, at max_concurrent_sessions or in its cooldown, or
+        whose retry or wake time is ahead, stays queued."""
         due = sql_time(now)
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
             'SELECT a.id, a.status, a.last_wakeup_finished_at, a.cooldown_sec, a.max_concurrent_sessions '
@@ -5660,11 +5661,10 @@ class PipelineStore(OfficeStore):
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
             if status in ("paused", "stopped"):
-                room = limit   # the status guard finishes these without a session
-            elif last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
+                continue   # its wakeups wait for it to be resumed
+            if last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
                 continue
-            else:
-                room = max_sessions - active.get(agent_id, 0)
+            room = max_sessions - active.get(agent_id, 0)
             if room <= 0:
                 continue
             candidates += self.db.select(
@@ -5680,20 +5680,21 @@ class PipelineStore(OfficeStore):
         run supervisor's and ``settle_run``'s. Returns whether it was claimed here
         and the run it queued (none when the wakeup ended without one)."""
         olog = log.getChild("office")
-        # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
         w = self.db.Wakeup[wakeup_id]
-        if w.status != "queued":
-            return PipelineOutcome(claimed=False)
-        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         agent = self.db.Agent.get(id=w.agent_id)
+        # 2. Guard: agent status, before the claim (the spec's claim query takes only idle and
+        # working agents): a paused or stopped agent's wakeups stay queued until it is resumed.
+        if w.status != "queued" or (agent is not None and agent.status in ("paused", "stopped")):
+            return PipelineOutcome(claimed=False)
+        # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
+        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
+        if agent is None:
+            self._end_wakeup(w, "finished", now, note="agent deleted: no session")
+            return PipelineOutcome(claimed=True)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
         review = w.reason == REVIEW_REASON
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review)):
             self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
-            return PipelineOutcome(claimed=True)
-        # 2. Guard: agent status.
-        if agent is None or agent.status in ("paused", "stopped"):
-            self._end_wakeup(w, "finished", now, note=f"agent {agent.status if agent else 'deleted'}: no session")
             return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
             r = self.db.Routine.get(id=w.payload.get("routine_id"))
@@ -8030,7 +8031,7 @@ def wakeup_label(w: dict[str, Any]) -> str:
     if w["status"] == "coalesced":
         return f"Merged into {w['coalesced_into'][-6:]}"
     if w["status"] == "finished" and not w["run_id"]:
-        return "Finished, no run"   # held, idle-skipped or agent paused: the note says which
+        return "Finished, no run"   # held, idle-skipped or its routine paused: the note says which
     if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
         return "Recovered"
     return w["status"].capitalize()

@@ -56,6 +56,12 @@ def edit_task(store: outpost.Store, task_id: str, now: datetime, **changes) -> d
     return call(store, store.update_task, task_id, fields, now)
 
 
+def edit_agent(store: outpost.Store, agent_id: str, now: datetime, **changes) -> dict:
+    current = call(store, store.agent_fields, agent_id)
+    return call(store, store.update_agent, agent_id,
+                outpost.normalize_agent(changes, profiles=list(PROFILES), current=current), now)
+
+
 def move(store: outpost.Store, task_id: str, state: str, now: datetime, by_agent: str | None = None) -> dict:
     return call(store, store.move_task, task_id, state, now, by_agent)
 
@@ -256,23 +262,29 @@ def test_task_assigned_wakeup_is_queued_when_assignment_saved(office):
     assert (w2["source"], w2["status"], w2["payload"]) == ("task_assigned", "queued", {"task_id": later})
 
 
-def test_wakeup_for_paused_agent_is_finished_without_session(office):
+def test_wakeup_for_paused_agent_waits_queued_without_session(office):
+    """The claim takes only idle and working agents: a paused or stopped agent's wakeups are
+    not claimed, not retried, not ended; they run once the agent is resumed."""
     paused = new_agent(office, "Sleepy", status="paused")
     new_task(office, "t", assignee_agent_id=paused)
     (w,) = wakeups(office, paused)
     assert dispatch(office, at(1)) == []
     w = wakeup(office, w["id"])
-    assert w["status"] == "finished" and w["run_id"] is None and w["cancel_reason"] is None
-    assert "paused" in w["note"]
-    # Not retried: no retry scheduled, and later passes leave it alone.
+    assert (w["status"], w["run_id"], w["claimed_at"], w["finished_at"]) == ("queued", None, None, None)
     assert w["retry_count"] == 0 and w["scheduled_retry_at"] is None
     assert dispatch(office, at(HOUR)) == []
-    assert wakeup(office, w["id"])["status"] == "finished"
+    assert wakeup(office, w["id"])["status"] == "queued"
     assert runs_of_agent(office, paused) == []
-    stopped = new_agent(office, "Stopped", status="stopped")
+    stopped = new_agent(office, "Stopped", status="stopped", role="coordinator")
     routine_wake(office, stopped, at(2))
     assert dispatch(office, at(3)) == []
-    assert only(wakeups(office, stopped))["status"] == "finished"
+    assert only(wakeups(office, stopped))["status"] == "queued"
+    # Resumed, each agent works what waited for it.
+    edit_agent(office, paused, at(HOUR), status="idle")
+    edit_agent(office, stopped, at(HOUR), status="idle")
+    assert len(dispatch(office, at(HOUR + 1))) == 2
+    assert wakeup(office, w["id"])["status"] == "claimed"
+    assert only(wakeups(office, stopped))["status"] == "claimed"
 
 
 def test_comment_wakeup_stays_queued_while_agent_at_capacity(office):
@@ -1128,6 +1140,27 @@ def test_budget_exhausted_pauses_agent_and_skips(office):
     item = only(attention(office, "budget_blocked"))
     assert "Worker" in item["title"]
     assert {task(office, t)["state"] for t in (first, second)} == {"TODO"}
+
+
+def test_a_budget_pause_keeps_the_agents_other_wakeups_queued_for_after_resume(office):
+    """Issue 24.1: the budget pause drained the agent's other queued wakeups ("agent paused:
+    no session"). The wakeup that met the used-up budget is skipped (the spec); the others
+    wait and run once the agent is resumed."""
+    worker = new_agent(office, "Worker", budget_runs_per_day=1, cooldown_sec=0)
+    first = new_task(office, "one", assignee_agent_id=worker)
+    settle_all(office, at(10), dispatch(office, at(1)))
+    second = new_task(office, "two", at(20), assignee_agent_id=worker)
+    call(office, office.add_comment, first, "one more detail", at(21))
+    assert dispatch(office, at(22)) == []
+    assert agent(office, worker)["status"] == "paused"
+    assert only(wakeups(office, worker, status="skipped"))["payload"] == {"task_id": second}
+    comment = only(wakeups(office, worker, source="comment"))
+    assert (comment["status"], comment["run_id"], comment["note"]) == ("queued", None, None)
+    # The user raises the budget and sets the agent back to idle: the comment is worked.
+    edit_agent(office, worker, at(HOUR), budget_runs_per_day=10, status="idle")
+    (run_id,) = dispatch(office, at(HOUR))
+    assert wakeup(office, comment["id"])["run_id"] == run_id
+    assert "one more detail" in office_run(office, run_id)["assembled_prompt"]
 
 
 def test_a_budget_alert_fires_once_when_a_run_jumps_past_80_percent(office):

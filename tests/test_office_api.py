@@ -294,16 +294,40 @@ async def test_wakeups_list_filters_by_agent_and_status(office_api):
     ta = await office_api.task("for a", assignee_agent_id=a["id"])
     await office_api.task("for b", assignee_agent_id=b["id"])
     await office_api.patch(f"/api/office/agents/{b['id']}", {"status": "paused"})
-    office_api.dispatch()   # a: claimed with a run; b (paused): finished with no session
+    office_api.dispatch()   # a: claimed with a run; b (paused): still queued, no session
     mine = await office_api.wakeups(f"?agent_id={a['id']}")
     assert [(w["agent_id"], w["status"], w["payload"]["task_id"]) for w in mine] == [(a["id"], "claimed", ta["id"])]
     assert mine[0]["run_id"].startswith("out_")
-    finished = await office_api.wakeups("?status=finished")
-    assert [(w["agent_id"], w["run_id"]) for w in finished] == [(b["id"], None)]
+    waiting = await office_api.wakeups("?status=queued")
+    assert [(w["agent_id"], w["run_id"]) for w in waiting] == [(b["id"], None)]
     assert await office_api.wakeups(f"?agent_id={b['id']}&status=claimed") == []
     assert len(await office_api.wakeups()) == 2
     assert_problem(await office_api.get("/api/office/wakeups?status=sleeping"), 422, "validation_failed", "status")
     assert_problem(await office_api.get("/api/office/wakeups?source=whim"), 422, "validation_failed", "source")
+
+
+async def test_a_paused_agents_wakeups_wait_and_run_after_it_is_resumed(office_api):
+    """Issue 24.1: a comment posted while its agent was paused ended its wakeup ``finished``
+    ("agent paused: no session") and nothing ran after resume. A paused agent claims nothing:
+    its wakeups stay queued and run once it is idle again."""
+    agent = await office_api.agent("Sleepy")
+    assert (await office_api.patch(f"/api/office/agents/{agent['id']}", {"status": "paused"})).status == 200
+    task = await office_api.task("Write the changelog", assignee_agent_id=agent["id"])
+    reply = await office_api.post(f"/api/office/tasks/{task['id']}/comments", {"body": "mention the new flag"})
+    assert reply.status == 201, reply.body
+    assert office_api.dispatch() == []
+    waiting = await office_api.wakeups(f"?agent_id={agent['id']}")
+    assert sorted((w["source"], w["status"], w["run_id"]) for w in waiting) == [
+        ("comment", "queued", None), ("task_assigned", "queued", None)]
+    assert office_api.dispatch() == [], "a later pass leaves them waiting too"
+    assert (await office_api.patch(f"/api/office/agents/{agent['id']}", {"status": "idle"})).status == 200
+    [run_id] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
+    assert (run["agent_id"], run["task_id"]) == (agent["id"], task["id"])
+    assert "mention the new flag" in run["assembled_prompt"]
+    after = {w["source"]: w for w in await office_api.wakeups(f"?agent_id={agent['id']}")}
+    assert after["task_assigned"]["status"] == "claimed" and after["comment"]["status"] == "coalesced"
+    assert after["comment"]["run_id"] == run_id
 
 
 async def test_user_wake_of_an_agent(office_api):

@@ -1094,14 +1094,17 @@ async def test_a_deleted_webhook_trigger_answers_404_and_fires_nothing(api):
     assert detail["triggers"] == [] and detail["runs"] == []
 
 
-async def test_the_wakeups_page_labels_cancelled_held_and_recovered_wakeups(api):
+async def test_the_wakeups_page_labels_cancelled_idle_skipped_and_recovered_wakeups(api):
     profiles = {"demo": outpost.demo_profile()}
-    a, b = await api.agent("A"), await api.agent("B", status="paused")
+    a, b = await api.agent("A", cooldown_sec=0), await api.agent("B", cooldown_sec=0)
     moved = (await api.post("/api/office/tasks", {"title": "moved", "assignee_agent_id": a["id"]})).body
     assert (await api.patch(f"/api/office/tasks/{moved['id']}", {"assignee_agent_id": b["id"]})).status == 200
-    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)   # A's stale; B paused: no session
-    assert (await api.patch(f"/api/office/agents/{b['id']}", {"status": "idle"})).status == 200
-    assert call(api.store, api.store.recovery_sweep, api.clock.now()) == 1
+    (run_id,), _ = call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)   # A's: stale
+    assert (await api.post(f"/v1/outpost/runs/{run_id}/control", {"action": "cancel"}, key="c1")).status == 200
+    assert call(api.store, api.store.recovery_sweep, api.clock.now()) == 1   # B's run was cancelled
+    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
+    idle = await api.routine(name="Poll", assignee_agent_id=a["id"])   # A has no task: idle-skipped
+    assert (await api.post(f"/api/office/routines/{idle['id']}/fire", {"variables": {}})).status == 202
     call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
     _, page = await api.page("/office/wakeups")
     for label in ("Cancelled - assignee changed", "Finished, no run", "Recovered"):
@@ -1170,15 +1173,26 @@ def test_coordinator_routine_wakeup_proceeds_without_assigned_tasks(office):
 # Recovery sweep (unstarted Office tasks).
 ###############################################################################
 
+def unwoken_task(store: outpost.Store, title: str, now: datetime, agent_id: str) -> str:
+    """A TODO task assigned with no wakeup for it (assigned behind the API, or its wakeup lost
+    to an older version): what the recovery sweep is for."""
+    tid = new_task(store, title, now)
+
+    def assign_behind_the_api():
+        store.db.Task[tid].assignee_agent_id = agent_id
+    store.transaction(assign_behind_the_api)
+    return tid
+
+
 def test_recovery_sweep_dispatches_unstarted_office_task_and_skips_the_rest(office):
     ada = new_agent(office, "Ada", status="paused", cooldown_sec=0)
     bob = new_agent(office, "Bob", status="paused", cooldown_sec=0)
-    old = new_task(office, "created 29 h before the sweep", at(HOUR), assignee_agent_id=ada)
-    unstarted = new_task(office, "assigned, never started", at(7 * HOUR), assignee_agent_id=ada)
+    old = unwoken_task(office, "created 29 h before the sweep", at(HOUR), ada)
+    unstarted = unwoken_task(office, "assigned, never started", at(7 * HOUR), ada)
     new_task(office, "a kanban card", at(7 * HOUR), assignee_agent_id=ada, workflow="kanban")
     new_task(office, "nobody's", at(7 * HOUR))
-    bobs = new_task(office, "its agent is paused", at(7 * HOUR), assignee_agent_id=bob)
-    assert dispatch(office, at(7 * HOUR)) == []            # paused: their wakeups end without a session
+    bobs = unwoken_task(office, "its agent is paused", at(7 * HOUR), bob)
+    assert dispatch(office, at(7 * HOUR)) == [] and wakeups(office) == []
     edit_agent(office, ada, at(8 * HOUR), status="idle")
     started = new_task(office, "ran once, long ago", at(8 * HOUR), assignee_agent_id=ada)
     (run_id,) = dispatch(office, at(8 * HOUR))
@@ -1264,8 +1278,8 @@ async def test_recovery_actor_sweeps_at_start_and_every_5_minutes(autojump_clock
     set_settings(store, repository=str(tmp_path / "repo"))
     ada = new_agent(store, "Ada", status="paused", cooldown_sec=0)
     bob = new_agent(store, "Bob", status="paused", cooldown_sec=0)
-    first = new_task(store, "first", T0, assignee_agent_id=ada)
-    second = new_task(store, "second", T0, assignee_agent_id=bob)
+    first = unwoken_task(store, "first", T0, ada)
+    second = unwoken_task(store, "second", T0, bob)
     assert dispatch(store, T0) == []
     edit_agent(store, ada, T0, status="idle")
     async with trio.open_nursery() as nursery:
