@@ -5027,17 +5027,40 @@ class WakeupStore(AccessStore):
         return rows[0] if rows else None
 
     def _coalesce(self, target, w, now: datetime) -> None:
-        """Merge ``w`` into ``target``: its payload joins the context the agent will read."""
-        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, target.run_id, naive(now)
+        """Merge ``w`` into ``target``: its payload joins the context the agent will read. It
+        takes the target's run only if that run is the one to come (not a retry's failed run)."""
+        run_id = target.run_id if target.status == "claimed" else None
+        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, run_id, naive(now)
         target.context_snapshot = merge_context(target.context_snapshot, w.source, w.reason, w.payload,
                                                 aware(w.requested_at))
         target.coalesced_count += 1
-        if target.run_id and (o := self.db.OfficeRun.get(run_id=target.run_id)) is not None:
+        if run_id and (o := self.db.OfficeRun.get(run_id=run_id)) is not None:
             o.context_snapshot = target.context_snapshot
             o.assembled_prompt = self._office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
                                                      summary=o.summary_injected)
             self.db.Run[o.run_id].prompt = o.assembled_prompt
         self.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
+
+    def _requeue_merged(self, w, now: datetime, still_wanted: Callable[[Any], bool]) -> str | None:
+        """``w`` ends without a run: the requests merged into it that no run has carried yet
+        and that still ask for one (``still_wanted``) are queued again instead of ending with
+        it, the oldest on its own and the others merged into that one. Returns its id."""
+        wakeup_id = w.id
+        kept = [q for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.run_id is None)
+                .order_by(lambda q: (q.requested_at, q.id)) if still_wanted(q)]
+        if not kept:
+            return None
+        first = kept[0]
+        snapshot: dict[str, Any] = {}
+        for q in kept:
+            q.coalesced_into = None if q is first else first.id
+            snapshot = merge_context(snapshot, q.source, q.reason, q.payload, aware(q.requested_at))
+        first.status, first.finished_at, first.coalesced_count = "queued", None, len(kept)
+        first.context_snapshot = snapshot
+        w.coalesced_count -= len(kept)
+        self.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
+                                    "split_from": w.id}, now)
+        return first.id
 
     def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
                        now: datetime, *, reason: str | None = None, wake_at: datetime | None = None,
@@ -5697,8 +5720,11 @@ class PipelineStore(OfficeStore):
             self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
-            r = self.db.Routine.get(id=w.payload.get("routine_id"))
-            if r is None or r.status != "active":
+            routine_id = w.payload.get("routine_id")
+            r = self.db.Routine.get(id=routine_id)
+            if r is None or r.status != "active":   # what merged into it from elsewhere still runs
+                self._requeue_merged(w, now, lambda q: q.source != WakeupSource.ROUTINE
+                                     or q.payload.get("routine_id") != routine_id)
                 self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
@@ -5717,6 +5743,9 @@ class PipelineStore(OfficeStore):
             if idle_skip_applies(w.source, w.payload, agent.skip_idle_wakeups, actionable):
                 olog.info("wakeup_idle_skipped wakeup_id=%s agent_instance_id=%s agent_name=%s "
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
+                # Only the routine's own part is skipped: a user, self or event wake that merged
+                # into it (into its pending retry) is queued again and runs.
+                self._requeue_merged(w, now, lambda q: not idle_skip_applies(q.source, q.payload, True, 0))
                 self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)")
                 self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")

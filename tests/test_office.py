@@ -975,6 +975,22 @@ def test_idle_skip_coordinator_default_false_proceeds(office):
     assert wakeup(office, ceo_wake)["status"] == "finished"
 
 
+def test_a_self_wake_merged_into_a_paused_routines_retry_still_runs(office):
+    """Issue 24.2: what merged into a routine wakeup's pending retry ended with it when the
+    routine was paused meanwhile. Only the routine's own part ends; the agent's self-wake runs."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    retry = fail_and_reschedule(office, routine_wake(office, lead, at(1), "r1"), at(2))
+    selfwake = enqueue(office, lead, outpost.WakeupSource.SELF, {"reason": "check the deploy"}, at(3))
+    assert wakeup(office, selfwake)["coalesced_into"] == retry["id"]
+
+    def pause_routine():
+        office.db.Routine["r1"].status = "paused"
+    office.transaction(pause_routine)
+    (run_id,) = dispatch(office, retry_due(retry))
+    assert (wakeup(office, retry["id"])["status"], wakeup(office, selfwake)["run_id"]) == ("finished", run_id)
+    assert "check the deploy" in office_run(office, run_id)["assembled_prompt"]
+
+
 def settle_all(store: outpost.Store, now: datetime, run_ids: list[str] | None = None,
                status: str = "succeeded") -> None:
     """Settle the given runs (default: every queued or running run)."""

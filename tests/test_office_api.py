@@ -22,6 +22,7 @@ from conftest import (
     OfficeApi,
     Server,
     assert_problem,
+    dispatch,
     git,
     make_deps,
     make_repo,
@@ -343,6 +344,36 @@ async def test_user_wake_of_an_agent(office_api):
     run = (await office_api.get(f"/api/office/runs/{run_id}")).body
     assert "look at the flaky test" in run["assembled_prompt"]
     assert run["task_id"] is None
+
+
+async def test_a_user_wake_merged_into_a_routine_retry_runs_when_the_routine_is_idle_skipped(office_api):
+    """Issue 24.2: a Wake now that merged into a routine wakeup's pending retry was thrown away
+    when that wakeup was idle-skipped. Only the routine's own part may be skipped: the user's
+    wake still runs."""
+    agent = await office_api.agent("Worker")
+    task = await office_api.task("Fix the flaky test", assignee_agent_id=agent["id"])
+    [task_run] = office_api.dispatch()
+    office_api.settle(task_run)
+    routine = (await office_api.post("/api/office/routines", {"name": "Poll", "assignee_agent_id": agent["id"]})).body
+    fired = (await office_api.post(f"/api/office/routines/{routine['id']}/fire", {"variables": {}})).body
+    [routine_run] = office_api.dispatch()   # a TODO task: not idle, the routine runs
+    office_api.settle(routine_run, outpost.RunStatus.FAILED, error="network timeout")
+    retry = [w for w in await office_api.wakeups() if w["id"] == fired["wakeup_id"]][0]
+    assert retry["status"] == "queued" and retry["scheduled_retry_at"]
+    # The task is done (nothing actionable is left), then the user wakes the agent.
+    assert (await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": "DONE"})).status == 200
+    woken = (await office_api.post(f"/api/office/agents/{agent['id']}/wake", {"context": "check the nightly"})).body
+    assert (woken["status"], woken["coalesced_into"]) == ("coalesced", retry["id"])
+    office_api.clock.at = outpost.parse_instant(retry["scheduled_retry_at"]) + timedelta(seconds=1)
+    [run_id] = dispatch(office_api.store, office_api.clock.now())   # the claim actor's passes
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
+    assert "check the nightly" in run["assembled_prompt"] and run["task_id"] is None
+    rows = {w["id"]: w for w in await office_api.wakeups()}
+    assert (rows[woken["id"]]["status"], rows[woken["id"]]["run_id"]) == ("claimed", run_id)
+    assert (rows[retry["id"]]["status"], rows[retry["id"]]["run_id"]) == ("finished", routine_run)   # no new run
+    assert "idle skip" in rows[retry["id"]]["note"]
+    [skipped] = (await office_api.get("/api/office/activity?code=wakeup_idle_skipped")).body["activity"]
+    assert skipped["wakeup_id"] == retry["id"]
 
 
 # --- run detail ---------------------------------------------------------------------------------------
