@@ -2017,6 +2017,8 @@ SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, 
 TASK_WORKFLOWS = ("office", "kanban")
 #: Wakeup reason of a reviewer woken by a move to In Review (its staleness follows the reviewers).
 REVIEW_REASON = "review_requested"
+#: The note of a task_assigned wakeup that waits, queued, for its task's open blockers.
+HELD_NOTE = "held until its blockers are done"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -5092,6 +5094,9 @@ class WakeupStore(AccessStore):
             self._coalesce(self.db.Wakeup[target], self.db.Wakeup[wakeup_id], now)
         else:
             self.emit("wakeup.queued", {"wakeup_id": wakeup_id, "agent_id": agent_id, "source": str(source)}, now)
+            if source == WakeupSource.TASK_ASSIGNED and (t := self.db.Task.get(id=task_id)) is not None and (
+                    waiting := self._open_blockers(t.blocked_by or [])):
+                self.db.Wakeup[wakeup_id].note = f"{HELD_NOTE}: " + ", ".join(waiting)
         return wakeup_id
 
     def _release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
@@ -5128,11 +5133,12 @@ class WakeupStore(AccessStore):
         self._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
 
     def _open_blockers(self, blocker_ids: list[str]) -> list[str]:
-        """The blockers not yet Done or Cancelled (a deleted blocker blocks nothing)."""
+        """The blockers not yet Done or Cancelled (a deleted or archived blocker blocks nothing)."""
         if not blocker_ids:
             return []
         ids, params = sql_list("b", blocker_ids)
-        return self.db.select(f'SELECT id FROM "Task" WHERE id IN {ids} AND state NOT IN {TERMINAL_TASK_SQL}', params)
+        return self.db.select(f'SELECT id FROM "Task" WHERE id IN {ids} AND state NOT IN {TERMINAL_TASK_SQL} '
+                              "AND archived_at IS NULL", params)
 
     def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
         t = self.db.Task.get(id=task_id)
@@ -5335,6 +5341,8 @@ class OfficeStore(WakeupStore):
         t = self._task(task_id)
         self._check_task_refs(t.workspace_id, fields, t.id)
         previous = t.assignee_agent_id
+        was_open = self._open_blockers(t.blocked_by or [])
+        blocking = t.state not in TERMINAL_TASK_STATES and t.archived_at is None
         archived = fields.pop("archived", None)
         if archived is not None:
             t.archived_at = (t.archived_at or naive(now)) if archived else None
@@ -5350,6 +5358,13 @@ class OfficeStore(WakeupStore):
             if t.assignee_agent_id:   # a new assignment is a new event, even back to an earlier assignee
                 self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     idempotency_key=f"task_assigned:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
+        if was_open and not self._open_blockers(t.blocked_by or []):   # its last open blocker left its list
+            resolved = ",".join(sorted(was_open))
+            self._wake_assignee(t, WakeupSource.TASK_BLOCKERS_RESOLVED,
+                                {"task_id": t.id, "resolved_blocker_ids": sorted(was_open)}, now,
+                                idempotency_key=f"task_blockers_resolved:{t.id}:{resolved}:{now.timestamp():.3f}")
+        if blocking and t.archived_at is not None:   # archived, it blocks nothing any more
+            self._wake_unblocked(t, now)
         return task_view(t)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
@@ -5421,10 +5436,9 @@ class OfficeStore(WakeupStore):
             self._resolve_dependents(t, now)
         return task_view(t)
 
-    def _resolve_dependents(self, t, now: datetime) -> None:
-        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
-        (task_blockers_resolved) and the parent whose children are all finished
-        (task_children_completed)."""
+    def _wake_unblocked(self, t, now: datetime) -> None:
+        """``t`` stopped blocking (Done, Cancelled or archived): wake the tasks it was the last
+        open blocker of (task_blockers_resolved); their held assignments are claimable again."""
         blocked = self.db.select('SELECT id FROM "Task" t WHERE workspace_id = $ws AND EXISTS '
                                  f'(SELECT 1 FROM {self.json_elements("t.blocked_by")} j WHERE j.value = $tid)',
                                  {"ws": t.workspace_id, "tid": t.id})
@@ -5433,6 +5447,12 @@ class OfficeStore(WakeupStore):
             if not self._open_blockers(blockers):
                 self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
                                     {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
+
+    def _resolve_dependents(self, t, now: datetime) -> None:
+        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
+        (task_blockers_resolved) and the parent whose children are all finished
+        (task_children_completed)."""
+        self._wake_unblocked(t, now)
         if t.parent_id and (parent := self.db.Task.get(id=t.parent_id)) is not None:
             open_children = self.db.select('SELECT COUNT(*) FROM "Task" WHERE parent_id = $p AND state NOT IN '
                                            f"{TERMINAL_TASK_SQL}", {"p": parent.id})[0]
@@ -5681,6 +5701,9 @@ class PipelineStore(OfficeStore):
             "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
         active = self.wakeups_by_agent("claimed")
+        held = (f'SELECT 1 FROM "Task" t WHERE t.id = w.task_id AND t.state NOT IN {TERMINAL_TASK_SQL} '
+                f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
+                f'JOIN "Task" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} AND b.archived_at IS NULL)')
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
             if status in ("paused", "stopped"):
@@ -5695,6 +5718,7 @@ class PipelineStore(OfficeStore):
                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
+                f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
@@ -5731,11 +5755,13 @@ class PipelineStore(OfficeStore):
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
             self.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
-        # Held while blocked: task_blockers_resolved wakes the agent when the blockers are done.
+        # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
         if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
                 and (waiting := self._open_blockers(task["blocked_by"]))):
-            self._end_wakeup(w, "finished", now, note="held until its blockers are done: " + ", ".join(waiting))
-            return PipelineOutcome(claimed=True)
+            w.status, w.claimed_at, w.note = "queued", None, f"{HELD_NOTE}: " + ", ".join(waiting)
+            return PipelineOutcome(claimed=False)
+        if (w.note or "").startswith(HELD_NOTE):
+            w.note = None
         # 4. Idle skip.
         if w.source == WakeupSource.ROUTINE and not w.task_id and agent.skip_idle_wakeups:
             actionable = orm.count(t for t in self.db.Task if t.assignee_agent_id == agent.id
@@ -5776,9 +5802,11 @@ class PipelineStore(OfficeStore):
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge). A
         # retry still waiting (a rate-limit reset, a backoff) is not pulled forward: this wakeup
         # joins it instead, so the later due time and the retry count stand.
+        still_blocked = bool(task and task["blocked_by"] and self._open_blockers(task["blocked_by"]))
         others = [self.db.Wakeup[other] for other in self.db.select(
             'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
             + ("task_id = $t" if w.task_id else "task_id IS NULL")
+            + (" AND source <> 'task_assigned'" if still_blocked else "")   # a held assignment keeps waiting
             + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
             {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
         if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
@@ -5976,7 +6004,8 @@ class PipelineStore(OfficeStore):
         # many tasks the workspace has (this runs inside the settlement's write transaction).
         blocked = (f'FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN {TERMINAL_TASK_SQL} '
                    f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
-                   f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL})")
+                   f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} "
+                   "AND b.archived_at IS NULL)")
         blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
                     for tid, title, ids, created in self.db.select(
                         f"SELECT t.id, t.title, t.blocked_by, t.created_at {blocked} "
@@ -8060,7 +8089,7 @@ def wakeup_label(w: dict[str, Any]) -> str:
     if w["status"] == "coalesced":
         return f"Merged into {w['coalesced_into'][-6:]}"
     if w["status"] == "finished" and not w["run_id"]:
-        return "Finished, no run"   # held, idle-skipped or its routine paused: the note says which
+        return "Finished, no run"   # idle-skipped or its routine paused: the note says which
     if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
         return "Recovered"
     return w["status"].capitalize()

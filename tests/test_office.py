@@ -722,11 +722,11 @@ def test_spec_build_pipeline_approval_then_blockers_resolved(office):
     parent = new_task(office, "Feature", assignee_agent_id=lead)
     spec = new_task(office, "Spec", parent_id=parent, requires_approval=True, assignee_agent_id=planner)
     build = new_task(office, "Build", parent_id=parent, blocked_by=[spec], assignee_agent_id=developer)
-    # Build's assignment is held while Spec is open: no session for the developer.
+    # Build's assignment is held (queued) while Spec is open: no session for the developer.
     held = only(wakeups(office, developer))
     queued = dispatch(office, at(1))
     held = wakeup(office, held["id"])
-    assert held["status"] == "finished" and held["run_id"] is None and spec in held["note"]
+    assert held["status"] == "queued" and held["run_id"] is None and spec in held["note"]
     assert {office_run(office, r)["agent_id"] for r in queued} == {lead, planner}
     assert task(office, build)["checkout_agent_id"] is None
     # The planner completes Spec: it goes to review with a pending approval, not to Done.
@@ -748,10 +748,11 @@ def test_spec_build_pipeline_approval_then_blockers_resolved(office):
     told = only(wakeups(office, planner, source="approval_resolved"))
     assert told["payload"] == {"approval_id": approval["id"], "status": "approved", "decision_note": "looks good"}
     assert wakeups(office, lead, source="task_children_completed") == [], "Build is still open"
-    # The developer starts working on Build automatically.
+    # The developer starts working on Build automatically: the held assignment and the resolved wake.
     runs = dispatch(office, at(30))
     (dev_run,) = [r for r in runs if office_run(office, r)["agent_id"] == developer]
     assert office_run(office, dev_run)["task_id"] == build
+    assert wakeup(office, held["id"])["run_id"] == wakeup(office, resolved["id"])["run_id"] == dev_run
     assert task(office, build)["checkout_agent_id"] == developer
 
 

@@ -376,6 +376,41 @@ async def test_a_user_wake_merged_into_a_routine_retry_runs_when_the_routine_is_
     assert skipped["wakeup_id"] == retry["id"]
 
 
+async def test_unblocking_an_in_progress_task_by_editing_its_blockers_wakes_its_agent(office_api):
+    """Issue 24.3: PATCH {"blocked_by": []} on an In Progress task gave no wakeup, ever. Its held
+    assignment runs as soon as the task has no open blocker, however that came about."""
+    builder = await office_api.agent("Builder")
+    spec = await office_api.task("Spec")
+    build = await office_api.task("Build", state="IN_PROGRESS", blocked_by=[spec["id"]],
+                                  assignee_agent_id=builder["id"])
+    assert office_api.dispatch() == [], "held while Spec is open"
+    [held] = await office_api.wakeups(f"?agent_id={builder['id']}")
+    assert "held until its blockers are done" in held["note"] and spec["id"] in held["note"]
+    assert office_api.dispatch() == []
+    assert (await office_api.patch(f"/api/office/tasks/{build['id']}", {"blocked_by": []})).status == 200
+    [run_id] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
+    assert (run["agent_id"], run["task_id"]) == (builder["id"], build["id"])
+    sources = sorted(w["source"] for w in await office_api.wakeups(f"?agent_id={builder['id']}"))
+    assert sources == ["task_assigned", "task_blockers_resolved"]
+    assert [x["source"] for x in run["context_snapshot"]["wakeups"]] == ["task_assigned", "task_blockers_resolved"]
+
+
+async def test_archiving_or_cancelling_the_last_open_blocker_wakes_the_blocked_tasks_agent(office_api):
+    """Issue 24.3: a TODO task whose last open blocker was archived waited for the 5-minute
+    sweep (which still counted the archived blocker). An archived blocker blocks nothing; like
+    a cancelled one, it wakes the blocked task's agent at once."""
+    writer = await office_api.agent("Writer")
+    draft, review = await office_api.task("Draft"), await office_api.task("Review")
+    docs = await office_api.task("Docs", blocked_by=[draft["id"], review["id"]], assignee_agent_id=writer["id"])
+    assert office_api.dispatch() == []
+    assert (await office_api.patch(f"/api/office/tasks/{draft['id']}", {"archived": True})).status == 200
+    assert office_api.dispatch() == [], "Review is still open"
+    assert (await office_api.post(f"/api/office/tasks/{review['id']}/move", {"state": "CANCELLED"})).status == 200
+    [run_id] = office_api.dispatch()
+    assert (await office_api.get(f"/api/office/runs/{run_id}")).body["task_id"] == docs["id"]
+
+
 # --- run detail ---------------------------------------------------------------------------------------
 
 async def test_run_detail_shows_what_the_agent_was_given_and_gave_back(office_api):
@@ -974,16 +1009,18 @@ def test_finishing_a_blocker_wakes_the_blocked_tasks_assignee(office_server):
         blocked = create(client, "/api/office/tasks", {"title": "A", "description": "@print unblocked",
                                                        "assignee_agent_id": second["id"],
                                                        "blocked_by": [blocker["id"]]})
-        held = wait_wakeup(client, second["id"], "task_assigned")
-        assert (held["status"], held["run_id"]) == ("finished", None)   # held until its blocker is done
         done = wait_wakeup(client, first["id"], "task_assigned")
         assert wait_run(client, done["run_id"])["status"] == "succeeded"
+        (held,) = wakeups_of(client, second["id"])   # queued until its blocker is done
+        assert (held["status"], held["run_id"]) == ("queued", None) and "held until its blockers" in held["note"]
 
         moved = client.post(f"/api/office/tasks/{blocker['id']}/move", json={"state": "DONE"})
         assert moved.status_code == 200 and moved.json()["state"] == "DONE"
-        woken = wait_wakeup(client, second["id"], "task_blockers_resolved")
+        woken = wait_wakeup(client, second["id"], "task_assigned")
         assert woken["status"] == "finished", woken
-        assert woken["payload"] == {"task_id": blocked["id"], "resolved_blocker_ids": [blocker["id"]]}
+        (resolved,) = [w for w in wakeups_of(client, second["id"]) if w["source"] == "task_blockers_resolved"]
+        assert (resolved["status"], resolved["coalesced_into"]) == ("coalesced", woken["id"])
+        assert resolved["payload"] == {"task_id": blocked["id"], "resolved_blocker_ids": [blocker["id"]]}
         run = wait_run(client, woken["run_id"])
         assert run["status"] == "succeeded" and run["task_id"] == blocked["id"]
         assert "unblocked" in client.get(f"/v1/outpost/runs/{run['id']}/log").text
