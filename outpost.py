@@ -4616,6 +4616,16 @@ class RunStore(ScheduleStore):
         admitted = self.admit_ready(max_running, now, limit=1)
         return admitted[0] if admitted else None
 
+    def _handover_branch(self, r, o) -> str | None:
+        """The branch an Office task was last worked on, when that was another agent's (the
+        task changed hands): the newest started and settled run on the task, reviews aside."""
+        rows = self.db.select(
+            'SELECT r.result_branch FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id JOIN "Wakeup" w '
+            "ON w.id = o.wakeup_id WHERE o.task_id = $t AND o.run_id <> $run AND r.started_at IS NOT NULL "
+            f"AND r.status NOT IN {ACTIVE_RUN_SQL} AND w.reason <> $review ORDER BY r.finished_at DESC, r.id DESC "
+            "LIMIT 1", {"t": o.task_id, "run": r.id, "review": REVIEW_REASON})
+        return rows[0] if rows and rows[0] != r.result_branch else None
+
     def launch_info(self, run_id: str) -> dict[str, Any]:
         r = self.db.Run[run_id]
         o = self.db.OfficeRun.get(run_id=run_id) if r.trigger == "wakeup" else None
@@ -4627,7 +4637,8 @@ class RunStore(ScheduleStore):
                 "attempt": r.attempt,
                 "office": o is not None, "task_id": o.task_id if o else None,
                 "resume_session": r.resume_session_id, "continues_branch": r.continues_branch,
-                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run}
+                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run,
+                "handover_branch": self._handover_branch(r, o) if o and o.task_id and r.continues_branch else None}
 
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
         """Record the agent's process, if the run is still this admission's (``fence``: node,
@@ -5337,7 +5348,9 @@ class OfficeStore(WakeupStore):
 
     def update_task(self, task_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
         """An edit. A new assignee is woken (task_assigned); the previous one's scheduled
-        retries for this task are cancelled now (retry_stale_assignee), its lock released."""
+        retries for this task are cancelled now (retry_stale_assignee) and its run on the task
+        is cancelled: the lock holds until that run has ended (its edits saved on its branch),
+        so the new assignee starts after it, from where it left the task."""
         t = self._task(task_id)
         self._check_task_refs(t.workspace_id, fields, t.id)
         previous = t.assignee_agent_id
@@ -5348,13 +5361,19 @@ class OfficeStore(WakeupStore):
             t.archived_at = (t.archived_at or naive(now)) if archived else None
         t.set(updated_at=naive(now), **{k: v for k, v in fields.items() if k not in ("state", "parent_id", "workflow")})
         self.emit("task.updated", {"task_id": t.id}, now)
+        stopping: list[str] = []
         if previous != t.assignee_agent_id:
             if previous:
                 task_id = t.id
                 for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
                                                and w.status == "queued" and w.retry_count > 0):
                     self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
-                self._release_checkout(t.id, previous)
+                stopping = self.db.select(
+                    'SELECT w.run_id FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
+                    f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason <> $review AND r.status IN "
+                    f"{ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id, "review": REVIEW_REASON})
+                if not stopping:
+                    self._release_checkout(t.id, previous)
             if t.assignee_agent_id:   # a new assignment is a new event, even back to an earlier assignee
                 self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     idempotency_key=f"task_assigned:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
@@ -5365,7 +5384,9 @@ class OfficeStore(WakeupStore):
                                 idempotency_key=f"task_blockers_resolved:{t.id}:{resolved}:{now.timestamp():.3f}")
         if blocking and t.archived_at is not None:   # archived, it blocks nothing any more
             self._wake_unblocked(t, now)
-        return task_view(t)
+        for run_id in stopping:   # last: a run that has not started settles at once, in plain SQL
+            self.control_run(run_id, "cancel", now)
+        return task_view(self._task(task_id) if stopping else t)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         t = self._task(task_id)
@@ -5704,6 +5725,8 @@ class PipelineStore(OfficeStore):
         held = (f'SELECT 1 FROM "Task" t WHERE t.id = w.task_id AND t.state NOT IN {TERMINAL_TASK_SQL} '
                 f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
                 f'JOIN "Task" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} AND b.archived_at IS NULL)')
+        locked = ('SELECT 1 FROM "Task" t JOIN "Wakeup" h ON h.task_id = t.id AND h.agent_id = t.checkout_agent_id '
+                  "WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = 'claimed'")
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
             if status in ("paused", "stopped"):
@@ -5719,6 +5742,7 @@ class PipelineStore(OfficeStore):
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
                 f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
+                f"AND NOT (w.reason <> '{REVIEW_REASON}' AND EXISTS ({locked})) "   # another's session holds it
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
@@ -7667,6 +7691,20 @@ def run_sandbox(deps: Deps, info: dict[str, Any]) -> Sandbox | None:
                    deps.private_dir(info["id"]), Path(home) if home else None)
 
 
+async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:
+    """An Office task changed hands: its new agent starts where the task was left, the head of
+    ``left_on`` (the previous agent's branch); its own ``branch`` is moved there when it is new
+    or behind. A branch of its own with work the other one lacks is kept as it is."""
+    left = await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{left_on}", check=False)
+    if not left or left == head:
+        return head
+    if head and await git(repository, "merge-base", head, left, check=False) != head:
+        log.getChild("run").warning("branch %s has work %s lacks: not taken over", branch, left_on)
+        return head
+    await git(repository, "update-ref", f"refs/heads/{branch}", left)
+    return left
+
+
 async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:
     """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
     commit, or, for a run that continues a branch (an Office task session, a reply), that
@@ -7675,6 +7713,8 @@ async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) ->
     repository, branch = await deps.mirrors.fetched(info["repository"]), info["result_branch"]
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
             if info["continues_branch"] and Path(repository).is_dir() else "")
+    if info.get("handover_branch") and Path(repository).is_dir() and not workspace.exists():
+        head = await take_over(repository, branch, info["handover_branch"], head)
     if not head:
         commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
         commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
@@ -8685,9 +8725,14 @@ async def create_task(web: Web, workspace_id: str | None, raw: dict[str, Any]) -
 
 
 async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """An edit; a reassignment's cancel of the previous assignee's run reaches its process."""
     current = await web.call(web.store.task_fields, task_id)
-    return await web.commit(web.store.update_task, task_id,
+    view = await web.commit(web.store.update_task, task_id,
                             normalize_task(raw, profiles=web.profile_names, current=current), web.now)
+    if live := web.deps.live.ids():
+        for run_id in await web.call(web.store.cancels_requested, live):
+            web.deps.live.signal(run_id, "cancel")
+    return view
 
 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:

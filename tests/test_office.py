@@ -19,11 +19,13 @@ from conftest import (
     MINUTE,
     PROFILES,
     T0,
+    OfficeApi,
     activity,
     at,
     call,
     dispatch,
     ended,
+    git,
     instant,
     new_agent,
     new_task,
@@ -1605,6 +1607,40 @@ async def test_actor_comment_waits_for_running_session_then_runs(autojump_clock,
     assert run2["resumed"] is True
     assert f'comment_id="{comment["payload"]["comment_id"]}"' in run2["assembled_prompt"]
     assert "saw-the-comment" in run2["assembled_prompt"]   # the comment's own text reaches the resumed session
+
+
+async def test_actor_reassigned_mid_run_the_new_agent_continues_the_task_branch_as_it_was_left(
+        autojump_clock, mock_deps, git_repo):
+    """Issue 24.4: reassigning a task during a run cancels that run; its edits (committed or
+    not) are saved on its branch, and only then does the new assignee start, from that branch."""
+    deps = office_deps(mock_deps, git_repo)
+    store = deps.store
+    api = OfficeApi(deps, git_repo)
+    ada, bob = new_agent(store, "Ada", deps.clock.now(), cooldown_sec=0), new_agent(store, "Bob", deps.clock.now())
+    tid = new_task(store, "Port the parser", deps.clock.now(), assignee_agent_id=ada,
+                   description="@commit a.txt first\n@edit b.txt draft\n@sleep 600")
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            run_a = await until(lambda: only(wakeups(store, ada))["run_id"])
+            branch_a = outpost.office_branch(tid, "Ada")
+            await until(lambda: (deps.worktree(run_a, branch_a) / "b.txt").exists())   # Ada is at work
+            edited = await api.patch(f"/api/office/tasks/{tid}", {"assignee_agent_id": bob,
+                                                                  "description": "@print bob takes over"},
+                                     headers={"Authorization": f"Bearer {deps.token}"})
+            assert edited.status == 200, edited.body
+            deps.claim_wake.poke()
+            bobs = await until(lambda: (w := wakeups(store, bob)) and w[0]["status"] == "finished" and w[0])
+            assert call(store, store.get_run, run_a)["status"] == "cancelled", "Bob worked beside Ada"
+            nursery.cancel_scope.cancel()
+    first, second = office_run(store, run_a), office_run(store, bobs["run_id"])
+    assert first["status"] == "cancelled" and first["changes"]["commits"] == 2   # Ada's commit and her leftovers
+    assert second["status"] == "succeeded", second
+    assert instant(second["started_at"]) >= instant(first["finished_at"])
+    assert second["resolved_commit"] == git(git_repo, "rev-parse", branch_a)
+    branch_b = outpost.office_branch(tid, "Bob")
+    assert git(git_repo, "show", f"{branch_b}:a.txt") == "first"
+    assert git(git_repo, "show", f"{branch_b}:b.txt") == "draft"
 
 
 async def test_actor_rate_limited_run_is_retried_at_the_parsed_reset(autojump_clock, mock_deps, git_repo):

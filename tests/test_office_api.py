@@ -411,6 +411,32 @@ async def test_archiving_or_cancelling_the_last_open_blocker_wakes_the_blocked_t
     assert (await office_api.get(f"/api/office/runs/{run_id}")).body["task_id"] == docs["id"]
 
 
+async def test_reassigning_a_task_mid_run_lets_the_new_agent_start_only_after_that_run_ends(office_api):
+    """Issue 24.4: the checkout lock was released at the reassignment while the first agent's
+    run went on, and the new assignee's run started beside it. Reassigning asks the running
+    agent to stop (a cancel); the lock holds until its run has ended, then the new agent runs."""
+    first, task, run_id, _ = await office_api.running()
+    second = await office_api.agent("Second")
+    reassigned = await office_api.patch(f"/api/office/tasks/{task['id']}", {"assignee_agent_id": second["id"]})
+    assert reassigned.status == 200, reassigned.body
+    assert office_api.dispatch() == [], "the first agent's run is still going"
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["checkout_agent_id"] == first["id"]
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "running"
+    # Its process ends (the cancel reached it): the run settles cancelled, and only now B starts.
+    office_api.settle(run_id, outpost.RunStatus.FAILED, error="terminated")
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "cancelled"
+    [second_run] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{second_run}")).body
+    assert (run["agent_id"], run["task_id"]) == (second["id"], task["id"])
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["checkout_agent_id"] == second["id"]
+    # A run that had not started yet is cancelled at once: nothing to wait for.
+    third = await office_api.agent("Third")
+    assert (await office_api.patch(f"/api/office/tasks/{task['id']}", {"assignee_agent_id": third["id"]})).status == 200
+    assert (await office_api.get(f"/v1/outpost/runs/{second_run}")).body["status"] == "cancelled"
+    [third_run] = office_api.dispatch()
+    assert (await office_api.get(f"/api/office/runs/{third_run}")).body["agent_id"] == third["id"]
+
+
 # --- run detail ---------------------------------------------------------------------------------------
 
 async def test_run_detail_shows_what_the_agent_was_given_and_gave_back(office_api):
