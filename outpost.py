@@ -217,7 +217,8 @@ DEFAULT_WORKSPACE = "ws_default"
 REPOSITORY_UNAVAILABLE = "repository unavailable"
 #: How often a wakeup waiting for its repository looks again.
 REPOSITORY_RECHECK_S = 30
-#: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
+#: Wakeups of one agent, source and scope (WINDOW_ACROSS_TASKS: any task) this close together
+#: become one (spec: coalescing window).
 COALESCING_WINDOW_S = 5
 #: Wakeups the dispatcher takes through the pipeline in one transaction.
 DISPATCH_BATCH = 200
@@ -2142,6 +2143,11 @@ def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) 
     return f"routine:{routine_id}:{trigger_id}:{int(due_at.timestamp()) // 60}"
 
 
+#: Sources whose coalescing window spans the agent's tasks (spec: the same agent and source
+#: within 5 s merge: five subtasks finishing give one task_children_completed). The other
+#: task-bound sources hand an agent one task's work, run in that task's session, branch and
+#: lock: their window keeps to the task, so no task is left without a run of its own.
+WINDOW_ACROSS_TASKS = (WakeupSource.TASK_CHILDREN_COMPLETED,)
 #: Merged wakeups a context snapshot keeps in full; older ones are only counted.
 SNAPSHOT_KEEP = 20
 
@@ -2278,9 +2284,11 @@ def wake_line(source: str, reason: str, payload: dict[str, Any]) -> str:
 
 def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], task: dict[str, Any] | None,
                     comments: list[dict[str, Any]], blockers: list[dict[str, Any]], summary: str,
-                    resume: bool, dropped: int = 0, routine: dict[str, Any] | None = None) -> str:
-    """What the agent reads: why it woke, the task and its new comments, the summary slice.
-    A resumed session already holds the instructions, so it gets only this delta."""
+                    resume: bool, dropped: int = 0, routine: dict[str, Any] | None = None,
+                    others: list[dict[str, Any]] | None = None) -> str:
+    """What the agent reads: why it woke, the task and its new comments, the other tasks its
+    merged wake reasons name, the summary slice. A resumed session already holds the
+    instructions, so it gets only this delta."""
     parts = []
     if not resume:
         parts.append(f"You are {agent['name']}, a {agent['role']} agent woken by Outpost Office.")
@@ -2299,6 +2307,8 @@ def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], tas
             parts.append(task["description"])
         if blockers:
             parts.append("Blocked by: " + ", ".join(f"{b['id']} ({b['state']})" for b in blockers))
+    if others:
+        parts.append("## Also about\n" + "\n".join(f"- Task {o['id']}: {o['title']} ({o['state']})" for o in others))
     if comments:
         parts.append("## " + ("New comments" if resume else "Comments"))
         parts += [f"{c['author']} at {c['created_at']}:\n{c['body']}" for c in comments]
@@ -5025,14 +5035,16 @@ class WakeupStore(AccessStore):
         """Where a new request of this agent and scope merges: first a wakeup whose run has not
         started (claimed with its run still queued, or waiting for a scheduled retry: new context
         can still reach it), else the coalescing window (a queued wakeup of the same source from
-        the last 5 s). Three index probes (agent, scope, status), never the agent's whole history."""
+        the last 5 s; for WINDOW_ACROSS_TASKS of any of the agent's tasks). Three index probes
+        (agent, scope, status), never the agent's whole history."""
         scope = "w.task_id = $t" if task_id else "w.task_id IS NULL"
+        window = "w.task_id IS NOT NULL" if task_id and source in WINDOW_ACROSS_TASKS else scope
         rows = self.db.select(
             f'SELECT id FROM (SELECT 0 AS rank, w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
             f"WHERE w.agent_id = $a AND {scope} AND w.status = 'claimed' AND r.status = 'queued' "
             f'UNION ALL SELECT 0, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
             f"AND w.status = 'queued' AND w.scheduled_retry_at > $now "
-            f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
+            f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {window} '
             f"AND w.status = 'queued' AND w.source = $s AND w.requested_at >= $since "
             f"AND w.scheduled_retry_at IS NULL AND w.wake_at IS NULL) x ORDER BY rank, requested_at, id LIMIT 1",
             {"a": agent_id, "t": task_id, "s": source, "now": sql_time(now),
@@ -5178,6 +5190,10 @@ class WakeupStore(AccessStore):
             ids = task["blocked_by"]
             blockers = [{"id": b.id, "state": b.state} for b in self.db.Task.select(lambda b: b.id in ids)]
         snapshot = w.context_snapshot
+        named = sorted({payload_task_id(x["payload"]) for x in snapshot.get("wakeups", [])} - {w.task_id, None})
+        others = [{"id": o.id, "title": o.title, "state": o.state}
+                  for o in self.db.Task.select(lambda o: o.id in named and o.workspace_id == w.workspace_id)
+                  .order_by(lambda o: o.id)] if named else []
         routine = None
         if w.source == WakeupSource.ROUTINE and (r := self.db.Routine.get(id=w.payload.get("routine_id"))):
             routine = {"name": r.name, "description": render_variables(r.description or "",
@@ -5185,7 +5201,7 @@ class WakeupStore(AccessStore):
         return assemble_prompt(
             agent={"name": agent.name, "role": agent.role, "instructions": agent.instructions},
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
-            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine)
+            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine, others=others)
 
     def _coordinators(self, workspace_id: str, except_id: str):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
@@ -5764,7 +5780,12 @@ class PipelineStore(OfficeStore):
             return PipelineOutcome(claimed=True)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
         review = w.reason == REVIEW_REASON
+
+        def other_task(q) -> bool:   # merged across tasks (the window): this task's fate is not its own
+            return q.task_id != w.task_id
+
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review)):
+            self._requeue_merged(w, now, other_task)
             self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
@@ -5777,6 +5798,7 @@ class PipelineStore(OfficeStore):
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
+            self._requeue_merged(w, now, other_task)
             self.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
         # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
@@ -5803,6 +5825,7 @@ class PipelineStore(OfficeStore):
         # 5. Checkout (a reviewer reads the task; only the one working it takes the lock).
         if w.task_id and w.reason != REVIEW_REASON and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
+            self._requeue_merged(w, now, other_task)
             self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
         # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.

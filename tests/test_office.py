@@ -341,6 +341,26 @@ def test_children_completed_wakeups_within_window_coalesce_into_one(office):
     assert only(wakeups(office, lead, source="task_children_completed", status="queued"))["id"] == ids[0]
 
 
+def test_a_wakeup_merged_from_another_task_outlives_the_one_it_joined(office):
+    """Issue 24.5: the window merges across the coordinator's tasks; when the wakeup the others
+    joined is cancelled (its task was done meanwhile), they are not lost with it."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    epics = [new_task(office, f"Epic {i}", at(i), assignee_agent_id=lead) for i in range(3)]
+    for i in range(3):
+        settle_all(office, at(10 + i), dispatch(office, at(10 + i)))
+    ids = [enqueue(office, lead, outpost.WakeupSource.TASK_CHILDREN_COMPLETED, {"task_id": e}, at(60 + i))
+           for i, e in enumerate(epics)]
+    assert [wakeup(office, i)["status"] for i in ids] == ["queued", "coalesced", "coalesced"]
+    move(office, epics[0], "DONE", at(63))
+    (run_id,) = dispatch(office, at(64))
+    first, second, third = (wakeup(office, i) for i in ids)
+    assert (first["status"], first["cancel_reason"]) == ("cancelled", "task_terminal")
+    assert (second["status"], second["coalesced_count"], second["run_id"]) == ("claimed", 2, run_id)
+    assert (third["status"], third["coalesced_into"], third["run_id"]) == ("coalesced", second["id"], run_id)
+    run = office_run(office, run_id)
+    assert run["task_id"] == epics[1] and f"Task {epics[2]}: Epic 2" in run["assembled_prompt"]
+
+
 def test_kanban_task_with_assignee_wakes_nobody(office):
     worker = new_agent(office, "Worker")
     reviewer = new_agent(office, "Reviewer")

@@ -437,6 +437,31 @@ async def test_reassigning_a_task_mid_run_lets_the_new_agent_start_only_after_th
     assert (await office_api.get(f"/api/office/runs/{third_run}")).body["agent_id"] == third["id"]
 
 
+async def test_children_of_three_parents_completed_within_5_s_give_one_coordinator_wakeup(office_api):
+    """Issue 24.5: the 5 s coalescing window merged per task, so three task_children_completed
+    for one coordinator's three parents within 5 s gave three runs. The window is per agent and
+    source: one wakeup, coalesced_count 3, each parent named in its payload and in the prompt."""
+    lead = await office_api.agent("Lead", role="coordinator")
+    parents = [await office_api.task(f"Epic {i}", assignee_agent_id=lead["id"]) for i in range(3)]
+    children = [await office_api.task(f"Part of epic {i}", parent_id=p["id"]) for i, p in enumerate(parents)]
+    for _ in parents:   # the coordinator's first look at each epic
+        [run_id] = office_api.dispatch()
+        office_api.settle(run_id)
+    for i, child in enumerate(children):
+        office_api.clock.at = T0 + timedelta(minutes=1, seconds=2 * i)   # 0, 2 and 4 s apart
+        assert (await office_api.post(f"/api/office/tasks/{child['id']}/move", {"state": "DONE"})).status == 200
+    [run_id] = office_api.dispatch()
+    assert office_api.dispatch() == []
+    woken = sorted(await office_api.wakeups("?source=task_children_completed"), key=lambda w: w["requested_at"])
+    assert [w["payload"] for w in woken] == [{"task_id": p["id"]} for p in parents]
+    kept, *merged = woken
+    assert (kept["status"], kept["coalesced_count"], kept["run_id"]) == ("claimed", 3, run_id)
+    assert [(w["status"], w["coalesced_into"], w["run_id"]) for w in merged] == [("coalesced", kept["id"], run_id)] * 2
+    prompt = (await office_api.get(f"/api/office/runs/{run_id}")).body["assembled_prompt"]
+    for parent in parents:
+        assert parent["id"] in prompt and parent["title"] in prompt
+
+
 # --- run detail ---------------------------------------------------------------------------------------
 
 async def test_run_detail_shows_what_the_agent_was_given_and_gave_back(office_api):
