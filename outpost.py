@@ -2237,16 +2237,19 @@ class RetryPlan:
     source: str                    # rate_limit_parsed | backoff | escalated
 
 
-def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: datetime | None = None) -> RetryPlan:
+def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: datetime | None = None,
+               not_before: datetime | None = None) -> RetryPlan:
     """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]; a run that
-    hit a limit is retried when its profile's limit ends (the spec's rate-limit path)."""
+    hit a limit with a parsed reset is retried when its profile's limit ends (the spec's
+    rate-limit path); any other failure, a limit that named no reset included, falls through
+    to the backoff of its retry count, not before ``not_before``."""
     count = retry_count + 1
     if count > MAX_RETRY_COUNT:
         return RetryPlan(count, None, "escalated")
     if limited_until is not None:
         return RetryPlan(count, limited_until, "rate_limit_parsed")
     delay = RETRY_BACKOFF_S[count - 1] * (1 + RETRY_JITTER * max(-1.0, min(1.0, jitter)))
-    return RetryPlan(count, now + timedelta(seconds=delay), "backoff")
+    return RetryPlan(count, max(now + timedelta(seconds=delay), not_before or now), "backoff")
 
 
 # --- Office: prompts and the continuation summary --------------------------------------------
@@ -4403,6 +4406,7 @@ class SettledRun:
     agent_report: dict[str, Any]
     failure_kind: str | None
     cost_usd: float | None
+    limit_named_reset: bool = False   # a limit that said when it resets
 
 
 class RunStore(ScheduleStore):
@@ -4681,7 +4685,8 @@ class RunStore(ScheduleStore):
         r = SettledRun(id=run_id, schedule_id=schedule_id, agent=agent, trigger=trigger, status=status, error=error,
                        result=outcome.reading.result if outcome.reading else None, agent_report=report,
                        failure_kind=outcome.failure_kind if status == RunStatus.FAILED else None,
-                       cost_usd=report["cost_usd"])
+                       cost_usd=report["cost_usd"],
+                       limit_named_reset=outcome.limit is not None and outcome.limit.resets_at is not None)
         # One conditional statement: of two settlers, the one that still finds ``was`` wins.
         if not self.returning(
                 'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
@@ -5902,10 +5907,13 @@ class PipelineStore(OfficeStore):
         return PipelineOutcome(claimed=True, run_id=run_id)
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
-                              limited_until: datetime | None = None) -> None:
+                              limited_until: datetime | None = None, not_before: datetime | None = None) -> None:
         """Spec HandleWakeupFailure: at the end of its profile's limit (a parsed reset + 30 s),
-        else the backoff table; after MAX_RETRY_COUNT retries, escalateFailure."""
-        plan = plan_retry(w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter, limited_until)
+        else the backoff table of its retry count (never before ``not_before``: its profile is
+        held that long by a limit that named no reset); after MAX_RETRY_COUNT retries,
+        escalateFailure."""
+        plan = plan_retry(w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter, limited_until,
+                          not_before)
         self._release_checkout(w.task_id, w.agent_id)
         w.retry_count, w.last_error = plan.retry_count, error[:ERROR_TAIL_BYTES]
         if plan.retry_at is None:
@@ -6022,8 +6030,10 @@ class PipelineStore(OfficeStore):
             self._wait_for_login(w, r.agent, now)
         else:
             held = self.db.ProfileState.get(name=r.agent) if r.failure_kind == "limit" else None
+            until = aware(held.limited_until) if held else None   # a limit with no reset: the backoff
             self.handle_wakeup_failure(w, r.error or "the run failed", now,
-                                       limited_until=aware(held.limited_until) if held else None)
+                                       limited_until=until if r.limit_named_reset else None,
+                                       not_before=None if r.limit_named_reset else until)
         if agent is not None:
             agent.last_wakeup_finished_at = naive(now)
             if agent.status == "working" and not self._active_sessions(agent.id):

@@ -487,6 +487,23 @@ def test_a_rate_limit_message_schedules_the_retry_30_s_after_the_wait_it_names(o
     assert instant(w["scheduled_retry_at"]) == now + wait + timedelta(seconds=30)
 
 
+def test_a_limit_with_no_reset_after_earlier_failures_falls_through_to_the_backoff_of_its_retry_count(office):
+    """Issue 24.6a: a rate limit that names no reset, met by a wakeup that had failed twice, was
+    retried after 2 min (the profile's own ladder restarted); the spec falls through to the
+    exponential backoff: the third retry comes after 30 min (+-25%)."""
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    new_task(office, "t", assignee_agent_id=worker)
+    w, now = only(wakeups(office, worker)), at(1)
+    for _ in range(2):
+        w = fail_and_reschedule(office, w["id"], now)
+        now = retry_due(w)
+    w = fail_and_reschedule(office, w["id"], now, error="429 Too Many Requests: rate limit exceeded")
+    assert call(office, office.get_run, w["run_id"])["failure_kind"] == "limit"
+    assert w["retry_count"] == 3
+    retry_at = instant(w["scheduled_retry_at"])
+    assert now + timedelta(minutes=22.5) <= retry_at <= now + timedelta(minutes=37.5)
+
+
 def test_generic_failure_uses_backoff_and_escalates_after_4_retries(office):
     lead = new_agent(office, "Lead", role="coordinator")
     worker = new_agent(office, "Worker", cooldown_sec=0)
