@@ -5928,15 +5928,11 @@ class PipelineStore(OfficeStore):
                                              "scheduled_retry_at": rfc3339(plan.retry_at), "source": plan.source}, now)
 
     def _requeue_interrupted(self, w, now: datetime) -> None:
-        """The daemon stopped or died under a running session: not the agent's failure, so
-        the wakeup is claimed again at once (spec: claimed wakeups are re-claimed on
-        restart). It still counts as an attempt, so a session that kills the daemon each
-        time is escalated after MAX_RETRY_COUNT like any failure."""
+        """The daemon stopped or died under a running session: not the agent's failure (as
+        ``interrupted`` never counts toward a schedule's failure streak), so the wakeup is
+        claimed again at once (spec: claimed wakeups are re-claimed on restart), with no
+        retry counted: restarts during a long session never escalate it."""
         self._release_checkout(w.task_id, w.agent_id)
-        w.retry_count += 1
-        if w.retry_count > MAX_RETRY_COUNT:
-            self._escalate_failure(w, "interrupted by a restart every time", now)
-            return
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
         self.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)

@@ -1530,7 +1530,8 @@ def test_crash_between_pipeline_steps_leaves_wakeup_consistent(office, monkeypat
 def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     """A session the daemon's death interrupted is not the agent's failure: the wakeup is
     claimed again (spec: claimed wakeups are re-claimed on restart) with a fresh run; the
-    interrupted run itself is never replayed. It still counts as an attempt."""
+    interrupted run itself is never replayed. Issue 24.6b: it is no retry either, so five
+    restarts during a long run do not escalate it."""
     lead = new_agent(office, "Lead", role="coordinator")
     worker = new_agent(office, "Worker", cooldown_sec=0)
     tid = new_task(office, "t", assignee_agent_id=worker)
@@ -1540,23 +1541,25 @@ def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     # The daemon died; at the next start recover_at_boot settles the run failed/interrupted.
     assert call(office, office.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="interrupted"), at(HOUR))
     w = wakeup(office, w["id"])
-    assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 1, None)
+    assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 0, None)
     assert task(office, tid)["checkout_agent_id"] is None
     assert call(office, office.get_run, run_id)["status"] == "failed"
     (again,) = dispatch(office, at(HOUR))
     assert again != run_id and wakeup(office, w["id"])["run_id"] == again
     assert call(office, office.own_runs_in, ["queued"]) == [again]
-    # A session that is interrupted every time is escalated like any failure.
+    # Restarted again and again during a long session: never escalated, never a retry counted.
     now = at(HOUR)
-    for _ in range(outpost.MAX_RETRY_COUNT):
+    for _ in range(outpost.MAX_RETRY_COUNT + 1):
         latest = wakeup(office, w["id"])["run_id"]
         settle(office, latest, "failed", now, error="interrupted")
         now += timedelta(seconds=1)
         dispatch(office, now)
     w = wakeup(office, w["id"])
-    assert (w["status"], w["retry_count"]) == ("failed", outpost.MAX_RETRY_COUNT + 1)
-    assert len(attention(office, "agent_error")) == 1
-    assert only(wakeups(office, lead, source="agent_error"))["payload"]["agent_profile_id"] == worker
+    assert (w["status"], w["retry_count"]) == ("claimed", 0)
+    assert attention(office, "agent_error") == [] and wakeups(office, lead, source="agent_error") == []
+    # The agent's own failure still counts.
+    settle(office, w["run_id"], "failed", now, error="network timeout", exit_code=1)
+    assert wakeup(office, w["id"])["retry_count"] == 1
 
 
 def test_claimed_wakeup_with_queued_run_is_not_redispatched_after_restart(tmp_path):
