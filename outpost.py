@@ -6237,10 +6237,11 @@ class RoutineStore(PipelineStore):
 
     def fire_routine(self, routine_id: str, trigger_id: str | None, source: str, provided: dict[str, Any],
                      now: datetime, *, due_at: datetime | None = None, missed_ticks: int = 0,
-                     since: datetime | None = None) -> dict[str, Any]:
+                     since: datetime | None = None, counted_all: bool = True) -> dict[str, Any]:
         """One firing: variables resolved (a missing required one refuses it), the concurrency
         policy applied by fingerprint, then a fresh task (heavy) or a taskless routine wakeup
-        (lightweight). Recorded as a routine run either way."""
+        (lightweight). Recorded as a routine run either way. ``counted_all`` false: the missed
+        ticks were counted up to a cap, and ``missed_ticks`` is a lower bound ("more than")."""
         r = self._routine(routine_id)
         if r.status != "active":
             raise Conflict(f"routine {r.id} is {r.status}; a {r.status} routine never fires")
@@ -6258,7 +6259,8 @@ class RoutineStore(PipelineStore):
         fingerprint = dispatch_fingerprint(r.id, render_variables(title_template, provided_values) if template else "",
                                            render_variables(template.get("description", r.description or ""),
                                                             provided_values), r.assignee_agent_id)
-        missed_note = (f"missed {missed_ticks} tick{'s' if missed_ticks != 1 else ''} since "
+        many = f"{missed_ticks}" if counted_all else f"more than {missed_ticks:,}"
+        missed_note = (f"missed {many} tick{'s' if missed_ticks != 1 else ''} since "
                        f"{(since or fired_at).astimezone(tz):%Y-%m-%d %H:%M %Z}") if missed_ticks else ""
         if trigger_id is None and source == "manual":   # Run now is the routine's manual trigger, if it has one
             manual = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id and t.kind == "manual")
@@ -6341,7 +6343,8 @@ class RoutineStore(PipelineStore):
                     continue   # this tick fired already (the ledger is UNIQUE on it)
                 try:
                     self.fire_routine(r.id, t.id, "cron", {}, now, due_at=slot,
-                                      missed_ticks=dropped if i == 0 else 0, since=first_due)
+                                      missed_ticks=dropped if i == 0 else 0, since=first_due,
+                                      counted_all=due.counted_all)
                 except OutpostError as err:   # e.g. a required variable with no default
                     self._record_failed_fire(r, t.id, slot, err.detail, now)
                 fired += 1

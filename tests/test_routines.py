@@ -935,6 +935,23 @@ async def test_scheduler_down_3_hours_enqueue_missed_with_cap_fires_25_and_summa
     assert "missed 11 ticks since 2026-11-30 08:05 UTC" in office_run(store, run_id)["assembled_prompt"]
 
 
+def test_a_catch_up_past_the_counting_cap_says_more_than_n_ticks(office):
+    """Issue 24.6c: after 2855 missed ticks of a per-minute routine the prompt said "missed 1975
+    ticks": the count stops at a cap, silently. Past the cap it says "more than"."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    r = new_routine(office, lead, name="Pulse", triggers=[
+        {"kind": "schedule", "cron_expression": "* * * * *", "timezone": "UTC"}])
+    call(office, office.claim_due_routines, at(2855 * MINUTE))   # 08:01 ... two days later: 2855 ticks
+    first = routine_runs(office, r["id"])[0]
+    counted = first["missed_ticks"]
+    assert 0 < counted < 2855 - 25
+    w = wakeup(office, first["wakeup_id"])
+    note = f"missed more than {counted:,} ticks since 2026-11-30 08:01 UTC"
+    assert note in w["reason"]
+    (run_id,) = dispatch(office, at(2855 * MINUTE))
+    assert note in office_run(office, run_id)["assembled_prompt"]
+
+
 ###############################################################################
 # The pre-installed coordinator routine.
 ###############################################################################
