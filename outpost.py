@@ -5134,22 +5134,26 @@ class WakeupStore(AccessStore):
             t.checkout_agent_id, t.checkout_at = None, None
 
     def _end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
-                    cancel_reason: str | None = None) -> None:
+                    cancel_reason: str | None = None, *, fire: str | None = None) -> None:
+        """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
+        ended without a session); by default skipped or failed as the wakeup, else unchanged."""
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
-        if w.source == WakeupSource.ROUTINE or w.coalesced_count > 1:   # it carries merged requests
-            self._end_routine_runs(w, status, note or cancel_reason, now)
+        fire = fire or {"skipped": "skipped", "failed": "failed", "cancelled": "failed"}.get(status)
+        if fire and (w.source == WakeupSource.ROUTINE or w.coalesced_count > 1):   # it carries merged requests
+            self._end_routine_runs(w, fire, note or cancel_reason, now)
 
     def _end_routine_runs(self, w, status: str, why: str | None, now: datetime) -> None:
-        """A lightweight routine run ends with the wakeup that carried it (its own, or the one
-        its wakeup merged into): completed, skipped or failed, with completed_at."""
+        """The lightweight routine runs a wakeup carried (its own, or those merged into it) that
+        came to nothing: a spec status (skipped or failed, with why), with completed_at. One
+        whose wakeup ran stays task_created."""
         wakeup_id = w.id
         carried = [wakeup_id, *self.db.select('SELECT id FROM "Wakeup" WHERE coalesced_into = $w', {"w": wakeup_id})]
-        ended = {"finished": "completed", "skipped": "skipped"}.get(status, "failed")
-        for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.status == "received"):
-            x.status, x.completed_at = ended, naive(now)
-            x.error = why if ended == "failed" else None
+        for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.linked_task_id is None
+                                           and x.status in ("received", "task_created")):
+            x.status, x.completed_at = status, naive(now)
+            x.error = why if status == "failed" else None
 
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
@@ -5781,7 +5785,7 @@ class PipelineStore(OfficeStore):
         # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
         w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         if agent is None:
-            self._end_wakeup(w, "finished", now, note="agent deleted: no session")
+            self._end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
             return PipelineOutcome(claimed=True)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
         review = w.reason == REVIEW_REASON
@@ -5799,7 +5803,8 @@ class PipelineStore(OfficeStore):
             if r is None or r.status != "active":   # what merged into it from elsewhere still runs
                 self._requeue_merged(w, now, lambda q: q.source != WakeupSource.ROUTINE
                                      or q.payload.get("routine_id") != routine_id)
-                self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session")
+                self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session",
+                                 fire="skipped")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
@@ -5823,7 +5828,7 @@ class PipelineStore(OfficeStore):
                 # Only the routine's own part is skipped: a user, self or event wake that merged
                 # into it (into its pending retry) is queued again and runs.
                 self._requeue_merged(w, now, lambda q: not idle_skip_applies(q.source, q.payload, True, 0))
-                self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)")
+                self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
                 self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
@@ -6293,6 +6298,8 @@ class RoutineStore(PipelineStore):
             x.wakeup_id = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
                                               reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
                                               idempotency_key=key)
+            # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
+            x.status, x.completed_at = "task_created", naive(now)
         self.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
         return routine_run_view(x)
@@ -9995,7 +10002,8 @@ async def page_office_routine_fire(web: Web, routine_id: str):
     async def fire(form):
         variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
         run = await fire_routine(web, routine_id, variables)
-        return f"/office/routines/{routine_id}?done=fired_{run['status']}"
+        done = "received" if run["status"] == "task_created" and not run["linked_task_id"] else run["status"]
+        return f"/office/routines/{routine_id}?done=fired_{done}"
     return await office_form(web, fire, functools.partial(page_office_routine, routine_id=routine_id))
 
 
