@@ -3972,6 +3972,11 @@ class ScheduleStore(StoreBase):
         s.revision += 1
         s.updated_at = naive(now)
         self.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
+        sid = s.id   # confirmed again: the item that asked for it is done
+        for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
+                                          and a.acknowledged_at is None):
+            a.acknowledged_at = naive(now)
+            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
         return self._schedule_view(s)
 
     def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
