@@ -5062,13 +5062,20 @@ class WakeupStore(AccessStore):
         return rows[0] if rows else None
 
     def _coalesce(self, target, w, now: datetime) -> None:
-        """Merge ``w`` into ``target``: its payload joins the context the agent will read. It
-        takes the target's run only if that run is the one to come (not a retry's failed run)."""
+        """Merge ``w`` into ``target``: its payload, and those of the requests merged into it
+        before (they come along), join the context the agent will read. They take the target's
+        run only if that run is the one to come (not a retry's failed run)."""
         run_id = target.run_id if target.status == "claimed" else None
+        wakeup_id = w.id
+        riders = list(self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id).order_by(
+            lambda q: (q.requested_at, q.id)))
         w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, run_id, naive(now)
-        target.context_snapshot = merge_context(target.context_snapshot, w.source, w.reason, w.payload,
-                                                aware(w.requested_at))
-        target.coalesced_count += 1
+        for q in [w, *riders]:
+            q.coalesced_into, q.run_id = target.id, run_id
+            target.context_snapshot = merge_context(target.context_snapshot, q.source, q.reason, q.payload,
+                                                    aware(q.requested_at))
+        target.coalesced_count += 1 + len(riders)
+        w.coalesced_count = 1
         if run_id and (o := self.db.OfficeRun.get(run_id=run_id)) is not None:
             o.context_snapshot = target.context_snapshot
             o.assembled_prompt = self._office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,

@@ -1031,6 +1031,26 @@ def test_a_self_wake_merged_into_a_paused_routines_retry_still_runs(office):
     assert "check the deploy" in office_run(office, run_id)["assembled_prompt"]
 
 
+def test_wakeups_merged_into_one_that_then_joins_a_pending_retry_come_along(office):
+    """Found with issue 24: a wakeup that joined a pending retry brought only its own payload;
+    the requests merged into it earlier were left pointing at it and never reached a run."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    retrying = routine_wake(office, lead, at(0))
+    (run1,) = dispatch(office, at(1))
+    start(office, run1, at(1))
+    first = enqueue(office, lead, outpost.WakeupSource.USER, {"user_id": "u", "context": "first look"}, at(2))
+    second = enqueue(office, lead, outpost.WakeupSource.USER, {"user_id": "u", "context": "second look"}, at(3))
+    assert wakeup(office, second)["coalesced_into"] == first   # the 5 s window
+    settle(office, run1, "failed", at(4), error="network timeout", exit_code=1)
+    assert dispatch(office, at(5)) == []   # the user's wakeup joins the pending retry
+    assert wakeup(office, first)["coalesced_into"] == retrying
+    (run2,) = dispatch(office, retry_due(wakeup(office, retrying)))
+    prompt = office_run(office, run2)["assembled_prompt"]
+    assert "first look" in prompt and "second look" in prompt
+    assert wakeup(office, retrying)["coalesced_count"] == 3
+    assert wakeup(office, first)["run_id"] == wakeup(office, second)["run_id"] == run2
+
+
 def settle_all(store: outpost.Store, now: datetime, run_ids: list[str] | None = None,
                status: str = "succeeded") -> None:
     """Settle the given runs (default: every queued or running run)."""
