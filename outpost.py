@@ -225,7 +225,8 @@ REPOSITORY_UNAVAILABLE = "repository unavailable"
 REPOSITORY_RECHECK_S = 30
 #: The start of the error of a run whose node could not fetch its repository URL (API.md 10).
 UNREACHABLE_ERROR = f"{REPOSITORY_UNAVAILABLE}: cannot fetch "
-#: Wakeups of one agent, source and scope this close together become one (spec: coalescing window).
+#: Wakeups of one agent, source and scope (WINDOW_ACROSS_TASKS: any task) this close together
+#: become one (spec: coalescing window).
 COALESCING_WINDOW_S = 5
 #: Wakeups the dispatcher takes through the pipeline in one transaction.
 DISPATCH_BATCH = 200
@@ -2073,6 +2074,8 @@ SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, 
 TASK_WORKFLOWS = ("office", "kanban")
 #: Wakeup reason of a reviewer woken by a move to In Review (its staleness follows the reviewers).
 REVIEW_REASON = "review_requested"
+#: The note of a task_assigned wakeup that waits, queued, for its task's open blockers.
+HELD_NOTE = "held until its blockers are done"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -2196,6 +2199,11 @@ def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) 
     return f"routine:{routine_id}:{trigger_id}:{int(due_at.timestamp()) // 60}"
 
 
+#: Sources whose coalescing window spans the agent's tasks (spec: the same agent and source
+#: within 5 s merge: five subtasks finishing give one task_children_completed). The other
+#: task-bound sources hand an agent one task's work, run in that task's session, branch and
+#: lock: their window keeps to the task, so no task is left without a run of its own.
+WINDOW_ACROSS_TASKS = (WakeupSource.TASK_CHILDREN_COMPLETED,)
 #: Merged wakeups a context snapshot keeps in full; older ones are only counted.
 SNAPSHOT_KEEP = 20
 
@@ -2285,16 +2293,19 @@ class RetryPlan:
     source: str                    # rate_limit_parsed | backoff | escalated
 
 
-def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: datetime | None = None) -> RetryPlan:
+def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: datetime | None = None,
+               not_before: datetime | None = None) -> RetryPlan:
     """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]; a run that
-    hit a limit is retried when its profile's limit ends (the spec's rate-limit path)."""
+    hit a limit with a parsed reset is retried when its profile's limit ends (the spec's
+    rate-limit path); any other failure, a limit that named no reset included, falls through
+    to the backoff of its retry count, not before ``not_before``."""
     count = retry_count + 1
     if count > MAX_RETRY_COUNT:
         return RetryPlan(count, None, "escalated")
     if limited_until is not None:
         return RetryPlan(count, limited_until, "rate_limit_parsed")
     delay = RETRY_BACKOFF_S[count - 1] * (1 + RETRY_JITTER * max(-1.0, min(1.0, jitter)))
-    return RetryPlan(count, now + timedelta(seconds=delay), "backoff")
+    return RetryPlan(count, max(now + timedelta(seconds=delay), not_before or now), "backoff")
 
 
 # --- Office: prompts and the continuation summary --------------------------------------------
@@ -2332,9 +2343,11 @@ def wake_line(source: str, reason: str, payload: dict[str, Any]) -> str:
 
 def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], task: dict[str, Any] | None,
                     comments: list[dict[str, Any]], blockers: list[dict[str, Any]], summary: str,
-                    resume: bool, dropped: int = 0, routine: dict[str, Any] | None = None) -> str:
-    """What the agent reads: why it woke, the task and its new comments, the summary slice.
-    A resumed session already holds the instructions, so it gets only this delta."""
+                    resume: bool, dropped: int = 0, routine: dict[str, Any] | None = None,
+                    others: list[dict[str, Any]] | None = None) -> str:
+    """What the agent reads: why it woke, the task and its new comments, the other tasks its
+    merged wake reasons name, the summary slice. A resumed session already holds the
+    instructions, so it gets only this delta."""
     parts = []
     if not resume:
         parts.append(f"You are {agent['name']}, a {agent['role']} agent woken by Outpost Office.")
@@ -2353,6 +2366,8 @@ def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], tas
             parts.append(task["description"])
         if blockers:
             parts.append("Blocked by: " + ", ".join(f"{b['id']} ({b['state']})" for b in blockers))
+    if others:
+        parts.append("## Also about\n" + "\n".join(f"- Task {o['id']}: {o['title']} ({o['state']})" for o in others))
     if comments:
         parts.append("## " + ("New comments" if resume else "Comments"))
         parts += [f"{c['author']} at {c['created_at']}:\n{c['body']}" for c in comments]
@@ -4021,6 +4036,11 @@ class ScheduleStore(StoreBase):
         s.revision += 1
         s.updated_at = naive(now)
         self.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
+        sid = s.id   # confirmed again: the item that asked for it is done
+        for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
+                                          and a.acknowledged_at is None):
+            a.acknowledged_at = naive(now)
+            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
         return self._schedule_view(s)
 
     def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
@@ -4464,6 +4484,7 @@ class SettledRun:
     agent_report: dict[str, Any]
     failure_kind: str | None
     cost_usd: float | None
+    limit_named_reset: bool = False   # a limit that said when it resets
 
 
 class RunStore(ScheduleStore):
@@ -4701,6 +4722,16 @@ class RunStore(ScheduleStore):
         admitted = self.admit_ready(max_running, now, limit=1)
         return admitted[0] if admitted else None
 
+    def _handover_branch(self, r, o) -> str | None:
+        """The branch an Office task was last worked on, when that was another agent's (the
+        task changed hands): the newest started and settled run on the task, reviews aside."""
+        rows = self.db.select(
+            'SELECT r.result_branch FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id JOIN "Wakeup" w '
+            "ON w.id = o.wakeup_id WHERE o.task_id = $t AND o.run_id <> $run AND r.started_at IS NOT NULL "
+            f"AND r.status NOT IN {ACTIVE_RUN_SQL} AND w.reason <> $review ORDER BY r.finished_at DESC, r.id DESC "
+            "LIMIT 1", {"t": o.task_id, "run": r.id, "review": REVIEW_REASON})
+        return rows[0] if rows and rows[0] != r.result_branch else None
+
     def launch_info(self, run_id: str) -> dict[str, Any]:
         r = self.db.Run[run_id]
         o = self.db.OfficeRun.get(run_id=run_id) if r.trigger == "wakeup" else None
@@ -4712,7 +4743,8 @@ class RunStore(ScheduleStore):
                 "attempt": r.attempt,
                 "office": o is not None, "task_id": o.task_id if o else None,
                 "resume_session": r.resume_session_id, "continues_branch": r.continues_branch,
-                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run}
+                "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run,
+                "handover_branch": self._handover_branch(r, o) if o and o.task_id and r.continues_branch else None}
 
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
         """Record the agent's process, if the run is still this admission's (``fence``: node,
@@ -4745,7 +4777,8 @@ class RunStore(ScheduleStore):
         r = SettledRun(id=run_id, schedule_id=schedule_id, agent=agent, trigger=trigger, status=status, error=error,
                        result=outcome.reading.result if outcome.reading else None, agent_report=report,
                        failure_kind=outcome.failure_kind if status == RunStatus.FAILED else None,
-                       cost_usd=report["cost_usd"])
+                       cost_usd=report["cost_usd"],
+                       limit_named_reset=outcome.limit is not None and outcome.limit.resets_at is not None)
         # One conditional statement: of two settlers, the one that still finds ``was`` wins.
         if not self.returning(
                 'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
@@ -5099,14 +5132,16 @@ class WakeupStore(AccessStore):
         """Where a new request of this agent and scope merges: first a wakeup whose run has not
         started (claimed with its run still queued, or waiting for a scheduled retry: new context
         can still reach it), else the coalescing window (a queued wakeup of the same source from
-        the last 5 s). Three index probes (agent, scope, status), never the agent's whole history."""
+        the last 5 s; for WINDOW_ACROSS_TASKS of any of the agent's tasks). Three index probes
+        (agent, scope, status), never the agent's whole history."""
         scope = "w.task_id = $t" if task_id else "w.task_id IS NULL"
+        window = "w.task_id IS NOT NULL" if task_id and source in WINDOW_ACROSS_TASKS else scope
         rows = self.db.select(
             f'SELECT id FROM (SELECT 0 AS rank, w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
             f"WHERE w.agent_id = $a AND {scope} AND w.status = 'claimed' AND r.status = 'queued' "
             f'UNION ALL SELECT 0, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
             f"AND w.status = 'queued' AND w.scheduled_retry_at > $now "
-            f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
+            f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {window} '
             f"AND w.status = 'queued' AND w.source = $s AND w.requested_at >= $since "
             f"AND w.scheduled_retry_at IS NULL AND w.wake_at IS NULL) x ORDER BY rank, requested_at, id LIMIT 1",
             {"a": agent_id, "t": task_id, "s": source, "now": sql_time(now),
@@ -5114,17 +5149,47 @@ class WakeupStore(AccessStore):
         return rows[0] if rows else None
 
     def _coalesce(self, target, w, now: datetime) -> None:
-        """Merge ``w`` into ``target``: its payload joins the context the agent will read."""
-        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, target.run_id, naive(now)
-        target.context_snapshot = merge_context(target.context_snapshot, w.source, w.reason, w.payload,
-                                                aware(w.requested_at))
-        target.coalesced_count += 1
-        if target.run_id and (o := self.db.OfficeRun.get(run_id=target.run_id)) is not None:
+        """Merge ``w`` into ``target``: its payload, and those of the requests merged into it
+        before (they come along), join the context the agent will read. They take the target's
+        run only if that run is the one to come (not a retry's failed run)."""
+        run_id = target.run_id if target.status == "claimed" else None
+        wakeup_id = w.id
+        riders = list(self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id).order_by(
+            lambda q: (q.requested_at, q.id)))
+        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, run_id, naive(now)
+        for q in [w, *riders]:
+            q.coalesced_into, q.run_id = target.id, run_id
+            target.context_snapshot = merge_context(target.context_snapshot, q.source, q.reason, q.payload,
+                                                    aware(q.requested_at))
+        target.coalesced_count += 1 + len(riders)
+        w.coalesced_count = 1
+        if run_id and (o := self.db.OfficeRun.get(run_id=run_id)) is not None:
             o.context_snapshot = target.context_snapshot
             o.assembled_prompt = self._office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
                                                      summary=o.summary_injected)
             self.db.Run[o.run_id].prompt = o.assembled_prompt
         self.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
+
+    def _requeue_merged(self, w, now: datetime, still_wanted: Callable[[Any], bool]) -> str | None:
+        """``w`` ends without a run: the requests merged into it that no run has carried yet
+        and that still ask for one (``still_wanted``) are queued again instead of ending with
+        it, the oldest on its own and the others merged into that one. Returns its id."""
+        wakeup_id = w.id
+        kept = [q for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.run_id is None)
+                .order_by(lambda q: (q.requested_at, q.id)) if still_wanted(q)]
+        if not kept:
+            return None
+        first = kept[0]
+        snapshot: dict[str, Any] = {}
+        for q in kept:
+            q.coalesced_into = None if q is first else first.id
+            snapshot = merge_context(snapshot, q.source, q.reason, q.payload, aware(q.requested_at))
+        first.status, first.finished_at, first.coalesced_count = "queued", None, len(kept)
+        first.context_snapshot = snapshot
+        w.coalesced_count -= len(kept)
+        self.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
+                                    "split_from": w.id}, now)
+        return first.id
 
     def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
                        now: datetime, *, reason: str | None = None, wake_at: datetime | None = None,
@@ -5156,6 +5221,9 @@ class WakeupStore(AccessStore):
             self._coalesce(self.db.Wakeup[target], self.db.Wakeup[wakeup_id], now)
         else:
             self.emit("wakeup.queued", {"wakeup_id": wakeup_id, "agent_id": agent_id, "source": str(source)}, now)
+            if source == WakeupSource.TASK_ASSIGNED and (t := self.db.Task.get(id=task_id)) is not None and (
+                    waiting := self._open_blockers(t.blocked_by or [])):
+                self.db.Wakeup[wakeup_id].note = f"{HELD_NOTE}: " + ", ".join(waiting)
         return wakeup_id
 
     def _release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
@@ -5165,22 +5233,26 @@ class WakeupStore(AccessStore):
             t.checkout_agent_id, t.checkout_at = None, None
 
     def _end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
-                    cancel_reason: str | None = None) -> None:
+                    cancel_reason: str | None = None, *, fire: str | None = None) -> None:
+        """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
+        ended without a session); by default skipped or failed as the wakeup, else unchanged."""
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
-        if w.source == WakeupSource.ROUTINE or w.coalesced_count > 1:   # it carries merged requests
-            self._end_routine_runs(w, status, note or cancel_reason, now)
+        fire = fire or {"skipped": "skipped", "failed": "failed", "cancelled": "failed"}.get(status)
+        if fire and (w.source == WakeupSource.ROUTINE or w.coalesced_count > 1):   # it carries merged requests
+            self._end_routine_runs(w, fire, note or cancel_reason, now)
 
     def _end_routine_runs(self, w, status: str, why: str | None, now: datetime) -> None:
-        """A lightweight routine run ends with the wakeup that carried it (its own, or the one
-        its wakeup merged into): completed, skipped or failed, with completed_at."""
+        """The lightweight routine runs a wakeup carried (its own, or those merged into it) that
+        came to nothing: a spec status (skipped or failed, with why), with completed_at. One
+        whose wakeup ran stays task_created."""
         wakeup_id = w.id
         carried = [wakeup_id, *self.db.select('SELECT id FROM "Wakeup" WHERE coalesced_into = $w', {"w": wakeup_id})]
-        ended = {"finished": "completed", "skipped": "skipped"}.get(status, "failed")
-        for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.status == "received"):
-            x.status, x.completed_at = ended, naive(now)
-            x.error = why if ended == "failed" else None
+        for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.linked_task_id is None
+                                           and x.status in ("received", "task_created")):
+            x.status, x.completed_at = status, naive(now)
+            x.error = why if status == "failed" else None
 
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
@@ -5192,11 +5264,12 @@ class WakeupStore(AccessStore):
         self._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
 
     def _open_blockers(self, blocker_ids: list[str]) -> list[str]:
-        """The blockers not yet Done or Cancelled (a deleted blocker blocks nothing)."""
+        """The blockers not yet Done or Cancelled (a deleted or archived blocker blocks nothing)."""
         if not blocker_ids:
             return []
         ids, params = sql_list("b", blocker_ids)
-        return self.db.select(f'SELECT id FROM "Task" WHERE id IN {ids} AND state NOT IN {TERMINAL_TASK_SQL}', params)
+        return self.db.select(f'SELECT id FROM "Task" WHERE id IN {ids} AND state NOT IN {TERMINAL_TASK_SQL} '
+                              "AND archived_at IS NULL", params)
 
     def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
         t = self.db.Task.get(id=task_id)
@@ -5225,6 +5298,10 @@ class WakeupStore(AccessStore):
             ids = task["blocked_by"]
             blockers = [{"id": b.id, "state": b.state} for b in self.db.Task.select(lambda b: b.id in ids)]
         snapshot = w.context_snapshot
+        named = sorted({payload_task_id(x["payload"]) for x in snapshot.get("wakeups", [])} - {w.task_id, None})
+        others = [{"id": o.id, "title": o.title, "state": o.state}
+                  for o in self.db.Task.select(lambda o: o.id in named and o.workspace_id == w.workspace_id)
+                  .order_by(lambda o: o.id)] if named else []
         routine = None
         if w.source == WakeupSource.ROUTINE and (r := self.db.Routine.get(id=w.payload.get("routine_id"))):
             routine = {"name": r.name, "description": render_variables(r.description or "",
@@ -5232,7 +5309,7 @@ class WakeupStore(AccessStore):
         return assemble_prompt(
             agent={"name": agent.name, "role": agent.role, "instructions": agent.instructions},
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
-            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine)
+            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine, others=others)
 
     def _coordinators(self, workspace_id: str, except_id: str):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
@@ -5395,26 +5472,45 @@ class OfficeStore(WakeupStore):
 
     def update_task(self, task_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
         """An edit. A new assignee is woken (task_assigned); the previous one's scheduled
-        retries for this task are cancelled now (retry_stale_assignee), its lock released."""
+        retries for this task are cancelled now (retry_stale_assignee) and its run on the task
+        is cancelled: the lock holds until that run has ended (its edits saved on its branch),
+        so the new assignee starts after it, from where it left the task."""
         t = self._task(task_id)
         self._check_task_refs(t.workspace_id, fields, t.id)
         previous = t.assignee_agent_id
+        was_open = self._open_blockers(t.blocked_by or [])
+        blocking = t.state not in TERMINAL_TASK_STATES and t.archived_at is None
         archived = fields.pop("archived", None)
         if archived is not None:
             t.archived_at = (t.archived_at or naive(now)) if archived else None
         t.set(updated_at=naive(now), **{k: v for k, v in fields.items() if k not in ("state", "parent_id", "workflow")})
         self.emit("task.updated", {"task_id": t.id}, now)
+        stopping: list[str] = []
         if previous != t.assignee_agent_id:
             if previous:
                 task_id = t.id
                 for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
                                                and w.status == "queued" and w.retry_count > 0):
                     self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
-                self._release_checkout(t.id, previous)
+                stopping = self.db.select(
+                    'SELECT w.run_id FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
+                    f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason <> $review AND r.status IN "
+                    f"{ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id, "review": REVIEW_REASON})
+                if not stopping:
+                    self._release_checkout(t.id, previous)
             if t.assignee_agent_id:   # a new assignment is a new event, even back to an earlier assignee
                 self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     idempotency_key=f"task_assigned:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
-        return task_view(t)
+        if was_open and not self._open_blockers(t.blocked_by or []):   # its last open blocker left its list
+            resolved = ",".join(sorted(was_open))
+            self._wake_assignee(t, WakeupSource.TASK_BLOCKERS_RESOLVED,
+                                {"task_id": t.id, "resolved_blocker_ids": sorted(was_open)}, now,
+                                idempotency_key=f"task_blockers_resolved:{t.id}:{resolved}:{now.timestamp():.3f}")
+        if blocking and t.archived_at is not None:   # archived, it blocks nothing any more
+            self._wake_unblocked(t, now)
+        for run_id in stopping:   # last: a run that has not started settles at once, in plain SQL
+            self.control_run(run_id, "cancel", now)
+        return task_view(self._task(task_id) if stopping else t)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         t = self._task(task_id)
@@ -5485,10 +5581,9 @@ class OfficeStore(WakeupStore):
             self._resolve_dependents(t, now)
         return task_view(t)
 
-    def _resolve_dependents(self, t, now: datetime) -> None:
-        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
-        (task_blockers_resolved) and the parent whose children are all finished
-        (task_children_completed)."""
+    def _wake_unblocked(self, t, now: datetime) -> None:
+        """``t`` stopped blocking (Done, Cancelled or archived): wake the tasks it was the last
+        open blocker of (task_blockers_resolved); their held assignments are claimable again."""
         blocked = self.db.select('SELECT id FROM "Task" t WHERE workspace_id = $ws AND EXISTS '
                                  f'(SELECT 1 FROM {self.json_elements("t.blocked_by")} j WHERE j.value = $tid)',
                                  {"ws": t.workspace_id, "tid": t.id})
@@ -5497,6 +5592,12 @@ class OfficeStore(WakeupStore):
             if not self._open_blockers(blockers):
                 self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
                                     {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
+
+    def _resolve_dependents(self, t, now: datetime) -> None:
+        """A task reached Done or Cancelled: wake the tasks it was the last blocker of
+        (task_blockers_resolved) and the parent whose children are all finished
+        (task_children_completed)."""
+        self._wake_unblocked(t, now)
         if t.parent_id and (parent := self.db.Task.get(id=t.parent_id)) is not None:
             open_children = self.db.select('SELECT COUNT(*) FROM "Task" WHERE parent_id = $p AND state NOT IN '
                                            f"{TERMINAL_TASK_SQL}", {"p": parent.id})[0]
@@ -5735,8 +5836,9 @@ class PipelineStore(OfficeStore):
         return None
 
     def _claimable_wakeups(self, now: datetime, limit: int) -> list[str]:
-        """The claim query, oldest first: a wakeup whose agent is at max_concurrent_sessions
-        or in its cooldown, or whose retry or wake time is ahead, stays queued."""
+        """The claim query, oldest first: only agents that are idle or working claim; a wakeup
+        whose agent is paused or stopped, at max_concurrent_sessions or in its cooldown, or
+        whose retry or wake time is ahead, stays queued."""
         due = sql_time(now)
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
             'SELECT a.id, a.status, a.last_wakeup_finished_at, a.cooldown_sec, a.max_concurrent_sessions '
@@ -5744,14 +5846,18 @@ class PipelineStore(OfficeStore):
             "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
         active = self.wakeups_by_agent("claimed")
+        held = (f'SELECT 1 FROM "Task" t WHERE t.id = w.task_id AND t.state NOT IN {TERMINAL_TASK_SQL} '
+                f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
+                f'JOIN "Task" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} AND b.archived_at IS NULL)')
+        locked = ('SELECT 1 FROM "Task" t JOIN "Wakeup" h ON h.task_id = t.id AND h.agent_id = t.checkout_agent_id '
+                  "WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = 'claimed'")
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
             if status in ("paused", "stopped"):
-                room = limit   # the status guard finishes these without a session
-            elif last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
+                continue   # its wakeups wait for it to be resumed
+            if last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
                 continue
-            else:
-                room = max_sessions - active.get(agent_id, 0)
+            room = max_sessions - active.get(agent_id, 0)
             if room <= 0:
                 continue
             candidates += self.db.select(
@@ -5759,6 +5865,8 @@ class PipelineStore(OfficeStore):
                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
+                f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
+                f"AND NOT (w.reason <> '{REVIEW_REASON}' AND EXISTS ({locked})) "   # another's session holds it
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
@@ -5767,35 +5875,48 @@ class PipelineStore(OfficeStore):
         run supervisor's and ``settle_run``'s. Returns whether it was claimed here
         and the run it queued (none when the wakeup ended without one)."""
         olog = log.getChild("office")
-        # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
         w = self.db.Wakeup[wakeup_id]
-        if w.status != "queued":
-            return PipelineOutcome(claimed=False)
-        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         agent = self.db.Agent.get(id=w.agent_id)
+        # 2. Guard: agent status, before the claim (the spec's claim query takes only idle and
+        # working agents): a paused or stopped agent's wakeups stay queued until it is resumed.
+        if w.status != "queued" or (agent is not None and agent.status in ("paused", "stopped")):
+            return PipelineOutcome(claimed=False)
+        # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
+        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
+        if agent is None:
+            self._end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
+            return PipelineOutcome(claimed=True)
         task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
         review = w.reason == REVIEW_REASON
+
+        def other_task(q) -> bool:   # merged across tasks (the window): this task's fate is not its own
+            return q.task_id != w.task_id
+
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review)):
+            self._requeue_merged(w, now, other_task)
             self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
-        # 2. Guard: agent status.
-        if agent is None or agent.status in ("paused", "stopped"):
-            self._end_wakeup(w, "finished", now, note=f"agent {agent.status if agent else 'deleted'}: no session")
-            return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
-            r = self.db.Routine.get(id=w.payload.get("routine_id"))
-            if r is None or r.status != "active":
-                self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session")
+            routine_id = w.payload.get("routine_id")
+            r = self.db.Routine.get(id=routine_id)
+            if r is None or r.status != "active":   # what merged into it from elsewhere still runs
+                self._requeue_merged(w, now, lambda q: q.source != WakeupSource.ROUTINE
+                                     or q.payload.get("routine_id") != routine_id)
+                self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session",
+                                 fire="skipped")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
+            self._requeue_merged(w, now, other_task)
             self.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
-        # Held while blocked: task_blockers_resolved wakes the agent when the blockers are done.
+        # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
         if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
                 and (waiting := self._open_blockers(task["blocked_by"]))):
-            self._end_wakeup(w, "finished", now, note="held until its blockers are done: " + ", ".join(waiting))
-            return PipelineOutcome(claimed=True)
+            w.status, w.claimed_at, w.note = "queued", None, f"{HELD_NOTE}: " + ", ".join(waiting)
+            return PipelineOutcome(claimed=False)
+        if (w.note or "").startswith(HELD_NOTE):
+            w.note = None
         # 4. Idle skip.
         if w.source == WakeupSource.ROUTINE and not w.task_id and agent.skip_idle_wakeups:
             actionable = orm.count(t for t in self.db.Task if t.assignee_agent_id == agent.id
@@ -5803,13 +5924,17 @@ class PipelineStore(OfficeStore):
             if idle_skip_applies(w.source, w.payload, agent.skip_idle_wakeups, actionable):
                 olog.info("wakeup_idle_skipped wakeup_id=%s agent_instance_id=%s agent_name=%s "
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
-                self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)")
+                # Only the routine's own part is skipped: a user, self or event wake that merged
+                # into it (into its pending retry) is queued again and runs.
+                self._requeue_merged(w, now, lambda q: not idle_skip_applies(q.source, q.payload, True, 0))
+                self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
                 self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
         # 5. Checkout (a reviewer reads the task; only the one working it takes the lock).
         if w.task_id and w.reason != REVIEW_REASON and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
+            self._requeue_merged(w, now, other_task)
             self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
         # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.
@@ -5833,9 +5958,11 @@ class PipelineStore(OfficeStore):
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge). A
         # retry still waiting (a rate-limit reset, a backoff) is not pulled forward: this wakeup
         # joins it instead, so the later due time and the retry count stand.
+        still_blocked = bool(task and task["blocked_by"] and self._open_blockers(task["blocked_by"]))
         others = [self.db.Wakeup[other] for other in self.db.select(
             'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
             + ("task_id = $t" if w.task_id else "task_id IS NULL")
+            + (" AND source <> 'task_assigned'" if still_blocked else "")   # a held assignment keeps waiting
             + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
             {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
         if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
@@ -5884,10 +6011,13 @@ class PipelineStore(OfficeStore):
         return PipelineOutcome(claimed=True, run_id=run_id)
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
-                              limited_until: datetime | None = None) -> None:
+                              limited_until: datetime | None = None, not_before: datetime | None = None) -> None:
         """Spec HandleWakeupFailure: at the end of its profile's limit (a parsed reset + 30 s),
-        else the backoff table; after MAX_RETRY_COUNT retries, escalateFailure."""
-        plan = plan_retry(w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter, limited_until)
+        else the backoff table of its retry count (never before ``not_before``: its profile is
+        held that long by a limit that named no reset); after MAX_RETRY_COUNT retries,
+        escalateFailure."""
+        plan = plan_retry(w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter, limited_until,
+                          not_before)
         self._release_checkout(w.task_id, w.agent_id)
         w.retry_count, w.last_error = plan.retry_count, error[:ERROR_TAIL_BYTES]
         if plan.retry_at is None:
@@ -5902,15 +6032,11 @@ class PipelineStore(OfficeStore):
                                              "scheduled_retry_at": rfc3339(plan.retry_at), "source": plan.source}, now)
 
     def _requeue_interrupted(self, w, now: datetime) -> None:
-        """The daemon stopped or died under a running session: not the agent's failure, so
-        the wakeup is claimed again at once (spec: claimed wakeups are re-claimed on
-        restart). It still counts as an attempt, so a session that kills the daemon each
-        time is escalated after MAX_RETRY_COUNT like any failure."""
+        """The daemon stopped or died under a running session: not the agent's failure (as
+        ``interrupted`` never counts toward a schedule's failure streak), so the wakeup is
+        claimed again at once (spec: claimed wakeups are re-claimed on restart), with no
+        retry counted: restarts during a long session never escalate it."""
         self._release_checkout(w.task_id, w.agent_id)
-        w.retry_count += 1
-        if w.retry_count > MAX_RETRY_COUNT:
-            self._escalate_failure(w, "interrupted by a restart every time", now)
-            return
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
         self.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
@@ -6004,8 +6130,10 @@ class PipelineStore(OfficeStore):
             self._wait_for_login(w, r.agent, now)
         else:
             held = self.db.ProfileState.get(name=r.agent) if r.failure_kind == "limit" else None
+            until = aware(held.limited_until) if held else None   # a limit with no reset: the backoff
             self.handle_wakeup_failure(w, r.error or "the run failed", now,
-                                       limited_until=aware(held.limited_until) if held else None)
+                                       limited_until=until if r.limit_named_reset else None,
+                                       not_before=None if r.limit_named_reset else until)
         if agent is not None:
             agent.last_wakeup_finished_at = naive(now)
             if agent.status == "working" and not self._active_sessions(agent.id):
@@ -6033,7 +6161,8 @@ class PipelineStore(OfficeStore):
         # many tasks the workspace has (this runs inside the settlement's write transaction).
         blocked = (f'FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN {TERMINAL_TASK_SQL} '
                    f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
-                   f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL})")
+                   f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} "
+                   "AND b.archived_at IS NULL)")
         blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
                     for tid, title, ids, created in self.db.select(
                         f"SELECT t.id, t.title, t.blocked_by, t.created_at {blocked} "
@@ -6212,10 +6341,11 @@ class RoutineStore(PipelineStore):
 
     def fire_routine(self, routine_id: str, trigger_id: str | None, source: str, provided: dict[str, Any],
                      now: datetime, *, due_at: datetime | None = None, missed_ticks: int = 0,
-                     since: datetime | None = None) -> dict[str, Any]:
+                     since: datetime | None = None, counted_all: bool = True) -> dict[str, Any]:
         """One firing: variables resolved (a missing required one refuses it), the concurrency
         policy applied by fingerprint, then a fresh task (heavy) or a taskless routine wakeup
-        (lightweight). Recorded as a routine run either way."""
+        (lightweight). Recorded as a routine run either way. ``counted_all`` false: the missed
+        ticks were counted up to a cap, and ``missed_ticks`` is a lower bound ("more than")."""
         r = self._routine(routine_id)
         if r.status != "active":
             raise Conflict(f"routine {r.id} is {r.status}; a {r.status} routine never fires")
@@ -6233,7 +6363,8 @@ class RoutineStore(PipelineStore):
         fingerprint = dispatch_fingerprint(r.id, render_variables(title_template, provided_values) if template else "",
                                            render_variables(template.get("description", r.description or ""),
                                                             provided_values), r.assignee_agent_id)
-        missed_note = (f"missed {missed_ticks} tick{'s' if missed_ticks != 1 else ''} since "
+        many = f"{missed_ticks}" if counted_all else f"more than {missed_ticks:,}"
+        missed_note = (f"missed {many} tick{'s' if missed_ticks != 1 else ''} since "
                        f"{(since or fired_at).astimezone(tz):%Y-%m-%d %H:%M %Z}") if missed_ticks else ""
         if trigger_id is None and source == "manual":   # Run now is the routine's manual trigger, if it has one
             manual = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id and t.kind == "manual")
@@ -6266,6 +6397,8 @@ class RoutineStore(PipelineStore):
             x.wakeup_id = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
                                               reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
                                               idempotency_key=key)
+            # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
+            x.status, x.completed_at = "task_created", naive(now)
         self.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
         return routine_run_view(x)
@@ -6316,7 +6449,8 @@ class RoutineStore(PipelineStore):
                     continue   # this tick fired already (the ledger is UNIQUE on it)
                 try:
                     self.fire_routine(r.id, t.id, "cron", {}, now, due_at=slot,
-                                      missed_ticks=dropped if i == 0 else 0, since=first_due)
+                                      missed_ticks=dropped if i == 0 else 0, since=first_due,
+                                      counted_all=due.counted_all)
                 except OutpostError as err:   # e.g. a required variable with no default
                     self._record_failed_fire(r, t.id, slot, err.detail, now)
                 fired += 1
@@ -7777,6 +7911,20 @@ def run_sandbox(deps: Deps, info: dict[str, Any]) -> Sandbox | None:
                    deps.private_dir(info["id"]), Path(home) if home else None)
 
 
+async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:
+    """An Office task changed hands: its new agent starts where the task was left, the head of
+    ``left_on`` (the previous agent's branch); its own ``branch`` is moved there when it is new
+    or behind. A branch of its own with work the other one lacks is kept as it is."""
+    left = await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{left_on}", check=False)
+    if not left or left == head:
+        return head
+    if head and await git(repository, "merge-base", head, left, check=False) != head:
+        log.getChild("run").warning("branch %s has work %s lacks: not taken over", branch, left_on)
+        return head
+    await git(repository, "update-ref", f"refs/heads/{branch}", left)
+    return left
+
+
 async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:
     """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
     commit, or, for a run that continues a branch (an Office task session, a reply), that
@@ -7785,6 +7933,8 @@ async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) ->
     repository, branch = await deps.mirrors.fetched(info["repository"]), info["result_branch"]
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
             if info["continues_branch"] and Path(repository).is_dir() else "")
+    if info.get("handover_branch") and Path(repository).is_dir() and not workspace.exists():
+        head = await take_over(repository, branch, info["handover_branch"], head)
     if not head:
         commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
         commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
@@ -8221,7 +8371,7 @@ def wakeup_label(w: dict[str, Any]) -> str:
     if w["status"] == "coalesced":
         return f"Merged into {w['coalesced_into'][-6:]}"
     if w["status"] == "finished" and not w["run_id"]:
-        return "Finished, no run"   # held, idle-skipped or agent paused: the note says which
+        return "Finished, no run"   # idle-skipped or its routine paused: the note says which
     if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
         return "Recovered"
     return w["status"].capitalize()
@@ -8816,9 +8966,14 @@ async def create_task(web: Web, workspace_id: str | None, raw: dict[str, Any]) -
 
 
 async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """An edit; a reassignment's cancel of the previous assignee's run reaches its process."""
     current = await web.call(web.store.task_fields, task_id)
-    return await web.commit(web.store.update_task, task_id,
+    view = await web.commit(web.store.update_task, task_id,
                             normalize_task(raw, profiles=web.profile_names, current=current), web.now)
+    if live := web.deps.live.ids():
+        for run_id in await web.call(web.store.cancels_requested, live):
+            web.deps.live.signal(run_id, "cancel")
+    return view
 
 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
@@ -10057,7 +10212,8 @@ async def page_office_routine_fire(web: Web, routine_id: str):
     async def fire(form):
         variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
         run = await fire_routine(web, routine_id, variables)
-        return f"/office/routines/{routine_id}?done=fired_{run['status']}"
+        done = "received" if run["status"] == "task_created" and not run["linked_task_id"] else run["status"]
+        return f"/office/routines/{routine_id}?done=fired_{done}"
     return await office_form(web, fire, functools.partial(page_office_routine, routine_id=routine_id))
 
 

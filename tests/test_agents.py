@@ -606,6 +606,25 @@ def test_a_changed_profile_holds_the_schedules_fires_until_it_is_confirmed_again
     assert outpost.profile_digest(preset_profile("claude-code")) == digests["claude-code"]
 
 
+def test_the_reconfirm_item_closes_once_the_schedule_is_confirmed_again(store, git_repo):
+    """Issue 24.6e: the ``reconfirm`` attention item stayed open after the schedule had been
+    reviewed and confirmed again; confirming it closes the item."""
+    before = preset_profile("claude-code")
+    after = dataclasses.replace(before, command=(*before.command, "--max-turns", "50"))
+    definition = outpost.normalize_definition(conftest.definition(
+        git_repo, agent="claude-code", timing={"kind": "interval", "seconds": 3600, "timezone": "UTC"}),
+        T0, agents=["claude-code"])
+    sched = call(store, store.create_schedule, definition, T0, outpost.profile_digest(before))
+    changed = {"claude-code": outpost.profile_digest(after)}
+    assert call(store, store.claim_due, T0 + timedelta(hours=1), digests=changed) == []
+    (item,) = [a for a in call(store, store.list_attention, True) if a["kind"] == "reconfirm"]
+    call(store, store.update_schedule, sched["id"], 1, definition, T0 + timedelta(hours=1, minutes=5),
+         changed["claude-code"])
+    assert [a for a in call(store, store.list_attention, True) if a["kind"] == "reconfirm"] == []
+    closed = call(store, store.ack_attention, item["id"], T0 + timedelta(hours=2))
+    assert closed["acknowledged_at"] == outpost.rfc3339(T0 + timedelta(hours=1, minutes=5))
+
+
 def doctor(tmp_path: Path, toml: str, **env: str) -> subprocess.CompletedProcess:
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)

@@ -39,14 +39,17 @@ async def test_the_schedules_page_shows_a_hundred_at_a_time(store, signed_in):
 
 
 def sweep_every_5_minutes(store: outpost.Store, sweeps: int) -> None:
-    """A task its paused agent never started, the agent back to idle, then ``sweeps`` recovery
-    sweeps 5 minutes apart: the first recovers the task, the rest find its wakeup queued."""
-    paused = outpost.normalize_agent({"name": "w", "status": "paused", "executor": "demo"}, profiles=["demo"])
-    agent = store.transaction(store.create_agent, None, paused, T0)[0]
-    task = outpost.normalize_task({"title": "t", "assignee_agent_id": agent["id"]}, profiles=["demo"])
-    store.transaction(store.create_task, None, task, T0)
-    store.transaction(store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})   # paused: no run
-    store.transaction(store.update_agent, agent["id"], {**paused, "status": "idle"}, T0)
+    """A task assigned with no wakeup for it (assigned behind the API: a paused agent's wakeups
+    now wait for it instead of ending), then ``sweeps`` recovery sweeps 5 minutes apart: the
+    first recovers the task, the rest find its wakeup queued."""
+    idle = outpost.normalize_agent({"name": "w", "executor": "demo"}, profiles=["demo"])
+    agent = store.transaction(store.create_agent, None, idle, T0)[0]
+    task = store.transaction(store.create_task, None, outpost.normalize_task({"title": "t"}, profiles=["demo"]),
+                             T0)[0]
+
+    def assign_behind_the_api():
+        store.db.Task[task["id"]].assignee_agent_id = agent["id"]
+    store.transaction(assign_behind_the_api)
     for k in range(sweeps):
         store.transaction(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
 

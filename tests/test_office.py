@@ -19,11 +19,13 @@ from conftest import (
     MINUTE,
     PROFILES,
     T0,
+    OfficeApi,
     activity,
     at,
     call,
     dispatch,
     ended,
+    git,
     instant,
     new_agent,
     new_task,
@@ -54,6 +56,12 @@ def edit_task(store: outpost.Store, task_id: str, now: datetime, **changes) -> d
     current = call(store, store.task_fields, task_id)
     fields = outpost.normalize_task(changes, profiles=list(PROFILES), current=current)
     return call(store, store.update_task, task_id, fields, now)
+
+
+def edit_agent(store: outpost.Store, agent_id: str, now: datetime, **changes) -> dict:
+    current = call(store, store.agent_fields, agent_id)
+    return call(store, store.update_agent, agent_id,
+                outpost.normalize_agent(changes, profiles=list(PROFILES), current=current), now)
 
 
 def move(store: outpost.Store, task_id: str, state: str, now: datetime, by_agent: str | None = None) -> dict:
@@ -256,23 +264,29 @@ def test_task_assigned_wakeup_is_queued_when_assignment_saved(office):
     assert (w2["source"], w2["status"], w2["payload"]) == ("task_assigned", "queued", {"task_id": later})
 
 
-def test_wakeup_for_paused_agent_is_finished_without_session(office):
+def test_wakeup_for_paused_agent_waits_queued_without_session(office):
+    """The claim takes only idle and working agents: a paused or stopped agent's wakeups are
+    not claimed, not retried, not ended; they run once the agent is resumed."""
     paused = new_agent(office, "Sleepy", status="paused")
     new_task(office, "t", assignee_agent_id=paused)
     (w,) = wakeups(office, paused)
     assert dispatch(office, at(1)) == []
     w = wakeup(office, w["id"])
-    assert w["status"] == "finished" and w["run_id"] is None and w["cancel_reason"] is None
-    assert "paused" in w["note"]
-    # Not retried: no retry scheduled, and later passes leave it alone.
+    assert (w["status"], w["run_id"], w["claimed_at"], w["finished_at"]) == ("queued", None, None, None)
     assert w["retry_count"] == 0 and w["scheduled_retry_at"] is None
     assert dispatch(office, at(HOUR)) == []
-    assert wakeup(office, w["id"])["status"] == "finished"
+    assert wakeup(office, w["id"])["status"] == "queued"
     assert runs_of_agent(office, paused) == []
-    stopped = new_agent(office, "Stopped", status="stopped")
+    stopped = new_agent(office, "Stopped", status="stopped", role="coordinator")
     routine_wake(office, stopped, at(2))
     assert dispatch(office, at(3)) == []
-    assert only(wakeups(office, stopped))["status"] == "finished"
+    assert only(wakeups(office, stopped))["status"] == "queued"
+    # Resumed, each agent works what waited for it.
+    edit_agent(office, paused, at(HOUR), status="idle")
+    edit_agent(office, stopped, at(HOUR), status="idle")
+    assert len(dispatch(office, at(HOUR + 1))) == 2
+    assert wakeup(office, w["id"])["status"] == "claimed"
+    assert only(wakeups(office, stopped))["status"] == "claimed"
 
 
 def test_comment_wakeup_stays_queued_while_agent_at_capacity(office):
@@ -325,6 +339,26 @@ def test_children_completed_wakeups_within_window_coalesce_into_one(office):
         w = wakeup(office, wid)
         assert (w["status"], w["coalesced_into"]) == ("coalesced", ids[0])
     assert only(wakeups(office, lead, source="task_children_completed", status="queued"))["id"] == ids[0]
+
+
+def test_a_wakeup_merged_from_another_task_outlives_the_one_it_joined(office):
+    """Issue 24.5: the window merges across the coordinator's tasks; when the wakeup the others
+    joined is cancelled (its task was done meanwhile), they are not lost with it."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    epics = [new_task(office, f"Epic {i}", at(i), assignee_agent_id=lead) for i in range(3)]
+    for i in range(3):
+        settle_all(office, at(10 + i), dispatch(office, at(10 + i)))
+    ids = [enqueue(office, lead, outpost.WakeupSource.TASK_CHILDREN_COMPLETED, {"task_id": e}, at(60 + i))
+           for i, e in enumerate(epics)]
+    assert [wakeup(office, i)["status"] for i in ids] == ["queued", "coalesced", "coalesced"]
+    move(office, epics[0], "DONE", at(63))
+    (run_id,) = dispatch(office, at(64))
+    first, second, third = (wakeup(office, i) for i in ids)
+    assert (first["status"], first["cancel_reason"]) == ("cancelled", "task_terminal")
+    assert (second["status"], second["coalesced_count"], second["run_id"]) == ("claimed", 2, run_id)
+    assert (third["status"], third["coalesced_into"], third["run_id"]) == ("coalesced", second["id"], run_id)
+    run = office_run(office, run_id)
+    assert run["task_id"] == epics[1] and f"Task {epics[2]}: Epic 2" in run["assembled_prompt"]
 
 
 def test_kanban_task_with_assignee_wakes_nobody(office):
@@ -451,6 +485,23 @@ def test_a_rate_limit_message_schedules_the_retry_30_s_after_the_wait_it_names(o
     w = fail_and_reschedule(office, w["id"], now, error)
     assert (w["status"], w["retry_count"]) == ("queued", 1)
     assert instant(w["scheduled_retry_at"]) == now + wait + timedelta(seconds=30)
+
+
+def test_a_limit_with_no_reset_after_earlier_failures_falls_through_to_the_backoff_of_its_retry_count(office):
+    """Issue 24.6a: a rate limit that names no reset, met by a wakeup that had failed twice, was
+    retried after 2 min (the profile's own ladder restarted); the spec falls through to the
+    exponential backoff: the third retry comes after 30 min (+-25%)."""
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    new_task(office, "t", assignee_agent_id=worker)
+    w, now = only(wakeups(office, worker)), at(1)
+    for _ in range(2):
+        w = fail_and_reschedule(office, w["id"], now)
+        now = retry_due(w)
+    w = fail_and_reschedule(office, w["id"], now, error="429 Too Many Requests: rate limit exceeded")
+    assert call(office, office.get_run, w["run_id"])["failure_kind"] == "limit"
+    assert w["retry_count"] == 3
+    retry_at = instant(w["scheduled_retry_at"])
+    assert now + timedelta(minutes=22.5) <= retry_at <= now + timedelta(minutes=37.5)
 
 
 def test_generic_failure_uses_backoff_and_escalates_after_4_retries(office):
@@ -710,11 +761,11 @@ def test_spec_build_pipeline_approval_then_blockers_resolved(office):
     parent = new_task(office, "Feature", assignee_agent_id=lead)
     spec = new_task(office, "Spec", parent_id=parent, requires_approval=True, assignee_agent_id=planner)
     build = new_task(office, "Build", parent_id=parent, blocked_by=[spec], assignee_agent_id=developer)
-    # Build's assignment is held while Spec is open: no session for the developer.
+    # Build's assignment is held (queued) while Spec is open: no session for the developer.
     held = only(wakeups(office, developer))
     queued = dispatch(office, at(1))
     held = wakeup(office, held["id"])
-    assert held["status"] == "finished" and held["run_id"] is None and spec in held["note"]
+    assert held["status"] == "queued" and held["run_id"] is None and spec in held["note"]
     assert {office_run(office, r)["agent_id"] for r in queued} == {lead, planner}
     assert task(office, build)["checkout_agent_id"] is None
     # The planner completes Spec: it goes to review with a pending approval, not to Done.
@@ -736,10 +787,11 @@ def test_spec_build_pipeline_approval_then_blockers_resolved(office):
     told = only(wakeups(office, planner, source="approval_resolved"))
     assert told["payload"] == {"approval_id": approval["id"], "status": "approved", "decision_note": "looks good"}
     assert wakeups(office, lead, source="task_children_completed") == [], "Build is still open"
-    # The developer starts working on Build automatically.
+    # The developer starts working on Build automatically: the held assignment and the resolved wake.
     runs = dispatch(office, at(30))
     (dev_run,) = [r for r in runs if office_run(office, r)["agent_id"] == developer]
     assert office_run(office, dev_run)["task_id"] == build
+    assert wakeup(office, held["id"])["run_id"] == wakeup(office, resolved["id"])["run_id"] == dev_run
     assert task(office, build)["checkout_agent_id"] == developer
 
 
@@ -963,6 +1015,42 @@ def test_idle_skip_coordinator_default_false_proceeds(office):
     assert wakeup(office, ceo_wake)["status"] == "finished"
 
 
+def test_a_self_wake_merged_into_a_paused_routines_retry_still_runs(office):
+    """Issue 24.2: what merged into a routine wakeup's pending retry ended with it when the
+    routine was paused meanwhile. Only the routine's own part ends; the agent's self-wake runs."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    retry = fail_and_reschedule(office, routine_wake(office, lead, at(1), "r1"), at(2))
+    selfwake = enqueue(office, lead, outpost.WakeupSource.SELF, {"reason": "check the deploy"}, at(3))
+    assert wakeup(office, selfwake)["coalesced_into"] == retry["id"]
+
+    def pause_routine():
+        office.db.Routine["r1"].status = "paused"
+    office.transaction(pause_routine)
+    (run_id,) = dispatch(office, retry_due(retry))
+    assert (wakeup(office, retry["id"])["status"], wakeup(office, selfwake)["run_id"]) == ("finished", run_id)
+    assert "check the deploy" in office_run(office, run_id)["assembled_prompt"]
+
+
+def test_wakeups_merged_into_one_that_then_joins_a_pending_retry_come_along(office):
+    """Found with issue 24: a wakeup that joined a pending retry brought only its own payload;
+    the requests merged into it earlier were left pointing at it and never reached a run."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    retrying = routine_wake(office, lead, at(0))
+    (run1,) = dispatch(office, at(1))
+    start(office, run1, at(1))
+    first = enqueue(office, lead, outpost.WakeupSource.USER, {"user_id": "u", "context": "first look"}, at(2))
+    second = enqueue(office, lead, outpost.WakeupSource.USER, {"user_id": "u", "context": "second look"}, at(3))
+    assert wakeup(office, second)["coalesced_into"] == first   # the 5 s window
+    settle(office, run1, "failed", at(4), error="network timeout", exit_code=1)
+    assert dispatch(office, at(5)) == []   # the user's wakeup joins the pending retry
+    assert wakeup(office, first)["coalesced_into"] == retrying
+    (run2,) = dispatch(office, retry_due(wakeup(office, retrying)))
+    prompt = office_run(office, run2)["assembled_prompt"]
+    assert "first look" in prompt and "second look" in prompt
+    assert wakeup(office, retrying)["coalesced_count"] == 3
+    assert wakeup(office, first)["run_id"] == wakeup(office, second)["run_id"] == run2
+
+
 def settle_all(store: outpost.Store, now: datetime, run_ids: list[str] | None = None,
                status: str = "succeeded") -> None:
     """Settle the given runs (default: every queued or running run)."""
@@ -1128,6 +1216,27 @@ def test_budget_exhausted_pauses_agent_and_skips(office):
     item = only(attention(office, "budget_blocked"))
     assert "Worker" in item["title"]
     assert {task(office, t)["state"] for t in (first, second)} == {"TODO"}
+
+
+def test_a_budget_pause_keeps_the_agents_other_wakeups_queued_for_after_resume(office):
+    """Issue 24.1: the budget pause drained the agent's other queued wakeups ("agent paused:
+    no session"). The wakeup that met the used-up budget is skipped (the spec); the others
+    wait and run once the agent is resumed."""
+    worker = new_agent(office, "Worker", budget_runs_per_day=1, cooldown_sec=0)
+    first = new_task(office, "one", assignee_agent_id=worker)
+    settle_all(office, at(10), dispatch(office, at(1)))
+    second = new_task(office, "two", at(20), assignee_agent_id=worker)
+    call(office, office.add_comment, first, "one more detail", at(21))
+    assert dispatch(office, at(22)) == []
+    assert agent(office, worker)["status"] == "paused"
+    assert only(wakeups(office, worker, status="skipped"))["payload"] == {"task_id": second}
+    comment = only(wakeups(office, worker, source="comment"))
+    assert (comment["status"], comment["run_id"], comment["note"]) == ("queued", None, None)
+    # The user raises the budget and sets the agent back to idle: the comment is worked.
+    edit_agent(office, worker, at(HOUR), budget_runs_per_day=10, status="idle")
+    (run_id,) = dispatch(office, at(HOUR))
+    assert wakeup(office, comment["id"])["run_id"] == run_id
+    assert "one more detail" in office_run(office, run_id)["assembled_prompt"]
 
 
 def test_a_budget_alert_fires_once_when_a_run_jumps_past_80_percent(office):
@@ -1441,7 +1550,8 @@ def test_crash_between_pipeline_steps_leaves_wakeup_consistent(office, monkeypat
 def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     """A session the daemon's death interrupted is not the agent's failure: the wakeup is
     claimed again (spec: claimed wakeups are re-claimed on restart) with a fresh run; the
-    interrupted run itself is never replayed. It still counts as an attempt."""
+    interrupted run itself is never replayed. Issue 24.6b: it is no retry either, so five
+    restarts during a long run do not escalate it."""
     lead = new_agent(office, "Lead", role="coordinator")
     worker = new_agent(office, "Worker", cooldown_sec=0)
     tid = new_task(office, "t", assignee_agent_id=worker)
@@ -1451,23 +1561,25 @@ def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     # The daemon died; at the next start recover_at_boot settles the run failed/interrupted.
     assert call(office, office.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="interrupted"), at(HOUR))
     w = wakeup(office, w["id"])
-    assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 1, None)
+    assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 0, None)
     assert task(office, tid)["checkout_agent_id"] is None
     assert call(office, office.get_run, run_id)["status"] == "failed"
     (again,) = dispatch(office, at(HOUR))
     assert again != run_id and wakeup(office, w["id"])["run_id"] == again
     assert call(office, office.own_runs_in, ["queued"]) == [again]
-    # A session that is interrupted every time is escalated like any failure.
+    # Restarted again and again during a long session: never escalated, never a retry counted.
     now = at(HOUR)
-    for _ in range(outpost.MAX_RETRY_COUNT):
+    for _ in range(outpost.MAX_RETRY_COUNT + 1):
         latest = wakeup(office, w["id"])["run_id"]
         settle(office, latest, "failed", now, error="interrupted")
         now += timedelta(seconds=1)
         dispatch(office, now)
     w = wakeup(office, w["id"])
-    assert (w["status"], w["retry_count"]) == ("failed", outpost.MAX_RETRY_COUNT + 1)
-    assert len(attention(office, "agent_error")) == 1
-    assert only(wakeups(office, lead, source="agent_error"))["payload"]["agent_profile_id"] == worker
+    assert (w["status"], w["retry_count"]) == ("claimed", 0)
+    assert attention(office, "agent_error") == [] and wakeups(office, lead, source="agent_error") == []
+    # The agent's own failure still counts.
+    settle(office, w["run_id"], "failed", now, error="network timeout", exit_code=1)
+    assert wakeup(office, w["id"])["retry_count"] == 1
 
 
 def test_claimed_wakeup_with_queued_run_is_not_redispatched_after_restart(tmp_path):
@@ -1555,6 +1667,40 @@ async def test_actor_comment_waits_for_running_session_then_runs(autojump_clock,
     assert run2["resumed"] is True
     assert f'comment_id="{comment["payload"]["comment_id"]}"' in run2["assembled_prompt"]
     assert "saw-the-comment" in run2["assembled_prompt"]   # the comment's own text reaches the resumed session
+
+
+async def test_actor_reassigned_mid_run_the_new_agent_continues_the_task_branch_as_it_was_left(
+        autojump_clock, mock_deps, git_repo):
+    """Issue 24.4: reassigning a task during a run cancels that run; its edits (committed or
+    not) are saved on its branch, and only then does the new assignee start, from that branch."""
+    deps = office_deps(mock_deps, git_repo)
+    store = deps.store
+    api = OfficeApi(deps, git_repo)
+    ada, bob = new_agent(store, "Ada", deps.clock.now(), cooldown_sec=0), new_agent(store, "Bob", deps.clock.now())
+    tid = new_task(store, "Port the parser", deps.clock.now(), assignee_agent_id=ada,
+                   description="@commit a.txt first\n@edit b.txt draft\n@sleep 600")
+    with trio.fail_after(HOUR):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            run_a = await until(lambda: only(wakeups(store, ada))["run_id"])
+            branch_a = outpost.office_branch(tid, "Ada")
+            await until(lambda: (deps.worktree(run_a, branch_a) / "b.txt").exists())   # Ada is at work
+            edited = await api.patch(f"/api/office/tasks/{tid}", {"assignee_agent_id": bob,
+                                                                  "description": "@print bob takes over"},
+                                     headers={"Authorization": f"Bearer {deps.token}"})
+            assert edited.status == 200, edited.body
+            deps.claim_wake.poke()
+            bobs = await until(lambda: (w := wakeups(store, bob)) and w[0]["status"] == "finished" and w[0])
+            assert call(store, store.get_run, run_a)["status"] == "cancelled", "Bob worked beside Ada"
+            nursery.cancel_scope.cancel()
+    first, second = office_run(store, run_a), office_run(store, bobs["run_id"])
+    assert first["status"] == "cancelled" and first["changes"]["commits"] == 2   # Ada's commit and her leftovers
+    assert second["status"] == "succeeded", second
+    assert instant(second["started_at"]) >= instant(first["finished_at"])
+    assert second["resolved_commit"] == git(git_repo, "rev-parse", branch_a)
+    branch_b = outpost.office_branch(tid, "Bob")
+    assert git(git_repo, "show", f"{branch_b}:a.txt") == "first"
+    assert git(git_repo, "show", f"{branch_b}:b.txt") == "draft"
 
 
 async def test_actor_rate_limited_run_is_retried_at_the_parsed_reset(autojump_clock, mock_deps, git_repo):

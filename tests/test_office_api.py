@@ -22,6 +22,7 @@ from conftest import (
     OfficeApi,
     Server,
     assert_problem,
+    dispatch,
     git,
     make_deps,
     make_repo,
@@ -294,16 +295,40 @@ async def test_wakeups_list_filters_by_agent_and_status(office_api):
     ta = await office_api.task("for a", assignee_agent_id=a["id"])
     await office_api.task("for b", assignee_agent_id=b["id"])
     await office_api.patch(f"/api/office/agents/{b['id']}", {"status": "paused"})
-    office_api.dispatch()   # a: claimed with a run; b (paused): finished with no session
+    office_api.dispatch()   # a: claimed with a run; b (paused): still queued, no session
     mine = await office_api.wakeups(f"?agent_id={a['id']}")
     assert [(w["agent_id"], w["status"], w["payload"]["task_id"]) for w in mine] == [(a["id"], "claimed", ta["id"])]
     assert mine[0]["run_id"].startswith("out_")
-    finished = await office_api.wakeups("?status=finished")
-    assert [(w["agent_id"], w["run_id"]) for w in finished] == [(b["id"], None)]
+    waiting = await office_api.wakeups("?status=queued")
+    assert [(w["agent_id"], w["run_id"]) for w in waiting] == [(b["id"], None)]
     assert await office_api.wakeups(f"?agent_id={b['id']}&status=claimed") == []
     assert len(await office_api.wakeups()) == 2
     assert_problem(await office_api.get("/api/office/wakeups?status=sleeping"), 422, "validation_failed", "status")
     assert_problem(await office_api.get("/api/office/wakeups?source=whim"), 422, "validation_failed", "source")
+
+
+async def test_a_paused_agents_wakeups_wait_and_run_after_it_is_resumed(office_api):
+    """Issue 24.1: a comment posted while its agent was paused ended its wakeup ``finished``
+    ("agent paused: no session") and nothing ran after resume. A paused agent claims nothing:
+    its wakeups stay queued and run once it is idle again."""
+    agent = await office_api.agent("Sleepy")
+    assert (await office_api.patch(f"/api/office/agents/{agent['id']}", {"status": "paused"})).status == 200
+    task = await office_api.task("Write the changelog", assignee_agent_id=agent["id"])
+    reply = await office_api.post(f"/api/office/tasks/{task['id']}/comments", {"body": "mention the new flag"})
+    assert reply.status == 201, reply.body
+    assert office_api.dispatch() == []
+    waiting = await office_api.wakeups(f"?agent_id={agent['id']}")
+    assert sorted((w["source"], w["status"], w["run_id"]) for w in waiting) == [
+        ("comment", "queued", None), ("task_assigned", "queued", None)]
+    assert office_api.dispatch() == [], "a later pass leaves them waiting too"
+    assert (await office_api.patch(f"/api/office/agents/{agent['id']}", {"status": "idle"})).status == 200
+    [run_id] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
+    assert (run["agent_id"], run["task_id"]) == (agent["id"], task["id"])
+    assert "mention the new flag" in run["assembled_prompt"]
+    after = {w["source"]: w for w in await office_api.wakeups(f"?agent_id={agent['id']}")}
+    assert after["task_assigned"]["status"] == "claimed" and after["comment"]["status"] == "coalesced"
+    assert after["comment"]["run_id"] == run_id
 
 
 async def test_user_wake_of_an_agent(office_api):
@@ -319,6 +344,122 @@ async def test_user_wake_of_an_agent(office_api):
     run = (await office_api.get(f"/api/office/runs/{run_id}")).body
     assert "look at the flaky test" in run["assembled_prompt"]
     assert run["task_id"] is None
+
+
+async def test_a_user_wake_merged_into_a_routine_retry_runs_when_the_routine_is_idle_skipped(office_api):
+    """Issue 24.2: a Wake now that merged into a routine wakeup's pending retry was thrown away
+    when that wakeup was idle-skipped. Only the routine's own part may be skipped: the user's
+    wake still runs."""
+    agent = await office_api.agent("Worker")
+    task = await office_api.task("Fix the flaky test", assignee_agent_id=agent["id"])
+    [task_run] = office_api.dispatch()
+    office_api.settle(task_run)
+    routine = (await office_api.post("/api/office/routines", {"name": "Poll", "assignee_agent_id": agent["id"]})).body
+    fired = (await office_api.post(f"/api/office/routines/{routine['id']}/fire", {"variables": {}})).body
+    [routine_run] = office_api.dispatch()   # a TODO task: not idle, the routine runs
+    office_api.settle(routine_run, outpost.RunStatus.FAILED, error="network timeout")
+    retry = [w for w in await office_api.wakeups() if w["id"] == fired["wakeup_id"]][0]
+    assert retry["status"] == "queued" and retry["scheduled_retry_at"]
+    # The task is done (nothing actionable is left), then the user wakes the agent.
+    assert (await office_api.post(f"/api/office/tasks/{task['id']}/move", {"state": "DONE"})).status == 200
+    woken = (await office_api.post(f"/api/office/agents/{agent['id']}/wake", {"context": "check the nightly"})).body
+    assert (woken["status"], woken["coalesced_into"]) == ("coalesced", retry["id"])
+    office_api.clock.at = outpost.parse_instant(retry["scheduled_retry_at"]) + timedelta(seconds=1)
+    [run_id] = dispatch(office_api.store, office_api.clock.now())   # the claim actor's passes
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
+    assert "check the nightly" in run["assembled_prompt"] and run["task_id"] is None
+    rows = {w["id"]: w for w in await office_api.wakeups()}
+    assert (rows[woken["id"]]["status"], rows[woken["id"]]["run_id"]) == ("claimed", run_id)
+    assert (rows[retry["id"]]["status"], rows[retry["id"]]["run_id"]) == ("finished", routine_run)   # no new run
+    assert "idle skip" in rows[retry["id"]]["note"]
+    [skipped] = (await office_api.get("/api/office/activity?code=wakeup_idle_skipped")).body["activity"]
+    assert skipped["wakeup_id"] == retry["id"]
+
+
+async def test_unblocking_an_in_progress_task_by_editing_its_blockers_wakes_its_agent(office_api):
+    """Issue 24.3: PATCH {"blocked_by": []} on an In Progress task gave no wakeup, ever. Its held
+    assignment runs as soon as the task has no open blocker, however that came about."""
+    builder = await office_api.agent("Builder")
+    spec = await office_api.task("Spec")
+    build = await office_api.task("Build", state="IN_PROGRESS", blocked_by=[spec["id"]],
+                                  assignee_agent_id=builder["id"])
+    assert office_api.dispatch() == [], "held while Spec is open"
+    [held] = await office_api.wakeups(f"?agent_id={builder['id']}")
+    assert "held until its blockers are done" in held["note"] and spec["id"] in held["note"]
+    assert office_api.dispatch() == []
+    assert (await office_api.patch(f"/api/office/tasks/{build['id']}", {"blocked_by": []})).status == 200
+    [run_id] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{run_id}")).body
+    assert (run["agent_id"], run["task_id"]) == (builder["id"], build["id"])
+    sources = sorted(w["source"] for w in await office_api.wakeups(f"?agent_id={builder['id']}"))
+    assert sources == ["task_assigned", "task_blockers_resolved"]
+    assert [x["source"] for x in run["context_snapshot"]["wakeups"]] == ["task_assigned", "task_blockers_resolved"]
+
+
+async def test_archiving_or_cancelling_the_last_open_blocker_wakes_the_blocked_tasks_agent(office_api):
+    """Issue 24.3: a TODO task whose last open blocker was archived waited for the 5-minute
+    sweep (which still counted the archived blocker). An archived blocker blocks nothing; like
+    a cancelled one, it wakes the blocked task's agent at once."""
+    writer = await office_api.agent("Writer")
+    draft, review = await office_api.task("Draft"), await office_api.task("Review")
+    docs = await office_api.task("Docs", blocked_by=[draft["id"], review["id"]], assignee_agent_id=writer["id"])
+    assert office_api.dispatch() == []
+    assert (await office_api.patch(f"/api/office/tasks/{draft['id']}", {"archived": True})).status == 200
+    assert office_api.dispatch() == [], "Review is still open"
+    assert (await office_api.post(f"/api/office/tasks/{review['id']}/move", {"state": "CANCELLED"})).status == 200
+    [run_id] = office_api.dispatch()
+    assert (await office_api.get(f"/api/office/runs/{run_id}")).body["task_id"] == docs["id"]
+
+
+async def test_reassigning_a_task_mid_run_lets_the_new_agent_start_only_after_that_run_ends(office_api):
+    """Issue 24.4: the checkout lock was released at the reassignment while the first agent's
+    run went on, and the new assignee's run started beside it. Reassigning asks the running
+    agent to stop (a cancel); the lock holds until its run has ended, then the new agent runs."""
+    first, task, run_id, _ = await office_api.running()
+    second = await office_api.agent("Second")
+    reassigned = await office_api.patch(f"/api/office/tasks/{task['id']}", {"assignee_agent_id": second["id"]})
+    assert reassigned.status == 200, reassigned.body
+    assert office_api.dispatch() == [], "the first agent's run is still going"
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["checkout_agent_id"] == first["id"]
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "running"
+    # Its process ends (the cancel reached it): the run settles cancelled, and only now B starts.
+    office_api.settle(run_id, outpost.RunStatus.FAILED, error="terminated")
+    assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "cancelled"
+    [second_run] = office_api.dispatch()
+    run = (await office_api.get(f"/api/office/runs/{second_run}")).body
+    assert (run["agent_id"], run["task_id"]) == (second["id"], task["id"])
+    assert (await office_api.get(f"/api/office/tasks/{task['id']}")).body["checkout_agent_id"] == second["id"]
+    # A run that had not started yet is cancelled at once: nothing to wait for.
+    third = await office_api.agent("Third")
+    assert (await office_api.patch(f"/api/office/tasks/{task['id']}", {"assignee_agent_id": third["id"]})).status == 200
+    assert (await office_api.get(f"/v1/outpost/runs/{second_run}")).body["status"] == "cancelled"
+    [third_run] = office_api.dispatch()
+    assert (await office_api.get(f"/api/office/runs/{third_run}")).body["agent_id"] == third["id"]
+
+
+async def test_children_of_three_parents_completed_within_5_s_give_one_coordinator_wakeup(office_api):
+    """Issue 24.5: the 5 s coalescing window merged per task, so three task_children_completed
+    for one coordinator's three parents within 5 s gave three runs. The window is per agent and
+    source: one wakeup, coalesced_count 3, each parent named in its payload and in the prompt."""
+    lead = await office_api.agent("Lead", role="coordinator")
+    parents = [await office_api.task(f"Epic {i}", assignee_agent_id=lead["id"]) for i in range(3)]
+    children = [await office_api.task(f"Part of epic {i}", parent_id=p["id"]) for i, p in enumerate(parents)]
+    for _ in parents:   # the coordinator's first look at each epic
+        [run_id] = office_api.dispatch()
+        office_api.settle(run_id)
+    for i, child in enumerate(children):
+        office_api.clock.at = T0 + timedelta(minutes=1, seconds=2 * i)   # 0, 2 and 4 s apart
+        assert (await office_api.post(f"/api/office/tasks/{child['id']}/move", {"state": "DONE"})).status == 200
+    [run_id] = office_api.dispatch()
+    assert office_api.dispatch() == []
+    woken = sorted(await office_api.wakeups("?source=task_children_completed"), key=lambda w: w["requested_at"])
+    assert [w["payload"] for w in woken] == [{"task_id": p["id"]} for p in parents]
+    kept, *merged = woken
+    assert (kept["status"], kept["coalesced_count"], kept["run_id"]) == ("claimed", 3, run_id)
+    assert [(w["status"], w["coalesced_into"], w["run_id"]) for w in merged] == [("coalesced", kept["id"], run_id)] * 2
+    prompt = (await office_api.get(f"/api/office/runs/{run_id}")).body["assembled_prompt"]
+    for parent in parents:
+        assert parent["id"] in prompt and parent["title"] in prompt
 
 
 # --- run detail ---------------------------------------------------------------------------------------
@@ -919,16 +1060,18 @@ def test_finishing_a_blocker_wakes_the_blocked_tasks_assignee(office_server):
         blocked = create(client, "/api/office/tasks", {"title": "A", "description": "@print unblocked",
                                                        "assignee_agent_id": second["id"],
                                                        "blocked_by": [blocker["id"]]})
-        held = wait_wakeup(client, second["id"], "task_assigned")
-        assert (held["status"], held["run_id"]) == ("finished", None)   # held until its blocker is done
         done = wait_wakeup(client, first["id"], "task_assigned")
         assert wait_run(client, done["run_id"])["status"] == "succeeded"
+        (held,) = wakeups_of(client, second["id"])   # queued until its blocker is done
+        assert (held["status"], held["run_id"]) == ("queued", None) and "held until its blockers" in held["note"]
 
         moved = client.post(f"/api/office/tasks/{blocker['id']}/move", json={"state": "DONE"})
         assert moved.status_code == 200 and moved.json()["state"] == "DONE"
-        woken = wait_wakeup(client, second["id"], "task_blockers_resolved")
+        woken = wait_wakeup(client, second["id"], "task_assigned")
         assert woken["status"] == "finished", woken
-        assert woken["payload"] == {"task_id": blocked["id"], "resolved_blocker_ids": [blocker["id"]]}
+        (resolved,) = [w for w in wakeups_of(client, second["id"]) if w["source"] == "task_blockers_resolved"]
+        assert (resolved["status"], resolved["coalesced_into"]) == ("coalesced", woken["id"])
+        assert resolved["payload"] == {"task_id": blocked["id"], "resolved_blocker_ids": [blocker["id"]]}
         run = wait_run(client, woken["run_id"])
         assert run["status"] == "succeeded" and run["task_id"] == blocked["id"]
         assert "unblocked" in client.get(f"/v1/outpost/runs/{run['id']}/log").text
@@ -1020,10 +1163,10 @@ def test_an_office_run_interrupted_by_shutdown_keeps_its_wakeup(interrupted):
 
 
 def test_an_office_run_interrupted_by_shutdown_is_taken_up_again_at_restart(interrupted):
-    """Not the agent's failure: no backoff, claimed again at once with a new run. The attempt
-    still counts (retry_count 1), so a session that kills the daemon every time escalates."""
+    """Not the agent's failure: no backoff and no retry counted (issue 24.6b), claimed again at
+    once with a new run."""
     w = interrupted["wakeup"]
-    assert w["retry_count"] == 1 and w["scheduled_retry_at"] is None, w
+    assert w["retry_count"] == 0 and w["scheduled_retry_at"] is None, w
     assert w["run_id"] != interrupted["run"]["id"]
     new_run = interrupted["new_run"]
     assert (new_run["status"], new_run["trigger"], new_run["error"]) == ("running", "wakeup", None), new_run

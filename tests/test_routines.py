@@ -350,7 +350,7 @@ def test_lightweight_routine_fire_queues_a_taskless_routine_wakeup(office):
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="Check upstream PRs", description="Look at the open pull requests.")
     x = fire(office, r["id"], at(0))
-    assert (x["status"], x["linked_task_id"]) == ("received", None)
+    assert (x["status"], x["linked_task_id"]) == ("task_created", None)   # dispatched, no task
     assert tasks(office) == []
     w = wakeup(office, x["wakeup_id"])
     assert (w["source"], w["agent_id"], w["status"], w["task_id"]) == ("routine", lead, "queued", None)
@@ -366,22 +366,35 @@ def test_lightweight_routine_fire_queues_a_taskless_routine_wakeup(office):
     assert [(s["scope"], s["updated_by_run_id"]) for s in summaries] == [(f"routine:{r['id']}", run_id)]
 
 
-def test_a_lightweight_routine_run_completes_with_its_wakeup(office):
-    """Defect 17: a lightweight fire stayed ``received`` forever; it completes (or fails) with
-    the wakeup that carried it, with completed_at."""
+def test_a_lightweight_routine_run_takes_only_the_specs_statuses(office):
+    """Issue 24.6d (and defect 17: a lightweight fire stayed ``received`` forever). A routine
+    run is received -> task_created | skipped | coalesced | failed, nothing else: a lightweight
+    fire is task_created once its wakeup is queued (no task linked), never ``completed``; it
+    is skipped when that wakeup was idle-skipped, failed (with the error) when it gave up."""
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, concurrency_policy="always_enqueue")
-    ok, bad = fire(office, r["id"], at(0)), fire(office, r["id"], at(0.5))
+    ok, merged = fire(office, r["id"], at(0)), fire(office, r["id"], at(0.5))
+    for x, fired in ((ok, at(0)), (merged, at(0.5))):
+        assert (x["status"], x["linked_task_id"], x["completed_at"]) == ("task_created", None, outpost.rfc3339(fired))
+    assert wakeup(office, merged["wakeup_id"])["coalesced_into"] == ok["wakeup_id"]
     (run_id,) = dispatch(office, at(1))   # the second fire merged into the first's wakeup
     settle(office, run_id, "succeeded", at(2), result={"summary": "done"})
-    runs = {x["id"]: x for x in routine_runs(office, r["id"])}
-    assert (runs[ok["id"]]["status"], runs[ok["id"]]["completed_at"]) == ("completed", outpost.rfc3339(at(2)))
-    assert (runs[bad["id"]]["status"], runs[bad["id"]]["completed_at"]) == ("completed", outpost.rfc3339(at(2)))
+    assert [x["status"] for x in routine_runs(office, r["id"])] == ["task_created", "task_created"]
     failing = fire(office, r["id"], at(3))
     w = wakeup(office, failing["wakeup_id"])
     office.transaction(lambda: office._escalate_failure(office.db.Wakeup[w["id"]], "boom", at(4)))
     failed = {x["id"]: x for x in routine_runs(office, r["id"])}[failing["id"]]
     assert (failed["status"], failed["completed_at"]) == ("failed", outpost.rfc3339(at(4)))
+    # A worker with nothing to do: its routine's wakeup is idle-skipped, and so is the fire.
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    idle = new_routine(office, worker, name="Poll")
+    x = fire(office, idle["id"], at(5))
+    assert x["status"] == "task_created"
+    assert dispatch(office, at(6)) == []
+    skipped = only(routine_runs(office, idle["id"]))
+    assert (skipped["status"], skipped["completed_at"]) == ("skipped", outpost.rfc3339(at(6)))
+    statuses = {x["status"] for rid in (r["id"], idle["id"]) for x in routine_runs(office, rid)}
+    assert statuses <= {"received", "task_created", "skipped", "coalesced", "failed"}
 
 
 def test_run_now_sets_the_manual_triggers_last_fired_at(office):
@@ -444,7 +457,7 @@ def test_coalesce_if_active_routine_run_is_coalesced_into_the_active_one(office)
     assert c["status"] == "coalesced", "a running run is still active"
     settle(office, run_id, "succeeded", at(HOUR + 4 * MINUTE))
     d = fire(office, light["id"], at(HOUR + 5 * MINUTE))
-    assert d["status"] == "received" and wakeup(office, d["wakeup_id"])["status"] == "queued"
+    assert d["status"] == "task_created" and wakeup(office, d["wakeup_id"])["status"] == "queued"
     assert len(wakeups(office, lead, source="routine")) == 2
 
 
@@ -928,11 +941,28 @@ async def test_scheduler_down_3_hours_enqueue_missed_with_cap_fires_25_and_summa
     # The heartbeat (lightweight, coalesce_if_active) records its 25 ticks, one wakeup; the
     # coordinator's next prompt says what it missed.
     beats = routine_runs(store, heartbeat["id"])
-    assert Counter(x["status"] for x in beats) == {"received": 1, "coalesced": 24}
+    assert Counter(x["status"] for x in beats) == {"task_created": 1, "coalesced": 24}
     w = only(wakeups(store, lead))
     assert w["payload"]["missed_ticks"] == 11
     (run_id,) = [r for r in dispatch(store, deps.clock.now()) if office_run(store, r)["agent_id"] == lead]
     assert "missed 11 ticks since 2026-11-30 08:05 UTC" in office_run(store, run_id)["assembled_prompt"]
+
+
+def test_a_catch_up_past_the_counting_cap_says_more_than_n_ticks(office):
+    """Issue 24.6c: after 2855 missed ticks of a per-minute routine the prompt said "missed 1975
+    ticks": the count stops at a cap, silently. Past the cap it says "more than"."""
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    r = new_routine(office, lead, name="Pulse", triggers=[
+        {"kind": "schedule", "cron_expression": "* * * * *", "timezone": "UTC"}])
+    call(office, office.claim_due_routines, at(2855 * MINUTE))   # 08:01 ... two days later: 2855 ticks
+    first = routine_runs(office, r["id"])[0]
+    counted = first["missed_ticks"]
+    assert 0 < counted < 2855 - 25
+    w = wakeup(office, first["wakeup_id"])
+    note = f"missed more than {counted:,} ticks since 2026-11-30 08:01 UTC"
+    assert note in w["reason"]
+    (run_id,) = dispatch(office, at(2855 * MINUTE))
+    assert note in office_run(office, run_id)["assembled_prompt"]
 
 
 ###############################################################################
@@ -1023,7 +1053,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
     assert summary["updated_by_run_id"] == run2["id"]
     assert run2["summary_injected"] and "## Active focus" in run2["summary_injected"]
     assert "## Continuation summary\n" + run2["summary_injected"] in run2["assembled_prompt"]
-    assert [x["status"] for x in routine_runs(store, hb["id"])] == ["completed", "completed"]
+    assert [x["status"] for x in routine_runs(store, hb["id"])] == ["task_created", "task_created"]
 
 
 async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_deps, tmp_path):
@@ -1094,14 +1124,17 @@ async def test_a_deleted_webhook_trigger_answers_404_and_fires_nothing(api):
     assert detail["triggers"] == [] and detail["runs"] == []
 
 
-async def test_the_wakeups_page_labels_cancelled_held_and_recovered_wakeups(api):
+async def test_the_wakeups_page_labels_cancelled_idle_skipped_and_recovered_wakeups(api):
     profiles = {"demo": outpost.demo_profile()}
-    a, b = await api.agent("A"), await api.agent("B", status="paused")
+    a, b = await api.agent("A", cooldown_sec=0), await api.agent("B", cooldown_sec=0)
     moved = (await api.post("/api/office/tasks", {"title": "moved", "assignee_agent_id": a["id"]})).body
     assert (await api.patch(f"/api/office/tasks/{moved['id']}", {"assignee_agent_id": b["id"]})).status == 200
-    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)   # A's stale; B paused: no session
-    assert (await api.patch(f"/api/office/agents/{b['id']}", {"status": "idle"})).status == 200
-    assert call(api.store, api.store.recovery_sweep, api.clock.now()) == 1
+    (run_id,), _ = call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)   # A's: stale
+    assert (await api.post(f"/v1/outpost/runs/{run_id}/control", {"action": "cancel"}, key="c1")).status == 200
+    assert call(api.store, api.store.recovery_sweep, api.clock.now()) == 1   # B's run was cancelled
+    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
+    idle = await api.routine(name="Poll", assignee_agent_id=a["id"])   # A has no task: idle-skipped
+    assert (await api.post(f"/api/office/routines/{idle['id']}/fire", {"variables": {}})).status == 202
     call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
     _, page = await api.page("/office/wakeups")
     for label in ("Cancelled - assignee changed", "Finished, no run", "Recovered"):
@@ -1116,7 +1149,7 @@ async def test_two_routines_same_coordinator_within_window_coalesce(autojump_clo
     budget = new_routine(store, lead, name="Budget check", triggers=[SCHEDULE_5MIN])
     await run_actors(deps, at(5 * MINUTE + 30))
     routines = call(store, store.list_routines, None)
-    assert [only(routine_runs(store, r["id"]))["status"] for r in routines] == ["received", "received"]
+    assert [only(routine_runs(store, r["id"]))["status"] for r in routines] == ["task_created", "task_created"]
     w = wakeups(store, lead)
     (kept,) = [x for x in w if x["status"] == "queued"]
     (merged,) = [x for x in w if x["status"] == "coalesced"]
@@ -1170,15 +1203,26 @@ def test_coordinator_routine_wakeup_proceeds_without_assigned_tasks(office):
 # Recovery sweep (unstarted Office tasks).
 ###############################################################################
 
+def unwoken_task(store: outpost.Store, title: str, now: datetime, agent_id: str) -> str:
+    """A TODO task assigned with no wakeup for it (assigned behind the API, or its wakeup lost
+    to an older version): what the recovery sweep is for."""
+    tid = new_task(store, title, now)
+
+    def assign_behind_the_api():
+        store.db.Task[tid].assignee_agent_id = agent_id
+    store.transaction(assign_behind_the_api)
+    return tid
+
+
 def test_recovery_sweep_dispatches_unstarted_office_task_and_skips_the_rest(office):
     ada = new_agent(office, "Ada", status="paused", cooldown_sec=0)
     bob = new_agent(office, "Bob", status="paused", cooldown_sec=0)
-    old = new_task(office, "created 29 h before the sweep", at(HOUR), assignee_agent_id=ada)
-    unstarted = new_task(office, "assigned, never started", at(7 * HOUR), assignee_agent_id=ada)
+    old = unwoken_task(office, "created 29 h before the sweep", at(HOUR), ada)
+    unstarted = unwoken_task(office, "assigned, never started", at(7 * HOUR), ada)
     new_task(office, "a kanban card", at(7 * HOUR), assignee_agent_id=ada, workflow="kanban")
     new_task(office, "nobody's", at(7 * HOUR))
-    bobs = new_task(office, "its agent is paused", at(7 * HOUR), assignee_agent_id=bob)
-    assert dispatch(office, at(7 * HOUR)) == []            # paused: their wakeups end without a session
+    bobs = unwoken_task(office, "its agent is paused", at(7 * HOUR), bob)
+    assert dispatch(office, at(7 * HOUR)) == [] and wakeups(office) == []
     edit_agent(office, ada, at(8 * HOUR), status="idle")
     started = new_task(office, "ran once, long ago", at(8 * HOUR), assignee_agent_id=ada)
     (run_id,) = dispatch(office, at(8 * HOUR))
@@ -1264,8 +1308,8 @@ async def test_recovery_actor_sweeps_at_start_and_every_5_minutes(autojump_clock
     set_settings(store, repository=str(tmp_path / "repo"))
     ada = new_agent(store, "Ada", status="paused", cooldown_sec=0)
     bob = new_agent(store, "Bob", status="paused", cooldown_sec=0)
-    first = new_task(store, "first", T0, assignee_agent_id=ada)
-    second = new_task(store, "second", T0, assignee_agent_id=bob)
+    first = unwoken_task(store, "first", T0, ada)
+    second = unwoken_task(store, "second", T0, bob)
     assert dispatch(store, T0) == []
     edit_agent(store, ada, T0, status="idle")
     async with trio.open_nursery() as nursery:
