@@ -5942,18 +5942,7 @@ class PipelineStore(OfficeStore):
         t = self.db.Task.get(id=w.task_id) if w.task_id else None
         project = self.db.Project.get(id=t.project_id) if t is not None and t.project_id else None
         if blocked := self._budget_exceeded(agent, ws, project, now):
-            self._release_checkout(w.task_id, agent.id)
-            self._end_wakeup(w, "skipped", now, note=blocked)
-            if ws.budget_action == "skip":
-                self._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
-                               wakeup_id=w.id, detail=blocked)
-                return PipelineOutcome(claimed=True)
-            agent.status, agent.updated_at = "paused", naive(now)
-            self._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
-                           wakeup_id=w.id, detail=blocked)
-            self.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
-                                 "Raise the budget or wait, then set the agent back to idle.", now,
-                                 schedule_id=None, run_id=None)
+            self._budget_block(w, agent, ws, blocked, now)
             return PipelineOutcome(claimed=True)
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge). A
         # retry still waiting (a rate-limit reset, a backoff) is not pulled forward: this wakeup
@@ -5984,8 +5973,16 @@ class PipelineStore(OfficeStore):
         if not repository:
             self._wait_for_repository(w, "the workspace has no repository: set one in Office settings", now)
             return PipelineOutcome(claimed=True)
-        # 9-10. The run: one per claimed wakeup, on the shared FIFO admission queue.
-        profile = profiles[executor]
+        run_id = self._queue_wakeup_run(w, agent, ws, task, profiles[executor], executor, repository, now)
+        agent.status = "working"
+        self._budget_alert(agent, ws, now)
+        self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
+        return PipelineOutcome(claimed=True, run_id=run_id)
+
+    def _queue_wakeup_run(self, w, agent, ws, task: dict | None, profile: AgentProfile, executor: str,
+                          repository: str, now: datetime) -> str:
+        """Steps 9-10 of process_wakeup: the run, one per claimed wakeup, on the shared FIFO
+        admission queue, with its prompt and session; the wakeups merged into it point at it."""
         session = self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id) if w.task_id else None
         resumed = bool(session and profile.resume)
         row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
@@ -6004,11 +6001,24 @@ class PipelineStore(OfficeStore):
                           context_snapshot=w.context_snapshot, resumed=resumed,
                           session_id=session.session_id if resumed else None, queued_at=naive(now))
         w.run_id = run_id
-        self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run_id, "w": wakeup_id})
-        agent.status = "working"
-        self._budget_alert(agent, ws, now)
-        self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
-        return PipelineOutcome(claimed=True, run_id=run_id)
+        self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run_id, "w": w.id})
+        return run_id
+
+    def _budget_block(self, w, agent, ws, blocked: str, now: datetime) -> None:
+        """Step 6 of process_wakeup when over budget: the wakeup is skipped, and the agent paused
+        unless the workspace says skip."""
+        self._release_checkout(w.task_id, agent.id)
+        self._end_wakeup(w, "skipped", now, note=blocked)
+        if ws.budget_action == "skip":
+            self._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
+                           wakeup_id=w.id, detail=blocked)
+            return
+        agent.status, agent.updated_at = "paused", naive(now)
+        self._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
+                       wakeup_id=w.id, detail=blocked)
+        self.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
+                             "Raise the budget or wait, then set the agent back to idle.", now,
+                             schedule_id=None, run_id=None)
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
                               limited_until: datetime | None = None, not_before: datetime | None = None) -> None:
