@@ -161,6 +161,9 @@ GROUP_COMMIT_MAX = 128
 CRON_ON_TIME_S = 1.0
 #: Longest a shutdown waits for one run's cleanup (save leftovers, settle) after its process ended.
 CLEANUP_S = 10.0
+#: Outpost's own git in a run's sandbox (saving leftovers, the fetch's far end) ends after this
+#: long: an agent can plant what makes git wait forever (an fsmonitor that never answers, a FIFO).
+SANDBOXED_GIT_S = 300.0
 #: The notification actor looks for settled runs it was not told about this often.
 NOTIFY_SWEEP_S = 60.0
 #: Due slots of one schedule recorded individually per claim; older missed ones are only counted.
@@ -6653,10 +6656,14 @@ async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox
     if sandbox is not None:
         argv, env = sandbox.argv(argv), Sandbox.env(dict(os.environ))
     try:
-        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"",
-                                      env=env)
+        with trio.fail_after(SANDBOXED_GIT_S if sandbox is not None else math.inf):
+            done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"",
+                                          env=env)
     except OSError as exc:
         raise LaunchError(f"could not run git: {exc}") from None
+    except trio.TooSlowError:
+        raise LaunchError(f"git {' '.join(args)[:80]} did not finish within {SANDBOXED_GIT_S:.0f} s "
+                          "in the run's sandbox") from None
     if check and done.returncode != 0:
         raise LaunchError(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
     return done.stdout.decode(errors="replace").strip()

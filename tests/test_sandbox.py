@@ -398,3 +398,31 @@ def test_git_lfs_files_come_back_with_the_result_branch(base):
         assert not list((repo / ".git" / "lfs" / "objects").rglob(forged))
     finally:
         server.stop()
+
+
+async def test_a_planted_fsmonitor_that_never_answers_cannot_hold_the_settlement(tmp_path, git_repo, monkeypatch):
+    """What the agent planted may make Outpost's sandboxed git wait forever: it is ended after
+    SANDBOXED_GIT_S, the run fails with the reason and its worktree is kept for a human."""
+    import trio
+    from conftest import make_deps, new_store
+    monkeypatch.setattr(outpost, "SANDBOXED_GIT_S", 3.0)
+    script = ("printf '#!/bin/sh\\nsleep 600\\n' > .git/never.sh && chmod +x .git/never.sh && "
+              "git config core.fsmonitor \"$PWD/.git/never.sh\" && echo left > left.txt")
+    planter = outpost.AgentProfile("planter", ("sh", "-c", script))
+    store = new_store(tmp_path)
+    deps = make_deps(tmp_path / "data", store=store, clock=outpost.WallClock(), agents=(planter,),
+                     isolation=outpost.agent_isolation("auto"))
+    raw = {"name": "dispatch", "brief": "go", "repository": str(git_repo), "agent": "planter",
+           "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}}
+    payload = outpost.normalize_definition(raw, deps.clock.now(), agents=["planter"])
+    run_id = (await deps.transaction(store.create_dispatch, payload, deps.clock.now()))["run_id"]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            deps.claim_wake.poke()
+            while (run := await deps.transaction(store.get_run, run_id))["status"] not in SETTLED:
+                await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+    assert run["status"] == "failed" and "did not finish within 3 s" in run["error"], run["error"]
+    assert (deps.worktree(run_id) / "left.txt").read_text() == "left\n"
+    store.close()
