@@ -1438,10 +1438,23 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
 
 # --- agent CLIs: limits (API.md 8.3) ------------------------------------------------------
 
-#: Words that mark a limit in an error text or the tail of stderr (case-insensitive).
+#: Words that mark a limit in an error text or the tail of stderr (case-insensitive, whole words:
+#: a stack trace's ``RetryableQuotaError`` is no limit).
 USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "hit your limit", "hit your usage limit", "quota",
-                     "exhausted your capacity", "resource_exhausted", "limit will reset")
-RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "too many requests")
+                     "exhausted your capacity", "resource_exhausted", "limit will reset", "out of usage credits",
+                     "out of credits", "spend limit", "credit balance is too low", "billing_error")
+RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "ratelimiterror", "too many requests")
+#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit",
+#: "You've reached your Opus limit".
+HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b")
+#: A provider too busy to answer (Anthropic's 529, a 503 "overloaded"): waited out like a rate limit
+#: with no reset, never the agent's own failure. Not a bare "overloaded" (a compiler says that too).
+OVERLOADED = re.compile(r"overloaded_error|\b529\b|\b(?:model|engine|server|servers|api|service) (?:is |are )?"
+                        r"(?:currently |temporarily )?(?:down or )?overloaded|api error: \d{3} overloaded")
+#: A limit that no wait lifts: a spend cap, credits or a plan's quota used up. When it names no
+#: reset, the profile is paused until a human raises it and resumes the profile (API.md 8.3).
+SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
+                         r"check your plan and billing|out of (?:usage )?credits|add funds")
 #: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
 LIMIT_LADDER_S = (120, 600, 1800, 7200)
 LIMIT_JITTER = 0.25
@@ -1461,16 +1474,21 @@ DURATION_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s":
 _UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)(?![a-z])"
 _DURATION = rf"(?:\d+(?:\.\d+)?\s*{_UNIT}[\s,]*(?:and\s+)?)+"
 _WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
+#: A zone after a wall time: an IANA name, an abbreviation, or a fixed offset (GMT-3, UTC+5:30).
+_ZONE = r"((?:GMT|UTC)[+-]\d{1,2}(?::?\d{2})?|[A-Za-z_]+/[A-Za-z_]+(?:/[A-Za-z_]+)?|[A-Z]{1,5})"
+_MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
 MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
                                        "nov", "dec"), 1)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Limit:
-    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not)."""
+    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not).
+    ``raised_by`` names who must act on a spend or credit limit that no wait lifts (None: waiting does)."""
     kind: str                      # rate_limit | usage_limit
     resets_at: datetime | None
     message: str
+    raised_by: str | None = None
 
     def view(self) -> dict[str, Any]:
         return {"kind": self.kind, "resets_at": rfc3339(self.resets_at), "message": self.message}
@@ -1484,6 +1502,9 @@ def _duration_s(text: str) -> float:
 def _zone_of(name: str | None, default: ZoneInfo) -> tzinfo:
     if not name:
         return default
+    if m := re.fullmatch(r"(?:GMT|UTC)([+-])(\d{1,2})(?::?(\d{2}))?", name, re.IGNORECASE):
+        offset = timedelta(hours=int(m[2]), minutes=int(m[3] or 0))
+        return timezone(-offset if m[1] == "-" else offset) if offset < timedelta(hours=15) else default
     if name.upper() in ZONE_ABBREVIATIONS:
         return timezone(timedelta(hours=ZONE_ABBREVIATIONS[name.upper()]))
     try:
@@ -1510,6 +1531,22 @@ def _next_wall(now: datetime, tz: tzinfo, hour: int, minute: int) -> datetime | 
     return max(wall.astimezone(UTC), now)
 
 
+def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int, hour: int,
+               minute: int) -> datetime | None:
+    """That date and wall time in ``tz``; without a year, the next such date (one that passed in the
+    last 15 minutes is now)."""
+    if hour > 23 or minute > 59:
+        return None
+    for candidate in ((year,) if year else (now.astimezone(tz).year, now.astimezone(tz).year + 1)):
+        try:
+            at = datetime(candidate, month, day, hour, minute, tzinfo=tz)
+        except ValueError:
+            return None
+        if year or at > now - timedelta(seconds=LIMIT_RECENT_S):
+            return max(at.astimezone(UTC), now)
+    return None
+
+
 def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     """When a limit message says the limit resets (API.md 8.3), or None when it names no time.
     A wall time without a zone is in ``tz`` (the profile's timezone)."""
@@ -1519,19 +1556,20 @@ def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
         return now + timedelta(seconds=float(m[1]))
     if m := re.search(r"retry-after:\s*(\d{1,9})\b", text, re.IGNORECASE):
         return now + timedelta(seconds=int(m[1]))
+    # "resets Dec 4, 12pm (Europe/Paris)", "resets Jan 3, 2027, 10pm (...)", "resets Nov 13 at 9am"
+    m = re.search(rf"\bresets?\s+(?:on\s+)?{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?:(\d{{4}}),?\s+)?"
+                  rf"(?:at\s+)?{_WALL}(?:\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\))?", text, re.IGNORECASE)
+    if m and (m[6] or m[5]):   # a wall time: "at 3:28 PM" or "9am", never a bare number
+        return _next_date(now, _zone_of(m[7], tz), int(m[3]) if m[3] else None, MONTHS[m[1].lower()],
+                          int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
     if m := re.search(rf"\breset(?:s)?\b(?:\s+at)?\s+{_WALL}\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\)",
                       text, re.IGNORECASE):
         return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b([A-Za-z_]+/[A-Za-z_]+|[A-Z]{{1,5}})\b", text,
-                      re.IGNORECASE):
+    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b{_ZONE}(?![\w/])", text, re.IGNORECASE):
         return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(r"\btry again at\s+([A-Za-z]{3})[a-z]*\.?\s+(\d{1,2})(?:st|nd|rd|th)?,?\s+(\d{4}),?\s+"
+    if m := re.search(rf"\btry again at\s+{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(\d{{4}}),?\s+"
                       r"(?:at\s+)?" + _WALL, text, re.IGNORECASE):
-        month = MONTHS.get(m[1].lower())
-        if month is not None and _hour(m[4], m[6]) < 24 and int(m[5] or 0) < 60:
-            with contextlib.suppress(ValueError):
-                at = datetime(int(m[3]), month, int(m[2]), _hour(m[4], m[6]), int(m[5] or 0), tzinfo=tz)
-                return max(at.astimezone(UTC), now)
+        return _next_date(now, tz, int(m[3]), MONTHS[m[1].lower()], int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
     m = re.search(rf"\b(?:try again|reset|resets)\s+at\s+{_WALL}", text, re.IGNORECASE)
     if m and (m[2] or m[3]):   # "at 3:28 PM" or "at 3pm", never a bare number
         return _next_wall(now, tz, _hour(m[1], m[3]), int(m[2] or 0))
@@ -1541,21 +1579,39 @@ def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     return None
 
 
-#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit".
-HIT_A_LIMIT = re.compile(r"\bhit your [\w -]{0,30}\blimit\b")
+def _has_word(lower: str, words: Iterable[str]) -> bool:
+    return any(re.search(rf"(?<![a-z]){re.escape(word)}(?![a-z])", lower) for word in words)
 
 
-def find_limit(text: str, now: datetime, tz: ZoneInfo) -> Limit | None:
-    """A limit named in ``text`` (an error, the tail of stderr), or None."""
+def who_raises(text: str) -> str:
+    """Who can lift a spend or credit limit, from how the CLI worded it."""
+    if re.search(r"\b(?:your|ask|contact) (?:org'?s? )?admin|your org(?:anization)?'?s\b", text, re.IGNORECASE):
+        return "an admin of your organization (the account's billing or usage settings)"
+    return "whoever manages the account's billing (plan, credits or spend limit)"
+
+
+def find_limit(text: str, now: datetime, tz: ZoneInfo, *, kind: str | None = None) -> Limit | None:
+    """A limit named in ``text`` (an error, the tail of stderr), or None. ``kind`` is what the CLI's
+    structured fields said (``limit``, ``rate_limit``, ``usage_limit``, ``billing``, ``overloaded``):
+    then it is a limit whatever the words, and the words only tell its kind and reset."""
     lower = text.lower()
-    usage = any(word in lower for word in USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
-    rate = any(word in lower for word in RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower))
-    if not usage and not rate and "limit reached" not in lower:   # "5-hour limit reached": a usage limit
+    usage = _has_word(lower, USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
+    overloaded = bool(OVERLOADED.search(lower))
+    rate = _has_word(lower, RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower)) or overloaded
+    if not usage and not rate and "limit reached" not in lower and kind is None:   # "5-hour limit reached": usage
         return None
-    usage = usage or not rate
-    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit")
+    if kind in ("usage_limit", "billing"):
+        usage = True
+    elif kind in ("rate_limit", "overloaded"):
+        usage = False
+    else:
+        usage = usage or not rate
+    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit", "overloaded")
     line = next((ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in words)), text.strip())
-    return Limit("usage_limit" if usage else "rate_limit", limit_reset(text, now, tz), line[:500])
+    resets_at = limit_reset(text, now, tz)
+    raised_by = (who_raises(text) if resets_at is None and usage and (kind == "billing" or SPEND_LIMIT.search(lower))
+                 else None)
+    return Limit("usage_limit" if usage else "rate_limit", resets_at, line[:500], raised_by)
 
 
 def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datetime:
@@ -1567,10 +1623,17 @@ def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datet
     return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
 
 
-#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4); aider's through litellm.
+#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4): none, a bad key, or an
+#: expired or revoked one (Claude Code's "Failed to authenticate. API Error: 401 OAuth token has
+#: expired", "Please login again"; Codex's refresh-token texts; Gemini's API_KEY_INVALID); aider's
+#: through litellm.
 AUTH_MARKERS = ("not logged in", "please run /login", "invalid api key", "authentication_error",
                 "authentication_failed", "please set an auth method", "401 unauthorized", "http 401",
-                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you")
+                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you",
+                "failed to authenticate", "oauth token has expired", "token has been revoked", "please login again",
+                "please log in again", "could not be refreshed", "sign in again", "api_key_invalid",
+                "api key not valid", "403 forbidden", "status 403", "http 403", "permissiondeniederror",
+                "does not have access to claude", '"unauthenticated"', '"permission_denied"')
 
 
 def is_auth_failure(text: str) -> bool:

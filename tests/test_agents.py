@@ -69,7 +69,19 @@ def test_every_limit_form_gives_its_reset(text, reset):
     ("rate limit: try again in 20 MS", T0 + timedelta(milliseconds=20)),   # ms is milliseconds, never minutes
     ("quota exceeded; retry in 2 minutes and 5 seconds", T0 + timedelta(seconds=125)),
     ("You've hit your session limit · resets 3:50pm (Asia/Tokyo)", datetime(2026, 12, 1, 6, 50, tzinfo=UTC)),
-    ("You've hit your weekly Opus limit · resets Dec 3, 9am", None),   # Claude Code 2.1 wordings
+    # Claude Code 2.1 names the date of a reset more than a day away (its limit messages, issue 25)
+    ("You've hit your weekly Opus limit · resets Dec 3, 9am", datetime(2026, 12, 3, 15, 0, tzinfo=UTC)),
+    ("You've hit your weekly limit · resets Dec 4, 12pm (Europe/Paris)", datetime(2026, 12, 4, 11, 0, tzinfo=UTC)),
+    ("You've hit your weekly limit · resets Jan 3, 2027, 10pm (Europe/Paris)",
+     datetime(2027, 1, 3, 21, 0, tzinfo=UTC)),
+    ("Weekly limit reached ∙ resets Nov 13 at 9am", datetime(2027, 11, 13, 15, 0, tzinfo=UTC)),   # passed: next year
+    ("You've hit your weekly limit · resets Nov 30, 1:50am (America/Chicago)", T0),   # 10 minutes ago: now
+    ("You're out of usage credits · resets 3pm (Europe/Lisbon)", datetime(2026, 11, 30, 15, 0, tzinfo=UTC)),
+    # Gemini CLI's quota dialog: a wall time at a fixed offset
+    ("Usage limit reached for gemini-2.5-pro. Access resets at 10:57 PM GMT-3.", datetime(2026, 12, 1, 1, 57,
+                                                                                           tzinfo=UTC)),
+    ("Usage limit reached for gemini-2.5-pro. Access resets at 5:30 PM GMT+5:30.", datetime(2026, 11, 30, 12, 0,
+                                                                                            tzinfo=UTC)),
 ])
 def test_limit_resets_read_as_a_human_would(text, reset):
     limit = outpost.find_limit(text, T0, CHICAGO)
@@ -81,13 +93,44 @@ def test_limit_resets_read_as_a_human_would(text, reset):
     ("Quota exceeded for quota metric", "usage_limit"), ("RESOURCE_EXHAUSTED", "usage_limit"),
     ("You have exhausted your capacity on this model", "usage_limit"), ("rate_limit_error", "rate_limit"),
     ("HTTP 429", "rate_limit"), ("Too Many Requests", "rate_limit"),
+    ("You've reached your Opus limit", "usage_limit"), ("You're out of usage credits", "usage_limit"),
+    ("You've hit your org's monthly spend limit · ask your admin to raise it at claude.ai/settings/usage",
+     "usage_limit"),
+    # aider's litellm error for a rate limit, with a wait: a rate limit, never a usage limit
+    ("litellm.RateLimitError: RateLimitError: OpenAIException - Rate limit reached for gpt-4o in organization org-x on "
+     "tokens per min (TPM): Limit 30000, Used 29000, Requested 1300. Please try again in 4.2s.", "rate_limit"),
+    # a provider that is overloaded: wait like a rate limit with no reset
+    ("API Error: 529 Overloaded. This is a server-side issue, usually temporary", "rate_limit"),
+    ("[API Error: The model is overloaded. Please try again later.]", "rate_limit"),
 ])
 def test_limit_words_and_their_kind(text, kind):
     assert outpost.find_limit(text, T0, CHICAGO).kind == kind
 
 
+@pytest.mark.parametrize(("text", "by"), [
+    ("You've hit your org's monthly spend limit · ask your admin to raise it at claude.ai/settings/usage", "admin"),
+    ("You've hit your monthly spend limit · raise it at claude.ai/settings/usage", "billing"),
+    ("Credit balance is too low", "billing"),
+    ("Quota exceeded. Check your plan and billing details.", "billing"),
+    ("litellm.RateLimitError: RateLimitError: OpenAIException - You exceeded your current quota, please check your "
+     "plan and billing details.", "billing"),
+])
+def test_a_spend_or_credit_limit_with_no_reset_waits_for_someone_to_raise_it(text, by):
+    limit = outpost.find_limit(text, T0, CHICAGO)
+    assert (limit.kind, limit.resets_at) == ("usage_limit", None)
+    assert limit.raised_by and by in limit.raised_by
+
+
+@pytest.mark.parametrize("text", ["You're out of usage credits · resets 3pm (Europe/Lisbon)",
+                                  "Rate limit reached. Please try again in 14.036s.", "429 Too Many Requests"])
+def test_a_limit_that_resets_or_passes_by_itself_needs_nobody(text):
+    assert outpost.find_limit(text, T0, CHICAGO).raised_by is None
+
+
 @pytest.mark.parametrize("text", ["connection reset by peer", "tests failed: 4290 assertions",
-                                  "the result limits are fine", "Try again at 3pm"])
+                                  "the result limits are fine", "Try again at 3pm",
+                                  "at RetryableQuotaError (file:///gemini-cli/bundle/chunk.js:307344:16)",
+                                  "error: call of overloaded 'max(int, long)' is ambiguous"])
 def test_text_without_a_limit_word_is_no_limit(text):
     assert outpost.find_limit(text, T0, CHICAGO) is None
 
@@ -111,7 +154,21 @@ def test_a_limit_that_names_no_reset_climbs_the_ladder():
     ("authentication_failed", True), ("Please set an Auth method in your settings.json", True),
     ("unexpected status 401 Unauthorized: Missing bearer or basic authentication in header", True),
     ("OPENAI_API_KEY is not set", True), ("Missing OPENAI_API_KEY", True),
+    # expired or revoked logins, as the real CLIs word them (issue 25)
+    ("Failed to authenticate. API Error: 401 OAuth token has expired. Please obtain a new token or refresh your "
+     "existing token.", True),
+    ("Failed to authenticate. API Error: 403 Your account does not have access to Claude. Please login again or "
+     "contact your administrator.", True),
+    ("Your access token could not be refreshed because your refresh token was already used. Please log out and "
+     "sign in again.", True),
+    ("Your access token could not be refreshed because you have since logged out or signed in to another account. "
+     "Please sign in again.", True),
+    ('[API Error: {"error":{"code":400,"message":"API key not valid. Please pass a valid API key.","status":'
+     '"INVALID_ARGUMENT","details":[{"reason":"API_KEY_INVALID"}]}}]', True),
+    ("unexpected status 403 Forbidden: Country, region, or territory not supported, url: http://x/v1/responses",
+     True),
     ("exit code 1", False), ("failed at line 401 of main.c", False), ("uses OPENAI_API_KEY from env", False),
+    ("bash: ./deploy.sh: Permission denied", False), ("the 403 page of the site renders", False),
 ])
 def test_login_failures_are_told_from_other_failures(text, auth):
     assert outpost.is_auth_failure(text) is auth
