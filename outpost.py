@@ -1609,8 +1609,8 @@ def find_limit(text: str, now: datetime, tz: ZoneInfo, *, kind: str | None = Non
     words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit", "overloaded")
     line = next((ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in words)), text.strip())
     resets_at = limit_reset(text, now, tz)
-    raised_by = (who_raises(text) if resets_at is None and usage and (kind == "billing" or SPEND_LIMIT.search(lower))
-                 else None)
+    spend = kind == "billing" or kind in (None, "limit") and SPEND_LIMIT.search(lower)
+    raised_by = who_raises(text) if resets_at is None and usage and spend else None
     return Limit("usage_limit" if usage else "rate_limit", resets_at, line[:500], raised_by)
 
 
@@ -1672,6 +1672,7 @@ class Reading:
     final_message: str | None = None
     permission_denials: list[Any] = dataclasses.field(default_factory=list)
     limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
+    failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
     result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
 
 
@@ -1723,11 +1724,23 @@ def _final(text: Any) -> str | None:
     return text[-FINAL_MESSAGE_CHARS:] if isinstance(text, str) and text else None
 
 
+#: What a failed HTTP status of the model API means for the run (a CLI's structured fields).
+STATUS_HINTS = {401: "auth", 403: "auth", 402: "billing", 429: "limit", 503: "overloaded", 529: "overloaded"}
+#: Claude Code's ``error`` on the assistant message it makes up when a request fails.
+CLAUDE_ERROR_HINTS = {"authentication_failed": "auth", "oauth_org_not_allowed": "auth", "billing_error": "billing",
+                      "rate_limit": "limit"}
+#: Claude Code's overage reasons (rate_limit_info.overageDisabledReason) of a spend cap: no wait lifts it.
+CLAUDE_SPEND_CAPS = ("org_level_disabled_until", "org_spend_cap_reached")
+#: Hints that make a failure a limit (find_limit's ``kind``).
+LIMIT_HINTS = ("limit", "rate_limit", "usage_limit", "billing", "overloaded")
+
+
 def read_claude(lines: list[str]) -> Reading:
     """Claude Code, ``--output-format stream-json --verbose`` (or ``json``, and its array form
     under ``--verbose``): ``system``/``init`` names the session, model and version; the
     ``result`` event decides (``is_error`` or a ``subtype`` other than ``success`` fails, the
-    text is in ``result``); ``rate_limit_event`` gives an exact reset."""
+    text is in ``result``); ``rate_limit_event`` gives an exact reset. What a failure was is read
+    from ``api_error_status`` and the assistant message's ``error`` before any text."""
     events = list(json_lines(lines))
     if len(events) <= 1 and isinstance(whole := _whole_json(lines), list | dict):
         events = [e for e in (whole if isinstance(whole, list) else [whole]) if isinstance(e, dict)]
@@ -1743,11 +1756,16 @@ def read_claude(lines: list[str]) -> Reading:
             texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
             if any(isinstance(t, str) and t for t in texts):
                 reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
+            if isinstance(e.get("error"), str):   # authentication_failed, billing_error, rate_limit, ...
+                reading.failure_hint = CLAUDE_ERROR_HINTS.get(e["error"], reading.failure_hint)
         elif kind == "rate_limit_event":
             info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
             resets = _number(info.get("resetsAt"))
-            if resets is not None and info.get("status") not in ("allowed", "allowed_warning"):
-                reading.limit_reset = datetime.fromtimestamp(resets, UTC)
+            if info.get("status") not in ("allowed", "allowed_warning"):
+                if info.get("rateLimitType") == "overage" and info.get("overageDisabledReason") in CLAUDE_SPEND_CAPS:
+                    reading.failure_hint, reading.limit_reset = "billing", None   # resetsAt is another window's
+                elif resets is not None:
+                    reading.limit_reset = datetime.fromtimestamp(resets, UTC)
         elif kind == "result":
             reading.result = e
             reading.session_id = _string(e.get("session_id")) or reading.session_id
@@ -1758,6 +1776,9 @@ def read_claude(lines: list[str]) -> Reading:
                 reading.error = (text or _string(e.get("subtype")) or "the agent reported a failure")
                 if isinstance(e.get("errors"), list) and e["errors"]:
                     reading.error += "; " + "; ".join(str(x) for x in e["errors"][:5])
+                status = _count(e.get("api_error_status"))
+                if reading.failure_hint is None or STATUS_HINTS.get(status) in ("auth", "overloaded"):
+                    reading.failure_hint = STATUS_HINTS.get(status, reading.failure_hint)
             reading.final_message = _final(text) or reading.final_message
             reading.cost_usd = _number(e.get("total_cost_usd"))
             reading.turns = _count(e.get("num_turns"))
@@ -1772,13 +1793,28 @@ def read_claude(lines: list[str]) -> Reading:
                 reading.verdict = "needs_you"
                 reading.question = (f"The agent was denied permission to use {', '.join(tools) or 'a tool'}. "
                                     "Allow it in the profile, or reply with what to do instead.")
+    if reading.verdict != "failed":
+        reading.failure_hint = None
     return reading
+
+
+def _codex_hint(message: str) -> str | None:
+    """What a Codex error says, from the HTTP status it names ("unexpected status 401 Unauthorized",
+    "exceeded retry limit, last status: 429") or its own error kinds (codex-rs protocol/error.rs)."""
+    if m := re.search(r"\b(?:unexpected|last) status:? (\d{3})\b", message):
+        return STATUS_HINTS.get(int(m[1]))
+    if message.startswith("Quota exceeded. Check your plan and billing details"):   # insufficient_quota
+        return "billing"
+    if "could not be refreshed" in message:   # the refresh token was used, revoked or expired
+        return "auth"
+    return None
 
 
 def read_codex(lines: list[str]) -> Reading:
     """Codex, ``exec --json``: ``thread.started.thread_id`` is the session; ``turn.completed``
     ends a turn (its ``usage`` the tokens); ``turn.failed`` (``error.message``) or ``error``
-    (``message``) fails; no terminal event at all is no result."""
+    (``message``) fails, the HTTP status it names telling a login or limit failure; no terminal
+    event at all is no result."""
     reading = Reading("codex")
     for e in json_lines(lines):
         kind = e.get("type")
@@ -1789,7 +1825,7 @@ def read_codex(lines: list[str]) -> Reading:
             if item.get("type") in ("agent_message", "assistant_message"):
                 reading.final_message = _final(item.get("text")) or reading.final_message
         elif kind == "turn.completed":   # its usage is the thread's running total: the last one counts
-            reading.result, reading.verdict, reading.error = e, "succeeded", None
+            reading.result, reading.verdict, reading.error, reading.failure_hint = e, "succeeded", None, None
             usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
             reading.input_tokens = _count(usage.get("input_tokens"))
             reading.output_tokens = _count(usage.get("output_tokens"))
@@ -1799,16 +1835,57 @@ def read_codex(lines: list[str]) -> Reading:
             error = e.get("error") if isinstance(e.get("error"), dict) else {}
             reading.result, reading.verdict = e, "failed"
             reading.error = _string(error.get("message")) or "the turn failed"
+            reading.failure_hint = _codex_hint(reading.error)
         elif kind == "error":   # "Reconnecting... 2/5" is Codex waiting for a network, not an end
             reading.error = _string(e.get("message")) or "error"
             if not reading.error.lower().startswith("reconnecting"):
                 reading.result, reading.verdict = e, "failed"
+                reading.failure_hint = _codex_hint(reading.error)
     return reading
+
+
+def _google_hint(message: str) -> str | None:
+    """What a Gemini CLI error says: the Google API error it quotes ("[API Error: {...}]": its
+    ``code``, ``status`` and ErrorInfo ``reason``), or the CLI's own quota and overload texts."""
+    start = message.find("{")
+    with contextlib.suppress(ValueError):
+        body = json.JSONDecoder().raw_decode(message[start:])[0] if start >= 0 else None
+        error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+        if error is not None:
+            reasons = {d.get("reason") for d in error.get("details") or [] if isinstance(d, dict)}
+            if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                return "auth"
+            status = _count(error.get("code"))
+            return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
+    if "exhausted your daily quota" in message:   # resets by itself (at midnight Pacific): nobody must act
+        return "usage_limit"
+    if re.search(r"model is overloaded", message, re.IGNORECASE):
+        return "overloaded"
+    return None
+
+
+def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
+    """The model that answered: the one init named, unless that was ``auto`` (the CLI's router
+    chose): then the stats' model with the main role, else the one that used the most tokens."""
+    models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
+    if named and not named.startswith("auto") or not models:
+        return named
+    main = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
+    if main:
+        return main[0]
+
+    def used(item: tuple[str, Any]) -> int:
+        figures = item[1] if isinstance(item[1], dict) else {}
+        tokens = figures.get("tokens") if isinstance(figures.get("tokens"), dict) else figures
+        return _count(tokens.get("total_tokens", tokens.get("total"))) or 0
+
+    return max(models.items(), key=used)[0]
 
 
 def read_gemini(lines: list[str]) -> Reading:
     """Gemini CLI, ``--output-format stream-json`` (or the ``json`` format's one multi-line
-    object): ``init`` names the session and model; the ``result`` event's ``status`` decides;
+    object): ``init`` names the session and model (``auto``: the stats name the model that
+    answered); the ``result`` event's ``status`` decides, its ``error`` quoting the API's error;
     its ``stats`` give the tokens."""
     reading = Reading("gemini")
     events = list(json_lines(lines))
@@ -1817,10 +1894,13 @@ def read_gemini(lines: list[str]) -> Reading:
         reading.result = whole
         reading.session_id = _string(whole.get("session_id"))
         reading.final_message = _final(whole.get("response"))
+        if isinstance(whole.get("stats"), dict):
+            reading.model = _gemini_model(whole["stats"], None)
         error = whole.get("error")
         reading.verdict = "failed" if error else "succeeded"
         if error:
             reading.error = _string(error.get("message")) if isinstance(error, dict) else str(error)
+            reading.failure_hint = _google_hint(reading.error or "")
         return reading
     for e in events:
         kind = e.get("type")
@@ -1842,26 +1922,37 @@ def read_gemini(lines: list[str]) -> Reading:
                 error = e.get("error")
                 reading.error = ((_string(error.get("message")) if isinstance(error, dict) else _string(error))
                                  or reading.error or "the agent reported a failure")
+                reading.failure_hint = _google_hint(reading.error)
             stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
             reading.input_tokens = _count(stats.get("input_tokens"))
             reading.output_tokens = _count(stats.get("output_tokens"))
             reading.cache_read_tokens = _count(stats.get("cached", stats.get("cached_tokens")))
             reading.turns = _count(stats.get("turns"))
-            models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
-            if reading.model in (None, "auto") and len(models) == 1:   # init says "auto" when no model was asked
-                reading.model = next(iter(models))
+            reading.model = _gemini_model(stats, reading.model)
     return reading
+
+
+#: litellm's exception classes in aider's output, and what they mean for the run.
+LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth", "RateLimitError": "limit"}
 
 
 def read_aider(lines: list[str]) -> Reading:
     """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
-    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run; each ``Tokens: ...
-    Cost: $X message, $Y session.`` line adds its cost; the reply is the final message."""
+    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run (the error's class
+    telling a login or limit failure), and so does "Model X has hit a token limit!"; each ``Tokens:
+    ... Cost: $X message, $Y session.`` line adds its cost; the reply is the final message; the
+    header names the version ("Aider v0.86.2") and the model ("Main model: X with ...")."""
     reading = Reading("aider")
     cost, tokens_at, errors_at = 0.0, None, None
     for i, line in enumerate(lines):
-        if re.match(r"\s*litellm\.\w*(Error|Exception)\b", line):
-            errors_at = i
+        if m := re.match(r"\s*litellm\.(\w*(?:Error|Exception))\b", line):
+            errors_at, reading.failure_hint = i, LITELLM_HINTS.get(m[1])
+        elif re.match(r"\s*Model \S+ has hit a token limit!", line):
+            errors_at, reading.failure_hint = i, None
+        elif m := re.match(r"Aider v(\d[\w.+-]*)\s*$", line):
+            reading.agent_version = m[1]
+        elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
+            reading.model = m[1]
         if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
                          r"Cost:\s*\$([\d.]+)\s+message", line):
             sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
@@ -1873,7 +1964,12 @@ def read_aider(lines: list[str]) -> Reading:
             tokens_at = i
     if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
         reading.verdict = "failed"
-        reading.error = "\n".join(ln.strip() for ln in lines[errors_at:errors_at + 3] if ln.strip())[-ERROR_TAIL_BYTES:]
+        # the error and what aider adds to it, not its advice ("... Try again later or check your quotas.")
+        kept = [ln.strip() for ln in lines[errors_at:errors_at + 6] if ln.strip()
+                and not re.match(r"\s*(?:Retrying in|The API provider|https?://|Token counts below)", ln)]
+        reading.error = "\n".join(kept[:4])[-ERROR_TAIL_BYTES:]
+    else:
+        reading.failure_hint = None
     if tokens_at is not None:   # the reply: the paragraph before the Tokens line, after aider's header
         before = "\n".join(lines[max(0, tokens_at - 200):tokens_at]).strip()
         reading.final_message = _final(before.rsplit("\n\n", 1)[-1])
@@ -1956,11 +2052,13 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
             f"exit code {exit_code}" if exit_code else "the agent reported a failure")
         kind = "agent"
     text = "\n".join(t for t in (reading.error, tail) if t)
-    if is_auth_failure(text):
+    hint = reading.failure_hint
+    if hint == "auth" or hint not in LIMIT_HINTS and is_auth_failure(text):
         return failed(error[-ERROR_TAIL_BYTES:], "auth", reading)
-    if (limit := find_limit(text, now, tz)) is not None or reading.limit_reset is not None:
+    limit = find_limit(text, now, tz, kind=hint if hint in LIMIT_HINTS else None)
+    if limit is not None or reading.limit_reset is not None:
         limit = limit or Limit("usage_limit", None, (reading.error or "usage limit")[:500])
-        if reading.limit_reset is not None:
+        if reading.limit_reset is not None and limit.raised_by is None:
             limit = dataclasses.replace(limit, resets_at=max(reading.limit_reset, now))
         return Outcome(RunStatus.FAILED, error[-ERROR_TAIL_BYTES:], "limit", limit, reading=reading)
     return failed(error[-ERROR_TAIL_BYTES:], kind, reading)
@@ -4749,9 +4847,20 @@ class RunStore(ScheduleStore):
     def _hold_profile(self, r: SettledRun, outcome: Outcome, now: datetime, auth_hint: str) -> None:
         """API.md 8.4: a limit holds the profile until its reset (+30 s), with one
         ``agent_limited`` item per limit window; a login failure pauses it, with one
-        ``agent_auth`` item, until ``resume``. A success ends the ladder of unnamed resets."""
+        ``agent_auth`` item, until ``resume``, and so does a spend limit that names no reset (its
+        ``agent_limited`` item says who can raise it). A success ends the ladder of unnamed resets."""
         kind = outcome.failure_kind if r.status == RunStatus.FAILED else None
-        if kind == "limit" and outcome.limit is not None:
+        if kind == "limit" and outcome.limit is not None and outcome.limit.raised_by is not None:
+            st = self._profile_state(r.agent, now)   # a spend or credit limit no wait lifts: paused like auth
+            if st.paused_reason is None:
+                st.paused_reason, st.updated_at = f"spend limit: {outcome.limit.message[:300]}", naive(now)
+                self.raise_attention("agent_limited", f"Agent profile {r.agent} hit a spend limit; its runs wait",
+                                     f"{outcome.limit.message}\nWho can raise it: {outcome.limit.raised_by}. "
+                                     f"Then resume the profile on the Agents page, or POST /v1/outpost/agents/"
+                                     f'{r.agent}/control {{"action": "resume"}}.', now,
+                                     schedule_id=r.schedule_id, run_id=r.id)
+                self.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
+        elif kind == "limit" and outcome.limit is not None:
             st = self._profile_state(r.agent, now)
             new_window = st.limited_until is None or aware(st.limited_until) <= now
             until = limit_wait(outcome.limit, st.limit_streak, now, random.uniform(-1, 1))
@@ -5901,12 +6010,13 @@ class PipelineStore(OfficeStore):
         w.note = "waiting for its repository"
         self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
 
-    def _wait_for_login(self, w, profile: str, now: datetime) -> None:
-        """Its profile is not logged in: not the agent's failure and no retry counted. The
-        wakeup is claimed again; its new run waits in the queue until the profile is resumed."""
+    def _wait_for_login(self, w, profile: str, now: datetime, why: str = "needs a login") -> None:
+        """Its profile is not logged in (or hit a spend limit): not the agent's failure and no retry
+        counted. The wakeup is claimed again; its new run waits in the queue until the profile is
+        resumed."""
         self._release_checkout(w.task_id, w.agent_id)
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
-        w.note = f"its agent profile {profile} needs a login; its run waits until the profile is resumed"
+        w.note = f"its agent profile {profile} {why}; its run waits until the profile is resumed"
         self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
 
     def _run_fresh(self, w, o, now: datetime) -> None:
@@ -5978,6 +6088,8 @@ class PipelineStore(OfficeStore):
             self._wait_for_repository(w, r.error, now)
         elif r.failure_kind == "auth":
             self._wait_for_login(w, r.agent, now)
+        elif r.failure_kind == "limit" and (st := self.db.ProfileState.get(name=r.agent)) and st.paused_reason:
+            self._wait_for_login(w, r.agent, now, "hit a spend limit")   # no wait lifts it: like a login
         else:
             held = self.db.ProfileState.get(name=r.agent) if r.failure_kind == "limit" else None
             self.handle_wakeup_failure(w, r.error or "the run failed", now,

@@ -341,6 +341,126 @@ def test_claude_max_cost_is_passed_to_the_cli(tmp_path):
 
 
 ###############################################################################
+# What the real CLIs printed (tests/fakes/recorded: tests/fakes/record.py ran each
+# one as its preset runs it, against the model-API stub of tests/modelstub.py)
+###############################################################################
+
+RECORDED = FAKES / "recorded"
+#: recording -> (status, failure_kind, limit kind, reset: "event" (its rate_limit_event's resetsAt),
+#: seconds from now, or None). The recordings are what to read right, issue 25's cases among them.
+RECORDED_OUTCOMES = {
+    "claude-success": ("succeeded", None, None, None),
+    "claude-tool": ("needs_you", None, None, None),   # Bash denied under acceptEdits
+    "claude-401": ("failed", "auth", None, None),
+    "claude-403": ("failed", "auth", None, None),     # "Failed to authenticate. API Error: 403 ..."
+    "claude-429": ("failed", "limit", "rate_limit", None),
+    "claude-529": ("failed", "limit", "rate_limit", None),   # overloaded: waited out, not the agent's failure
+    "claude-credits": ("failed", "limit", "usage_limit", None),   # "Credit balance is too low", billing_error
+    "claude-token-limit": ("failed", "agent", None, None),
+    "claude-unknown-session": ("failed", "agent", None, None),
+    "claude-oauth-401": ("failed", "auth", None, None),   # "Failed to authenticate. API Error: 401 OAuth token has ..."
+    "claude-oauth-429": ("failed", "limit", "usage_limit", "event"),
+    "claude-oauth-429-weekly": ("failed", "limit", "usage_limit", "event"),   # "resets Dec 4, 6:45pm (UTC)"
+    "claude-oauth-credits": ("failed", "limit", "usage_limit", "event"),   # "You're out of usage credits · resets ..."
+    "claude-oauth-spend": ("failed", "limit", "usage_limit", None),   # "org's monthly spend limit · ask your admin"
+    "codex-success": ("succeeded", None, None, None),
+    "codex-401": ("failed", "auth", None, None),
+    "codex-403": ("failed", "auth", None, None),
+    "codex-429": ("failed", "limit", "rate_limit", None),
+    "codex-529": ("failed", "limit", "rate_limit", None),
+    "codex-credits": ("failed", "limit", "usage_limit", None),   # "Quota exceeded. Check your plan and billing"
+    "codex-unknown-session": ("failed", "agent", None, None),
+    "gemini-success-auto": ("succeeded", None, None, None),
+    "gemini-tool": ("succeeded", None, None, None),   # headless Gemini has no shell tool to deny
+    "gemini-401": ("failed", "auth", None, None),
+    "gemini-bad-key": ("failed", "auth", None, None),   # API_KEY_INVALID, exit 144
+    "gemini-403": ("failed", "auth", None, None),
+    "gemini-429": ("failed", "limit", "usage_limit", 3600),   # "Suggested retry after 3600s."
+    "gemini-529": ("failed", "limit", "rate_limit", None),
+    "gemini-credits": ("failed", "limit", "usage_limit", None),   # "You have exhausted your daily quota"
+    "gemini-unknown-session": ("failed", "agent", None, None),
+    "aider-success": ("succeeded", None, None, None),
+    "aider-401": ("failed", "auth", None, None),
+    "aider-403": ("failed", "agent", None, None),   # litellm says APIError, with no status: nothing says login
+    "aider-429": ("failed", "limit", "rate_limit", 1),   # RateLimitError ... "try again in 1.0s"
+    "aider-529": ("failed", "limit", "rate_limit", None),
+    "aider-credits": ("failed", "limit", "usage_limit", None),   # insufficient_quota
+    "aider-token-limit": ("failed", "agent", None, None),   # "has hit a token limit!", exit 0
+}
+#: Recordings of a spend or credit limit that no wait lifts: the profile waits for a human.
+RAISED_BY_A_HUMAN = {"claude-credits", "claude-oauth-spend", "codex-credits", "aider-credits"}
+PRESET_OF = {"claude": "claude-code", "codex": "codex", "gemini": "gemini", "aider": "aider"}
+
+
+def recording(name: str) -> dict:
+    return json.loads((RECORDED / f"{name}.json").read_text())
+
+
+def test_every_recording_has_its_expected_reading():
+    assert sorted(p.stem for p in RECORDED.glob("*.json")) == sorted(RECORDED_OUTCOMES)
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED_OUTCOMES))
+def test_what_the_real_cli_printed_is_read_as_it_meant(tmp_path, name):
+    cli, _, scenario = name.partition("-")
+    outcome = run_fake(tmp_path, PRESET_OF[cli], f"fake:recorded-{scenario}")
+    status, kind, limit_kind, reset = RECORDED_OUTCOMES[name]
+    assert (str(outcome.status), outcome.failure_kind) == (status, kind), outcome.error
+    assert (outcome.limit.kind if outcome.limit else None) == limit_kind
+    if reset == "event":
+        events = [json.loads(line) for line in recording(name)["stdout"].splitlines() if "rate_limit_event" in line]
+        reset = datetime.fromtimestamp(events[-1]["rate_limit_info"]["resetsAt"], UTC)
+    elif reset is not None:
+        reset = T0 + timedelta(seconds=reset)
+    assert (outcome.limit.resets_at if outcome.limit else None) == reset
+    assert bool(outcome.limit and outcome.limit.raised_by) is (name in RAISED_BY_A_HUMAN)
+    if scenario == "unknown-session":
+        assert outpost.is_unknown_session(outcome.error)
+    if status == "succeeded":
+        assert outcome.report()["final_message"] == "Done: the stub model answered."
+
+
+def test_claude_reads_its_api_error_status_before_any_text(tmp_path):
+    """The 403's text says "Failed to authenticate"; its structured fields say so first."""
+    lines = recording("claude-403")["stdout"].splitlines()
+    reading = outpost.read_claude([line.replace("Failed to authenticate. ", "") for line in lines])
+    assert reading.failure_hint == "auth"
+    outcome = outpost.run_outcome(reading, 1, "", now=T0)
+    assert outcome.failure_kind == "auth"
+
+
+def test_a_spend_limit_ignores_the_reset_of_the_window_it_came_with(tmp_path):
+    outcome = run_fake(tmp_path, "claude-code", "fake:recorded-oauth-spend")
+    assert outcome.limit.resets_at is None and "admin" in outcome.limit.raised_by
+    assert "spend limit" in outcome.limit.message
+
+
+def test_gemini_reports_the_model_that_answered_not_auto(tmp_path):
+    outcome = run_fake(tmp_path, "gemini", "fake:recorded-success-auto")
+    init = json.loads(recording("gemini-success-auto")["stdout"].splitlines()[0])
+    assert init["model"] == "auto"
+    assert outcome.report()["model"] == "gemini-3.8-flash"   # the stats' main model, not the router's
+
+
+def test_claude_reports_cost_tokens_session_and_version_of_a_real_run(tmp_path):
+    report = run_fake(tmp_path, "claude-code", "fake:recorded-success").report()
+    assert (report["input_tokens"], report["output_tokens"], report["cache_read_tokens"]) == (1200, 345, 5000)
+    assert report["cost_usd"] > 0 and report["session_id"] and report["agent_version"] == "2.1.197"
+
+
+def test_aider_reports_its_model_version_and_cost(tmp_path):
+    report = run_fake(tmp_path, "aider", "fake:recorded-success").report()
+    assert (report["model"], report["agent_version"], report["cost_usd"]) == ("openai/gpt-4o", "0.86.2", 0.0065)
+    assert (report["input_tokens"], report["output_tokens"]) == (1200, 345)
+
+
+def test_aider_at_its_token_limit_fails_though_it_exits_0(tmp_path):
+    outcome = run_fake(tmp_path, "aider", "fake:recorded-token-limit")
+    assert recording("aider-token-limit")["exit_code"] == 0
+    assert outcome.failure_kind == "agent" and "has hit a token limit" in outcome.error
+
+
+###############################################################################
 # What a limit, a login failure and a session do (API.md 8.4, 8.5): the real actors
 ###############################################################################
 
@@ -471,6 +591,44 @@ async def test_a_login_failure_pauses_the_profile_until_resumed(autojump_clock, 
     assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
 
 
+async def test_a_spend_limit_pauses_the_profile_until_someone_raises_it(autojump_clock, fakes_on_path, store,
+                                                                        git_repo):
+    """API.md 8.3: a spend limit with no reset pauses the profile like a login failure, with one
+    item saying who can raise it; the CLI's reset of another window does not lift it."""
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    sched, fired = fired_schedule(deps, git_repo, "fake:recorded-oauth-spend")
+    with trio.fail_after(6 * 3600):   # MockClock time
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            limited = await ended_as(deps, fired, "failed")
+            waiting = dispatch_run(deps, git_repo, "claude", "fake:success")
+            deps.claim_wake.poke()
+            await trio.sleep(5 * 3600)   # past the 5-hour window the CLI's event named
+            assert run(deps, waiting)["status"] == "queued", "a paused profile starts nothing"
+            state = only(call(store, store.profile_states, ["claude"], deps.clock.now()))
+            assert state["paused_reason"] and "spend limit" in state["paused_reason"]
+            call(store, store.resume_profile, "claude", deps.clock.now())
+            deps.claim_wake.poke()
+            await until(lambda: run(deps, waiting)["status"] == "succeeded")
+            nursery.cancel_scope.cancel()
+    assert (limited["failure_kind"], limited["agent_report"]["limit"]["resets_at"]) == ("limit", None)
+    (item,) = [a for a in call(store, store.list_attention, False) if a["kind"] == "agent_limited"]
+    assert "spend limit" in item["title"] and "admin" in item["detail"] and "resume" in item["detail"]
+    assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
+
+
+async def test_an_expired_login_refused_with_403_pauses_the_profile(autojump_clock, fakes_on_path, store, git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    run_id = dispatch_run(deps, git_repo, "claude", "fake:recorded-403")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            failed = await ended_as(deps, run_id, "failed")
+            nursery.cancel_scope.cancel()
+    assert failed["failure_kind"] == "auth"
+    assert only(call(store, store.profile_states, ["claude"], deps.clock.now()))["paused_reason"]
+
+
 async def test_the_log_of_a_3_mib_run_ends_with_the_agents_last_line(autojump_clock, fakes_on_path, store, git_repo):
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
     run_id = dispatch_run(deps, git_repo, "claude", "fake:big-output")
@@ -529,6 +687,25 @@ async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(aut
     assert run2["resolved_commit"] == conftest.git(git_repo, "rev-parse", branch) != run1["resolved_commit"]
     assert run2["changes"]["commits"] == 0
     assert not deps.worktree(run1["id"], branch).exists(), "removed between runs; the branch stays"
+
+
+async def test_an_office_wakeup_whose_profile_hit_a_spend_limit_waits_for_the_resume(autojump_clock, fakes_on_path,
+                                                                                     store, git_repo):
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    worker, tid, (first,) = await office_session(deps, git_repo, "fake:recorded-oauth-spend")
+    with trio.fail_after(2 * 3600):   # MockClock time
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            first_run = await until(lambda: conftest.wakeup(store, first["id"])["run_id"])
+            spent = await until(lambda: (r := run(deps, first_run))["status"] == "failed" and r)
+            await trio.sleep(3600)
+            nursery.cancel_scope.cancel()
+    assert spent["failure_kind"] == "limit"
+    waiting = conftest.wakeup(store, first["id"])   # claimed again: its new run waits for the resume
+    assert waiting["retry_count"] == 0 and waiting["run_id"] != spent["id"]
+    assert run(deps, waiting["run_id"])["status"] == "queued"
+    events = call(store, store.events_after, 0, 1000)["events"]
+    assert any("spend limit" in e["data"].get("reason", "") for e in events if e["type"] == "wakeup.waiting")
 
 
 async def test_a_dead_session_falls_back_to_one_fresh_run_without_a_retry(autojump_clock, fakes_on_path, store,
