@@ -10492,6 +10492,94 @@ def print_inspect(report: dict[str, Any]) -> None:
                 print(f"   {key}: {json.dumps(value) if isinstance(value, dict) else value}")
 
 
+def _json_file(path: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        value = json.loads(path.read_text())
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    """The ``KEY=value`` lines of a .env file (the ones Gemini CLI loads)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return {m[1]: m[2].strip().strip("'\"") for m in re.finditer(r"^\s*(?:export\s+)?([A-Z][A-Z0-9_]*)\s*=\s*(.*)$",
+                                                                   path.read_text(), re.MULTILINE)}
+    return {}
+
+
+def _truthy(value: Any) -> bool:
+    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def claude_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Claude Code's logins besides a key variable and ~/.claude/.credentials.json: an
+    ``apiKeyHelper`` or a key, Bedrock or Vertex in its settings (user or managed), Bedrock or
+    Vertex (CLAUDE_CODE_USE_BEDROCK, CLAUDE_CODE_USE_VERTEX) or ANTHROPIC_AUTH_TOKEN in the env.
+    https://docs.claude.com/en/docs/claude-code/settings , .../amazon-bedrock , .../google-vertex-ai"""
+    config = Path(env.get("CLAUDE_CONFIG_DIR") or home / ".claude")
+    found = [f"{key} ({what})" for key, what in (("CLAUDE_CODE_USE_BEDROCK", "Amazon Bedrock"),
+                                                 ("CLAUDE_CODE_USE_VERTEX", "Google Vertex AI"),
+                                                 ("CLAUDE_CODE_USE_FOUNDRY", "Microsoft Foundry"))
+             if _truthy(env.get(key))]
+    found += ["ANTHROPIC_AUTH_TOKEN"] if env.get("ANTHROPIC_AUTH_TOKEN") else []
+    for path in (config / "settings.json", Path("/etc/claude-code/managed-settings.json")):
+        settings = _json_file(path)
+        if isinstance(settings.get("apiKeyHelper"), str) and settings["apiKeyHelper"].strip():
+            found.append(f"apiKeyHelper in {path}")
+        settings_env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
+        found += [f"{key} in {path}" for key in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN")
+                  if settings_env.get(key)]
+        found += [f"{key} in {path}" for key in ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
+                                                 "CLAUDE_CODE_USE_FOUNDRY") if _truthy(settings_env.get(key))]
+    if env.get("CLAUDE_CONFIG_DIR") and (config / ".credentials.json").exists():
+        found.append(f"{config / '.credentials.json'}")
+    return found
+
+
+def codex_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Codex's logins besides CODEX_API_KEY and ~/.codex/auth.json: auth.json in $CODEX_HOME, or a
+    model provider of its own in config.toml (with its ``env_key`` set, when it names one).
+    https://github.com/openai/codex/blob/main/docs/config.md"""
+    codex_home = Path(env.get("CODEX_HOME") or home / ".codex")
+    found = [str(codex_home / "auth.json")] if env.get("CODEX_HOME") and (codex_home / "auth.json").exists() else []
+    with contextlib.suppress(OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        config = tomllib.loads((codex_home / "config.toml").read_text())
+        provider = config.get("model_provider")
+        if isinstance(provider, str) and provider != "openai":
+            spec = (config.get("model_providers") or {}).get(provider)
+            key = spec.get("env_key") if isinstance(spec, dict) else None
+            if not key or env.get(key):
+                found.append(f"model_provider {provider} in {codex_home / 'config.toml'}{f' ({key})' if key else ''}")
+    return found
+
+
+def gemini_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Gemini CLI's logins besides GEMINI_API_KEY, Vertex AI's switch and ~/.gemini/oauth_creds.json:
+    a key in the .env files it loads (~/.gemini/.env, ~/.env), GOOGLE_API_KEY, a service account
+    (GOOGLE_APPLICATION_CREDENTIALS), gcloud's application-default credentials, or a metadata-server
+    login chosen in its settings. https://github.com/google-gemini/gemini-cli/blob/main/docs/get-started/authentication.md"""
+    found = ["GOOGLE_API_KEY"] if env.get("GOOGLE_API_KEY") else []
+    for path in (home / ".gemini" / ".env", home / ".env"):
+        found += [f"{key} in {path}" for key in ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI")
+                  if _dotenv(path).get(key)]
+    if (credentials := env.get("GOOGLE_APPLICATION_CREDENTIALS")) and Path(credentials).expanduser().is_file():
+        found.append(f"GOOGLE_APPLICATION_CREDENTIALS ({credentials})")
+    adc = Path(env.get("CLOUDSDK_CONFIG") or home / ".config" / "gcloud") / "application_default_credentials.json"
+    if adc.is_file():
+        found.append(f"gcloud application-default credentials ({adc})")
+    settings = _json_file(home / ".gemini" / "settings.json")
+    auth = ((settings.get("security") or {}).get("auth") or {}) if isinstance(settings.get("security"), dict) else {}
+    selected = (auth.get("selectedType") if isinstance(auth, dict) else None) or settings.get("selectedAuthType")
+    if selected in ("cloud-shell", "compute-default-credentials"):
+        found.append(f"{selected} in {home / '.gemini' / 'settings.json'}")
+    return found
+
+
+#: A preset's logins that a variable or a file in HOME does not show alone (cli_doctor).
+LOGIN_CHECKS: dict[str, Callable[[dict[str, str], Path], list[str]]] = {
+    "claude-code": claude_logins, "codex": codex_logins, "gemini": gemini_logins}
+
+
 def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, str]:
     """One profile, checked as its runs will see it: binary on the PATH it gets, version, login."""
     if profile.name == "demo":
@@ -10510,10 +10598,11 @@ def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, st
     home = Path(env.get("HOME", "~")).expanduser()
     keys = [k for k in preset.login_env if env.get(k)]
     files = [f for f in preset.login_files if (home / f).exists()]
-    if not keys and not files:
+    others = LOGIN_CHECKS[profile.preset](env, home) if profile.preset in LOGIN_CHECKS else []
+    if not keys and not files and not others:
         wanted = " or ".join([*preset.login_env[:2], *(f"~/{f}" for f in preset.login_files)])
         return False, f"{profile.name}: {version} at {binary}, but no login found ({wanted}): {preset.login}"
-    return True, f"{profile.name}: ok, {version} at {binary}, logged in by {', '.join(keys + files)}"
+    return True, f"{profile.name}: ok, {version} at {binary}, logged in by {', '.join(keys + files + others)}"
 
 
 def cli_doctor(config: Config) -> int:

@@ -881,6 +881,62 @@ def test_doctor_exits_0_when_every_profile_is_usable(tmp_path):
     assert "codex: ok, codex-cli 0.171.0" in done.stdout and ".codex/auth.json" in done.stdout
 
 
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+#: preset -> (what the user set up, in HOME or the environment; what doctor names as the login)
+LOGINS = {
+    "claude apiKeyHelper": ("claude-code", {".claude/settings.json": '{"apiKeyHelper": "~/bin/print-key"}'}, {},
+                            "apiKeyHelper"),
+    "claude Bedrock in settings": ("claude-code", {".claude/settings.json": json.dumps(
+        {"env": {"CLAUDE_CODE_USE_BEDROCK": "1", "AWS_REGION": "us-east-1"}})}, {}, "CLAUDE_CODE_USE_BEDROCK"),
+    "claude Bedrock": ("claude-code", {}, {"CLAUDE_CODE_USE_BEDROCK": "1", "AWS_PROFILE": "dev"},
+                       "CLAUDE_CODE_USE_BEDROCK"),
+    "claude Vertex": ("claude-code", {}, {"CLAUDE_CODE_USE_VERTEX": "1", "ANTHROPIC_VERTEX_PROJECT_ID": "p"},
+                      "CLAUDE_CODE_USE_VERTEX"),
+    "claude auth token": ("claude-code", {}, {"ANTHROPIC_AUTH_TOKEN": "t"}, "ANTHROPIC_AUTH_TOKEN"),
+    "claude login": ("claude-code", {".claude/.credentials.json": "{}"}, {}, ".claude/.credentials.json"),
+    "codex auth.json": ("codex", {".codex/auth.json": '{"OPENAI_API_KEY": "sk-x"}'}, {}, "auth.json"),
+    "codex CODEX_HOME": ("codex", {"codex-home/auth.json": '{"tokens": {}}'}, {"CODEX_HOME": "{home}/codex-home"},
+                         "auth.json"),
+    "codex own provider": ("codex", {".codex/config.toml": 'model_provider = "azure"\n[model_providers.azure]\n'
+                                     'name = "Azure"\nenv_key = "AZURE_OPENAI_API_KEY"\n'},
+                           {"AZURE_OPENAI_API_KEY": "k"}, "azure"),
+    "gemini Vertex": ("gemini", {}, {"GOOGLE_GENAI_USE_VERTEXAI": "true", "GOOGLE_CLOUD_PROJECT": "p"},
+                      "GOOGLE_GENAI_USE_VERTEXAI"),
+    "gemini service account": ("gemini", {"sa.json": "{}"}, {"GOOGLE_APPLICATION_CREDENTIALS": "{home}/sa.json"},
+                               "GOOGLE_APPLICATION_CREDENTIALS"),
+    "gemini gcloud ADC": ("gemini", {".config/gcloud/application_default_credentials.json": "{}"}, {},
+                          "application_default_credentials.json"),
+    "gemini key in .env": ("gemini", {".gemini/.env": "GEMINI_API_KEY=abc\n"}, {}, ".gemini/.env"),
+    "gemini Google login": ("gemini", {".gemini/oauth_creds.json": "{}"}, {}, "oauth_creds.json"),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(LOGINS))
+def test_doctor_recognises_the_logins_a_user_may_have(tmp_path, setup):
+    preset, files, env, named = LOGINS[setup]
+    home = tmp_path / "home"
+    for path, text in files.items():
+        write(home / path, text)
+    env = {k: v.replace("{home}", str(home)) for k, v in env.items()}
+    pass_env = json.dumps(["PATH", "HOME", *env])
+    done = doctor(tmp_path, f'[agents.a]\npreset = "{preset}"\npass_env = {pass_env}\n', **env)
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("a: "))
+    assert line.startswith("a: ok,") and named in line, line
+    assert done.returncode == 0
+
+
+def test_doctor_says_no_login_when_there_is_none(tmp_path):
+    write(tmp_path / "home" / ".claude" / "settings.json", '{"env": {"DISABLE_TELEMETRY": "1"}}')
+    done = doctor(tmp_path, '[agents.a]\npreset = "claude-code"\n\n[agents.g]\npreset = "gemini"\n')
+    lines = dict(line.split(": ", 1) for line in done.stdout.strip().splitlines())
+    assert "no login found" in lines["a"] and "no login found" in lines["g"]
+    assert done.returncode == 1
+
+
 ###############################################################################
 # Budgets in dollars (the Office spec's budget pre-check, with recorded cost)
 ###############################################################################
