@@ -53,6 +53,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -80,7 +81,7 @@ class ModelStub:
         #: after it before they give up, so the tests keep it short.
         self.retry_after_s = 20.0
         self.reset_at = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=RESET_IN_S)
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.daemon_threads = True
         self.server.stub = self
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -96,6 +97,13 @@ class ModelStub:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A CLI that hangs up early (it retries, or its run ended) is no error of the stub's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 def _sse(name: str | None, data: dict | str) -> bytes:
@@ -464,7 +472,6 @@ def _google_error(code: int, message: str, status: str, details: list | None = N
 
 
 if __name__ == "__main__":   # by hand: python tests/modelstub.py [scenario]
-    import sys
     stub = ModelStub().start()
     stub.scenario = sys.argv[1] if len(sys.argv) > 1 else "success"
     print(stub.url, flush=True)
