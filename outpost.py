@@ -1870,9 +1870,9 @@ def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
     models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
     if named and not named.startswith("auto") or not models:
         return named
-    main = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
-    if main:
-        return main[0]
+    answering = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
+    if answering:
+        return answering[0]
 
     def used(item: tuple[str, Any]) -> int:
         figures = item[1] if isinstance(item[1], dict) else {}

@@ -442,6 +442,18 @@ def test_gemini_reports_the_model_that_answered_not_auto(tmp_path):
     assert outcome.report()["model"] == "gemini-3.8-flash"   # the stats' main model, not the router's
 
 
+def test_gemini_json_format_names_the_model_of_the_main_role():
+    """``--output-format json`` (Gemini CLI 0.61): no init; stats.models has each model's roles."""
+    tokens = {"input": 10, "prompt": 10, "candidates": 1, "total": 11, "cached": 0, "thoughts": 0, "tool": 0}
+    out = {"session_id": "5cc98af5-ba82-47ed-905b-0bb475146d25", "response": "hi", "stats": {"models": {
+        "gemini-2.5-flash-lite": {"api": {"totalRequests": 1}, "tokens": {**tokens, "total": 300},
+                                  "roles": {"utility_router": {"totalRequests": 1, "tokens": tokens}}},
+        "gemini-2.5-pro": {"api": {"totalRequests": 1}, "tokens": tokens,
+                           "roles": {"main": {"totalRequests": 1, "tokens": tokens}}}}}}
+    reading = outpost.read_gemini(json.dumps(out, indent=2).splitlines())
+    assert (reading.verdict, reading.model, reading.final_message) == ("succeeded", "gemini-2.5-pro", "hi")
+
+
 def test_claude_reports_cost_tokens_session_and_version_of_a_real_run(tmp_path):
     report = run_fake(tmp_path, "claude-code", "fake:recorded-success").report()
     assert (report["input_tokens"], report["output_tokens"], report["cache_read_tokens"]) == (1200, 345, 5000)
