@@ -1496,10 +1496,23 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
 
 # --- agent CLIs: limits (API.md 8.3) ------------------------------------------------------
 
-#: Words that mark a limit in an error text or the tail of stderr (case-insensitive).
+#: Words that mark a limit in an error text or the tail of stderr (case-insensitive, whole words:
+#: a stack trace's ``RetryableQuotaError`` is no limit).
 USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "hit your limit", "hit your usage limit", "quota",
-                     "exhausted your capacity", "resource_exhausted", "limit will reset")
-RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "too many requests")
+                     "exhausted your capacity", "resource_exhausted", "limit will reset", "out of usage credits",
+                     "out of credits", "spend limit", "credit balance is too low", "billing_error")
+RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "ratelimiterror", "too many requests")
+#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit",
+#: "You've reached your Opus limit".
+HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b")
+#: A provider too busy to answer (Anthropic's 529, a 503 "overloaded"): waited out like a rate limit
+#: with no reset, never the agent's own failure. Not a bare "overloaded" (a compiler says that too).
+OVERLOADED = re.compile(r"overloaded_error|\b529\b|\b(?:model|engine|server|servers|api|service) (?:is |are )?"
+                        r"(?:currently |temporarily )?(?:down or )?overloaded|api error: \d{3} overloaded")
+#: A limit that no wait lifts: a spend cap, credits or a plan's quota used up. When it names no
+#: reset, the profile is paused until a human raises it and resumes the profile (API.md 8.3).
+SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
+                         r"check your plan and billing|out of (?:usage )?credits|add funds")
 #: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
 LIMIT_LADDER_S = (120, 600, 1800, 7200)
 LIMIT_JITTER = 0.25
@@ -1519,16 +1532,21 @@ DURATION_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s":
 _UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)(?![a-z])"
 _DURATION = rf"(?:\d+(?:\.\d+)?\s*{_UNIT}[\s,]*(?:and\s+)?)+"
 _WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
+#: A zone after a wall time: an IANA name, an abbreviation, or a fixed offset (GMT-3, UTC+5:30).
+_ZONE = r"((?:GMT|UTC)[+-]\d{1,2}(?::?\d{2})?|[A-Za-z_]+/[A-Za-z_]+(?:/[A-Za-z_]+)?|[A-Z]{1,5})"
+_MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
 MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
                                        "nov", "dec"), 1)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Limit:
-    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not)."""
+    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not).
+    ``raised_by`` names who must act on a spend or credit limit that no wait lifts (None: waiting does)."""
     kind: str                      # rate_limit | usage_limit
     resets_at: datetime | None
     message: str
+    raised_by: str | None = None
 
     def view(self) -> dict[str, Any]:
         return {"kind": self.kind, "resets_at": rfc3339(self.resets_at), "message": self.message}
@@ -1542,6 +1560,9 @@ def _duration_s(text: str) -> float:
 def _zone_of(name: str | None, default: ZoneInfo) -> tzinfo:
     if not name:
         return default
+    if m := re.fullmatch(r"(?:GMT|UTC)([+-])(\d{1,2})(?::?(\d{2}))?", name, re.IGNORECASE):
+        offset = timedelta(hours=int(m[2]), minutes=int(m[3] or 0))
+        return timezone(-offset if m[1] == "-" else offset) if offset < timedelta(hours=15) else default
     if name.upper() in ZONE_ABBREVIATIONS:
         return timezone(timedelta(hours=ZONE_ABBREVIATIONS[name.upper()]))
     try:
@@ -1568,6 +1589,22 @@ def _next_wall(now: datetime, tz: tzinfo, hour: int, minute: int) -> datetime | 
     return max(wall.astimezone(UTC), now)
 
 
+def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int, hour: int,
+               minute: int) -> datetime | None:
+    """That date and wall time in ``tz``; without a year, the next such date (one that passed in the
+    last 15 minutes is now)."""
+    if hour > 23 or minute > 59:
+        return None
+    for candidate in ((year,) if year else (now.astimezone(tz).year, now.astimezone(tz).year + 1)):
+        try:
+            at = datetime(candidate, month, day, hour, minute, tzinfo=tz)
+        except ValueError:
+            return None
+        if year or at > now - timedelta(seconds=LIMIT_RECENT_S):
+            return max(at.astimezone(UTC), now)
+    return None
+
+
 def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     """When a limit message says the limit resets (API.md 8.3), or None when it names no time.
     A wall time without a zone is in ``tz`` (the profile's timezone)."""
@@ -1577,19 +1614,20 @@ def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
         return now + timedelta(seconds=float(m[1]))
     if m := re.search(r"retry-after:\s*(\d{1,9})\b", text, re.IGNORECASE):
         return now + timedelta(seconds=int(m[1]))
+    # "resets Dec 4, 12pm (Europe/Paris)", "resets Jan 3, 2027, 10pm (...)", "resets Nov 13 at 9am"
+    m = re.search(rf"\bresets?\s+(?:on\s+)?{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?:(\d{{4}}),?\s+)?"
+                  rf"(?:at\s+)?{_WALL}(?:\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\))?", text, re.IGNORECASE)
+    if m and (m[6] or m[5]):   # a wall time: "at 3:28 PM" or "9am", never a bare number
+        return _next_date(now, _zone_of(m[7], tz), int(m[3]) if m[3] else None, MONTHS[m[1].lower()],
+                          int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
     if m := re.search(rf"\breset(?:s)?\b(?:\s+at)?\s+{_WALL}\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\)",
                       text, re.IGNORECASE):
         return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b([A-Za-z_]+/[A-Za-z_]+|[A-Z]{{1,5}})\b", text,
-                      re.IGNORECASE):
+    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b{_ZONE}(?![\w/])", text, re.IGNORECASE):
         return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(r"\btry again at\s+([A-Za-z]{3})[a-z]*\.?\s+(\d{1,2})(?:st|nd|rd|th)?,?\s+(\d{4}),?\s+"
+    if m := re.search(rf"\btry again at\s+{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(\d{{4}}),?\s+"
                       r"(?:at\s+)?" + _WALL, text, re.IGNORECASE):
-        month = MONTHS.get(m[1].lower())
-        if month is not None and _hour(m[4], m[6]) < 24 and int(m[5] or 0) < 60:
-            with contextlib.suppress(ValueError):
-                at = datetime(int(m[3]), month, int(m[2]), _hour(m[4], m[6]), int(m[5] or 0), tzinfo=tz)
-                return max(at.astimezone(UTC), now)
+        return _next_date(now, tz, int(m[3]), MONTHS[m[1].lower()], int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
     m = re.search(rf"\b(?:try again|reset|resets)\s+at\s+{_WALL}", text, re.IGNORECASE)
     if m and (m[2] or m[3]):   # "at 3:28 PM" or "at 3pm", never a bare number
         return _next_wall(now, tz, _hour(m[1], m[3]), int(m[2] or 0))
@@ -1599,21 +1637,39 @@ def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     return None
 
 
-#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit".
-HIT_A_LIMIT = re.compile(r"\bhit your [\w -]{0,30}\blimit\b")
+def _has_word(lower: str, words: Iterable[str]) -> bool:
+    return any(re.search(rf"(?<![a-z]){re.escape(word)}(?![a-z])", lower) for word in words)
 
 
-def find_limit(text: str, now: datetime, tz: ZoneInfo) -> Limit | None:
-    """A limit named in ``text`` (an error, the tail of stderr), or None."""
+def who_raises(text: str) -> str:
+    """Who can lift a spend or credit limit, from how the CLI worded it."""
+    if re.search(r"\b(?:your|ask|contact) (?:org'?s? )?admin|your org(?:anization)?'?s\b", text, re.IGNORECASE):
+        return "an admin of your organization (the account's billing or usage settings)"
+    return "whoever manages the account's billing (plan, credits or spend limit)"
+
+
+def find_limit(text: str, now: datetime, tz: ZoneInfo, *, kind: str | None = None) -> Limit | None:
+    """A limit named in ``text`` (an error, the tail of stderr), or None. ``kind`` is what the CLI's
+    structured fields said (``limit``, ``rate_limit``, ``usage_limit``, ``billing``, ``overloaded``):
+    then it is a limit whatever the words, and the words only tell its kind and reset."""
     lower = text.lower()
-    usage = any(word in lower for word in USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
-    rate = any(word in lower for word in RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower))
-    if not usage and not rate and "limit reached" not in lower:   # "5-hour limit reached": a usage limit
+    usage = _has_word(lower, USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
+    overloaded = bool(OVERLOADED.search(lower))
+    rate = _has_word(lower, RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower)) or overloaded
+    if not usage and not rate and "limit reached" not in lower and kind is None:   # "5-hour limit reached": usage
         return None
-    usage = usage or not rate
-    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit")
+    if kind in ("usage_limit", "billing"):
+        usage = True
+    elif kind in ("rate_limit", "overloaded"):
+        usage = False
+    else:
+        usage = usage or not rate
+    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit", "overloaded")
     line = next((ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in words)), text.strip())
-    return Limit("usage_limit" if usage else "rate_limit", limit_reset(text, now, tz), line[:500])
+    resets_at = limit_reset(text, now, tz)
+    spend = kind == "billing" or kind in (None, "limit") and SPEND_LIMIT.search(lower)
+    raised_by = who_raises(text) if resets_at is None and usage and spend else None
+    return Limit("usage_limit" if usage else "rate_limit", resets_at, line[:500], raised_by)
 
 
 def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datetime:
@@ -1625,10 +1681,17 @@ def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datet
     return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
 
 
-#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4); aider's through litellm.
+#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4): none, a bad key, or an
+#: expired or revoked one (Claude Code's "Failed to authenticate. API Error: 401 OAuth token has
+#: expired", "Please login again"; Codex's refresh-token texts; Gemini's API_KEY_INVALID); aider's
+#: through litellm.
 AUTH_MARKERS = ("not logged in", "please run /login", "invalid api key", "authentication_error",
                 "authentication_failed", "please set an auth method", "401 unauthorized", "http 401",
-                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you")
+                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you",
+                "failed to authenticate", "oauth token has expired", "token has been revoked", "please login again",
+                "please log in again", "could not be refreshed", "sign in again", "api_key_invalid",
+                "api key not valid", "403 forbidden", "status 403", "http 403", "permissiondeniederror",
+                "does not have access to claude", '"unauthenticated"', '"permission_denied"')
 
 
 def is_auth_failure(text: str) -> bool:
@@ -1667,6 +1730,7 @@ class Reading:
     final_message: str | None = None
     permission_denials: list[Any] = dataclasses.field(default_factory=list)
     limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
+    failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
     result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
 
 
@@ -1718,11 +1782,23 @@ def _final(text: Any) -> str | None:
     return text[-FINAL_MESSAGE_CHARS:] if isinstance(text, str) and text else None
 
 
+#: What a failed HTTP status of the model API means for the run (a CLI's structured fields).
+STATUS_HINTS = {401: "auth", 403: "auth", 402: "billing", 429: "limit", 503: "overloaded", 529: "overloaded"}
+#: Claude Code's ``error`` on the assistant message it makes up when a request fails.
+CLAUDE_ERROR_HINTS = {"authentication_failed": "auth", "oauth_org_not_allowed": "auth", "billing_error": "billing",
+                      "rate_limit": "limit"}
+#: Claude Code's overage reasons (rate_limit_info.overageDisabledReason) of a spend cap: no wait lifts it.
+CLAUDE_SPEND_CAPS = ("org_level_disabled_until", "org_spend_cap_reached")
+#: Hints that make a failure a limit (find_limit's ``kind``).
+LIMIT_HINTS = ("limit", "rate_limit", "usage_limit", "billing", "overloaded")
+
+
 def read_claude(lines: list[str]) -> Reading:
     """Claude Code, ``--output-format stream-json --verbose`` (or ``json``, and its array form
     under ``--verbose``): ``system``/``init`` names the session, model and version; the
     ``result`` event decides (``is_error`` or a ``subtype`` other than ``success`` fails, the
-    text is in ``result``); ``rate_limit_event`` gives an exact reset."""
+    text is in ``result``); ``rate_limit_event`` gives an exact reset. What a failure was is read
+    from ``api_error_status`` and the assistant message's ``error`` before any text."""
     events = list(json_lines(lines))
     if len(events) <= 1 and isinstance(whole := _whole_json(lines), list | dict):
         events = [e for e in (whole if isinstance(whole, list) else [whole]) if isinstance(e, dict)]
@@ -1738,11 +1814,16 @@ def read_claude(lines: list[str]) -> Reading:
             texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
             if any(isinstance(t, str) and t for t in texts):
                 reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
+            if isinstance(e.get("error"), str):   # authentication_failed, billing_error, rate_limit, ...
+                reading.failure_hint = CLAUDE_ERROR_HINTS.get(e["error"], reading.failure_hint)
         elif kind == "rate_limit_event":
             info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
             resets = _number(info.get("resetsAt"))
-            if resets is not None and info.get("status") not in ("allowed", "allowed_warning"):
-                reading.limit_reset = datetime.fromtimestamp(resets, UTC)
+            if info.get("status") not in ("allowed", "allowed_warning"):
+                if info.get("rateLimitType") == "overage" and info.get("overageDisabledReason") in CLAUDE_SPEND_CAPS:
+                    reading.failure_hint, reading.limit_reset = "billing", None   # resetsAt is another window's
+                elif resets is not None:
+                    reading.limit_reset = datetime.fromtimestamp(resets, UTC)
         elif kind == "result":
             reading.result = e
             reading.session_id = _string(e.get("session_id")) or reading.session_id
@@ -1753,6 +1834,9 @@ def read_claude(lines: list[str]) -> Reading:
                 reading.error = (text or _string(e.get("subtype")) or "the agent reported a failure")
                 if isinstance(e.get("errors"), list) and e["errors"]:
                     reading.error += "; " + "; ".join(str(x) for x in e["errors"][:5])
+                status = _count(e.get("api_error_status"))
+                if reading.failure_hint is None or STATUS_HINTS.get(status) in ("auth", "overloaded"):
+                    reading.failure_hint = STATUS_HINTS.get(status, reading.failure_hint)
             reading.final_message = _final(text) or reading.final_message
             reading.cost_usd = _number(e.get("total_cost_usd"))
             reading.turns = _count(e.get("num_turns"))
@@ -1767,13 +1851,28 @@ def read_claude(lines: list[str]) -> Reading:
                 reading.verdict = "needs_you"
                 reading.question = (f"The agent was denied permission to use {', '.join(tools) or 'a tool'}. "
                                     "Allow it in the profile, or reply with what to do instead.")
+    if reading.verdict != "failed":
+        reading.failure_hint = None
     return reading
+
+
+def _codex_hint(message: str) -> str | None:
+    """What a Codex error says, from the HTTP status it names ("unexpected status 401 Unauthorized",
+    "exceeded retry limit, last status: 429") or its own error kinds (codex-rs protocol/error.rs)."""
+    if m := re.search(r"\b(?:unexpected|last) status:? (\d{3})\b", message):
+        return STATUS_HINTS.get(int(m[1]))
+    if message.startswith("Quota exceeded. Check your plan and billing details"):   # insufficient_quota
+        return "billing"
+    if "could not be refreshed" in message:   # the refresh token was used, revoked or expired
+        return "auth"
+    return None
 
 
 def read_codex(lines: list[str]) -> Reading:
     """Codex, ``exec --json``: ``thread.started.thread_id`` is the session; ``turn.completed``
     ends a turn (its ``usage`` the tokens); ``turn.failed`` (``error.message``) or ``error``
-    (``message``) fails; no terminal event at all is no result."""
+    (``message``) fails, the HTTP status it names telling a login or limit failure; no terminal
+    event at all is no result."""
     reading = Reading("codex")
     for e in json_lines(lines):
         kind = e.get("type")
@@ -1784,7 +1883,7 @@ def read_codex(lines: list[str]) -> Reading:
             if item.get("type") in ("agent_message", "assistant_message"):
                 reading.final_message = _final(item.get("text")) or reading.final_message
         elif kind == "turn.completed":   # its usage is the thread's running total: the last one counts
-            reading.result, reading.verdict, reading.error = e, "succeeded", None
+            reading.result, reading.verdict, reading.error, reading.failure_hint = e, "succeeded", None, None
             usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
             reading.input_tokens = _count(usage.get("input_tokens"))
             reading.output_tokens = _count(usage.get("output_tokens"))
@@ -1794,16 +1893,57 @@ def read_codex(lines: list[str]) -> Reading:
             error = e.get("error") if isinstance(e.get("error"), dict) else {}
             reading.result, reading.verdict = e, "failed"
             reading.error = _string(error.get("message")) or "the turn failed"
+            reading.failure_hint = _codex_hint(reading.error)
         elif kind == "error":   # "Reconnecting... 2/5" is Codex waiting for a network, not an end
             reading.error = _string(e.get("message")) or "error"
             if not reading.error.lower().startswith("reconnecting"):
                 reading.result, reading.verdict = e, "failed"
+                reading.failure_hint = _codex_hint(reading.error)
     return reading
+
+
+def _google_hint(message: str) -> str | None:
+    """What a Gemini CLI error says: the Google API error it quotes ("[API Error: {...}]": its
+    ``code``, ``status`` and ErrorInfo ``reason``), or the CLI's own quota and overload texts."""
+    start = message.find("{")
+    with contextlib.suppress(ValueError):
+        body = json.JSONDecoder().raw_decode(message[start:])[0] if start >= 0 else None
+        error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+        if error is not None:
+            reasons = {d.get("reason") for d in error.get("details") or [] if isinstance(d, dict)}
+            if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                return "auth"
+            status = _count(error.get("code"))
+            return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
+    if "exhausted your daily quota" in message:   # resets by itself (at midnight Pacific): nobody must act
+        return "usage_limit"
+    if re.search(r"model is overloaded", message, re.IGNORECASE):
+        return "overloaded"
+    return None
+
+
+def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
+    """The model that answered: the one init named, unless that was ``auto`` (the CLI's router
+    chose): then the stats' model with the main role, else the one that used the most tokens."""
+    models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
+    if named and not named.startswith("auto") or not models:
+        return named
+    answering = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
+    if answering:
+        return answering[0]
+
+    def used(item: tuple[str, Any]) -> int:
+        figures = item[1] if isinstance(item[1], dict) else {}
+        tokens = figures.get("tokens") if isinstance(figures.get("tokens"), dict) else figures
+        return _count(tokens.get("total_tokens", tokens.get("total"))) or 0
+
+    return max(models.items(), key=used)[0]
 
 
 def read_gemini(lines: list[str]) -> Reading:
     """Gemini CLI, ``--output-format stream-json`` (or the ``json`` format's one multi-line
-    object): ``init`` names the session and model; the ``result`` event's ``status`` decides;
+    object): ``init`` names the session and model (``auto``: the stats name the model that
+    answered); the ``result`` event's ``status`` decides, its ``error`` quoting the API's error;
     its ``stats`` give the tokens."""
     reading = Reading("gemini")
     events = list(json_lines(lines))
@@ -1812,10 +1952,13 @@ def read_gemini(lines: list[str]) -> Reading:
         reading.result = whole
         reading.session_id = _string(whole.get("session_id"))
         reading.final_message = _final(whole.get("response"))
+        if isinstance(whole.get("stats"), dict):
+            reading.model = _gemini_model(whole["stats"], None)
         error = whole.get("error")
         reading.verdict = "failed" if error else "succeeded"
         if error:
             reading.error = _string(error.get("message")) if isinstance(error, dict) else str(error)
+            reading.failure_hint = _google_hint(reading.error or "")
         return reading
     for e in events:
         kind = e.get("type")
@@ -1837,26 +1980,37 @@ def read_gemini(lines: list[str]) -> Reading:
                 error = e.get("error")
                 reading.error = ((_string(error.get("message")) if isinstance(error, dict) else _string(error))
                                  or reading.error or "the agent reported a failure")
+                reading.failure_hint = _google_hint(reading.error)
             stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
             reading.input_tokens = _count(stats.get("input_tokens"))
             reading.output_tokens = _count(stats.get("output_tokens"))
             reading.cache_read_tokens = _count(stats.get("cached", stats.get("cached_tokens")))
             reading.turns = _count(stats.get("turns"))
-            models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
-            if reading.model in (None, "auto") and len(models) == 1:   # init says "auto" when no model was asked
-                reading.model = next(iter(models))
+            reading.model = _gemini_model(stats, reading.model)
     return reading
+
+
+#: litellm's exception classes in aider's output, and what they mean for the run.
+LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth", "RateLimitError": "limit"}
 
 
 def read_aider(lines: list[str]) -> Reading:
     """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
-    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run; each ``Tokens: ...
-    Cost: $X message, $Y session.`` line adds its cost; the reply is the final message."""
+    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run (the error's class
+    telling a login or limit failure), and so does "Model X has hit a token limit!"; each ``Tokens:
+    ... Cost: $X message, $Y session.`` line adds its cost; the reply is the final message; the
+    header names the version ("Aider v0.86.2") and the model ("Main model: X with ...")."""
     reading = Reading("aider")
     cost, tokens_at, errors_at = 0.0, None, None
     for i, line in enumerate(lines):
-        if re.match(r"\s*litellm\.\w*(Error|Exception)\b", line):
-            errors_at = i
+        if m := re.match(r"\s*litellm\.(\w*(?:Error|Exception))\b", line):
+            errors_at, reading.failure_hint = i, LITELLM_HINTS.get(m[1])
+        elif re.match(r"\s*Model \S+ has hit a token limit!", line):
+            errors_at, reading.failure_hint = i, None
+        elif m := re.match(r"Aider v(\d[\w.+-]*)\s*$", line):
+            reading.agent_version = m[1]
+        elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
+            reading.model = m[1]
         if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
                          r"Cost:\s*\$([\d.]+)\s+message", line):
             sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
@@ -1868,7 +2022,12 @@ def read_aider(lines: list[str]) -> Reading:
             tokens_at = i
     if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
         reading.verdict = "failed"
-        reading.error = "\n".join(ln.strip() for ln in lines[errors_at:errors_at + 3] if ln.strip())[-ERROR_TAIL_BYTES:]
+        # the error and what aider adds to it, not its advice ("... Try again later or check your quotas.")
+        kept = [ln.strip() for ln in lines[errors_at:errors_at + 6] if ln.strip()
+                and not re.match(r"\s*(?:Retrying in|The API provider|https?://|Token counts below)", ln)]
+        reading.error = "\n".join(kept[:4])[-ERROR_TAIL_BYTES:]
+    else:
+        reading.failure_hint = None
     if tokens_at is not None:   # the reply: the paragraph before the Tokens line, after aider's header
         before = "\n".join(lines[max(0, tokens_at - 200):tokens_at]).strip()
         reading.final_message = _final(before.rsplit("\n\n", 1)[-1])
@@ -1951,11 +2110,13 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
             f"exit code {exit_code}" if exit_code else "the agent reported a failure")
         kind = "agent"
     text = "\n".join(t for t in (reading.error, tail) if t)
-    if is_auth_failure(text):
+    hint = reading.failure_hint
+    if hint == "auth" or hint not in LIMIT_HINTS and is_auth_failure(text):
         return failed(error[-ERROR_TAIL_BYTES:], "auth", reading)
-    if (limit := find_limit(text, now, tz)) is not None or reading.limit_reset is not None:
+    limit = find_limit(text, now, tz, kind=hint if hint in LIMIT_HINTS else None)
+    if limit is not None or reading.limit_reset is not None:
         limit = limit or Limit("usage_limit", None, (reading.error or "usage limit")[:500])
-        if reading.limit_reset is not None:
+        if reading.limit_reset is not None and limit.raised_by is None:
             limit = dataclasses.replace(limit, resets_at=max(reading.limit_reset, now))
         return Outcome(RunStatus.FAILED, error[-ERROR_TAIL_BYTES:], "limit", limit, reading=reading)
     return failed(error[-ERROR_TAIL_BYTES:], kind, reading)
@@ -4809,9 +4970,20 @@ class RunStore(ScheduleStore):
     def _hold_profile(self, r: SettledRun, outcome: Outcome, now: datetime, auth_hint: str) -> None:
         """API.md 8.4: a limit holds the profile until its reset (+30 s), with one
         ``agent_limited`` item per limit window; a login failure pauses it, with one
-        ``agent_auth`` item, until ``resume``. A success ends the ladder of unnamed resets."""
+        ``agent_auth`` item, until ``resume``, and so does a spend limit that names no reset (its
+        ``agent_limited`` item says who can raise it). A success ends the ladder of unnamed resets."""
         kind = outcome.failure_kind if r.status == RunStatus.FAILED else None
-        if kind == "limit" and outcome.limit is not None:
+        if kind == "limit" and outcome.limit is not None and outcome.limit.raised_by is not None:
+            st = self._profile_state(r.agent, now)   # a spend or credit limit no wait lifts: paused like auth
+            if st.paused_reason is None:
+                st.paused_reason, st.updated_at = f"spend limit: {outcome.limit.message[:300]}", naive(now)
+                self.raise_attention("agent_limited", f"Agent profile {r.agent} hit a spend limit; its runs wait",
+                                     f"{outcome.limit.message}\nWho can raise it: {outcome.limit.raised_by}. "
+                                     f"Then resume the profile on the Agents page, or POST /v1/outpost/agents/"
+                                     f'{r.agent}/control {{"action": "resume"}}.', now,
+                                     schedule_id=r.schedule_id, run_id=r.id)
+                self.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
+        elif kind == "limit" and outcome.limit is not None:
             st = self._profile_state(r.agent, now)
             new_window = st.limited_until is None or aware(st.limited_until) <= now
             until = limit_wait(outcome.limit, st.limit_streak, now, random.uniform(-1, 1))
@@ -6064,12 +6236,13 @@ class PipelineStore(OfficeStore):
         w.note = "waiting for its repository"
         self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
 
-    def _wait_for_login(self, w, profile: str, now: datetime) -> None:
-        """Its profile is not logged in: not the agent's failure and no retry counted. The
-        wakeup is claimed again; its new run waits in the queue until the profile is resumed."""
+    def _wait_for_login(self, w, profile: str, now: datetime, why: str = "needs a login") -> None:
+        """Its profile is not logged in (or hit a spend limit): not the agent's failure and no retry
+        counted. The wakeup is claimed again; its new run waits in the queue until the profile is
+        resumed."""
         self._release_checkout(w.task_id, w.agent_id)
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
-        w.note = f"its agent profile {profile} needs a login; its run waits until the profile is resumed"
+        w.note = f"its agent profile {profile} {why}; its run waits until the profile is resumed"
         self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
 
     def _run_fresh(self, w, o, now: datetime) -> None:
@@ -6141,6 +6314,8 @@ class PipelineStore(OfficeStore):
             self._wait_for_repository(w, r.error, now)
         elif r.failure_kind == "auth":
             self._wait_for_login(w, r.agent, now)
+        elif r.failure_kind == "limit" and (st := self.db.ProfileState.get(name=r.agent)) and st.paused_reason:
+            self._wait_for_login(w, r.agent, now, "hit a spend limit")   # no wait lifts it: like a login
         else:
             held = self.db.ProfileState.get(name=r.agent) if r.failure_kind == "limit" else None
             until = aware(held.limited_until) if held else None   # a limit with no reset: the backoff
@@ -10688,6 +10863,94 @@ def print_inspect(report: dict[str, Any]) -> None:
                 print(f"   {key}: {json.dumps(value) if isinstance(value, dict) else value}")
 
 
+def _json_file(path: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        value = json.loads(path.read_text())
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    """The ``KEY=value`` lines of a .env file (the ones Gemini CLI loads)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return {m[1]: m[2].strip().strip("'\"") for m in re.finditer(r"^\s*(?:export\s+)?([A-Z][A-Z0-9_]*)\s*=\s*(.*)$",
+                                                                   path.read_text(), re.MULTILINE)}
+    return {}
+
+
+def _truthy(value: Any) -> bool:
+    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def claude_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Claude Code's logins besides a key variable and ~/.claude/.credentials.json: an
+    ``apiKeyHelper`` or a key, Bedrock or Vertex in its settings (user or managed), Bedrock or
+    Vertex (CLAUDE_CODE_USE_BEDROCK, CLAUDE_CODE_USE_VERTEX) or ANTHROPIC_AUTH_TOKEN in the env.
+    https://docs.claude.com/en/docs/claude-code/settings , .../amazon-bedrock , .../google-vertex-ai"""
+    config = Path(env.get("CLAUDE_CONFIG_DIR") or home / ".claude")
+    found = [f"{key} ({what})" for key, what in (("CLAUDE_CODE_USE_BEDROCK", "Amazon Bedrock"),
+                                                 ("CLAUDE_CODE_USE_VERTEX", "Google Vertex AI"),
+                                                 ("CLAUDE_CODE_USE_FOUNDRY", "Microsoft Foundry"))
+             if _truthy(env.get(key))]
+    found += ["ANTHROPIC_AUTH_TOKEN"] if env.get("ANTHROPIC_AUTH_TOKEN") else []
+    for path in (config / "settings.json", Path("/etc/claude-code/managed-settings.json")):
+        settings = _json_file(path)
+        if isinstance(settings.get("apiKeyHelper"), str) and settings["apiKeyHelper"].strip():
+            found.append(f"apiKeyHelper in {path}")
+        settings_env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
+        found += [f"{key} in {path}" for key in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN")
+                  if settings_env.get(key)]
+        found += [f"{key} in {path}" for key in ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
+                                                 "CLAUDE_CODE_USE_FOUNDRY") if _truthy(settings_env.get(key))]
+    if env.get("CLAUDE_CONFIG_DIR") and (config / ".credentials.json").exists():
+        found.append(f"{config / '.credentials.json'}")
+    return found
+
+
+def codex_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Codex's logins besides CODEX_API_KEY and ~/.codex/auth.json: auth.json in $CODEX_HOME, or a
+    model provider of its own in config.toml (with its ``env_key`` set, when it names one).
+    https://github.com/openai/codex/blob/main/docs/config.md"""
+    codex_home = Path(env.get("CODEX_HOME") or home / ".codex")
+    found = [str(codex_home / "auth.json")] if env.get("CODEX_HOME") and (codex_home / "auth.json").exists() else []
+    with contextlib.suppress(OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        config = tomllib.loads((codex_home / "config.toml").read_text())
+        provider = config.get("model_provider")
+        if isinstance(provider, str) and provider != "openai":
+            spec = (config.get("model_providers") or {}).get(provider)
+            key = spec.get("env_key") if isinstance(spec, dict) else None
+            if not key or env.get(key):
+                found.append(f"model_provider {provider} in {codex_home / 'config.toml'}{f' ({key})' if key else ''}")
+    return found
+
+
+def gemini_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Gemini CLI's logins besides GEMINI_API_KEY, Vertex AI's switch and ~/.gemini/oauth_creds.json:
+    a key in the .env files it loads (~/.gemini/.env, ~/.env), GOOGLE_API_KEY, a service account
+    (GOOGLE_APPLICATION_CREDENTIALS), gcloud's application-default credentials, or a metadata-server
+    login chosen in its settings. https://github.com/google-gemini/gemini-cli/blob/main/docs/get-started/authentication.md"""
+    found = ["GOOGLE_API_KEY"] if env.get("GOOGLE_API_KEY") else []
+    for path in (home / ".gemini" / ".env", home / ".env"):
+        found += [f"{key} in {path}" for key in ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI")
+                  if _dotenv(path).get(key)]
+    if (credentials := env.get("GOOGLE_APPLICATION_CREDENTIALS")) and Path(credentials).expanduser().is_file():
+        found.append(f"GOOGLE_APPLICATION_CREDENTIALS ({credentials})")
+    adc = Path(env.get("CLOUDSDK_CONFIG") or home / ".config" / "gcloud") / "application_default_credentials.json"
+    if adc.is_file():
+        found.append(f"gcloud application-default credentials ({adc})")
+    settings = _json_file(home / ".gemini" / "settings.json")
+    auth = ((settings.get("security") or {}).get("auth") or {}) if isinstance(settings.get("security"), dict) else {}
+    selected = (auth.get("selectedType") if isinstance(auth, dict) else None) or settings.get("selectedAuthType")
+    if selected in ("cloud-shell", "compute-default-credentials"):
+        found.append(f"{selected} in {home / '.gemini' / 'settings.json'}")
+    return found
+
+
+#: A preset's logins that a variable or a file in HOME does not show alone (cli_doctor).
+LOGIN_CHECKS: dict[str, Callable[[dict[str, str], Path], list[str]]] = {
+    "claude-code": claude_logins, "codex": codex_logins, "gemini": gemini_logins}
+
+
 def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, str]:
     """One profile, checked as its runs will see it: binary on the PATH it gets, version, login."""
     if profile.name == "demo":
@@ -10706,10 +10969,11 @@ def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, st
     home = Path(env.get("HOME", "~")).expanduser()
     keys = [k for k in preset.login_env if env.get(k)]
     files = [f for f in preset.login_files if (home / f).exists()]
-    if not keys and not files:
+    others = LOGIN_CHECKS[profile.preset](env, home) if profile.preset in LOGIN_CHECKS else []
+    if not keys and not files and not others:
         wanted = " or ".join([*preset.login_env[:2], *(f"~/{f}" for f in preset.login_files)])
         return False, f"{profile.name}: {version} at {binary}, but no login found ({wanted}): {preset.login}"
-    return True, f"{profile.name}: ok, {version} at {binary}, logged in by {', '.join(keys + files)}"
+    return True, f"{profile.name}: ok, {version} at {binary}, logged in by {', '.join(keys + files + others)}"
 
 
 def cli_doctor(config: Config) -> int:

@@ -10,6 +10,11 @@ prompt add detail:
     fake-sleep: SECONDS   wait before finishing
     fake-exit: N          the exit status of a ``plain`` scenario
 
+``fake:recorded-<name>`` replays what the real CLI printed, as tests/fakes/record.py recorded it
+against tests/modelstub.py (``recorded/<cli>-<name>.json``: stdout, stderr and exit status; each
+file names the CLI's version): ``fake:recorded-403`` to the fake ``claude`` prints
+``recorded/claude-403.json``, ``fake:recorded-oauth-spend`` prints ``recorded/claude-oauth-spend.json``.
+
 Every call is recorded (argv, stdin, cwd, the OUTPOST_* environment) as one JSON line in
 ``$FAKE_CLI_LOG/<name>.jsonl`` when that variable names a directory. Sessions are kept like
 Claude Code keeps them, per working directory, in the CLI's own state folder
@@ -26,8 +31,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 BIG_OUTPUT_BYTES = 3 * 1024 * 1024
+#: What the real CLIs printed (tests/fakes/record.py).
+RECORDED = Path(__file__).resolve().parent / "recorded"
 
 
 class Call:
@@ -43,6 +51,8 @@ class Call:
         self.scenario = match[1] if match else "success"
         self.text = self.line("fake-text") or ""
         self.record()
+        if self.scenario.startswith("recorded-"):
+            replay(name, self.scenario.removeprefix("recorded-"))
 
     def line(self, key: str) -> str | None:
         match = re.search(rf"^{re.escape(key)}:[ \t]*(.*)$", self.prompt, re.MULTILINE)
@@ -97,6 +107,16 @@ class Call:
 
     def knows(self, session_id: str) -> bool:
         return bool(session_id) and (self._sessions() / session_id).exists()
+
+
+def replay(name: str, recording: str) -> NoReturn:
+    """Print what the real CLI printed in ``recorded/<name>-<recording>.json`` and exit with its status."""
+    data = json.loads((RECORDED / f"{name}-{recording}.json").read_text())
+    sys.stdout.write(data["stdout"])
+    sys.stdout.flush()
+    sys.stderr.write(data["stderr"])
+    sys.stderr.flush()
+    sys.exit(data["exit_code"])
 
 
 def emit(obj: dict | list) -> None:

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Record what the real agent CLIs print, run as Outpost's presets run them, against the model-API
+stub of tests/modelstub.py: one JSON file per (CLI, scenario) in tests/fakes/recorded/, which the
+fakes replay with ``fake:recorded-<scenario>`` (fakecli.replay) and tests/test_agents.py reads.
+
+    python tests/fakes/record.py [claude|claude-oauth|codex|gemini|aider ...]
+
+The CLIs come from $OUTPOST_AGENT_CLIS (npm, default ~/.cache/outpost/agent-clis) and
+$OUTPOST_AIDER_VENV (PyPI, default ~/.cache/outpost/aider-venv), as .ci/run installs them. Each
+run gets a fresh HOME under /var/tmp/outpost-record and the login a user would have: an API key
+(``claude-oauth``: a subscription's OAuth token, CLAUDE_CODE_OAUTH_TOKEN), the CLI's base-URL
+setting pointed at the stub, and its retries cut short (CLAUDE_CODE_MAX_RETRIES=0, Gemini's
+general.maxAttempts 1) so that a failure is printed within seconds. aider cannot be told to retry
+less: its 429/503 scenarios take about 80 s each, so the runs of one CLI go in parallel.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent)]
+import modelstub  # noqa: E402
+
+import outpost  # noqa: E402
+
+RECORDED = HERE / "recorded"
+CLIS = Path(os.environ.get("OUTPOST_AGENT_CLIS", Path.home() / ".cache" / "outpost" / "agent-clis"))
+AIDER = Path(os.environ.get("OUTPOST_AIDER_VENV", Path.home() / ".cache" / "outpost" / "aider-venv"))
+ROOT = Path("/var/tmp/outpost-record")
+#: A session id no CLI knows.
+UNKNOWN_SESSION = "0b4c1a55-6c9e-4d5b-9f0e-123456789abc"
+#: cli -> (preset, model, scenarios)
+PLAN = {
+    "claude": ("claude-code", None, ("success", "tool", "401", "403", "429", "529", "credits", "token-limit",
+                                     "unknown-session")),
+    "claude-oauth": ("claude-code", None, ("401", "429", "429-weekly", "credits", "spend")),
+    "codex": ("codex", None, ("success", "401", "403", "429", "529", "credits", "unknown-session")),
+    "gemini": ("gemini", "gemini-2.5-pro", ("success-auto", "tool", "401", "bad-key", "403", "429", "529", "credits",
+                                            "unknown-session")),
+    "aider": ("aider", "openai/gpt-4o", ("success", "401", "403", "429", "529", "credits", "token-limit")),
+}
+#: Each CLI's stderr is kept whole up to this size, else its head and tail.
+STDERR_KEPT = 8192
+
+
+def cli_env(cli: str, home: Path, url: str) -> dict[str, str]:
+    """The environment of one recorded run: PATH with the CLIs, a fresh HOME, the login, the stub."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {"PATH": f"{CLIS / 'node_modules' / '.bin'}:{AIDER / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+           "HOME": str(home), "LANG": "C.UTF-8", "TZ": "UTC"}
+    if cli.startswith("claude"):
+        login = ({"CLAUDE_CODE_OAUTH_TOKEN": "sk-ant-oat01-stub"} if cli == "claude-oauth"
+                 else {"ANTHROPIC_API_KEY": "sk-ant-api03-stub"})
+        env |= {"ANTHROPIC_BASE_URL": url, "CLAUDE_CODE_MAX_RETRIES": "0", **login}
+    elif cli == "codex":
+        (home / ".codex").mkdir(exist_ok=True)
+        (home / ".codex" / "config.toml").write_text(f'openai_base_url = "{url}/v1"\n')
+        env["CODEX_API_KEY"] = "sk-stub"
+    elif cli == "gemini":
+        (home / ".gemini").mkdir(exist_ok=True)
+        (home / ".gemini" / "settings.json").write_text(json.dumps(
+            {"security": {"auth": {"selectedType": "gemini-api-key"}}, "general": {"maxAttempts": 1}}))
+        env |= {"GOOGLE_GEMINI_BASE_URL": url, "GEMINI_API_KEY": "stub-key"}
+    elif cli == "aider":
+        env |= {"OPENAI_API_BASE": f"{url}/v1", "OPENAI_API_KEY": "sk-stub"}
+    return env
+
+
+def cli_version(cli: str) -> str:
+    preset = PLAN[cli][0]
+    binary = "aider" if cli == "aider" else outpost.PRESETS[preset].version[0]
+    env = {"PATH": f"{CLIS / 'node_modules' / '.bin'}:{AIDER / 'bin'}:/usr/bin:/bin", "HOME": "/nonexistent"}
+    return outpost.cli_version([binary, *outpost.PRESETS[preset].version[1:]], env) or "?"
+
+
+def record(cli: str, scenario: str, url: str, version: str) -> Path:
+    preset, model, _ = PLAN[cli]
+    root = ROOT / f"{cli}-{scenario}"
+    shutil.rmtree(root, ignore_errors=True)
+    work = root / "work"
+    work.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    profile = outpost.agent_profile(Path("outpost.toml"), cli, {"preset": preset})
+    stub_scenario = {"success-auto": "success", "unknown-session": "success"}.get(scenario, scenario)
+    prompt = f"stub:{stub_scenario} Say hi."
+    (root / "prompt.md").write_text(prompt)
+    argv = outpost.profile_argv(profile, model=None if scenario == "success-auto" else model, run_id="out_rec",
+                                session_id=UNKNOWN_SESSION if scenario == "unknown-session" else None,
+                                prompt_file=str(root / "prompt.md"), max_cost_usd=None)
+    env = cli_env(cli, root / "home", url) | dict(profile.env)
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=work, env=env, input=prompt, capture_output=True, text=True, timeout=300)
+    stderr = done.stderr
+    if len(stderr) > STDERR_KEPT:
+        stderr = stderr[:2048] + "\n[... cut when recorded ...]\n" + stderr[-(STDERR_KEPT - 2048):]
+    path = RECORDED / f"{cli}-{scenario}.json"
+    path.write_text(json.dumps({
+        "recorded_from": f"{version}, run as Outpost's {preset} preset runs it against tests/modelstub.py "
+                         f"(scenario {stub_scenario}) by tests/fakes/record.py",
+        "recorded_at": time.strftime("%Y-%m-%d"), "cli": cli, "scenario": scenario,
+        "argv": [Path(argv[0]).name, *argv[1:]], "seconds": round(time.monotonic() - started, 1),
+        "exit_code": done.returncode, "stdout": done.stdout, "stderr": stderr}, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+def main() -> None:
+    chosen = sys.argv[1:] or list(PLAN)
+    RECORDED.mkdir(exist_ok=True)
+    stub = modelstub.ModelStub().start()
+    try:
+        for cli in chosen:
+            stub.retry_after_s = 3600 if cli == "gemini" else 1   # Gemini fails at once past 300 s; Codex retries
+            version = cli_version(cli)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=8 if cli == "aider" else 3) as pool:
+                for path in pool.map(lambda s, c=cli, v=version: record(c, s, stub.url, v), PLAN[cli][2]):
+                    print(path.relative_to(HERE), flush=True)
+    finally:
+        stub.stop()
+
+
+if __name__ == "__main__":
+    main()
