@@ -6764,7 +6764,10 @@ class Sandbox:
     dir (API token, database, other runs) and /tmp replaced by empty ones, of which only the
     worktree, its prompt file and the repository it borrows objects from (read-only) are shown;
     its own PID, IPC and mount view (a fresh /proc: no daemon, no other run to see, signal or
-    read), no capabilities when the daemon is root, and it dies with the daemon. Outpost's own
+    read), no capabilities when the daemon is root. No ``--die-with-parent``: its parent is the
+    thread that spawned it, and trio spawns from worker threads that end when idle (a sandbox
+    would be killed 10 s into its run); one that outlives the daemon is ended at the next start
+    (end_survivor), as any agent is. Outpost's own
     git commands on the worktree run in it too: whatever the agent planted there (a filter, an
     fsmonitor, a hook, a redirected .git) runs, if at all, where the agent could run it anyway."""
     data_dir: Path
@@ -6781,7 +6784,7 @@ class Sandbox:
             return [how, str(path), str(path)]
 
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--proc", "/proc",
-                "--unshare-ipc", "--die-with-parent", "--tmpfs", "/tmp"]
+                "--unshare-ipc", "--tmpfs", "/tmp"]
         # Under the private /tmp, what the command needs stays visible, read-only: HOME, the
         # folders of PATH and of the command, and Outpost itself (the demo agent).
         needed = [self.home, Path(sys.prefix), Path(__file__).parent, Path(shutil.which(argv[0]) or argv[0]).parent,
@@ -7160,8 +7163,8 @@ def agent_isolation(mode: str) -> Isolation:
     if mode == "never":
         return Isolation(False, "agents are not isolated (isolate_agents = \"never\"): they can read the data dir")
     try:
-        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--unshare-pid", "--proc", "/proc",
-                                "--die-with-parent", "true"], capture_output=True, timeout=10)
+        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--unshare-pid", "--proc", "/proc", "true"],
+                               capture_output=True, timeout=10)
         problem = None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[:200]
     except (OSError, subprocess.TimeoutExpired) as exc:
         problem = f"bwrap is not installed ({exc.__class__.__name__})"
@@ -7420,9 +7423,9 @@ def group_members(pgid: int) -> list[int]:
 
 async def terminate_group(proc: trio.Process, grace_s: float) -> None:
     """SIGTERM the process group, SIGKILL it after the grace. The grace is the group's, not
-    only the leader's. The leader of an isolated agent is bubblewrap, which dies at SIGTERM and
-    takes its sandbox with it at once (``--die-with-parent``): it is spared the SIGTERM, so the
-    agent inside gets its grace to clean up. Shielded: runs during shutdown."""
+    only the leader's. The leader of an isolated agent is bubblewrap, which would die at SIGTERM
+    at once while the agent inside goes on: it is spared the SIGTERM and ends with the agent, so
+    the run's exit status is the agent's. Shielded: runs during shutdown."""
     with trio.CancelScope(shield=True):
         sandboxed = proc.args[0] == "bwrap"
         for pid in group_members(proc.pid):

@@ -268,8 +268,9 @@ def outpost_pid(data: Path, run_id: str) -> int | None:
     return row[0] if row and row[0] else None
 
 
-def test_a_sandboxed_agent_dies_with_its_daemon(base):
-    """``--die-with-parent``: a kill -9 of the daemon leaves no agent running with nobody to settle it."""
+def test_a_sandbox_that_outlives_a_kill_9_of_its_daemon_is_ended_at_the_next_start(base):
+    """No ``--die-with-parent`` (it is tied to the spawning thread, see below): a kill -9 of the
+    daemon leaves the sandbox running, and the next start ends all of it, inside included."""
     data = base / "data"
     data.mkdir()
     repo = make_repo(base / "repo")
@@ -281,7 +282,43 @@ def test_a_sandboxed_agent_dies_with_its_daemon(base):
             pid = wait_for(lambda: outpost_pid(data, run_id))
             members = wait_for(lambda: len(outpost.group_members(pid)) >= 3 and outpost.group_members(pid))
         server.stop(9)
-        wait_for(lambda: not any(outpost.process_stat(p) and outpost.process_stat(p)[0] != "Z" for p in members))
+        assert all(alive(p) for p in members)
+        again = Server(data, env={"HOME": str(base)}).start()
+        try:
+            with again.client() as client:
+                run = settled(client, run_id)
+            assert (run["status"], run["error"]) == ("failed", "interrupted")
+            wait_for(lambda: not any(alive(p) for p in members))
+        finally:
+            again.stop()
+    finally:
+        server.stop()
+
+
+def alive(pid: int) -> bool:
+    stat = outpost.process_stat(pid)
+    return bool(stat) and stat[0] != "Z"
+
+
+def test_sandboxed_runs_that_start_together_all_outlive_10_s(base):
+    """Found with the real aider runs: with ``--die-with-parent`` runs that start at once died
+    10 s later with exit -9: its parent is the thread that spawned it, and trio's worker threads
+    end after 10 s idle."""
+    data, home = base / "data", base / "home"
+    for folder in (data, home):
+        folder.mkdir()
+    repo = make_repo(base / "repo")
+    (data / "outpost.toml").write_text('[settings]\nmax_running = 4\nisolate_agents = "always"\n\n'
+                                       '[agents.sleeper]\ncommand = ["sh", "-c", "sleep 14; echo done"]\n'
+                                       "max_running = 4\n")
+    server = Server(data, env={"HOME": str(home)}).start()
+    try:
+        with server.client() as client:
+            runs = [post(client, "/v1/outpost/dispatches", {"brief": "sleep", "repository": str(repo),
+                                                            "agent": "sleeper"}).json()["run_id"] for _ in range(4)]
+            ended = [wait_for(lambda run_id=run_id: (r := client.get(f"/v1/outpost/runs/{run_id}").json())[
+                "status"] in SETTLED and r, timeout_s=90) for run_id in runs]
+        assert [(r["status"], r["exit_code"]) for r in ended] == [("succeeded", 0)] * 4
     finally:
         server.stop()
 
@@ -355,7 +392,7 @@ def test_a_sandbox_keeps_the_data_dir_hidden_and_the_worktree_writable(tmp_path)
     assert ("--tmpfs", str(data.resolve())) in pairs and ("--ro-bind", "/") in pairs
     assert argv.index("--tmpfs", argv.index("--ro-bind")) < argv.index(str((data / "worktrees" / "out_1").resolve()))
     assert ("--ro-bind", str((data / "repo").resolve())) in pairs   # the embedded repository: read-only
-    for flag in ("--unshare-pid", "--die-with-parent", "--unshare-ipc"):
+    for flag in ("--unshare-pid", "--unshare-ipc"):
         assert flag in argv
     assert ("--proc", "/proc") in pairs
     assert ("--cap-drop", "ALL") in pairs or os.geteuid() != 0

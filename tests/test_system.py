@@ -235,10 +235,7 @@ def test_sigterm_kills_an_agent_that_ignores_sigterm_after_the_grace(server_fact
         assert (run["status"], run["error"]) == ("failed", "interrupted")
 
 
-def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_repo, tmp_path):
-    # Not isolated: a sandboxed agent dies with its daemon (tests/test_sandbox.py); this one outlives it.
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "outpost.toml").write_text('[settings]\nisolate_agents = "never"\n')
+def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_repo):
     server = server_factory("--max-running", "1")
     with server.client() as client:
         schedule = create_schedule(client, definition(git_repo, brief="@edit wip.txt x\n@sleep 60", timing=YEARLY))
