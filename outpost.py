@@ -6757,6 +6757,17 @@ class Store(RoutineStore):
 # 6. Executors: git worktrees, the agent subprocess, output capture, the demo agent.
 ###############################################################################
 
+def create_new(path: Path, data: bytes) -> None:
+    """``path`` with ``data``, only where nothing is yet: never through a link an agent left there
+    (it would make the daemon write wherever the link points), never over a file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:   # there already (a file, or a link: left as it is), or the folder is not writable
+        return
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sandbox:
     """API.md 12: the machine as one run's agent sees it under bubblewrap. Everything read-only
@@ -6812,14 +6823,15 @@ class Sandbox:
         Claude Code's ~/.claude.json copied once to where it keeps it inside."""
         if self.home is None or not self.home.is_dir():
             return
-        with contextlib.suppress(OSError):
-            for name in AGENT_HOME_STATE:
+        for name in AGENT_HOME_STATE:
+            with contextlib.suppress(OSError):
                 (self.home / name).mkdir(mode=0o700, exist_ok=True)
-            for name, empty in AGENT_HOME_SETTINGS.items():
-                if empty is not None and not (self.home / name).exists():
-                    (self.home / name).write_text(empty)
-            if (self.home / ".claude.json").is_file() and not (self.home / ".claude" / ".claude.json").exists():
-                shutil.copy2(self.home / ".claude.json", self.home / ".claude" / ".claude.json")
+        for name, empty in AGENT_HOME_SETTINGS.items():
+            if empty is not None:
+                create_new(self.home / name, empty.encode())
+        if (self.home / ".claude.json").is_file():
+            with contextlib.suppress(OSError):
+                create_new(self.home / ".claude" / ".claude.json", (self.home / ".claude.json").read_bytes())
 
     @staticmethod
     def env(parent: dict[str, str]) -> dict[str, str]:

@@ -463,3 +463,22 @@ async def test_a_planted_fsmonitor_that_never_answers_cannot_hold_the_settlement
     assert run["status"] == "failed" and "did not finish within 3 s" in run["error"], run["error"]
     assert (deps.worktree(run_id) / "left.txt").read_text() == "left\n"
     store.close()
+
+
+def test_a_link_an_agent_left_in_its_cli_folder_never_directs_the_daemons_writes(tmp_path):
+    """An agent may replace what Outpost makes in ~/.claude before the next run with a link to a
+    file of the user's (here ~/.claude/.claude.json, where Outpost copies ~/.claude.json once):
+    Outpost writes nothing through it."""
+    home = tmp_path / "home"
+    (home / ".claude").mkdir(parents=True)
+    (home / ".claude.json").write_text('{"user": "config"}\n')
+    precious = tmp_path / "precious"
+    precious.write_text("the user's own file\n")
+    (home / ".claude" / ".claude.json").symlink_to(tmp_path / "target-of-a-dangling-link")
+    (home / ".claude" / "settings.json").symlink_to(tmp_path / "another-dangling-target")
+    (home / ".codex").mkdir()
+    (home / ".codex" / "config.toml").symlink_to(precious)
+    outpost.Sandbox(tmp_path / "data", tmp_path / "w", tmp_path / "r", tmp_path / "p", home).make_home_state()
+    assert not (tmp_path / "target-of-a-dangling-link").exists() and not (tmp_path / "another-dangling-target").exists()
+    assert precious.read_text() == "the user's own file\n"
+    assert (home / ".gemini" / "settings.json").read_text() == "{}\n"   # made where nothing was
