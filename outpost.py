@@ -217,7 +217,7 @@ AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": ""
 SCHEMA_VERSION = 10     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10);
-                        # 10: PostgreSQL numbers events by a sequence (StoreBase._number_events);
+                        # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
                         #     a node's name is one process's (Node.process)
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
@@ -3823,9 +3823,169 @@ def postgres_migration_lock(bind: dict[str, Any]) -> Iterator[None]:
         connection.close()   # ends the session, and its lock with it
 
 
-class StoreBase:
-    """The bottom layer: the database (bind, pragmas, migrations), one transaction per call
-    with its events numbered last, the event log, and attention items."""
+class Dialect:
+    """What differs between the appliance's SQLite and a fleet's PostgreSQL, chosen once at
+    start (``dialect_of``): the SQL that differs, and how a node behaves when other nodes may
+    share the database (polling for their work, heartbeats, logs kept in the database). The
+    store and the actors ask it; nothing else tells the two apart. This one is SQLite's."""
+    #: Other nodes may share the database: a node name held by one process, a heartbeat, runs
+    #: handed over, pauses and freed slots seen by looking.
+    fleet = False
+    #: Run logs are copied into the database as they grow (another node's dashboard reads them).
+    ships_logs = False
+    #: How long the cron actor sleeps with nothing due (a schedule changed here nudges it).
+    cron_sleep_s = CRON_MAX_SLEEP_S
+    #: How often the claim actor looks for work another node made (None: only when nudged).
+    claim_poll_s: float | None = None
+    #: How long an event stream waits for a nudge before it reads the log again.
+    stream_poll_s = 15.0
+    #: The DB-API parameter mark of a raw cursor.
+    placeholder = "?"
+    #: SQL: the row (a run, an Idempotency-Key) is this process's. The one process of an
+    #: appliance owns every row, whatever name its previous start had.
+    own_rows = "1 = 1"
+    #: SQL appended to the node upsert: when a restart may take over its node's row.
+    node_takeover = ""
+
+    @contextlib.contextmanager
+    def bound(self, db: orm.Database, database: Path | str) -> Iterator[bool]:
+        """Bind ``db``; yields whether the database is new, for as long as migrating takes."""
+        @db.on_connect(provider="sqlite")
+        def _pragmas(_db, connection):
+            cur = connection.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
+            cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            cur.execute("PRAGMA foreign_keys=ON")
+
+        fresh = not Path(database).exists() if str(database) != ":memory:" else True
+        db.bind(provider="sqlite", filename=str(database), create_db=True)
+        db.provider.converter_classes = [(datetime, StoredInstant), *db.provider.converter_classes]
+        yield fresh
+
+    def migrated(self, db: orm.Database, version: int) -> None:
+        """After the entities' tables exist: what this dialect adds, for a database at ``version``."""
+
+    def columns(self, db: orm.Database, table: str) -> list[str]:
+        return [row[1] for row in db.execute(f'PRAGMA table_info("{table}")').fetchall()]
+
+    def retries(self, error: BaseException) -> bool:
+        """Whether a transaction that raised ``error`` runs again (SQLite's writer lock never
+        lets one fail for another's sake)."""
+        return False
+
+    def take_cursors(self, db: orm.Database, n: int) -> int:
+        """The last of ``n`` event cursors taken for this transaction: the one-row EventSequence,
+        whose update holds the writer lock to the commit."""
+        return db.execute('UPDATE "EventSequence" SET value = value + $n WHERE id = 1 RETURNING value',
+                          {"n": n}).fetchall()[0][0]
+
+    def latest_cursor(self, db: orm.Database) -> int:
+        return db.EventSequence[1].value
+
+    def db_now(self, seconds: int = 0) -> str:
+        """SQL for the database's clock (naive UTC), ``seconds`` from now: the one clock the
+        nodes of a fleet share."""
+        return f"strftime('%Y-%m-%d %H:%M:%f', 'now', '{seconds} seconds')"
+
+    def json_text(self, column: str, *path: str) -> str:
+        """SQL for the text at ``path`` in a JSON column."""
+        return f"json_extract({column}, '$$.{'.'.join(path)}')"
+
+    def json_elements(self, column: str) -> str:
+        """SQL for a JSON array column's elements as rows with a ``value`` column."""
+        return f"json_each({column})"
+
+    def copied(self, cursor: Any, table: str, key: str | None) -> None:
+        """After ``outpost migrate`` copied ``table`` in (``key``: its automatic key column)."""
+
+    def continue_event_cursor(self, db: orm.Database) -> None:
+        """After ``outpost migrate``: events go on from the last cursor copied."""
+
+
+class PostgresDialect(Dialect):
+    """A fleet's PostgreSQL: SERIALIZABLE transactions run again on a serialization failure,
+    events numbered by a sequence under an advisory lock, the database's clock shared by all."""
+    fleet = ships_logs = True
+    cron_sleep_s = CRON_FLEET_POLL_S
+    claim_poll_s = stream_poll_s = FLEET_POLL_S
+    placeholder = "%s"
+    own_rows = "(node = $me OR node IS NULL)"
+    node_takeover = ' WHERE "Node".process IS NULL OR "Node".process = excluded.process'
+
+    @contextlib.contextmanager
+    def bound(self, db: orm.Database, database: Path | str) -> Iterator[bool]:
+        bind = postgres_bind(str(database))
+        db.bind(**bind)
+        # Pony lowercases generated table names on PostgreSQL; the plain SQL names "Run".
+        db.provider.normalize_name = lambda name: name[:db.provider.max_name_len]
+        with postgres_migration_lock(bind):   # two nodes starting together migrate one at a time
+            with orm.db_session:
+                fresh = not db.select("SELECT COUNT(*) FROM information_schema.tables "
+                                      "WHERE table_schema = current_schema()")[0]
+            yield fresh
+
+    def migrated(self, db: orm.Database, version: int) -> None:
+        if version == 0:
+            self.widen_auto_keys(db)
+        if version < 10:
+            db.execute("CREATE SEQUENCE IF NOT EXISTS event_cursor AS BIGINT")
+            self.continue_event_cursor(db)
+
+    def widen_auto_keys(self, db: orm.Database) -> None:
+        """Pony makes an automatic key SERIAL on PostgreSQL (32-bit); ours are 64-bit, as on SQLite."""
+        for entity in db.entities.values():
+            if entity._pk_attrs_[0].auto:
+                table, column = entity._table_, entity._pk_columns_[0]
+                db.execute(f'ALTER TABLE "{table}" ALTER COLUMN {column} TYPE BIGINT')
+                sequence = db.select(f"SELECT pg_get_serial_sequence('\"{table}\"', '{column}')")[0]
+                db.execute(f"ALTER SEQUENCE {sequence} AS BIGINT")
+
+    def columns(self, db: orm.Database, table: str) -> list[str]:
+        return db.select("SELECT column_name FROM information_schema.columns WHERE table_schema = "
+                         "current_schema() AND table_name = $t", {"t": table})
+
+    def retries(self, error: BaseException) -> bool:
+        return serialization_failure(error)
+
+    def take_cursors(self, db: orm.Database, n: int) -> int:
+        """The event_cursor sequence, taken under PG_EVENT_LOCK (held to the commit), so a cursor
+        is never behind one that commits later and a reader never skips a row."""
+        db.execute(f"SELECT pg_advisory_xact_lock({PG_EVENT_LOCK})")
+        return db.select("SELECT setval('event_cursor', nextval('event_cursor') + $n)", {"n": n - 1})[0]
+
+    def latest_cursor(self, db: orm.Database) -> int:
+        # a number taken by a transaction still open is not an event yet
+        return db.select('SELECT COALESCE(MAX(cursor), 0) FROM "Event"')[0]
+
+    def db_now(self, seconds: int = 0) -> str:
+        # clock_timestamp: when the statement runs, not when its transaction began (or began its first attempt)
+        return f"(clock_timestamp() AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
+
+    def json_text(self, column: str, *path: str) -> str:
+        return f"{column} #>> '{{{','.join(path)}}}'"
+
+    def json_elements(self, column: str) -> str:
+        return f"jsonb_array_elements_text({column})"
+
+    def copied(self, cursor: Any, table: str, key: str | None) -> None:
+        if key is not None:
+            cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{key}'), "
+                           f'COALESCE(MAX({key}), 0) + 1, false) FROM "{table}"')
+
+    def continue_event_cursor(self, db: orm.Database) -> None:
+        """The event_cursor sequence goes on from the last cursor the EventSequence row gave."""
+        db.execute("""SELECT setval('event_cursor', value) FROM "EventSequence" WHERE id = 1 AND value > 0""")
+
+
+def dialect_of(database: Path | str) -> Dialect:
+    return PostgresDialect() if is_postgres_url(database) else Dialect()
+
+
+class StoreCore:
+    """The session every part of the store writes through: the database (bind, pragmas,
+    migrations), one transaction per call with its events numbered last, the event log, and
+    attention items. ``Store`` is this core with its parts attached."""
 
     def __init__(self, database: Path | str, *, data_dir: Path | None = None, node: str | None = None,
                  process: str | None = None):
@@ -3839,35 +3999,13 @@ class StoreBase:
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
         self.serialization_retries = 0   # PostgreSQL transactions run again (logged at a stop; the benchmark)
-        self.database, self.postgres = database, is_postgres_url(database)
-        if data_dir is None and not self.postgres and str(database) != ":memory:":
+        self.database, self.dialect = database, dialect_of(database)
+        if data_dir is None and not self.dialect.fleet and str(database) != ":memory:":
             data_dir = Path(database).absolute().parent
         #: Where the default workspace's runs go while it names no repository (API.md 7.1).
         self.embedded_repository = str(data_dir / "workspaces" / DEFAULT_WORKSPACE) if data_dir else None
-        if self.postgres:
-            bind = postgres_bind(str(database))
-            self.db.bind(**bind)
-            # Pony lowercases generated table names on PostgreSQL; the plain SQL names "Run".
-            self.db.provider.normalize_name = lambda name: name[:self.db.provider.max_name_len]
-            with postgres_migration_lock(bind):   # two nodes starting together migrate one at a time
-                with orm.db_session:
-                    fresh = not self.db.select("SELECT COUNT(*) FROM information_schema.tables "
-                                               "WHERE table_schema = current_schema()")[0]
-                self._migrate(fresh)
-            return
-
-        @self.db.on_connect(provider="sqlite")
-        def _pragmas(_db, connection):
-            cur = connection.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
-            cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            cur.execute("PRAGMA foreign_keys=ON")
-
-        fresh = not Path(database).exists() if str(database) != ":memory:" else True
-        self.db.bind(provider="sqlite", filename=str(database), create_db=True)
-        self.db.provider.converter_classes = [(datetime, StoredInstant), *self.db.provider.converter_classes]
-        self._migrate(fresh)
+        with self.dialect.bound(self.db, database) as fresh:
+            self._migrate(fresh)
 
     def _migrate(self, fresh: bool) -> None:
         with orm.db_session:
@@ -3892,11 +4030,7 @@ class StoreBase:
             for sql in pending:
                 if not sql.startswith("ALTER TABLE"):
                     self.db.execute(sql)
-            if self.postgres and version == 0:
-                self._widen_auto_keys()
-            if self.postgres and version < 10:
-                self.db.execute("CREATE SEQUENCE IF NOT EXISTS event_cursor AS BIGINT")
-                self._continue_event_cursor()
+            self.dialect.migrated(self.db, version)
             self.db.execute("DELETE FROM schema_version")
             self.db.execute(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION})")
             if not self.db.EventSequence.get(id=1):
@@ -3904,7 +4038,7 @@ class StoreBase:
             if not self.db.Workspace.get(id=DEFAULT_WORKSPACE):
                 self.db.Workspace(id=DEFAULT_WORKSPACE, name="Default", created_at=naive(datetime.now(UTC)))
 
-    def copy_into(self, target: StoreBase, logs: Path | None = None) -> dict[str, int]:
+    def copy_into(self, target: StoreCore, logs: Path | None = None) -> dict[str, int]:
         """``outpost migrate``: every row of every table into ``target`` (a new store, which holds
         only what its migrations seed), tables in dependency order, committed once at the end;
         its automatic keys continue after the copied ones. Nodes are not copied: they are
@@ -3912,7 +4046,7 @@ class StoreBase:
         them there, a fleet in the database): each becomes one LogChunk, as a settled run's log
         does. Returns the rows copied per table."""
         counts: dict[str, int] = {}
-        mark = "%s" if target.postgres else "?"
+        mark = target.dialect.placeholder
         with orm.db_session(immediate=True):
             connection = target.db.get_connection()
             cursor = connection.cursor()
@@ -3930,10 +4064,7 @@ class StoreBase:
                     cursor.executemany(insert, [tuple(bool(v) if c in flags and v is not None else v
                                                       for c, v in zip(columns, row, strict=True)) for row in rows])
                     counts[table] += len(rows)
-                if target.postgres and entity._pk_attrs_[0].auto:
-                    column = entity._pk_columns_[0]
-                    cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{column}'), "
-                                   f'COALESCE(MAX({column}), 0) + 1, false) FROM "{table}"')
+                target.dialect.copied(cursor, table, entity._pk_columns_[0] if entity._pk_attrs_[0].auto else None)
             if logs is not None:
                 insert = f'INSERT INTO "LogChunk" (run_id, at_byte, data) VALUES ({mark}, 0, {mark})'
                 for (run_id,) in self.db.execute('SELECT id FROM "Run" ORDER BY id'):
@@ -3941,23 +4072,9 @@ class StoreBase:
                         cursor.execute(insert, (run_id, path.read_bytes()))
                         counts["LogChunk"] = counts.get("LogChunk", 0) + 1
             connection.commit()
-        if target.postgres:
-            with orm.db_session:
-                target._continue_event_cursor()
+        with orm.db_session:
+            target.dialect.continue_event_cursor(target.db)
         return counts
-
-    def _continue_event_cursor(self) -> None:
-        """PostgreSQL's event_cursor sequence goes on from the last cursor the EventSequence row gave."""
-        self.db.execute("""SELECT setval('event_cursor', value) FROM "EventSequence" WHERE id = 1 AND value > 0""")
-
-    def _widen_auto_keys(self) -> None:
-        """Pony makes an automatic key SERIAL on PostgreSQL (32-bit); ours are 64-bit, as on SQLite."""
-        for entity in self.db.entities.values():
-            if entity._pk_attrs_[0].auto:
-                table, column = entity._table_, entity._pk_columns_[0]
-                self.db.execute(f'ALTER TABLE "{table}" ALTER COLUMN {column} TYPE BIGINT')
-                sequence = self.db.select(f"SELECT pg_get_serial_sequence('\"{table}\"', '{column}')")[0]
-                self.db.execute(f"ALTER SEQUENCE {sequence} AS BIGINT")
 
     def _column_missing(self, sql: str) -> bool:
         """Whether ``sql`` adds a column to a table that exists without it (a new database's
@@ -3965,11 +4082,7 @@ class StoreBase:
         m = re.match(r'ALTER TABLE "(\w+)" ADD COLUMN (\w+)', sql)
         if not m:
             return False
-        if self.postgres:
-            columns = self.db.select("SELECT column_name FROM information_schema.columns WHERE table_schema = "
-                                     "current_schema() AND table_name = $t", {"t": m[1]})
-        else:
-            columns = [row[1] for row in self.db.execute(f'PRAGMA table_info("{m[1]}")').fetchall()]
+        columns = self.dialect.columns(self.db, m[1])
         return bool(columns) and m[2] not in columns
 
     def close(self) -> None:
@@ -3989,7 +4102,7 @@ class StoreBase:
             try:
                 return self._serializable(fn, *args, **kwargs)
             except Exception as exc:
-                if not self.postgres or not serialization_failure(exc) or attempt == PG_ATTEMPTS:
+                if not self.dialect.retries(exc) or attempt == PG_ATTEMPTS:
                     raise
                 self.serialization_retries += 1
                 time.sleep(random.uniform(0, PG_RETRY_S * attempt))
@@ -4006,17 +4119,9 @@ class StoreBase:
         return result, wrote
 
     def _number_events(self, events: list[tuple[str, dict[str, Any], datetime]]) -> None:
-        """A transaction's last writes: its events, numbered after every commit before it.
-        SQLite: the one-row EventSequence, whose update holds the writer lock to the commit.
-        PostgreSQL: the event_cursor sequence, taken under PG_EVENT_LOCK (held to the commit), so
-        a cursor is never behind one that commits later and a reader never skips a row."""
-        if self.postgres:
-            self.db.execute(f"SELECT pg_advisory_xact_lock({PG_EVENT_LOCK})")
-            last = self.db.select("SELECT setval('event_cursor', nextval('event_cursor') + $n)",
-                                  {"n": len(events) - 1})[0]
-        else:
-            last = self.returning('UPDATE "EventSequence" SET value = value + $n WHERE id = 1 RETURNING value',
-                                  {"n": len(events)})[0]
+        """A transaction's last writes: its events, numbered after every commit before it
+        (``Dialect.take_cursors``)."""
+        last = self.dialect.take_cursors(self.db, len(events))
         first = last - len(events) + 1
         for at in range(0, len(events), EVENT_INSERT_ROWS):   # plain SQL, a few statements at most
             rows = list(enumerate(events[at:at + EVENT_INSERT_ROWS], first + at))
@@ -4056,30 +4161,6 @@ class StoreBase:
         """Run a write with RETURNING; the first column of each row that came back."""
         return [row[0] for row in self.db.execute(sql, params or {}).fetchall()]
 
-    @property
-    def own_rows(self) -> str:
-        """SQL: the row (a run, an Idempotency-Key) is this process's. In a fleet, its node's or no
-        node's; on SQLite the one process owns every row, whatever name its previous start had."""
-        return "(node = $me OR node IS NULL)" if self.postgres else "1 = 1"
-
-    def db_now(self, seconds: int = 0) -> str:
-        """SQL for the database's clock (naive UTC), ``seconds`` from now: the one clock the
-        nodes of a fleet share."""
-        if self.postgres:
-            # clock_timestamp: when the statement runs, not when its transaction began (or began its first attempt)
-            return f"(clock_timestamp() AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
-        return f"strftime('%Y-%m-%d %H:%M:%f', 'now', '{seconds} seconds')"
-
-    def json_text(self, column: str, *path: str) -> str:
-        """SQL for the text at ``path`` in a JSON column, in this database's dialect."""
-        if self.postgres:
-            return f"{column} #>> '{{{','.join(path)}}}'"
-        return f"json_extract({column}, '$$.{'.'.join(path)}')"
-
-    def json_elements(self, column: str) -> str:
-        """SQL for a JSON array column's elements as rows with a ``value`` column."""
-        return f"jsonb_array_elements_text({column})" if self.postgres else f"json_each({column})"
-
     def emit(self, type_: str, data: dict[str, Any], at: datetime) -> None:
         self._pending_events.append((type_, data, at))
 
@@ -4107,9 +4188,7 @@ class StoreBase:
         return {"events": events, "next_cursor": events[-1]["cursor"] if events else cursor}
 
     def latest_cursor(self) -> int:
-        if self.postgres:   # a number taken by a transaction still open is not an event yet
-            return self.db.select('SELECT COALESCE(MAX(cursor), 0) FROM "Event"')[0]
-        return self.db.EventSequence[1].value
+        return self.dialect.latest_cursor(self.db)
 
     def list_attention(self, open_only: bool) -> list[dict[str, Any]]:
         query = self.db.Attention.select()
@@ -4137,7 +4216,15 @@ class StoreBase:
         return len(items)
 
 
-class ScheduleStore(StoreBase):
+class StorePart:
+    """A room of the store: it reads and writes through the core's session (``self.db``,
+    ``self.core``) and holds, by name, the parts below it that it calls."""
+
+    def __init__(self, core: StoreCore):
+        self.core, self.db, self.dialect = core, core.db, core.dialect
+
+
+class ScheduleStore(StorePart):
     """Schedules and firing: definitions under revisions, the slot ledger, claiming due
     occurrences (UNIQUE per schedule and instant), manual fires and one-shot dispatches."""
 
@@ -4173,7 +4260,7 @@ class ScheduleStore(StoreBase):
                              profile_digest=profile_digest,
                              next_fire_at=naive(first[0]) if first else None, anchored_at=naive(now),
                              created_at=naive(now), updated_at=naive(now))
-        self.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
+        self.core.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
         return self._schedule_view(s)
 
     def _guard(self, s, revision: int) -> None:
@@ -4199,12 +4286,12 @@ class ScheduleStore(StoreBase):
         s.profile_digest = profile_digest
         s.revision += 1
         s.updated_at = naive(now)
-        self.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
+        self.core.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
         sid = s.id   # confirmed again: the item that asked for it is done
         for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
                                           and a.acknowledged_at is None):
             a.acknowledged_at = naive(now)
-            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
+            self.core.emit("attention.acknowledged", {"attention_id": a.id}, now)
         return self._schedule_view(s)
 
     def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
@@ -4232,7 +4319,7 @@ class ScheduleStore(StoreBase):
             raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
         s.revision += 1
         s.updated_at = naive(now)
-        self.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
+        self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
         return self._schedule_view(s)
 
     def get_schedule(self, schedule_id: str) -> dict[str, Any]:
@@ -4285,7 +4372,7 @@ class ScheduleStore(StoreBase):
 
     def schedule_zones(self) -> dict[str, tuple[str, str]]:
         """schedule id -> (name, timezone), for pages that list runs of many schedules."""
-        rows = self.db.select(f"SELECT id, name, {self.json_text('definition', 'timing', 'timezone')} "
+        rows = self.db.select(f"SELECT id, name, {self.dialect.json_text('definition', 'timing', 'timezone')} "
                               'FROM "Schedule"')
         return {sid: (name, tz) for sid, name, tz in rows}
 
@@ -4297,7 +4384,7 @@ class ScheduleStore(StoreBase):
                      *, run_id: str | None = None, missed_count: int = 0) -> str | None:
         """Insert one ledger row; None when the slot was already claimed (a second claimer)."""
         oid = new_id("occ")
-        rows = self.returning(
+        rows = self.core.returning(
             'INSERT INTO "Occurrence" (id, schedule, due_at, trigger, outcome, missed_count, run_id, created_at) '
             "VALUES ($oid, $sid, $due, $trigger, $outcome, $missed, $run_id, $now) "
             "ON CONFLICT (schedule, due_at) DO NOTHING RETURNING id",
@@ -4305,7 +4392,7 @@ class ScheduleStore(StoreBase):
              "missed": missed_count, "run_id": run_id, "now": sql_time(now)})
         return rows[0] if rows else None
 
-    def _queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
+    def queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
                    workdir: str, source_ref: str, limits: dict[str, Any], notify: str, now: datetime,
                    due_at: datetime | None = None, missed_count: int = 0, occurrence_id: str | None = None,
                    label: str | None = None, **more: Any) -> str:
@@ -4323,7 +4410,7 @@ class ScheduleStore(StoreBase):
                    "attempt": 0, "queued_at": sql_time(now), **more}
         self.db.execute(f'INSERT INTO "Run" ({", ".join(columns)}) VALUES ({", ".join("$" + c for c in columns)})',
                         columns)
-        self.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
+        self.core.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
                                  "trigger": trigger}, now)
         return rid
 
@@ -4359,18 +4446,18 @@ class ScheduleStore(StoreBase):
             prompt = render_brief(d["brief"], due_at, tz)
             if trigger == "catch_up":
                 prompt += catch_up_note(missed_count, since or due_at, tz, counted_all=counted_all)
-            run_id = self._queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
+            run_id = self.queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
                                      repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
                                      limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
                                      missed_count=missed_count, occurrence_id=oid)
             self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
             s.last_fired_at = naive(now)
-            self.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
+            self.core.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
                                              "run_id": run_id, "trigger": trigger}, now)
             return outcome, run_id, oid
         if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
             run.missed_count += 1
-        self.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
+        self.core.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
                                          "outcome": str(outcome), "active_run_id": run.id if run else None}, now)
         return outcome, None, oid
 
@@ -4408,9 +4495,9 @@ class ScheduleStore(StoreBase):
             many = f"{total}" if counted_all else f"more than {total:,}"
             title = f"Schedule '{s.name}' missed {many} occurrence{'s' if total != 1 else ''}: run a catch-up?"
             since = f"{first_due.astimezone(tz):%Y-%m-%d %H:%M %Z}"
-            self.raise_attention("catch_up_plan", title, f"Missed since {since}. Approve one catch-up run, or "
+            self.core.raise_attention("catch_up_plan", title, f"Missed since {since}. Approve one catch-up run, or "
                                  "dismiss them.", now, schedule_id=s.id, run_id=None)
-        self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
 
     def decide_catch_up(self, s, approve: bool, now: datetime) -> str | None:
         """approve_catch_up (one catch-up run, as enqueue_missed_with_cap with max 1) or
@@ -4428,7 +4515,7 @@ class ScheduleStore(StoreBase):
         if not approve or not rows:
             for o in rows:
                 o.outcome = str(SlotOutcome.SKIPPED_MISSED)
-            self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
                                              "count": plan["missed_count"]}, now)
             return None
         last = rows[-1]
@@ -4442,7 +4529,7 @@ class ScheduleStore(StoreBase):
     def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
         for slot in slots:
             self._record_slot(s, slot, s.definition["timing"]["kind"], SlotOutcome.PAUSED, now)
-        self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
 
     def _settle_paused_slots(self, s, now: datetime) -> None:
         """Before a paused schedule is enabled: its slots that came due are ``paused``, not missed."""
@@ -4472,7 +4559,7 @@ class ScheduleStore(StoreBase):
                                         and a.created_at >= confirmed):
             agent = s.definition["agent"]
             change = "was removed from outpost.toml" if current is None else "changed in outpost.toml"
-            self.raise_attention("reconfirm", f"Schedule '{s.name}' is held: agent profile {agent} {change}",
+            self.core.raise_attention("reconfirm", f"Schedule '{s.name}' is held: agent profile {agent} {change}",
                                  "Its fires are held (held_reconfirm) until a human reviews the schedule and "
                                  "confirms it again (Edit, review, confirm; or compose + PATCH with the same "
                                  "definition).", now, schedule_id=s.id, run_id=None)
@@ -4511,7 +4598,7 @@ class ScheduleStore(StoreBase):
             if self._held_for_reconfirm(s, digests, now):
                 for slot in slots:
                     self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
-                self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
                                                  "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
@@ -4530,7 +4617,7 @@ class ScheduleStore(StoreBase):
             elif missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
-                self.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
                                                  "count": missed_total}, now)
             elif missed:
                 cap = s.definition["catch_up"]["max"]
@@ -4555,7 +4642,7 @@ class ScheduleStore(StoreBase):
         tz = ZoneInfo(s.definition["timing"]["timezone"])
         lateness = int((now - late[0]).total_seconds())
         more = f" and {len(late) - 1} more" if len(late) > 1 else ""
-        self.raise_attention("missed_fire", f"Schedule '{s.name}' missed its fire at "
+        self.core.raise_attention("missed_fire", f"Schedule '{s.name}' missed its fire at "
                                             f"{late[0].astimezone(tz):%Y-%m-%d %H:%M %Z}{more}",
                              f"Claimed {lateness} s late while Outpost was running (a stalled scheduler or "
                              f"database, or a clock step); catch_up {s.definition['catch_up']['policy']} applied.",
@@ -4578,7 +4665,7 @@ class ScheduleStore(StoreBase):
         return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
 
     def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None) -> dict[str, Any]:
-        return {"run_id": self._queue_run(schedule=None, agent=payload["agent"], trigger="dispatch",
+        return {"run_id": self.queue_run(schedule=None, agent=payload["agent"], trigger="dispatch",
                                           prompt=payload["brief"], repository=payload["repository"],
                                           workdir=payload["workdir"], source_ref=payload["source_ref"],
                                           limits=payload["limits"], notify=payload["notify"], now=now,
@@ -4587,9 +4674,9 @@ class ScheduleStore(StoreBase):
     def snapshot(self) -> dict[str, Any]:
         active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
             lambda r: (r.queued_at, r.id))
-        return {"cursor": self.latest_cursor(), "schedules": self.list_schedules(),
+        return {"cursor": self.core.latest_cursor(), "schedules": self.list_schedules(),
                 "active_runs": [run_view(r) for r in active],
-                "open_attention": self.list_attention(open_only=True)}
+                "open_attention": self.core.list_attention(open_only=True)}
 
     def inspect(self, schedule_id: str) -> dict[str, Any]:
         """The six recovery checks, in order (API.md 5.7)."""
@@ -4631,7 +4718,7 @@ class ScheduleStore(StoreBase):
                           "auto_pause_attention_id": auto_item.id if auto_item else None,
                           "acknowledged": bool(auto_item and auto_item.acknowledged_at)}},
                 {"check": 6, "title": "latest event cursor",
-                 "data": {"cursor": self.latest_cursor()}},
+                 "data": {"cursor": self.core.latest_cursor()}},
             ]}
 
 
@@ -4651,11 +4738,16 @@ class SettledRun:
     limit_named_reset: bool = False   # a limit that said when it resets
 
 
-class RunStore(ScheduleStore):
+class RunStore(StorePart):
     """Runs and admission: FIFO admission into max_running slots by conditional UPDATE,
     launch and settlement, run control, and the failure streak and attention that settlement raises.
-    Settlement calls ``_on_run_settled``, the hook through which the Office pipeline above settles
-    the run's wakeup."""
+    Settlement calls each of ``settled_hooks`` in its transaction: the Office pipeline registers
+    the settlement of a run's wakeup there."""
+
+    def __init__(self, core: StoreCore, schedules: ScheduleStore):
+        super().__init__(core)
+        self.schedules = schedules
+        self.settled_hooks: list[Callable[[SettledRun, RunStatus, datetime], None]] = []
 
     def unresolved_runs(self, run_ids: list[str]) -> list[tuple[str, str, str]]:
         """New runs whose commit is not recorded yet (one that continues a branch takes the
@@ -4687,28 +4779,28 @@ class RunStore(ScheduleStore):
         admitted run is this node's (``node``, ``attempt`` + 1), and only its node resumes a pause;
         runs of a repository path this node cannot reach (``unreachable``) wait for another node."""
         mine, everyone = self.db.select(
-            f"SELECT COALESCE(SUM(CASE WHEN {self.own_rows} THEN 1 ELSE 0 END), 0), COUNT(*) "
-            "FROM \"Run\" WHERE status = 'running'", {"me": self.node})[0]
+            f"SELECT COALESCE(SUM(CASE WHEN {self.dialect.own_rows} THEN 1 ELSE 0 END), 0), COUNT(*) "
+            "FROM \"Run\" WHERE status = 'running'", {"me": self.core.node})[0]
         free = min(max_running - mine, limit if limit is not None else max_running,
                    fleet_max - everyone if fleet_max is not None else max_running)
         if free <= 0:
             return []
-        resumed = self.returning(
+        resumed = self.core.returning(
             'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
             '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
-            f"AND {self.own_rows}"
+            f"AND {self.dialect.own_rows}"
             " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id",
-            {"free": free, "me": self.node})
+            {"free": free, "me": self.core.node})
         for run_id in resumed:
-            self.emit("run.resumed", {"run_id": run_id}, now)
+            self.core.emit("run.resumed", {"run_id": run_id}, now)
         chosen = self._choose_queued(free - len(resumed), now, caps or {}, sorted(unreachable))
         ids, params = sql_list("id", chosen)
-        started = self.returning(
+        started = self.core.returning(
             f"UPDATE \"Run\" SET status = 'running', started_at = $now, node = $me, attempt = attempt + 1 "
             f"WHERE id IN {ids} AND status || '' = 'queued' RETURNING id",
-            {"now": sql_time(now), "me": self.node, **params}) if chosen else []
+            {"now": sql_time(now), "me": self.core.node, **params}) if chosen else []
         for run_id in sorted(started):   # run ids are ULIDs: queue order
-            self.emit("run.started", {"run_id": run_id}, now)
+            self.core.emit("run.started", {"run_id": run_id}, now)
         return [(r, True) for r in resumed] + [(r, False) for r in sorted(started)]
 
     def _choose_queued(self, free: int, now: datetime, caps: dict[str, int], unreachable: list[str]) -> list[str]:
@@ -4753,84 +4845,6 @@ class RunStore(ScheduleStore):
 
     # --- nodes (API.md 10): the processes serving this database, and the runs they own ---------
 
-    def register_node(self, max_running: int) -> list[tuple[str, int, str]]:
-        """This process is a node, up from now (a restart under the same name is the same node,
-        starting again). Returns the agents its previous process may have left behind whose runs
-        another node settled meanwhile (declared lost): (run id, pid, pid start time). In a fleet,
-        NodeNameTaken if another process holds the name (it took it while this one was silent)."""
-        if not self.postgres:   # the one process of an appliance is its only node, whatever it was called
-            self.db.execute('DELETE FROM "Node" WHERE name <> $name', {"name": self.node})
-        previous = self.db.select('SELECT orphans FROM "Node" WHERE name = $name', {"name": self.node})
-        orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
-        if not self.returning(
-                'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
-                f"VALUES ($name, {self.db_now()}, {self.db_now()}, $max, 'up', $me) ON CONFLICT (name) DO UPDATE SET "
-                "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
-                "max_running = excluded.max_running, status = 'up', orphans = NULL, process = excluded.process"
-                + (' WHERE "Node".process IS NULL OR "Node".process = excluded.process' if self.postgres else "")
-                + " RETURNING name", {"name": self.node, "max": max_running, "me": self.process}):
-            raise NodeNameTaken(f"node name {self.node!r} is held by another process now")
-        return orphans
-
-    def claim_node_name(self, replacing: str | None = None) -> str | None:
-        """A node's name is one process's at a time (API.md 10): two processes under one name would
-        take each other's runs for their own. Claims it for this process, unless another process
-        holds it and its heartbeat is under NODE_LOST_S old (and it is not ``replacing``, one the
-        caller saw end): then returns that process and changes nothing."""
-        held = self.db.select("SELECT process FROM \"Node\" WHERE name = $name AND status = 'up' AND process <> $me "
-                              f"AND heartbeat_at >= {self.db_now(-NODE_LOST_S)}",
-                              {"name": self.node, "me": self.process})
-        if held and held[0] != replacing:
-            return held[0]
-        self.db.execute(
-            'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
-            f"VALUES ($name, {self.db_now()}, {self.db_now()}, 0, 'up', $me) ON CONFLICT (name) DO UPDATE SET "
-            "heartbeat_at = excluded.heartbeat_at, process = excluded.process", {"name": self.node, "me": self.process})
-        return None
-
-    def release_node_name(self) -> None:
-        """A clean stop: the name is free for the next process at once."""
-        self.db.execute('UPDATE "Node" SET process = NULL WHERE name = $name AND process = $me',
-                        {"name": self.node, "me": self.process})
-
-    def node_heartbeat(self) -> bool:
-        """On the database's clock. False once a survivor has declared this node lost (the runs
-        it was running are settled and no longer its own), or another process holds its name."""
-        return bool(self.returning(f'UPDATE "Node" SET heartbeat_at = {self.db_now()} WHERE name = $name '
-                                   "AND status = 'up' AND process = $me RETURNING name",
-                                   {"name": self.node, "me": self.process}))
-
-    def settle_lost_nodes(self, now: datetime) -> list[str]:
-        """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
-        the queue (a later admission's attempt fences the lost one's writes); their in-flight
-        Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
-        never started again (API.md 10): nothing here can reach their processes. Returns the
-        runs it settled."""
-        lost = self.returning(f"UPDATE \"Node\" SET status = 'lost' WHERE status = 'up' AND name <> $me "
-                              f"AND heartbeat_at < {self.db_now(-NODE_LOST_S)} RETURNING name", {"me": self.node})
-        if not lost:
-            return []
-        log.getChild("fleet").warning("node(s) lost: %s", ", ".join(lost))
-        settled = []
-        for name in lost:
-            unstarted = self.db.select("SELECT id FROM \"Run\" WHERE node = $n AND status = 'running' "
-                                       "AND pid IS NULL ORDER BY id", {"n": name})
-            requeued = [r for r in unstarted if self.requeue_unstarted(r, now, "its node was lost before it started")]
-            self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node = $n", {"n": name})
-            mine, orphans = [], []
-            for run_id, attempt, pid, pid_started in self.db.select(
-                    "SELECT id, attempt, pid, pid_started FROM \"Run\" WHERE node = $n "
-                    "AND status IN ('running', 'paused') ORDER BY id", {"n": name}):
-                if self.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(name, attempt)):
-                    mine.append(run_id)
-                    orphans.append([run_id, pid, pid_started])
-            # its agents may live on: the node ends them when it comes back (register_node)
-            self.db.execute('UPDATE "Node" SET orphans = $agents WHERE name = $n',
-                            {"agents": json.dumps(orphans), "n": name})
-            self.emit("node.lost", {"node": name, "settled": mine, "requeued": requeued}, now)
-            settled += mine
-        return settled
-
     def requeue_unstarted(self, run_id: str, now: datetime, reason: str,
                           fence: tuple[str, int] | None = None) -> bool:
         """An admitted run whose agent never started goes back to the queue (the daemon stopped
@@ -4838,11 +4852,11 @@ class RunStore(ScheduleStore):
         URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
         earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
         fenced = " AND node = $node AND attempt = $attempt" if fence else ""
-        if not self.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
+        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
                               f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
                               {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
-        self.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
+        self.core.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
         return True
 
     def queued_repositories(self) -> list[str]:
@@ -4852,11 +4866,6 @@ class RunStore(ScheduleStore):
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
         ids, params = sql_list("r", run_ids)
         return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND cancel_requested', params)
-
-    def other_nodes_up(self) -> bool:
-        """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
-        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = 'up' AND name <> $me "
-                                   f"AND heartbeat_at >= {self.db_now(-NODE_LOST_S)} LIMIT 1", {"me": self.node}))
 
     def pauses_recorded(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those paused (possibly through another node)."""
@@ -4873,13 +4882,6 @@ class RunStore(ScheduleStore):
     def stored_log(self, run_id: str) -> bytes:
         return b"".join(bytes(c.data) for c in self.db.LogChunk.select(lambda c: c.run_id == run_id)
                         .order_by(lambda c: c.at_byte))
-
-    def list_nodes(self) -> list[dict[str, Any]]:
-        running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
-        return [{"name": n.name, "started_at": rfc3339(aware(n.started_at)),
-                 "heartbeat_at": rfc3339(aware(n.heartbeat_at)), "running": running.get(n.name, 0),
-                 "max_running": n.max_running, "status": n.status}
-                for n in self.db.Node.select().order_by(lambda n: n.name)]
 
     def admit_next(self, max_running: int, now: datetime) -> tuple[str, bool] | None:
         """One admission at a time (what a single claim costs; tests and the benchmark's claim latency)."""
@@ -4913,7 +4915,7 @@ class RunStore(ScheduleStore):
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
         """Record the agent's process, if the run is still this admission's (``fence``: node,
         attempt); false when it is not (its node was declared lost): the caller ends the process."""
-        return bool(self.returning(
+        return bool(self.core.returning(
             'UPDATE "Run" SET pid = $pid, pid_started = $started WHERE id = $run_id AND node = $node '
             f"AND attempt = $attempt AND status IN {ACTIVE_RUN_SQL} RETURNING id",
             {"pid": pid, "started": pid_started, "run_id": run_id, "node": fence[0], "attempt": fence[1]}))
@@ -4944,7 +4946,7 @@ class RunStore(ScheduleStore):
                        cost_usd=report["cost_usd"],
                        limit_named_reset=outcome.limit is not None and outcome.limit.resets_at is not None)
         # One conditional statement: of two settlers, the one that still finds ``was`` wins.
-        if not self.returning(
+        if not self.core.returning(
                 'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
                 'result = $result, agent_report = $report, failure_kind = $kind, cost_usd = $cost, '
                 'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL '
@@ -4957,10 +4959,11 @@ class RunStore(ScheduleStore):
                  "over": max_cost_usd is not None and (r.cost_usd or 0) > max_cost_usd, "now": sql_time(now),
                  "run_id": run_id, "was": was}):
             return False
-        self.emit("run.settled", {"run_id": run_id, "schedule_id": schedule_id, "status": str(status),
+        self.core.emit("run.settled", {"run_id": run_id, "schedule_id": schedule_id, "status": str(status),
                                   "error": error, "failure_kind": r.failure_kind}, now)
         self._hold_profile(r, outcome, now, auth_hint)
-        self._on_run_settled(r, status, now)
+        for settled in self.settled_hooks:
+            settled(r, status, now)
         return True
 
     def _profile_state(self, name: str, now: datetime):
@@ -4977,12 +4980,12 @@ class RunStore(ScheduleStore):
             st = self._profile_state(r.agent, now)   # a spend or credit limit no wait lifts: paused like auth
             if st.paused_reason is None:
                 st.paused_reason, st.updated_at = f"spend limit: {outcome.limit.message[:300]}", naive(now)
-                self.raise_attention("agent_limited", f"Agent profile {r.agent} hit a spend limit; its runs wait",
+                self.core.raise_attention("agent_limited", f"Agent profile {r.agent} hit a spend limit; its runs wait",
                                      f"{outcome.limit.message}\nWho can raise it: {outcome.limit.raised_by}. "
                                      f"Then resume the profile on the Agents page, or POST /v1/outpost/agents/"
                                      f'{r.agent}/control {{"action": "resume"}}.', now,
                                      schedule_id=r.schedule_id, run_id=r.id)
-                self.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
+                self.core.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
         elif kind == "limit" and outcome.limit is not None:
             st = self._profile_state(r.agent, now)
             new_window = st.limited_until is None or aware(st.limited_until) <= now
@@ -4992,19 +4995,19 @@ class RunStore(ScheduleStore):
             st.limit_message, st.updated_at = outcome.limit.message, naive(now)
             if new_window:
                 words = outcome.limit.kind.replace("_", " ")
-                self.raise_attention("agent_limited", f"Agent profile {r.agent} hit a {words}",
+                self.core.raise_attention("agent_limited", f"Agent profile {r.agent} hit a {words}",
                                      f"{outcome.limit.message}\nIts queued runs wait until "
                                      f"{rfc3339(aware(st.limited_until))}; other profiles' runs go on.", now,
                                      schedule_id=r.schedule_id, run_id=r.id)
-            self.emit("agent.limited", {"agent": r.agent, "limited_until": rfc3339(aware(st.limited_until))}, now)
+            self.core.emit("agent.limited", {"agent": r.agent, "limited_until": rfc3339(aware(st.limited_until))}, now)
         elif kind == "auth":
             st = self._profile_state(r.agent, now)
             if st.paused_reason is None:
                 st.paused_reason, st.updated_at = f"login needed: {(r.error or '')[:300]}", naive(now)
-                self.raise_attention("agent_auth", f"Agent profile {r.agent} is not logged in; its runs wait",
+                self.core.raise_attention("agent_auth", f"Agent profile {r.agent} is not logged in; its runs wait",
                                      f"{r.error}\n{auth_hint}".strip(), now,
                                      schedule_id=r.schedule_id, run_id=r.id)
-                self.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
+                self.core.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
         elif r.status == RunStatus.SUCCEEDED:
             st = self.db.ProfileState.get(name=r.agent)
             if st is not None and st.limit_streak:
@@ -5014,7 +5017,7 @@ class RunStore(ScheduleStore):
         """Lift a profile's login pause and its limit: its queued runs may start."""
         st = self._profile_state(name, now)
         st.paused_reason, st.limited_until, st.limit_streak, st.updated_at = None, None, 0, naive(now)
-        self.emit("agent.resumed", {"agent": name}, now)
+        self.core.emit("agent.resumed", {"agent": name}, now)
 
     def profile_states(self, names: list[str], now: datetime) -> list[dict[str, Any]]:
         """Every profile's standing: running and queued runs, limit, login pause, cost in 24 h."""
@@ -5032,19 +5035,16 @@ class RunStore(ScheduleStore):
 
     def agent_versions(self) -> dict[str, str]:
         """The CLI version each profile's latest reporting run named, in one query."""
-        version = self.json_text("agent_report", "agent_version")
+        version = self.dialect.json_text("agent_report", "agent_version")
         return dict(self.db.select(
             f'SELECT agent, {version} FROM "Run" r WHERE finished_at = '
             f'(SELECT MAX(finished_at) FROM "Run" WHERE agent = r.agent AND {version} IS NOT NULL)'))
 
-    def _on_run_settled(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
-        """Hook: a run was settled. The Office pipeline (a layer above) settles its wakeup."""
-
     def own_runs_in(self, statuses: Iterable[str]) -> list[str]:
         """This node's runs (and those no node admitted) in these states."""
         states, params = sql_list("s", statuses)
-        return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND {self.own_rows} '
-                              "ORDER BY id", {"me": self.node, **params})
+        return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND {self.dialect.own_rows} '
+                              "ORDER BY id", {"me": self.core.node, **params})
 
     def _run(self, run_id: str):
         r = self.db.Run.get(id=run_id)
@@ -5078,7 +5078,7 @@ class RunStore(ScheduleStore):
             raise Conflict(f"run {run_id} never resolved a commit (it failed before it started): fire again instead")
         if r.trigger == "wakeup":
             raise Conflict(f"run {run_id} is an Office run; wake its agent instead")
-        return {"run_id": self._queue_run(schedule=r.schedule, agent=r.agent, trigger="rerun", prompt=r.prompt,
+        return {"run_id": self.schedules.queue_run(schedule=r.schedule, agent=r.agent, trigger="rerun", prompt=r.prompt,
                                           repository=r.repository, workdir=r.workdir, source_ref=r.source_ref,
                                           limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
                                                   "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
@@ -5126,7 +5126,7 @@ class RunStore(ScheduleStore):
         if r.owner and r.owner != workspace:
             raise Conflict(f"run {run_id} is already owned by workspace {r.owner!r}")
         r.owner = workspace
-        self.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
+        self.core.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
         return run_view(r)
 
     def reply_to_run(self, run_id: str, message: str, now: datetime) -> dict[str, Any]:
@@ -5146,21 +5146,22 @@ class RunStore(ScheduleStore):
                 f"Go on with that work on branch {r.result_branch}.)")
         prompt = message + note if session else f"{r.prompt}\n\n(Outpost: you asked: {r.question}.)\n\n{message}"
         # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
-        reply = self._queue_run(schedule=r.schedule, agent=r.agent, trigger="reply", prompt=prompt[:MAX_PROMPT_CHARS],
+        reply = self.schedules.queue_run(schedule=r.schedule, agent=r.agent, trigger="reply",
+                                         prompt=prompt[:MAX_PROMPT_CHARS],
                                 repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
                                 limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
                                         "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
                                 result_branch=r.result_branch, continues_branch=True, continues=r.id,
                                 resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id)
         r.answered_by = reply
-        self.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
+        self.core.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
         return {"run_id": reply}
 
     def ask_human(self, run_id: str, question: str, now: datetime) -> dict[str, Any]:
         """``POST /api/agent/needs-you``: the run's question; it settles ``needs_you``."""
         r = self._run(run_id)
         r.question = question
-        self.emit("run.question", {"run_id": r.id}, now)
+        self.core.emit("run.question", {"run_id": r.id}, now)
         return {"run_id": r.id, "question": question}
 
     def control_run(self, run_id: str, action: str, now: datetime) -> dict[str, Any]:
@@ -5185,7 +5186,7 @@ class RunStore(ScheduleStore):
             r.resume_requested_at = naive(now)
         else:
             raise invalid("action", "must be cancel, pause or resume")
-        self.emit("run.controlled", {"run_id": r.id, "action": action}, now)
+        self.core.emit("run.controlled", {"run_id": r.id, "action": action}, now)
         return run_view(r)
 
     def unnotified_runs(self) -> list[str]:
@@ -5208,7 +5209,7 @@ class RunStore(ScheduleStore):
                    "changes_returned": f"branch {r.result_branch}", "succeeded": (r.result or {}).get("summary")}
         for kind in attention_kinds(r.notify, status, r.commits, r.failure_kind):
             detail = details[kind]
-            self.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
+            self.core.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
                                  schedule_id=s.id if s else None, run_id=r.id)
         if s is None:
             return
@@ -5217,15 +5218,120 @@ class RunStore(ScheduleStore):
             s.enabled, s.auto_paused = False, True
             s.revision += 1
             s.updated_at = naive(now)
-            self.raise_attention("auto_pause",
+            self.core.raise_attention("auto_pause",
                                  f"Schedule '{s.name}' was paused after {s.failure_streak} failures in a row",
                                  "Inspect its failed runs, fix the definition or repository, then resume it.", now,
                                  schedule_id=s.id, run_id=r.id)
-            self.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
+            self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
                                               "revision": s.revision}, now)
 
 
-class AccessStore(RunStore):
+class NodeStore(StorePart):
+    """The nodes of a fleet (one on SQLite): a node's unique name, its heartbeat and
+    max_running, and the settlement of the runs of a node that stopped beating."""
+
+    def __init__(self, core: StoreCore, runs: RunStore):
+        super().__init__(core)
+        self.runs = runs
+
+    def register_node(self, max_running: int) -> list[tuple[str, int, str]]:
+        """This process is a node, up from now (a restart under the same name is the same node,
+        starting again). Returns the agents its previous process may have left behind whose runs
+        another node settled meanwhile (declared lost): (run id, pid, pid start time). In a fleet,
+        NodeNameTaken if another process holds the name (it took it while this one was silent)."""
+        if not self.dialect.fleet:   # the one process of an appliance is its only node, whatever it was called
+            self.db.execute('DELETE FROM "Node" WHERE name <> $name', {"name": self.core.node})
+        previous = self.db.select('SELECT orphans FROM "Node" WHERE name = $name', {"name": self.core.node})
+        orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
+        if not self.core.returning(
+                'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
+                f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, $max, 'up', $me) "
+                "ON CONFLICT (name) DO UPDATE SET "
+                "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
+                "max_running = excluded.max_running, status = 'up', orphans = NULL, process = excluded.process"
+                + self.dialect.node_takeover
+                + " RETURNING name", {"name": self.core.node, "max": max_running, "me": self.core.process}):
+            raise NodeNameTaken(f"node name {self.core.node!r} is held by another process now")
+        return orphans
+
+    def claim_node_name(self, replacing: str | None = None) -> str | None:
+        """A node's name is one process's at a time (API.md 10): two processes under one name would
+        take each other's runs for their own. Claims it for this process, unless another process
+        holds it and its heartbeat is under NODE_LOST_S old (and it is not ``replacing``, one the
+        caller saw end): then returns that process and changes nothing."""
+        held = self.db.select("SELECT process FROM \"Node\" WHERE name = $name AND status = 'up' AND process <> $me "
+                              f"AND heartbeat_at >= {self.dialect.db_now(-NODE_LOST_S)}",
+                              {"name": self.core.node, "me": self.core.process})
+        if held and held[0] != replacing:
+            return held[0]
+        self.db.execute(
+            'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
+            f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, 0, 'up', $me) "
+            "ON CONFLICT (name) DO UPDATE SET "
+            "heartbeat_at = excluded.heartbeat_at, process = excluded.process", {"name": self.core.node,
+                                                                                 "me": self.core.process})
+        return None
+
+    def release_node_name(self) -> None:
+        """A clean stop: the name is free for the next process at once."""
+        self.db.execute('UPDATE "Node" SET process = NULL WHERE name = $name AND process = $me',
+                        {"name": self.core.node, "me": self.core.process})
+
+    def node_heartbeat(self) -> bool:
+        """On the database's clock. False once a survivor has declared this node lost (the runs
+        it was running are settled and no longer its own), or another process holds its name."""
+        return bool(self.core.returning(f'UPDATE "Node" SET heartbeat_at = {self.dialect.db_now()} WHERE name = $name '
+                                   "AND status = 'up' AND process = $me RETURNING name",
+                                   {"name": self.core.node, "me": self.core.process}))
+
+    def settle_lost_nodes(self, now: datetime) -> list[str]:
+        """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
+        the queue (a later admission's attempt fences the lost one's writes); their in-flight
+        Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
+        never started again (API.md 10): nothing here can reach their processes. Returns the
+        runs it settled."""
+        lost = self.core.returning(f"UPDATE \"Node\" SET status = 'lost' WHERE status = 'up' AND name <> $me "
+                                   f"AND heartbeat_at < {self.dialect.db_now(-NODE_LOST_S)} RETURNING name",
+                                   {"me": self.core.node})
+        if not lost:
+            return []
+        log.getChild("fleet").warning("node(s) lost: %s", ", ".join(lost))
+        settled = []
+        for name in lost:
+            unstarted = self.db.select("SELECT id FROM \"Run\" WHERE node = $n AND status = 'running' "
+                                       "AND pid IS NULL ORDER BY id", {"n": name})
+            requeued = [r for r in unstarted if self.runs.requeue_unstarted(r, now,
+                                                                            "its node was lost before it started")]
+            self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node = $n", {"n": name})
+            mine, orphans = [], []
+            for run_id, attempt, pid, pid_started in self.db.select(
+                    "SELECT id, attempt, pid, pid_started FROM \"Run\" WHERE node = $n "
+                    "AND status IN ('running', 'paused') ORDER BY id", {"n": name}):
+                if self.runs.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(name, attempt)):
+                    mine.append(run_id)
+                    orphans.append([run_id, pid, pid_started])
+            # its agents may live on: the node ends them when it comes back (register_node)
+            self.db.execute('UPDATE "Node" SET orphans = $agents WHERE name = $n',
+                            {"agents": json.dumps(orphans), "n": name})
+            self.core.emit("node.lost", {"node": name, "settled": mine, "requeued": requeued}, now)
+            settled += mine
+        return settled
+
+    def other_nodes_up(self) -> bool:
+        """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
+        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = 'up' AND name <> $me "
+                                   f"AND heartbeat_at >= {self.dialect.db_now(-NODE_LOST_S)} LIMIT 1",
+                                   {"me": self.core.node}))
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
+        return [{"name": n.name, "started_at": rfc3339(aware(n.started_at)),
+                 "heartbeat_at": rfc3339(aware(n.heartbeat_at)), "running": running.get(n.name, 0),
+                 "max_running": n.max_running, "status": n.status}
+                for n in self.db.Node.select().order_by(lambda n: n.name)]
+
+
+class AccessStore(StorePart):
     """Access: Idempotency-Keys (reserved, answered, replayed), dashboard sessions and
     one-time sign-in codes, and their expiry."""
 
@@ -5234,9 +5340,9 @@ class AccessStore(RunStore):
         horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
         self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
                         {"key": key, "h": horizon})
-        rows = self.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, node, created_at) '
+        rows = self.core.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, node, created_at) '
                               "VALUES ($key, $fp, 'in_flight', $node, $now) ON CONFLICT (key) DO NOTHING RETURNING key",
-                              {"key": key, "fp": fingerprint, "node": self.node, "now": sql_time(now)})
+                              {"key": key, "fp": fingerprint, "node": self.core.node, "now": sql_time(now)})
         if rows:
             return None
         rec = self.db.IdempotencyRecord[key]
@@ -5281,7 +5387,7 @@ class AccessStore(RunStore):
 
     def use_signin_code(self, code: str, now: datetime) -> bool:
         """True once per code, within its lifetime (a conditional UPDATE: one use only)."""
-        return bool(self.returning(
+        return bool(self.core.returning(
             'UPDATE "SigninCode" SET used_at = $now WHERE id = $cid AND used_at IS NULL AND expires_at > $now '
             "RETURNING id", {"now": sql_time(now), "cid": hashlib.sha256(code.encode()).hexdigest()}))
 
@@ -5289,7 +5395,7 @@ class AccessStore(RunStore):
         """At boot: an in-flight key of this node belongs to its previous process, which died
         before committing its action (another node's are its own, still in flight)."""
         return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' "
-                               f"AND {self.own_rows}", {"me": self.node}).rowcount
+                               f"AND {self.dialect.own_rows}", {"me": self.core.node}).rowcount
 
     def purge_expired(self, now: datetime) -> int:
         horizon = sql_time(now - timedelta(seconds=IDEMPOTENCY_TTL_S))
@@ -5298,7 +5404,7 @@ class AccessStore(RunStore):
         return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
 
 
-class WakeupStore(AccessStore):
+class WakeupStore(StorePart):
     """Wakeup intake (Office): the persisted queue: enqueue with idempotency keys and the
     coalescing window, merges into unstarted runs, ending wakeups, task checkouts, and the facts
     a prompt is built from."""
@@ -5323,7 +5429,7 @@ class WakeupStore(AccessStore):
              "since": sql_time(now - timedelta(seconds=COALESCING_WINDOW_S))})
         return rows[0] if rows else None
 
-    def _coalesce(self, target, w, now: datetime) -> None:
+    def coalesce(self, target, w, now: datetime) -> None:
         """Merge ``w`` into ``target``: its payload, and those of the requests merged into it
         before (they come along), join the context the agent will read. They take the target's
         run only if that run is the one to come (not a retry's failed run)."""
@@ -5340,12 +5446,12 @@ class WakeupStore(AccessStore):
         w.coalesced_count = 1
         if run_id and (o := self.db.OfficeRun.get(run_id=run_id)) is not None:
             o.context_snapshot = target.context_snapshot
-            o.assembled_prompt = self._office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
+            o.assembled_prompt = self.office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
                                                      summary=o.summary_injected)
             self.db.Run[o.run_id].prompt = o.assembled_prompt
-        self.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
+        self.core.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
 
-    def _requeue_merged(self, w, now: datetime, still_wanted: Callable[[Any], bool]) -> str | None:
+    def requeue_merged(self, w, now: datetime, still_wanted: Callable[[Any], bool]) -> str | None:
         """``w`` ends without a run: the requests merged into it that no run has carried yet
         and that still ask for one (``still_wanted``) are queued again instead of ending with
         it, the oldest on its own and the others merged into that one. Returns its id."""
@@ -5362,7 +5468,7 @@ class WakeupStore(AccessStore):
         first.status, first.finished_at, first.coalesced_count = "queued", None, len(kept)
         first.context_snapshot = snapshot
         w.coalesced_count -= len(kept)
-        self.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
+        self.core.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
                                     "split_from": w.id}, now)
         return first.id
 
@@ -5393,26 +5499,26 @@ class WakeupStore(AccessStore):
              "wake_at": sql_time(wake_at) if wake_at else None, "now": sql_time(now),
              "context": json.dumps(merge_context({}, str(source), reason, payload, now))})
         if target is not None:
-            self._coalesce(self.db.Wakeup[target], self.db.Wakeup[wakeup_id], now)
+            self.coalesce(self.db.Wakeup[target], self.db.Wakeup[wakeup_id], now)
         else:
-            self.emit("wakeup.queued", {"wakeup_id": wakeup_id, "agent_id": agent_id, "source": str(source)}, now)
+            self.core.emit("wakeup.queued", {"wakeup_id": wakeup_id, "agent_id": agent_id, "source": str(source)}, now)
             if source == WakeupSource.TASK_ASSIGNED and (t := self.db.Task.get(id=task_id)) is not None and (
-                    waiting := self._open_blockers(t.blocked_by or [])):
+                    waiting := self.open_blockers(t.blocked_by or [])):
                 self.db.Wakeup[wakeup_id].note = f"{HELD_NOTE}: " + ", ".join(waiting)
         return wakeup_id
 
-    def _release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
+    def release_checkout(self, task_id: str | None, agent_id: str | None) -> None:
         """Drop the checkout lock of a task (held by ``agent_id``, or by anyone when None)."""
         t = self.db.Task.get(id=task_id) if task_id else None
         if t is not None and t.checkout_agent_id is not None and agent_id in (None, t.checkout_agent_id):
             t.checkout_agent_id, t.checkout_at = None, None
 
-    def _end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
+    def end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
                     cancel_reason: str | None = None, *, fire: str | None = None) -> None:
         """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
         ended without a session); by default skipped or failed as the wakeup, else unchanged."""
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
-        self.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
+        self.core.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
         fire = fire or {"skipped": "skipped", "failed": "failed", "cancelled": "failed"}.get(status)
         if fire and (w.source == WakeupSource.ROUTINE or w.coalesced_count > 1):   # it carries merged requests
@@ -5432,13 +5538,13 @@ class WakeupStore(AccessStore):
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
         log.getChild("office").info("wakeup %s cancelled: %s (task %s, agent %s)", w.id, reason, w.task_id, w.agent_id)
-        self._release_checkout(w.task_id, w.agent_id)
-        self._end_wakeup(w, "cancelled", now, cancel_reason=str(reason))
+        self.release_checkout(w.task_id, w.agent_id)
+        self.end_wakeup(w, "cancelled", now, cancel_reason=str(reason))
         data = {"reason": str(reason)} if code == "wakeup_stale_cancelled" else {"reason": str(reason),
                                                                                   "old_agent": w.agent_id}
-        self._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
+        self.core._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
 
-    def _open_blockers(self, blocker_ids: list[str]) -> list[str]:
+    def open_blockers(self, blocker_ids: list[str]) -> list[str]:
         """The blockers not yet Done or Cancelled (a deleted or archived blocker blocks nothing)."""
         if not blocker_ids:
             return []
@@ -5446,14 +5552,14 @@ class WakeupStore(AccessStore):
         return self.db.select(f'SELECT id FROM "Task" WHERE id IN {ids} AND state NOT IN {TERMINAL_TASK_SQL} '
                               "AND archived_at IS NULL", params)
 
-    def _task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
+    def task_facts(self, task_id: str, workspace_id: str) -> dict[str, Any] | None:
         t = self.db.Task.get(id=task_id)
         return task_view(t) if t is not None and t.workspace_id == workspace_id else None
 
-    def _office_prompt(self, agent, w, *, resumed: bool, summary: str, task: dict[str, Any] | None = None) -> str:
+    def office_prompt(self, agent, w, *, resumed: bool, summary: str, task: dict[str, Any] | None = None) -> str:
         """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
         into the run before it starts). A resumed session gets comments since its last run."""
-        task = task or (self._task_facts(w.task_id, w.workspace_id) if w.task_id else None)
+        task = task or (self.task_facts(w.task_id, w.workspace_id) if w.task_id else None)
         since = None   # a resumed session has read the comments up to its previous run's prompt
         if resumed and (session := self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id)):
             previous = self.db.OfficeRun.get(run_id=session.run_id)
@@ -5486,7 +5592,7 @@ class WakeupStore(AccessStore):
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
             summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine, others=others)
 
-    def _coordinators(self, workspace_id: str, except_id: str):
+    def coordinators(self, workspace_id: str, except_id: str):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
                                     and a.id != except_id)
 
@@ -5496,17 +5602,21 @@ class WakeupStore(AccessStore):
                                    {"s": status}))
 
 
-class OfficeStore(WakeupStore):
+class OfficeStore(StorePart):
     """Office resources: workspaces and their settings, projects, agents, tasks with
     blockers and reviewers, comments and approvals; the wakeups their changes cause."""
 
-    def _workspace(self, workspace_id: str | None):
+    def __init__(self, core: StoreCore, runs: RunStore, wakeups: WakeupStore):
+        super().__init__(core)
+        self.runs, self.wakeups = runs, wakeups
+
+    def workspace_row(self, workspace_id: str | None):
         ws = self.db.Workspace.get(id=workspace_id or DEFAULT_WORKSPACE)
         if ws is None:
             raise NotFound(f"no workspace {workspace_id}")
         return ws
 
-    def _in_workspace(self, entity_name: str, entity_id: str, workspace_id: str, field: str):
+    def in_workspace(self, entity_name: str, entity_id: str, workspace_id: str, field: str):
         """An entity of the workspace, else a 422 naming the field: nothing crosses workspaces."""
         row = getattr(self.db, entity_name).get(id=entity_id)
         if row is None or row.workspace_id != workspace_id:
@@ -5524,15 +5634,15 @@ class OfficeStore(WakeupStore):
         return workspace_view(self.db.Workspace(id=new_id("ws"), name=name, created_at=naive(now)))
 
     def office_settings(self, workspace_id: str | None) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
-        return {**workspace_view(ws), "repository_in_use": self._repository_of(ws)}
+        ws = self.workspace_row(workspace_id)
+        return {**workspace_view(ws), "repository_in_use": self.repository_of(ws)}
 
-    def _repository_of(self, ws) -> str | None:
+    def repository_of(self, ws) -> str | None:
         """The workspace's repository; the embedded one for the default workspace while it names none."""
-        return ws.repository or (self.embedded_repository if ws.id == DEFAULT_WORKSPACE else None)
+        return ws.repository or (self.core.embedded_repository if ws.id == DEFAULT_WORKSPACE else None)
 
     def update_office_settings(self, workspace_id: str | None, settings: dict[str, Any]) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         clash = self.db.Workspace.get(name=settings["name"])
         if clash and clash.id != ws.id:
             raise Conflict(f"a workspace named {settings['name']!r} exists",
@@ -5546,17 +5656,17 @@ class OfficeStore(WakeupStore):
 
     def create_project(self, workspace_id: str | None, name: str, repository: str | None, executor: str | None,
                        now: datetime, budget: dict[str, Any] | None = None) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         p = self.db.Project(id=new_id("prj"), workspace_id=ws.id, name=name, repository=repository,
                             executor=executor, created_at=naive(now), **(budget or {}))
         return project_view(p)
 
     def list_projects(self, workspace_id: str | None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         return [project_view(p) for p in self.db.Project.select(lambda p: p.workspace_id == ws.id).order_by(
             lambda p: (p.created_at, p.id))]
 
-    def _agent(self, agent_id: str):
+    def agent_row(self, agent_id: str):
         a = self.db.Agent.get(id=agent_id)
         if a is None:
             raise NotFound(f"no agent {agent_id}")
@@ -5569,37 +5679,37 @@ class OfficeStore(WakeupStore):
                            errors=[{"field": "name", "message": "already used by another agent"}])
 
     def create_agent(self, workspace_id: str | None, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         self._check_agent_name(ws.id, fields["name"])
         a = self.db.Agent(id=new_id("agt"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now),
                           **fields)
-        self.emit("agent.created", {"agent_id": a.id, "role": a.role}, now)
+        self.core.emit("agent.created", {"agent_id": a.id, "role": a.role}, now)
         return agent_view(a)
 
     def agent_fields(self, agent_id: str) -> dict[str, Any]:
-        view = agent_view(self._agent(agent_id))
+        view = agent_view(self.agent_row(agent_id))
         return {k: view[k] for k in AGENT_FIELDS if k != "workspace_id"}
 
     def update_agent(self, agent_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
-        a = self._agent(agent_id)
+        a = self.agent_row(agent_id)
         self._check_agent_name(a.workspace_id, fields["name"], a.id)
         if fields["status"] == "working" or (fields["status"] == "idle" and a.status == "working"):
             fields = {**fields, "status": a.status}   # working and idle follow the agent's sessions
-        elif fields["status"] == "idle" and self._active_sessions(a.id):
+        elif fields["status"] == "idle" and self.active_sessions(a.id):
             fields = {**fields, "status": "working"}
         a.set(updated_at=naive(now), **fields)
-        self.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
+        self.core.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
         return agent_view(a)
 
     def get_agent(self, agent_id: str) -> dict[str, Any]:
-        return agent_view(self._agent(agent_id))
+        return agent_view(self.agent_row(agent_id))
 
     def list_agents(self, workspace_id: str | None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         return [agent_view(a) for a in
                 self.db.Agent.select(lambda a: a.workspace_id == ws.id).order_by(lambda a: (a.created_at, a.id))]
 
-    def _active_sessions(self, agent_id: str) -> int:
+    def active_sessions(self, agent_id: str) -> int:
         """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
         return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND status = \'claimed\'',
                               {"a": agent_id})[0]
@@ -5612,15 +5722,15 @@ class OfficeStore(WakeupStore):
 
     def _check_task_refs(self, workspace_id: str, fields: dict[str, Any], task_id: str | None) -> None:
         if fields.get("assignee_agent_id"):
-            self._in_workspace("Agent", fields["assignee_agent_id"], workspace_id, "assignee_agent_id")
+            self.in_workspace("Agent", fields["assignee_agent_id"], workspace_id, "assignee_agent_id")
         if fields.get("parent_id"):
             if fields["parent_id"] == task_id:
                 raise invalid("parent_id", "a task cannot be its own parent")
-            self._in_workspace("Task", fields["parent_id"], workspace_id, "parent_id")
+            self.in_workspace("Task", fields["parent_id"], workspace_id, "parent_id")
         if fields.get("project_id"):
-            self._in_workspace("Project", fields["project_id"], workspace_id, "project_id")
+            self.in_workspace("Project", fields["project_id"], workspace_id, "project_id")
         for reviewer in fields.get("reviewers", []):
-            self._in_workspace("Agent", reviewer, workspace_id, "reviewers")
+            self.in_workspace("Agent", reviewer, workspace_id, "reviewers")
         seen, todo = set(), list(fields.get("blocked_by", []))
         while todo:   # no task may (transitively) wait on itself
             blocker_id = todo.pop()
@@ -5628,15 +5738,15 @@ class OfficeStore(WakeupStore):
                 raise invalid("blocked_by", "would make the task wait on itself")
             if blocker_id not in seen:
                 seen.add(blocker_id)
-                todo += self._in_workspace("Task", blocker_id, workspace_id, "blocked_by").blocked_by or []
+                todo += self.in_workspace("Task", blocker_id, workspace_id, "blocked_by").blocked_by or []
 
     def create_task(self, workspace_id: str | None, fields: dict[str, Any], now: datetime,
                     by_agent: str | None = None) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         self._check_task_refs(ws.id, fields, None)
         fields = {k: v for k, v in fields.items() if k != "archived"}
         t = self.db.Task(id=new_id("tsk"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now), **fields)
-        self.emit("task.created", {"task_id": t.id, "by_agent": by_agent}, now)
+        self.core.emit("task.created", {"task_id": t.id, "by_agent": by_agent}, now)
         if t.assignee_agent_id:
             self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now)
         return task_view(t)
@@ -5653,30 +5763,30 @@ class OfficeStore(WakeupStore):
         t = self._task(task_id)
         self._check_task_refs(t.workspace_id, fields, t.id)
         previous = t.assignee_agent_id
-        was_open = self._open_blockers(t.blocked_by or [])
+        was_open = self.wakeups.open_blockers(t.blocked_by or [])
         blocking = t.state not in TERMINAL_TASK_STATES and t.archived_at is None
         archived = fields.pop("archived", None)
         if archived is not None:
             t.archived_at = (t.archived_at or naive(now)) if archived else None
         t.set(updated_at=naive(now), **{k: v for k, v in fields.items() if k not in ("state", "parent_id", "workflow")})
-        self.emit("task.updated", {"task_id": t.id}, now)
+        self.core.emit("task.updated", {"task_id": t.id}, now)
         stopping: list[str] = []
         if previous != t.assignee_agent_id:
             if previous:
                 task_id = t.id
                 for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
                                                and w.status == "queued" and w.retry_count > 0):
-                    self.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
+                    self.wakeups.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
                 stopping = self.db.select(
                     'SELECT w.run_id FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
                     f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason <> $review AND r.status IN "
                     f"{ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id, "review": REVIEW_REASON})
                 if not stopping:
-                    self._release_checkout(t.id, previous)
+                    self.wakeups.release_checkout(t.id, previous)
             if t.assignee_agent_id:   # a new assignment is a new event, even back to an earlier assignee
                 self._wake_assignee(t, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     idempotency_key=f"task_assigned:{t.id}:{t.assignee_agent_id}:{now.timestamp():.3f}")
-        if was_open and not self._open_blockers(t.blocked_by or []):   # its last open blocker left its list
+        if was_open and not self.wakeups.open_blockers(t.blocked_by or []):   # its last open blocker left its list
             resolved = ",".join(sorted(was_open))
             self._wake_assignee(t, WakeupSource.TASK_BLOCKERS_RESOLVED,
                                 {"task_id": t.id, "resolved_blocker_ids": sorted(was_open)}, now,
@@ -5684,7 +5794,7 @@ class OfficeStore(WakeupStore):
         if blocking and t.archived_at is not None:   # archived, it blocks nothing any more
             self._wake_unblocked(t, now)
         for run_id in stopping:   # last: a run that has not started settles at once, in plain SQL
-            self.control_run(run_id, "cancel", now)
+            self.runs.control_run(run_id, "cancel", now)
         return task_view(self._task(task_id) if stopping else t)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
@@ -5701,7 +5811,7 @@ class OfficeStore(WakeupStore):
 
     def list_tasks(self, workspace_id: str | None, assignee: str | None = None, state: str | None = None,
                    include_archived: bool = False) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         query = self.db.Task.select(lambda t: t.workspace_id == ws.id)
         if assignee:
             query = query.filter(lambda t: t.assignee_agent_id == assignee)
@@ -5716,7 +5826,7 @@ class OfficeStore(WakeupStore):
         """Office event subscribers: only an Office task with an assignee wakes anyone."""
         if (t.assignee_agent_id and t.archived_at is None and t.state not in TERMINAL_TASK_STATES
                 and is_office_task(t.workflow, t.project_id)):
-            self.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason,
+            self.wakeups.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason,
                                 idempotency_key=idempotency_key)
 
     def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
@@ -5734,7 +5844,7 @@ class OfficeStore(WakeupStore):
         if state == previous:
             return task_view(t)
         t.state, t.updated_at = str(state), naive(now)
-        self.emit("task.moved", {"task_id": t.id, "from": previous, "to": str(state)}, now)
+        self.core.emit("task.moved", {"task_id": t.id, "from": previous, "to": str(state)}, now)
         if not is_office_task(t.workflow, t.project_id):
             return task_view(t)
         if state == TaskState.IN_PROGRESS and previous == TaskState.IN_REVIEW:
@@ -5748,11 +5858,11 @@ class OfficeStore(WakeupStore):
         elif state == TaskState.IN_REVIEW:
             for reviewer in t.reviewers or []:
                 if self.db.Agent.get(id=reviewer, workspace_id=t.workspace_id):
-                    self.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
+                    self.wakeups.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
                                         now, reason=REVIEW_REASON,   # each review round wakes the reviewer
                                         idempotency_key=f"review:{t.id}:{reviewer}:{now.timestamp():.3f}")
         elif state in TERMINAL_TASK_STATES:
-            self._release_checkout(t.id, None)
+            self.wakeups.release_checkout(t.id, None)
             self._resolve_dependents(t, now)
         return task_view(t)
 
@@ -5760,11 +5870,11 @@ class OfficeStore(WakeupStore):
         """``t`` stopped blocking (Done, Cancelled or archived): wake the tasks it was the last
         open blocker of (task_blockers_resolved); their held assignments are claimable again."""
         blocked = self.db.select('SELECT id FROM "Task" t WHERE workspace_id = $ws AND EXISTS '
-                                 f'(SELECT 1 FROM {self.json_elements("t.blocked_by")} j WHERE j.value = $tid)',
+                                 f'(SELECT 1 FROM {self.dialect.json_elements("t.blocked_by")} j WHERE j.value = $tid)',
                                  {"ws": t.workspace_id, "tid": t.id})
         for dependent in (self.db.Task[i] for i in blocked):
             blockers = dependent.blocked_by or []
-            if not self._open_blockers(blockers):
+            if not self.wakeups.open_blockers(blockers):
                 self._wake_assignee(dependent, WakeupSource.TASK_BLOCKERS_RESOLVED,
                                     {"task_id": dependent.id, "resolved_blocker_ids": sorted(blockers)}, now)
 
@@ -5782,7 +5892,8 @@ class OfficeStore(WakeupStore):
     def _comment(self, t, body: str, now: datetime, author_agent_id: str | None):
         c = self.db.Comment(id=new_id("cmt"), task_id=t.id, author_agent_id=author_agent_id, body=body,
                             created_at=naive(now))
-        self.emit("comment.created", {"comment_id": c.id, "task_id": t.id, "author_agent_id": author_agent_id}, now)
+        self.core.emit("comment.created", {"comment_id": c.id, "task_id": t.id, "author_agent_id": author_agent_id},
+                       now)
         return c
 
     def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
@@ -5797,8 +5908,9 @@ class OfficeStore(WakeupStore):
     def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
         a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
                              requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
-        self.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None, run_id=None)
-        self.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
+        self.core.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None,
+                                  run_id=None)
+        self.core.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
         return a
 
     def request_approval(self, task_id: str, agent_id: str, note: str, now: datetime,
@@ -5809,7 +5921,7 @@ class OfficeStore(WakeupStore):
         return approval_view(self._request_approval(t, agent_id, note, now))
 
     def list_approvals(self, workspace_id: str | None, status: str | None = None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         query = self.db.Approval.select(lambda a: a.workspace_id == ws.id)
         if status:
             query = query.filter(lambda a: a.status == status)
@@ -5826,16 +5938,16 @@ class OfficeStore(WakeupStore):
         if a.status != "pending":
             raise Conflict(f"approval {a.id} was already {a.status}")
         a.status, a.decision_note, a.resolved_at = status, decision_note, naive(now)
-        self.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
+        self.core.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
         t = self.db.Task.get(id=a.task_id)
         if t is not None and t.state == TaskState.IN_REVIEW:
             if status == "approved":
                 self.move_task(t.id, TaskState.DONE, now)
             else:
                 t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
-                self.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
+                self.core.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
         if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
-            self.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
+            self.wakeups.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
                                 {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
         return approval_view(a)
 
@@ -5843,15 +5955,15 @@ class OfficeStore(WakeupStore):
                    reason: str | None = None, wake_at: datetime | None = None,
                    workspace_id: str | None = None) -> dict[str, Any]:
         """A user wake from the UI, or an agent's self-wake (possibly for later)."""
-        a = self._agent(agent_id)
+        a = self.agent_row(agent_id)
         if workspace_id is not None and a.workspace_id != workspace_id:
             raise NotFound(f"no agent {agent_id}")
-        return wakeup_view(self.db.Wakeup[self.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
+        return wakeup_view(self.db.Wakeup[self.wakeups.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
                                                               reason=reason, wake_at=wake_at)])
 
     def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
                      source: str | None = None, limit: int = 100, task_id: str | None = None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         query = self.db.Wakeup.select(lambda w: w.workspace_id == ws.id)
         if agent_id:
             query = query.filter(lambda w: w.agent_id == agent_id)
@@ -5876,7 +5988,7 @@ class OfficeStore(WakeupStore):
                 "coalesced_wakeups": [w.id for w in self.db.Wakeup.select(lambda w: w.coalesced_into == o.wakeup_id)]}
 
     def agent_runs(self, agent_id: str, limit: int = 50) -> list[dict[str, Any]]:
-        self._agent(agent_id)
+        self.agent_row(agent_id)
         rows = orm.select((r, o) for r in self.db.Run for o in self.db.OfficeRun
                           if r.id == o.run_id and o.agent_id == agent_id).order_by(lambda r, o: orm.desc(r.id))[:limit]
         return [{**run_view(r), "task_id": o.task_id, "wakeup_id": o.wakeup_id} for r, o in rows]
@@ -5885,7 +5997,7 @@ class OfficeStore(WakeupStore):
                       limit: int = 100, *, empty_sweeps: bool = True) -> list[dict[str, Any]]:
         """Newest first. Without ``empty_sweeps``, the recovery sweeps that dispatched nothing
         (one every 5 minutes) are left out, in the query, so they cannot bury the rest."""
-        ws = self._workspace(workspace_id)
+        ws = self.workspace_row(workspace_id)
         query = self.db.Activity.select(lambda x: x.workspace_id == ws.id)
         if code:
             query = query.filter(lambda x: x.code == code)
@@ -5911,7 +6023,7 @@ class OfficeStore(WakeupStore):
     def next_admission_at(self, now: datetime) -> datetime | None:
         """When the claim actor next has something to do without being nudged: a wakeup to
         claim, or a profile's limit ending while its runs wait."""
-        times = [t for t in (self.next_wakeup_at(now), self.next_limit_end(now)) if t is not None]
+        times = [t for t in (self.next_wakeup_at(now), self.runs.next_limit_end(now)) if t is not None]
         return min(times, default=None)
 
     def next_wakeup_at(self, now: datetime) -> datetime | None:
@@ -5931,10 +6043,17 @@ class OfficeStore(WakeupStore):
         return min(times, default=None)
 
 
-class PipelineStore(OfficeStore):
+class PipelineStore(StorePart):
     """The dispatch pipeline (Office): claimable wakeups through the spec's checks
     (staleness, capacity, cooldown, checkout, budget, idle skip) into runs; retries, escalation, and
-    the settlement of a run's wakeup (``_on_run_settled``) with its continuation summary."""
+    the settlement of a run's wakeup (registered with the runs' ``settled_hooks``) with its
+    continuation summary."""
+
+    def __init__(self, core: StoreCore, schedules: ScheduleStore, runs: RunStore, wakeups: WakeupStore,
+                 office: OfficeStore):
+        super().__init__(core)
+        self.schedules, self.wakeups, self.office = schedules, wakeups, office
+        runs.settled_hooks.append(self.settle_wakeup_run)
 
     def _checkout(self, task_id: str, agent_id: str, now: datetime) -> bool:
         """The atomic checkout (CAS): one agent at a time works a task. Pony writes it as
@@ -5959,7 +6078,7 @@ class PipelineStore(OfficeStore):
             {"v": value, "day": day, "since": min(day, month)})[0]
         return Spend(int(runs), float(usd_day), float(usd_month))
 
-    def _budget_exceeded(self, agent, ws, project, now: datetime) -> str | None:
+    def budget_exceeded(self, agent, ws, project, now: datetime) -> str | None:
         """The budget pre-check (workspace, project, agent): runs per 24 h and dollars per day
         and month, from the cost the runs already recorded."""
         tz = ZoneInfo(ws.timezone)
@@ -5981,8 +6100,8 @@ class PipelineStore(OfficeStore):
         share, window = budget_share(budget, self._spend(now, tz, "agent_id", agent.id))
         if share * 100 >= BUDGET_ALERT_PCT:
             stamp = now.astimezone(tz).strftime("%Y-%m-%d" if window == "day" else "%Y-%m")
-            for c in self._coordinators(agent.workspace_id, agent.id):
-                self.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
+            for c in self.wakeups.coordinators(agent.workspace_id, agent.id):
+                self.wakeups.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
                                     {"agent_instance_id": agent.id, "budget_pct": round(100 * share)}, now,
                                     idempotency_key=f"budget_alert:{agent.id}:{c.id}:{stamp}")
 
@@ -6003,8 +6122,9 @@ class PipelineStore(OfficeStore):
         dispatcher or crash the daemon again at every start. Returns its id."""
         for wakeup_id in self._claimable_wakeups(now, 1):
             w = self.db.Wakeup[wakeup_id]
-            self._end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
-            self.raise_attention("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched", error[:500],
+            self.wakeups.end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
+            self.core.raise_attention("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched",
+                                      error[:500],
                                  now,
                                  schedule_id=None, run_id=None)
             return wakeup_id
@@ -6020,9 +6140,9 @@ class PipelineStore(OfficeStore):
             'FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
             "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
-        active = self.wakeups_by_agent("claimed")
+        active = self.wakeups.wakeups_by_agent("claimed")
         held = (f'SELECT 1 FROM "Task" t WHERE t.id = w.task_id AND t.state NOT IN {TERMINAL_TASK_SQL} '
-                f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
+                f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.dialect.json_elements('t.blocked_by')} j "
                 f'JOIN "Task" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} AND b.archived_at IS NULL)')
         locked = ('SELECT 1 FROM "Task" t JOIN "Wakeup" h ON h.task_id = t.id AND h.agent_id = t.checkout_agent_id '
                   "WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = 'claimed'")
@@ -6059,35 +6179,36 @@ class PipelineStore(OfficeStore):
         # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
         w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
         if agent is None:
-            self._end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
+            self.wakeups.end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
             return PipelineOutcome(claimed=True)
-        task = self._task_facts(w.task_id, w.workspace_id) if w.task_id else None
+        task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
         review = w.reason == REVIEW_REASON
 
         def other_task(q) -> bool:   # merged across tasks (the window): this task's fate is not its own
             return q.task_id != w.task_id
 
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review)):
-            self._requeue_merged(w, now, other_task)
-            self.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
+            self.wakeups.requeue_merged(w, now, other_task)
+            self.wakeups.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
             routine_id = w.payload.get("routine_id")
             r = self.db.Routine.get(id=routine_id)
             if r is None or r.status != "active":   # what merged into it from elsewhere still runs
-                self._requeue_merged(w, now, lambda q: q.source != WakeupSource.ROUTINE
+                self.wakeups.requeue_merged(w, now, lambda q: q.source != WakeupSource.ROUTINE
                                      or q.payload.get("routine_id") != routine_id)
-                self._end_wakeup(w, "finished", now, note=f"its routine is {r.status if r else 'deleted'}: no session",
+                self.wakeups.end_wakeup(w, "finished", now,
+                                        note=f"its routine is {r.status if r else 'deleted'}: no session",
                                  fire="skipped")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
-            self._requeue_merged(w, now, other_task)
-            self.cancel_stale(w, reason, now)
+            self.wakeups.requeue_merged(w, now, other_task)
+            self.wakeups.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
         # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
         if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
-                and (waiting := self._open_blockers(task["blocked_by"]))):
+                and (waiting := self.wakeups.open_blockers(task["blocked_by"]))):
             w.status, w.claimed_at, w.note = "queued", None, f"{HELD_NOTE}: " + ", ".join(waiting)
             return PipelineOutcome(claimed=False)
         if (w.note or "").startswith(HELD_NOTE):
@@ -6101,28 +6222,28 @@ class PipelineStore(OfficeStore):
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
                 # Only the routine's own part is skipped: a user, self or event wake that merged
                 # into it (into its pending retry) is queued again and runs.
-                self._requeue_merged(w, now, lambda q: not idle_skip_applies(q.source, q.payload, True, 0))
-                self._end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
-                self._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
+                self.wakeups.requeue_merged(w, now, lambda q: not idle_skip_applies(q.source, q.payload, True, 0))
+                self.wakeups.end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
+                self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
         # 5. Checkout (a reviewer reads the task; only the one working it takes the lock).
         if w.task_id and w.reason != REVIEW_REASON and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
-            self._requeue_merged(w, now, other_task)
-            self._end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
+            self.wakeups.requeue_merged(w, now, other_task)
+            self.wakeups.end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
         # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.
         ws = self.db.Workspace[w.workspace_id]
         t = self.db.Task.get(id=w.task_id) if w.task_id else None
         project = self.db.Project.get(id=t.project_id) if t is not None and t.project_id else None
-        if blocked := self._budget_exceeded(agent, ws, project, now):
+        if blocked := self.budget_exceeded(agent, ws, project, now):
             self._budget_block(w, agent, ws, blocked, now)
             return PipelineOutcome(claimed=True)
         # 7. Build context: same-scope wakeups still queued join this one (claim-time merge). A
         # retry still waiting (a rate-limit reset, a backoff) is not pulled forward: this wakeup
         # joins it instead, so the later due time and the retry count stand.
-        still_blocked = bool(task and task["blocked_by"] and self._open_blockers(task["blocked_by"]))
+        still_blocked = bool(task and task["blocked_by"] and self.wakeups.open_blockers(task["blocked_by"]))
         others = [self.db.Wakeup[other] for other in self.db.select(
             'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
             + ("task_id = $t" if w.task_id else "task_id IS NULL")
@@ -6130,15 +6251,15 @@ class PipelineStore(OfficeStore):
             + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
             {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
         if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
-            self._release_checkout(w.task_id, agent.id)
-            self._coalesce(waiting[0], w, now)
+            self.wakeups.release_checkout(w.task_id, agent.id)
+            self.wakeups.coalesce(waiting[0], w, now)
             return PipelineOutcome(claimed=True)
         for other in others:
-            self._coalesce(w, other, now)
+            self.wakeups.coalesce(w, other, now)
         # 8. Resolve executor (task override -> agent -> project -> workspace default), and the repository.
         executor = resolve_executor(t.executor if t else None, agent.executor,
                                     project.executor if project else None, ws.default_executor)
-        repository = (project.repository if project else None) or self._repository_of(ws)
+        repository = (project.repository if project else None) or self.office.repository_of(ws)
         problem = (None if executor in profiles else
                    f"agent profile {executor!r} is not configured" if executor else
                    "no executor: set one on the agent, the task, its project or the workspace settings")
@@ -6151,7 +6272,7 @@ class PipelineStore(OfficeStore):
         run_id = self._queue_wakeup_run(w, agent, ws, task, profiles[executor], executor, repository, now)
         agent.status = "working"
         self._budget_alert(agent, ws, now)
-        self.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
+        self.core.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
         return PipelineOutcome(claimed=True, run_id=run_id)
 
     def _queue_wakeup_run(self, w, agent, ws, task: dict | None, profile: AgentProfile, executor: str,
@@ -6162,11 +6283,11 @@ class PipelineStore(OfficeStore):
         resumed = bool(session and profile.resume)
         row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
         summary = row.content[:SUMMARY_PROMPT_CHARS] if row else ""
-        prompt = self._office_prompt(agent, w, resumed=resumed, summary=summary, task=task)
+        prompt = self.wakeups.office_prompt(agent, w, resumed=resumed, summary=summary, task=task)
         # API.md 8.5: one worktree path and branch per (agent, task), continued run after run
         session_run = ({"result_branch": office_branch(w.task_id, agent.name), "continues_branch": True,
                         "resume_session_id": session.session_id if resumed else None} if w.task_id else {})
-        run_id = self._queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt,
+        run_id = self.schedules.queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt,
                                  repository=repository, workdir=".", source_ref=ws.source_ref, notify="wakeup",
                                  now=now, label=agent.name,
                                  limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
@@ -6182,16 +6303,16 @@ class PipelineStore(OfficeStore):
     def _budget_block(self, w, agent, ws, blocked: str, now: datetime) -> None:
         """Step 6 of process_wakeup when over budget: the wakeup is skipped, and the agent paused
         unless the workspace says skip."""
-        self._release_checkout(w.task_id, agent.id)
-        self._end_wakeup(w, "skipped", now, note=blocked)
+        self.wakeups.release_checkout(w.task_id, agent.id)
+        self.wakeups.end_wakeup(w, "skipped", now, note=blocked)
         if ws.budget_action == "skip":
-            self._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
+            self.core._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                            wakeup_id=w.id, detail=blocked)
             return
         agent.status, agent.updated_at = "paused", naive(now)
-        self._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
+        self.core._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                        wakeup_id=w.id, detail=blocked)
-        self.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
+        self.core.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
                              "Raise the budget or wait, then set the agent back to idle.", now,
                              schedule_id=None, run_id=None)
 
@@ -6203,7 +6324,7 @@ class PipelineStore(OfficeStore):
         escalateFailure."""
         plan = plan_retry(w.retry_count, now, random.uniform(-1, 1) if jitter is None else jitter, limited_until,
                           not_before)
-        self._release_checkout(w.task_id, w.agent_id)
+        self.wakeups.release_checkout(w.task_id, w.agent_id)
         w.retry_count, w.last_error = plan.retry_count, error[:ERROR_TAIL_BYTES]
         if plan.retry_at is None:
             self._escalate_failure(w, error, now)
@@ -6213,7 +6334,7 @@ class PipelineStore(OfficeStore):
                                     rfc3339(plan.retry_at), plan.source,
                                     f" parsed_reset_at={rfc3339(plan.retry_at)}" if plan.source ==
                                     "rate_limit_parsed" else "")
-        self.emit("wakeup.retry_scheduled", {"wakeup_id": w.id, "retry_count": w.retry_count,
+        self.core.emit("wakeup.retry_scheduled", {"wakeup_id": w.id, "retry_count": w.retry_count,
                                              "scheduled_retry_at": rfc3339(plan.retry_at), "source": plan.source}, now)
 
     def _requeue_interrupted(self, w, now: datetime) -> None:
@@ -6221,57 +6342,59 @@ class PipelineStore(OfficeStore):
         ``interrupted`` never counts toward a schedule's failure streak), so the wakeup is
         claimed again at once (spec: claimed wakeups are re-claimed on restart), with no
         retry counted: restarts during a long session never escalate it."""
-        self._release_checkout(w.task_id, w.agent_id)
+        self.wakeups.release_checkout(w.task_id, w.agent_id)
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
-        self.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
+        self.core.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
 
     def _wait_for_repository(self, w, reason: str, now: datetime) -> None:
         """API.md 7.1: a wakeup whose repository is missing or broken waits with the reason; it
         is not a retry (the agent did nothing wrong) and starts once the repository is usable."""
-        self._release_checkout(w.task_id, w.agent_id)
+        self.wakeups.release_checkout(w.task_id, w.agent_id)
         error = reason if reason.startswith(REPOSITORY_UNAVAILABLE) else f"{REPOSITORY_UNAVAILABLE}: {reason}"
         w.status, w.claimed_at, w.last_error = "queued", None, error[:ERROR_TAIL_BYTES]
         w.scheduled_retry_at = naive(now + timedelta(seconds=REPOSITORY_RECHECK_S))
         w.note = "waiting for its repository"
-        self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
+        self.core.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
 
     def _wait_for_login(self, w, profile: str, now: datetime, why: str = "needs a login") -> None:
         """Its profile is not logged in (or hit a spend limit): not the agent's failure and no retry
         counted. The wakeup is claimed again; its new run waits in the queue until the profile is
         resumed."""
-        self._release_checkout(w.task_id, w.agent_id)
+        self.wakeups.release_checkout(w.task_id, w.agent_id)
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
         w.note = f"its agent profile {profile} {why}; its run waits until the profile is resumed"
-        self.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
+        self.core.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
 
     def _run_fresh(self, w, o, now: datetime) -> None:
         """The CLI no longer knows the stored session: it is dropped and the same wakeup runs
         once fresh, at once and without counting a retry (a fresh run cannot fail this way)."""
-        self._release_checkout(w.task_id, w.agent_id)
+        self.wakeups.release_checkout(w.task_id, w.agent_id)
         self.db.execute('DELETE FROM "AgentSession" WHERE agent_id = $a AND task_id = $t',
                         {"a": o.agent_id, "t": o.task_id})
         w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
         w.note = f"its stored session {o.session_id} was gone; runs once fresh"
-        self._activity("session_dropped", w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id,
+        self.core._activity("session_dropped", w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id,
                        wakeup_id=w.id, session_id=o.session_id)
 
     def _escalate_failure(self, w, error: str, now: datetime) -> None:
         """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
         the workspace's coordinators get an agent_error wakeup."""
-        self._end_wakeup(w, "failed", now, note=f"failed {w.retry_count} times; escalated")
+        self.wakeups.end_wakeup(w, "failed", now, note=f"failed {w.retry_count} times; escalated")
         agent = self.db.Agent.get(id=w.agent_id)
         name = agent.name if agent else w.agent_id
-        self.raise_attention("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})",
+        self.core.raise_attention("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})",
                              error[:ERROR_TAIL_BYTES],
                              now, schedule_id=None, run_id=w.run_id)
-        for c in self._coordinators(w.workspace_id, w.agent_id):
-            self.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
+        for c in self.wakeups.coordinators(w.workspace_id, w.agent_id):
+            self.wakeups.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
                                 {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
                                  "error": error[:ERROR_TAIL_BYTES]}, now,
                                 idempotency_key=f"agent_error:{w.run_id or w.id}:{c.id}")   # no run: the wakeup
 
-    def _on_run_settled(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
+    def settle_wakeup_run(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
+        """A run was settled (a hook of the runs part, in its transaction): a wakeup's run settles
+        its wakeup."""
         if r.trigger == "wakeup":
             self._settle_office_run(r, status, now)
 
@@ -6283,10 +6406,10 @@ class PipelineStore(OfficeStore):
         if w is None or w.status != "claimed" or w.run_id != r.id:
             return
         agent = self.db.Agent.get(id=o.agent_id)
-        self._release_checkout(o.task_id, o.agent_id)
+        self.wakeups.release_checkout(o.task_id, o.agent_id)
         result = r.result if isinstance(r.result, dict) else {}
         if status in (RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU):
-            self._end_wakeup(w, "finished", now)
+            self.wakeups.end_wakeup(w, "finished", now)
             session_id = (r.agent_report or {}).get("session_id")
             if o.task_id and isinstance(session_id, str) and 0 < len(session_id) <= 200:
                 o.session_id = session_id
@@ -6303,9 +6426,9 @@ class PipelineStore(OfficeStore):
                     self._update_summary(o, scope, result, now)
             t = self.db.Task.get(id=o.task_id) if o.task_id else None
             if t is not None and t.workflow == "routine" and status == RunStatus.SUCCEEDED:
-                self.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
+                self.office.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
         elif status == RunStatus.CANCELLED:
-            self._end_wakeup(w, "finished", now, note="its run was cancelled")
+            self.wakeups.end_wakeup(w, "finished", now, note="its run was cancelled")
         elif r.error == INTERRUPTED:
             self._requeue_interrupted(w, now)
         elif o.resumed and is_unknown_session(r.error or ""):
@@ -6324,7 +6447,7 @@ class PipelineStore(OfficeStore):
                                        not_before=None if r.limit_named_reset else until)
         if agent is not None:
             agent.last_wakeup_finished_at = naive(now)
-            if agent.status == "working" and not self._active_sessions(agent.id):
+            if agent.status == "working" and not self.office.active_sessions(agent.id):
                 agent.status = "idle"
             if r.cost_usd:   # the cost it reported may take the agent past 80% of a dollar budget
                 self._budget_alert(agent, self.db.Workspace[o.workspace_id], now)
@@ -6348,7 +6471,8 @@ class PipelineStore(OfficeStore):
         # Open tasks waiting on an open blocker: one query, only what the summary shows, however
         # many tasks the workspace has (this runs inside the settlement's write transaction).
         blocked = (f'FROM "Task" t WHERE t.workspace_id = $ws AND t.state NOT IN {TERMINAL_TASK_SQL} '
-                   f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.json_elements('t.blocked_by')} j "
+                   "AND t.archived_at IS NULL AND EXISTS "
+                   f"(SELECT 1 FROM {self.dialect.json_elements('t.blocked_by')} j "
                    f"JOIN \"Task\" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} "
                    "AND b.archived_at IS NULL)")
         blockers = [f"{title} ({tid}) waits on {', '.join(json.loads(ids))}, since {str(created)[:10]}"
@@ -6369,10 +6493,15 @@ class PipelineStore(OfficeStore):
             row.set(**fields)
 
 
-class RoutineStore(PipelineStore):
+class RoutineStore(StorePart):
     """Routines and recovery: routines with schedule, webhook and manual triggers,
     their ticks and fires, webhook deliveries, coordinator heartbeats, and the recovery sweep of
     unstarted assigned tasks."""
+
+    def __init__(self, core: StoreCore, schedules: ScheduleStore, wakeups: WakeupStore, office: OfficeStore,
+                 pipeline: PipelineStore):
+        super().__init__(core)
+        self.schedules, self.wakeups, self.office, self.pipeline = schedules, wakeups, office, pipeline
 
     def _routine_view(self, r, *, detail: bool = False) -> dict[str, Any]:
         routine_id = r.id
@@ -6416,7 +6545,7 @@ class RoutineStore(PipelineStore):
             t.public_id = secrets.token_urlsafe(18)
             if t.signing_mode != "none":
                 secret = t.secret = secrets.token_urlsafe(32)
-        self.flush()
+        self.core.flush()
         view = trigger_view(t)
         if secret:
             view["secret"] = secret
@@ -6424,12 +6553,12 @@ class RoutineStore(PipelineStore):
 
     def create_routine(self, workspace_id: str | None, fields: dict[str, Any], triggers: list[dict[str, Any]],
                        now: datetime) -> dict[str, Any]:
-        ws = self._workspace(workspace_id)
-        self._in_workspace("Agent", fields["assignee_agent_id"], ws.id, "assignee_agent_id")
+        ws = self.office.workspace_row(workspace_id)
+        self.office.in_workspace("Agent", fields["assignee_agent_id"], ws.id, "assignee_agent_id")
         r = self.db.Routine(id=new_id("rtn"), workspace_id=ws.id, created_at=naive(now), updated_at=naive(now),
                             **fields)
         created = [self._add_trigger(r, t, now) for t in triggers]
-        self.emit("routine.created", {"routine_id": r.id}, now)
+        self.core.emit("routine.created", {"routine_id": r.id}, now)
         view = self._routine_view(r)
         view["triggers"] = created   # with the secrets, this once
         return view
@@ -6440,9 +6569,9 @@ class RoutineStore(PipelineStore):
 
     def update_routine(self, routine_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
         r = self._routine(routine_id)
-        self._in_workspace("Agent", fields["assignee_agent_id"], r.workspace_id, "assignee_agent_id")
+        self.office.in_workspace("Agent", fields["assignee_agent_id"], r.workspace_id, "assignee_agent_id")
         r.set(updated_at=naive(now), **fields)
-        self.emit("routine.updated", {"routine_id": r.id, "status": r.status}, now)
+        self.core.emit("routine.updated", {"routine_id": r.id, "status": r.status}, now)
         return self._routine_view(r, detail=True)
 
     def delete_routine(self, routine_id: str, now: datetime) -> None:
@@ -6452,20 +6581,20 @@ class RoutineStore(PipelineStore):
         for x in self.db.RoutineRun.select(lambda x: x.routine_id == routine_id):
             x.delete()
         r.delete()
-        self.emit("routine.deleted", {"routine_id": routine_id}, now)
+        self.core.emit("routine.deleted", {"routine_id": routine_id}, now)
 
     def get_routine(self, routine_id: str) -> dict[str, Any]:
         return self._routine_view(self._routine(routine_id), detail=True)
 
     def list_routines(self, workspace_id: str | None) -> list[dict[str, Any]]:
-        ws = self._workspace(workspace_id)
+        ws = self.office.workspace_row(workspace_id)
         return [self._routine_view(r) for r in
                 self.db.Routine.select(lambda r: r.workspace_id == ws.id).order_by(lambda r: (r.created_at, r.id))]
 
     def add_trigger(self, routine_id: str, trigger: dict[str, Any], now: datetime) -> dict[str, Any]:
         r = self._routine(routine_id)
         view = self._add_trigger(r, trigger, now)
-        self.emit("routine.updated", {"routine_id": r.id}, now)
+        self.core.emit("routine.updated", {"routine_id": r.id}, now)
         return view
 
     def _trigger(self, routine_id: str, trigger_id: str):
@@ -6476,7 +6605,7 @@ class RoutineStore(PipelineStore):
 
     def delete_trigger(self, routine_id: str, trigger_id: str, now: datetime) -> None:
         self._trigger(routine_id, trigger_id).delete()
-        self.emit("routine.updated", {"routine_id": routine_id}, now)
+        self.core.emit("routine.updated", {"routine_id": routine_id}, now)
 
     def rotate_secret(self, routine_id: str, trigger_id: str, now: datetime) -> dict[str, Any]:
         """A new webhook secret (shown this once); the old one is accepted for a grace period."""
@@ -6485,7 +6614,7 @@ class RoutineStore(PipelineStore):
             raise Conflict("only a signed webhook trigger has a secret to rotate")
         t.previous_secret, t.previous_secret_until = t.secret, naive(now + timedelta(seconds=SECRET_ROTATION_GRACE_S))
         t.secret = secrets.token_urlsafe(32)
-        self.emit("routine.updated", {"routine_id": routine_id}, now)
+        self.core.emit("routine.updated", {"routine_id": routine_id}, now)
         return {**trigger_view(t), "secret": t.secret}
 
     def scheduled_wakeups(self, agent_id: str) -> int:
@@ -6497,8 +6626,8 @@ class RoutineStore(PipelineStore):
     def install_heartbeat(self, agent_id: str, now: datetime) -> dict[str, Any]:
         """The pre-installed coordinator routine, exactly as the spec lists it; an ordinary
         routine the user may edit, pause or delete."""
-        a = self._agent(agent_id)
-        ws = self._workspace(a.workspace_id)
+        a = self.office.agent_row(agent_id)
+        ws = self.office.workspace_row(a.workspace_id)
         fields = {"name": "Coordinator heartbeat",
                   "description": "Wakes the coordinator every 5 minutes to check workspace activity, react to errors "
                                  "and budget signals, and decide what to do next.",
@@ -6537,7 +6666,7 @@ class RoutineStore(PipelineStore):
         r = self._routine(routine_id)
         if r.status != "active":
             raise Conflict(f"routine {r.id} is {r.status}; a {r.status} routine never fires")
-        ws = self._workspace(r.workspace_id)
+        ws = self.office.workspace_row(r.workspace_id)
         tz = ZoneInfo(ws.timezone)
         fired_at = due_at or now
         values = resolve_variables(r.variables or [], provided, fired_at, tz)
@@ -6574,7 +6703,7 @@ class RoutineStore(PipelineStore):
         elif template:
             if missed_note:
                 description += f"\n\n(Outpost: {missed_note}.)"
-            task = self.create_task(r.workspace_id, {
+            task = self.office.create_task(r.workspace_id, {
                 "title": title, "description": description, "state": str(TaskState.IN_PROGRESS),
                 "assignee_agent_id": agent.id, "parent_id": None, "project_id": None, "blocked_by": [],
                 "reviewers": [], "requires_approval": False, "workflow": "routine", "executor": None}, now)
@@ -6582,12 +6711,12 @@ class RoutineStore(PipelineStore):
         else:
             payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks}   # with {{date}}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
-            x.wakeup_id = self.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
+            x.wakeup_id = self.wakeups.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
                                               reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
                                               idempotency_key=key)
             # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
             x.status, x.completed_at = "task_created", naive(now)
-        self.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
+        self.core.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
         return routine_run_view(x)
 
@@ -6649,12 +6778,12 @@ class RoutineStore(PipelineStore):
 
     def next_fire_at(self) -> datetime | None:
         """The cron actor's wake-up: the earliest next fire of a schedule or a routine trigger."""
-        return min((t for t in (self.next_due_at(), self.next_routine_due_at()) if t), default=None)
+        return min((t for t in (self.schedules.next_due_at(), self.next_routine_due_at()) if t), default=None)
 
     def next_fire_plan(self) -> tuple[datetime | None, list[tuple[str, str, str]]]:
         """The cron actor's wake-up and, for it, the due schedules whose refs it resolves first."""
         upcoming = self.next_fire_at()
-        return upcoming, self.unchanged_checks(upcoming) if upcoming is not None else []
+        return upcoming, self.schedules.unchanged_checks(upcoming) if upcoming is not None else []
 
     def webhook_trigger(self, public_id: str, now: datetime) -> dict[str, Any]:
         """What a delivery is checked against, in one query (each webhook fire asks)."""
@@ -6680,7 +6809,7 @@ class RoutineStore(PipelineStore):
             'DELETE FROM "WebhookRefusal" WHERE trigger_id = $t AND id < (SELECT MIN(id) FROM ('
             '  SELECT id FROM "WebhookRefusal" WHERE trigger_id = $t ORDER BY id DESC LIMIT $kept) AS newest)',
             {"t": trigger_id, "kept": REFUSED_DELIVERIES_KEPT})
-        self.emit("webhook.refused", {"trigger_id": trigger_id, "reason": reason[:200]}, now)
+        self.core.emit("webhook.refused", {"trigger_id": trigger_id, "reason": reason[:200]}, now)
 
     def fire_webhook(self, trigger_id: str, provided: dict[str, Any], replay_keys: Iterable[str], replay_ttl_s: int,
                      now: datetime) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
@@ -6731,26 +6860,36 @@ class RoutineStore(PipelineStore):
                                   "('queued', 'claimed')", {"t": task_id})[0]:
                     continue
                 project = self.db.Project.get(id=t.project_id) if t.project_id else None
-                if self._budget_exceeded(agent, ws, project, now):
+                if self.pipeline.budget_exceeded(agent, ws, project, now):
                     continue
-                if self._open_blockers(t.blocked_by or []):
+                if self.wakeups.open_blockers(t.blocked_by or []):
                     continue   # task_blockers_resolved wakes it when its blockers are done
-                self.enqueue_wakeup(ws.id, agent.id, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
+                self.wakeups.enqueue_wakeup(ws.id, agent.id, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
                                     reason="recovery", idempotency_key=f"recovery:{t.id}:{agent.id}:"
                                                                        f"{int(now.timestamp()) // HOUR_S}")
-                self._activity("recovery_dispatch", ws.id, now, agent_id=agent.id, task_id=t.id)
+                self.core._activity("recovery_dispatch", ws.id, now, agent_id=agent.id, task_id=t.id)
                 dispatched += 1
-            self._activity("recovery_sweep_complete", ws.id, now, dispatched_count=dispatched)
+            self.core._activity("recovery_sweep_complete", ws.id, now, dispatched_count=dispatched)
             total += dispatched
         return total
 
 
-class Store(RoutineStore):
-    """The store: synchronous functions, each run in one ``db_session`` through
-    ``transaction`` (``Deps.transaction`` from trio), returning plain dicts, never entities.
-    Its layers, bottom to top, each calling only itself and the layers below:
-    StoreBase <- ScheduleStore <- RunStore <- AccessStore <- WakeupStore <- OfficeStore
-    <- PipelineStore <- RoutineStore <- Store."""
+class Store(StoreCore):
+    """The store: the core session with its parts, each a set of synchronous functions run in
+    one ``db_session`` through ``transaction`` (``Deps.transaction`` from trio), returning plain
+    dicts, never entities. A part holds the parts below it that it calls, never one above:
+    schedules <- runs <- nodes; access; wakeups <- office <- pipeline <- routines."""
+
+    def __init__(self, database: Path | str, **kwargs: Any):
+        super().__init__(database, **kwargs)
+        self.schedules = ScheduleStore(self)
+        self.runs = RunStore(self, self.schedules)
+        self.nodes = NodeStore(self, self.runs)
+        self.access = AccessStore(self)
+        self.wakeups = WakeupStore(self)
+        self.office = OfficeStore(self, self.runs, self.wakeups)
+        self.pipeline = PipelineStore(self, self.schedules, self.runs, self.wakeups, self.office)
+        self.routines = RoutineStore(self, self.schedules, self.wakeups, self.office, self.pipeline)
 
 
 ###############################################################################
@@ -7544,16 +7683,16 @@ async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
     """read_log of a run: this node's file or, in a fleet, the copy that the node that ran it
     keeps in the database."""
     path = deps.log_path(run_id)
-    if not deps.store.postgres or path.exists():
+    if not deps.store.dialect.ships_logs or path.exists():
         return await trio.to_thread.run_sync(read_log, path, offset)
-    data = (await deps.transaction(deps.store.stored_log, run_id))[offset:]
+    data = (await deps.transaction(deps.store.runs.stored_log, run_id))[offset:]
     return data.decode(errors="replace"), offset + len(data)
 
 
 async def log_shipped(deps: Deps, run_id: str, work: Callable[[], Awaitable[Any]]) -> Any:
     """``work()``, while in a fleet the run's log goes to the database beside it (ship_log).
     What ``work`` raises comes out as itself, never inside an exception group."""
-    if not deps.store.postgres:
+    if not deps.store.dialect.ships_logs:
         return await work()
     failure: Exception | None = None
     async with trio.open_nursery() as shipping:
@@ -7576,7 +7715,7 @@ async def ship_log(deps: Deps, run_id: str) -> None:
         await trio.sleep(LOG_SHIP_S)
         data = await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id), shipped)
         if data:
-            await deps.transaction_retrying(deps.store.append_log, run_id, shipped, data)
+            await deps.transaction_retrying(deps.store.runs.append_log, run_id, shipped, data)
             shipped += len(data)
 
 
@@ -7955,9 +8094,10 @@ async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
     """Fire step 2: record the exact commit each new run will use. A ref that does not
     resolve is left for the supervisor, which fails the run with the reason."""
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
-        for run_id, repository, ref in await deps.transaction(deps.store.unresolved_runs, run_ids):
+        for run_id, repository, ref in await deps.transaction(deps.store.runs.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
-                await deps.transaction(deps.store.set_resolved_commit, run_id, await deps.resolve_ref(repository, ref))
+                await deps.transaction(deps.store.runs.set_resolved_commit, run_id, await deps.resolve_ref(repository,
+                                                                                                           ref))
 
 
 async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
@@ -7979,7 +8119,7 @@ async def unchanged_heads(deps: Deps, now: datetime,
     ``checks``: the due schedules that ask for it, as read before the sleep (None: read them now)."""
     heads = {}
     if checks is None:
-        checks = await deps.transaction_retrying(deps.store.unchanged_checks, now)
+        checks = await deps.transaction_retrying(deps.store.schedules.unchanged_checks, now)
     for schedule_id, repository, ref in checks:
         with contextlib.suppress(LaunchError):
             heads[schedule_id] = await deps.resolve_ref(repository, ref)
@@ -8005,26 +8145,25 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             heads = await unchanged_heads(deps, deps.clock.now(), checks)
             # now is read when the claim runs: after a stall its slots are late, and the dead-man says so
             queued = await deps.until_stored(lambda heads=heads, until=prepared_for: deps.transaction(
-                deps.store.claim_due, deps.clock.now(), digests=deps.profile_digests, heads=heads,
+                deps.store.schedules.claim_due, deps.clock.now(), digests=deps.profile_digests, heads=heads,
                 up_since=up_since, until=until), "claim_due")
             if queued:
                 clog.info("claimed %d occurrence(s): %s", len(queued), " ".join(queued))
                 resolving.start_soon(resolve_and_admit, deps, queued)
             try:
-                fired = await deps.until_stored(lambda: deps.transaction(deps.store.claim_due_routines,
+                fired = await deps.until_stored(lambda: deps.transaction(deps.store.routines.claim_due_routines,
                                                                          deps.clock.now()), "claim_due_routines")
             except Exception as exc:   # noqa: BLE001 - one broken routine must not stop every schedule
                 clog.exception("claiming routine ticks failed; skipping the due ticks")
-                fired = await deps.transaction_retrying(deps.store.skip_due_routines, deps.clock.now(),
+                fired = await deps.transaction_retrying(deps.store.routines.skip_due_routines, deps.clock.now(),
                                                         f"{type(exc).__name__}: {exc}"[:300])
             if fired:
                 clog.info("fired %d routine tick(s)", fired)
                 deps.nudge(Actor.CLAIM)   # their wakeups wait for the dispatcher
-            upcoming, checks = await deps.transaction_retrying(deps.store.next_fire_plan)
+            upcoming, checks = await deps.transaction_retrying(deps.store.routines.next_fire_plan)
             prepared_for = upcoming
             deps.cron_watch.waiting_for = upcoming
-            wake_at = deps.clock.now() + timedelta(seconds=CRON_FLEET_POLL_S if deps.store.postgres
-                                                   else CRON_MAX_SLEEP_S)
+            wake_at = deps.clock.now() + timedelta(seconds=deps.store.dialect.cron_sleep_s)
             if upcoming is not None and upcoming < wake_at:
                 wake_at = upcoming
             deps.cron_watch.idle("cron")
@@ -8043,12 +8182,12 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
         while True:
             deps.cron_watch.busy("claim", deps.clock.now())
             await dispatch_wakeups(deps)
-            unreachable = await unreachable_repositories(deps) if deps.store.postgres else []
-            if deps.store.postgres and (supervised := deps.live.ids()):   # a pause sent through another node
-                for run_id in await deps.transaction_retrying(deps.store.pauses_recorded, supervised):
+            unreachable = await unreachable_repositories(deps) if deps.store.dialect.fleet else []
+            if deps.store.dialect.fleet and (supervised := deps.live.ids()):   # a pause sent through another node
+                for run_id in await deps.transaction_retrying(deps.store.runs.pauses_recorded, supervised):
                     deps.live.signal(run_id, "pause")
             for run_id, is_resume in await deps.transaction_retrying(
-                    deps.store.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
+                    deps.store.runs.admit_ready, deps.config.max_running, deps.clock.now(), caps=deps.profile_caps,
                     fleet_max=deps.config.fleet_max_running, unreachable=unreachable):
                 if is_resume:
                     live = deps.live.get(run_id)
@@ -8057,9 +8196,9 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                 else:
                     runs.start_soon(run_supervisor, deps, run_id)
             # Asleep until nudged, or until a scheduled retry, a self-wake, a cooldown or a limit ends.
-            wake_at = await deps.transaction_retrying(deps.store.next_admission_at, deps.clock.now())
-            if deps.store.postgres:   # another node's requests and freed slots reach this one by looking
-                soon = deps.clock.now() + timedelta(seconds=FLEET_POLL_S)
+            wake_at = await deps.transaction_retrying(deps.store.office.next_admission_at, deps.clock.now())
+            if deps.store.dialect.claim_poll_s:   # another node's requests and freed slots reach this one by looking
+                soon = deps.clock.now() + timedelta(seconds=deps.store.dialect.claim_poll_s)
                 wake_at = min(wake_at, soon) if wake_at else soon
             deps.cron_watch.idle("claim")
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
@@ -8072,7 +8211,7 @@ async def unreachable_repositories(deps: Deps) -> list[str]:
     are asked off the event loop: a shared mount that hangs must not stop it."""
     def missing(paths: list[str]) -> list[str]:
         return [p for p in paths if not Path(p).is_dir()]
-    queued = await deps.transaction_retrying(deps.store.queued_repositories)
+    queued = await deps.transaction_retrying(deps.store.runs.queued_repositories)
     paths = [r for r in queued if not is_repository_url(r)]
     urls = deps.mirrors.unreachable(r for r in queued if is_repository_url(r))   # a fetch of them failed here
     return (await trio.to_thread.run_sync(missing, paths) if paths else []) + urls
@@ -8083,15 +8222,16 @@ async def dispatch_wakeups(deps: Deps) -> None:
     transaction, until none is left that may be claimed now; their runs join admission."""
     while True:
         try:
-            queued, processed = await deps.transaction_retrying(deps.store.dispatch_wakeups, deps.clock.now(),
+            queued, processed = await deps.transaction_retrying(deps.store.pipeline.dispatch_wakeups, deps.clock.now(),
                                                                 deps.profiles)
         except Exception as exc:   # noqa: BLE001 - a bug in one wakeup must not stop every agent
             log.getChild("office").exception("dispatching wakeups failed; finding the wakeup that fails")
             try:   # one at a time: the batch that failed, without the wakeup that makes it fail
-                queued, processed = await deps.transaction_retrying(deps.store.dispatch_wakeups, deps.clock.now(),
+                queued, processed = await deps.transaction_retrying(deps.store.pipeline.dispatch_wakeups,
+                                                                    deps.clock.now(),
                                                            deps.profiles, 1)
             except Exception:   # noqa: BLE001
-                failed = await deps.transaction_retrying(deps.store.fail_first_claimable, deps.clock.now(),
+                failed = await deps.transaction_retrying(deps.store.pipeline.fail_first_claimable, deps.clock.now(),
                                                 f"{type(exc).__name__}: {exc}")
                 log.getChild("office").error("wakeup %s failed: it could not be dispatched", failed)
                 queued, processed = [], 1
@@ -8144,11 +8284,11 @@ async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) ->
         head = await take_over(repository, branch, info["handover_branch"], head)
     if not head:
         commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
-        commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
+        commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, info["id"], commit)
         await git(repository, "update-ref", f"refs/heads/{branch}", commit)   # the run's own: a retried start redoes it
         await add_worktree(repository, commit, branch, workspace)
         return commit
-    commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], head)
+    commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, info["id"], head)
     if workspace.exists():   # kept by an earlier run of the session (its changes could not be saved)
         on = (await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False, sandbox=run_sandbox(deps, info))
               if worktree_intact(workspace) else "")
@@ -8188,11 +8328,11 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     live = LiveRun(run_id, trio.CancelScope())
     deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
-        info = await deps.transaction_retrying(deps.store.launch_info, run_id)
+        info = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
     except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
         deps.live.discard(run_id)
         with trio.move_on_after(CLEANUP_S, shield=True):
-            await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(),
+            await deps.transaction_retrying(deps.store.runs.requeue_unstarted, run_id, deps.clock.now(),
                                             "the daemon stopped before it started")
         raise
     if info["status"] == RunStatus.PAUSED:   # paused between its admission and now
@@ -8228,7 +8368,8 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
 
             async def on_spawn(pid: int) -> None:
-                if not await deps.transaction_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid),
+                if not await deps.transaction_retrying(deps.store.runs.mark_spawned, run_id, pid,
+                                                       process_start_time(pid),
                                                        (info["node"], info["attempt"])):
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
@@ -8270,11 +8411,11 @@ async def left_to_another_node(deps: Deps, run_id: str, info: dict[str, Any], ex
     the queue for a node that can, and leaves that URL's runs to the others for a while. False
     when no other node is up (or the run is no longer this admission's): the run fails, with
     a reason that never counts toward a failure streak."""
-    if not deps.store.postgres or not await deps.transaction_retrying(deps.store.other_nodes_up):
+    if not deps.store.dialect.fleet or not await deps.transaction_retrying(deps.store.nodes.other_nodes_up):
         return False
     deps.mirrors.leave_to_others(info["repository"])
     reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
-    if not await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(), reason,
+    if not await deps.transaction_retrying(deps.store.runs.requeue_unstarted, run_id, deps.clock.now(), reason,
                                            fence=(info["node"], info["attempt"])):
         return False
     log.getChild("run").warning("run %s: %s; left in the queue for another node", run_id, reason)
@@ -8310,11 +8451,12 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
             unpushed = (f"git push of {info['result_branch']} to {info['repository']} failed: {exc}\n"
                         f"The branch is kept in {local}; push it from there, or fix the access and re-run.")
             log.getChild("run").warning("run %s: %s", run_id, unpushed.splitlines()[0])
-    if deps.store.postgres and (ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
-        await deps.transaction_retrying(deps.store.replace_log, run_id, ended)   # as it ended, for every node
+    if deps.store.dialect.ships_logs and (
+            ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
+        await deps.transaction_retrying(deps.store.runs.replace_log, run_id, ended)   # as it ended, for every node
     now = deps.clock.now()
     profile = deps.config.agent(info["agent"])
-    settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome, now, exit_code=exit_code,
+    settled = await deps.transaction_retrying(deps.store.runs.settle_run, run_id, outcome, now, exit_code=exit_code,
                                               commits=commits, auth_hint=login_hint(profile) if profile else "",
                                               fence=(info["node"], info["attempt"]) if info["node"] else None)
     if unpushed is not None:
@@ -8337,13 +8479,14 @@ async def recover_at_boot(deps: Deps) -> None:
     (its process group ended first if it is still the same process); queued runs stay
     queued and start normally; half-done idempotent requests are forgotten."""
     rlog = log.getChild("recovery")
-    forgotten = await deps.transaction_retrying(deps.store.forget_in_flight)
+    forgotten = await deps.transaction_retrying(deps.store.access.forget_in_flight)
     if forgotten:
         rlog.info("forgot %d in-flight idempotency key(s) of the previous process", forgotten)
-    for run_id, pid, started in await deps.transaction_retrying(deps.store.register_node, deps.config.max_running):
+    for run_id, pid, started in await deps.transaction_retrying(deps.store.nodes.register_node,
+                                                                deps.config.max_running):
         await end_survivor(deps, run_id, pid, started)   # settled by another node: not ours to settle
-    for run_id in await deps.transaction_retrying(deps.store.own_runs_in, ["running", "paused"]):
-        info = await deps.transaction_retrying(deps.store.launch_info, run_id)
+    for run_id in await deps.transaction_retrying(deps.store.runs.own_runs_in, ["running", "paused"]):
+        info = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
         await end_survivor(deps, run_id, info["pid"], info["pid_started"])
         await finish_run(deps, run_id, info, info["resolved_commit"], failed(INTERRUPTED, "interrupted"), None)
 
@@ -8369,11 +8512,11 @@ async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) ->
     task_status.started()
     purge_at = trio.current_time() + HOUR_S
     while True:
-        if dispatched := await deps.transaction_retrying(deps.store.recovery_sweep, deps.clock.now()):
+        if dispatched := await deps.transaction_retrying(deps.store.routines.recovery_sweep, deps.clock.now()):
             log.getChild("recovery").info("recovery sweep dispatched %d unstarted task(s)", dispatched)
             deps.nudge(Actor.CLAIM)
         if trio.current_time() >= purge_at:
-            await deps.transaction_retrying(deps.store.purge_expired, deps.clock.now())
+            await deps.transaction_retrying(deps.store.access.purge_expired, deps.clock.now())
             purge_at += HOUR_S
         await trio.sleep(RECOVERY_SWEEP_S)
 
@@ -8386,8 +8529,8 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
         while True:
             # Every settled run not yet applied, not only the one announced: a message
             # dropped on a full channel, or lost in a crash, costs latency, never an item.
-            for run_id in await deps.transaction_retrying(deps.store.unnotified_runs):
-                await deps.transaction_retrying(deps.store.notify_run, run_id, deps.clock.now())
+            for run_id in await deps.transaction_retrying(deps.store.runs.unnotified_runs):
+                await deps.transaction_retrying(deps.store.runs.notify_run, run_id, deps.clock.now())
                 deps.nudge(Actor.CRON)   # an auto-pause changes what the cron actor waits for
             with trio.move_on_after(NOTIFY_SWEEP_S):
                 try:
@@ -8543,7 +8686,7 @@ async def install_heartbeat(deps: Deps, agent_id: str) -> None:
     """A new coordinator gets the "Coordinator heartbeat" routine, in its own transaction: if
     that fails the agent stays created and its page shows the no-scheduled-wake-ups banner."""
     try:
-        await deps.transaction(deps.store.install_heartbeat, agent_id, deps.clock.now())
+        await deps.transaction(deps.store.routines.install_heartbeat, agent_id, deps.clock.now())
         deps.nudge(Actor.CRON)
     except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
         log.getChild("office").warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
@@ -8602,7 +8745,7 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
         return []
     if not isinstance(raw, list) or len(raw) > 20:
         raise invalid("triggers", "must be a list of at most 20 triggers")
-    tz = (await deps.transaction(deps.store.office_settings, workspace_id))["timezone"]
+    tz = (await deps.transaction(deps.store.office.office_settings, workspace_id))["timezone"]
     return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
 
 
@@ -8725,7 +8868,8 @@ class Web:
         def action():
             body = fn(*args, **kwargs)
             if key is not None:
-                self.store.finish_idempotent(key, route.status, {"body": body, "headers": answer_headers(route, body)})
+                self.store.access.finish_idempotent(key, route.status, {"body": body, "headers": answer_headers(route,
+                                                                                                                body)})
             return body
         return await self.call(action)
 
@@ -8866,7 +9010,7 @@ async def authenticate(web: Web):
     header = request.headers.get("Authorization")
     if auth in (Auth.RUN, Auth.ANY_RUN):   # a live run's own token; only an Office run's speaks for an agent
         run_id = run_of_token(web.deps.run_token_key, bearer(header))
-        web.agent = run_id and await web.call(web.store.run_agent_context, run_id)
+        web.agent = run_id and await web.call(web.store.office.run_agent_context, run_id)
         if not web.agent:
             raise Unauthorized("the agent API takes the run token of a running run ($OUTPOST_RUN_TOKEN)")
         if auth is Auth.RUN and web.agent["agent_id"] is None:
@@ -8880,7 +9024,7 @@ async def authenticate(web: Web):
         web.caller = "api"
         return None
     cookie = request.cookies.get(SESSION_COOKIE)
-    web.csrf = cookie and await web.call(web.store.session_csrf, cookie, web.now)
+    web.csrf = cookie and await web.call(web.store.access.session_csrf, cookie, web.now)
     if not web.csrf:
         if auth is Auth.SESSION and request.method == "GET":
             return redirect("/signin?next=" + urllib.parse.quote(request.full_path.rstrip("?")))
@@ -8903,7 +9047,7 @@ async def credentialed(web: Web) -> bool:
     if header is not None:
         return hmac.compare_digest(bearer(header).encode(), web.deps.token.encode())
     cookie = web.request.cookies.get(SESSION_COOKIE)
-    return bool(cookie and await web.call(web.store.session_csrf, cookie, web.now))
+    return bool(cookie and await web.call(web.store.access.session_csrf, cookie, web.now))
 
 
 async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> Any:
@@ -8919,7 +9063,7 @@ async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> A
         raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
     body = await web.request.get_data(cache=True)
     fingerprint = request_fingerprint(web.request.method, web.request.full_path.rstrip("?"), body)
-    replay = await web.call(web.store.begin_idempotent, key, fingerprint, web.now)
+    replay = await web.call(web.store.access.begin_idempotent, key, fingerprint, web.now)
     if replay is not None:
         return replayed(*replay)
     web.key = key
@@ -8927,14 +9071,14 @@ async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> A
         return await web.route.handler(web, **params)
     except (PreconditionRequired, RevisionMismatch, StoreUnavailable):
         with contextlib.suppress(StoreUnavailable):
-            await web.call(web.store.abandon_idempotent, key)
+            await web.call(web.store.access.abandon_idempotent, key)
         raise
     except OutpostError as err:
-        await web.call(web.store.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
+        await web.call(web.store.access.finish_idempotent, key, err.status, {"body": err.problem(), "headers": {}})
         raise
     except BaseException:
         with trio.CancelScope(shield=True):
-            await web.call(web.store.abandon_idempotent, key)
+            await web.call(web.store.access.abandon_idempotent, key)
         raise
 
 
@@ -9038,7 +9182,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
 
 
 async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str:
-    days = await web.call(web.store.daily_runs, web.now, zone(tz, "tz"), CHART_DAYS, **scope)
+    days = await web.call(web.store.runs.daily_runs, web.now, zone(tz, "tz"), CHART_DAYS, **scope)
     return runs_chart_svg(days, title)
 
 
@@ -9082,7 +9226,7 @@ def create_app(deps: Deps):
 
 async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, Any]:
     """A manual occurrence (API.md 4.4 ``fire``): committed, then its commit resolved and admission woken."""
-    fired = await web.commit(web.store.fire_manual, schedule_id, revision, web.now, web.deps.profile_digests)
+    fired = await web.commit(web.store.schedules.fire_manual, schedule_id, revision, web.now, web.deps.profile_digests)
     await after_fire(web.deps, fired)
     return fired
 
@@ -9094,7 +9238,7 @@ async def control_schedule(web: Web, schedule_id: str, revision: int, action: An
         return await fire_schedule(web, schedule_id, revision)
     if action not in SCHEDULE_ACTIONS:
         raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
-    view = await web.commit(web.store.control_schedule, schedule_id, revision, action, web.now)
+    view = await web.commit(web.store.schedules.control_schedule, schedule_id, revision, action, web.now)
     web.deps.nudge(Actor.CRON)
     web.deps.nudge(Actor.CLAIM)   # an approved catch-up queued a run
     return view
@@ -9106,7 +9250,7 @@ async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
     it exists; on another node of a fleet, that node's claim actor reads the pause."""
     if action not in ("cancel", "pause", "resume"):
         raise invalid("action", "must be cancel, pause or resume")
-    view = await web.commit(web.store.control_run, run_id, action, web.now)
+    view = await web.commit(web.store.runs.control_run, run_id, action, web.now)
     web.deps.live.signal(run_id, action)
     web.deps.nudge(Actor.CLAIM)   # pause frees a slot, resume asks for one
     return view
@@ -9116,7 +9260,7 @@ async def reply_to_run(web: Web, run_id: str, message: Any) -> dict[str, Any]:
     """API.md 8.5: answer an adopted needs_you run; its continuation joins the FIFO queue."""
     if not isinstance(message, str) or not message.strip() or len(message) > MAX_TEXT_CHARS:
         raise invalid("message", f"the answer, 1-{MAX_TEXT_CHARS} characters, is required")
-    reply = await web.commit(web.store.reply_to_run, run_id, message.strip(), web.now)
+    reply = await web.commit(web.store.runs.reply_to_run, run_id, message.strip(), web.now)
     web.deps.nudge(Actor.CLAIM)
     return reply
 
@@ -9124,14 +9268,14 @@ async def reply_to_run(web: Web, run_id: str, message: Any) -> dict[str, Any]:
 async def adopt_run(web: Web, run_id: str, workspace: Any) -> dict[str, Any]:
     if not isinstance(workspace, str) or not 1 <= len(workspace.strip()) <= 200:
         raise invalid("workspace", "a workspace name of 1-200 characters is required")
-    return await web.commit(web.store.adopt_run, run_id, workspace.strip(), web.now)
+    return await web.commit(web.store.runs.adopt_run, run_id, workspace.strip(), web.now)
 
 
 async def agents_overview(web: Web) -> list[dict[str, Any]]:
     """Every agent profile (API.md 8.4): its configuration and its standing, by name."""
     profiles = sorted(web.deps.config.agents, key=lambda a: a.name)
-    states = await web.call(web.store.profile_states, [a.name for a in profiles], web.now)
-    versions = await web.call(web.store.agent_versions)
+    states = await web.call(web.store.runs.profile_states, [a.name for a in profiles], web.now)
+    versions = await web.call(web.store.runs.agent_versions)
     return [{**state, "preset": a.preset, "model": a.model, "max_running": a.max_running,
              "agent_version": versions.get(a.name), "timeout_seconds": a.timeout_seconds}
             for a, state in zip(profiles, states, strict=True)]
@@ -9142,73 +9286,74 @@ async def control_profile(web: Web, name: str, action: Any) -> dict[str, Any]:
         raise NotFound(f"no agent profile {name!r} (profiles are declared in outpost.toml)")
     if action != "resume":
         raise invalid("action", "must be resume")
-    await web.commit(web.store.resume_profile, name, web.now)
+    await web.commit(web.store.runs.resume_profile, name, web.now)
     web.deps.nudge(Actor.CLAIM)
     return next(a for a in await agents_overview(web) if a["name"] == name)
 
 
 async def wake_agent(web: Web, agent_id: str, context: str | None) -> dict[str, Any]:
     """A user's wakeup of an agent, recording who asked: the dashboard user or the API token."""
-    return await web.commit(web.store.wake_agent, agent_id, WakeupSource.USER,
+    return await web.commit(web.store.office.wake_agent, agent_id, WakeupSource.USER,
                             {"user_id": web.caller, "context": context}, web.now)
 
 
 async def create_agent(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
     fields = normalize_agent(raw, profiles=web.profile_names)
-    agent = await web.commit(web.store.create_agent, workspace_id, fields, web.now)
+    agent = await web.commit(web.store.office.create_agent, workspace_id, fields, web.now)
     if fields["role"] == "coordinator":
         await install_heartbeat(web.deps, agent["id"])
     return agent
 
 
 async def update_agent(web: Web, agent_id: str, raw: dict[str, Any]) -> dict[str, Any]:
-    current = await web.call(web.store.agent_fields, agent_id)
+    current = await web.call(web.store.office.agent_fields, agent_id)
     fields = normalize_agent(raw, profiles=web.profile_names, current=current)
-    return await web.commit(web.store.update_agent, agent_id, fields, web.now)
+    return await web.commit(web.store.office.update_agent, agent_id, fields, web.now)
 
 
 async def create_task(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
-    return await web.commit(web.store.create_task, workspace_id, normalize_task(raw, profiles=web.profile_names),
+    return await web.commit(web.store.office.create_task, workspace_id, normalize_task(raw, profiles=web.profile_names),
                             web.now)
 
 
 async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, Any]:
     """An edit; a reassignment's cancel of the previous assignee's run reaches its process."""
-    current = await web.call(web.store.task_fields, task_id)
-    view = await web.commit(web.store.update_task, task_id,
+    current = await web.call(web.store.office.task_fields, task_id)
+    view = await web.commit(web.store.office.update_task, task_id,
                             normalize_task(raw, profiles=web.profile_names, current=current), web.now)
     if live := web.deps.live.ids():
-        for run_id in await web.call(web.store.cancels_requested, live):
+        for run_id in await web.call(web.store.runs.cancels_requested, live):
             web.deps.live.signal(run_id, "cancel")
     return view
 
 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
-    current = await web.call(web.store.office_settings, workspace_id)
+    current = await web.call(web.store.office.office_settings, workspace_id)
     settings = normalize_settings(raw, profiles=web.profile_names, current=current)
-    return await web.commit(web.store.update_office_settings, workspace_id, settings)
+    return await web.commit(web.store.office.update_office_settings, workspace_id, settings)
 
 
 async def create_routine(web: Web, workspace_id: str | None, raw: dict[str, Any],
                          raw_triggers: Any) -> dict[str, Any]:
     triggers = await checked_triggers(web.deps, raw_triggers, workspace_id)
-    routine = await web.commit(web.store.create_routine, workspace_id, normalize_routine(raw, current=None),
+    routine = await web.commit(web.store.routines.create_routine, workspace_id, normalize_routine(raw, current=None),
                                triggers, web.now)
     web.deps.nudge(Actor.CRON)
     return routine
 
 
 async def update_routine(web: Web, routine_id: str, raw: dict[str, Any]) -> dict[str, Any]:
-    current = await web.call(web.store.routine_fields, routine_id)
-    routine = await web.commit(web.store.update_routine, routine_id, normalize_routine(raw, current=current), web.now)
+    current = await web.call(web.store.routines.routine_fields, routine_id)
+    routine = await web.commit(web.store.routines.update_routine, routine_id, normalize_routine(raw, current=current),
+                               web.now)
     web.deps.nudge(Actor.CRON)
     return routine
 
 
 async def add_trigger(web: Web, routine_id: str, raw: dict[str, Any]) -> dict[str, Any]:
-    routine = await web.call(web.store.get_routine, routine_id)
+    routine = await web.call(web.store.routines.get_routine, routine_id)
     (trigger,) = await checked_triggers(web.deps, [raw], routine["workspace_id"])
-    added = await web.commit(web.store.add_trigger, routine_id, trigger, web.now)
+    added = await web.commit(web.store.routines.add_trigger, routine_id, trigger, web.now)
     web.deps.nudge(Actor.CRON)
     return added
 
@@ -9217,7 +9362,7 @@ async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, A
     """A manual Run now of a routine, with its variables."""
     if not isinstance(variables, dict):
         raise invalid("variables", "must be an object of name: value")
-    return await web.commit(web.store.fire_routine, routine_id, None, "manual", variables, web.now)
+    return await web.commit(web.store.routines.fire_routine, routine_id, None, "manual", variables, web.now)
 
 
 # --- JSON API: /v1/outpost/ (API.md 3-6) ---------------------------------------------------------
@@ -9256,7 +9401,8 @@ async def api_compose(web: Web):
     current = None
     if "schedule_id" in raw:
         changes = dict(raw)
-        current = (await web.call(web.store.schedule_definition, str(changes.pop("schedule_id"))))["definition"]
+        current = (await web.call(web.store.schedules.schedule_definition,
+                                  str(changes.pop("schedule_id"))))["definition"]
         raw = merge_changes(current, changes)
     definition = await checked_definition(web.deps, raw, current)
     after = now
@@ -9282,18 +9428,18 @@ async def api_create_schedule(web: Web):
     raw = await web.body()
     definition = await checked_definition(web.deps, raw.get("definition"))
     check_confirmation(definition, raw.get("confirmation"))
-    return await web.commit(web.store.create_schedule, definition, web.now,
+    return await web.commit(web.store.schedules.create_schedule, definition, web.now,
                             web.deps.profile_digests.get(definition["agent"]))
 
 
 @api.get("/v1/outpost/schedules", auth=Auth.TOKEN)
 async def api_list_schedules(web: Web):
-    return {"schedules": await web.call(web.store.list_schedules, web.flag_arg("include_archived"))}
+    return {"schedules": await web.call(web.store.schedules.list_schedules, web.flag_arg("include_archived"))}
 
 
 @api.get("/v1/outpost/schedules/<schedule_id>", auth=Auth.TOKEN, etag=True)
 async def api_get_schedule(web: Web, schedule_id: str):
-    return await web.call(web.store.get_schedule, schedule_id)
+    return await web.call(web.store.schedules.get_schedule, schedule_id)
 
 
 @api.patch("/v1/outpost/schedules/<schedule_id>", auth=Auth.TOKEN, idempotent=True, etag=True,
@@ -9301,14 +9447,14 @@ async def api_get_schedule(web: Web, schedule_id: str):
 async def api_patch_schedule(web: Web, schedule_id: str):
     revision = parse_if_match(web.request.headers.get("If-Match"))
     raw = await web.body()
-    current = await web.call(web.store.schedule_definition, schedule_id)
+    current = await web.call(web.store.schedules.schedule_definition, schedule_id)
     if current["archived"]:
         raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
     check_revision(schedule_id, current["revision"], revision)   # a concurrent edit: 412, not a mismatch
     definition = await checked_definition(web.deps, merge_changes(current["definition"], raw.get("changes")),
                                           current["definition"])
     check_confirmation(definition, raw.get("confirmation"))
-    return await web.commit(web.store.update_schedule, schedule_id, revision, definition, web.now,
+    return await web.commit(web.store.schedules.update_schedule, schedule_id, revision, definition, web.now,
                             web.deps.profile_digests.get(definition["agent"]))
 
 
@@ -9321,30 +9467,30 @@ async def api_control_schedule(web: Web, schedule_id: str):
 @api.get("/v1/outpost/schedules/<schedule_id>/occurrences", auth=Auth.TOKEN)
 async def api_schedule_occurrences(web: Web, schedule_id: str):
     limit = web.int_arg("limit", 100, 1, 1000)
-    return {"occurrences": await web.call(web.store.occurrences, schedule_id, limit)}
+    return {"occurrences": await web.call(web.store.schedules.occurrences, schedule_id, limit)}
 
 
 @api.get("/v1/outpost/schedules/<schedule_id>/inspect", auth=Auth.TOKEN)
 async def api_inspect_schedule(web: Web, schedule_id: str):
-    return await web.call(web.store.inspect, schedule_id)
+    return await web.call(web.store.schedules.inspect, schedule_id)
 
 
 @api.get("/v1/outpost/runs", auth=Auth.TOKEN)
 async def api_list_runs(web: Web):
     status = web.choice_arg("status", RunStatus)
-    return await web.call(web.store.list_runs, web.args.get("schedule_id") or None, status,
+    return await web.call(web.store.runs.list_runs, web.args.get("schedule_id") or None, status,
                           web.int_arg("limit", 50, 1, 500), web.args.get("before") or None)
 
 
 @api.get("/v1/outpost/runs/<run_id>", auth=Auth.TOKEN)
 async def api_get_run(web: Web, run_id: str):
-    return await web.call(web.store.get_run, run_id)
+    return await web.call(web.store.runs.get_run, run_id)
 
 
 @api.get("/v1/outpost/runs/<run_id>/log", auth=Auth.TOKEN)
 async def api_run_log(web: Web, run_id: str):
     from quart import Response
-    await web.call(web.store.get_run, run_id)
+    await web.call(web.store.runs.get_run, run_id)
     text, size = await run_log(web.deps, run_id, web.int_arg("offset", 0, 0, 2**40))
     return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
 
@@ -9356,12 +9502,12 @@ async def api_adopt_run(web: Web, run_id: str):
 
 @api.post("/v1/outpost/runs/<run_id>/rerun", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
 async def api_rerun(web: Web, run_id: str):
-    return await web.commit(web.store.rerun, run_id, web.now)
+    return await web.commit(web.store.runs.rerun, run_id, web.now)
 
 
 @api.get("/v1/outpost/runs/<run_id>/compare/<other_id>", auth=Auth.TOKEN)
 async def api_compare(web: Web, run_id: str, other_id: str):
-    a, b = await web.call(web.store.run_facts, run_id), await web.call(web.store.run_facts, other_id)
+    a, b = await web.call(web.store.runs.run_facts, run_id), await web.call(web.store.runs.run_facts, other_id)
     return (await compare_runs(a, b, web.deps.mirrors.path(a["repository"])))[0]
 
 
@@ -9370,10 +9516,10 @@ async def api_runs_chart(web: Web):
     """Runs per day by outcome and cost per day, last 30 days: of a schedule, an Office agent, or all."""
     scope = {}
     if schedule_id := web.args.get("schedule_id"):
-        await web.call(web.store.get_schedule, schedule_id)   # 404 for an unknown one
+        await web.call(web.store.schedules.get_schedule, schedule_id)   # 404 for an unknown one
         scope["schedule_id"] = schedule_id
     if agent_id := web.args.get("agent_id"):
-        await web.call(web.store.get_agent, agent_id)
+        await web.call(web.store.office.get_agent, agent_id)
         scope["office_agent_id"] = agent_id
     svg = await runs_chart(web, "Runs per day, last 30 days", web.args.get("tz", "UTC"), **scope)
     return svg, 200, {"Content-Type": "image/svg+xml; charset=utf-8", "Cache-Control": "no-store"}
@@ -9403,12 +9549,12 @@ async def api_control_run(web: Web, run_id: str):
 async def api_dispatch(web: Web):
     payload = normalize_dispatch(await web.body(), web.now, agents=web.profile_names)
     commit = await check_repository(payload, web.deps)   # resolved once, recorded with the run: one transaction
-    return await web.commit(web.store.create_dispatch, payload, web.now, commit)
+    return await web.commit(web.store.schedules.create_dispatch, payload, web.now, commit)
 
 
 @api.get("/v1/outpost/nodes", auth=Auth.TOKEN)
 async def api_list_nodes(web: Web):
-    return {"nodes": await web.call(web.store.list_nodes)}
+    return {"nodes": await web.call(web.store.nodes.list_nodes)}
 
 
 @api.get("/v1/outpost/attention", auth=Auth.TOKEN)
@@ -9462,31 +9608,31 @@ async def event_stream(deps: Deps, cursor: int):
         elif trio.current_time() - quiet_since >= 15:
             yield b": keep-alive\n\n"
             quiet_since = trio.current_time()
-        with trio.move_on_after(FLEET_POLL_S if deps.store.postgres else 15):
+        with trio.move_on_after(deps.store.dialect.stream_poll_s):
             await deps.hub.wait()
 
 
 @api.get("/v1/outpost/snapshot", auth=Auth.TOKEN)
 async def api_snapshot(web: Web):
-    return await web.call(web.store.snapshot)
+    return await web.call(web.store.schedules.snapshot)
 
 
 # --- Office API: /api/office/ (API.md 7) -----------------------------------------------------------
 
 @office_api.get("/api/office/workspaces", auth=Auth.TOKEN)
 async def office_workspaces(web: Web):
-    return {"workspaces": await web.call(web.store.list_workspaces)}
+    return {"workspaces": await web.call(web.store.office.list_workspaces)}
 
 
 @office_api.post("/api/office/workspaces", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
 async def office_create_workspace(web: Web):
     name = _text_field(await web.body(), "name", 100, single_line=True).strip()
-    return await web.commit(web.store.create_workspace, name, web.now)
+    return await web.commit(web.store.office.create_workspace, name, web.now)
 
 
 @office_api.get("/api/office/projects", auth=Auth.TOKEN)
 async def office_projects(web: Web):
-    return {"projects": await web.call(web.store.list_projects, web.workspace_arg())}
+    return {"projects": await web.call(web.store.office.list_projects, web.workspace_arg())}
 
 
 @office_api.post("/api/office/projects", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
@@ -9495,14 +9641,14 @@ async def office_create_project(web: Web):
     _unknown(raw, ("workspace_id", "name", "repository", "executor", *BUDGET_FIELDS), "a project")
     repository = _repository(raw) if raw.get("repository") is not None else None
     executor = _optional_name(raw, "executor", web.profile_names, "agent profile")
-    return await web.commit(web.store.create_project, web.workspace_arg(raw),
+    return await web.commit(web.store.office.create_project, web.workspace_arg(raw),
                             _text_field(raw, "name", 100, single_line=True), repository, executor, web.now,
                             budget_fields(raw, 1_000_000))
 
 
 @office_api.get("/api/office/agents", auth=Auth.TOKEN)
 async def office_agents(web: Web):
-    return {"agents": await web.call(web.store.list_agents, web.workspace_arg())}
+    return {"agents": await web.call(web.store.office.list_agents, web.workspace_arg())}
 
 
 @office_api.post("/api/office/agents", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
@@ -9514,8 +9660,8 @@ async def office_create_agent(web: Web):
 @office_api.get("/api/office/agents/<agent_id>", auth=Auth.TOKEN)
 async def office_agent(web: Web, agent_id: str):
     def detail():
-        view = web.store.get_agent(agent_id)
-        view["continuation_summaries"] = web.store.summary_of(agent_id)
+        view = web.store.office.get_agent(agent_id)
+        view["continuation_summaries"] = web.store.office.summary_of(agent_id)
         return view
     return await web.call(detail)
 
@@ -9527,7 +9673,7 @@ async def office_patch_agent(web: Web, agent_id: str):
 
 @office_api.get("/api/office/agents/<agent_id>/runs", auth=Auth.TOKEN)
 async def office_agent_runs(web: Web, agent_id: str):
-    return {"runs": await web.call(web.store.agent_runs, agent_id, web.int_arg("limit", 50, 1, 500))}
+    return {"runs": await web.call(web.store.office.agent_runs, agent_id, web.int_arg("limit", 50, 1, 500))}
 
 
 @office_api.post("/api/office/agents/<agent_id>/wake", auth=Auth.TOKEN, idempotent=True, status=202,
@@ -9541,7 +9687,7 @@ async def office_wake_agent(web: Web, agent_id: str):
 @office_api.get("/api/office/tasks", auth=Auth.TOKEN)
 async def office_tasks(web: Web):
     state = web.choice_arg("state", TaskState)
-    return {"tasks": await web.call(web.store.list_tasks, web.workspace_arg(), web.args.get("assignee_agent_id"),
+    return {"tasks": await web.call(web.store.office.list_tasks, web.workspace_arg(), web.args.get("assignee_agent_id"),
                                     state, web.flag_arg("include_archived"))}
 
 
@@ -9553,7 +9699,7 @@ async def office_create_task(web: Web):
 
 @office_api.get("/api/office/tasks/<task_id>", auth=Auth.TOKEN)
 async def office_task(web: Web, task_id: str):
-    return await web.call(web.store.get_task, task_id)
+    return await web.call(web.store.office.get_task, task_id)
 
 
 @office_api.patch("/api/office/tasks/<task_id>", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
@@ -9565,7 +9711,7 @@ async def office_patch_task(web: Web, task_id: str):
 async def office_move_task(web: Web, task_id: str):
     raw = await web.body()
     _unknown(raw, ("state",), "a move")
-    return await web.commit(web.store.move_task, task_id, raw.get("state"), web.now)
+    return await web.commit(web.store.office.move_task, task_id, raw.get("state"), web.now)
 
 
 @office_api.post("/api/office/tasks/<task_id>/comments", auth=Auth.TOKEN, idempotent=True, status=201,
@@ -9573,13 +9719,13 @@ async def office_move_task(web: Web, task_id: str):
 async def office_comment(web: Web, task_id: str):
     raw = await web.body()
     _unknown(raw, ("body",), "a comment")
-    return await web.commit(web.store.add_comment, task_id, _text_field(raw, "body", MAX_TEXT_CHARS), web.now)
+    return await web.commit(web.store.office.add_comment, task_id, _text_field(raw, "body", MAX_TEXT_CHARS), web.now)
 
 
 @office_api.get("/api/office/approvals", auth=Auth.TOKEN)
 async def office_approvals(web: Web):
     status = web.choice_arg("status", ("pending", "approved", "rejected"))
-    return {"approvals": await web.call(web.store.list_approvals, web.workspace_arg(), status)}
+    return {"approvals": await web.call(web.store.office.list_approvals, web.workspace_arg(), status)}
 
 
 @office_api.post("/api/office/approvals/<approval_id>/resolve", auth=Auth.TOKEN, idempotent=True,
@@ -9587,7 +9733,7 @@ async def office_approvals(web: Web):
 async def office_resolve_approval(web: Web, approval_id: str):
     raw = await web.body()
     _unknown(raw, ("status", "decision_note"), "a decision")
-    return await web.commit(web.store.resolve_approval, approval_id, raw.get("status"),
+    return await web.commit(web.store.office.resolve_approval, approval_id, raw.get("status"),
                             _text(raw, "decision_note", 0, MAX_TEXT_CHARS, ""), web.now)
 
 
@@ -9595,24 +9741,25 @@ async def office_resolve_approval(web: Web, approval_id: str):
 async def office_wakeups(web: Web):
     status = web.choice_arg("status", WakeupStatus)
     source = web.choice_arg("source", WakeupSource)
-    return {"wakeups": await web.call(web.store.list_wakeups, web.workspace_arg(), web.args.get("agent_id"), status,
+    return {"wakeups": await web.call(web.store.office.list_wakeups, web.workspace_arg(), web.args.get("agent_id"),
+                                      status,
                                       source, web.int_arg("limit", 100, 1, 1000))}
 
 
 @office_api.get("/api/office/runs/<run_id>", auth=Auth.TOKEN)
 async def office_run(web: Web, run_id: str):
-    return await web.call(web.store.office_run, run_id)
+    return await web.call(web.store.office.office_run, run_id)
 
 
 @office_api.get("/api/office/activity", auth=Auth.TOKEN)
 async def office_activity(web: Web):
-    return {"activity": await web.call(web.store.list_activity, web.workspace_arg(), web.args.get("code"),
+    return {"activity": await web.call(web.store.office.list_activity, web.workspace_arg(), web.args.get("code"),
                                        web.int_arg("limit", 100, 1, 1000))}
 
 
 @office_api.get("/api/office/settings", auth=Auth.TOKEN)
 async def office_settings(web: Web):
-    return await web.call(web.store.office_settings, web.workspace_arg())
+    return await web.call(web.store.office.office_settings, web.workspace_arg())
 
 
 @office_api.patch("/api/office/settings", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
@@ -9623,7 +9770,7 @@ async def office_patch_settings(web: Web):
 
 @office_api.get("/api/office/routines", auth=Auth.TOKEN)
 async def office_routines(web: Web):
-    return {"routines": await web.call(web.store.list_routines, web.workspace_arg())}
+    return {"routines": await web.call(web.store.routines.list_routines, web.workspace_arg())}
 
 
 @office_api.post("/api/office/routines", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.CLAIM,))
@@ -9635,7 +9782,7 @@ async def office_create_routine(web: Web):
 
 @office_api.get("/api/office/routines/<routine_id>", auth=Auth.TOKEN)
 async def office_routine(web: Web, routine_id: str):
-    return await web.call(web.store.get_routine, routine_id)
+    return await web.call(web.store.routines.get_routine, routine_id)
 
 
 @office_api.patch("/api/office/routines/<routine_id>", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.CLAIM,))
@@ -9646,7 +9793,7 @@ async def office_patch_routine(web: Web, routine_id: str):
 @office_api.delete("/api/office/routines/<routine_id>", auth=Auth.TOKEN, idempotent=True, status=204,
                    nudges=(Actor.CRON, Actor.CLAIM))
 async def office_delete_routine(web: Web, routine_id: str):
-    return await web.commit(web.store.delete_routine, routine_id, web.now)
+    return await web.commit(web.store.routines.delete_routine, routine_id, web.now)
 
 
 @office_api.post("/api/office/routines/<routine_id>/fire", auth=Auth.TOKEN, idempotent=True, status=202,
@@ -9666,13 +9813,13 @@ async def office_add_trigger(web: Web, routine_id: str):
 @office_api.delete("/api/office/routines/<routine_id>/triggers/<trigger_id>", auth=Auth.TOKEN, idempotent=True,
                    status=204, nudges=(Actor.CRON, Actor.CLAIM))
 async def office_delete_trigger(web: Web, routine_id: str, trigger_id: str):
-    return await web.commit(web.store.delete_trigger, routine_id, trigger_id, web.now)
+    return await web.commit(web.store.routines.delete_trigger, routine_id, trigger_id, web.now)
 
 
 @office_api.post("/api/office/routines/<routine_id>/triggers/<trigger_id>/rotate", auth=Auth.TOKEN,
                  idempotent=True, nudges=(Actor.CLAIM,))
 async def office_rotate_secret(web: Web, routine_id: str, trigger_id: str):
-    return await web.commit(web.store.rotate_secret, routine_id, trigger_id, web.now)
+    return await web.commit(web.store.routines.rotate_secret, routine_id, trigger_id, web.now)
 
 
 # --- webhooks: /api/routine-triggers/ (API.md 7.2) --------------------------------------------------
@@ -9683,10 +9830,11 @@ async def hook_fire(web: Web, public_id: str):
     reason, source address, size; never the secret)."""
     now, request = web.now, web.request
     body = await request.get_data(cache=True)
-    target = await web.call(web.store.webhook_trigger, public_id, now)
+    target = await web.call(web.store.routines.webhook_trigger, public_id, now)
 
     async def refuse(err: OutpostError, reason: str):
-        await web.call(web.store.refuse_webhook, target["trigger_id"], reason, request.remote_addr, len(body), now)
+        await web.call(web.store.routines.refuse_webhook, target["trigger_id"], reason, request.remote_addr,
+                       len(body), now)
         return problem_response(err)
 
     check = verify_webhook(target["signing_mode"], target["secrets"],
@@ -9705,7 +9853,8 @@ async def hook_fire(web: Web, public_id: str):
     except OutpostError as err:
         return await refuse(err, err.detail)
     try:
-        run, earlier = await web.call(web.store.fire_webhook, target["trigger_id"], provided, check.replay_keys,
+        run, earlier = await web.call(web.store.routines.fire_webhook, target["trigger_id"], provided,
+                                      check.replay_keys,
                                       check.replay_ttl_s, now)
     except ValidationFailed as err:
         return await refuse(err, err.detail)
@@ -9733,7 +9882,7 @@ async def agent_needs_you(web: Web):
     question = (await web.body()).get("question")
     if not isinstance(question, str) or not question.strip() or len(question) > MAX_TEXT_CHARS:
         raise invalid("question", f"the question, 1-{MAX_TEXT_CHARS} characters, is required")
-    return await web.commit(web.store.ask_human, web.agent["run_id"], question.strip(), web.now)
+    return await web.commit(web.store.runs.ask_human, web.agent["run_id"], question.strip(), web.now)
 
 
 @agent_api.get("/api/agent/me", auth=Auth.RUN)
@@ -9741,9 +9890,9 @@ async def agent_me(web: Web):
     ctx = web.agent
 
     def me():
-        view = {**ctx, "agent": web.store.get_agent(ctx["agent_id"])}
+        view = {**ctx, "agent": web.store.office.get_agent(ctx["agent_id"])}
         if ctx["task_id"]:
-            view["task"] = web.store.get_task(ctx["task_id"])
+            view["task"] = web.store.office.get_task(ctx["task_id"])
         return view
     return await web.call(me)
 
@@ -9752,7 +9901,7 @@ async def agent_me(web: Web):
 async def agent_comment(web: Web):
     raw = await web.body()
     _unknown(raw, ("task_id", "body"), "a comment")
-    return await web.commit(web.store.add_comment, own_task(web, raw), _text_field(raw, "body", MAX_TEXT_CHARS),
+    return await web.commit(web.store.office.add_comment, own_task(web, raw), _text_field(raw, "body", MAX_TEXT_CHARS),
                             web.now, web.agent["agent_id"], web.agent["workspace_id"])
 
 
@@ -9760,7 +9909,7 @@ async def agent_comment(web: Web):
 async def agent_move(web: Web, task_id: str):
     raw = await web.body()
     _unknown(raw, ("state",), "a move")
-    return await web.commit(web.store.move_task, task_id, raw.get("state"), web.now,
+    return await web.commit(web.store.office.move_task, task_id, raw.get("state"), web.now,
                             by_agent=web.agent["agent_id"], workspace_id=web.agent["workspace_id"])
 
 
@@ -9770,14 +9919,15 @@ async def agent_create_task(web: Web):
     if "workspace_id" in raw or "workflow" in raw:
         raise invalid(sorted({"workspace_id", "workflow"} & set(raw))[0], "is the run's own")
     fields = normalize_task({"parent_id": web.agent["task_id"], **raw}, profiles=web.profile_names)
-    return await web.commit(web.store.create_task, web.agent["workspace_id"], fields, web.now, web.agent["agent_id"])
+    return await web.commit(web.store.office.create_task, web.agent["workspace_id"], fields, web.now,
+                            web.agent["agent_id"])
 
 
 @agent_api.post("/api/agent/approvals", auth=Auth.RUN, status=201, nudges=(Actor.CLAIM,))
 async def agent_request_approval(web: Web):
     raw = await web.body()
     _unknown(raw, ("task_id", "note"), "an approval request")
-    return await web.commit(web.store.request_approval, own_task(web, raw), web.agent["agent_id"],
+    return await web.commit(web.store.office.request_approval, own_task(web, raw), web.agent["agent_id"],
                             _text(raw, "note", 0, MAX_TEXT_CHARS, ""), web.now, web.agent["workspace_id"])
 
 
@@ -9790,7 +9940,7 @@ async def agent_self_wake(web: Web):
         raise invalid("payload", "must be an object or null")
     delay = _int(raw.get("delay_sec", 0), "delay_sec", 0, 7 * DAY_S)
     now = web.now
-    return await web.commit(web.store.wake_agent, web.agent["agent_id"], WakeupSource.SELF,
+    return await web.commit(web.store.office.wake_agent, web.agent["agent_id"], WakeupSource.SELF,
                             {"reason": _text_field(raw, "reason", 200), "payload": payload}, now,
                             wake_at=now + timedelta(seconds=delay) if delay else None,
                             workspace_id=web.agent["workspace_id"])
@@ -9809,7 +9959,7 @@ def same_origin_path(target: str) -> str:
 
 async def signed_in_response(web: Web, target: str):
     from quart import redirect
-    cookie, _ = await web.call(web.store.create_session, web.now)
+    cookie, _ = await web.call(web.store.access.create_session, web.now)
     response = redirect(same_origin_path(target))
     response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict", path="/")
     return response
@@ -9834,7 +9984,7 @@ async def page_signin_post(web: Web):
 
 @pages.get("/signin/<code>", auth=Auth.PUBLIC)
 async def page_signin_link(web: Web, code: str):
-    if not await web.call(web.store.use_signin_code, code, web.now):
+    if not await web.call(web.store.access.use_signin_code, code, web.now):
         return await web.page("signin.html", status=401, next="/schedules",
                               error="This sign-in link was used already or has expired. Paste the token.")
     return await signed_in_response(web, "/schedules")
@@ -9843,7 +9993,7 @@ async def page_signin_link(web: Web, code: str):
 @pages.post("/signout", auth=Auth.SESSION)
 async def page_signout(web: Web):
     from quart import redirect
-    await web.call(web.store.end_session, web.request.cookies.get(SESSION_COOKIE, ""))
+    await web.call(web.store.access.end_session, web.request.cookies.get(SESSION_COOKIE, ""))
     response = redirect("/signin")
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
@@ -9877,7 +10027,7 @@ async def page_home(web: Web):
 async def page_schedules(web: Web):
     show_archived = web.args.get("archived") == "1"
     page = parse_count(web.args.get("page")) or 1
-    listed = await web.call(web.store.schedules_page, show_archived, page)
+    listed = await web.call(web.store.schedules.schedules_page, show_archived, page)
     return await web.page("schedules.html", section="schedules", live=True, **listed, show_archived=show_archived,
                           page=page, pages=max(1, math.ceil(listed["total"] / SCHEDULES_PAGE)),
                           per_page=SCHEDULES_PAGE)
@@ -9932,7 +10082,7 @@ async def page_confirm_new(web: Web):
     form = dict((await web.form()).items())
     definition = await confirmed_definition(web, form, None)
     try:
-        created = await web.commit(web.store.create_schedule, definition, web.now,
+        created = await web.commit(web.store.schedules.create_schedule, definition, web.now,
                                    web.deps.profile_digests.get(definition["agent"]))
     except Conflict as err:
         return await web.page("schedule_form.html", status=409, section="schedules",
@@ -9943,8 +10093,8 @@ async def page_confirm_new(web: Web):
 @pages.get("/schedules/<schedule_id>", auth=Auth.SESSION)
 async def page_schedule(web: Web, schedule_id: str):
     def data():
-        return (web.store.get_schedule(schedule_id), web.store.occurrences(schedule_id, 50),
-                web.store.list_runs(schedule_id, None, 20, None)["runs"], web.store.inspect(schedule_id))
+        return (web.store.schedules.get_schedule(schedule_id), web.store.schedules.occurrences(schedule_id, 50),
+                web.store.runs.list_runs(schedule_id, None, 20, None)["runs"], web.store.schedules.inspect(schedule_id))
     schedule, ledger, runs, report = await web.call(data)
     tz = schedule["timing"]["timezone"]
     chart = await runs_chart(web, f"Runs of {schedule['name']} per day, last 30 days", tz, schedule_id=schedule_id)
@@ -9954,7 +10104,7 @@ async def page_schedule(web: Web, schedule_id: str):
 
 @pages.get("/schedules/<schedule_id>/edit", auth=Auth.SESSION)
 async def page_edit_schedule(web: Web, schedule_id: str):
-    current = await web.call(web.store.schedule_definition, schedule_id)
+    current = await web.call(web.store.schedules.schedule_definition, schedule_id)
     if current["archived"]:
         raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
     edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
@@ -9984,10 +10134,10 @@ async def page_confirm_edit(web: Web, schedule_id: str):
     edit = edit_from(schedule_id, form)
     definition = await confirmed_definition(web, form, edit["definition"])
     try:
-        await web.commit(web.store.update_schedule, schedule_id, edit["revision"], definition, web.now,
+        await web.commit(web.store.schedules.update_schedule, schedule_id, edit["revision"], definition, web.now,
                          web.deps.profile_digests.get(definition["agent"]))
     except RevisionMismatch:
-        current = await web.call(web.store.get_schedule, schedule_id)
+        current = await web.call(web.store.schedules.get_schedule, schedule_id)
         diff = [{"field": f, "base": edit["definition"].get(f), "now": current.get(f), "yours": definition.get(f)}
                 for f in sorted(DEFINITION_FIELDS)   # skip_if_unchanged is only there when true
                 if edit["definition"].get(f) != current.get(f) or definition.get(f) != current.get(f)]
@@ -10011,18 +10161,18 @@ async def page_schedule_control(web: Web, schedule_id: str):
 async def page_runs(web: Web):
     schedule_id = web.args.get("schedule_id") or None
     status = web.choice_arg("status", RunStatus)
-    page = await web.call(web.store.list_runs, schedule_id, status, 50, web.args.get("before") or None)
+    page = await web.call(web.store.runs.list_runs, schedule_id, status, 50, web.args.get("before") or None)
     chart = await runs_chart(web, "Runs per day, last 30 days (UTC)", "UTC",
                              **({"schedule_id": schedule_id} if schedule_id else {}))
     return await web.page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
-                          schedules=await web.call(web.store.schedule_zones), schedule_id=schedule_id,
+                          schedules=await web.call(web.store.schedules.schedule_zones), schedule_id=schedule_id,
                           status=status, statuses=[s.value for s in RunStatus], chart=chart)
 
 
 @pages.get("/runs/<run_id>", auth=Auth.SESSION)
 async def page_run(web: Web, run_id: str):
-    run = await web.call(web.store.get_run, run_id)
-    name, tz = (await web.call(web.store.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
+    run = await web.call(web.store.runs.get_run, run_id)
+    name, tz = (await web.call(web.store.schedules.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
     log_text, log_size = await run_log(web.deps, run_id)
     changes, files, cut = "", [], False
     if run["changes"]["commits"] and run["resolved_commit"]:
@@ -10037,19 +10187,19 @@ async def page_run(web: Web, run_id: str):
 @pages.post("/runs/<run_id>/rerun", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
 async def page_run_rerun(web: Web, run_id: str):
     from quart import redirect
-    again = await web.commit(web.store.rerun, run_id, web.now)
+    again = await web.commit(web.store.runs.rerun, run_id, web.now)
     return redirect(f"/runs/{again['run_id']}?done=rerun")
 
 
 @pages.get("/runs/<run_id>/compare", auth=Auth.SESSION)
 async def page_compare(web: Web, run_id: str):
-    a = await web.call(web.store.run_facts, run_id)
+    a = await web.call(web.store.runs.run_facts, run_id)
     other = web.args.get("with") or a["rerun_of"] or ""
-    candidates = [r for r in (await web.call(web.store.list_runs, a["schedule_id"], None, 20, None))["runs"]
+    candidates = [r for r in (await web.call(web.store.runs.list_runs, a["schedule_id"], None, 20, None))["runs"]
                   if r["id"] != run_id] if a["schedule_id"] else []
-    b = await web.call(web.store.run_facts, other) if other else None
+    b = await web.call(web.store.runs.run_facts, other) if other else None
     report, files = await compare_runs(a, b, web.deps.mirrors.path(a["repository"])) if b else (None, [])
-    name, tz = (await web.call(web.store.schedule_zones)).get(a["schedule_id"], ("dispatch", "UTC"))
+    name, tz = (await web.call(web.store.schedules.schedule_zones)).get(a["schedule_id"], ("dispatch", "UTC"))
     return await web.page("compare.html", section="runs", a=a, b=b, report=report, files=files,
                           candidates=candidates, schedule_name=name, tz=tz)
 
@@ -10071,8 +10221,8 @@ async def page_run_reply(web: Web, run_id: str):
 @pages.get("/agents", auth=Auth.SESSION)
 async def page_agents(web: Web):
     return await web.page("agents.html", section="agents", agents=await agents_overview(web),
-                          nodes=await web.call(web.store.list_nodes), this_node=web.store.node,
-                          fleet=web.store.postgres, tz=host_zone().key)
+                          nodes=await web.call(web.store.nodes.list_nodes), this_node=web.store.node,
+                          fleet=web.store.dialect.fleet, tz=host_zone().key)
 
 
 @pages.post("/agents/<name>/resume", auth=Auth.SESSION)
@@ -10097,7 +10247,7 @@ async def page_attention(web: Web):
     open_items = [a for a in items if not a["acknowledged_at"]]
     done_items = [a for a in items if a["acknowledged_at"]][:50]
     return await web.page("attention.html", section="attention", live=True, open_items=open_items,
-                          done_items=done_items, schedules=await web.call(web.store.schedule_zones))
+                          done_items=done_items, schedules=await web.call(web.store.schedules.schedule_zones))
 
 
 @pages.post("/attention/<attention_id>/ack", auth=Auth.SESSION)
@@ -10119,8 +10269,8 @@ async def page_attention_ack_all(web: Web):
 async def office_page(web: Web, template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
     """An Office page: the workspace's settings and agents for its header and tables."""
     def common():
-        return {"settings": web.store.office_settings(None),
-                "agents_by_id": {a["id"]: a for a in web.store.list_agents(None)}}
+        return {"settings": web.store.office.office_settings(None),
+                "agents_by_id": {a["id"]: a for a in web.store.office.list_agents(None)}}
     shared = await web.call(common)
     return await web.page(template, status=status, section="office", live=live, tab=tab,
                           tz=shared["settings"]["timezone"], profiles=web.profile_names, task_states=list(TaskState),
@@ -10220,8 +10370,8 @@ async def page_office(web: Web):
 async def page_office_agents(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                              status: int = 200):
     def data():
-        return (web.store.list_agents(None), web.store.wakeups_by_agent("claimed"),
-                web.store.wakeups_by_agent("queued"))
+        return (web.store.office.list_agents(None), web.store.wakeups.wakeups_by_agent("claimed"),
+                web.store.wakeups.wakeups_by_agent("queued"))
     agents, active, queued = await web.call(data)
     return await office_page(web, "office_agents.html", tab="agents", status=status, agents=agents, active=active,
                              queued=queued, form=form or {}, errors=errors or {})
@@ -10239,9 +10389,9 @@ async def page_office_agents_create(web: Web):
 async def page_office_agent(web: Web, agent_id: str, form: dict[str, str] | None = None,
                             errors: dict[str, str] | None = None, status: int = 200):
     def data():
-        return (web.store.get_agent(agent_id), web.store.agent_runs(agent_id, 30),
-                web.store.list_wakeups(None, agent_id, None, None, 30), web.store.summary_of(agent_id),
-                web.store.list_tasks(None, agent_id), web.store.scheduled_wakeups(agent_id))
+        return (web.store.office.get_agent(agent_id), web.store.office.agent_runs(agent_id, 30),
+                web.store.office.list_wakeups(None, agent_id, None, None, 30), web.store.office.summary_of(agent_id),
+                web.store.office.list_tasks(None, agent_id), web.store.routines.scheduled_wakeups(agent_id))
     agent, runs, wakeups, summaries, tasks, scheduled = await web.call(data)
     chart = await runs_chart(web, f"Runs of {agent['name']} per day, last 30 days (UTC)", office_agent_id=agent_id)
     return await office_page(web, "office_agent.html", tab="agents", status=status, agent=agent, runs=runs,
@@ -10269,7 +10419,7 @@ async def page_office_agent_wake(web: Web, agent_id: str):
 async def page_office_board(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                             status: int = 200):
     show_routine = web.args.get("routine") == "1"
-    tasks = await web.call(web.store.list_tasks, None)
+    tasks = await web.call(web.store.office.list_tasks, None)
     hidden = sum(t["workflow"] == "routine" for t in tasks)
     shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
     columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
@@ -10291,8 +10441,8 @@ async def page_office_task_create(web: Web):
 async def page_office_task(web: Web, task_id: str, form: dict[str, str] | None = None,
                            errors: dict[str, str] | None = None, status: int = 200):
     def data():
-        return (web.store.get_task(task_id), web.store.list_tasks(None),
-                web.store.list_wakeups(None, None, None, None, 200, task_id))
+        return (web.store.office.get_task(task_id), web.store.office.list_tasks(None),
+                web.store.office.list_wakeups(None, None, None, None, 200, task_id))
     task, tasks, wakeups = await web.call(data)
     return await office_page(web, "office_task.html", tab="board", status=status, task=task, tasks=tasks,
                              titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
@@ -10311,7 +10461,7 @@ async def page_office_task_save(web: Web, task_id: str):
 @pages.post("/office/tasks/<task_id>/move", auth=Auth.SESSION)
 async def page_office_task_move(web: Web, task_id: str):
     async def move(form):
-        await web.commit(web.store.move_task, task_id, form.get("state", ""), web.now)
+        await web.commit(web.store.office.move_task, task_id, form.get("state", ""), web.now)
         return form.get("next") if form.get("next") == "/office/board" else f"/office/tasks/{task_id}?done=moved"
     return await office_form(web, move, functools.partial(page_office_task, task_id=task_id))
 
@@ -10322,7 +10472,7 @@ async def page_office_task_comment(web: Web, task_id: str):
         body = _text(form, "body", 1, MAX_TEXT_CHARS)
         if not body.strip():
             raise invalid("body", "write something first")
-        await web.commit(web.store.add_comment, task_id, body, web.now)
+        await web.commit(web.store.office.add_comment, task_id, body, web.now)
         return f"/office/tasks/{task_id}?done=commented#comments"
     return await office_form(web, comment, functools.partial(page_office_task, task_id=task_id))
 
@@ -10331,7 +10481,7 @@ async def page_office_task_comment(web: Web, task_id: str):
 async def page_office_approval_resolve(web: Web, approval_id: str):
     from quart import redirect
     form = await web.form()
-    approval = await web.commit(web.store.resolve_approval, approval_id, form.get("status", ""),
+    approval = await web.commit(web.store.office.resolve_approval, approval_id, form.get("status", ""),
                                 _text(form, "decision_note", 0, MAX_TEXT_CHARS, ""), web.now)
     return redirect(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
 
@@ -10340,14 +10490,14 @@ async def page_office_approval_resolve(web: Web, approval_id: str):
 async def page_office_wakeups(web: Web):
     agent_id = web.args.get("agent_id") or None
     status = web.choice_arg("status", WakeupStatus)
-    wakeups = await web.call(web.store.list_wakeups, None, agent_id, status, None, 200)
+    wakeups = await web.call(web.store.office.list_wakeups, None, agent_id, status, None, 200)
     return await office_page(web, "office_wakeups.html", tab="wakeups", wakeups=wakeups, agent_id=agent_id,
                              status_filter=status, statuses=list(WakeupStatus))
 
 
 @pages.get("/office/runs/<run_id>", auth=Auth.SESSION)
 async def page_office_run(web: Web, run_id: str):
-    run = await web.call(web.store.office_run, run_id)
+    run = await web.call(web.store.office.office_run, run_id)
     log_text, log_size = await run_log(web.deps, run_id)
     return await office_page(web, "office_run.html", tab="agents", live=run["status"] in ACTIVE_RUN_STATUSES,
                              run=run, log_text=log_text, log_size=log_size)
@@ -10356,14 +10506,14 @@ async def page_office_run(web: Web, run_id: str):
 @pages.get("/office/activity", auth=Auth.SESSION)
 async def page_office_activity(web: Web):
     code = web.args.get("code") or None
-    activity = await web.call(web.store.list_activity, None, code, 200, empty_sweeps=code is not None)
+    activity = await web.call(web.store.office.list_activity, None, code, 200, empty_sweeps=code is not None)
     return await office_page(web, "office_activity.html", tab="activity", activity=activity, code=code)
 
 
 @pages.get("/office/routines", auth=Auth.SESSION)
 async def page_office_routines(web: Web, form: Any = None, errors: dict[str, str] | None = None, status: int = 200):
     return await office_page(web, "office_routines.html", tab="routines", status=status, zones=zone_names(),
-                             routines=await web.call(web.store.list_routines, None), form=form or {},
+                             routines=await web.call(web.store.routines.list_routines, None), form=form or {},
                              errors=errors or {})
 
 
@@ -10382,7 +10532,7 @@ async def page_office_routines_create(web: Web):
 @pages.get("/office/routines/<routine_id>", auth=Auth.SESSION)
 async def page_office_routine(web: Web, routine_id: str, form: Any = None, errors: dict[str, str] | None = None,
                               status: int = 200, new_secrets: dict[str, str] | None = None):
-    routine = await web.call(web.store.get_routine, routine_id)
+    routine = await web.call(web.store.routines.get_routine, routine_id)
     return await office_page(web, "office_routine.html", tab="routines", status=status, live=False, zones=zone_names(),
                              routine=routine, base_url=web.request.host_url.rstrip("/"), form=form,
                              errors=errors or {}, new_secrets=new_secrets or {})
@@ -10410,7 +10560,7 @@ async def page_office_routine_status(web: Web, routine_id: str):
 @pages.post("/office/routines/<routine_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_office_routine_delete(web: Web, routine_id: str):
     from quart import redirect
-    await web.commit(web.store.delete_routine, routine_id, web.now)
+    await web.commit(web.store.routines.delete_routine, routine_id, web.now)
     return redirect("/office/routines?done=routine_deleted")
 
 
@@ -10442,13 +10592,13 @@ async def page_office_routine_add_trigger(web: Web, routine_id: str):
 @pages.post("/office/routines/<routine_id>/triggers/<trigger_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_office_routine_delete_trigger(web: Web, routine_id: str, trigger_id: str):
     from quart import redirect
-    await web.commit(web.store.delete_trigger, routine_id, trigger_id, web.now)
+    await web.commit(web.store.routines.delete_trigger, routine_id, trigger_id, web.now)
     return redirect(f"/office/routines/{routine_id}?done=trigger_deleted")
 
 
 @pages.post("/office/routines/<routine_id>/triggers/<trigger_id>/rotate", auth=Auth.SESSION)
 async def page_office_routine_rotate(web: Web, routine_id: str, trigger_id: str):
-    trigger = await web.commit(web.store.rotate_secret, routine_id, trigger_id, web.now)
+    trigger = await web.commit(web.store.routines.rotate_secret, routine_id, trigger_id, web.now)
     return await page_office_routine(web, routine_id, new_secrets={trigger_id: trigger["secret"]})
 
 
@@ -10518,10 +10668,10 @@ async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
     meanwhile, this one stops (``shutdown``). Ends when cancelled."""
     flog = log.getChild("fleet")
     while True:
-        if not await deps.transaction_retrying(deps.store.node_heartbeat):
+        if not await deps.transaction_retrying(deps.store.nodes.node_heartbeat):
             ended = deps.live.cancel_all()
             try:
-                orphans = await deps.transaction_retrying(deps.store.register_node, deps.config.max_running)
+                orphans = await deps.transaction_retrying(deps.store.nodes.register_node, deps.config.max_running)
             except NodeNameTaken as exc:
                 flog.error("%s: ended this process's %d agent(s); stopping", exc, ended)
                 shutdown.set()
@@ -10531,9 +10681,9 @@ async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
             for run_id, pid, started in orphans:
                 await end_survivor(deps, run_id, pid, started)
         if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
-            for run_id in await deps.transaction_retrying(deps.store.cancels_requested, live):
+            for run_id in await deps.transaction_retrying(deps.store.runs.cancels_requested, live):
                 deps.live.signal(run_id, "cancel")
-        if settled := await deps.transaction_retrying(deps.store.settle_lost_nodes, deps.clock.now()):
+        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now()):
             flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
             for run_id in settled:
                 deps.settled.announce(run_id)
@@ -10557,7 +10707,7 @@ def acquire_node_name(store: Store) -> None:
     machine is known alive or ended (a predecessor killed with -9 gives way at once); one
     elsewhere is waited for, until its heartbeat is NODE_LOST_S old."""
     deadline, replacing = time.monotonic() + NODE_LOST_S + NODE_HEARTBEAT_S, None
-    while holder := store.transaction(store.claim_node_name, replacing)[0]:
+    while holder := store.transaction(store.nodes.claim_node_name, replacing)[0]:
         alive = process_alive_here(holder)
         if alive is False:
             replacing = holder
@@ -10576,7 +10726,7 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     token = api_token(config.data_dir, create=True)
     store = Store(config.database or config.db_path, data_dir=config.data_dir, node=config.node,
                   process=this_process())
-    if store.postgres:
+    if store.dialect.fleet:
         acquire_node_name(store)
     else:
         os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
@@ -10617,7 +10767,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(notification_actor, actors, deps.settled.rx)
         nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
-        if deps.store.postgres:
+        if deps.store.dialect.fleet:
             nursery.start_soon(node_actor, actors, shutdown)
         task_status.started(binds)
         nursery.start_soon(watchdog_actor)
@@ -10628,11 +10778,11 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         with trio.move_on_after(hc.graceful_timeout + 2):
             await web_done.wait()
         nursery.cancel_scope.cancel()
-    if deps.store.postgres:
+    if deps.store.dialect.fleet:
         with contextlib.suppress(StoreUnavailable):   # then the name frees itself in NODE_LOST_S
-            await deps.transaction(deps.store.release_node_name)
+            await deps.transaction(deps.store.nodes.release_node_name)
     log.info("group commit: %s", deps.writer.summary())
-    if deps.store.postgres:
+    if deps.store.dialect.fleet:
         log.info("%d transaction(s) ran again after a serialization failure", deps.store.serialization_retries)
 
 
@@ -10653,7 +10803,7 @@ async def run_until_signal(deps: Deps) -> None:
                 binds = await appliance.start(serve, deps, shutdown)
                 port = int(binds[0].rsplit(":", 1)[1]) if binds else deps.config.port
                 base = f"http://{deps.config.host}:{port}"
-                code = await deps.transaction(deps.store.create_signin_code, deps.clock.now())
+                code = await deps.transaction(deps.store.access.create_signin_code, deps.clock.now())
                 print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
@@ -11041,8 +11191,8 @@ def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
     except (ConfigError, SchemaTooNew, orm.dbapiprovider.DatabaseError) as exc:
         raise CliError(f"{database_label(database or data_dir)}: {exc}".strip(), EXIT_USAGE) from None
     try:
-        sid = store.transaction(store.find_schedule_id, target)[0]
-        report = store.transaction(store.inspect, sid)[0]
+        sid = store.transaction(store.schedules.find_schedule_id, target)[0]
+        report = store.transaction(store.schedules.inspect, sid)[0]
     except NotFound as exc:
         raise CliError(str(exc), EXIT_REFUSED) from None
     finally:

@@ -119,7 +119,7 @@ def add_far_schedules(store: outpost.Store, repo: Path, n: int, prefix: str = "f
 
     def batch(lo: int, hi: int) -> None:
         for i in range(lo, hi):
-            store.create_schedule({**base, "name": f"{prefix}-{i}"}, now)
+            store.schedules.create_schedule({**base, "name": f"{prefix}-{i}"}, now)
     for lo in range(0, n, 500):
         store.transaction(batch, lo, min(n, lo + 500))
 
@@ -133,7 +133,7 @@ def add_interval_due(store: outpost.Store, repo: Path, dues: list[datetime], age
 
     def batch() -> None:
         for i, due in enumerate(dues):
-            store.create_schedule({**base, "name": f"{prefix}-{i}"}, due - timedelta(hours=1))
+            store.schedules.create_schedule({**base, "name": f"{prefix}-{i}"}, due - timedelta(hours=1))
     store.transaction(batch)
 
 
@@ -181,7 +181,7 @@ def queue_dispatches(store: outpost.Store, payload: dict[str, Any], n: int, batc
 
     def many(k: int) -> None:
         for _ in range(k):
-            store.create_dispatch(payload, now)
+            store.schedules.create_dispatch(payload, now)
     done = 0
     while done < n:
         k = min(batch, n - done)
@@ -700,7 +700,7 @@ async def drain_like_the_claim_actor(deps: outpost.Deps, max_running: int, *, di
     wake = trio.Event()
 
     async def settle(run_id: str) -> None:
-        await deps.transaction(store.settle_run, run_id, SUCCESS, deps.clock.now(), exit_code=0)
+        await deps.transaction(store.runs.settle_run, run_id, SUCCESS, deps.clock.now(), exit_code=0)
         settled[0] += 1
         in_flight[0] -= 1
         wake.set()
@@ -708,9 +708,10 @@ async def drain_like_the_claim_actor(deps: outpost.Deps, max_running: int, *, di
         while True:
             processed = 0
             if dispatch:
-                while (p := (await deps.transaction(store.dispatch_wakeups, deps.clock.now(), deps.profiles))[1]):
+                while (p := (await deps.transaction(store.pipeline.dispatch_wakeups, deps.clock.now(),
+                                                    deps.profiles))[1]):
                     processed += p
-            admitted = await deps.transaction(store.admit_ready, max_running, deps.clock.now())
+            admitted = await deps.transaction(store.runs.admit_ready, max_running, deps.clock.now())
             for run_id, _ in admitted:
                 in_flight[0] += 1
                 runs.start_soon(settle, run_id)
@@ -723,7 +724,7 @@ async def drain_like_the_claim_actor(deps: outpost.Deps, max_running: int, *, di
                 wake = trio.Event()
                 await wake.wait()
                 continue
-            later = await deps.transaction(store.next_wakeup_at, deps.clock.now()) if clock else None
+            later = await deps.transaction(store.office.next_wakeup_at, deps.clock.now()) if clock else None
             if later is None:
                 return settled[0]
             clock.at = later
@@ -849,21 +850,21 @@ def office_template(d: Path, repo: Path, n: int) -> list[tuple[str, str]]:
     tasks are created through store.create_task and assigned without a wakeup, which the timed part
     enqueues. Returns (agent id, task id) per wakeup to come."""
     store = outpost.Store(d / "outpost.sqlite3")
-    current = store.transaction(store.office_settings, None)[0]
-    store.transaction(store.update_office_settings, None,
+    current = store.transaction(store.office.office_settings, None)[0]
+    store.transaction(store.office.update_office_settings, None,
               outpost.normalize_settings({"repository": str(repo)}, profiles=OFFICE_PROFILES, current=current))
     agents = []
     for i in range(WAKEUP_AGENTS):
         raw = {"name": f"agent-{i:02d}", "executor": "demo", "max_concurrent_sessions": 1 + i % 3,
                "cooldown_sec": WAKEUP_COOLDOWNS_S[(i // 3) % len(WAKEUP_COOLDOWNS_S)]}
         fields = outpost.normalize_agent(raw, profiles=OFFICE_PROFILES)
-        agents.append(store.transaction(store.create_agent, None, fields, WAKEUP_T0)[0]["id"])
+        agents.append(store.transaction(store.office.create_agent, None, fields, WAKEUP_T0)[0]["id"])
     pairs: list[tuple[str, str]] = []
 
     def batch(lo: int, hi: int) -> None:
         for i in range(lo, hi):
             fields = outpost.normalize_task({"title": f"task {i}"}, profiles=OFFICE_PROFILES)
-            task_id = store.create_task(None, fields, WAKEUP_T0)["id"]
+            task_id = store.office.create_task(None, fields, WAKEUP_T0)["id"]
             store.db.Task[task_id].assignee_agent_id = agents[i % len(agents)]
             pairs.append((agents[i % len(agents)], task_id))
     for lo in range(0, n, 500):
@@ -884,7 +885,7 @@ async def enqueue_burst(deps: outpost.Deps, pairs: list[tuple[str, str]]) -> Non
 
     async def requester() -> None:
         for agent_id, task_id in it:
-            await deps.transaction(deps.store.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id,
+            await deps.transaction(deps.store.wakeups.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id,
                                    outpost.WakeupSource.TASK_ASSIGNED, {"task_id": task_id}, deps.clock.now())
     async with trio.open_nursery() as nursery:
         for _ in range(BURST):
@@ -981,9 +982,9 @@ def admit_latency(db: Path, m: int) -> float:
     lat = []
     for _ in range(m):
         t0 = time.perf_counter()
-        a = store.transaction(store.admit_next, 2, now_utc())[0]
+        a = store.transaction(store.runs.admit_next, 2, now_utc())[0]
         lat.append((time.perf_counter() - t0) * 1000)
-        store.transaction(store.settle_run, a[0], SUCCESS, now_utc(), exit_code=0)
+        store.transaction(store.runs.settle_run, a[0], SUCCESS, now_utc(), exit_code=0)
     store.close()
     return pct(lat, 50)
 
@@ -1169,9 +1170,9 @@ def bench_dashboard(q: bool, work: Path) -> list[dict[str, Any]]:
     d.mkdir()
     store = outpost.Store(d / "outpost.sqlite3")
     add_far_schedules(store, repo, n_sched)
-    ids = [s["id"] for s in store.transaction(store.list_schedules)[0]]
+    ids = [s["id"] for s in store.transaction(store.schedules.list_schedules)[0]]
     queue_dispatches(store, dispatch_payload(repo), 1)
-    cookie, _ = store.transaction(store.create_session, now_utc())[0]
+    cookie, _ = store.transaction(store.access.create_session, now_utc())[0]
     store.close()
     bulk_runs(d / "outpost.sqlite3", n_runs, status="succeeded", schedule_ids=ids)
     lat: dict[str, list[float]] = {"/schedules": [], "/runs": []}
