@@ -76,6 +76,7 @@ import functools
 import hashlib
 import heapq
 import hmac
+import io
 import itertools
 import json
 import logging
@@ -88,6 +89,7 @@ import shlex
 import shutil
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -96,6 +98,7 @@ import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
@@ -531,6 +534,7 @@ class Config:
     database: str | None = None       # a postgresql:// URL (a fleet, API.md 10); None: SQLite in data_dir
     node_name: str = ""               # this process in a fleet; "" -> <hostname>:<port>
     fleet_max_running: int | None = None
+    metrics_token: str | None = None  # a second token that reads GET /metrics only (API.md 11)
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -598,10 +602,17 @@ def _text_value(value: Any) -> str | None:
     return None if isinstance(value, str) and value.strip() else f"must be a non-empty string, not {value!r}"
 
 
+def _metrics_token(value: Any) -> str | None:
+    """A scraper's secret: long enough not to be guessed, and one word (it goes in a header)."""
+    if isinstance(value, str) and len(value) >= 16 and value.isascii() and value.isprintable() and " " not in value:
+        return None
+    return "must be a string of at least 16 printable ASCII characters without spaces (a secret a scraper sends)"
+
+
 SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
     "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
     "isolate_agents": _one_of(*ISOLATION_MODES), "database": _database_url,
-    "node_name": _text_value, "fleet_max_running": _whole(1, 100_000)}
+    "node_name": _text_value, "fleet_max_running": _whole(1, 100_000), "metrics_token": _metrics_token}
 
 
 def _zone_name(value: Any) -> str | None:
@@ -687,7 +698,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
     return Config(data_dir=data_dir, host=host or "127.0.0.1", port=port if port is not None else DEFAULT_PORT,
                   max_running=limit, allowed_hosts=tuple(settings.get("allowed_hosts", ())), agents=tuple(agents),
                   isolate_agents=settings.get("isolate_agents", "auto"), database=database or None,
-                  node_name=settings.get("node_name", ""), fleet_max_running=settings.get("fleet_max_running"))
+                  node_name=settings.get("node_name", ""), fleet_max_running=settings.get("fleet_max_running"),
+                  metrics_token=settings.get("metrics_token"))
 
 
 def api_token(data_dir: Path, *, create: bool) -> str | None:
@@ -3902,6 +3914,29 @@ class Dialect:
     def continue_event_cursor(self, db: orm.Database) -> None:
         """After ``outpost migrate``: events go on from the last cursor copied."""
 
+    def database_file(self, database: Path | str) -> Path | None:
+        """The file the database lives in (its size on disk, a backup), if it is one."""
+        return None if str(database) == ":memory:" else Path(database)
+
+    #: Why ``outpost backup`` does not copy this database (None: it does, with ``backup``).
+    backup_refusal: str | None = None
+
+    def backup(self, database: Path | str, target: Path) -> None:
+        """A consistent copy of the live database into the new file ``target``: SQLite's online
+        backup API (https://www.sqlite.org/backup.html, ``sqlite3.Connection.backup``), in one step,
+        so the copy is one snapshot even while the daemon writes (WAL: it never waits for us)."""
+        source = sqlite3.connect(f"file:{urllib.parse.quote(str(database))}?mode=ro", uri=True,
+                                 timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            copy = sqlite3.connect(target)
+            try:
+                source.backup(copy)   # pages=-1: every page in one step, one read snapshot
+                copy.execute("PRAGMA journal_mode=DELETE")   # one self-contained file, no -wal beside it
+            finally:
+                copy.close()
+        finally:
+            source.close()
+
 
 class PostgresDialect(Dialect):
     """A fleet's PostgreSQL: SERIALIZABLE transactions run again on a serialization failure,
@@ -3976,6 +4011,12 @@ class PostgresDialect(Dialect):
     def continue_event_cursor(self, db: orm.Database) -> None:
         """The event_cursor sequence goes on from the last cursor the EventSequence row gave."""
         db.execute("""SELECT setval('event_cursor', value) FROM "EventSequence" WHERE id = 1 AND value > 0""")
+
+    def database_file(self, database: Path | str) -> Path | None:
+        return None
+
+    backup_refusal = ("a fleet's database is PostgreSQL's to back up: use pg_dump (pg_dump --format=custom "
+                      "--file=outpost.dump DBNAME), and copy each node's outpost.toml and api-token yourself")
 
 
 def dialect_of(database: Path | str) -> Dialect:
@@ -4207,6 +4248,11 @@ class StoreCore:
 
     def open_attention_count(self) -> int:
         return orm.count(a for a in self.db.Attention if a.acknowledged_at is None)
+
+    def open_attention_by_kind(self) -> dict[str, int]:
+        """Open attention items per kind (GET /metrics): one pass over the unacknowledged index."""
+        return dict(self.db.select('SELECT kind, COUNT(*) FROM "Attention" WHERE acknowledged_at IS NULL '
+                                   "GROUP BY kind"))
 
     def ack_all_attention(self, now: datetime) -> int:
         items = list(self.db.Attention.select(lambda a: a.acknowledged_at is None))
@@ -4910,6 +4956,7 @@ class RunStore(StorePart):
                 "office": o is not None, "task_id": o.task_id if o else None,
                 "resume_session": r.resume_session_id, "continues_branch": r.continues_branch,
                 "max_cost_usd": r.max_cost_usd, "trigger": r.trigger, "worktree_run": r.worktree_run,
+                "due_at": aware(r.due_at), "started_at": aware(r.started_at),
                 "handover_branch": self._handover_branch(r, o) if o and o.task_id and r.continues_branch else None}
 
     def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
@@ -5018,6 +5065,12 @@ class RunStore(StorePart):
         st = self._profile_state(name, now)
         st.paused_reason, st.limited_until, st.limit_streak, st.updated_at = None, None, 0, naive(now)
         self.core.emit("agent.resumed", {"agent": name}, now)
+
+    def run_tallies(self) -> list[tuple[str, str, str, int, float]]:
+        """Every run (fleet-wide) as (status, agent, trigger, count, cost in USD): one grouped
+        pass for GET /metrics, the database being the source of every total."""
+        return [(status, agent, trigger, n, cost or 0.0) for status, agent, trigger, n, cost in self.db.select(
+            'SELECT status, agent, "trigger", COUNT(*), SUM(cost_usd) FROM "Run" GROUP BY status, agent, "trigger"')]
 
     def profile_states(self, names: list[str], now: datetime) -> list[dict[str, Any]]:
         """Every profile's standing: running and queued runs, limit, login pause, cost in 24 h."""
@@ -5408,6 +5461,10 @@ class WakeupStore(StorePart):
     """Wakeup intake (Office): the persisted queue: enqueue with idempotency keys and the
     coalescing window, merges into unstarted runs, ending wakeups, task checkouts, and the facts
     a prompt is built from."""
+
+    def wakeup_tallies(self) -> list[tuple[str, str, int]]:
+        """Every wakeup as (source, status, count), for GET /metrics."""
+        return list(self.db.select('SELECT source, status, COUNT(*) FROM "Wakeup" GROUP BY source, status'))
 
     def _coalescing_target(self, agent_id: str, source: str, task_id: str | None, now: datetime) -> str | None:
         """Where a new request of this agent and scope merges: first a wakeup whose run has not
@@ -7936,6 +7993,143 @@ class CronWatch:
         return None
 
 
+#: Buckets of outpost_fire_lag_seconds: a fire is on time within a second (CRON_ON_TIME_S).
+FIRE_LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: Buckets of outpost_store_transaction_seconds: one fsync is a few milliseconds.
+TRANSACTION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: How long GET /metrics reuses the sizes on disk it walked (the walk is off the event loop).
+DISK_SIZES_TTL_S = 60.0
+#: The run statuses outpost_runs_total counts: a run once settled stays so, so each series only grows.
+COUNTED_RUN_STATUSES = tuple(str(s) for s in SETTLED_RUN_STATUSES)
+#: The wakeup statuses outpost_wakeups_total counts: ended ones (queued and claimed ones move on).
+COUNTED_WAKEUP_STATUSES = ("coalesced", "skipped", "finished", "failed", "cancelled")
+
+
+def disk_usage(data_dir: Path, database: Path | None) -> dict[str, int]:
+    """Bytes on disk by what holds them: the SQLite database with its WAL (when there is one),
+    the run logs, the worktrees and the mirrors. Blocking (it walks folders): call it off the
+    event loop. A file that vanishes mid-walk (a run settling) is simply not counted."""
+    def size(path: Path) -> int:
+        total = 0
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+        return total
+    sizes = {}
+    if database is not None:
+        sizes["database"] = sum(os.lstat(p).st_size for p in (database, Path(f"{database}-wal"))
+                                if os.path.lexists(p))
+    for what, folder in (("logs", "runs"), ("worktrees", "worktrees"), ("mirrors", "mirrors")):
+        sizes[what] = size(data_dir / folder)
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricsReading:
+    """What GET /metrics read at one scrape: the store's tallies (fleet-wide) and this node's view."""
+    runs: list[tuple[str, str, str, int, float]]
+    wakeups: list[tuple[str, str, int]]
+    attention: dict[str, int]
+    nodes: list[dict[str, Any]] | None   # a fleet's nodes; None on one machine
+    disk: dict[str, int]
+    cron_lag_s: float
+
+
+def read_metrics(store: Store) -> tuple[list, list, dict[str, int], list[dict[str, Any]] | None]:
+    """The store's part of a scrape, in one transaction: four grouped reads."""
+    return (store.runs.run_tallies(), store.wakeups.wakeup_tallies(), store.open_attention_by_kind(),
+            store.nodes.list_nodes() if store.dialect.fleet else None)
+
+
+class StoreCollector:
+    """A prometheus_client collector of totals and gauges read from the database at each scrape
+    (the source of truth: they survive a restart, and every node of a fleet reports the same).
+    ``reading`` is set by the scrape just before the registry is written out, with no await
+    between (one trio thread: no other scrape can interleave)."""
+
+    def __init__(self) -> None:
+        self.reading: MetricsReading | None = None
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        reading = self.reading
+        if reading is None:
+            return
+        runs = CounterMetricFamily("outpost_runs", "Settled runs, by outcome, agent profile and trigger.",
+                                   labels=["status", "agent", "trigger"])
+        cost = collections.Counter()
+        active = collections.Counter()
+        for status, agent, trigger, n, usd in reading.runs:
+            cost[agent] += usd
+            active[status] += n
+            if status in COUNTED_RUN_STATUSES:
+                runs.add_metric([status, agent, trigger], n)
+        yield runs
+        yield GaugeMetricFamily("outpost_runs_running", "Runs running now.", value=active["running"])
+        yield GaugeMetricFamily("outpost_runs_queued", "Runs waiting for a slot.", value=active["queued"])
+        usd = CounterMetricFamily("outpost_agent_cost_usd", "Cost the agents reported, in USD.", labels=["agent"])
+        for agent, total in sorted(cost.items()):
+            usd.add_metric([agent], total)
+        yield usd
+        wakeups = CounterMetricFamily("outpost_wakeups", "Office wakeups that ended, by source and how.",
+                                      labels=["source", "status"])
+        for source, status, n in reading.wakeups:
+            if status in COUNTED_WAKEUP_STATUSES:
+                wakeups.add_metric([source, status], n)
+        yield wakeups
+        attention = GaugeMetricFamily("outpost_attention_open", "Open attention items, by kind.", labels=["kind"])
+        for kind, n in sorted(reading.attention.items()):
+            attention.add_metric([kind], n)
+        yield attention
+        yield GaugeMetricFamily("outpost_cron_lag_seconds", "How far the cron actor is behind its earliest "
+                                "due fire (0: on time).", value=reading.cron_lag_s)
+        disk = GaugeMetricFamily("outpost_disk_bytes", "Bytes on disk, by what holds them.", labels=["what"])
+        for what, n in reading.disk.items():
+            disk.add_metric([what], n)
+        yield disk
+        if reading.nodes is not None:
+            up = GaugeMetricFamily("outpost_node_up", "1 for a node of the fleet whose heartbeat is fresh.",
+                                   labels=["node"])
+            for node in reading.nodes:
+                up.add_metric([node["name"]], 1 if node["status"] == "up" else 0)
+            yield up
+
+
+class Metrics:
+    """One appliance's Prometheus registry (its own, never the process-global one: tests start
+    many in one process): the in-process histograms (fire lag, store transactions), observed
+    where they happen, and the collector of the database's totals. Sizes on disk are cached
+    for DISK_SIZES_TTL_S."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Histogram
+        self.registry = CollectorRegistry()
+        self.fire_lag = Histogram("outpost_fire_lag_seconds", "From a run's scheduled instant to its start (cron, "
+                                  "interval and once runs).", buckets=FIRE_LAG_BUCKETS_S, registry=self.registry)
+        self.transactions = Histogram("outpost_store_transaction_seconds", "Store transactions (a group commit "
+                                      "is one), start to commit.", buckets=TRANSACTION_BUCKETS_S,
+                                      registry=self.registry)
+        self.store = StoreCollector()
+        self.registry.register(self.store)
+        self.disk: tuple[datetime, dict[str, int]] | None = None
+
+    def observe_start(self, info: dict[str, Any]) -> None:
+        """A run of a schedule's own timing started: how late, from its instant (``launch_info``)."""
+        if info["trigger"] in ("cron", "interval", "once") and info["due_at"] and info["started_at"]:
+            self.fire_lag.observe(max(0.0, (info["started_at"] - info["due_at"]).total_seconds()))
+
+    def render(self, reading: MetricsReading, accept: str) -> tuple[bytes, str]:
+        """The exposition in the format the scraper asked for (``Accept``: OpenMetrics or text)."""
+        from prometheus_client.exposition import choose_encoder
+        encoder, content_type = choose_encoder(accept)
+        self.store.reading = reading
+        try:
+            return encoder(self.registry), content_type
+        finally:
+            self.store.reading = None
+
+
 class PendingCall:
     """A store call waiting for the writer thread."""
     __slots__ = ("call", "taken", "written", "done")
@@ -7951,8 +8145,9 @@ class GroupCommit:
     call. The first waiter whose call nobody has taken leads the next group; the others wait
     for the lock and find theirs done. ``sizes`` counts groups by size."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, observe: Callable[[float], None] = lambda seconds: None) -> None:
         self.store = store
+        self.observe = observe   # each transaction's duration (outpost_store_transaction_seconds)
         self.queue: list[PendingCall] = []
         self.lock = trio.Lock()
         self.sizes: collections.Counter[int] = collections.Counter()
@@ -7983,7 +8178,9 @@ class GroupCommit:
             pending.taken = True
         try:   # shielded: a group once taken is always run and answered, whoever leads it is cancelled
             with trio.CancelScope(shield=True):
+                began = time.perf_counter()
                 written = await trio.to_thread.run_sync(self.store.transactions, [p.call for p in group])
+                self.observe(time.perf_counter() - began)
         except Exception as exc:   # the writer thread itself failed (never a call's own error)
             written = [Written(None, False, exc)] * len(group)
         self.sizes[len(group)] += 1
@@ -8015,12 +8212,13 @@ class Deps:
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
     refs: Refs = dataclasses.field(default_factory=Refs)
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)   # GET /metrics: this appliance's registry
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
     mirrors: Mirrors = None      # type: ignore[assignment]   # one per data dir; kept by dataclasses.replace
 
     def __post_init__(self) -> None:
         if self.writer is None:
-            object.__setattr__(self, "writer", GroupCommit(self.store))
+            object.__setattr__(self, "writer", GroupCommit(self.store, self.metrics.transactions.observe))
         if self.mirrors is None:
             object.__setattr__(self, "mirrors", Mirrors(self.config.data_dir / "mirrors"))
 
@@ -8043,7 +8241,12 @@ class Deps:
         """Run one store function in a transaction on the one writer thread (grouped with the
         calls that arrive while another commits); inline in tests that drive a MockClock."""
         call = functools.partial(fn, *args, **kwargs)
-        written = self.store._alone(call) if self.inline_db else await self.writer.run(call)
+        if self.inline_db:
+            began = time.perf_counter()
+            written = self.store._alone(call)
+            self.metrics.transactions.observe(time.perf_counter() - began)
+        else:
+            written = await self.writer.run(call)
         if cannot_write(written.error):
             raise StoreUnavailable(f"the database cannot be written now ({written.error}); nothing was "
                                    "changed, retry shortly") from None
@@ -8335,6 +8538,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             await deps.transaction_retrying(deps.store.runs.requeue_unstarted, run_id, deps.clock.now(),
                                             "the daemon stopped before it started")
         raise
+    deps.metrics.observe_start(info)
     if info["status"] == RunStatus.PAUSED:   # paused between its admission and now
         live.pause()
     workspace = run_workspace(deps, info)
@@ -8769,6 +8973,7 @@ class Auth(enum.StrEnum):
     RUN = "run"               # a running Office run's own token ($OUTPOST_RUN_TOKEN)
     ANY_RUN = "any_run"       # the run token of any running run (a schedule's or a dispatch's too)
     SIGNATURE = "signature"   # a webhook: its trigger's signing mode, checked by the handler (API.md 7.2)
+    METRICS = "metrics"       # a scraper: the API token or [settings] metrics_token (Bearer), nothing else
     PUBLIC = "public"         # no credentials: health and sign-in
 
 
@@ -9017,6 +9222,11 @@ async def authenticate(web: Web):
             raise Forbidden("a schedule or dispatch run may only call POST /api/agent/needs-you")
         web.caller = "agent"
         return None
+    if auth is Auth.METRICS:
+        if not scraper_token(web.deps, bearer(header)):
+            raise Unauthorized("send Authorization: Bearer <token>: the API token or [settings] metrics_token")
+        web.caller = "scraper"
+        return None
     if header is not None:
         given = bearer(header)
         if not given or not hmac.compare_digest(given.encode(), web.deps.token.encode()):
@@ -9039,6 +9249,13 @@ async def authenticate(web: Web):
         if not hmac.compare_digest(given.encode(), web.csrf.encode()):
             raise CrossSiteRefused("the form's CSRF token is missing or stale: reload the page and try again")
     return None
+
+
+def scraper_token(deps: Deps, given: str) -> bool:
+    """Whether ``given`` may read GET /metrics: the API token, or the metrics token, which opens
+    nothing else (compared in constant time, each)."""
+    tokens = [deps.token, *([deps.config.metrics_token] if deps.config.metrics_token else [])]
+    return bool(given) and any([hmac.compare_digest(given.encode(), t.encode()) for t in tokens])
 
 
 async def credentialed(web: Web) -> bool:
@@ -9385,6 +9602,31 @@ async def api_healthz(web: Web):
                  "reason": f"the {actor} actor has made no progress for {held_s:.0f} s, held in one step "
                            "(a database another process holds, or a git command that hangs)"}
     return body if body["ok"] else (jsonify(body), 503)
+
+
+@api.get("/metrics", auth=Auth.METRICS)
+async def api_metrics(web: Web):
+    """Prometheus exposition (API.md 11), written by prometheus_client from this appliance's
+    registry: the database's totals and gauges read in one transaction, the sizes on disk
+    (walked off the event loop, at most once a DISK_SIZES_TTL_S), this process's histograms."""
+    deps = web.deps
+    runs, wakeups, attention, nodes = await web.call(read_metrics, deps.store)
+    reading = MetricsReading(runs, wakeups, attention, nodes, await disk_sizes(deps),
+                             round(deps.cron_watch.lag_s(web.now), 3))
+    body, content_type = deps.metrics.render(reading, web.request.headers.get("Accept", ""))
+    return body, 200, {"Content-Type": content_type, "Cache-Control": "no-store"}
+
+
+async def disk_sizes(deps: Deps) -> dict[str, int]:
+    """``disk_usage`` of the data dir, reused for DISK_SIZES_TTL_S (a scrape every few seconds
+    must not walk every worktree each time)."""
+    cached, now = deps.metrics.disk, deps.clock.now()
+    if cached is not None and (now - cached[0]).total_seconds() < DISK_SIZES_TTL_S:
+        return cached[1]
+    database = deps.store.dialect.database_file(deps.store.database)
+    sizes = await trio.to_thread.run_sync(disk_usage, deps.config.data_dir, database)
+    deps.metrics.disk = (now, sizes)
+    return sizes
 
 
 def _text_field(raw: dict[str, Any], key: str, hi: int, *, single_line: bool = False) -> str:
@@ -11177,6 +11419,191 @@ def cli_migrate(data_dir: Path, url: str) -> None:
           f"serve it with: outpost serve --database {database_label(url)}")
 
 
+#: The members of an ``outpost backup`` archive, the only names ``restore`` writes (each a plain file).
+BACKUP_MEMBERS = ("manifest.json", "outpost.sqlite3", "outpost.toml", "api-token")
+#: What a backup's manifest says it is.
+BACKUP_FORMAT, BACKUP_VERSION = "outpost-backup", 1
+#: The most a member other than the database may hold (a manifest, a config, a token).
+BACKUP_SMALL_BYTES = 1024 * 1024
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checked_database_copy(path: Path) -> dict[str, int]:
+    """Open a copied database: whole (``PRAGMA quick_check``), Outpost's, not newer than this
+    Outpost. Its schedule and run counts, for the one line the CLI prints."""
+    try:
+        db = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)
+        try:
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            version = db.execute("SELECT version FROM schema_version").fetchone()
+            counts = {"schedules": db.execute('SELECT COUNT(*) FROM "Schedule"').fetchone()[0],
+                      "runs": db.execute('SELECT COUNT(*) FROM "Run"').fetchone()[0]}
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        raise CliError(f"the database in the backup is not an Outpost database: {exc}", EXIT_REFUSED) from None
+    if check != "ok" or version is None:
+        raise CliError(f"the database in the backup is damaged ({check})", EXIT_REFUSED)
+    if version[0] > SCHEMA_VERSION:
+        raise CliError(f"the backup's database is at schema version {version[0]}, newer than this Outpost "
+                       f"({SCHEMA_VERSION}); upgrade Outpost first", EXIT_REFUSED)
+    return counts
+
+
+def cli_backup(data_dir: Path, file: Path) -> None:
+    """``outpost backup FILE`` (API.md 11): the live database (SQLite's online backup, consistent
+    while ``serve`` writes), ``outpost.toml`` and ``api-token`` in one gzipped tar with a manifest
+    of their SHA-256s. Written beside FILE as 0600 (it holds the token and webhook secrets), then
+    renamed over it: FILE is either the old backup or the whole new one. On PostgreSQL the
+    database's own tools back it up (the Dialect says so)."""
+    import tarfile
+    import tempfile
+    try:
+        config = load_config(data_dir)
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    database = config.database or config.db_path
+    dialect = dialect_of(database)
+    if dialect.backup_refusal:
+        raise CliError(dialect.backup_refusal, EXIT_USAGE)
+    if not config.db_path.is_file():
+        raise CliError(f"no Outpost database in {data_dir}", EXIT_USAGE)
+    target = file.expanduser().absolute()
+    made: list[str] = []
+    try:
+        fd, archive = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")   # 0600
+        made.append(archive)
+        fd_db, snapshot = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".sqlite3")
+        made.append(snapshot)
+        os.close(fd_db)
+        os.unlink(snapshot)   # sqlite3 makes it anew; mkstemp only chose a free name in a writable place
+        dialect.backup(database, Path(snapshot))
+        os.chmod(snapshot, 0o600)
+        counts = checked_database_copy(Path(snapshot))
+        files = {"outpost.sqlite3": Path(snapshot)}
+        files |= {name: data_dir / name for name in ("outpost.toml", "api-token") if (data_dir / name).is_file()}
+        manifest = {"format": BACKUP_FORMAT, "version": BACKUP_VERSION, "schema_version": SCHEMA_VERSION,
+                    "created_at": rfc3339(datetime.now(UTC)), "data_dir": str(data_dir), **counts,
+                    "files": {name: sha256_file(path) for name, path in files.items()}}
+        with os.fdopen(fd, "wb") as out, tarfile.open(fileobj=out, mode="w:gz") as tar:
+            text = json.dumps(manifest, indent=2).encode()
+            info = tarfile.TarInfo("manifest.json")
+            info.size, info.mode, info.mtime = len(text), 0o600, int(time.time())
+            tar.addfile(info, io.BytesIO(text))
+            for name, path in files.items():   # read through a link (a managed outpost.toml): a plain file
+                with open(path, "rb") as f:
+                    info = tar.gettarinfo(arcname=name, fileobj=f)
+                    info.mode, info.uid, info.gid, info.uname, info.gname = 0o600, 0, 0, "", ""
+                    tar.addfile(info, f)
+            tar.close()
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(archive, target)
+        made.remove(archive)
+    except sqlite3.Error as exc:
+        raise CliError(f"could not copy {config.db_path}: {exc}", EXIT_REFUSED) from None
+    except OSError as exc:   # an unwritable or missing folder, a full disk, FILE a directory
+        raise CliError(f"cannot write the backup {target}: {exc.strerror or exc}", EXIT_REFUSED) from None
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    names = ", ".join(files)
+    print(f"backed up {data_dir} to {target} ({target.stat().st_size} bytes: {names}; "
+          f"{counts['schedules']} schedules, {counts['runs']} runs)")
+    if "api-token" not in files:
+        print("note: no api-token file (the token came from $OUTPOST_API_TOKEN): keep that value with the backup")
+
+
+def backup_members(tar: Any) -> dict[str, Any]:
+    """The archive's members by name, refused unless each is one of BACKUP_MEMBERS, once, and a
+    plain file: a link, a device, a folder, an absolute name or one with ``..`` is never written."""
+    members: dict[str, Any] = {}
+    for member in tar.getmembers():
+        if member.name not in BACKUP_MEMBERS or member.name in members or not member.isreg():
+            kind = "a link" if member.issym() or member.islnk() else "not a plain file" if not member.isreg() else ""
+            raise CliError(f"not an Outpost backup: it holds {member.name!r}{f' ({kind})' if kind else ''}; "
+                           f"a backup holds only {', '.join(BACKUP_MEMBERS)}", EXIT_REFUSED)
+        if member.name != "outpost.sqlite3" and member.size > BACKUP_SMALL_BYTES:
+            raise CliError(f"not an Outpost backup: {member.name} is {member.size} bytes", EXIT_REFUSED)
+        members[member.name] = member
+    if "manifest.json" not in members or "outpost.sqlite3" not in members:
+        raise CliError("not an Outpost backup: it has no manifest.json or no outpost.sqlite3", EXIT_REFUSED)
+    return members
+
+
+def restore_into(tar: Any, members: dict[str, Any], data_dir: Path) -> dict[str, Any]:
+    """Write the members into the new ``data_dir`` (0700, files 0600, never through a link),
+    each checked against the manifest's SHA-256. Returns the manifest."""
+    try:
+        manifest = json.loads(tar.extractfile(members["manifest.json"]).read())
+        digests = dict(manifest["files"])
+        version = manifest["version"] if manifest["format"] == BACKUP_FORMAT else None
+    except (ValueError, KeyError, TypeError):
+        version = None
+    if not isinstance(version, int):
+        raise CliError("not an Outpost backup: its manifest.json is not one", EXIT_REFUSED)
+    if manifest["version"] > BACKUP_VERSION:
+        raise CliError(f"the backup's format is version {manifest['version']}, newer than this Outpost reads "
+                       f"({BACKUP_VERSION}); upgrade Outpost first", EXIT_REFUSED)
+    if set(digests) != set(members) - {"manifest.json"}:
+        raise CliError("the backup's files do not match its manifest (a damaged or altered backup)", EXIT_REFUSED)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name in digests:
+        digest = hashlib.sha256()
+        fd = os.open(data_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            source = tar.extractfile(members[name])
+            while chunk := source.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if not hmac.compare_digest(digest.hexdigest(), str(digests[name])):
+            raise CliError(f"{name} in the backup does not match its manifest (a damaged or altered backup)",
+                           EXIT_REFUSED)
+    return manifest
+
+
+def cli_restore(file: Path, data_dir: Path) -> None:
+    """``outpost restore FILE --data-dir DIR`` (API.md 11): a backup into a new, empty data dir,
+    refusing one that holds anything. What it wrote is removed again when the backup is refused."""
+    import tarfile
+    if data_dir.is_symlink() or (data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))):
+        raise CliError(f"{data_dir} is not empty: restore writes into a new, empty data dir only "
+                       "(choose another --data-dir, or move this one away)", EXIT_REFUSED)
+    existed = data_dir.exists()
+    try:
+        with tarfile.open(file, "r:*") as tar:
+            members = backup_members(tar)
+            try:
+                manifest = restore_into(tar, members, data_dir)
+                counts = checked_database_copy(data_dir / "outpost.sqlite3")
+            except BaseException:
+                for name in BACKUP_MEMBERS:
+                    with contextlib.suppress(OSError):
+                        (data_dir / name).unlink()
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        data_dir.rmdir()
+                raise
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise CliError(f"{file} is not an Outpost backup ({exc})", EXIT_REFUSED) from None
+    except OSError as exc:
+        raise CliError(f"cannot restore {file} into {data_dir}: {exc.strerror or exc}"
+                       f"{f' ({exc.filename})' if exc.filename else ''}", EXIT_REFUSED) from None
+    token = "" if "api-token" in manifest["files"] else " (it holds no api-token: set $OUTPOST_API_TOKEN)"
+    print(f"restored {file} ({manifest.get('created_at')}) into {data_dir}: {counts['schedules']} schedules, "
+          f"{counts['runs']} runs{token}; start it with: outpost serve --data-dir {data_dir}")
+
+
 def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
     """Reads the store directly, so it answers even while the daemon is down: the data dir's
     SQLite file, or a fleet's database (``[settings] database``, ``$OUTPOST_DATABASE_URL``)."""
@@ -11223,6 +11650,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p.add_argument("--to", required=True, metavar="URL", help="postgresql://user@host:5432/dbname (the password "
                    "from $OUTPOST_DATABASE_PASSWORD)")
+    p = sub.add_parser("backup", help="copy the database, outpost.toml and api-token into one file (while "
+                       "serve runs)")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("file", type=Path, help="the backup to write (0600; replaced whole when it exists)")
+    p = sub.add_parser("restore", help="unpack a backup into a new, empty data dir")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="the new, empty data dir")
+    p.add_argument("file", type=Path, help="a file `outpost backup` wrote")
     p = sub.add_parser("doctor", help="check each agent profile: binary, version, login")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
@@ -11284,6 +11718,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "migrate":
             cli_migrate(data_dir, args.to)
+            return 0
+        if args.command == "backup":
+            cli_backup(data_dir, args.file)
+            return 0
+        if args.command == "restore":
+            cli_restore(args.file.expanduser().absolute(), data_dir)
             return 0
         if args.target is None and args.action not in ("list",):
             raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)
