@@ -11581,7 +11581,7 @@ def cli_restore(file: Path, data_dir: Path) -> None:
                        "(choose another --data-dir, or move this one away)", EXIT_REFUSED)
     existed = data_dir.exists()
     try:
-        with tarfile.open(file, "r:*") as tar:
+        with tarfile.open(file, "r:gz") as tar:   # what ``backup`` writes, nothing else
             members = backup_members(tar)
             try:
                 manifest = restore_into(tar, members, data_dir)
@@ -11595,7 +11595,7 @@ def cli_restore(file: Path, data_dir: Path) -> None:
                         data_dir.rmdir()
                 raise
     except (tarfile.TarError, EOFError, zlib.error) as exc:
-        raise CliError(f"{file} is not an Outpost backup ({exc})", EXIT_REFUSED) from None
+        raise CliError(f"{file} is not an Outpost backup ({' '.join(str(exc).split())})", EXIT_REFUSED) from None
     except OSError as exc:
         raise CliError(f"cannot restore {file} into {data_dir}: {exc.strerror or exc}"
                        f"{f' ({exc.filename})' if exc.filename else ''}", EXIT_REFUSED) from None

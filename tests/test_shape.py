@@ -27,6 +27,7 @@ PART_ATTRIBUTES = {"schedules": "ScheduleStore", "runs": "RunStore", "nodes": "N
 #: contract or of who may call what.
 ROUTES = [
     ("GET", "/healthz", "public"),
+    ("GET", "/metrics", "metrics"),
     ("POST", "/v1/outpost/schedules/compose", "token"),
     ("POST", "/v1/outpost/schedules", "token"),
     ("GET", "/v1/outpost/schedules", "token"),
