@@ -93,6 +93,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.error
@@ -115,7 +116,7 @@ from ulid import ULID
 __all__ = [
     "Config", "OutpostError", "Clock", "WallClock", "TrioClock", "Store", "Deps",
     "next_fires", "normalize_definition", "confirmation_of", "run_outcome",
-    "cron_actor", "claim_actor", "recovery_actor", "notification_actor",
+    "cron_actor", "claim_actor", "recovery_actor", "notification_actor", "outbox_actor",
     "create_app", "serve", "main",
 ]
 
@@ -217,12 +218,13 @@ AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
 AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
                        ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 11     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 12     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
                         #     a node's name is one process's (Node.process)
                         # 11: covering indexes of the tallies GET /metrics reads (run_tally, wakeup_tally)
+                        # 12: the notification outbox
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -257,6 +259,25 @@ MAX_DIFF_BYTES = 1024 * 1024
 CHART_DAYS = 30
 #: Longest prompt a run is given (a brief is at most 32,768 characters; a reply adds to it).
 MAX_PROMPT_CHARS = 65536
+#: Every kind of attention item Outpost raises (StoreCore.raise_attention's callers).
+ATTENTION_KINDS = ("needs_you", "failed", "changes_returned", "succeeded", "auto_pause", "missed_fire",
+                   "catch_up_plan", "reconfirm", "agent_limited", "agent_auth", "approval", "agent_error",
+                   "budget_blocked")
+#: The kinds a ``[[notify]]`` entry sends unless it names its own (API.md 11).
+NOTIFY_DEFAULT_KINDS = ("needs_you", "failed", "auto_pause", "agent_auth", "missed_fire", "budget_blocked")
+#: A notification that could not be delivered is tried again after 1 min, doubling up to 1 h,
+#: until it is a day old; then it is given up (and recorded).
+NOTIFY_RETRY_FIRST_S, NOTIFY_RETRY_MAX_S, NOTIFY_GIVE_UP_S = MINUTE_S, HOUR_S, DAY_S
+#: Longest one send may take (real seconds, in its own thread: Apprise is synchronous).
+NOTIFY_SEND_TIMEOUT_S = 60
+#: A message left "sending" this long was being sent by a process that stopped (or a node that
+#: was lost): it is tried again. The one case that may deliver a message twice (a receiver that
+#: took it in the instant before the crash).
+NOTIFY_SENDING_STALE_S = 5 * MINUTE_S
+#: How often the outbox actor looks for work without a nudge (another node's items, a lost nudge).
+NOTIFY_SWEEP_S = MINUTE_S
+#: A daily digest missed while the daemon was down goes out late up to this long after its time.
+DIGEST_LATE_S = 6 * HOUR_S
 
 
 ###############################################################################
@@ -524,6 +545,36 @@ def host_zone() -> ZoneInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class NotifyEntry:
+    """One ``[[notify]]`` entry (API.md 11): where notifications go (an Apprise URL, which holds
+    its secrets: shown only as ``label``), which attention kinds, and an optional daily digest."""
+    index: int
+    url: str
+    label: str                              # the URL with its secrets masked (Apprise's privacy form)
+    kinds: tuple[str, ...] = NOTIFY_DEFAULT_KINDS
+    digest: str | None = None               # "08:00 Europe/Berlin"
+
+    @property
+    def key(self) -> str:
+        """The entry in the outbox: its URL hashed (the same entry after a restart, never its secrets)."""
+        return hashlib.sha256(self.url.encode()).hexdigest()[:24]
+
+    def digest_due(self, now: datetime) -> datetime | None:
+        """The latest instant at or before ``now`` its daily digest was due (None: no digest)."""
+        if self.digest is None:
+            return None
+        clock, _, zone_name = self.digest.partition(" ")
+        hour, minute = (int(x) for x in clock.split(":"))
+        tz = ZoneInfo(zone_name or "UTC")
+        local = now.astimezone(tz)
+        due = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        if due > local:
+            due = (local - timedelta(days=1)).replace(hour=hour, minute=minute, second=0, microsecond=0)
+        # a wall time a DST change skipped or doubled: its first instant, as cron does
+        return datetime.fromtimestamp(due.replace(tzinfo=tz).timestamp(), UTC)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     data_dir: Path
     host: str = "127.0.0.1"
@@ -536,6 +587,7 @@ class Config:
     node_name: str = ""               # this process in a fleet; "" -> <hostname>:<port>
     fleet_max_running: int | None = None
     metrics_token: str | None = None  # a second token that reads GET /metrics only (API.md 11)
+    notify: tuple[NotifyEntry, ...] = ()   # [[notify]] entries (API.md 11)
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -662,6 +714,56 @@ def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[
     return table
 
 
+def _notify_kinds(value: Any) -> str | None:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        return f"must be a non-empty list of attention kinds, not {value!r}"
+    unknown = [v for v in value if v not in ATTENTION_KINDS]
+    return f"names {unknown[0]!r}, not an attention kind (known: {', '.join(ATTENTION_KINDS)})" if unknown else None
+
+
+def _digest_time(value: Any) -> str | None:
+    m = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)(?: (\S+))?", value) if isinstance(value, str) else None
+    if m is None:
+        return f"must be a time of day with an optional IANA zone, such as \"08:00 Europe/Berlin\", not {value!r}"
+    return _zone_name(m[3]) if m[3] else None
+
+
+NOTIFY_KEYS: dict[str, Callable[[Any], str | None]] = {"url": _text_value, "kinds": _notify_kinds,
+                                                        "digest": _digest_time}
+
+
+def notify_label(url: str) -> str | None:
+    """An Apprise URL with its secrets masked, or None when Apprise cannot send to it (an
+    unknown scheme, a missing token). Apprise answers from the URL alone, with no network."""
+    import apprise  # noqa: PLC0415 - 0.15 s to import: only with [[notify]] entries
+
+    target = apprise.Apprise.instantiate(url, suppress_exceptions=True)
+    return target.url(privacy=True).partition("?")[0] if target else None   # without Apprise's default options
+
+
+def notify_entries(path: Path, raw: Any) -> tuple[NotifyEntry, ...]:
+    """The ``[[notify]]`` entries: each checked here, so a typo stops ``serve`` at start with one
+    line; a URL is named by its entry and scheme only (it holds tokens and passwords)."""
+    if not isinstance(raw, list) or not all(isinstance(spec, dict) for spec in raw):
+        raise ConfigError(f"{path}: notify must be [[notify]] tables (url, kinds, digest)")
+    entries: list[NotifyEntry] = []
+    for index, spec in enumerate(raw):
+        where = f"notify[{index}]"
+        _checked_table(path, where, spec, NOTIFY_KEYS)
+        if "url" not in spec:
+            raise ConfigError(f"{path}: {where}.url is missing (an Apprise URL, such as ntfy://ntfy.sh/my-topic)")
+        scheme = spec["url"].partition("://")[0] if "://" in spec["url"] else "(none)"
+        label = notify_label(spec["url"])
+        if label is None:
+            raise ConfigError(f"{path}: {where}.url is not a URL Apprise can send to (scheme {scheme!r}; "
+                              "see https://github.com/caronc/apprise/wiki for each service's URL)")
+        if any(e.url == spec["url"] for e in entries):
+            raise ConfigError(f"{path}: {where}.url repeats an earlier entry's (give it more kinds instead)")
+        entries.append(NotifyEntry(index, spec["url"], label, tuple(spec.get("kinds", NOTIFY_DEFAULT_KINDS)),
+                                   spec.get("digest")))
+    return tuple(entries)
+
+
 def load_config(data_dir: Path, *, host: str | None = None, port: int | None = None,
                 max_running: int | None = None, database: str | None = None) -> Config:
     """Read ``<data dir>/outpost.toml`` (optional), check every key and type, and merge flags
@@ -675,8 +777,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for section in raw:
-        if section not in ("settings", "agents"):
-            raise ConfigError(f"{path}: [{section}] is not a section Outpost knows (known: settings, agents)")
+        if section not in ("settings", "agents", "notify"):
+            raise ConfigError(f"{path}: [{section}] is not a section Outpost knows (known: settings, agents, notify)")
     settings = _checked_table(path, "settings", raw.get("settings", {}), SETTINGS_KEYS)
     agents = [demo_profile()]
     profiles = raw.get("agents", {})
@@ -700,7 +802,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
                   max_running=limit, allowed_hosts=tuple(settings.get("allowed_hosts", ())), agents=tuple(agents),
                   isolate_agents=settings.get("isolate_agents", "auto"), database=database or None,
                   node_name=settings.get("node_name", ""), fleet_max_running=settings.get("fleet_max_running"),
-                  metrics_token=settings.get("metrics_token"))
+                  metrics_token=settings.get("metrics_token"),
+                  notify=notify_entries(path, raw.get("notify", [])))
 
 
 def api_token(data_dir: Path, *, create: bool) -> str | None:
@@ -2150,6 +2253,11 @@ def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: 
     return ["succeeded"] if notify == "always" else []
 
 
+def notify_backoff_s(attempts: int) -> int:
+    """Seconds before a failed notification's next attempt: 1 min after the first, doubling to 1 h."""
+    return min(NOTIFY_RETRY_FIRST_S * 2 ** max(0, min(attempts - 1, 12)), NOTIFY_RETRY_MAX_S)
+
+
 def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None, error: str | None = None) -> int:
     """API.md 5.3: success resets the streak, the agent's own failure adds one; a run the
     daemon's stop or death interrupted, or one that hit a limit or a login wall, is not the
@@ -3475,6 +3583,26 @@ def define_entities(db: orm.Database) -> None:
         routine_run_id = Required(str)
         expires_at = Required(datetime, index=True)
 
+    class Notification(db.Entity):
+        """The outbox (API.md 11): one message for one ``[[notify]]`` entry, written in the
+        transaction that raised its attention item (or queued its digest or test). The rows are
+        the truth: a restart resumes them; UNIQUE (entry, item) in SCHEMA_SQL 11 means an item
+        reaches an entry once."""
+        id = PrimaryKey(int, auto=True)
+        entry = Required(str)                  # NotifyEntry.key
+        item = Optional(str, nullable=True)    # an attention id, or "digest:<local date>"; NULL: a test
+        kind = Required(str)                   # an attention kind, digest or test
+        title = Required(str)
+        body = Optional(str, nullable=True)
+        link = Optional(str, nullable=True)    # a dashboard path (/runs/<id>)
+        status = Required(str)                 # queued | sending | delivered | given_up
+        attempts = Required(int, default=0)
+        next_at = Required(datetime)           # queued: when to try (again)
+        sending_at = Optional(datetime)        # the last attempt's start (a stale "sending": NOTIFY_SENDING_STALE_S)
+        delivered_at = Optional(datetime)
+        last_error = Optional(str, nullable=True)
+        created_at = Required(datetime)
+
 
 #: SQL run once per schema version, after Pony created the tables that are missing
 #: (new entities). Constraints Pony cannot declare live here, so every rule is in the database.
@@ -3556,6 +3684,11 @@ SCHEMA_SQL = {
     11: [   # GET /metrics: its grouped counts read an index, not every run (11 ms at 100,000 runs, not 110)
         'CREATE INDEX IF NOT EXISTS run_tally ON "Run"(status, agent, "trigger", cost_usd)',
         'CREATE INDEX IF NOT EXISTS wakeup_tally ON "Wakeup"(source, status)',
+    ],
+    12: [   # the notification outbox: an item once per entry; the actor's due query
+        'CREATE UNIQUE INDEX IF NOT EXISTS notification_item ON "Notification"(entry, item) WHERE item IS NOT NULL',
+        'CREATE INDEX IF NOT EXISTS notification_due ON "Notification"(status, next_at)',
+        'CREATE INDEX IF NOT EXISTS notification_entry ON "Notification"(entry, id)',
     ],
 }
 
@@ -3966,7 +4099,7 @@ class PostgresDialect(Dialect):
             yield fresh
 
     def migrated(self, db: orm.Database, version: int) -> None:
-        if version == 0:
+        if version < 12:   # idempotent: the keys of tables new since ``version`` too (the outbox's, 12)
             self.widen_auto_keys(db)
         if version < 10:
             db.execute("CREATE SEQUENCE IF NOT EXISTS event_cursor AS BIGINT")
@@ -4044,6 +4177,10 @@ class StoreCore:
         self.db = orm.Database()
         define_entities(self.db)
         self._pending_events: list[tuple[str, dict[str, Any], datetime]] = []
+        self._after_commit: list[Callable[[], None]] = []
+        #: Called in the transaction that raises an attention item (id, kind, title, detail,
+        #: run id, now): what must be written with it (NotifyStore's outbox rows).
+        self.attention_hooks: list[Callable[[str, str, str, str | None, str | None, datetime], None]] = []
         self.serialization_retries = 0   # PostgreSQL transactions run again (logged at a stop; the benchmark)
         self.database, self.dialect = database, dialect_of(database)
         if data_dir is None and not self.dialect.fleet and str(database) != ":memory:":
@@ -4155,14 +4292,21 @@ class StoreCore:
                 attempt += 1
 
     def _serializable(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
-        self._pending_events = []
+        self._pending_events, self._after_commit = [], []
         with orm.db_session(serializable=True):
             result = fn(*args, **kwargs)
             wrote = bool(self._pending_events)
             if wrote:
                 self._number_events(self._pending_events)
-        self._pending_events = []
+        self._pending_events, done = [], self._after_commit
+        self._after_commit = []
+        for callback in done:
+            callback()
         return result, wrote
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """``callback()`` once the current transaction has committed (never if it rolls back)."""
+        self._after_commit.append(callback)
 
     def _number_events(self, events: list[tuple[str, dict[str, Any], datetime]]) -> None:
         """A transaction's last writes: its events, numbered after every commit before it
@@ -4220,6 +4364,8 @@ class StoreCore:
                           detail=detail, created_at=naive(now))
         self.emit("attention.raised", {"attention_id": aid, "kind": kind, "schedule_id": schedule_id,
                                        "run_id": run_id, "title": title}, now)
+        for hook in self.attention_hooks:
+            hook(aid, kind, title, detail, run_id, now)
 
     def _activity(self, code: str, workspace_id: str, now: datetime, *, agent_id: str | None = None,
                   task_id: str | None = None, wakeup_id: str | None = None, run_id: str | None = None,
@@ -5460,6 +5606,152 @@ class AccessStore(StorePart):
         self.db.execute('DELETE FROM "DashboardSession" WHERE expires_at < $now', {"now": sql_time(now)})
         self.db.execute('DELETE FROM "SigninCode" WHERE expires_at < $now', {"now": sql_time(now)})
         return self.db.execute('DELETE FROM "IdempotencyRecord" WHERE created_at < $h', {"h": horizon}).rowcount
+
+
+class NotifyStore(StorePart):
+    """The notification outbox (API.md 11): a row per attention item and ``[[notify]]`` entry,
+    queued in the transaction that raises the item (``StoreCore.attention_hooks``), plus the
+    daily digests and test messages; claimed before a send, marked after, retried with backoff."""
+
+    def __init__(self, core: StoreCore):
+        super().__init__(core)
+        self.entries: tuple[NotifyEntry, ...] = ()
+        self._queued = False   # set after a commit that queued a row: Deps.transaction nudges the actor
+        core.attention_hooks.append(self.queue_item)
+
+    def configure(self, entries: tuple[NotifyEntry, ...]) -> None:
+        self.entries = entries
+
+    def take_queued(self) -> bool:
+        """Whether a row was queued since the last look (set only once it was committed)."""
+        queued, self._queued = self._queued, False
+        return queued
+
+    def _mark_queued(self) -> None:
+        self._queued = True
+
+    def _queue(self, entry: NotifyEntry, item: str | None, kind: str, title: str, body: str | None,
+               link: str | None, now: datetime) -> int:
+        row = self.db.Notification(entry=entry.key, item=item, kind=kind, title=title[:500], body=body,
+                                   link=link, status="queued", next_at=naive(now), created_at=naive(now))
+        self.core.after_commit(self._mark_queued)
+        orm.flush()
+        return row.id
+
+    def queue_item(self, attention_id: str, kind: str, title: str, detail: str | None, run_id: str | None,
+                   now: datetime) -> None:
+        """In the transaction that raised the item: one row for each entry that wants its kind."""
+        for entry in self.entries:
+            if kind in entry.kinds:
+                self._queue(entry, attention_id, kind, title, detail[:2000] if detail else None,
+                            f"/runs/{run_id}" if run_id else "/attention", now)
+
+    def queue_test(self, index: int | None, now: datetime) -> list[dict[str, Any]]:
+        """A test message to every entry (or the one at ``index``): what was queued."""
+        chosen = [e for e in self.entries if index is None or e.index == index]
+        return [{"entry": e.index, "url": e.label,
+                 "id": self._queue(e, None, "test", "Outpost test notification",
+                                   "This entry works: Outpost notifications reach you here.", "/settings", now)}
+                for e in chosen]
+
+    def queue_digest(self, entry: NotifyEntry, due: datetime, now: datetime) -> bool:
+        """The daily digest of ``entry`` due at ``due`` (once per entry and local day)."""
+        item = f"digest:{due.astimezone(ZoneInfo(entry.digest.partition(' ')[2] or 'UTC')).date()}"
+        if self.db.Notification.get(entry=entry.key, item=item) is not None:
+            return False
+        self._queue(entry, item, "digest", f"Outpost: the last 24 h to {due:%Y-%m-%d %H:%M} UTC",
+                    self.digest_text(due - timedelta(days=1), due), "/runs", now)
+        return True
+
+    def digest_text(self, since: datetime, until: datetime) -> str:
+        """Runs settled between ``since`` and ``until`` by outcome, their commits and cost, and
+        the open attention items."""
+        rows = self.db.select('SELECT status, COUNT(*), COALESCE(SUM(commits), 0), COALESCE(SUM(cost_usd), 0) '
+                              'FROM "Run" WHERE finished_at >= $since AND finished_at < $until GROUP BY status',
+                              {"since": sql_time(since), "until": sql_time(until)})
+        runs = sum(r[1] for r in rows)
+        outcomes = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n, _, _ in sorted(rows))
+        lines = [f"Runs: {runs}{f' ({outcomes})' if runs else ''}",
+                 f"Commits: {sum(r[2] for r in rows)}", f"Cost: ${sum(r[3] for r in rows):.2f}"]
+        open_items = self.db.Attention.select(lambda a: a.acknowledged_at is None).order_by(
+            orm.desc(self.db.Attention.created_at))[:5]
+        lines.append(f"Open items: {self.core.open_attention_count()}")
+        lines += [f"- {a.kind.replace('_', ' ')}: {a.title}" for a in open_items]
+        return "\n".join(lines)
+
+    def claim_next(self, now: datetime) -> dict[str, Any] | None:
+        """The next due row of a configured entry, claimed ("sending") by a conditional UPDATE:
+        one process sends it. A row left sending by a process that stopped is due again after
+        NOTIFY_SENDING_STALE_S."""
+        if not self.entries:
+            return None
+        keys, params = sql_list("k", [e.key for e in self.entries])
+        params |= {"now": sql_time(now), "stale": sql_time(now - timedelta(seconds=NOTIFY_SENDING_STALE_S))}
+        due = self.db.select(f'SELECT id FROM "Notification" WHERE entry IN {keys} AND ((status = \'queued\' '
+                             "AND next_at <= $now) OR (status = 'sending' AND sending_at <= $stale)) "
+                             "ORDER BY next_at, id LIMIT 1", params)
+        if not due or not self.core.returning(
+                "UPDATE \"Notification\" SET status = 'sending', sending_at = $now, attempts = attempts + 1 "
+                "WHERE id = $id AND (status = 'queued' OR (status = 'sending' AND sending_at <= $stale)) "
+                "RETURNING id", {"id": due[0], "now": params["now"], "stale": params["stale"]}):
+            return None
+        n = self.db.Notification[due[0]]
+        return {"id": n.id, "entry": n.entry, "kind": n.kind, "title": n.title, "body": n.body, "link": n.link,
+                "attempts": n.attempts}
+
+    def finish(self, notification_id: int, error: str | None, now: datetime) -> str:
+        """After a send: delivered, or queued again with backoff, or given up once a day old."""
+        n = self.db.Notification[notification_id]
+        if error is None:
+            n.status, n.delivered_at = "delivered", naive(now)
+            return n.status
+        n.last_error = error[:1000]
+        if now - aware(n.created_at) >= timedelta(seconds=NOTIFY_GIVE_UP_S):
+            n.status = "given_up"
+        else:
+            n.status = "queued"
+            n.next_at = naive(now + timedelta(seconds=notify_backoff_s(n.attempts)))
+        return n.status
+
+    def next_due(self) -> datetime | None:
+        """When a row of a configured entry is next due (a retry, or a stale send)."""
+        if not self.entries:
+            return None
+        keys, params = sql_list("k", [e.key for e in self.entries])
+        row = self.db.select(f"SELECT MIN(next_at) FROM \"Notification\" WHERE entry IN {keys} AND status = 'queued'",
+                             params)
+        sending = self.db.select(f"SELECT MIN(sending_at) FROM \"Notification\" WHERE entry IN {keys} "
+                                 "AND status = 'sending'", params)
+        times = [sql_instant(row[0])] if row and row[0] else []
+        if sending and sending[0]:
+            times.append(sql_instant(sending[0]) + timedelta(seconds=NOTIFY_SENDING_STALE_S))
+        return min(times, default=None)
+
+    def entry_states(self) -> list[dict[str, Any]]:
+        """Each entry as Settings and the API show it: never its URL, only its label."""
+        return [{"entry": e.index, "url": e.label, "kinds": list(e.kinds), "digest": e.digest,
+                 **self._entry_state(e.key)} for e in self.entries]
+
+    def _entry_state(self, key: str) -> dict[str, Any]:
+        delivered, pending, given_up = self.db.select(
+            "SELECT MAX(delivered_at), COALESCE(SUM(CASE WHEN status IN ('queued', 'sending') THEN 1 ELSE 0 END), 0), "
+            "COALESCE(SUM(CASE WHEN status = 'given_up' THEN 1 ELSE 0 END), 0) "
+            'FROM "Notification" WHERE entry = $key',
+            {"key": key})[0]
+        error = self.db.select('SELECT last_error FROM "Notification" WHERE entry = $key AND last_error IS NOT NULL '
+                               "ORDER BY id DESC LIMIT 1", {"key": key})
+        return {"last_delivered_at": rfc3339(sql_instant(delivered)) if delivered else None,
+                "last_error": error[0] if error else None, "pending": pending, "given_up": given_up}
+
+    def notifications(self, entry_index: int | None = None) -> list[dict[str, Any]]:
+        """The outbox, newest first (tests and the settings page)."""
+        keys = {e.key: e.index for e in self.entries}
+        rows = self.db.Notification.select().order_by(orm.desc(self.db.Notification.id))[:200]
+        return [{"id": n.id, "entry": keys.get(n.entry), "item": n.item, "kind": n.kind, "title": n.title,
+                 "status": n.status, "attempts": n.attempts, "last_error": n.last_error,
+                 "next_at": rfc3339(aware(n.next_at)), "last_attempt_at": rfc3339(aware(n.sending_at)),
+                 "created_at": rfc3339(aware(n.created_at)), "delivered_at": rfc3339(aware(n.delivered_at))}
+                for n in rows if entry_index is None or keys.get(n.entry) == entry_index]
 
 
 class WakeupStore(StorePart):
@@ -6940,7 +7232,7 @@ class Store(StoreCore):
     """The store: the core session with its parts, each a set of synchronous functions run in
     one ``db_session`` through ``transaction`` (``Deps.transaction`` from trio), returning plain
     dicts, never entities. A part holds the parts below it that it calls, never one above:
-    schedules <- runs <- nodes; access; wakeups <- office <- pipeline <- routines."""
+    schedules <- runs <- nodes; access; notify; wakeups <- office <- pipeline <- routines."""
 
     def __init__(self, database: Path | str, **kwargs: Any):
         super().__init__(database, **kwargs)
@@ -6948,6 +7240,7 @@ class Store(StoreCore):
         self.runs = RunStore(self, self.schedules)
         self.nodes = NodeStore(self, self.runs)
         self.access = AccessStore(self)
+        self.notify = NotifyStore(self)
         self.wakeups = WakeupStore(self)
         self.office = OfficeStore(self, self.runs, self.wakeups)
         self.pipeline = PipelineStore(self, self.schedules, self.runs, self.wakeups, self.office)
@@ -7968,6 +8261,7 @@ class Actor(enum.StrEnum):
     """An actor that other parts of the process wake with a nudge."""
     CRON = "cron"     # a schedule's or a routine trigger's next fire may have changed
     CLAIM = "claim"   # runs or wakeups may be ready, or a slot was freed
+    NOTIFY = "notify"   # the notification outbox holds a new message
 
 
 @dataclasses.dataclass
@@ -8210,6 +8504,7 @@ class Deps:
     api_url: str = ""
     cron_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
     claim_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
+    notify_wake: NudgeChannel = dataclasses.field(default_factory=NudgeChannel)
     settled: SettledChannel = dataclasses.field(default_factory=lambda: SettledChannel(SETTLED_BUFFER))
     hub: Hub = dataclasses.field(default_factory=Hub)
     live: LiveRuns = dataclasses.field(default_factory=LiveRuns)
@@ -8240,7 +8535,7 @@ class Deps:
         return {a.name: a for a in self.config.agents}
 
     def nudge(self, actor: Actor) -> None:
-        (self.cron_wake if actor is Actor.CRON else self.claim_wake).poke()
+        {Actor.CRON: self.cron_wake, Actor.CLAIM: self.claim_wake, Actor.NOTIFY: self.notify_wake}[actor].poke()
 
     async def transaction(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one store function in a transaction on the one writer thread (grouped with the
@@ -8259,6 +8554,8 @@ class Deps:
             raise written.error
         if written.wrote:
             self.hub.poke()
+        if self.store.notify.take_queued():   # committed outbox rows, whoever's call queued them
+            self.notify_wake.poke()
         return written.result
 
     async def transaction_retrying(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -8748,6 +9045,89 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
                     return
 
 
+def send_notification(url: str, title: str, body: str) -> str | None:
+    """Send one message with Apprise (blocking: a worker thread's). None when the receiver took
+    it, else why not: Apprise reports a failure in its log only, so the log is captured."""
+    import apprise  # noqa: PLC0415 - 0.15 s to import: only with [[notify]] entries
+
+    with apprise.LogCapture(level=apprise.logging.WARNING, fmt="%(message)s") as captured:
+        target = apprise.Apprise.instantiate(url, suppress_exceptions=True)
+        if target is not None and target.notify(body=body, title=title):
+            return None
+    lines = [line for line in captured.getvalue().splitlines() if line.strip()]
+    return lines[-1][:1000] if lines else "the receiver did not accept the message"
+
+
+def within_real_time(work: Callable[[], str | None], timeout_s: float) -> str | None:
+    """``work()`` in a daemon thread of its own, given ``timeout_s`` real seconds (a socket
+    that hangs past Apprise's own timeouts); then its answer, or why there is none. Real
+    time, not trio's: the send waits on a receiver, whatever clock drives the actors."""
+    told: list[str | None] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            told.append(work())
+        except Exception as exc:   # a plugin's bug is this message's failure, never the actor's
+            told.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="outpost-notify", daemon=True).start()
+    if not done.wait(timeout_s):
+        return f"no answer within {timeout_s:.0f} s"
+    return told[0]
+
+
+async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, NotifyEntry]) -> None:
+    """Send one claimed outbox row, then record how it went."""
+    nlog = log.getChild("notify")
+    entry = entries[row["entry"]]
+    base = deps.api_url.rstrip("/")
+    body = "\n\n".join(part for part in (row["body"], f"{base}{row['link']}" if row["link"] else None) if part)
+    error = await trio.to_thread.run_sync(within_real_time, functools.partial(
+        send_notification, entry.url, row["title"], body or row["title"]), NOTIFY_SEND_TIMEOUT_S,
+        abandon_on_cancel=True)
+    status = await deps.transaction_retrying(deps.store.notify.finish, row["id"], error, deps.clock.now())
+    if status == "delivered":
+        nlog.info("notification %d (%s) delivered to notify[%d] %s", row["id"], row["kind"], entry.index, entry.label)
+    elif status == "given_up":
+        nlog.error("notification %d (%s) to notify[%d] %s given up after %d attempts: %s", row["id"], row["kind"],
+                   entry.index, entry.label, row["attempts"], error)
+    else:
+        nlog.warning("notification %d (%s) to notify[%d] %s failed (attempt %d), retrying: %s", row["id"],
+                     row["kind"], entry.index, entry.label, row["attempts"], error)
+
+
+async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
+    """In: nudges (an outbox row was committed). Out: the outbox's messages, sent one at a time
+    through Apprise in a worker thread, so no other actor ever waits for a receiver. Queues each
+    entry's daily digest when due. The rows are the truth: it wakes for the next retry (read from
+    the store) and every NOTIFY_SWEEP_S, so a restart or a lost nudge delays, never loses."""
+    entries = {e.key: e for e in deps.config.notify}
+    if not entries:
+        return
+    async with wake_in:
+        while True:
+            now = deps.clock.now()
+            for entry in deps.config.notify:
+                due = entry.digest_due(now)
+                if due is not None and now - due <= timedelta(seconds=DIGEST_LATE_S):
+                    await deps.transaction_retrying(deps.store.notify.queue_digest, entry, due, now)
+            while row := await deps.transaction_retrying(deps.store.notify.claim_next, deps.clock.now()):
+                await deliver_one(deps, row, entries)
+            now = deps.clock.now()
+            wake = [now + timedelta(seconds=NOTIFY_SWEEP_S)]
+            if (due := await deps.transaction_retrying(deps.store.notify.next_due)) is not None:
+                wake.append(due)
+            wake += [d + timedelta(days=1) for e in deps.config.notify if (d := e.digest_due(now)) is not None]
+            with trio.move_on_at(deps.clock.deadline(min(wake))):
+                try:
+                    await wake_in.receive()
+                except trio.EndOfChannel:
+                    return
+
+
 ###############################################################################
 # 8. Web: the JSON API, server-sent events and the dashboard.
 ###############################################################################
@@ -8883,6 +9263,7 @@ DONE_NOTICES = {
     "rerun": "Re-run queued: same commit, prompt, profile and model.",
     "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
     "dismiss_catch_up": "Catch-up dismissed: the missed occurrences are recorded as skipped.",
+    "notify_test": "Test message queued: it arrives in a few seconds (see each entry's last delivery below).",
 }
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
 CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
@@ -9817,6 +10198,27 @@ async def api_ack_attention(web: Web, attention_id: str):
     return await web.commit(web.store.ack_attention, attention_id, web.now)
 
 
+@api.get("/v1/outpost/notify", auth=Auth.TOKEN)
+async def api_notify(web: Web):
+    return {"entries": await web.call(web.store.notify.entry_states)}
+
+
+async def queue_test_notifications(web: Web, raw: Any) -> dict[str, Any]:
+    """``POST /v1/outpost/notify/test`` and Settings' Send test: a test message to every
+    ``[[notify]]`` entry, or to the one at index ``entry``."""
+    if not web.deps.config.notify:
+        raise Conflict("no [[notify]] entries in outpost.toml: add one (docs/operations.md#notifications)")
+    if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool)
+                            or not any(e.index == raw for e in web.deps.config.notify)):
+        raise invalid("entry", f"must be the index of a [[notify]] entry (0 to {len(web.deps.config.notify) - 1})")
+    return {"queued": await web.commit(web.store.notify.queue_test, raw, web.now)}
+
+
+@api.post("/v1/outpost/notify/test", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.NOTIFY,))
+async def api_notify_test(web: Web):
+    return await queue_test_notifications(web, (await web.body()).get("entry"))
+
+
 @api.get("/v1/outpost/events", auth=Auth.TOKEN)
 async def api_events(web: Web):
     after = web.int_arg("after", 0, 0, 2**62)
@@ -10511,6 +10913,20 @@ async def page_attention_ack_all(web: Web):
     return redirect("/attention?done=acked_all")
 
 
+@pages.get("/settings", auth=Auth.SESSION)
+async def page_settings(web: Web):
+    return await web.page("settings.html", section="settings",
+                          notify=await web.call(web.store.notify.entry_states))
+
+
+@pages.post("/settings/notify/test", auth=Auth.SESSION)
+async def page_notify_test(web: Web):
+    from quart import redirect
+    entry = (await web.form()).get("entry", "")
+    await queue_test_notifications(web, int(entry) if entry.isdigit() else None)
+    return redirect("/settings?done=notify_test")
+
+
 # --- dashboard: Office ------------------------------------------------------------------------------------
 
 async def office_page(web: Web, template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
@@ -10978,6 +11394,7 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     else:
         os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
     ensure_embedded_repository(Path(store.embedded_repository))
+    store.notify.configure(config.notify)
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
                 isolation=agent_isolation(config.isolate_agents))
 
@@ -11014,6 +11431,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(notification_actor, actors, deps.settled.rx)
         nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
+        nursery.start_soon(outbox_actor, actors, deps.notify_wake.rx)
         if deps.store.dialect.fleet:
             nursery.start_soon(node_actor, actors, shutdown)
         task_status.started(binds)

@@ -17,9 +17,10 @@ LONG_ALLOWED = {"define_entities"}
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 700
 MAX_METHODS = 80
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
-STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "WakeupStore", "OfficeStore",
+STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
                "PipelineStore", "RoutineStore"]
 PART_ATTRIBUTES = {"schedules": "ScheduleStore", "runs": "RunStore", "nodes": "NodeStore", "access": "AccessStore",
+                   "notify": "NotifyStore",
                    "wakeups": "WakeupStore", "office": "OfficeStore", "pipeline": "PipelineStore",
                    "routines": "RoutineStore"}
 
@@ -51,6 +52,8 @@ ROUTES = [
     ("GET", "/v1/outpost/nodes", "token"),
     ("GET", "/v1/outpost/attention", "token"),
     ("POST", "/v1/outpost/attention/<attention_id>/ack", "token"),
+    ("GET", "/v1/outpost/notify", "token"),
+    ("POST", "/v1/outpost/notify/test", "token"),
     ("GET", "/v1/outpost/events", "token"),
     ("GET", "/v1/outpost/events/stream", "token"),
     ("GET", "/v1/outpost/snapshot", "token"),
@@ -120,6 +123,8 @@ ROUTES = [
     ("GET", "/attention", "session"),
     ("POST", "/attention/<attention_id>/ack", "session"),
     ("POST", "/attention/ack-all", "session"),
+    ("GET", "/settings", "session"),
+    ("POST", "/settings/notify/test", "session"),
     ("GET", "/office", "session"),
     ("GET", "/office/agents", "session"),
     ("POST", "/office/agents", "session"),
