@@ -4966,6 +4966,23 @@ class RunStore(StorePart):
             settled(r, status, now)
         return True
 
+    def empty_branch(self, run_id: str) -> tuple[str, str, str] | None:
+        """API.md 11: (repository, result branch, commit it must still point at) of a settled run
+        whose branch carries no work and may go now, else None. Not a run that continues a branch
+        with earlier work (a reply to a run with commits, an Office task session); a ``needs_you``
+        run's branch stays until it is answered (its reply takes the branch over) or its
+        ``needs_you`` item is acknowledged."""
+        r = self.db.Run.get(id=run_id)
+        if (r is None or r.status not in SETTLED_RUN_STATUSES or r.commits or r.continues_branch
+                or not r.resolved_commit):
+            return None
+        if r.status == RunStatus.NEEDS_YOU:
+            items = [a.acknowledged_at is not None for a in self.db.Attention.select(
+                lambda a: a.run_id == run_id and a.kind == "needs_you")]
+            if r.answered_by or not items or not all(items):
+                return None
+        return r.repository, r.result_branch, r.resolved_commit
+
     def _profile_state(self, name: str, now: datetime):
         st = self.db.ProfileState.get(name=name)
         return st if st is not None else self.db.ProfileState(name=name, updated_at=naive(now))
@@ -5146,13 +5163,18 @@ class RunStore(StorePart):
                 f"Go on with that work on branch {r.result_branch}.)")
         prompt = message + note if session else f"{r.prompt}\n\n(Outpost: you asked: {r.question}.)\n\n{message}"
         # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
+        # A branch that carries no work (API.md 11: it may have been deleted) is made again from the
+        # answered run's commit; one with work is continued from its head.
+        carries_work = bool(r.commits or r.continues_branch or not r.resolved_commit)
+        start = {} if carries_work else {"resolved_commit": r.resolved_commit}
         reply = self.schedules.queue_run(schedule=r.schedule, agent=r.agent, trigger="reply",
                                          prompt=prompt[:MAX_PROMPT_CHARS],
                                 repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
                                 limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
                                         "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
-                                result_branch=r.result_branch, continues_branch=True, continues=r.id,
-                                resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id)
+                                result_branch=r.result_branch, continues_branch=carries_work, continues=r.id,
+                                resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id,
+                                **start)
         r.answered_by = reply
         self.core.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
         return {"run_id": reply}
@@ -7281,6 +7303,22 @@ async def count_commits(repository: str, base: str, branch: str) -> int:
     return int(out) if out.isdigit() else 0
 
 
+async def drop_branch(repository: str, branch: str, expected: str) -> bool:
+    """Delete a run's result branch from the repository (or its mirror) if it still points at
+    ``expected``, where the run left it: one compare-and-delete (``git update-ref -d <ref> <old>``),
+    so a branch that moved since (a push, a reply's commits) is never lost. Only Outpost's own
+    ``outpost/`` branches, named by the store, never by an agent. Whether it was deleted."""
+    if (not branch.startswith("outpost/") or ".." in branch or not re.fullmatch(r"[0-9a-f]{40,64}", expected)
+            or not Path(repository).is_dir()):
+        return False
+    try:
+        await git(repository, "check-ref-format", f"refs/heads/{branch}")
+        await git(repository, "update-ref", "-d", f"refs/heads/{branch}", expected)
+    except LaunchError:   # gone already, or moved: kept
+        return False
+    return True
+
+
 async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
     """Remove a run's worktree once its changes are on the result branch. One that still holds
     uncommitted changes is never removed."""
@@ -8467,11 +8505,27 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
                                         schedule_id=info["schedule_id"], run_id=run_id)
+    if settled and kept is None:
+        await drop_empty_branch(deps, run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
     if settled:
         deps.settled.announce(run_id)
     deps.nudge(Actor.CLAIM)
+
+
+async def drop_empty_branch(deps: Deps, run_id: str) -> bool:
+    """API.md 11: a settled run's result branch goes when it carries no work (its
+    ``result_branch`` still names it; ``changes.commits`` 0 says it was empty). Called at
+    settlement, and when a ``needs_you`` item is acknowledged. Whether a branch was deleted."""
+    found = await deps.transaction_retrying(deps.store.runs.empty_branch, run_id)
+    if found is None:
+        return False
+    repository, branch, commit = found
+    dropped = await drop_branch(deps.mirrors.path(repository), branch, commit)
+    if dropped:
+        log.getChild("run").info("run %s: empty result branch %s deleted", run_id, branch)
+    return dropped
 
 
 async def recover_at_boot(deps: Deps) -> None:
@@ -9271,6 +9325,14 @@ async def adopt_run(web: Web, run_id: str, workspace: Any) -> dict[str, Any]:
     return await web.commit(web.store.runs.adopt_run, run_id, workspace.strip(), web.now)
 
 
+async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
+    """Acknowledge an item; an acknowledged ``needs_you`` run lets its empty branch go (API.md 11)."""
+    item = await web.commit(web.store.ack_attention, attention_id, web.now)
+    if item["kind"] == "needs_you" and item["run_id"]:
+        await drop_empty_branch(web.deps, item["run_id"])
+    return item
+
+
 async def agents_overview(web: Web) -> list[dict[str, Any]]:
     """Every agent profile (API.md 8.4): its configuration and its standing, by name."""
     profiles = sorted(web.deps.config.agents, key=lambda a: a.name)
@@ -9567,7 +9629,7 @@ async def api_list_attention(web: Web):
 
 @api.post("/v1/outpost/attention/<attention_id>/ack", auth=Auth.TOKEN, idempotent=True)
 async def api_ack_attention(web: Web, attention_id: str):
-    return await web.commit(web.store.ack_attention, attention_id, web.now)
+    return await ack_attention(web, attention_id)
 
 
 @api.get("/v1/outpost/events", auth=Auth.TOKEN)
@@ -10253,14 +10315,18 @@ async def page_attention(web: Web):
 @pages.post("/attention/<attention_id>/ack", auth=Auth.SESSION)
 async def page_attention_ack(web: Web, attention_id: str):
     from quart import redirect
-    await web.commit(web.store.ack_attention, attention_id, web.now)
+    await ack_attention(web, attention_id)
     return redirect("/attention?done=acked")
 
 
 @pages.post("/attention/ack-all", auth=Auth.SESSION)
 async def page_attention_ack_all(web: Web):
     from quart import redirect
+    waiting = [a["run_id"] for a in await web.call(web.store.list_attention, True)
+               if a["kind"] == "needs_you" and a["run_id"]]
     await web.commit(web.store.ack_all_attention, web.now)
+    for run_id in waiting:
+        await drop_empty_branch(web.deps, run_id)
     return redirect("/attention?done=acked_all")
 
 
