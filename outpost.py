@@ -8782,14 +8782,26 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-async def merged_branch(deps: Deps, run: dict[str, Any]) -> tuple[str, str] | None:
+async def outpost_branches(local: str) -> dict[str, str]:
+    """Every ``outpost/`` branch of a repository and its tip, in one git call."""
+    if not Path(local).is_dir():
+        return {}
+    out = await git(local, "for-each-ref", "--format=%(refname:strip=2) %(objectname)", "refs/heads/outpost/",
+                    check=False)
+    return dict(line.rsplit(" ", 1) for line in out.splitlines() if " " in line)
+
+
+async def merged_branch(deps: Deps, run: dict[str, Any], heads: dict[str, dict[str, str]]) -> tuple[str, str] | None:
     """(local repository, tip) of a run's result branch when its commits are already in the
     run's ``source_ref`` (``git merge-base --is-ancestor``), else None: work nobody merged is
-    never deleted. None too when the branch is gone or the repository cannot be read."""
+    never deleted. None too when the branch is gone or the repository cannot be read.
+    ``heads``: the ``outpost/`` branches of each repository, read once per pass."""
     local, branch = deps.mirrors.path(run["repository"]), run["result_branch"]
-    if run["source_ref"] is None or not branch.startswith("outpost/") or not Path(local).is_dir():
+    if run["source_ref"] is None or not branch.startswith("outpost/"):
         return None
-    tip = await git(local, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
+    if local not in heads:
+        heads[local] = await outpost_branches(local)
+    tip = heads[local].get(branch)
     if not tip:
         return None
     try:
@@ -8812,7 +8824,7 @@ async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dic
     counts: dict[str, Any] = {"dry_run": dry_run, "runs": 0, "log_bytes": 0, "events": 0, "wakeups": 0,
                               "deliveries": 0, "branches": 0,
                               "database_bytes_before": await deps.transaction_retrying(hk.database_bytes)}
-    after, seen = "", set()
+    after, seen, heads = "", set(), {}
     while batch := await deps.transaction_retrying(hk.old_runs, cutoff, after, HOUSEKEEPING_RUNS):
         after = batch[-1]["id"]
         in_use = set(await deps.transaction_retrying(hk.branches_in_use, sorted({r["result_branch"] for r in batch}),
@@ -8822,7 +8834,8 @@ async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dic
             key = (deps.mirrors.path(run["repository"]), run["result_branch"])
             if key in merged:
                 merged[key][1].add(run["id"])
-            elif run["result_branch"] not in in_use and key not in seen and (found := await merged_branch(deps, run)):
+            elif (run["result_branch"] not in in_use and key not in seen
+                  and (found := await merged_branch(deps, run, heads))):
                 merged[key] = (found[1], {run["id"]})
         seen |= merged.keys()
         if dry_run:
