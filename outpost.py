@@ -9561,7 +9561,10 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
     "curl_example": curl_example,
     "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",
-    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v)}
+    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
+    "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
+                                                 for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
+                                                 if v < 1024 ** (i + 1) or unit == "TiB")}
 #: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
                     "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
@@ -10618,7 +10621,22 @@ async def page_run_reply(web: Web, run_id: str):
 async def page_agents(web: Web):
     return await web.page("agents.html", section="agents", agents=await agents_overview(web),
                           nodes=await web.call(web.store.nodes.list_nodes), this_node=web.store.node,
-                          fleet=web.store.dialect.fleet, tz=host_zone().key)
+                          fleet=web.store.dialect.fleet, tz=host_zone().key, disk=await disk_use(web.deps),
+                          last_pass=await web.call(web.store.housekeeping.last_pass),
+                          keep_days=web.deps.config.keep_days)
+
+
+async def disk_use(deps: Deps) -> dict[str, int | None]:
+    """Bytes on disk (API.md 11): the database (a fleet's, as its server counts it), run logs,
+    worktrees and mirrors; the folders are walked on a worker thread, never on the event loop."""
+    data = deps.config.data_dir
+    if deps.store.dialect.fleet:
+        database = await deps.transaction(deps.store.housekeeping.database_bytes)
+    else:
+        database = await trio.to_thread.run_sync(functools.partial(
+            file_bytes, [Path(f"{deps.config.db_path}{tail}") for tail in ("", "-wal", "-shm")], remove=False))
+    sizes = [await trio.to_thread.run_sync(tree_bytes, data / folder) for folder in ("runs", "worktrees", "mirrors")]
+    return dict(zip(("database", "logs", "worktrees", "mirrors"), [database, *sizes], strict=True))
 
 
 @pages.post("/agents/<name>/resume", auth=Auth.SESSION)

@@ -18,10 +18,10 @@ MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 700
 MAX_METHODS = 80
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
 STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "WakeupStore", "OfficeStore",
-               "PipelineStore", "RoutineStore"]
+               "PipelineStore", "RoutineStore", "HousekeepingStore"]
 PART_ATTRIBUTES = {"schedules": "ScheduleStore", "runs": "RunStore", "nodes": "NodeStore", "access": "AccessStore",
                    "wakeups": "WakeupStore", "office": "OfficeStore", "pipeline": "PipelineStore",
-                   "routines": "RoutineStore"}
+                   "routines": "RoutineStore", "housekeeping": "HousekeepingStore"}
 
 #: Every route of the appliance: (method, rule, auth). Reviewed: a change here is a change of the
 #: contract or of who may call what.
@@ -50,6 +50,7 @@ ROUTES = [
     ("GET", "/v1/outpost/nodes", "token"),
     ("GET", "/v1/outpost/attention", "token"),
     ("POST", "/v1/outpost/attention/<attention_id>/ack", "token"),
+    ("POST", "/v1/outpost/housekeeping", "token"),
     ("GET", "/v1/outpost/events", "token"),
     ("GET", "/v1/outpost/events/stream", "token"),
     ("GET", "/v1/outpost/snapshot", "token"),
