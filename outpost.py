@@ -28,6 +28,7 @@ The process (section 9 builds it)::
          │   └─ runs nursery    worktree, agent subprocess, timeout, settlement
          ├─ recovery actor      boot reconciliation; periodic hygiene
          ├─ notification actor  settled runs -> failure streak, attention items
+         ├─ housekeeping actor  daily: old runs and history, merged result branches, space back
          ├─ node actor          a fleet only: heartbeat, lost nodes' runs settled or requeued
          └─ watchdog actor      systemd WATCHDOG=1 from the loop (under Type=notify)
 
@@ -7976,8 +7977,11 @@ async def compare_runs(a: dict[str, Any], b: dict[str, Any], local: str) -> tupl
     """API.md 9: whether two runs started alike, and the diff between their result branches
     (the report, and the diff file by file for the compare page). ``local``: a's repository
     on this machine (a URL's mirror)."""
-    files, cut = await branch_diff(local, a["result_branch"], b["result_branch"])
-    stat = await git(local, "diff", "--stat", "--end-of-options", a["result_branch"], b["result_branch"],
+    # A run without commits has no branch any more (API.md 11): its commit is what it returned.
+    left, right = ((r["resolved_commit"] or r["result_branch"]) if not r["changes"]["commits"] else r["result_branch"]
+                   for r in (a, b))
+    files, cut = await branch_diff(local, left, right)
+    stat = await git(local, "diff", "--stat", "--end-of-options", left, right,
                      check=False) if Path(local).is_dir() else ""
     return {"a": a["id"], "b": b["id"], "same_commit": a["resolved_commit"] == b["resolved_commit"],
             "same_prompt": a["prompt"] == b["prompt"],

@@ -59,6 +59,9 @@ async def test_a_run_with_no_commits_leaves_no_branch_one_with_commits_keeps_it(
     again = (await api.post(f"/v1/outpost/runs/{empty['id']}/rerun", {})).body["run_id"]
     rerun = await run_to_end(api.deps, again)
     assert (rerun["status"], rerun["resolved_commit"]) == ("succeeded", empty["resolved_commit"])
+    # Compare still reads a run whose branch is gone: it returned its commit.
+    compared = (await api.get(f"/v1/outpost/runs/{empty['id']}/compare/{work['id']}")).body
+    assert [f["path"] for f in compared["files"]] == ["notes.txt"], compared
     api.store.close()
 
 
