@@ -3872,7 +3872,8 @@ class Dialect:
         @db.on_connect(provider="sqlite")
         def _pragmas(_db, connection):
             cur = connection.cursor()
-            cur.execute("PRAGMA auto_vacuum=INCREMENTAL")   # a new database: freed pages can be given back
+            if not cur.execute("PRAGMA page_count").fetchone()[0]:   # a new database: space can be given back
+                cur.execute("PRAGMA auto_vacuum=INCREMENTAL")        # (setting it later writes: never then)
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
             cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")

@@ -250,3 +250,16 @@ def test_outpost_gc_dry_run_prints_the_counts(server_factory, tmp_path):
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("would delete: 0 run(s)") and "database:" in done.stdout, done.stdout
+
+
+def test_an_older_small_database_is_converted_to_incremental_vacuum_at_start(tmp_path):
+    import sqlite3
+    path = tmp_path / "old.sqlite3"
+    outpost.Store(path).close()
+    with sqlite3.connect(path, isolation_level=None) as old:   # as a database made before housekeeping
+        old.execute("PRAGMA auto_vacuum=NONE")
+        old.execute("VACUUM")
+        assert old.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+    outpost.Store(path).close()
+    with sqlite3.connect(path) as reopened:
+        assert reopened.execute("PRAGMA auto_vacuum").fetchone()[0] == 2   # incremental
