@@ -3929,9 +3929,13 @@ class Dialect:
     def give_back_space(self, db: orm.Database) -> int:
         """After housekeeping deleted rows: return up to VACUUM_PAGES free pages to the file system
         (``auto_vacuum=INCREMENTAL``); how many free pages are left. The pragma frees one page per
-        step: its rows must be read to the end (https://sqlite.org/pragma.html#pragma_incremental_vacuum)."""
-        db.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
-        return db.execute("PRAGMA freelist_count").fetchone()[0]
+        step (https://sqlite.org/pragma.html#pragma_incremental_vacuum), and Python's sqlite3 steps a
+        statement that returns no columns once: so one page per execute (measured), in one transaction."""
+        cursor = db.get_connection().cursor()
+        left = cursor.execute("PRAGMA freelist_count").fetchone()[0]
+        for _ in range(min(left, VACUUM_PAGES)):
+            cursor.execute("PRAGMA incremental_vacuum")
+        return cursor.execute("PRAGMA freelist_count").fetchone()[0]
 
     def continue_event_cursor(self, db: orm.Database) -> None:
         """After ``outpost migrate``: events go on from the last cursor copied."""
