@@ -28,6 +28,7 @@ The process (section 9 builds it)::
          │   └─ runs nursery    worktree, agent subprocess, timeout, settlement
          ├─ recovery actor      boot reconciliation; periodic hygiene
          ├─ notification actor  settled runs -> failure streak, attention items
+         ├─ housekeeping actor  daily: old runs and history, merged result branches, space back
          ├─ node actor          a fleet only: heartbeat, lost nodes' runs settled or requeued
          └─ watchdog actor      systemd WATCHDOG=1 from the loop (under Type=notify)
 
@@ -278,6 +279,22 @@ NOTIFY_SENDING_STALE_S = 5 * MINUTE_S
 NOTIFY_SWEEP_S = MINUTE_S
 #: A daily digest missed while the daemon was down goes out late up to this long after its time.
 DIGEST_LATE_S = 6 * HOUR_S
+#: Days settled runs and their history are kept by default (``[settings] keep_days``, API.md 11).
+DEFAULT_KEEP_DAYS = 90
+#: Housekeeping: runs deleted per transaction, and other rows (events, ledger, wakeups) per
+#: transaction, so the one writer is held a few milliseconds at a time (well under 100 ms).
+HOUSEKEEPING_RUNS = 100
+HOUSEKEEPING_ROWS = 1000
+#: SQLite pages given back per transaction by ``PRAGMA incremental_vacuum`` (4 MiB of 4 KiB pages).
+VACUUM_PAGES = 1024
+#: A schedule's newest ledger rows (occurrences) that housekeeping keeps, whatever their age.
+LEDGER_KEEP = 100
+#: The daily pass: how long after a start it first runs, then how often.
+HOUSEKEEPING_FIRST_S = 600
+HOUSEKEEPING_EVERY_S = 86400
+#: An existing SQLite database without incremental auto-vacuum is converted (one VACUUM) at
+#: start when it is at most this big; a bigger one is left as it is (docs/operations.md).
+VACUUM_AT_START_MAX_BYTES = 64 * 1024 * 1024
 
 
 ###############################################################################
@@ -588,6 +605,7 @@ class Config:
     fleet_max_running: int | None = None
     metrics_token: str | None = None  # a second token that reads GET /metrics only (API.md 11)
     notify: tuple[NotifyEntry, ...] = ()   # [[notify]] entries (API.md 11)
+    keep_days: int = DEFAULT_KEEP_DAYS   # housekeeping (API.md 11): settled runs older than this go
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -665,7 +683,8 @@ def _metrics_token(value: Any) -> str | None:
 SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
     "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
     "isolate_agents": _one_of(*ISOLATION_MODES), "database": _database_url,
-    "node_name": _text_value, "fleet_max_running": _whole(1, 100_000), "metrics_token": _metrics_token}
+    "node_name": _text_value, "fleet_max_running": _whole(1, 100_000), "metrics_token": _metrics_token,
+    "keep_days": _whole(1, 100_000)}
 
 
 def _zone_name(value: Any) -> str | None:
@@ -803,7 +822,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
                   isolate_agents=settings.get("isolate_agents", "auto"), database=database or None,
                   node_name=settings.get("node_name", ""), fleet_max_running=settings.get("fleet_max_running"),
                   metrics_token=settings.get("metrics_token"),
-                  notify=notify_entries(path, raw.get("notify", [])))
+                  notify=notify_entries(path, raw.get("notify", [])),
+                  keep_days=settings.get("keep_days", DEFAULT_KEEP_DAYS))
 
 
 def api_token(data_dir: Path, *, create: bool) -> str | None:
@@ -4003,12 +4023,16 @@ class Dialect:
         @db.on_connect(provider="sqlite")
         def _pragmas(_db, connection):
             cur = connection.cursor()
+            if not cur.execute("PRAGMA page_count").fetchone()[0]:   # a new database: space can be given back
+                cur.execute("PRAGMA auto_vacuum=INCREMENTAL")        # (setting it later writes: never then)
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
             cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             cur.execute("PRAGMA foreign_keys=ON")
 
         fresh = not Path(database).exists() if str(database) != ":memory:" else True
+        if not fresh:
+            incremental_vacuum_on(Path(database))
         db.bind(provider="sqlite", filename=str(database), create_db=True)
         db.provider.converter_classes = [(datetime, StoredInstant), *db.provider.converter_classes]
         yield fresh
@@ -4048,6 +4072,21 @@ class Dialect:
 
     def copied(self, cursor: Any, table: str, key: str | None) -> None:
         """After ``outpost migrate`` copied ``table`` in (``key``: its automatic key column)."""
+
+    def database_bytes(self, db: orm.Database) -> int:
+        """How big the database is: its pages (the file, once the WAL is checkpointed)."""
+        return db.execute("PRAGMA page_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0]
+
+    def give_back_space(self, db: orm.Database) -> int:
+        """After housekeeping deleted rows: return up to VACUUM_PAGES free pages to the file system
+        (``auto_vacuum=INCREMENTAL``); how many free pages are left. The pragma frees one page per
+        step (https://sqlite.org/pragma.html#pragma_incremental_vacuum), and Python's sqlite3 steps a
+        statement that returns no columns once: so one page per execute (measured), in one transaction."""
+        cursor = db.get_connection().cursor()
+        left = cursor.execute("PRAGMA freelist_count").fetchone()[0]
+        for _ in range(min(left, VACUUM_PAGES)):
+            cursor.execute("PRAGMA incremental_vacuum")
+        return cursor.execute("PRAGMA freelist_count").fetchone()[0]
 
     def continue_event_cursor(self, db: orm.Database) -> None:
         """After ``outpost migrate``: events go on from the last cursor copied."""
@@ -4146,6 +4185,13 @@ class PostgresDialect(Dialect):
             cursor.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{key}'), "
                            f'COALESCE(MAX({key}), 0) + 1, false) FROM "{table}"')
 
+    def database_bytes(self, db: orm.Database) -> int:
+        return db.select("SELECT pg_database_size(current_database())")[0]
+
+    def give_back_space(self, db: orm.Database) -> int:
+        """The server's autovacuum makes deleted rows' space reusable: nothing to do here."""
+        return 0
+
     def continue_event_cursor(self, db: orm.Database) -> None:
         """The event_cursor sequence goes on from the last cursor the EventSequence row gave."""
         db.execute("""SELECT setval('event_cursor', value) FROM "EventSequence" WHERE id = 1 AND value > 0""")
@@ -4155,6 +4201,32 @@ class PostgresDialect(Dialect):
 
     backup_refusal = ("a fleet's database is PostgreSQL's to back up: use pg_dump (pg_dump --format=custom "
                       "--file=outpost.dump DBNAME), and copy each node's outpost.toml and api-token yourself")
+
+
+def incremental_vacuum_on(path: Path) -> None:
+    """An existing SQLite database made before housekeeping gives its space back only once it
+    is in ``auto_vacuum=INCREMENTAL`` mode, which takes one VACUUM (a full copy of the file):
+    done here, at start, when the file is small enough for that to be quick; a bigger one is
+    left as it is, and docs/operations.md says how to convert it while the appliance is stopped."""
+    import sqlite3
+    try:
+        connection = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error:
+        return   # Pony's bind reports it
+    try:
+        if connection.execute("PRAGMA auto_vacuum").fetchone()[0] != 0:
+            return
+        if path.stat().st_size > VACUUM_AT_START_MAX_BYTES:
+            log.warning("%s is not in incremental auto-vacuum mode: housekeeping frees space inside it but the "
+                        "file does not shrink (see docs/operations.md, Housekeeping, to convert it)", path)
+            return
+        connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        connection.execute("VACUUM")
+        log.info("%s converted to incremental auto-vacuum", path)
+    except sqlite3.Error as exc:   # locked by another process, or read-only: tried at the next start
+        log.warning("%s: could not switch to incremental auto-vacuum: %s", path, exc)
+    finally:
+        connection.close()
 
 
 def dialect_of(database: Path | str) -> Dialect:
@@ -5164,6 +5236,23 @@ class RunStore(StorePart):
             settled(r, status, now)
         return True
 
+    def empty_branch(self, run_id: str) -> tuple[str, str, str] | None:
+        """API.md 11: (repository, result branch, commit it must still point at) of a settled run
+        whose branch carries no work and may go now, else None. Not a run that continues a branch
+        with earlier work (a reply to a run with commits, an Office task session); a ``needs_you``
+        run's branch stays until it is answered (its reply takes the branch over) or its
+        ``needs_you`` item is acknowledged."""
+        r = self.db.Run.get(id=run_id)
+        if (r is None or r.status not in SETTLED_RUN_STATUSES or r.commits or r.continues_branch
+                or not r.resolved_commit):
+            return None
+        if r.status == RunStatus.NEEDS_YOU:
+            items = [a.acknowledged_at is not None for a in self.db.Attention.select(
+                lambda a: a.run_id == run_id and a.kind == "needs_you")]
+            if r.answered_by or not items or not all(items):
+                return None
+        return r.repository, r.result_branch, r.resolved_commit
+
     def _profile_state(self, name: str, now: datetime):
         st = self.db.ProfileState.get(name=name)
         return st if st is not None else self.db.ProfileState(name=name, updated_at=naive(now))
@@ -5350,13 +5439,18 @@ class RunStore(StorePart):
                 f"Go on with that work on branch {r.result_branch}.)")
         prompt = message + note if session else f"{r.prompt}\n\n(Outpost: you asked: {r.question}.)\n\n{message}"
         # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
+        # A branch that carries no work (API.md 11: it may have been deleted) is made again from the
+        # answered run's commit; one with work is continued from its head.
+        carries_work = bool(r.commits or r.continues_branch or not r.resolved_commit)
+        start = {} if carries_work else {"resolved_commit": r.resolved_commit}
         reply = self.schedules.queue_run(schedule=r.schedule, agent=r.agent, trigger="reply",
                                          prompt=prompt[:MAX_PROMPT_CHARS],
                                 repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
                                 limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
                                         "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
-                                result_branch=r.result_branch, continues_branch=True, continues=r.id,
-                                resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id)
+                                result_branch=r.result_branch, continues_branch=carries_work, continues=r.id,
+                                resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id,
+                                **start)
         r.answered_by = reply
         self.core.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
         return {"run_id": reply}
@@ -7228,6 +7322,125 @@ class RoutineStore(StorePart):
         return total
 
 
+class HousekeepingStore(StorePart):
+    """Housekeeping (API.md 11): which settled runs are old enough to go, and the deletes, each a
+    bounded batch in its own transaction. A run is kept whatever its age while it has an open
+    attention item, while it is an unanswered ``needs_you``, while it is its schedule's latest
+    run, and while an Office task session resumes from it."""
+
+    def __init__(self, core: StoreCore, access: AccessStore):
+        super().__init__(core)
+        self.access = access
+
+    def _gone(self, r: str) -> str:
+        """SQL: run ``r`` (an alias of "Run") goes in a pass with ``$cutoff``."""
+        return (f"{r}.status IN ('succeeded', 'failed', 'needs_you', 'cancelled') AND {r}.finished_at < $cutoff "
+                f'AND NOT EXISTS (SELECT 1 FROM "Attention" a WHERE a.run_id = {r}.id AND a.acknowledged_at IS NULL) '
+                f"AND NOT ({r}.status = 'needs_you' AND {r}.answered_by IS NULL) "
+                f'AND ({r}.schedule IS NULL '
+                f'OR {r}.id <> (SELECT MAX(n.id) FROM "Run" n WHERE n.schedule = {r}.schedule)) '
+                f'AND NOT EXISTS (SELECT 1 FROM "AgentSession" s WHERE s.run_id = {r}.id)')
+
+    def _kept_runs(self) -> str:
+        return f'(SELECT k.id FROM "Run" k WHERE NOT ({self._gone("k")}))'
+
+    def old_runs(self, cutoff: datetime, after: str, limit: int) -> list[dict[str, Any]]:
+        """The next ``limit`` runs that go, by id after ``after``: what their branch check needs
+        (the ref a reply's branch was made from is its first run's ``source_ref``)."""
+        rows = self.db.select(
+            f'SELECT r.id, r.repository, r.result_branch, r.source_ref, r.continues FROM "Run" r '
+            f"WHERE r.id > $after AND {self._gone('r')} ORDER BY r.id LIMIT $limit",
+            {"cutoff": sql_time(cutoff), "after": after, "limit": limit})
+        runs = []
+        for run_id, repository, branch, source_ref, continues in rows:
+            for _ in range(20):   # a reply's source_ref is the branch it continues: its first run's
+                if source_ref != branch or not continues:
+                    break
+                up = self.db.select('SELECT source_ref, continues FROM "Run" WHERE id = $c', {"c": continues})
+                if not up:
+                    break
+                source_ref, continues = up[0]
+            runs.append({"id": run_id, "repository": repository, "result_branch": branch,
+                         "source_ref": None if source_ref == branch else source_ref})
+        return runs
+
+    def branches_in_use(self, branches: list[str], cutoff: datetime) -> list[str]:
+        """Of these result branches, those a run that stays still names (a reply continuing
+        it, an Office task session)."""
+        if not branches:
+            return []
+        listed, params = sql_list("b", branches)
+        return self.db.select(f'SELECT DISTINCT result_branch FROM "Run" r WHERE result_branch IN {listed} '
+                              f"AND NOT ({self._gone('r')})", {**params, "cutoff": sql_time(cutoff)})
+
+    def delete_runs(self, run_ids: list[str], cutoff: datetime) -> tuple[list[str], int]:
+        """Delete these runs (those that still go) with their log chunks, Office facts and
+        acknowledged attention items: (the runs deleted, bytes of log chunks deleted)."""
+        listed, params = sql_list("r", run_ids)
+        still_gone = self._gone('"Run"')
+        gone = self.core.returning(f'DELETE FROM "Run" WHERE id IN {listed} AND {still_gone} RETURNING id',
+                                   {**params, "cutoff": sql_time(cutoff)})
+        if not gone:
+            return [], 0
+        listed, params = sql_list("g", gone)
+        chunk_bytes = self.db.select(f'SELECT COALESCE(SUM(LENGTH(data)), 0) FROM "LogChunk" WHERE run_id IN {listed}',
+                                     params)[0]
+        for table in ("LogChunk", "OfficeRun", "Attention"):
+            self.db.execute(f'DELETE FROM "{table}" WHERE run_id IN {listed}', params)
+        return gone, int(chunk_bytes or 0)
+
+    def _history(self, what: str) -> tuple[str, str, str]:
+        """(table, key, SQL condition) of the rows of ``what`` that go with ``$cutoff``:
+        events older than it (never the newest, ``$latest``: a fleet's cursor is the newest
+        event's) unless they name a run that stays; a schedule's ledger rows beyond its newest
+        LEDGER_KEEP; finished wakeups; refused webhook deliveries."""
+        run_id = self.dialect.json_text("data", "run_id")
+        if what == "events":
+            return ("Event", "cursor", f"at < $cutoff AND cursor < $latest AND ({run_id} IS NULL "
+                                       f"OR {run_id} NOT IN {self._kept_runs()})")
+        if what == "occurrences":
+            return ("Occurrence", "id",
+                    "id IN (SELECT o.id FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY schedule ORDER BY due_at "
+                    'DESC) AS newest FROM "Occurrence") o WHERE o.newest > $keep) AND created_at < $cutoff '
+                    f"AND (run_id IS NULL OR run_id NOT IN {self._kept_runs()})")
+        if what == "wakeups":
+            return ("Wakeup", "id", "status IN ('finished', 'failed', 'cancelled', 'skipped', 'coalesced') "
+                                    "AND COALESCE(finished_at, requested_at) < $cutoff "
+                                    f"AND (run_id IS NULL OR run_id NOT IN {self._kept_runs()})")
+        return "WebhookRefusal", "id", "created_at < $cutoff"
+
+    def _history_params(self, cutoff: datetime) -> dict[str, Any]:
+        return {"cutoff": sql_time(cutoff), "latest": self.core.latest_cursor(), "keep": LEDGER_KEEP}
+
+    def count_history(self, what: str, cutoff: datetime) -> int:
+        table, _key, where = self._history(what)
+        return self.db.select(f'SELECT COUNT(*) FROM "{table}" WHERE {where}', self._history_params(cutoff))[0]
+
+    def delete_history(self, what: str, cutoff: datetime) -> int:
+        """One batch (at most HOUSEKEEPING_ROWS rows) of ``what``: how many went."""
+        table, key, where = self._history(what)
+        return self.db.execute(f'DELETE FROM "{table}" WHERE {key} IN (SELECT {key} FROM "{table}" WHERE {where} '
+                               f"LIMIT {HOUSEKEEPING_ROWS})", self._history_params(cutoff)).rowcount
+
+    def database_bytes(self) -> int:
+        return self.dialect.database_bytes(self.db)
+
+    def give_back_space(self) -> int:
+        return self.dialect.give_back_space(self.db)
+
+    def finished(self, counts: dict[str, Any], keep_days: int, now: datetime) -> None:
+        """Record a pass (its event is the record the dashboard reads)."""
+        self.core.emit("housekeeping.finished", {**counts, "keep_days": keep_days}, now)
+
+    def last_pass(self) -> dict[str, Any] | None:
+        rows = self.db.select("SELECT at, data FROM \"Event\" WHERE type = 'housekeeping.finished' "
+                              "ORDER BY cursor DESC LIMIT 1")
+        if not rows:
+            return None
+        at, data = rows[0]
+        return {"at": rfc3339(sql_instant(at)), **(json.loads(data) if isinstance(data, str) else data)}
+
+
 class Store(StoreCore):
     """The store: the core session with its parts, each a set of synchronous functions run in
     one ``db_session`` through ``transaction`` (``Deps.transaction`` from trio), returning plain
@@ -7245,6 +7458,7 @@ class Store(StoreCore):
         self.office = OfficeStore(self, self.runs, self.wakeups)
         self.pipeline = PipelineStore(self, self.schedules, self.runs, self.wakeups, self.office)
         self.routines = RoutineStore(self, self.schedules, self.wakeups, self.office, self.pipeline)
+        self.housekeeping = HousekeepingStore(self, self.access)
 
 
 ###############################################################################
@@ -7634,6 +7848,22 @@ def bring_back_lfs(repository: str, workspace: Path) -> int:
 async def count_commits(repository: str, base: str, branch: str) -> int:
     out = await git(repository, "rev-list", "--count", f"{base}..{branch}", check=False)
     return int(out) if out.isdigit() else 0
+
+
+async def drop_branch(repository: str, branch: str, expected: str) -> bool:
+    """Delete a run's result branch from the repository (or its mirror) if it still points at
+    ``expected``, where the run left it: one compare-and-delete (``git update-ref -d <ref> <old>``),
+    so a branch that moved since (a push, a reply's commits) is never lost. Only Outpost's own
+    ``outpost/`` branches, named by the store, never by an agent. Whether it was deleted."""
+    if (not branch.startswith("outpost/") or ".." in branch or not re.fullmatch(r"[0-9a-f]{40,64}", expected)
+            or not Path(repository).is_dir()):
+        return False
+    try:
+        await git(repository, "check-ref-format", f"refs/heads/{branch}")
+        await git(repository, "update-ref", "-d", f"refs/heads/{branch}", expected)
+    except LaunchError:   # gone already, or moved: kept
+        return False
+    return True
 
 
 async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
@@ -8108,8 +8338,11 @@ async def compare_runs(a: dict[str, Any], b: dict[str, Any], local: str) -> tupl
     """API.md 9: whether two runs started alike, and the diff between their result branches
     (the report, and the diff file by file for the compare page). ``local``: a's repository
     on this machine (a URL's mirror)."""
-    files, cut = await branch_diff(local, a["result_branch"], b["result_branch"])
-    stat = await git(local, "diff", "--stat", "--end-of-options", a["result_branch"], b["result_branch"],
+    # A run without commits has no branch any more (API.md 11): its commit is what it returned.
+    left, right = ((r["resolved_commit"] or r["result_branch"]) if not r["changes"]["commits"] else r["result_branch"]
+                   for r in (a, b))
+    files, cut = await branch_diff(local, left, right)
+    stat = await git(local, "diff", "--stat", "--end-of-options", left, right,
                      check=False) if Path(local).is_dir() else ""
     return {"a": a["id"], "b": b["id"], "same_commit": a["resolved_commit"] == b["resolved_commit"],
             "same_prompt": a["prompt"] == b["prompt"],
@@ -8515,6 +8748,7 @@ class Deps:
     metrics: Metrics = dataclasses.field(default_factory=Metrics)   # GET /metrics: this appliance's registry
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
     mirrors: Mirrors = None      # type: ignore[assignment]   # one per data dir; kept by dataclasses.replace
+    housekeeping: trio.Lock = dataclasses.field(default_factory=trio.Lock)   # one pass at a time (API.md 11)
 
     def __post_init__(self) -> None:
         if self.writer is None:
@@ -8973,11 +9207,27 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
                                         schedule_id=info["schedule_id"], run_id=run_id)
+    if settled and kept is None:
+        await drop_empty_branch(deps, run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
     if settled:
         deps.settled.announce(run_id)
     deps.nudge(Actor.CLAIM)
+
+
+async def drop_empty_branch(deps: Deps, run_id: str) -> bool:
+    """API.md 11: a settled run's result branch goes when it carries no work (its
+    ``result_branch`` still names it; ``changes.commits`` 0 says it was empty). Called at
+    settlement, and when a ``needs_you`` item is acknowledged. Whether a branch was deleted."""
+    found = await deps.transaction_retrying(deps.store.runs.empty_branch, run_id)
+    if found is None:
+        return False
+    repository, branch, commit = found
+    dropped = await drop_branch(deps.mirrors.path(repository), branch, commit)
+    if dropped:
+        log.getChild("run").info("run %s: empty result branch %s deleted", run_id, branch)
+    return dropped
 
 
 async def recover_at_boot(deps: Deps) -> None:
@@ -9025,6 +9275,135 @@ async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) ->
             await deps.transaction_retrying(deps.store.access.purge_expired, deps.clock.now())
             purge_at += HOUR_S
         await trio.sleep(RECOVERY_SWEEP_S)
+
+
+def file_bytes(paths: Iterable[Path], *, remove: bool) -> int:
+    """The size of these files (those that exist), removed with ``remove``."""
+    total = 0
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            total += path.lstat().st_size
+            if remove:
+                path.unlink()
+    return total
+
+
+def tree_bytes(path: Path) -> int:
+    """Disk use of a folder, links never followed (``du``-like, by file sizes)."""
+    total = 0
+    for folder, _dirs, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+async def outpost_branches(local: str) -> dict[str, str]:
+    """Every ``outpost/`` branch of a repository and its tip, in one git call."""
+    if not Path(local).is_dir():
+        return {}
+    out = await git(local, "for-each-ref", "--format=%(refname:strip=2) %(objectname)", "refs/heads/outpost/",
+                    check=False)
+    return dict(line.rsplit(" ", 1) for line in out.splitlines() if " " in line)
+
+
+async def merged_branch(deps: Deps, run: dict[str, Any], heads: dict[str, dict[str, str]]) -> tuple[str, str] | None:
+    """(local repository, tip) of a run's result branch when its commits are already in the
+    run's ``source_ref`` (``git merge-base --is-ancestor``), else None: work nobody merged is
+    never deleted. None too when the branch is gone or the repository cannot be read.
+    ``heads``: the ``outpost/`` branches of each repository, read once per pass."""
+    local, branch = deps.mirrors.path(run["repository"]), run["result_branch"]
+    if run["source_ref"] is None or not branch.startswith("outpost/"):
+        return None
+    if local not in heads:
+        heads[local] = await outpost_branches(local)
+    tip = heads[local].get(branch)
+    if not tip:
+        return None
+    try:
+        base = await deps.refs.resolve(local, run["source_ref"])
+        await git(local, "merge-base", "--is-ancestor", tip, base)   # exit 1: not merged
+    except LaunchError:
+        return None
+    return local, tip
+
+
+async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dict[str, Any]:
+    """API.md 11: settled runs older than ``keep_days`` go with their logs, events and Office facts,
+    and their result branch when its commits are in ``source_ref``; then old events, ledger rows
+    (each schedule's newest LEDGER_KEEP stay), finished wakeups, refused deliveries and expired
+    Idempotency-Keys; then the database gives its space back. Each transaction deletes a bounded
+    batch, and the loop yields between them, so cron and claim wait a few milliseconds at most.
+    ``dry_run``: the same counts, nothing deleted. The caller holds ``deps.housekeeping``."""
+    hk, now = deps.store.housekeeping, deps.clock.now()
+    cutoff = now - timedelta(days=keep_days)
+    counts: dict[str, Any] = {"dry_run": dry_run, "runs": 0, "log_bytes": 0, "events": 0, "wakeups": 0,
+                              "deliveries": 0, "branches": 0,
+                              "database_bytes_before": await deps.transaction_retrying(hk.database_bytes)}
+    after, seen, heads = "", set(), {}
+    while batch := await deps.transaction_retrying(hk.old_runs, cutoff, after, HOUSEKEEPING_RUNS):
+        after = batch[-1]["id"]
+        in_use = set(await deps.transaction_retrying(hk.branches_in_use, sorted({r["result_branch"] for r in batch}),
+                                                     cutoff))
+        merged: dict[tuple[str, str], tuple[str, set[str]]] = {}
+        for run in batch:
+            key = (deps.mirrors.path(run["repository"]), run["result_branch"])
+            if key in merged:
+                merged[key][1].add(run["id"])
+            elif (run["result_branch"] not in in_use and key not in seen
+                  and (found := await merged_branch(deps, run, heads))):
+                merged[key] = (found[1], {run["id"]})
+        seen |= merged.keys()
+        if dry_run:
+            counts["runs"] += len(batch)
+            counts["branches"] += len(merged)
+            counts["log_bytes"] += await trio.to_thread.run_sync(functools.partial(
+                file_bytes, [deps.log_path(r["id"]) for r in batch], remove=False))
+            continue
+        gone, chunk_bytes = await deps.transaction_retrying(hk.delete_runs, [r["id"] for r in batch], cutoff)
+        counts["runs"] += len(gone)
+        counts["log_bytes"] += chunk_bytes + await trio.to_thread.run_sync(functools.partial(
+            file_bytes, [deps.log_path(run_id) for run_id in gone], remove=True))
+        for (local, branch), (tip, runs) in merged.items():
+            if runs & set(gone) and await drop_branch(local, branch, tip):
+                counts["branches"] += 1
+        await trio.sleep(0)
+    for what in ("events", "occurrences", "wakeups", "deliveries"):
+        if dry_run:
+            counts[what] = await deps.transaction_retrying(hk.count_history, what, cutoff)
+            continue
+        counts[what] = 0
+        while went := await deps.transaction_retrying(hk.delete_history, what, cutoff):
+            counts[what] += went
+            await trio.sleep(0)
+    occurrences = counts.pop("occurrences")
+    if not dry_run:
+        await deps.transaction_retrying(deps.store.access.purge_expired, now)
+        left = None
+        while (now_left := await deps.transaction_retrying(hk.give_back_space)) and now_left != left:
+            left = now_left
+            await trio.sleep(0)
+    counts["database_bytes_after"] = await deps.transaction_retrying(hk.database_bytes)
+    if not dry_run:
+        await deps.transaction_retrying(hk.finished, counts, keep_days, deps.clock.now())
+    log.getChild("housekeeping").info(
+        "housekeeping%s (keep_days %d): %d run(s), %d log byte(s), %d event(s), %d ledger row(s), %d wakeup(s), "
+        "%d refused deliveries, %d branch(es); database %d -> %d bytes", " (dry run)" if dry_run else "", keep_days,
+        counts["runs"], counts["log_bytes"], counts["events"], occurrences, counts["wakeups"], counts["deliveries"],
+        counts["branches"], counts["database_bytes_before"], counts["database_bytes_after"])
+    return counts
+
+
+async def housekeeping_actor(deps: Deps) -> None:
+    """In: nothing but time. Out: a housekeeping pass (``housekeeping_pass``) with the configured
+    ``keep_days`` HOUSEKEEPING_FIRST_S after the start and then once a day. Owns nothing; a pass
+    asked for over the API at the same moment goes first. Ends when cancelled; a database that
+    is locked or full is waited out; a repository git cannot read keeps its branches."""
+    await trio.sleep(HOUSEKEEPING_FIRST_S)
+    while True:
+        async with deps.housekeeping:
+            await housekeeping_pass(deps, deps.config.keep_days, dry_run=False)
+        await trio.sleep(HOUSEKEEPING_EVERY_S)
 
 
 async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) -> None:
@@ -9795,7 +10174,10 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
     "curl_example": curl_example,
     "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",
-    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v)}
+    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
+    "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
+                                                 for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
+                                                 if v < 1024 ** (i + 1) or unit == "TiB")}
 #: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
                     "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
@@ -9872,6 +10254,14 @@ async def adopt_run(web: Web, run_id: str, workspace: Any) -> dict[str, Any]:
     if not isinstance(workspace, str) or not 1 <= len(workspace.strip()) <= 200:
         raise invalid("workspace", "a workspace name of 1-200 characters is required")
     return await web.commit(web.store.runs.adopt_run, run_id, workspace.strip(), web.now)
+
+
+async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
+    """Acknowledge an item; an acknowledged ``needs_you`` run lets its empty branch go (API.md 11)."""
+    item = await web.commit(web.store.ack_attention, attention_id, web.now)
+    if item["kind"] == "needs_you" and item["run_id"]:
+        await drop_empty_branch(web.deps, item["run_id"])
+    return item
 
 
 async def agents_overview(web: Web) -> list[dict[str, Any]]:
@@ -10195,7 +10585,26 @@ async def api_list_attention(web: Web):
 
 @api.post("/v1/outpost/attention/<attention_id>/ack", auth=Auth.TOKEN, idempotent=True)
 async def api_ack_attention(web: Web, attention_id: str):
-    return await web.commit(web.store.ack_attention, attention_id, web.now)
+    return await ack_attention(web, attention_id)
+
+
+@api.post("/v1/outpost/housekeeping", auth=Auth.TOKEN, idempotent=True)
+async def api_housekeeping(web: Web):
+    """API.md 11: a housekeeping pass now, ``{"keep_days"?: n, "dry_run"?: bool}`` (``keep_days``
+    0 here means every settled run the rules allow); its counts."""
+    raw = await web.body()
+    _unknown(raw, ("keep_days", "dry_run"), "housekeeping")
+    keep_days = raw.get("keep_days", web.deps.config.keep_days)
+    if not isinstance(keep_days, int) or isinstance(keep_days, bool) or not 0 <= keep_days <= 100_000:
+        raise invalid("keep_days", "must be a whole number of days from 0 to 100000")
+    dry_run = raw.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise invalid("dry_run", "must be true or false")
+    if web.deps.housekeeping.locked():
+        raise Conflict("a housekeeping pass is running; try again when it has finished")
+    async with web.deps.housekeeping:
+        counts = await housekeeping_pass(web.deps, keep_days, dry_run=dry_run)
+    return await web.commit(lambda: counts)   # stores the answer of its Idempotency-Key
 
 
 @api.get("/v1/outpost/notify", auth=Auth.TOKEN)
@@ -10871,7 +11280,22 @@ async def page_run_reply(web: Web, run_id: str):
 async def page_agents(web: Web):
     return await web.page("agents.html", section="agents", agents=await agents_overview(web),
                           nodes=await web.call(web.store.nodes.list_nodes), this_node=web.store.node,
-                          fleet=web.store.dialect.fleet, tz=host_zone().key)
+                          fleet=web.store.dialect.fleet, tz=host_zone().key, disk=await disk_use(web.deps),
+                          last_pass=await web.call(web.store.housekeeping.last_pass),
+                          keep_days=web.deps.config.keep_days)
+
+
+async def disk_use(deps: Deps) -> dict[str, int | None]:
+    """Bytes on disk (API.md 11): the database (a fleet's, as its server counts it), run logs,
+    worktrees and mirrors; the folders are walked on a worker thread, never on the event loop."""
+    data = deps.config.data_dir
+    if deps.store.dialect.fleet:
+        database = await deps.transaction(deps.store.housekeeping.database_bytes)
+    else:
+        database = await trio.to_thread.run_sync(functools.partial(
+            file_bytes, [Path(f"{deps.config.db_path}{tail}") for tail in ("", "-wal", "-shm")], remove=False))
+    sizes = [await trio.to_thread.run_sync(tree_bytes, data / folder) for folder in ("runs", "worktrees", "mirrors")]
+    return dict(zip(("database", "logs", "worktrees", "mirrors"), [database, *sizes], strict=True))
 
 
 @pages.post("/agents/<name>/resume", auth=Auth.SESSION)
@@ -10902,14 +11326,18 @@ async def page_attention(web: Web):
 @pages.post("/attention/<attention_id>/ack", auth=Auth.SESSION)
 async def page_attention_ack(web: Web, attention_id: str):
     from quart import redirect
-    await web.commit(web.store.ack_attention, attention_id, web.now)
+    await ack_attention(web, attention_id)
     return redirect("/attention?done=acked")
 
 
 @pages.post("/attention/ack-all", auth=Auth.SESSION)
 async def page_attention_ack_all(web: Web):
     from quart import redirect
+    waiting = [a["run_id"] for a in await web.call(web.store.list_attention, True)
+               if a["kind"] == "needs_you" and a["run_id"]]
     await web.commit(web.store.ack_all_attention, web.now)
+    for run_id in waiting:
+        await drop_empty_branch(web.deps, run_id)
     return redirect("/attention?done=acked_all")
 
 
@@ -11432,6 +11860,7 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
         nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
         nursery.start_soon(outbox_actor, actors, deps.notify_wake.rx)
+        nursery.start_soon(housekeeping_actor, actors)
         if deps.store.dialect.fleet:
             nursery.start_soon(node_actor, actors, shutdown)
         task_status.started(binds)
@@ -11678,6 +12107,31 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
         run = client.call("POST", f"/v1/outpost/runs/{args.target}/control", {"action": "cancel"}, idempotent=True)
         print(json.dumps(run, indent=2) if args.json else f"Run {run['id']} is {run['status']}"
               + (" (cancel requested)" if run["status"] not in SETTLED_RUN_STATUSES else "") + ".")
+
+
+def cli_gc(client: Client, args: argparse.Namespace) -> None:
+    """``outpost gc``: a housekeeping pass of the running daemon (API.md 11), its counts."""
+    body: dict[str, Any] = {"dry_run": args.dry_run}
+    if args.keep_days is not None:
+        body["keep_days"] = args.keep_days
+    counts = client.call("POST", "/v1/outpost/housekeeping", body, idempotent=True)
+    if args.json:
+        print(json.dumps(counts, indent=2))
+        return
+    verb = "would delete" if counts["dry_run"] else "deleted"
+    print(f"{verb}: {counts['runs']} run(s), {counts['log_bytes']} log byte(s), {counts['events']} event(s), "
+          f"{counts['wakeups']} wakeup(s), {counts['deliveries']} refused deliveries, "
+          f"{counts['branches']} merged result branch(es)")
+    print(f"database: {counts['database_bytes_before']} -> {counts['database_bytes_after']} bytes")
+
+
+def cli_client(data_dir: Path, url: str | None) -> Client:
+    """The daemon's API with its token, for the commands that call it."""
+    token = api_token(data_dir, create=False)
+    if token is None:
+        raise CliError(f"no API token: set OUTPOST_API_TOKEN or start `outpost serve` once "
+                       f"(it writes {data_dir / 'api-token'})", EXIT_NO_TOKEN)
+    return Client(url or f"http://127.0.0.1:{os.environ.get('OUTPOST_PORT', str(DEFAULT_PORT))}", token)
 
 
 def print_inspect(report: dict[str, Any]) -> None:
@@ -12080,6 +12534,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("restore", help="unpack a backup into a new, empty data dir")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS, help="the new, empty data dir")
     p.add_argument("file", type=Path, help="a file `outpost backup` wrote")
+    p = sub.add_parser("gc", help="housekeeping now: delete settled runs and history older than keep_days")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("--keep-days", type=int, default=None, metavar="N",
+                   help="keep N days (0: every settled run the rules allow; default [settings] keep_days)")
+    p.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
+    p.add_argument("--url", default=None, help="daemon URL (default http://127.0.0.1:$OUTPOST_PORT)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("doctor", help="check each agent profile: binary, version, login")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
@@ -12147,6 +12608,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "restore":
             cli_restore(args.file.expanduser().absolute(), data_dir)
+        if args.command == "gc":
+            cli_gc(cli_client(data_dir, args.url), args)
             return 0
         if args.target is None and args.action not in ("list",):
             raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)

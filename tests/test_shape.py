@@ -18,11 +18,11 @@ MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 700
 MAX_METHODS = 80
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
 STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
-               "PipelineStore", "RoutineStore"]
+               "PipelineStore", "RoutineStore", "HousekeepingStore"]
 PART_ATTRIBUTES = {"schedules": "ScheduleStore", "runs": "RunStore", "nodes": "NodeStore", "access": "AccessStore",
                    "notify": "NotifyStore",
                    "wakeups": "WakeupStore", "office": "OfficeStore", "pipeline": "PipelineStore",
-                   "routines": "RoutineStore"}
+                   "routines": "RoutineStore", "housekeeping": "HousekeepingStore"}
 
 #: Every route of the appliance: (method, rule, auth). Reviewed: a change here is a change of the
 #: contract or of who may call what.
@@ -54,6 +54,7 @@ ROUTES = [
     ("POST", "/v1/outpost/attention/<attention_id>/ack", "token"),
     ("GET", "/v1/outpost/notify", "token"),
     ("POST", "/v1/outpost/notify/test", "token"),
+    ("POST", "/v1/outpost/housekeeping", "token"),
     ("GET", "/v1/outpost/events", "token"),
     ("GET", "/v1/outpost/events/stream", "token"),
     ("GET", "/v1/outpost/snapshot", "token"),
