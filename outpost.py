@@ -40,26 +40,32 @@ while the actors wait it out.
 Where to look:
 
 - every route: ``print(*route_list(), sep="\\n")``; the tables are ``api``, ``office_api``,
-  ``agent_api``, ``hooks`` and ``pages`` in section 8, each route a module-level handler
+  ``agent_api``, ``hooks`` and ``pages`` in the web section, each route a module-level handler
   declaring its auth; ``create_app`` only installs them;
-- every actor: ``grep -n '^async def .*_actor' outpost.py``; ``serve`` (section 9) starts them
-  in order: recovery, web, then notification, cron, claim (and in a fleet the node actor);
-- every store layer: ``grep -n '^class .*Store' outpost.py``, bottom to top, each calling only
-  itself and the layers below (``StoreBase`` ... ``RoutineStore``, then ``Store``);
+- every actor: ``grep -n '^async def .*_actor' outpost.py``; ``serve`` (the supervisor section)
+  starts them in order: recovery, web, then notification, outbox, cron, claim (and in a fleet the
+  node actor);
+- the store: ``Store`` is ``StoreCore`` (the session: transactions, events, attention) with its
+  parts, ``grep -n '^class .*Store' outpost.py``: ``store.schedules``, ``store.runs``,
+  ``store.nodes``, ``store.access``, ``store.notify``, ``store.wakeups``, ``store.office``,
+  ``store.pipeline``, ``store.routines``; each holds the parts below it that it calls. What
+  differs between SQLite and PostgreSQL is ``store.dialect`` (``Dialect``, ``PostgresDialect``);
+- an agent CLI: its ``Preset`` in ``PRESETS`` (the Agent CLIs section);
 - a behaviour of the spec: search for its name (``skip_if_active``, ``task_blockers_resolved``,
   ``retry_stale_assignee``).
 
-Sections of this file (``grep -n '^# [0-9]\\. ' outpost.py``):
+Sections of this file, one per concern (``grep -n '^# [0-9]*\\. ' outpost.py``):
 
-    1. imports and constants
-    2. errors (one family)
-    3. configuration
-    4. domain (pure)
-    5. store
-    6. executors
-    7. actors
-    8. web
-    9. supervisor, CLI and main()
+    1. imports and constants          11. store: routines, the Store of parts
+    2. errors (one family)            12. git and worktrees
+    3. agent CLIs                     13. running an agent
+    4. configuration                  14. wiring (clocks, channels, Deps)
+    5. schedules and runs, the domain 15. fleet
+    6. Office, the domain             16. actors
+    7. store: database and session    17. web
+    8. store: schedules               18. supervisor
+    9. store: runs, nodes, access     19. CLI and main()
+   10. store: the Office queue
 """
 
 ###############################################################################
