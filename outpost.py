@@ -7399,7 +7399,7 @@ class HousekeepingStore(StorePart):
         """(table, key, SQL condition) of the rows of ``what`` that go with ``$cutoff``:
         events older than it (never the newest, ``$latest``: a fleet's cursor is the newest
         event's) unless they name a run that stays; a schedule's ledger rows beyond its newest
-        LEDGER_KEEP; finished wakeups; refused webhook deliveries."""
+        LEDGER_KEEP; finished wakeups; refused webhook deliveries; notifications sent or given up."""
         run_id = self.dialect.json_text("data", "run_id")
         if what == "events":
             return ("Event", "cursor", f"at < $cutoff AND cursor < $latest AND ({run_id} IS NULL "
@@ -7413,6 +7413,8 @@ class HousekeepingStore(StorePart):
             return ("Wakeup", "id", "status IN ('finished', 'failed', 'cancelled', 'skipped', 'coalesced') "
                                     "AND COALESCE(finished_at, requested_at) < $cutoff "
                                     f"AND (run_id IS NULL OR run_id NOT IN {self._kept_runs()})")
+        if what == "notifications":   # the outbox's sent and given-up messages (a queued one waits)
+            return "Notification", "id", "status IN ('delivered', 'given_up') AND created_at < $cutoff"
         return "WebhookRefusal", "id", "created_at < $cutoff"
 
     def _history_params(self, cutoff: datetime) -> dict[str, Any]:
@@ -9337,7 +9339,8 @@ async def merged_branch(deps: Deps, run: dict[str, Any], heads: dict[str, dict[s
 async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dict[str, Any]:
     """API.md 11: settled runs older than ``keep_days`` go with their logs, events and Office facts,
     and their result branch when its commits are in ``source_ref``; then old events, ledger rows
-    (each schedule's newest LEDGER_KEEP stay), finished wakeups, refused deliveries and expired
+    (each schedule's newest LEDGER_KEEP stay), finished wakeups, refused deliveries, sent or given-up
+    notifications and expired
     Idempotency-Keys; then the database gives its space back. Each transaction deletes a bounded
     batch, and the loop yields between them, so cron and claim wait a few milliseconds at most.
     ``dry_run``: the same counts, nothing deleted. The caller holds ``deps.housekeeping``."""
@@ -9374,7 +9377,7 @@ async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dic
             if runs & set(gone) and await drop_branch(local, branch, tip):
                 counts["branches"] += 1
         await trio.sleep(0)
-    for what in ("events", "occurrences", "wakeups", "deliveries"):
+    for what in ("events", "occurrences", "wakeups", "deliveries", "notifications"):
         if dry_run:
             counts[what] = await deps.transaction_retrying(hk.count_history, what, cutoff)
             continue
@@ -9383,6 +9386,7 @@ async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dic
             counts[what] += went
             await trio.sleep(0)
     occurrences = counts.pop("occurrences")
+    counts["deliveries"] += counts.pop("notifications")   # deliveries: refused webhooks and sent notifications
     if not dry_run:
         await deps.transaction_retrying(deps.store.access.purge_expired, now)
         left = None

@@ -263,3 +263,22 @@ def test_an_older_small_database_is_converted_to_incremental_vacuum_at_start(tmp
     outpost.Store(path).close()
     with sqlite3.connect(path) as reopened:
         assert reopened.execute("PRAGMA auto_vacuum").fetchone()[0] == 2   # incremental
+
+
+async def test_a_pass_deletes_old_sent_notifications_and_keeps_those_still_waiting(autojump_clock, tmp_path):
+    store = outpost.Store(tmp_path / "outbox.sqlite3")
+    deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), inline_db=True)
+
+    def outbox(statuses: list[str]) -> None:
+        for status in statuses:
+            store.db.Notification(entry="e", item=None, kind="test", title=status, status=status,
+                                  next_at=outpost.naive(T0), created_at=outpost.naive(T0))
+    call(store, outbox, ["delivered", "given_up", "queued"])
+    await trio.sleep(3 * DAY)
+    async with deps.housekeeping:
+        dry = await outpost.housekeeping_pass(deps, 1, dry_run=True)
+        counts = await outpost.housekeeping_pass(deps, 1, dry_run=False)
+    assert dry["deliveries"] == counts["deliveries"] == 2
+    left = call(store, lambda: sorted(n.status for n in store.db.Notification.select()))
+    assert left == ["queued"]
+    store.close()
