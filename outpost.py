@@ -10178,9 +10178,55 @@ async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str
     return runs_chart_svg(days, title)
 
 
+def time_tag(instant: str | datetime | None, tz_name: str | None = None):
+    """An instant as a ``<time>`` element. Without a zone (lists): ``data-rel``, which
+    static/outpost.js turns into "3 min ago" with the exact instant in the viewer's zone on
+    hover; without JavaScript it reads in UTC. With a zone (a schedule's own page): the
+    instant in that zone, the exact second and the zone's name on hover."""
+    from markupsafe import Markup
+    if not instant:
+        return "-"
+    dt = (parse_instant(instant) if isinstance(instant, str) else instant).astimezone(UTC)
+    iso = f"{dt:%Y-%m-%dT%H:%M:%SZ}"
+    if tz_name is None:
+        return Markup('<time datetime="{}" title="{}" data-rel>{}</time>').format(
+            iso, f"{dt:%Y-%m-%d %H:%M:%S} UTC", f"{dt:%Y-%m-%d %H:%M} UTC")
+    local = dt.astimezone(ZoneInfo(tz_name))
+    return Markup('<time datetime="{}" title="{}">{}</time>').format(
+        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name))
+
+
+def words_of_seconds(seconds: float) -> str:
+    """A duration as the dashboard shows it: ``45 s``, ``1 m 12 s``, ``3 h 5 m``, ``2 d 4 h``
+    (static/outpost.js has the same rule for a run still going)."""
+    s = int(seconds)
+    if s < 1:
+        return "< 1 s"
+    for unit, size, small, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= size:
+            rest = (s % size) // small_size
+            return f"{s // size} {unit}" + (f" {rest} {small}" if rest else "")
+    return f"{s} s"
+
+
+def run_duration(run: dict[str, Any]):
+    """How long a run took (started to finished); one still going counts on in the page."""
+    from markupsafe import Markup
+    def instant(value: str | datetime) -> datetime:
+        return parse_instant(value) if isinstance(value, str) else value
+    if not run.get("started_at"):
+        return "-"
+    started = instant(run["started_at"])
+    if run.get("finished_at"):
+        return words_of_seconds((instant(run["finished_at"]) - started).total_seconds())
+    so_far = words_of_seconds((datetime.now(UTC) - started).total_seconds())
+    return Markup('<span data-since="{}">{}</span>').format(f"{started.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}", so_far)
+
+
 #: Filters the templates use.
 TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
+    "when": time_tag, "at": time_tag, "duration": run_duration,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
     "curl_example": curl_example,
     "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",

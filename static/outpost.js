@@ -66,8 +66,58 @@
     show(location.hash.startsWith("#tab-") ? location.hash.slice(5) : "overview");
   }
 
+  // --- times: a list's <time data-rel> reads "3 min ago", its exact instant in the viewer's
+  // zone on hover (the server wrote it in UTC); a running run's [data-since] counts on. --------
+  const pad = (n) => String(n).padStart(2, "0");
+  function stamp(date, seconds) {
+    return `${date.getFullYear()}-${pad(date.getMonth() + 1)}-${pad(date.getDate())} ` +
+      `${pad(date.getHours())}:${pad(date.getMinutes())}` + (seconds ? `:${pad(date.getSeconds())}` : "");
+  }
+  function relative(iso, now = Date.now()) {
+    const at = new Date(iso), s = (at.getTime() - now) / 1000, a = Math.abs(s);
+    const say = (n, unit) => (s < 0 ? `${n} ${unit} ago` : `in ${n} ${unit}`);
+    if (a < 45) return s < 0 ? "just now" : "in under a minute";
+    if (a < 90 * 60) return say(Math.max(1, Math.round(a / 60)), "min");
+    if (a < 36 * 3600) return say(Math.round(a / 3600), "h");
+    if (a < 14 * 86400) { const d = Math.round(a / 86400); return say(d, d === 1 ? "day" : "days"); }
+    return stamp(at);
+  }
+  function exact(iso) {
+    const at = new Date(iso);
+    const zone = Intl.DateTimeFormat().resolvedOptions().timeZone || "local time";
+    const short = new Intl.DateTimeFormat("en-US", { timeZoneName: "short" }).formatToParts(at)
+      .find((p) => p.type === "timeZoneName")?.value;
+    const named = short && short !== zone ? `${short} (${zone})` : zone;
+    return `${stamp(at, true)} ${named} · ${at.toISOString().slice(0, 19).replace("T", " ")} UTC`;
+  }
+  function duration(seconds) {   // the server's words_of_seconds
+    const s = Math.floor(seconds);
+    if (s < 1) return "< 1 s";
+    for (const [unit, size, small, smallSize] of [["d", 86400, "h", 3600], ["h", 3600, "m", 60], ["m", 60, "s", 1]]) {
+      if (s >= size) {
+        const rest = Math.floor((s % size) / smallSize);
+        return `${Math.floor(s / size)} ${unit}` + (rest ? ` ${rest} ${small}` : "");
+      }
+    }
+    return `${s} s`;
+  }
+  function renderTimes(root) {
+    root.querySelectorAll("time[data-rel]").forEach((t) => {
+      const iso = t.getAttribute("datetime");
+      t.textContent = relative(iso);
+      t.title = exact(iso);
+    });
+    renderRunning(root);
+  }
+  function renderRunning(root) {
+    root.querySelectorAll("[data-since]").forEach((el) => {
+      el.textContent = duration((Date.now() - Date.parse(el.dataset.since)) / 1000);
+    });
+  }
+
   // --- small behaviours: confirm before destructive actions, "back" keeps form input -------
   function setupPage(root) {
+    renderTimes(root);
     setupTimingPicker(root);
     setupBoard(root);
     setupTabs(root);
@@ -167,10 +217,12 @@
     }
   }
 
-  window.outpost = { csrf, refresh };
+  window.outpost = { csrf, refresh, relative, duration };
   document.documentElement.classList.add("js");
   document.addEventListener("DOMContentLoaded", () => {
     setupPage(document);
+    setInterval(() => renderTimes(document), 30000);
+    setInterval(() => renderRunning(document), 1000);
     setupNotifications();
     connect();
     followLog();
