@@ -9202,6 +9202,9 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
     if deps.store.dialect.ships_logs and (
             ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
         await deps.transaction_retrying(deps.store.runs.replace_log, run_id, ended)   # as it ended, for every node
+    if (kept is None and not commits and commit and not info["continues_branch"]
+            and outcome.status != RunStatus.NEEDS_YOU):   # API.md 11: before settling, so a settled run is done
+        await drop_branch_of(run_id, local, info["result_branch"], commit)
     now = deps.clock.now()
     profile = deps.config.agent(info["agent"])
     settled = await deps.transaction_retrying(deps.store.runs.settle_run, run_id, outcome, now, exit_code=exit_code,
@@ -9215,8 +9218,6 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
                                         schedule_id=info["schedule_id"], run_id=run_id)
-    if settled and kept is None:
-        await drop_empty_branch(deps, run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
     if settled:
@@ -9226,13 +9227,18 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
 
 async def drop_empty_branch(deps: Deps, run_id: str) -> bool:
     """API.md 11: a settled run's result branch goes when it carries no work (its
-    ``result_branch`` still names it; ``changes.commits`` 0 says it was empty). Called at
-    settlement, and when a ``needs_you`` item is acknowledged. Whether a branch was deleted."""
+    ``result_branch`` still names it; ``changes.commits`` 0 says it was empty). ``finish_run``
+    drops a run's empty branch before it settles; this, when a ``needs_you`` item is
+    acknowledged. Whether a branch was deleted."""
     found = await deps.transaction_retrying(deps.store.runs.empty_branch, run_id)
     if found is None:
         return False
     repository, branch, commit = found
-    dropped = await drop_branch(deps.mirrors.path(repository), branch, commit)
+    return await drop_branch_of(run_id, deps.mirrors.path(repository), branch, commit)
+
+
+async def drop_branch_of(run_id: str, local: str, branch: str, commit: str) -> bool:
+    dropped = await drop_branch(local, branch, commit)
     if dropped:
         log.getChild("run").info("run %s: empty result branch %s deleted", run_id, branch)
     return dropped
