@@ -6085,6 +6085,14 @@ class OfficeStore(StorePart):
         ws = self.workspace_row(workspace_id)
         return {**workspace_view(ws), "repository_in_use": self.repository_of(ws)}
 
+    def repository_waiting(self, workspace_id: str | None) -> str | None:
+        """Why the workspace's wakeups wait for their repository (a queued wakeup's last_error),
+        or None: nothing waits, so Office runs (the banner of the Office pages)."""
+        rows = self.db.select('SELECT last_error FROM "Wakeup" WHERE workspace_id = $ws AND status = \'queued\' '
+                              "AND last_error LIKE $waiting ORDER BY requested_at, id LIMIT 1",
+                              {"ws": self.workspace_row(workspace_id).id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
+        return rows[0] if rows else None
+
     def repository_of(self, ws) -> str | None:
         """The workspace's repository; the embedded one for the default workspace while it names none."""
         return ws.repository or (self.core.embedded_repository if ws.id == DEFAULT_WORKSPACE else None)
@@ -6244,6 +6252,24 @@ class OfficeStore(StorePart):
         for run_id in stopping:   # last: a run that has not started settles at once, in plain SQL
             self.runs.control_run(run_id, "cancel", now)
         return task_view(self._task(task_id) if stopping else t)
+
+    def running_tasks(self, workspace_id: str | None) -> dict[str, list[str]]:
+        """The agents whose run is running on each task of the workspace (the board's badge)."""
+        running: dict[str, list[str]] = {}
+        for task_id, agent_id in self.db.select(
+                'SELECT o.task_id, o.agent_id FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
+                "WHERE o.workspace_id = $ws AND o.task_id IS NOT NULL AND r.status = 'running' "
+                "ORDER BY o.queued_at, o.run_id", {"ws": self.workspace_row(workspace_id).id}):
+            running.setdefault(task_id, []).append(agent_id)
+        return running
+
+    def task_titles(self, task_ids: Iterable[str]) -> dict[str, str]:
+        """The titles of these tasks (those that exist), for the tables that name a task."""
+        ids, titles = sorted(set(task_ids)), {}
+        for k in range(0, len(ids), 500):
+            chunk = ids[k:k + 500]
+            titles.update((t.id, t.title) for t in self.db.Task.select(lambda t: t.id in chunk))
+        return titles
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         t = self._task(task_id)
@@ -10124,6 +10150,10 @@ CHART_OUTCOMES = (("succeeded", "succeeded"), ("failed", "failed"), ("needs_you"
                   ("skipped", "skipped"))
 
 
+#: What a chart with no runs in its days says instead of an empty plot.
+CHART_EMPTY = f"No runs in the last {CHART_DAYS} days"
+
+
 def _svg_text(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
@@ -10133,6 +10163,10 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
     something), as inline SVG: classes for colours (the stylesheet's, light and dark), a
     <title> per bar for readers and tooltips, no script."""
     width, bar_h, gap = 24 * len(days), 110, 4
+    if not any(d[k] for d in days for k, _ in CHART_OUTCOMES):   # an empty plot would say nothing
+        return (f'<svg class="chart chart-empty" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} 40" '
+                f'role="img" aria-label="{_svg_text(title)}: {CHART_EMPTY}"><title>{_svg_text(title)}</title>'
+                f'<text class="axis" x="{width // 2}" y="24" text-anchor="middle">{CHART_EMPTY}</text></svg>')
     peak = max((sum(d[k] for k, _ in CHART_OUTCOMES) for d in days), default=0) or 1
     costs = [d["cost"] for d in days]
     cost_peak = max(costs, default=0.0)
@@ -10142,7 +10176,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
     for i, d in enumerate(days):
         x, y = i * 24 + gap // 2, bar_h
         words = ", ".join(f"{d[k]} {w}" for k, w in CHART_OUTCOMES if d[k]) or "no runs"
-        cost = f", ${d['cost']:,.2f}" if d["cost"] else ""
+        cost = f", {usd(d['cost'])}" if d["cost"] else ""
         parts.append(f'<g class="day" data-day="{d["day"]}"><title>{d["day"]}: {words}{cost}</title>')
         for key, _ in CHART_OUTCOMES:
             if d[key]:
@@ -10158,7 +10192,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
     parts.append(f'<text class="axis" x="0" y="{label_y}">{days[0]["day"][5:]}</text>'
                  f'<text class="axis" x="{width}" y="{label_y}" text-anchor="end">{days[-1]["day"][5:]}</text>')
     if cost_peak:
-        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak ${cost_peak:,.2f})</text>')
+        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak {usd(cost_peak)})</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -10169,11 +10203,23 @@ async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str
 
 
 #: Filters the templates use.
+def usd(value: float | None) -> str:
+    """A cost: cents from $1 on; under $1 three significant digits ($0.0123, $0.50), as runs of
+    a cent or less are common and "$0.01" would hide a tenfold difference."""
+    if value is None:
+        return "-"
+    if value == 0 or abs(value) >= 1:
+        return f"${value:,.2f}"
+    decimals = min(8, max(2, 2 - math.floor(math.log10(abs(value)))))
+    whole, fraction = f"{value:.{decimals}f}".split(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
 TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
     "curl_example": curl_example,
-    "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",
+    "usd": lambda v: usd(v), "counted": lambda n, noun: f"{n} {noun}{'' if n == 1 else 's'}",
     "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
     "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
                                                  for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
@@ -10323,6 +10369,9 @@ async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
     current = await web.call(web.store.office.office_settings, workspace_id)
     settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    if settings["repository"] and (settings["repository"], settings["source_ref"]) != (current["repository"],
+                                                                                       current["source_ref"]):
+        await check_repository(settings, web.deps)   # refused now, not at the next wake (422 naming the field)
     return await web.commit(web.store.office.update_office_settings, workspace_id, settings)
 
 
@@ -11357,11 +11406,31 @@ async def page_notify_test(web: Web):
 
 # --- dashboard: Office ------------------------------------------------------------------------------------
 
+def mentioned_task_ids(value: Any, depth: int = 4) -> set[str]:
+    """The ``task_id`` and ``linked_task_id`` of the rows a page's context lists (a routine's runs
+    inside the routine too): the tasks its tables name by title."""
+    found: set[str] = set()
+    if depth and isinstance(value, dict):
+        found |= {v for k in ("task_id", "linked_task_id") if isinstance(v := value.get(k), str)}
+        for item in value.values():
+            if isinstance(item, list | dict):
+                found |= mentioned_task_ids(item, depth - 1)
+    elif depth and isinstance(value, list):
+        for item in value:
+            found |= mentioned_task_ids(item, depth - 1)
+    return found
+
+
 async def office_page(web: Web, template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
-    """An Office page: the workspace's settings and agents for its header and tables."""
+    """An Office page: the workspace's settings and agents for its header and tables, and the
+    titles of the tasks its tables name."""
+    named = mentioned_task_ids(context)
+
     def common():
         return {"settings": web.store.office.office_settings(None),
-                "agents_by_id": {a["id"]: a for a in web.store.office.list_agents(None)}}
+                "repository_waiting": web.store.office.repository_waiting(None),
+                "agents_by_id": {a["id"]: a for a in web.store.office.list_agents(None)},
+                "task_titles": web.store.office.task_titles(named)}
     shared = await web.call(common)
     return await web.page(template, status=status, section="office", live=live, tab=tab,
                           tz=shared["settings"]["timezone"], profiles=web.profile_names, task_states=list(TaskState),
@@ -11510,12 +11579,13 @@ async def page_office_agent_wake(web: Web, agent_id: str):
 async def page_office_board(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                             status: int = 200):
     show_routine = web.args.get("routine") == "1"
-    tasks = await web.call(web.store.office.list_tasks, None)
+    tasks, running = await web.call(lambda: (web.store.office.list_tasks(None), web.store.office.running_tasks(None)))
     hidden = sum(t["workflow"] == "routine" for t in tasks)
     shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
     columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
     return await office_page(web, "office_board.html", tab="board", status=status, tasks=shown, columns=columns,
-                             show_routine=show_routine, hidden_routine=hidden, form=form or {}, errors=errors or {})
+                             show_routine=show_routine, hidden_routine=hidden, running=running, form=form or {},
+                             errors=errors or {})
 
 
 @pages.post("/office/tasks", auth=Auth.SESSION)
