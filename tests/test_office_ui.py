@@ -133,3 +133,82 @@ async def test_the_cli_profiles_page_is_called_agent_clis(dashboard):
                                              (1234.5, "$1,234.50")])
 def test_costs_under_a_dollar_keep_their_significant_digits(cost, shown):
     assert outpost.TEMPLATE_FILTERS["usd"](cost) == shown
+
+
+# --- a run's log as a transcript -------------------------------------------------------------------------
+
+RECORDED = Path(__file__).parent / "fakes" / "recorded"
+
+
+def claude_run(deps: outpost.Deps, repo: Path, log: str, *, settled: bool = True) -> str:
+    """An Office run whose agent printed ``log`` (Claude Code's stream-json), settled or running."""
+    store = deps.store
+    _, _, run_id = office_run(store, "t", repo)
+    start(store, run_id, T0)
+    deps.log_path(run_id).parent.mkdir(parents=True, exist_ok=True)
+    deps.log_path(run_id).write_text(log)
+    if settled:
+        reading = outpost.read_claude(log.splitlines())
+        outcome = outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, None, None, reading=reading)
+        assert call(store, store.runs.settle_run, run_id, outcome, T0)
+    return run_id
+
+
+async def test_a_claude_log_reads_as_a_transcript_with_its_tool_call_and_result(tmp_path, dashboard):
+    recorded = __import__("json").loads((RECORDED / "claude-tool.json").read_text())["stdout"]
+    run_id = claude_run(dashboard, make_repo(tmp_path / "repo"), recorded)
+    for path in (f"/office/runs/{run_id}", f"/runs/{run_id}"):
+        page = await page_of(dashboard, path)
+        shown = re.search(r'<ol class="plain transcript" id="run-transcript">(.*?)</ol>', page, re.S)[1]
+        kinds = re.findall(r'data-kind="(\w+)"', shown)
+        assert kinds == ["session", "tool", "tool_result", "message", "result"], path
+        assert re.search(r'<strong class="mono">Bash</strong> <code>git push origin HEAD</code>', shown)
+        assert "error: This command requires approval" in shown
+        assert "Done: the stub model answered." in shown and "cost $0.0377" in shown and "2 turns" in shown
+        raw = re.search(r'<details id="raw-log"><summary>Raw log</summary>\s*<pre class="log" id="run-log"[^>]*>(.*?)'
+                        r'</pre>', page, re.S)[1]
+        assert "&#34;type&#34;:&#34;result&#34;" in raw   # every raw line, behind the toggle
+    assert '<details id="raw-log" open>' in await page_of(dashboard, f"/runs/{run_id}?raw=1")
+
+
+async def test_a_hostile_log_is_escaped_and_clipped_in_the_transcript(tmp_path, dashboard):
+    json = __import__("json")
+    hostile = [{"type": "system", "subtype": "init", "model": "<img src=x onerror=alert(1)>", "session_id": 7},
+               {"type": "assistant", "message": {"content": [{"type": "text", "text": "<script>alert(1)</script>"},
+                                                             {"type": "tool_use", "name": "</pre><script>",
+                                                              "input": {"command": "x" * 100_000}}]}},
+               {"type": "user", "message": {"content": [{"type": "tool_result",
+                                                         "content": [{"type": "text", "text": "y" * 500_000}]}]}},
+               {"type": "assistant", "message": "not a dict"}, {"type": "user", "message": {"content": [None, 3]}},
+               {"type": "result", "subtype": "success", "result": {"not": "text"}, "total_cost_usd": "lots"}]
+    log = "\n".join(json.dumps(e) for e in hostile) + "\n" + "[" * 100_000 + "\n" + "plain </pre> line\n"
+    run_id = claude_run(dashboard, make_repo(tmp_path / "repo"), log * 3)
+    page = await page_of(dashboard, f"/office/runs/{run_id}")
+    shown = re.search(r'id="run-transcript">(.*?)</ol>', page, re.S)[1]
+    assert "<script>" not in page.replace('<script src="/static/outpost.js', "") and "<img" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in shown and "&lt;/pre&gt;&lt;script&gt;" in shown
+    assert len(shown) < 30_000   # 1.8 MB of log, clipped: 300 characters of input, 800 of a result
+    assert "(99,700 more characters)" in shown and "(499,200 more characters)" in shown
+
+
+async def test_a_running_log_stays_raw_and_followed_live(tmp_path, dashboard):
+    recorded = __import__("json").loads((RECORDED / "claude-tool.json").read_text())["stdout"]
+    run_id = claude_run(dashboard, make_repo(tmp_path / "repo"), recorded, settled=False)
+    page = await page_of(dashboard, f"/office/runs/{run_id}")
+    assert 'id="run-transcript"' not in page and 'data-following="1"' in page
+
+
+def test_codex_and_gemini_logs_read_as_transcripts():
+    json = __import__("json")
+    codex = json.loads((RECORDED / "codex-success.json").read_text())["stdout"] + json.dumps(
+        {"type": "item.completed", "item": {"type": "command_execution", "command": "ls", "aggregated_output": "a\n",
+                                            "exit_code": 2}})
+    entries = outpost.transcript(codex, "codex")["entries"]
+    assert [e["kind"] for e in entries] == ["session", "message", "result", "tool", "tool_result"]
+    assert entries[-1]["error"] and entries[-1]["text"].endswith("(exit code 2)")
+    gemini = outpost.transcript(json.loads((RECORDED / "gemini-tool.json").read_text())["stdout"], "gemini")["entries"]
+    assert [(e["kind"], e.get("role")) for e in gemini] == [
+        ("session", None), ("message", "user"), ("tool", None), ("tool_result", None), ("message", "assistant"),
+        ("result", None)]
+    assert gemini[2]["name"] == "run_shell_command" and gemini[2]["text"] == "git push origin HEAD"
+    assert outpost.transcript("plain text\n", "claude-code") is None and outpost.transcript("{}", "generic") is None
