@@ -2210,6 +2210,187 @@ READERS: dict[str, Callable[[list[str]], Reading]] = {
 TERMINAL_EVENT_FORMATS = ("claude-code", "codex", "gemini")
 
 
+# --- A run's log as a transcript (the run pages) ---------------------------------------------------
+# The agent writes its log: every text is clipped here, the entries and the characters are
+# capped, and the templates escape it all (Jinja autoescape); nothing is trusted to be a string.
+
+#: The formats whose log reads as a transcript: their events, one JSON object a line.
+TRANSCRIPT_FORMATS = ("claude-code", "codex", "gemini")
+TRANSCRIPT_MESSAGE_CHARS = 4000      # a message or the final result
+TRANSCRIPT_TOOL_INPUT_CHARS = 300    # a tool call's input, summarized
+TRANSCRIPT_TOOL_RESULT_CHARS = 800   # what a tool answered
+TRANSCRIPT_ENTRIES = 500
+TRANSCRIPT_CHARS = 250_000           # the transcript stops there; the raw log has the rest
+#: The input field that says what a tool call does, by preference (Claude's Bash/Read/Edit/Grep/
+#: WebFetch, Gemini's run_shell_command/read_file...): else the input as compact JSON.
+TOOL_INPUT_KEYS = ("command", "file_path", "path", "absolute_path", "pattern", "url", "query", "prompt",
+                   "description")
+
+
+def clip(value: Any, limit: int) -> str:
+    """Text of at most ``limit`` characters (and a note of what was cut); any value as text."""
+    try:
+        text = value if isinstance(value, str) else "" if value is None else json.dumps(value, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        text = "(unreadable)"
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
+def tool_input_summary(value: Any) -> str:
+    if isinstance(value, dict):
+        for key in TOOL_INPUT_KEYS:
+            if isinstance(value.get(key), str) and value[key]:
+                return clip(value[key], TRANSCRIPT_TOOL_INPUT_CHARS)
+    return clip(value, TRANSCRIPT_TOOL_INPUT_CHARS)
+
+
+def session_words(model: Any, session_id: Any) -> str:
+    return f"model {clip(model, 100)}, session {clip(session_id, 100)}"
+
+
+def _content_text(content: Any) -> str:
+    """A tool result's content: a string, or Claude's list of ``{"type": "text", "text"}`` blocks."""
+    if isinstance(content, list):
+        return "\n".join(c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
+    return content if isinstance(content, str) else "" if content is None else json.dumps(content)
+
+
+def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Claude Code stream-json: ``assistant`` text, thinking and tool_use blocks; ``user``
+    tool_result blocks (or the prompt); the ``result`` with its cost."""
+    kind = e.get("type")
+    message = e.get("message") if isinstance(e.get("message"), dict) else {}
+    content = message.get("content")
+    if kind == "system" and e.get("subtype") == "init":
+        yield {"kind": "session", "text": session_words(e.get("model"), e.get("session_id"))}
+    elif kind in ("assistant", "user") and isinstance(content, str):
+        yield {"kind": "message", "role": kind, "text": clip(content, TRANSCRIPT_MESSAGE_CHARS)}
+    elif kind in ("assistant", "user") and isinstance(content, list):
+        for c in content:
+            block = c.get("type") if isinstance(c, dict) else None
+            if block == "text":
+                yield {"kind": "message", "role": kind, "text": clip(c.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
+            elif block == "thinking":
+                yield {"kind": "thinking", "text": clip(c.get("thinking"), TRANSCRIPT_MESSAGE_CHARS)}
+            elif block == "tool_use":
+                yield {"kind": "tool", "name": clip(c.get("name"), 100), "text": tool_input_summary(c.get("input"))}
+            elif block == "tool_result":
+                yield {"kind": "tool_result", "error": c.get("is_error") is True,
+                       "text": clip(_content_text(c.get("content")), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind == "result":
+        usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+        yield {"kind": "result", "error": e.get("is_error") is True or e.get("subtype", "success") != "success",
+               "text": clip(e.get("result") if isinstance(e.get("result"), str) else e.get("subtype"),
+                            TRANSCRIPT_MESSAGE_CHARS),
+               "cost_usd": _number(e.get("total_cost_usd")), "turns": _count(e.get("num_turns")),
+               "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
+
+
+def _codex_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Codex exec --json (codex-rs/exec/src/exec_events.rs): completed items (agent_message,
+    reasoning, command_execution, file_change, mcp_tool_call, web_search, error), the turn's end."""
+    kind = e.get("type")
+    item = e.get("item") if isinstance(e.get("item"), dict) else {}
+    what = item.get("type")
+    if kind == "thread.started":
+        yield {"kind": "session", "text": f"thread {clip(e.get('thread_id'), 100)}"}
+    elif kind == "item.completed" and what in ("agent_message", "assistant_message"):
+        yield {"kind": "message", "role": "assistant", "text": clip(item.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
+    elif kind == "item.completed" and what == "reasoning":
+        yield {"kind": "thinking", "text": clip(item.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
+    elif kind == "item.completed" and what == "command_execution":
+        yield {"kind": "tool", "name": "shell", "text": clip(item.get("command"), TRANSCRIPT_TOOL_INPUT_CHARS)}
+        code = _count(item.get("exit_code"))
+        yield {"kind": "tool_result", "error": code not in (0, None),
+               "text": clip(item.get("aggregated_output"), TRANSCRIPT_TOOL_RESULT_CHARS)
+               + (f"\n(exit code {code})" if code else "")}
+    elif kind == "item.completed" and what == "file_change":
+        changes = item.get("changes") if isinstance(item.get("changes"), list) else []
+        paths = ", ".join(f"{clip(c.get('kind'), 20)} {clip(c.get('path'), 200)}" for c in changes[:20]
+                          if isinstance(c, dict))
+        yield {"kind": "tool", "name": "edit", "text": clip(paths, TRANSCRIPT_TOOL_INPUT_CHARS)}
+    elif kind == "item.completed" and what == "mcp_tool_call":
+        yield {"kind": "tool", "name": f"{clip(item.get('server'), 50)}.{clip(item.get('tool'), 50)}",
+               "text": tool_input_summary(item.get("arguments"))}
+    elif kind == "item.completed" and what == "web_search":
+        yield {"kind": "tool", "name": "web_search", "text": clip(item.get("query"), TRANSCRIPT_TOOL_INPUT_CHARS)}
+    elif kind == "item.completed" and what == "error" or kind == "error":
+        yield {"kind": "error", "text": clip((item or e).get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind in ("turn.completed", "turn.failed"):
+        usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+        error = e.get("error") if isinstance(e.get("error"), dict) else {}
+        yield {"kind": "result", "error": kind == "turn.failed", "cost_usd": None, "turns": None,
+               "text": clip(error.get("message"), TRANSCRIPT_MESSAGE_CHARS) if error else "turn completed",
+               "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
+
+
+def _gemini_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Gemini CLI stream-json: init, messages (an assistant's deltas are joined by the caller),
+    tool_use/tool_result, error, result with its stats."""
+    kind = e.get("type")
+    if kind == "init":
+        yield {"kind": "session", "text": session_words(e.get("model"), e.get("session_id"))}
+    elif kind == "message" and e.get("role") in ("user", "assistant"):
+        yield {"kind": "message", "role": e["role"], "text": clip(e.get("content"), TRANSCRIPT_MESSAGE_CHARS),
+               "delta": e.get("delta") is True}
+    elif kind == "tool_use":
+        yield {"kind": "tool", "name": clip(e.get("tool_name"), 100), "text": tool_input_summary(e.get("parameters"))}
+    elif kind == "tool_result":
+        error = e.get("error") if isinstance(e.get("error"), dict) else {}
+        yield {"kind": "tool_result", "error": e.get("status") != "success",
+               "text": clip(e.get("output") or error.get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind == "error":
+        yield {"kind": "error", "text": clip(e.get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind == "result":
+        stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
+        error = e.get("error")
+        yield {"kind": "result", "error": e.get("status") != "success", "cost_usd": None,
+               "turns": _count(stats.get("turns")),
+               "text": clip(error.get("message") if isinstance(error, dict) else error or e.get("status"),
+                            TRANSCRIPT_MESSAGE_CHARS),
+               "input_tokens": _count(stats.get("input_tokens")), "output_tokens": _count(stats.get("output_tokens"))}
+
+
+TRANSCRIBERS: dict[str, Callable[[dict[str, Any]], Iterator[dict[str, Any]]]] = {
+    "claude-code": _claude_entries, "codex": _codex_entries, "gemini": _gemini_entries}
+
+
+def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
+    """A log of a CLI of TRANSCRIPT_FORMATS as entries (``kind``: session, message, thinking, tool,
+    tool_result, error, result, output for a line that is no event), or None: another format,
+    or no event in it. ``cut``: entries left out past the caps (the raw log has them)."""
+    reader = TRANSCRIBERS.get(fmt or "")
+    if reader is None:
+        return None
+    entries: list[dict[str, Any]] = []
+    used = cut = events = 0
+    for line in text.splitlines():
+        stripped = line.strip()
+        event = None
+        if stripped.startswith("{"):
+            with contextlib.suppress(ValueError, RecursionError):
+                event = json.loads(stripped)
+        if isinstance(event, dict):
+            events += 1
+            found = list(reader(event))
+        else:
+            found = [{"kind": "output", "text": clip(line, TRANSCRIPT_TOOL_RESULT_CHARS)}] if stripped else []
+        for entry in found:
+            last = entries[-1] if entries else None
+            if last and entry["kind"] == "output" == last["kind"] or (entry.get("delta") and last
+                                                                    and last.get("delta")):
+                joined = clip(last["text"] + ("\n" if entry["kind"] == "output" else "") + entry["text"],
+                              TRANSCRIPT_MESSAGE_CHARS)   # output lines, or an assistant's deltas: one entry
+                used += len(joined) - len(last["text"])
+                last["text"] = joined
+            elif len(entries) >= TRANSCRIPT_ENTRIES or used >= TRANSCRIPT_CHARS:
+                cut += 1
+            else:
+                entries.append(entry)
+                used += len(entry.get("text") or "")
+    return {"entries": entries, "cut": cut} if events else None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outcome:
     """How a run ended: its status, its error text, and the agent report (API.md 8.2)."""
@@ -6091,6 +6272,14 @@ class OfficeStore(StorePart):
         ws = self.workspace_row(workspace_id)
         return {**workspace_view(ws), "repository_in_use": self.repository_of(ws)}
 
+    def repository_waiting(self, workspace_id: str | None) -> str | None:
+        """Why the workspace's wakeups wait for their repository (a queued wakeup's last_error),
+        or None: nothing waits, so Office runs (the banner of the Office pages)."""
+        rows = self.db.select('SELECT last_error FROM "Wakeup" WHERE workspace_id = $ws AND status = \'queued\' '
+                              "AND last_error LIKE $waiting ORDER BY requested_at, id LIMIT 1",
+                              {"ws": self.workspace_row(workspace_id).id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
+        return rows[0] if rows else None
+
     def repository_of(self, ws) -> str | None:
         """The workspace's repository; the embedded one for the default workspace while it names none."""
         return ws.repository or (self.core.embedded_repository if ws.id == DEFAULT_WORKSPACE else None)
@@ -6250,6 +6439,24 @@ class OfficeStore(StorePart):
         for run_id in stopping:   # last: a run that has not started settles at once, in plain SQL
             self.runs.control_run(run_id, "cancel", now)
         return task_view(self._task(task_id) if stopping else t)
+
+    def running_tasks(self, workspace_id: str | None) -> dict[str, list[str]]:
+        """The agents whose run is running on each task of the workspace (the board's badge)."""
+        running: dict[str, list[str]] = {}
+        for task_id, agent_id in self.db.select(
+                'SELECT o.task_id, o.agent_id FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
+                "WHERE o.workspace_id = $ws AND o.task_id IS NOT NULL AND r.status = 'running' "
+                "ORDER BY o.queued_at, o.run_id", {"ws": self.workspace_row(workspace_id).id}):
+            running.setdefault(task_id, []).append(agent_id)
+        return running
+
+    def task_titles(self, task_ids: Iterable[str]) -> dict[str, str]:
+        """The titles of these tasks (those that exist), for the tables that name a task."""
+        ids, titles = sorted(set(task_ids)), {}
+        for k in range(0, len(ids), 500):
+            chunk = ids[k:k + 500]
+            titles.update((t.id, t.title) for t in self.db.Task.select(lambda t: t.id in chunk))  # noqa: B023
+        return titles
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         t = self._task(task_id)
@@ -10140,6 +10347,10 @@ CHART_OUTCOMES = (("succeeded", "succeeded"), ("failed", "failed"), ("needs_you"
                   ("skipped", "skipped"))
 
 
+#: What a chart with no runs in its days says instead of an empty plot.
+CHART_EMPTY = f"No runs in the last {CHART_DAYS} days"
+
+
 def _svg_text(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
@@ -10149,6 +10360,10 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
     something), as inline SVG: classes for colours (the stylesheet's, light and dark), a
     <title> per bar for readers and tooltips, no script."""
     width, bar_h, gap = 24 * len(days), 110, 4
+    if not any(d[k] for d in days for k, _ in CHART_OUTCOMES):   # an empty plot would say nothing
+        return (f'<svg class="chart chart-empty" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} 40" '
+                f'role="img" aria-label="{_svg_text(title)}: {CHART_EMPTY}"><title>{_svg_text(title)}</title>'
+                f'<text class="axis" x="{width // 2}" y="24" text-anchor="middle">{CHART_EMPTY}</text></svg>')
     peak = max((sum(d[k] for k, _ in CHART_OUTCOMES) for d in days), default=0) or 1
     costs = [d["cost"] for d in days]
     cost_peak = max(costs, default=0.0)
@@ -10158,7 +10373,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
     for i, d in enumerate(days):
         x, y = i * 24 + gap // 2, bar_h
         words = ", ".join(f"{d[k]} {w}" for k, w in CHART_OUTCOMES if d[k]) or "no runs"
-        cost = f", ${d['cost']:,.2f}" if d["cost"] else ""
+        cost = f", {format_usd(d['cost'])}" if d["cost"] else ""
         parts.append(f'<g class="day" data-day="{d["day"]}"><title>{d["day"]}: {words}{cost}</title>')
         for key, _ in CHART_OUTCOMES:
             if d[key]:
@@ -10174,7 +10389,7 @@ def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
     parts.append(f'<text class="axis" x="0" y="{label_y}">{days[0]["day"][5:]}</text>'
                  f'<text class="axis" x="{width}" y="{label_y}" text-anchor="end">{days[-1]["day"][5:]}</text>')
     if cost_peak:
-        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak ${cost_peak:,.2f})</text>')
+        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak {format_usd(cost_peak)})</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -10230,12 +10445,24 @@ def run_duration(run: dict[str, Any]):
 
 
 #: Filters the templates use.
+def format_usd(value: float | None) -> str:
+    """A cost: cents from $1 on; under $1 three significant digits ($0.0123, $0.50), as runs of
+    a cent or less are common and "$0.01" would hide a tenfold difference."""
+    if value is None:
+        return "-"
+    if value == 0 or abs(value) >= 1:
+        return f"${value:,.2f}"
+    decimals = min(8, max(2, 2 - math.floor(math.log10(abs(value)))))
+    whole, fraction = f"{value:.{decimals}f}".split(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
 TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
     "when": time_tag, "at": time_tag, "duration": run_duration,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
     "curl_example": curl_example,
-    "usd": lambda v: "-" if v is None else f"${v:,.2f}" if v == 0 or v >= 0.01 else f"${v:.4f}",
+    "usd": format_usd, "counted": lambda n, noun: f"{n} {noun}{'' if n == 1 else 's'}",
     "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
     "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
                                                  for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
@@ -10385,6 +10612,9 @@ async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
     current = await web.call(web.store.office.office_settings, workspace_id)
     settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    if settings["repository"] and (settings["repository"], settings["source_ref"]) != (current["repository"],
+                                                                                       current["source_ref"]):
+        await check_repository(settings, web.deps)   # refused now, not at the next wake (422 naming the field)
     return await web.commit(web.store.office.update_office_settings, workspace_id, settings)
 
 
@@ -11289,11 +11519,22 @@ async def page_runs(web: Web):
                           status=status, statuses=[s.value for s in RunStatus], chart=chart)
 
 
+async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[str, Any] | None:
+    """A settled run's log as a transcript (its CLI's format: the report's, else its profile's),
+    or None (the raw log only). A running run's log stays raw: the page appends to it live."""
+    if run["status"] in ACTIVE_RUN_STATUSES or not log_text:
+        return None
+    profile = web.deps.profiles.get(run["agent"])
+    fmt = (run["agent_report"] or {}).get("format") or (profile.format if profile else None)
+    return await trio.to_thread.run_sync(transcript, log_text, fmt)
+
+
 @pages.get("/runs/<run_id>", auth=Auth.SESSION)
 async def page_run(web: Web, run_id: str):
     run = await web.call(web.store.runs.get_run, run_id)
     name, tz = (await web.call(web.store.schedules.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
     log_text, log_size = await run_log(web.deps, run_id)
+    log_transcript = await run_transcript(web, run, log_text)
     changes, files, cut = "", [], False
     if run["changes"]["commits"] and run["resolved_commit"]:
         local = web.deps.mirrors.path(run["repository"])
@@ -11301,7 +11542,7 @@ async def page_run(web: Web, run_id: str):
         files, cut = await branch_diff(local, run["resolved_commit"], run["result_branch"])
     return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
                           schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes,
-                          files=files, diff_cut=cut)
+                          files=files, diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1")
 
 
 @pages.post("/runs/<run_id>/rerun", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
@@ -11419,11 +11660,31 @@ async def page_notify_test(web: Web):
 
 # --- dashboard: Office ------------------------------------------------------------------------------------
 
+def mentioned_task_ids(value: Any, depth: int = 4) -> set[str]:
+    """The ``task_id`` and ``linked_task_id`` of the rows a page's context lists (a routine's runs
+    inside the routine too): the tasks its tables name by title."""
+    found: set[str] = set()
+    if depth and isinstance(value, dict):
+        found |= {v for k in ("task_id", "linked_task_id") if isinstance(v := value.get(k), str)}
+        for item in value.values():
+            if isinstance(item, list | dict):
+                found |= mentioned_task_ids(item, depth - 1)
+    elif depth and isinstance(value, list):
+        for item in value:
+            found |= mentioned_task_ids(item, depth - 1)
+    return found
+
+
 async def office_page(web: Web, template: str, *, tab: str, status: int = 200, live: bool = True, **context: Any):
-    """An Office page: the workspace's settings and agents for its header and tables."""
+    """An Office page: the workspace's settings and agents for its header and tables, and the
+    titles of the tasks its tables name."""
+    named = mentioned_task_ids(context)
+
     def common():
         return {"settings": web.store.office.office_settings(None),
-                "agents_by_id": {a["id"]: a for a in web.store.office.list_agents(None)}}
+                "repository_waiting": web.store.office.repository_waiting(None),
+                "agents_by_id": {a["id"]: a for a in web.store.office.list_agents(None)},
+                "task_titles": web.store.office.task_titles(named)}
     shared = await web.call(common)
     return await web.page(template, status=status, section="office", live=live, tab=tab,
                           tz=shared["settings"]["timezone"], profiles=web.profile_names, task_states=list(TaskState),
@@ -11572,12 +11833,13 @@ async def page_office_agent_wake(web: Web, agent_id: str):
 async def page_office_board(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                             status: int = 200):
     show_routine = web.args.get("routine") == "1"
-    tasks = await web.call(web.store.office.list_tasks, None)
+    tasks, running = await web.call(lambda: (web.store.office.list_tasks(None), web.store.office.running_tasks(None)))
     hidden = sum(t["workflow"] == "routine" for t in tasks)
     shown = [t for t in tasks if show_routine or t["workflow"] != "routine"]   # routine tasks: hidden by default
     columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
     return await office_page(web, "office_board.html", tab="board", status=status, tasks=shown, columns=columns,
-                             show_routine=show_routine, hidden_routine=hidden, form=form or {}, errors=errors or {})
+                             show_routine=show_routine, hidden_routine=hidden, running=running, form=form or {},
+                             errors=errors or {})
 
 
 @pages.post("/office/tasks", auth=Auth.SESSION)
@@ -11653,7 +11915,8 @@ async def page_office_run(web: Web, run_id: str):
     run = await web.call(web.store.office.office_run, run_id)
     log_text, log_size = await run_log(web.deps, run_id)
     return await office_page(web, "office_run.html", tab="agents", live=run["status"] in ACTIVE_RUN_STATUSES,
-                             run=run, log_text=log_text, log_size=log_size)
+                             run=run, log_text=log_text, log_size=log_size,
+                             transcript=await run_transcript(web, run, log_text), raw=web.args.get("raw") == "1")
 
 
 @pages.get("/office/activity", auth=Auth.SESSION)
