@@ -2197,7 +2197,73 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
     return env
 
 
-# --- runs: how a run ended (API.md 8.2) ---------------------------------------------------------
+# --- runs: the plan a run follows, how it ended (API.md 5.5, 8.2) ----------------------------------
+
+def run_timeout_s(limit_s: int, profile: AgentProfile | None) -> int:
+    """A run's time limit, decided here only: its own limit (a schedule's or a dispatch's
+    ``limits.timeout_seconds``, an Office run's), capped by its profile's ``timeout_seconds``,
+    which caps every run of that agent whatever a schedule says (API.md 8.1)."""
+    cap = profile.timeout_seconds if profile is not None else None
+    return min(limit_s, cap) if cap else limit_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunPlan:
+    """One run as its supervisor carries it from worktree to settlement (and recovery settles
+    it): made once, from the run's row (``launch_info``) and its profile, then passed to every
+    step. Before it a 24-key dict went from step to step, each reading it by key and deciding
+    again what it needed (the profile, the model, the session, the time limit).
+
+    - ``resolved_commit`` is the commit its fire recorded (None: none yet, or a run that continues
+      a branch: it starts from that branch's head).
+    - ``timeout_seconds`` is the limit it runs under, decided once by run_timeout_s.
+    - ``model`` is the run's, else its profile's; ``session_id`` the CLI session it resumes
+      (None: a new one; a profile with no resume command always starts anew)."""
+    run_id: str
+    schedule_id: str | None
+    agent: str                         # its profile's name
+    profile: AgentProfile | None       # None: not configured here (its launch fails, saying so)
+    prompt: str
+    repository: str                    # a path, or a URL (git works in its mirror)
+    workdir: str
+    source_ref: str
+    resolved_commit: str | None
+    result_branch: str
+    timeout_seconds: int
+    model: str | None
+    max_cost_usd: float | None
+    session_id: str | None
+    continues_branch: bool             # an Office task session or a reply: its branch goes on
+    handover_branch: str | None        # the branch its task was left on by another agent
+    worktree_run: str | None           # the run whose worktree it works in (a reply)
+    office: bool
+    task_id: str | None
+    paused: bool                       # paused between its admission and its start
+    node: str | None                   # the node and attempt that admitted it (the fence)
+    attempt: int
+    pid: int | None                    # its agent's process, as recorded (recovery)
+    pid_started: str | None
+
+    @classmethod
+    def of(cls, row: dict[str, Any], profile: AgentProfile | None) -> RunPlan:
+        """The plan of the run whose row ``launch_info`` read; ``profile``: the one it names."""
+        return cls(
+            run_id=row["id"], schedule_id=row["schedule_id"], agent=row["agent"], profile=profile,
+            prompt=row["prompt"], repository=row["repository"], workdir=row["workdir"],
+            source_ref=row["source_ref"], resolved_commit=row["resolved_commit"], result_branch=row["result_branch"],
+            timeout_seconds=run_timeout_s(row["timeout_seconds"], profile),
+            model=row["model"] or (profile.model if profile is not None else None), max_cost_usd=row["max_cost_usd"],
+            session_id=row["resume_session"] if profile is not None and profile.resume else None,
+            continues_branch=row["continues_branch"], handover_branch=row["handover_branch"],
+            worktree_run=row["worktree_run"], office=row["office"], task_id=row["task_id"],
+            paused=row["status"] == RunStatus.PAUSED, node=row["node"], attempt=row["attempt"], pid=row["pid"],
+            pid_started=row["pid_started"])
+
+    @property
+    def fence(self) -> tuple[str | None, int]:
+        """(node, attempt): a store call for the run counts only while it is still this admission's."""
+        return self.node, self.attempt
+
 
 #: The failure kinds of a run (API.md 8.2); limit and auth are not the agent's own failure.
 FAILURE_KINDS = ("agent", "limit", "auth", "timeout", "interrupted", "launch", "no_result")
@@ -8228,20 +8294,20 @@ async def dispatch_wakeups(deps: Deps) -> None:
             return
 
 
-def run_workspace(deps: Deps, info: dict[str, Any]) -> Path:
+def run_workspace(deps: Deps, plan: RunPlan) -> Path:
     """Where a run works: an Office task session's one path, the path of the run a reply
     answers, or a path of its own."""
-    return deps.worktree(info["worktree_run"] or info["id"],
-                         info["result_branch"] if info["office"] and info["task_id"] else None)
+    return deps.worktree(plan.worktree_run or plan.run_id,
+                         plan.result_branch if plan.office and plan.task_id else None)
 
 
-def run_sandbox(deps: Deps, info: dict[str, Any]) -> Sandbox | None:
+def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     """The run's sandbox (API.md 12), or None when agents are not isolated."""
     if not deps.isolation.active:
         return None
     home = os.environ.get("HOME")
-    return Sandbox(deps.config.data_dir, run_workspace(deps, info), Path(deps.mirrors.path(info["repository"])),
-                   deps.private_dir(info["id"]), Path(home) if home else None)
+    return Sandbox(deps.config.data_dir, run_workspace(deps, plan), Path(deps.mirrors.path(plan.repository)),
+                   deps.private_dir(plan.run_id), Path(home) if home else None)
 
 
 async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:
@@ -8258,25 +8324,26 @@ async def take_over(repository: str, branch: str, left_on: str, head: str) -> st
     return left
 
 
-async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:
-    """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
-    commit, or, for a run that continues a branch (an Office task session, a reply), that
-    branch's head, on a fresh worktree of it. The branch is made in the repository now; the
-    agent's commits reach it when the run settles (bring_back)."""
-    repository, branch = await deps.mirrors.fetched(info["repository"]), info["result_branch"]
+async def prepare_worktree(deps: Deps, plan: RunPlan, workspace: Path) -> str:
+    """The run's worktree, and the commit it starts from: a fresh branch from the commit its
+    fire recorded (``source_ref`` is resolved here only when none was: see RunPlan), or, for a
+    run that continues a branch (an Office task session, a reply), that branch's head, on a
+    fresh worktree of it. The branch is made in the repository now; the agent's commits reach
+    it when the run settles (bring_back)."""
+    repository, branch = await deps.mirrors.fetched(plan.repository), plan.result_branch
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
-            if info["continues_branch"] and Path(repository).is_dir() else "")
-    if info.get("handover_branch") and Path(repository).is_dir() and not workspace.exists():
-        head = await take_over(repository, branch, info["handover_branch"], head)
+            if plan.continues_branch and Path(repository).is_dir() else "")
+    if plan.handover_branch and Path(repository).is_dir() and not workspace.exists():
+        head = await take_over(repository, branch, plan.handover_branch, head)
     if not head:
-        commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
-        commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], commit)
+        commit = plan.resolved_commit or await deps.refs.resolve(repository, plan.source_ref)
+        commit = await deps.transaction_retrying(deps.store.set_resolved_commit, plan.run_id, commit)
         await git(repository, "update-ref", f"refs/heads/{branch}", commit)   # the run's own: a retried start redoes it
         await add_worktree(repository, commit, branch, workspace)
         return commit
-    commit = await deps.transaction_retrying(deps.store.set_resolved_commit, info["id"], head)
+    commit = await deps.transaction_retrying(deps.store.set_resolved_commit, plan.run_id, head)
     if workspace.exists():   # kept by an earlier run of the session (its changes could not be saved)
-        on = (await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False, sandbox=run_sandbox(deps, info))
+        on = (await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False, sandbox=run_sandbox(deps, plan))
               if worktree_intact(workspace) else "")
         if on != branch:
             raise LaunchError(f"{workspace} exists and is not a worktree of {branch}; remove it")
@@ -8306,6 +8373,12 @@ def login_hint(profile: AgentProfile) -> str:
             '{"action": "resume"}.')
 
 
+async def run_plan(deps: Deps, run_id: str) -> RunPlan:
+    """The plan of one run, made once from its row: every step of its start and settlement reads it."""
+    row = await deps.transaction_retrying(deps.store.launch_info, run_id)
+    return RunPlan.of(row, deps.config.agent(row["agent"]))
+
+
 async def run_supervisor(deps: Deps, run_id: str) -> None:
     """One run, from worktree to settlement. Its failures settle the run as failed. When
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
@@ -8314,54 +8387,52 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     live = LiveRun(run_id, trio.CancelScope())
     deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
-        info = await deps.transaction_retrying(deps.store.launch_info, run_id)
+        plan = await run_plan(deps, run_id)
     except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
         deps.live.discard(run_id)
         with trio.move_on_after(CLEANUP_S, shield=True):
             await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(),
                                             "the daemon stopped before it started")
         raise
-    if info["status"] == RunStatus.PAUSED:   # paused between its admission and now
+    if plan.paused:   # paused between its admission and now
         live.pause()
-    workspace = run_workspace(deps, info)
-    commit, settled, exit_code = info["resolved_commit"], False, None
+    workspace = run_workspace(deps, plan)
+    commit, settled, exit_code = plan.resolved_commit, False, None
     try:
         try:
-            profile = deps.config.agent(info["agent"])
+            profile = plan.profile
             if profile is None:
-                raise LaunchError(f"agent profile {info['agent']!r} is not configured")
-            commit = await prepare_worktree(deps, info, workspace)
-            cwd = (workspace / info["workdir"]).resolve()
+                raise LaunchError(f"agent profile {plan.agent!r} is not configured")
+            commit = await prepare_worktree(deps, plan, workspace)
+            cwd = (workspace / plan.workdir).resolve()
             if not cwd.is_relative_to(workspace.resolve()):   # a symlink in the tree pointing elsewhere
-                raise LaunchError(f"workdir {info['workdir']!r} leads outside the worktree (a symlink); refused")
+                raise LaunchError(f"workdir {plan.workdir!r} leads outside the worktree (a symlink); refused")
             if not cwd.is_dir():
-                raise LaunchError(f"workdir {info['workdir']!r} does not exist in commit {commit[:12]}")
-            session = info["resume_session"] if profile.resume else None
+                raise LaunchError(f"workdir {plan.workdir!r} does not exist in commit {commit[:12]}")
             private = deps.private_dir(run_id)
             private.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (private / "prompt.md").write_text(info["prompt"])
-            argv = profile_argv(profile, model=info["model"] or profile.model, run_id=run_id, session_id=session,
-                                prompt_file=str(private / "prompt.md"), max_cost_usd=info["max_cost_usd"])
+            (private / "prompt.md").write_text(plan.prompt)
+            argv = profile_argv(profile, model=plan.model, run_id=run_id, session_id=plan.session_id,
+                                prompt_file=str(private / "prompt.md"), max_cost_usd=plan.max_cost_usd)
             env = agent_env(profile, dict(os.environ), run_id)
-            if sandbox := run_sandbox(deps, info):
+            if sandbox := run_sandbox(deps, plan):
                 await trio.to_thread.run_sync(sandbox.make_home_state)
                 argv, env["TMPDIR"] = sandbox.argv(argv, cwd), "/tmp"
                 if sandbox.home is not None:
                     env.setdefault("CLAUDE_CONFIG_DIR", str(sandbox.home / ".claude"))
             env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url}
-            if info["office"]:   # the agent acts on Office through the run-scoped token
-                env["OUTPOST_TASK_ID"] = info["task_id"] or ""
-            rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
+            if plan.office:   # the agent acts on Office through the run-scoped token
+                env["OUTPOST_TASK_ID"] = plan.task_id or ""
+            rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if plan.session_id else "")
 
             async def on_spawn(pid: int) -> None:
                 if not await deps.transaction_retrying(deps.store.mark_spawned, run_id, pid, process_start_time(pid),
-                                                       (info["node"], info["attempt"])):
+                                                       plan.fence):
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
             done = await log_shipped(deps, run_id, functools.partial(
-                run_agent_process, argv, cwd=cwd, env=env, stdin_text=info["prompt"],
-                timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
+                run_agent_process, argv, cwd=cwd, env=env, stdin_text=plan.prompt, timeout_s=plan.timeout_seconds,
                 log_path=deps.log_path(run_id), live=live, on_spawn=on_spawn, grace_s=deps.grace_s))
             exit_code = done.exit_code
             reading = profile.kind.read(done.lines)
@@ -8371,7 +8442,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                        run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
                                    now=deps.clock.now(), tz=profile.zone))
         except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
-            if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, run_id, info, exc):
+            if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, plan, exc):
                 settled = True   # nothing ran: back in the queue, not settled
                 return
             unavailable = isinstance(exc, RepositoryUnavailable)
@@ -8381,38 +8452,38 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                 sink = LogSink(deps.log_path(run_id))
                 sink.write(f"[outpost] {reason}\n".encode())
                 sink.close()
-        await finish_run(deps, run_id, info, commit, outcome, exit_code)
+        await finish_run(deps, plan, commit, outcome, exit_code)
         settled = True
     finally:
         deps.live.discard(run_id)
         shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
-                await finish_run(deps, run_id, info, commit, failed(INTERRUPTED, "interrupted"), None)
+                await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None)
 
 
-async def left_to_another_node(deps: Deps, run_id: str, info: dict[str, Any], exc: RepositoryUnreachable) -> bool:
+async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreachable) -> bool:
     """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
     the queue for a node that can, and leaves that URL's runs to the others for a while. False
     when no other node is up (or the run is no longer this admission's): the run fails, with
     a reason that never counts toward a failure streak."""
     if not deps.store.postgres or not await deps.transaction_retrying(deps.store.other_nodes_up):
         return False
-    deps.mirrors.leave_to_others(info["repository"])
+    deps.mirrors.leave_to_others(plan.repository)
     reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
-    if not await deps.transaction_retrying(deps.store.requeue_unstarted, run_id, deps.clock.now(), reason,
-                                           fence=(info["node"], info["attempt"])):
+    if not await deps.transaction_retrying(deps.store.requeue_unstarted, plan.run_id, deps.clock.now(), reason,
+                                           fence=plan.fence):
         return False
-    log.getChild("run").warning("run %s: %s; left in the queue for another node", run_id, reason)
+    log.getChild("run").warning("run %s: %s; left in the queue for another node", plan.run_id, reason)
     return True
 
 
-async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
-                     exit_code: int | None) -> None:
+async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None) -> None:
     """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
     worktree, record settlement."""
-    workspace, sandbox = run_workspace(deps, info), run_sandbox(deps, info)
-    local = deps.mirrors.path(info["repository"])
+    run_id = plan.run_id
+    workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
+    local = deps.mirrors.path(plan.repository)
     kept = None
     try:
         if workspace.exists() and not worktree_intact(workspace):
@@ -8420,37 +8491,36 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
                               "nothing was brought back")
         await save_leftovers(workspace, run_id, sandbox)
         if workspace.exists() and Path(local).is_dir():
-            await bring_back(local, workspace, info["result_branch"], commit, sandbox)
+            await bring_back(local, workspace, plan.result_branch, commit, sandbox)
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
         outcome = failed(kept, "agent", outcome.reading)
-    commits = await count_commits(local, commit, info["result_branch"]) if commit else 0
+    commits = await count_commits(local, commit, plan.result_branch) if commit else 0
     if kept is None:
         await remove_worktree(workspace, sandbox)
     unpushed = None
-    if commits and is_repository_url(info["repository"]):   # API.md 10: the result goes back where it came from
+    if commits and is_repository_url(plan.repository):   # API.md 10: the result goes back where it came from
         try:
-            await deps.mirrors.push(info["repository"], info["result_branch"])
+            await deps.mirrors.push(plan.repository, plan.result_branch)
         except LaunchError as exc:
-            unpushed = (f"git push of {info['result_branch']} to {info['repository']} failed: {exc}\n"
+            unpushed = (f"git push of {plan.result_branch} to {plan.repository} failed: {exc}\n"
                         f"The branch is kept in {local}; push it from there, or fix the access and re-run.")
             log.getChild("run").warning("run %s: %s", run_id, unpushed.splitlines()[0])
     if deps.store.postgres and (ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
         await deps.transaction_retrying(deps.store.replace_log, run_id, ended)   # as it ended, for every node
     now = deps.clock.now()
-    profile = deps.config.agent(info["agent"])
+    hint = login_hint(plan.profile) if plan.profile else ""
     settled = await deps.transaction_retrying(deps.store.settle_run, run_id, outcome, now, exit_code=exit_code,
-                                              commits=commits, auth_hint=login_hint(profile) if profile else "",
-                                              fence=(info["node"], info["attempt"]) if info["node"] else None)
+                                              commits=commits, auth_hint=hint, fence=plan.fence if plan.node else None)
     if unpushed is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "push_failed",
                                         f"Run {run_id}: its result branch was not pushed", unpushed, now,
-                                        schedule_id=info["schedule_id"], run_id=run_id)
+                                        schedule_id=plan.schedule_id, run_id=run_id)
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
-                                        schedule_id=info["schedule_id"], run_id=run_id)
+                                        schedule_id=plan.schedule_id, run_id=run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
     if settled:
@@ -8469,9 +8539,9 @@ async def recover_at_boot(deps: Deps) -> None:
     for run_id, pid, started in await deps.transaction_retrying(deps.store.register_node, deps.config.max_running):
         await end_survivor(deps, run_id, pid, started)   # settled by another node: not ours to settle
     for run_id in await deps.transaction_retrying(deps.store.own_runs_in, ["running", "paused"]):
-        info = await deps.transaction_retrying(deps.store.launch_info, run_id)
-        await end_survivor(deps, run_id, info["pid"], info["pid_started"])
-        await finish_run(deps, run_id, info, info["resolved_commit"], failed(INTERRUPTED, "interrupted"), None)
+        plan = await run_plan(deps, run_id)
+        await end_survivor(deps, run_id, plan.pid, plan.pid_started)
+        await finish_run(deps, plan, plan.resolved_commit, failed(INTERRUPTED, "interrupted"), None)
 
 
 async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | None) -> None:
