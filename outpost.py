@@ -2214,8 +2214,13 @@ class RunPlan:
     step. Before it a 24-key dict went from step to step, each reading it by key and deciding
     again what it needed (the profile, the model, the session, the time limit).
 
-    - ``resolved_commit`` is the commit its fire recorded (None: none yet, or a run that continues
-      a branch: it starts from that branch's head).
+    - ``resolved_commit`` is the commit its fire recorded, so the ref is resolved once per fire:
+      a skip_if_unchanged fire records the commit the cron actor resolved to decide the skip (in
+      the claim's own transaction), any other fire resolves it in fire step 2 (resolve_new_runs),
+      a dispatch when it is checked. The worktree step resolves ``source_ref`` only when nothing
+      was recorded: the ref did not resolve then (it fails the run with git's words) or the run
+      was admitted before step 2 ended (the first commit recorded wins). A run that continues a
+      branch starts from that branch's head instead.
     - ``timeout_seconds`` is the limit it runs under, decided once by run_timeout_s.
     - ``model`` is the run's, else its profile's; ``session_id`` the CLI session it resumes
       (None: a new one; a profile with no resume command always starts anew)."""
@@ -4534,8 +4539,9 @@ class ScheduleStore(StoreBase):
                    since: datetime | None = None, counted_all: bool = True, head: str | None = None,
                    pending: str | None = None) -> tuple[SlotOutcome, str | None, str | None]:
         """Apply the overlap rule (and skip_if_unchanged: ``head`` is what source_ref resolves
-        to now) to one due slot: returns (outcome, run id, occurrence id). ``pending`` is the
-        ledger row of a slot that waited for a human (catch_up ask): it is decided, not added."""
+        to now, and the commit a run it admits starts from: see RunPlan) to one due slot: returns
+        (outcome, run id, occurrence id). ``pending`` is the ledger row of a slot that waited for
+        a human (catch_up ask): it is decided, not added."""
         d = s.definition
         active = self._active_run(s.id)
         policy = d["concurrency_policy"]
@@ -4565,7 +4571,7 @@ class ScheduleStore(StoreBase):
             run_id = self._queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
                                      repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
                                      limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
-                                     missed_count=missed_count, occurrence_id=oid)
+                                     missed_count=missed_count, occurrence_id=oid, resolved_commit=head)
             self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
             s.last_fired_at = naive(now)
             self.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
@@ -8144,8 +8150,9 @@ class Deps:
 
 
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
-    """Fire step 2: record the exact commit each new run will use. A ref that does not
-    resolve is left for the supervisor, which fails the run with the reason."""
+    """Fire step 2: record the exact commit each new run will use (one whose fire resolved it
+    already, skip_if_unchanged's, has it). A ref that does not resolve is left for the
+    supervisor, which fails the run with the reason."""
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
         for run_id, repository, ref in await deps.transaction(deps.store.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
@@ -8167,7 +8174,8 @@ async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
 async def unchanged_heads(deps: Deps, now: datetime,
                           checks: list[tuple[str, str, str]] | None = None) -> dict[str, str]:
     """skip_if_unchanged: the commit each due schedule's source_ref names now (git, before the
-    claim's transaction). A ref that does not resolve is left out: that fire runs and says why.
+    claim's transaction); a run the claim admits starts from it (the fire's one resolution).
+    A ref that does not resolve is left out: that fire runs and says why.
     ``checks``: the due schedules that ask for it, as read before the sleep (None: read them now)."""
     heads = {}
     if checks is None:
