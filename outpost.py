@@ -2223,7 +2223,11 @@ class RunPlan:
       branch starts from that branch's head instead.
     - ``timeout_seconds`` is the limit it runs under, decided once by run_timeout_s.
     - ``model`` is the run's, else its profile's; ``session_id`` the CLI session it resumes
-      (None: a new one; a profile with no resume command always starts anew)."""
+      (None: a new one; a profile with no resume command always starts anew).
+    - Whether it was cancelled is no part of the plan, since only what happens while it runs can
+      tell: ``LiveRun.cancel`` makes it so (and ``LiveRun.timed_out`` tells a time limit from a
+      cancel), and run_outcome alone turns it into the cancelled outcome. (A cancel recorded for
+      a run that ended otherwise is the store's to apply when it settles: settle_run.)"""
     run_id: str
     schedule_id: str | None
     agent: str                         # its profile's name
@@ -2298,10 +2302,13 @@ def failed(error: str, kind: str, reading: Reading | None = None) -> Outcome:
 
 
 def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, timed_out: bool = False,
-                now: datetime, tz: ZoneInfo = UTC) -> Outcome:
-    """How a run ended, from what its CLI said and how its process ended. Exit 0 with a
-    failing terminal event fails (CLIs exit 0 on some failures); a failure whose text (or
-    stderr's tail) names a login problem is ``auth``, one that names a limit is ``limit``."""
+                cancelled: bool = False, now: datetime, tz: ZoneInfo = UTC) -> Outcome:
+    """How a run ended, from what its CLI said and how its process ended. A run cancelled while
+    it ran (``LiveRun.cancel``) is cancelled, whatever its process said. Exit 0 with a failing
+    terminal event fails (CLIs exit 0 on some failures); a failure whose text (or stderr's tail)
+    names a login problem is ``auth``, one that names a limit is ``limit``."""
+    if cancelled:
+        return Outcome(RunStatus.CANCELLED, "cancelled", reading=reading)
     tail = stderr_tail.strip()[-ERROR_TAIL_BYTES:]
     if timed_out:
         return failed("timeout" + (f": {tail}" if tail else ""), "timeout", reading)
@@ -7515,8 +7522,15 @@ class LiveRun:
     remaining_s: float | None = None     # of the timeout, while paused
 
     def cancel(self) -> None:
+        """End it for a cancel (run control, or its node declared lost): the one place a run
+        becomes cancelled while it runs; run_outcome turns that into its outcome."""
         self.cancelled = True
         self.scope.cancel()
+
+    @property
+    def timed_out(self) -> bool:
+        """Its time limit ended its process: the scope was cancelled, and no cancel did it."""
+        return self.scope.cancelled_caught and not self.cancelled
 
     def pause(self) -> None:
         """SIGSTOP the process group and stop its timeout: paused time is not run time. Before
@@ -7701,7 +7715,6 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 stderr_tail.extend(chunk)
                 del stderr_tail[:-ERROR_TAIL_BYTES]
 
-        timed_out = False
         try:
             with live.scope:
                 async with trio.open_nursery() as nursery:
@@ -7710,8 +7723,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                     nursery.start_soon(pump_stdout)
                     nursery.start_soon(pump_stderr)
                     await proc.wait()
-            if live.scope.cancelled_caught and not live.cancelled:
-                timed_out = True
+            timed_out = live.timed_out
         finally:
             if proc.returncode is None:
                 await terminate_group(proc, grace_s)
@@ -8446,9 +8458,8 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             reading = profile.kind.read(done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
                 reading.agent_version = await agent_version(deps, profile, env, sandbox)
-            outcome = (Outcome(RunStatus.CANCELLED, "cancelled", reading=reading) if live.cancelled else
-                       run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
-                                   now=deps.clock.now(), tz=profile.zone))
+            outcome = run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
+                                  cancelled=live.cancelled, now=deps.clock.now(), tz=profile.zone)
         except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
             if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, plan, exc):
                 settled = True   # nothing ran: back in the queue, not settled
