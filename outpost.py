@@ -2197,7 +2197,7 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
     return env
 
 
-# --- runs: the plan a run follows, how it ended (API.md 5.5, 8.2) ----------------------------------
+# --- runs: the plan a run follows, how it ended (API.md 8.2) ---------------------------------------
 
 def run_timeout_s(limit_s: int, profile: AgentProfile | None) -> int:
     """A run's time limit, decided here only: its own limit (a schedule's or a dispatch's
