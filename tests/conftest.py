@@ -302,7 +302,7 @@ def instant(text: str | None) -> datetime | None:
 
 def sign_in_client(client, store: outpost.Store, now: datetime) -> str:
     """Give an in-process test client a signed-in dashboard session (created at ``now``): its CSRF token."""
-    cookie, csrf = call(store, store.create_session, now)
+    cookie, csrf = call(store, store.access.create_session, now)
     client.set_cookie("127.0.0.1", outpost.SESSION_COOKIE, cookie)
     return csrf
 
@@ -395,9 +395,9 @@ class Api:
 
     async def settle(self, run_id: str, status: outpost.RunStatus, **kw) -> None:
         """What the claim and notification actors would record for a finished run."""
-        await self.deps.transaction(self.store.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
+        await self.deps.transaction(self.store.runs.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
                                     self.clock.now(), **kw)
-        await self.deps.transaction(self.store.notify_run, run_id, self.clock.now())
+        await self.deps.transaction(self.store.runs.notify_run, run_id, self.clock.now())
 
     async def auto_paused(self) -> dict:
         """A schedule whose three manual runs failed: auto-paused (API.md 5.3)."""
@@ -448,18 +448,18 @@ class OfficeApi(Api):
 
     def dispatch(self) -> list[str]:
         """One pass of the dispatcher: the runs it queued."""
-        (queued, _processed), _ = self.store.transaction(self.store.dispatch_wakeups, self.clock.now(),
+        (queued, _processed), _ = self.store.transaction(self.store.pipeline.dispatch_wakeups, self.clock.now(),
                                                          self.deps.profiles)
         return queued
 
     def admit_all(self) -> list[str]:
         started = []
-        while (admitted := self.store.transaction(self.store.admit_next, 100, self.clock.now())[0]) is not None:
+        while (admitted := self.store.transaction(self.store.runs.admit_next, 100, self.clock.now())[0]) is not None:
             started.append(admitted[0])
         return started
 
     def settle(self, run_id: str, status=outpost.RunStatus.SUCCEEDED, **kw) -> None:
-        self.store.transaction(self.store.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
+        self.store.transaction(self.store.runs.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
                                self.clock.now(), **kw)
 
     def token(self, run_id: str) -> str:
@@ -494,8 +494,8 @@ def at(seconds: float = 0, base: datetime = T0) -> datetime:
 
 
 def set_settings(store: outpost.Store, workspace_id: str | None = None, **raw) -> dict:
-    current = call(store, store.office_settings, workspace_id)
-    return call(store, store.update_office_settings, workspace_id,
+    current = call(store, store.office.office_settings, workspace_id)
+    return call(store, store.office.update_office_settings, workspace_id,
                 outpost.normalize_settings(raw, profiles=list(PROFILES), current=current))
 
 
@@ -504,19 +504,20 @@ def new_agent(store: outpost.Store, name: str, now: datetime = T0, workspace_id:
     raw = {"name": name, "executor": "demo", **fields}
     if raw["executor"] is None:
         del raw["executor"]
-    return call(store, store.create_agent, workspace_id, outpost.normalize_agent(raw, profiles=profiles), now)["id"]
+    return call(store, store.office.create_agent, workspace_id, outpost.normalize_agent(raw, profiles=profiles),
+                now)["id"]
 
 
 def new_task(store: outpost.Store, title: str = "task", now: datetime = T0, workspace_id: str | None = None,
              profiles=("demo",), **fields) -> str:
     fields = outpost.normalize_task({"title": title, **fields}, profiles=profiles)
-    return call(store, store.create_task, workspace_id, fields, now)["id"]
+    return call(store, store.office.create_task, workspace_id, fields, now)["id"]
 
 
 def wakeups(store: outpost.Store, agent_id: str | None = None, *, source: str | None = None,
             status: str | None = None, workspace_id: str | None = None) -> list[dict]:
     """Wakeups oldest first."""
-    rows = call(store, store.list_wakeups, workspace_id, agent_id, status, source, 10_000)
+    rows = call(store, store.office.list_wakeups, workspace_id, agent_id, status, source, 10_000)
     return sorted(rows, key=lambda w: (w["requested_at"], w["id"]))
 
 
@@ -535,7 +536,7 @@ def dispatch(store: outpost.Store, now: datetime, profiles=None) -> list[str]:
     be claimed): the runs it queued."""
     queued = []
     while True:
-        runs, processed = call(store, store.dispatch_wakeups, now, profiles or PROFILES)
+        runs, processed = call(store, store.pipeline.dispatch_wakeups, now, profiles or PROFILES)
         queued += runs
         if not processed:
             return queued
@@ -544,7 +545,7 @@ def dispatch(store: outpost.Store, now: datetime, profiles=None) -> list[str]:
 def start(store: outpost.Store, run_id: str, now: datetime) -> None:
     """Admit queued runs (FIFO) until ``run_id`` is running."""
     while True:
-        admitted = call(store, store.admit_next, 100, now)
+        admitted = call(store, store.runs.admit_next, 100, now)
         assert admitted is not None, f"run {run_id} was never admitted"
         if admitted[0] == run_id:
             return
@@ -574,21 +575,21 @@ def ended_with(status: outpost.RunStatus, kw: dict, now: datetime | None = None)
 
 def settle(store: outpost.Store, run_id: str, status: str, now: datetime, **kw) -> None:
     """Admit (FIFO) until ``run_id`` runs, then settle it as the run supervisor would."""
-    if call(store, store.get_run, run_id)["status"] == "queued":
+    if call(store, store.runs.get_run, run_id)["status"] == "queued":
         start(store, run_id, now)
-    assert call(store, store.settle_run, run_id, *ended_with(outpost.RunStatus(status), kw, now), now, **kw)
+    assert call(store, store.runs.settle_run, run_id, *ended_with(outpost.RunStatus(status), kw, now), now, **kw)
 
 
 def activity(store: outpost.Store, code: str, workspace_id: str | None = None) -> list[dict]:
-    return call(store, store.list_activity, workspace_id, code, 1000)[::-1]
+    return call(store, store.office.list_activity, workspace_id, code, 1000)[::-1]
 
 
 def office_run(store: outpost.Store, run_id: str) -> dict:
-    return call(store, store.office_run, run_id)
+    return call(store, store.office.office_run, run_id)
 
 
 def task(store: outpost.Store, task_id: str) -> dict:
-    return call(store, store.get_task, task_id)
+    return call(store, store.office.get_task, task_id)
 
 
 @pytest.fixture

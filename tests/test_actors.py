@@ -54,11 +54,11 @@ def at(dt: datetime) -> str:
 
 def ledger(store: outpost.Store, schedule_id: str) -> list[dict]:
     """The slot ledger of a schedule, oldest first."""
-    return sorted(call(store, store.occurrences, schedule_id, 10_000), key=lambda o: o["due_at"])
+    return sorted(call(store, store.schedules.occurrences, schedule_id, 10_000), key=lambda o: o["due_at"])
 
 
 def runs_of(store: outpost.Store, schedule_id: str) -> list[dict]:
-    return call(store, store.list_runs, schedule_id, None, 10_000, None)["runs"]
+    return call(store, store.runs.list_runs, schedule_id, None, 10_000, None)["runs"]
 
 
 @contextlib.asynccontextmanager
@@ -90,7 +90,7 @@ def no_git_subprocess(monkeypatch, head_sha):
 
 async def test_cron_fires_each_five_minutes_over_a_day(autojump_clock, mock_deps, git_repo, no_git_subprocess):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     with trio.fail_after(DAY + HOUR):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep(DAY + 1)
@@ -106,13 +106,14 @@ async def test_cron_fires_each_five_minutes_over_a_day(autojump_clock, mock_deps
     assert {o["run_id"] for o in slots[1:]} == {runs[0]["id"]}
     assert runs[0]["trigger"] == "cron" and runs[0]["due_at"] == at(T0 + timedelta(minutes=5))
     assert runs[0]["resolved_commit"] is not None
-    sched = call(store, store.get_schedule, sid)
+    sched = call(store, store.schedules.get_schedule, sid)
     assert sched["next_fire_at"] == at(T0 + timedelta(days=1, minutes=5))
 
 
 async def test_cron_always_enqueue_queues_one_run_per_slot(autojump_clock, mock_deps, git_repo, no_git_subprocess):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"),
+               T0)["id"]
     with trio.fail_after(DAY + HOUR):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep(DAY + 1)
@@ -133,7 +134,7 @@ async def test_cron_interval_fires_at_anchor_plus_k_seconds(autojump_clock, mock
     with trio.fail_after(DAY + HOUR):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep((anchor - T0).total_seconds())
-            sid = call(store, store.create_schedule, raw, mock_deps.clock.now())["id"]
+            sid = call(store, store.schedules.create_schedule, raw, mock_deps.clock.now())["id"]
             mock_deps.cron_wake.poke()
             await trio.sleep(DAY)
     slots = ledger(store, sid)
@@ -146,8 +147,8 @@ async def test_cron_interval_fires_at_anchor_plus_k_seconds(autojump_clock, mock
 async def test_cron_once_fires_exactly_once(autojump_clock, mock_deps, git_repo, no_git_subprocess):
     store = mock_deps.store
     raw = normalized(git_repo, timing={"kind": "once", "at": "2026-11-30T10:30:00", "timezone": "Europe/Berlin"})
-    sid = call(store, store.create_schedule, raw, T0)["id"]
-    assert call(store, store.get_schedule, sid)["next_fire_at"] == "2026-11-30T09:30:00Z"
+    sid = call(store, store.schedules.create_schedule, raw, T0)["id"]
+    assert call(store, store.schedules.get_schedule, sid)["next_fire_at"] == "2026-11-30T09:30:00Z"
     with trio.fail_after(3 * DAY):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep(2 * DAY)
@@ -155,7 +156,7 @@ async def test_cron_once_fires_exactly_once(autojump_clock, mock_deps, git_repo,
     assert [(o["due_at"], o["recorded_at"], o["trigger"], o["outcome"]) for o in slots] == [
         ("2026-11-30T09:30:00Z", "2026-11-30T09:30:00Z", "once", "admitted")]
     assert len(runs_of(store, sid)) == 1
-    assert call(store, store.get_schedule, sid)["next_fire_at"] is None
+    assert call(store, store.schedules.get_schedule, sid)["next_fire_at"] is None
 
 
 async def test_a_slow_git_does_not_hold_back_the_next_fire(autojump_clock, mock_deps, git_repo, head_sha,
@@ -168,7 +169,7 @@ async def test_a_slow_git_does_not_hold_back_the_next_fire(autojump_clock, mock_
     monkeypatch.setattr(outpost, "resolve_ref", slow_resolve_ref)
     store = mock_deps.store
     dues = {"first": "2026-11-30T09:00:00Z", "second": "2026-11-30T09:00:01Z"}
-    ids = {name: call(store, store.create_schedule, normalized(
+    ids = {name: call(store, store.schedules.create_schedule, normalized(
         git_repo, name=name, timing={"kind": "once", "at": due[:-1], "timezone": "UTC"}), T0)["id"]
         for name, due in dues.items()}
     with trio.fail_after(DAY):
@@ -192,7 +193,7 @@ async def test_cron_berlin_daily_across_dst(autojump_clock, tmp_path, store, git
     deps = mock_deps_at(tmp_path, store, origin)
     raw = normalized(git_repo, now=origin, concurrency_policy="always_enqueue",
                      timing={"kind": "cron", "expression": "30 2 * * *", "timezone": "Europe/Berlin"})
-    sid = call(store, store.create_schedule, raw, origin)["id"]
+    sid = call(store, store.schedules.create_schedule, raw, origin)["id"]
     with trio.fail_after(4 * DAY):
         async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
             await trio.sleep(3 * DAY - 1)
@@ -209,8 +210,8 @@ async def test_cron_berlin_daily_across_dst(autojump_clock, tmp_path, store, git
 
 async def test_cron_paused_schedule_records_paused_slots(autojump_clock, mock_deps, git_repo, no_git_subprocess):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
-    call(store, store.control_schedule, sid, 1, "pause", T0)
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
+    call(store, store.schedules.control_schedule, sid, 1, "pause", T0)
     with trio.fail_after(2 * DAY):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep(HOUR + 1)
@@ -218,7 +219,7 @@ async def test_cron_paused_schedule_records_paused_slots(autojump_clock, mock_de
             assert [o["due_at"] for o in paused] == [at(T0 + timedelta(minutes=5 * k)) for k in range(1, 13)]
             assert {o["outcome"] for o in paused} == {"paused"}
             assert runs_of(store, sid) == []
-            call(store, store.control_schedule, sid, 2, "resume", mock_deps.clock.now())
+            call(store, store.schedules.control_schedule, sid, 2, "resume", mock_deps.clock.now())
             mock_deps.cron_wake.poke()
             await trio.sleep(5 * MINUTE)
     slots = ledger(store, sid)
@@ -230,14 +231,14 @@ async def test_cron_paused_schedule_records_paused_slots(autojump_clock, mock_de
 async def test_cron_nudge_picks_up_an_earlier_next_fire(autojump_clock, mock_deps, git_repo, no_git_subprocess):
     """The actor sleeps up to CRON_MAX_SLEEP_S; a nudge makes it re-read the next fire."""
     store = mock_deps.store
-    call(store, store.create_schedule, normalized(
+    call(store, store.schedules.create_schedule, normalized(
         git_repo, name="far", timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)
     with trio.fail_after(DAY):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep(10)
             soon = normalized(git_repo, now=mock_deps.clock.now(), name="soon",
                               timing={"kind": "once", "at": "2026-11-30T08:01:00Z", "timezone": "UTC"})
-            sid = call(store, store.create_schedule, soon, mock_deps.clock.now())["id"]
+            sid = call(store, store.schedules.create_schedule, soon, mock_deps.clock.now())["id"]
             mock_deps.cron_wake.poke()
             await trio.sleep(2 * MINUTE)
     assert [(o["due_at"], o["recorded_at"], o["trigger"]) for o in ledger(store, sid)] == [
@@ -247,21 +248,21 @@ async def test_cron_nudge_picks_up_an_earlier_next_fire(autojump_clock, mock_dep
 async def test_cron_without_nudge_notices_a_new_schedule_only_at_its_longest_sleep(
         autojump_clock, mock_deps, git_repo, no_git_subprocess):
     store = mock_deps.store
-    call(store, store.create_schedule, normalized(
+    call(store, store.schedules.create_schedule, normalized(
         git_repo, name="far", timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)
     with trio.fail_after(DAY):
         async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
             await trio.sleep(10)
             soon = normalized(git_repo, now=mock_deps.clock.now(), name="soon",
                               timing={"kind": "once", "at": "2026-11-30T08:01:00Z", "timezone": "UTC"})
-            sid = call(store, store.create_schedule, soon, mock_deps.clock.now())["id"]
+            sid = call(store, store.schedules.create_schedule, soon, mock_deps.clock.now())["id"]
             await trio.sleep(outpost.CRON_MAX_SLEEP_S + MINUTE)
     [slot] = ledger(store, sid)
     assert slot["recorded_at"] == at(T0 + timedelta(seconds=outpost.CRON_MAX_SLEEP_S))
 
 
-class CountingStore(outpost.Store):
-    """A store that counts how often the cron actor asks for due slots."""
+class CountingSchedules(outpost.ScheduleStore):
+    """The schedules part, counting how often the cron actor asks for due slots."""
 
     claims = 0
 
@@ -270,11 +271,23 @@ class CountingStore(outpost.Store):
         return super().claim_due(now, grace_s, **kw)
 
 
+class CountingStore(outpost.Store):
+    """A store whose schedules part counts the cron actor's claims."""
+
+    def __init__(self, database, **kwargs):
+        super().__init__(database, **kwargs)
+        self.schedules = CountingSchedules(self)
+
+    @property
+    def claims(self) -> int:
+        return self.schedules.claims
+
+
 async def test_cron_idle_actor_does_not_poll(autojump_clock, tmp_path, git_repo):
     store = CountingStore(tmp_path / "counting.sqlite3")
     try:
         deps = mock_deps_at(tmp_path, store, T0)
-        sid = call(store, store.create_schedule, normalized(
+        sid = call(store, store.schedules.create_schedule, normalized(
             git_repo, timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)["id"]
         with trio.fail_after(DAY):
             async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
@@ -293,7 +306,7 @@ async def test_cron_idle_actor_does_not_poll(autojump_clock, tmp_path, git_repo)
 ], ids=["back-30s-after-a-slot", "back-90s-after-a-slot"])
 async def test_scheduler_down_three_hours_catches_up_once(autojump_clock, tmp_path, store, git_repo,
                                                           no_git_subprocess, late_s):
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     deps = mock_deps_at(tmp_path, store, T0 + timedelta(hours=3, seconds=late_s))
     with trio.fail_after(DAY):
         async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
@@ -303,7 +316,7 @@ async def test_scheduler_down_three_hours_catches_up_once(autojump_clock, tmp_pa
     [run] = runs
     assert run["trigger"] == "catch_up"
     assert run["missed_count"] == 36
-    prompt = call(store, store.launch_info, run["id"])["prompt"]
+    prompt = call(store, store.runs.launch_info, run["id"])["prompt"]
     assert "missed 36 occurrences since 2026-11-30 08:05 UTC" in prompt
     slots = ledger(store, sid)
     assert len(slots) == 36
@@ -312,7 +325,8 @@ async def test_scheduler_down_three_hours_catches_up_once(autojump_clock, tmp_pa
 
 
 async def test_scheduler_down_three_hours_skip_missed(autojump_clock, tmp_path, store, git_repo, no_git_subprocess):
-    sid = call(store, store.create_schedule, normalized(git_repo, catch_up={"policy": "skip_missed"}), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo, catch_up={"policy": "skip_missed"}),
+               T0)["id"]
     back = T0 + timedelta(hours=3, seconds=30)
     deps = mock_deps_at(tmp_path, store, back)
     with trio.fail_after(DAY):
@@ -336,16 +350,17 @@ async def test_scheduler_down_three_hours_skip_missed(autojump_clock, tmp_path, 
 def settle_fired_run(store: outpost.Store, sid: str, status: str, now: datetime, *, commits: int = 0,
                      error: str | None = None, result: dict | None = None) -> str:
     """A manual fire, claimed and settled in the store (the claim actor's part, without a process)."""
-    revision = call(store, store.get_schedule, sid)["revision"]
-    run_id = call(store, store.fire_manual, sid, revision, now)["run_id"]
+    revision = call(store, store.schedules.get_schedule, sid)["revision"]
+    run_id = call(store, store.schedules.fire_manual, sid, revision, now)["run_id"]
     settle(store, run_id, status, now, error=error, result=result, commits=commits)
     return run_id
 
 
 def test_two_manual_fires_at_one_instant_both_queue_a_run(store, git_repo):
-    sid = call(store, store.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"), T0)["id"]
-    first = call(store, store.fire_manual, sid, 1, T0)
-    second = call(store, store.fire_manual, sid, 1, T0)
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"),
+               T0)["id"]
+    first = call(store, store.schedules.fire_manual, sid, 1, T0)
+    second = call(store, store.schedules.fire_manual, sid, 1, T0)
     assert first["outcome"] == second["outcome"] == "admitted"
     assert second["run_id"] is not None and second["run_id"] != first["run_id"]
     assert sorted(o["due_at"] for o in ledger(store, sid)) == ["2026-11-30T08:00:00.001Z", "2026-11-30T08:00:00Z"]
@@ -357,7 +372,7 @@ def attention(store: outpost.Store) -> list[dict]:
 
 async def test_notification_raises_attention_per_outcome(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     tx, rx = trio.open_memory_channel(10)
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery:
@@ -374,7 +389,7 @@ async def test_notification_raises_attention_per_outcome(autojump_clock, mock_de
                 failed = settle_fired_run(store, sid, "failed", mock_deps.clock.now(), error="boom")
                 await tx.send(outpost.RunSettled(failed))
                 await trio.sleep(1)
-                assert call(store, store.get_schedule, sid)["failure_streak"] == 1
+                assert call(store, store.schedules.get_schedule, sid)["failure_streak"] == 1
                 asked = settle_fired_run(store, sid, "needs_you", mock_deps.clock.now(),
                                          result={"status": "needs_you", "question": "Which DB?"})
                 await tx.send(outpost.RunSettled(asked))
@@ -389,13 +404,13 @@ async def test_notification_raises_attention_per_outcome(autojump_clock, mock_de
     assert all(a["schedule_id"] == sid and a["acknowledged_at"] is None for a in items)
     assert items[1]["detail"] == "boom"
     assert items[2]["detail"] == "Which DB?"
-    sched = call(store, store.get_schedule, sid)
+    sched = call(store, store.schedules.get_schedule, sid)
     assert sched["failure_streak"] == 1 and sched["enabled"] and not sched["auto_paused"]
 
 
 async def test_notification_success_resets_the_failure_streak(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     tx, rx = trio.open_memory_channel(10)
     streaks = []
     with trio.fail_after(HOUR):
@@ -404,14 +419,14 @@ async def test_notification_success_resets_the_failure_streak(autojump_clock, mo
             for status in ("failed", "failed", "succeeded", "failed"):
                 await tx.send(outpost.RunSettled(settle_fired_run(store, sid, status, mock_deps.clock.now())))
                 await trio.sleep(1)
-                streaks.append(call(store, store.get_schedule, sid)["failure_streak"])
+                streaks.append(call(store, store.schedules.get_schedule, sid)["failure_streak"])
     assert streaks == [1, 2, 0, 1]
-    assert not call(store, store.get_schedule, sid)["auto_paused"]
+    assert not call(store, store.schedules.get_schedule, sid)["auto_paused"]
 
 
 async def test_notification_three_failures_auto_pause_once(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     tx, rx = trio.open_memory_channel(10)
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery, tx:
@@ -420,23 +435,23 @@ async def test_notification_three_failures_auto_pause_once(autojump_clock, mock_
                 await tx.send(outpost.RunSettled(settle_fired_run(store, sid, "failed", mock_deps.clock.now(),
                                                                   error=f"failure {n}")))
                 await trio.sleep(1)
-                sched = call(store, store.get_schedule, sid)
+                sched = call(store, store.schedules.get_schedule, sid)
                 assert sched["enabled"] == (n < 3) and sched["auto_paused"] == (n >= 3)
     kinds = [a["kind"] for a in attention(store)]
     assert kinds.count("auto_pause") == 1
     assert kinds.count("failed") == 4
-    sched = call(store, store.get_schedule, sid)
+    sched = call(store, store.schedules.get_schedule, sid)
     assert sched["failure_streak"] == 4
     # Only resume re-enables it.
     with pytest.raises(outpost.AutoPaused):
-        call(store, store.control_schedule, sid, sched["revision"], "enable", mock_deps.clock.now())
-    resumed = call(store, store.control_schedule, sid, sched["revision"], "resume", mock_deps.clock.now())
+        call(store, store.schedules.control_schedule, sid, sched["revision"], "enable", mock_deps.clock.now())
+    resumed = call(store, store.schedules.control_schedule, sid, sched["revision"], "resume", mock_deps.clock.now())
     assert resumed["enabled"] and not resumed["auto_paused"] and resumed["failure_streak"] == 0
 
 
 async def test_notification_applies_runs_settled_before_a_crash_at_start(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     # Settled by a process that died before its notification actor saw them.
     before = [settle_fired_run(store, sid, "failed", T0 + timedelta(seconds=n), error=f"lost {n}") for n in range(3)]
     tx, rx = trio.open_memory_channel(10)
@@ -451,14 +466,14 @@ async def test_notification_applies_runs_settled_before_a_crash_at_start(autojum
             await tx.send(outpost.RunSettled(before[0]))
             await trio.sleep(1)
     assert len(attention(store)) == 4
-    sched = call(store, store.get_schedule, sid)
+    sched = call(store, store.schedules.get_schedule, sid)
     assert sched["failure_streak"] == 3 and sched["auto_paused"]
-    assert call(store, store.unnotified_runs) == []
+    assert call(store, store.runs.unnotified_runs) == []
 
 
 async def test_notification_sweep_applies_a_run_whose_message_was_lost(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
-    sid = call(store, store.create_schedule, normalized(git_repo), T0)["id"]
+    sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     tx, rx = trio.open_memory_channel(10)
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery, tx:
@@ -467,7 +482,7 @@ async def test_notification_sweep_applies_a_run_whose_message_was_lost(autojump_
             lost = settle_fired_run(store, sid, "failed", mock_deps.clock.now(), error="no message")
             await trio.sleep(outpost.NOTIFY_SWEEP_S + 1)
             assert [(a["kind"], a["run_id"]) for a in attention(store)] == [("failed", lost)]
-    assert call(store, store.get_schedule, sid)["failure_streak"] == 1
+    assert call(store, store.schedules.get_schedule, sid)["failure_streak"] == 1
 
 
 # --- claim actor + run supervisor, with the real demo agent (real time) ---------------------------------
@@ -496,7 +511,7 @@ async def queue_dispatch(deps: outpost.Deps, repo: Path, brief: str, *, resolve:
     raw = {"name": "dispatch", "brief": brief, "repository": str(repo), "agent": "demo",
            "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}, **fields}
     payload = outpost.normalize_definition(raw, deps.clock.now(), agents=[a.name for a in deps.config.agents])
-    run_id = (await deps.transaction(deps.store.create_dispatch, payload, deps.clock.now()))["run_id"]
+    run_id = (await deps.transaction(deps.store.schedules.create_dispatch, payload, deps.clock.now()))["run_id"]
     if resolve:
         await outpost.resolve_new_runs(deps, [run_id])
     deps.claim_wake.poke()
@@ -504,7 +519,7 @@ async def queue_dispatch(deps: outpost.Deps, repo: Path, brief: str, *, resolve:
 
 
 async def get_run(deps: outpost.Deps, run_id: str) -> dict:
-    return await deps.transaction(deps.store.get_run, run_id)
+    return await deps.transaction(deps.store.runs.get_run, run_id)
 
 
 async def until_status(deps: outpost.Deps, run_id: str, statuses=SETTLED) -> dict:
@@ -638,7 +653,7 @@ async def test_run_timeout_fails_and_ends_the_process(real_deps, git_repo):
     assert run["status"] == "failed"
     assert run["error"].startswith("timeout")
     assert elapsed < 1 + deps.grace_s + 5
-    pid = (await deps.transaction(deps.store.launch_info, run_id))["pid"]
+    pid = (await deps.transaction(deps.store.runs.launch_info, run_id))["pid"]
     assert pid and not group_alive(pid)
 
 
@@ -651,14 +666,14 @@ async def test_run_cancel_ends_a_running_run_and_a_queued_one_never_starts(real_
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
             await until(lambda: deps.live.has_process(running))
             pid = deps.live.get(running).pid
-            cancelled_queued = await deps.transaction(store.control_run, waiting, "cancel", deps.clock.now())
+            cancelled_queued = await deps.transaction(store.runs.control_run, waiting, "cancel", deps.clock.now())
             assert cancelled_queued["status"] == "cancelled"
-            await deps.transaction(store.control_run, running, "cancel", deps.clock.now())
+            await deps.transaction(store.runs.control_run, running, "cancel", deps.clock.now())
             deps.live.get(running).cancel()
             deps.claim_wake.poke()
             run = await until_status(deps, running)
             with pytest.raises(outpost.Conflict):
-                await deps.transaction(store.control_run, running, "cancel", deps.clock.now())
+                await deps.transaction(store.runs.control_run, running, "cancel", deps.clock.now())
     assert run["status"] == "cancelled"
     assert not group_alive(pid)
     never = await get_run(deps, waiting)
@@ -879,19 +894,19 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
         other = await queue_dispatch(deps, git_repo, "@sleep 60\n@print other")   # holds the slot until cancelled
         async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
             await until(lambda: deps.live.has_process(paused))
-            await deps.transaction(store.control_run, paused, "pause", deps.clock.now())
+            await deps.transaction(store.runs.control_run, paused, "pause", deps.clock.now())
             deps.live.get(paused).pause()
             deps.claim_wake.poke()
             assert (await get_run(deps, paused))["status"] == "paused"
             # The slot is free: the other queued run starts although max_running is 1.
             await until_status(deps, other, {"running"})
             # Resume waits for a free slot: the other run holds the only one until it is cancelled.
-            await deps.transaction(store.control_run, paused, "resume", deps.clock.now())
+            await deps.transaction(store.runs.control_run, paused, "resume", deps.clock.now())
             deps.claim_wake.poke()
             await trio.sleep(0.5)
             assert (await get_run(deps, paused))["status"] == "paused"
             assert (await get_run(deps, other))["status"] == "running"
-            await deps.transaction(store.control_run, other, "cancel", deps.clock.now())
+            await deps.transaction(store.runs.control_run, other, "cancel", deps.clock.now())
             deps.live.signal(other, "cancel")
             b = await until_status(deps, other)
             a = await until_status(deps, paused)
@@ -979,22 +994,22 @@ async def test_recover_at_boot_settles_running_runs_and_ends_their_process_group
             waiting = await queue_dispatch(deps, git_repo, "@print later")
             for run_id, proc, start in ((alive, survivor, outpost.process_start_time(survivor.pid)),
                                         (reused, stranger, "1")):
-                assert call(store, store.admit_next, 100, now)
-                assert call(store, store.mark_spawned, run_id, proc.pid, start, (store.node, 1))
-            assert call(store, store.begin_idempotent, "half-done", "fp1", now) is None
-            assert call(store, store.begin_idempotent, "done", "fp2", now) is None
-            call(store, store.finish_idempotent, "done", 202, {"body": {"run_id": waiting}, "headers": {}})
+                assert call(store, store.runs.admit_next, 100, now)
+                assert call(store, store.runs.mark_spawned, run_id, proc.pid, start, (store.node, 1))
+            assert call(store, store.access.begin_idempotent, "half-done", "fp1", now) is None
+            assert call(store, store.access.begin_idempotent, "done", "fp2", now) is None
+            call(store, store.access.finish_idempotent, "done", 202, {"body": {"run_id": waiting}, "headers": {}})
             await outpost.recover_at_boot(deps)
         for run_id in (alive, reused):
-            run = call(store, store.get_run, run_id)
+            run = call(store, store.runs.get_run, run_id)
             assert (run["status"], run["error"]) == ("failed", "interrupted")
         survivor.wait(5)
         assert survivor.returncode == -signal.SIGTERM
         assert stranger.poll() is None, "a reused pid is not ours to kill"
-        assert call(store, store.get_run, waiting)["status"] == "queued"
+        assert call(store, store.runs.get_run, waiting)["status"] == "queued"
         # The in-flight key is forgotten (reserved afresh); the finished one still replays.
-        assert call(store, store.begin_idempotent, "half-done", "fp1", now) is None
-        assert call(store, store.begin_idempotent, "done", "fp2", now) == (202, {"body": {"run_id": waiting},
+        assert call(store, store.access.begin_idempotent, "half-done", "fp1", now) is None
+        assert call(store, store.access.begin_idempotent, "done", "fp2", now) == (202, {"body": {"run_id": waiting},
                                                                               "headers": {}})
     finally:
         for proc in (survivor, stranger):
@@ -1007,10 +1022,10 @@ async def test_a_run_admitted_as_the_daemon_stops_goes_back_to_the_queue(tmp_pat
     the run was left running with nobody to run or settle it until the next start)."""
     deps = make_deps(tmp_path / "data", store=store, clock=outpost.WallClock(), token="t")
     run_id = await queue_dispatch(deps, git_repo, "@print later")
-    assert call(store, store.admit_next, 1, deps.clock.now()) == (run_id, False)
+    assert call(store, store.runs.admit_next, 1, deps.clock.now()) == (run_id, False)
     with trio.CancelScope() as stopping:
         stopping.cancel()   # the runs nursery is cancelled: the supervisor starts cancelled
         await outpost.run_supervisor(deps, run_id)
-    run = call(store, store.get_run, run_id)
+    run = call(store, store.runs.get_run, run_id)
     assert (run["status"], run["started_at"], run["node"]) == ("queued", None, None)
-    assert call(store, store.admit_next, 1, deps.clock.now()) == (run_id, False)   # admitted again later
+    assert call(store, store.runs.admit_next, 1, deps.clock.now()) == (run_id, False)   # admitted again later

@@ -509,24 +509,24 @@ def claude(**fields) -> outpost.AgentProfile:
 def dispatch_run(deps: outpost.Deps, repo: Path, agent: str, brief: str) -> str:
     payload = outpost.normalize_dispatch({"brief": brief, "repository": str(repo), "agent": agent},
                                          deps.clock.now(), agents=deps.profiles)
-    return call(deps.store, deps.store.create_dispatch, payload, deps.clock.now())["run_id"]
+    return call(deps.store, deps.store.schedules.create_dispatch, payload, deps.clock.now())["run_id"]
 
 
 def schedule_of(deps: outpost.Deps, repo: Path, agent: str, brief: str) -> dict:
     definition = outpost.normalize_definition(conftest.definition(repo, agent=agent, brief=brief, timing=YEARLY),
                                               deps.clock.now(), agents=deps.profiles)
-    return call(deps.store, deps.store.create_schedule, definition, deps.clock.now(),
+    return call(deps.store, deps.store.schedules.create_schedule, definition, deps.clock.now(),
                 deps.profile_digests[agent])
 
 
 def run(deps: outpost.Deps, run_id: str) -> dict:
-    return call(deps.store, deps.store.get_run, run_id)
+    return call(deps.store, deps.store.runs.get_run, run_id)
 
 
 def fired_schedule(deps: outpost.Deps, repo: Path, brief: str) -> tuple[dict, str]:
     """A claude schedule with ``brief``, fired by hand: the schedule and its run's id."""
     sched = schedule_of(deps, repo, "claude", brief)
-    return sched, call(deps.store, deps.store.fire_manual, sched["id"], 1, deps.clock.now(),
+    return sched, call(deps.store, deps.store.schedules.fire_manual, sched["id"], 1, deps.clock.now(),
                        deps.profile_digests)["run_id"]
 
 
@@ -553,7 +553,8 @@ async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak
             await until(lambda: run(deps, passing)["status"] == "succeeded")
             await trio.sleep(30 * 60)   # half the limit: the claude run still waits
             assert run(deps, waiting)["status"] == "queued"
-            agents = {a["name"]: a for a in call(store, store.profile_states, ["claude", "demo"], deps.clock.now())}
+            agents = {a["name"]: a for a in call(store, store.runs.profile_states, ["claude", "demo"],
+                                                 deps.clock.now())}
             assert agents["claude"]["queued"] == 1 and agents["claude"]["limited_until"]
             # after the reset (+30 s); polled each mock second, not 20 times one
             await until(lambda: run(deps, waiting)["status"] == "succeeded", poll_s=1)
@@ -561,7 +562,7 @@ async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak
     assert (limited["failure_kind"], limited["agent_report"]["limit"]["kind"]) == ("limit", "rate_limit")
     reset = outpost.parse_instant(limited["agent_report"]["limit"]["resets_at"])
     assert outpost.parse_instant(run(deps, waiting)["started_at"]) >= reset + timedelta(seconds=30)
-    assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
+    assert call(store, store.schedules.get_schedule, sched["id"])["failure_streak"] == 0
     kinds = [a["kind"] for a in call(store, store.list_attention, False)]
     assert kinds.count("agent_limited") == 1 and "failed" not in kinds
 
@@ -590,9 +591,9 @@ async def test_a_login_failure_pauses_the_profile_until_resumed(autojump_clock, 
             deps.claim_wake.poke()
             await trio.sleep(3600)
             assert run(deps, waiting)["status"] == "queued", "a paused profile starts nothing"
-            state = only(call(store, store.profile_states, ["claude"], deps.clock.now()))
+            state = only(call(store, store.runs.profile_states, ["claude"], deps.clock.now()))
             assert state["paused_reason"] and "Not logged in" in state["paused_reason"]
-            call(store, store.resume_profile, "claude", deps.clock.now())
+            call(store, store.runs.resume_profile, "claude", deps.clock.now())
             deps.claim_wake.poke()
             await until(lambda: run(deps, waiting)["status"] == "succeeded")
             nursery.cancel_scope.cancel()
@@ -600,7 +601,7 @@ async def test_a_login_failure_pauses_the_profile_until_resumed(autojump_clock, 
     items = [a for a in call(store, store.list_attention, False) if a["kind"] == "agent_auth"]
     assert len(items) == 1 and "claude" in items[0]["title"]
     assert "/login" in items[0]["detail"] and "resume" in items[0]["detail"]
-    assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
+    assert call(store, store.schedules.get_schedule, sched["id"])["failure_streak"] == 0
 
 
 async def test_a_spend_limit_pauses_the_profile_until_someone_raises_it(autojump_clock, fakes_on_path, store,
@@ -617,16 +618,16 @@ async def test_a_spend_limit_pauses_the_profile_until_someone_raises_it(autojump
             deps.claim_wake.poke()
             await trio.sleep(5 * 3600)   # past the 5-hour window the CLI's event named
             assert run(deps, waiting)["status"] == "queued", "a paused profile starts nothing"
-            state = only(call(store, store.profile_states, ["claude"], deps.clock.now()))
+            state = only(call(store, store.runs.profile_states, ["claude"], deps.clock.now()))
             assert state["paused_reason"] and "spend limit" in state["paused_reason"]
-            call(store, store.resume_profile, "claude", deps.clock.now())
+            call(store, store.runs.resume_profile, "claude", deps.clock.now())
             deps.claim_wake.poke()
             await until(lambda: run(deps, waiting)["status"] == "succeeded")
             nursery.cancel_scope.cancel()
     assert (limited["failure_kind"], limited["agent_report"]["limit"]["resets_at"]) == ("limit", None)
     (item,) = [a for a in call(store, store.list_attention, False) if a["kind"] == "agent_limited"]
     assert "spend limit" in item["title"] and "admin" in item["detail"] and "resume" in item["detail"]
-    assert call(store, store.get_schedule, sched["id"])["failure_streak"] == 0
+    assert call(store, store.schedules.get_schedule, sched["id"])["failure_streak"] == 0
 
 
 async def test_an_expired_login_refused_with_403_pauses_the_profile(autojump_clock, fakes_on_path, store, git_repo):
@@ -638,7 +639,7 @@ async def test_an_expired_login_refused_with_403_pauses_the_profile(autojump_clo
             failed = await ended_as(deps, run_id, "failed")
             nursery.cancel_scope.cancel()
     assert failed["failure_kind"] == "auth"
-    assert only(call(store, store.profile_states, ["claude"], deps.clock.now()))["paused_reason"]
+    assert only(call(store, store.runs.profile_states, ["claude"], deps.clock.now()))["paused_reason"]
 
 
 async def test_the_log_of_a_3_mib_run_ends_with_the_agents_last_line(autojump_clock, fakes_on_path, store, git_repo):
@@ -678,7 +679,7 @@ async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(aut
         async with trio.open_nursery() as nursery:
             await actors(deps, nursery)
             await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
-            call(store, store.add_comment, tid, "fake:success please go on", deps.clock.now())
+            call(store, store.office.add_comment, tid, "fake:success please go on", deps.clock.now())
             deps.claim_wake.poke()
             comment = only(conftest.wakeups(store, worker, source="comment"))
             await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
@@ -730,7 +731,7 @@ async def test_a_dead_session_falls_back_to_one_fresh_run_without_a_retry(autoju
             await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
             for path in sorted((fakes_on_path / "home" / ".claude" / "fake-sessions").rglob("*"), reverse=True):
                 path.unlink() if path.is_file() else path.rmdir()   # the CLI forgot every session
-            call(store, store.add_comment, tid, "fake:success again", deps.clock.now())
+            call(store, store.office.add_comment, tid, "fake:success again", deps.clock.now())
             deps.claim_wake.poke()
             comment = only(conftest.wakeups(store, worker, source="comment"))
             await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
@@ -833,21 +834,22 @@ def test_a_changed_profile_holds_the_schedules_fires_until_it_is_confirmed_again
     definition = outpost.normalize_definition(conftest.definition(
         git_repo, agent="claude-code", timing={"kind": "interval", "seconds": 3600, "timezone": "UTC"}),
         T0, agents=digests)
-    sched = call(store, store.create_schedule, definition, T0, digests["claude-code"])
+    sched = call(store, store.schedules.create_schedule, definition, T0, digests["claude-code"])
     assert sched["authority"]["profile_digest"] == digests["claude-code"]
     changed = {"claude-code": outpost.profile_digest(after)}
     assert changed != digests
     for hour in (1, 2):   # two fires held, one item
-        assert call(store, store.claim_due, T0 + timedelta(hours=hour), digests=changed) == []
-    ledger = call(store, store.occurrences, sched["id"], 10)
+        assert call(store, store.schedules.claim_due, T0 + timedelta(hours=hour), digests=changed) == []
+    ledger = call(store, store.schedules.occurrences, sched["id"], 10)
     assert [o["outcome"] for o in ledger] == ["held_reconfirm", "held_reconfirm"]
     items = [a for a in call(store, store.list_attention, True) if a["kind"] == "reconfirm"]
     assert len(items) == 1 and items[0]["schedule_id"] == sched["id"]
     with pytest.raises(outpost.Conflict):
-        call(store, store.fire_manual, sched["id"], 1, T0 + timedelta(hours=2), changed)
+        call(store, store.schedules.fire_manual, sched["id"], 1, T0 + timedelta(hours=2), changed)
     # Confirming the same definition again, under the profile as it is now, releases it.
-    call(store, store.update_schedule, sched["id"], 1, definition, T0 + timedelta(hours=2), changed["claude-code"])
-    assert len(call(store, store.claim_due, T0 + timedelta(hours=3), digests=changed)) == 1
+    call(store, store.schedules.update_schedule, sched["id"], 1, definition, T0 + timedelta(hours=2),
+         changed["claude-code"])
+    assert len(call(store, store.schedules.claim_due, T0 + timedelta(hours=3), digests=changed)) == 1
     # An unchanged profile never holds anything.
     assert outpost.profile_digest(preset_profile("claude-code")) == digests["claude-code"]
 
@@ -860,11 +862,11 @@ def test_the_reconfirm_item_closes_once_the_schedule_is_confirmed_again(store, g
     definition = outpost.normalize_definition(conftest.definition(
         git_repo, agent="claude-code", timing={"kind": "interval", "seconds": 3600, "timezone": "UTC"}),
         T0, agents=["claude-code"])
-    sched = call(store, store.create_schedule, definition, T0, outpost.profile_digest(before))
+    sched = call(store, store.schedules.create_schedule, definition, T0, outpost.profile_digest(before))
     changed = {"claude-code": outpost.profile_digest(after)}
-    assert call(store, store.claim_due, T0 + timedelta(hours=1), digests=changed) == []
+    assert call(store, store.schedules.claim_due, T0 + timedelta(hours=1), digests=changed) == []
     (item,) = [a for a in call(store, store.list_attention, True) if a["kind"] == "reconfirm"]
-    call(store, store.update_schedule, sched["id"], 1, definition, T0 + timedelta(hours=1, minutes=5),
+    call(store, store.schedules.update_schedule, sched["id"], 1, definition, T0 + timedelta(hours=1, minutes=5),
          changed["claude-code"])
     assert [a for a in call(store, store.list_attention, True) if a["kind"] == "reconfirm"] == []
     closed = call(store, store.ack_attention, item["id"], T0 + timedelta(hours=2))
@@ -983,12 +985,12 @@ def costly_task(store, worker: str, minute: int, cost: float) -> str:
     """Assign a task, dispatch its wakeup and settle its run as having cost ``cost`` dollars."""
     now = T0 + timedelta(minutes=minute)
     conftest.new_task(store, f"task {minute}", now, assignee_agent_id=worker)
-    runs = [r for r in call(store, store.dispatch_wakeups, now, {"demo": outpost.demo_profile()})[0]
+    runs = [r for r in call(store, store.pipeline.dispatch_wakeups, now, {"demo": outpost.demo_profile()})[0]
             if conftest.office_run(store, r)["agent_id"] == worker]
     for run_id in runs:
         conftest.start(store, run_id, now)
         reading = outpost.Reading("claude-code", verdict="succeeded", cost_usd=cost)
-        call(store, store.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=reading),
+        call(store, store.runs.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=reading),
              now + timedelta(seconds=30))
     return runs[0] if runs else ""
 
@@ -1005,7 +1007,7 @@ def test_a_dollar_budget_alerts_at_80_percent_once_then_pauses_the_agent(store, 
     assert costly_task(store, worker, 4, 0.1) == ""   # the pre-check reads the cost already spent
     blocked = only(conftest.wakeups(store, worker, status="skipped"))
     assert "$1.00 per day is used up ($1.05 spent)" in blocked["note"]
-    assert call(store, store.get_agent, worker)["status"] == "paused"
+    assert call(store, store.office.get_agent, worker)["status"] == "paused"
     assert [a["kind"] for a in call(store, store.list_attention, True)] == ["budget_blocked"]
 
 
@@ -1015,25 +1017,26 @@ def test_a_budget_whose_action_is_skip_skips_the_wakeup_and_logs_it(store, git_r
     assert costly_task(store, worker, 2, 0.1) == ""
     skipped = only(conftest.wakeups(store, worker, status="skipped"))
     assert "$2.00 per month is used up" in skipped["note"]
-    assert call(store, store.get_agent, worker)["status"] != "paused"
+    assert call(store, store.office.get_agent, worker)["status"] != "paused"
     assert only(conftest.activity(store, "wakeup_budget_skipped"))["wakeup_id"] == skipped["id"]
     assert call(store, store.list_attention, True) == []
 
 
 def test_a_project_budget_counts_only_its_tasks(store, git_repo):
     _, worker = office_with_budget(store, git_repo)
-    project = call(store, store.create_project, None, "Site", None, None, T0,
+    project = call(store, store.office.create_project, None, "Site", None, None, T0,
                    outpost.budget_fields({"budget_usd_per_day": 1.0}, 1000))
     now = T0 + timedelta(minutes=1)
     conftest.new_task(store, "in the project", now, assignee_agent_id=worker, project_id=project["id"])
-    (run_id,) = call(store, store.dispatch_wakeups, now, {"demo": outpost.demo_profile()})[0]
+    (run_id,) = call(store, store.pipeline.dispatch_wakeups, now, {"demo": outpost.demo_profile()})[0]
     conftest.start(store, run_id, now)
-    call(store, store.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=outpost.Reading(
+    call(store, store.runs.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None,
+                                                               reading=outpost.Reading(
         "claude-code", verdict="succeeded", cost_usd=1.5)), now)
     assert costly_task(store, worker, 5, 0.1), "a task outside the project is not held by its budget"
     later = T0 + timedelta(minutes=9)
     conftest.new_task(store, "more in the project", later, assignee_agent_id=worker, project_id=project["id"])
-    assert call(store, store.dispatch_wakeups, later, {"demo": outpost.demo_profile()})[0] == []
+    assert call(store, store.pipeline.dispatch_wakeups, later, {"demo": outpost.demo_profile()})[0] == []
     assert "project budget of $1.00 per day" in only(conftest.wakeups(store, worker, status="skipped"))["note"]
 
 
@@ -1048,9 +1051,10 @@ def test_a_bad_dollar_budget_is_refused_naming_its_field(field, value):
 def test_a_run_over_its_max_cost_is_marked_over_budget(store, git_repo):
     payload = outpost.normalize_dispatch({"brief": "x", "repository": str(git_repo), "agent": "demo",
                                           "limits": {"max_cost_usd": 0.01}}, T0, agents=["demo"])
-    run_id = call(store, store.create_dispatch, payload, T0)["run_id"]
+    run_id = call(store, store.schedules.create_dispatch, payload, T0)["run_id"]
     conftest.start(store, run_id, T0)
-    call(store, store.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None, reading=outpost.Reading(
+    call(store, store.runs.settle_run, run_id, outpost.Outcome(outpost.RunStatus.SUCCEEDED, None,
+                                                               reading=outpost.Reading(
         "claude-code", verdict="succeeded", cost_usd=0.0123)), T0)
-    view = call(store, store.get_run, run_id)
+    view = call(store, store.runs.get_run, run_id)
     assert (view["max_cost_usd"], view["cost_usd"], view["over_budget"]) == (0.01, 0.0123, True)

@@ -22,9 +22,9 @@ def signed_in(tmp_path, store):
 
 
 async def test_the_schedules_page_shows_a_hundred_at_a_time(store, signed_in):
-    ids = [store.transaction(store.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)[0]["id"]
+    ids = [store.transaction(store.schedules.create_schedule, normalized("/tmp", name=f"s{i:03}"), T0)[0]["id"]
            for i in range(outpost.SCHEDULES_PAGE + 1)]
-    fired = store.transaction(store.fire_manual, ids[-1], 1, T0)[0]["run_id"]   # the newest run, on page 2
+    fired = store.transaction(store.schedules.fire_manual, ids[-1], 1, T0)[0]["run_id"]   # the newest run, on page 2
     client = signed_in()
 
     first = await (await client.get("/schedules", headers={"Accept": "text/html"})).get_data(as_text=True)
@@ -43,15 +43,15 @@ def sweep_every_5_minutes(store: outpost.Store, sweeps: int) -> None:
     now wait for it instead of ending), then ``sweeps`` recovery sweeps 5 minutes apart: the
     first recovers the task, the rest find its wakeup queued."""
     idle = outpost.normalize_agent({"name": "w", "executor": "demo"}, profiles=["demo"])
-    agent = store.transaction(store.create_agent, None, idle, T0)[0]
-    task = store.transaction(store.create_task, None, outpost.normalize_task({"title": "t"}, profiles=["demo"]),
+    agent = store.transaction(store.office.create_agent, None, idle, T0)[0]
+    task = store.transaction(store.office.create_task, None, outpost.normalize_task({"title": "t"}, profiles=["demo"]),
                              T0)[0]
 
     def assign_behind_the_api():
         store.db.Task[task["id"]].assignee_agent_id = agent["id"]
     store.transaction(assign_behind_the_api)
     for k in range(sweeps):
-        store.transaction(store.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
+        store.transaction(store.routines.recovery_sweep, T0 + outpost.timedelta(minutes=5 * k))
 
 
 async def test_the_activity_page_lists_empty_recovery_sweeps_only_when_asked(store, signed_in):
@@ -68,21 +68,23 @@ async def test_days_of_empty_recovery_sweeps_do_not_bury_the_activity_page(store
     client = signed_in()
     page = await (await client.get("/office/activity")).get_data(as_text=True)
     assert "recovery_dispatch</span>" in page and page.count("recovery_sweep_complete</span>") == 1
-    newest = store.transaction(store.list_activity, None, None, 1000)[0]
+    newest = store.transaction(store.office.list_activity, None, None, 1000)[0]
     assert {x["code"] for x in newest} == {"recovery_sweep_complete"}   # the API still lists every sweep
 
 
 async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_workspace_has(store, signed_in):
-    agent = store.transaction(store.create_agent, None, outpost.normalize_agent({"name": "w", "executor": "demo"},
+    agent = store.transaction(store.office.create_agent, None, outpost.normalize_agent({"name": "w",
+                                                                                        "executor": "demo"},
                                                                        profiles=["demo"]), T0)[0]
 
     def assigned(title: str, minutes: int) -> str:
         fields = outpost.normalize_task({"title": title, "assignee_agent_id": agent["id"]}, profiles=["demo"])
-        return store.transaction(store.create_task, None, fields, T0 + outpost.timedelta(minutes=minutes))[0]["id"]
+        return store.transaction(store.office.create_task, None, fields,
+                                 T0 + outpost.timedelta(minutes=minutes))[0]["id"]
     first = assigned("first", 0)
     for k in range(1, 251):   # newer wakeups of other tasks
         assigned(f"other {k}", k)
-    (own,) = store.transaction(store.list_wakeups, None, None, None, None, 1000, first)[0]
+    (own,) = store.transaction(store.office.list_wakeups, None, None, None, None, 1000, first)[0]
     client = signed_in()
     page = await (await client.get(f"/office/tasks/{first}")).get_data(as_text=True)
     assert page.count("data-wakeup=") == 1 and f'data-wakeup="{own["id"]}"' in page

@@ -49,7 +49,7 @@ def nodes(database: str, tmp_path: Path):
     """Two nodes, a and b, on one database (two Store objects: two connections)."""
     pair = [outpost.Store(database, data_dir=tmp_path, node=name) for name in ("a", "b")]
     for store in pair:
-        call(store, store.register_node, 2)
+        call(store, store.nodes.register_node, 2)
     yield pair
     for store in pair:
         store.close()
@@ -58,7 +58,7 @@ def nodes(database: str, tmp_path: Path):
 def queue(store: outpost.Store, repo: Path, n: int) -> list[str]:
     payload = outpost.normalize_dispatch({"brief": "fleet", "repository": str(repo), "agent": "demo"}, NOW,
                                          agents=["demo"])
-    return [call(store, store.create_dispatch, payload, NOW, "0" * 40)["run_id"] for _ in range(n)]
+    return [call(store, store.schedules.create_dispatch, payload, NOW, "0" * 40)["run_id"] for _ in range(n)]
 
 
 def silence(store: outpost.Store, node: str, seconds: int) -> None:
@@ -68,18 +68,18 @@ def silence(store: outpost.Store, node: str, seconds: int) -> None:
 
 
 def run_row(store: outpost.Store, run_id: str) -> dict:
-    return call(store, store.get_run, run_id)
+    return call(store, store.runs.get_run, run_id)
 
 
 def test_each_node_admits_into_its_own_slots_and_the_fleet_cap(nodes, tmp_path, git_repo):
     a, b = nodes
     runs = queue(a, git_repo, 6)
-    admitted_a = [r for r, _ in call(a, a.admit_ready, 2, NOW)]
-    admitted_b = [r for r, _ in call(b, b.admit_ready, 2, NOW, fleet_max=3)]
+    admitted_a = [r for r, _ in call(a, a.runs.admit_ready, 2, NOW)]
+    admitted_b = [r for r, _ in call(b, b.runs.admit_ready, 2, NOW, fleet_max=3)]
     assert admitted_a == runs[:2] and admitted_b == runs[2:3]   # the fleet's third slot is the last
-    assert call(a, a.admit_ready, 2, NOW) == []                 # a's own two slots are full
+    assert call(a, a.runs.admit_ready, 2, NOW) == []                 # a's own two slots are full
     assert [run_row(a, r)["node"] for r in runs[:3]] == ["a", "a", "b"]
-    nodes_view = {n["name"]: n for n in call(b, b.list_nodes)}
+    nodes_view = {n["name"]: n for n in call(b, b.nodes.list_nodes)}
     assert (nodes_view["a"]["running"], nodes_view["b"]["running"]) == (2, 1)
     assert {n["status"] for n in nodes_view.values()} == {"up"}
 
@@ -87,41 +87,41 @@ def test_each_node_admits_into_its_own_slots_and_the_fleet_cap(nodes, tmp_path, 
 def test_a_lost_node_s_runs_are_settled_or_requeued_and_its_writes_are_fenced(nodes, git_repo):
     a, b = nodes
     started, unstarted = queue(a, git_repo, 2)
-    assert [r for r, _ in call(b, b.admit_ready, 2, NOW)] == [started, unstarted]
-    assert call(b, b.mark_spawned, started, 4242, "1", ("b", 1))
+    assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW)] == [started, unstarted]
+    assert call(b, b.runs.mark_spawned, started, 4242, "1", ("b", 1))
     silence(a, "b", 9)
-    assert call(a, a.settle_lost_nodes, NOW) == []               # 9 s of silence is not lost yet
+    assert call(a, a.nodes.settle_lost_nodes, NOW) == []               # 9 s of silence is not lost yet
     silence(a, "b", 11)
-    assert call(a, a.settle_lost_nodes, NOW) == [started]
+    assert call(a, a.nodes.settle_lost_nodes, NOW) == [started]
     settled = run_row(a, started)
     assert (settled["status"], settled["error"], settled["failure_kind"]) == ("failed", "interrupted", "interrupted")
     assert (run_row(a, unstarted)["status"], run_row(a, unstarted)["node"]) == ("queued", None)
-    assert {n["name"]: n["status"] for n in call(a, a.list_nodes)} == {"a": "up", "b": "lost"}
+    assert {n["name"]: n["status"] for n in call(a, a.nodes.list_nodes)} == {"a": "up", "b": "lost"}
     # b comes back: it learns it was lost, cannot start or settle what it admitted before
-    assert call(b, b.node_heartbeat) is False
-    assert call(b, b.mark_spawned, unstarted, 4343, "1", ("b", 1)) is False
+    assert call(b, b.nodes.node_heartbeat) is False
+    assert call(b, b.runs.mark_spawned, unstarted, 4343, "1", ("b", 1)) is False
     done = outpost.Outcome(outpost.RunStatus.SUCCEEDED, None)
-    assert call(b, b.settle_run, started, done, NOW, fence=("b", 1)) is False
+    assert call(b, b.runs.settle_run, started, done, NOW, fence=("b", 1)) is False
     assert run_row(a, started)["status"] == "failed"
     # the unstarted run is admitted again, by a, as its second attempt; b's stale fence stays shut
-    assert [r for r, _ in call(a, a.admit_ready, 2, NOW)] == [unstarted]
-    assert call(b, b.settle_run, unstarted, done, NOW, fence=("b", 1)) is False
-    assert call(a, a.settle_run, unstarted, done, NOW, fence=("a", 2)) is True
+    assert [r for r, _ in call(a, a.runs.admit_ready, 2, NOW)] == [unstarted]
+    assert call(b, b.runs.settle_run, unstarted, done, NOW, fence=("b", 1)) is False
+    assert call(a, a.runs.settle_run, unstarted, done, NOW, fence=("a", 2)) is True
     # b's restart: up again, and the agent it left behind is named for ending
-    assert call(b, b.register_node, 2) == [(started, 4242, "1")]
-    assert call(b, b.node_heartbeat) is True
+    assert call(b, b.nodes.register_node, 2) == [(started, 4242, "1")]
+    assert call(b, b.nodes.node_heartbeat) is True
 
 
 def test_two_nodes_claim_a_due_slot_once(nodes, git_repo):
     a, b = nodes
     raw = {"name": "every-minute", "brief": "@print hi", "repository": str(git_repo), "agent": "demo",
            "timing": {"kind": "interval", "seconds": 60, "timezone": "UTC"}}
-    schedule = call(a, a.create_schedule, outpost.normalize_definition(raw, NOW, agents=["demo"]), NOW)
+    schedule = call(a, a.schedules.create_schedule, outpost.normalize_definition(raw, NOW, agents=["demo"]), NOW)
     for minute in range(1, 6):
         at = NOW + timedelta(minutes=minute, seconds=1)
-        claimed = [call(s, s.claim_due, at, digests={}, heads={}, up_since=NOW) for s in (b, a)]
+        claimed = [call(s, s.schedules.claim_due, at, digests={}, heads={}, up_since=NOW) for s in (b, a)]
         assert claimed[1] == []   # b claimed the slot (a run, or a skip while the last one is active)
-    occurrences = call(a, a.occurrences, schedule["id"])
+    occurrences = call(a, a.schedules.occurrences, schedule["id"])
     assert len(occurrences) == len({o["due_at"] for o in occurrences}) == 5
 
 
@@ -135,7 +135,7 @@ def test_two_nodes_admitting_at_once_keep_the_fleet_cap(nodes, tmp_path, git_rep
     a_counted, b_committed = threading.Event(), threading.Event()
 
     def admit_and_hold():
-        admitted = a.admit_ready(2, NOW, fleet_max=1, unreachable=[repo_there])
+        admitted = a.runs.admit_ready(2, NOW, fleet_max=1, unreachable=[repo_there])
         if not a_counted.is_set():   # the first attempt only: b admits and commits meanwhile
             a_counted.set()
             assert b_committed.wait(30)
@@ -145,7 +145,7 @@ def test_two_nodes_admitting_at_once_keep_the_fleet_cap(nodes, tmp_path, git_rep
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         group = pool.submit(a.transactions, [admit_and_hold, attention])
         assert a_counted.wait(30)
-        assert [r for r, _ in call(b, b.admit_ready, 2, NOW, fleet_max=1, unreachable=[repo_here])] == [there]
+        assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW, fleet_max=1, unreachable=[repo_here])] == [there]
         b_committed.set()
         admitted, raised = group.result(30)
     assert (admitted.error, admitted.result, raised.error) == (None, [], None)   # a found the one slot taken
@@ -201,35 +201,35 @@ def test_an_upgraded_fleet_database_numbers_events_after_its_last_cursor(databas
 def test_a_node_name_is_one_process_s_at_a_time(database):
     first = outpost.Store(database, node="same", process="host-a pid 1")
     second = outpost.Store(database, node="same", process="host-b pid 2")
-    assert call(first, first.claim_node_name) is None
-    call(first, first.register_node, 2)
-    assert call(second, second.claim_node_name) == "host-a pid 1"        # its heartbeat is fresh
-    assert call(second, second.claim_node_name, "host-a pid 1") is None  # one the caller saw end
-    assert call(first, first.claim_node_name) == "host-b pid 2"
+    assert call(first, first.nodes.claim_node_name) is None
+    call(first, first.nodes.register_node, 2)
+    assert call(second, second.nodes.claim_node_name) == "host-a pid 1"        # its heartbeat is fresh
+    assert call(second, second.nodes.claim_node_name, "host-a pid 1") is None  # one the caller saw end
+    assert call(first, first.nodes.claim_node_name) == "host-b pid 2"
     silence(first, "same", outpost.NODE_LOST_S + 1)
-    assert call(first, first.claim_node_name) is None                    # silent for NODE_LOST_S: free
-    call(first, first.release_node_name)
-    assert call(second, second.claim_node_name) is None                  # released by a clean stop: free at once
+    assert call(first, first.nodes.claim_node_name) is None                    # silent for NODE_LOST_S: free
+    call(first, first.nodes.release_node_name)
+    assert call(second, second.nodes.claim_node_name) is None                  # released by a clean stop: free at once
     for store in (first, second):
         store.close()
 
 
 async def test_a_node_whose_name_was_taken_while_it_was_silent_stops(database, tmp_path):
     stalled = outpost.Store(database, data_dir=tmp_path, node="same", process="host-a pid 1")
-    call(stalled, stalled.register_node, 2)
+    call(stalled, stalled.nodes.register_node, 2)
     silence(stalled, "same", outpost.NODE_LOST_S + 1)                   # a long stall: another process takes over
     newcomer = outpost.Store(database, data_dir=tmp_path, node="same", process="host-b pid 2")
-    assert call(newcomer, newcomer.claim_node_name) is None
-    call(newcomer, newcomer.register_node, 2)
-    assert call(stalled, stalled.node_heartbeat) is False              # the name is another process's now
+    assert call(newcomer, newcomer.nodes.claim_node_name) is None
+    call(newcomer, newcomer.nodes.register_node, 2)
+    assert call(stalled, stalled.nodes.node_heartbeat) is False              # the name is another process's now
     with pytest.raises(outpost.NodeNameTaken):
-        call(stalled, stalled.register_node, 2)
+        call(stalled, stalled.nodes.register_node, 2)
     shutdown = trio.Event()
     deps = make_deps(tmp_path / "stalled", store=stalled, clock=outpost.WallClock(), inline_db=True)
     with trio.fail_after(30):
         await outpost.node_actor(deps, shutdown)                        # it stops instead of coming back up
     assert shutdown.is_set()
-    assert call(newcomer, newcomer.node_heartbeat) is True
+    assert call(newcomer, newcomer.nodes.node_heartbeat) is True
     for store in (stalled, newcomer):
         store.close()
 
@@ -461,10 +461,10 @@ async def test_the_nodes_panel_shows_a_lost_node_and_a_run_its_node(nodes, tmp_p
 
     a, b = nodes
     run_id = queue(b, git_repo, 1)[0]
-    call(b, b.admit_ready, 1, NOW)
-    assert call(b, b.mark_spawned, run_id, 999_999, "1", ("b", 1))   # started on b: settled, not requeued
+    call(b, b.runs.admit_ready, 1, NOW)
+    assert call(b, b.runs.mark_spawned, run_id, 999_999, "1", ("b", 1))   # started on b: settled, not requeued
     silence(a, "b", 11)
-    call(a, a.settle_lost_nodes, NOW)
+    call(a, a.nodes.settle_lost_nodes, NOW)
     deps = make_deps(tmp_path, store=a)
     client = outpost.create_app(deps).test_client()
     sign_in_client(client, a, NOW)
@@ -506,9 +506,9 @@ def test_a_node_leaves_runs_of_a_repository_it_cannot_reach_to_the_others(nodes,
     elsewhere = make_repo(tmp_path / "only-on-b")
     first = queue(a, elsewhere, 1)[0]
     second = queue(a, git_repo, 1)[0]
-    assert call(a, a.queued_repositories) == sorted([str(elsewhere), str(git_repo)])
-    assert [r for r, _ in call(a, a.admit_ready, 2, NOW, unreachable=[str(elsewhere)])] == [second]
-    assert [r for r, _ in call(b, b.admit_ready, 2, NOW)] == [first]   # FIFO for the node that reaches it
+    assert call(a, a.runs.queued_repositories) == sorted([str(elsewhere), str(git_repo)])
+    assert [r for r, _ in call(a, a.runs.admit_ready, 2, NOW, unreachable=[str(elsewhere)])] == [second]
+    assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW)] == [first]   # FIFO for the node that reaches it
 
 
 def test_a_cancel_sent_to_another_node_ends_the_agent_where_it_runs(tmp_path, database, git_repo, server_factory):

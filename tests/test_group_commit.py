@@ -27,16 +27,16 @@ def held(gate: threading.Event):
 
 
 def schedule_names(store: outpost.Store) -> list[str]:
-    return sorted(s["name"] for s in store.transaction(store.list_schedules)[0])
+    return sorted(s["name"] for s in store.transaction(store.schedules.list_schedules)[0])
 
 
 def create_now(store: outpost.Store, name: str) -> str:
     """Inside a transaction: a schedule named ``name``; its name."""
-    return store.create_schedule(normalized("/srv/app", name=name), T0)["name"]
+    return store.schedules.create_schedule(normalized("/srv/app", name=name), T0)["name"]
 
 
 def create(deps: outpost.Deps, name: str):
-    return deps.transaction(deps.store.create_schedule, normalized("/srv/app", name=name), T0)
+    return deps.transaction(deps.store.schedules.create_schedule, normalized("/srv/app", name=name), T0)
 
 
 async def hold_writer(deps: outpost.Deps, nursery: trio.Nursery, gate: threading.Event, answers: dict) -> None:
@@ -70,7 +70,7 @@ async def test_a_failing_call_gets_its_own_error_and_the_others_writes_commit(tm
     deps = make_deps(tmp_path)
     store = deps.store
     gate, answers = threading.Event(), {}
-    victim = store.transaction(store.create_schedule, normalized("/srv/app", name="victim"), T0)[0]["id"]
+    victim = store.transaction(store.schedules.create_schedule, normalized("/srv/app", name="victim"), T0)[0]["id"]
 
     def rename_then_fail() -> None:
         store.db.Schedule[victim].name = "renamed-by-a-failed-call"
@@ -183,7 +183,8 @@ async def test_a_call_already_in_a_running_group_commits_even_if_its_caller_is_c
 
 @pytest.mark.parametrize("size", [1, 3])
 def test_store_transactions_returns_each_calls_result_in_order(store, size):
-    calls = [lambda i=i: store.create_schedule(normalized("/srv/app", name=f"n{i}"), T0)["name"] for i in range(size)]
+    calls = [lambda i=i: store.schedules.create_schedule(normalized("/srv/app", name=f"n{i}"),
+                                                         T0)["name"] for i in range(size)]
     written = store.transactions(calls)
     assert [w.result for w in written] == [f"n{i}" for i in range(size)]
     assert all(w.wrote and w.error is None for w in written)
@@ -192,7 +193,7 @@ def test_store_transactions_returns_each_calls_result_in_order(store, size):
 def test_a_call_of_a_group_reads_what_the_calls_before_it_wrote_in_plain_sql(store):
     """Pony's objects of one call are not the next call's: a row an earlier call loaded and a
     later call rewrote in plain SQL reads as rewritten."""
-    sid = store.transaction(store.create_schedule, normalized("/srv/app", name="old"), T0)[0]["id"]
+    sid = store.transaction(store.schedules.create_schedule, normalized("/srv/app", name="old"), T0)[0]["id"]
     loaded = []
 
     def load():
@@ -207,7 +208,7 @@ def test_a_call_of_a_group_reads_what_the_calls_before_it_wrote_in_plain_sql(sto
 
 
 def test_calls_that_touch_nothing_share_a_group_with_those_that_do(store):
-    written = store.transactions([lambda: "nothing read", lambda: store.list_schedules(), lambda: 3])
+    written = store.transactions([lambda: "nothing read", lambda: store.schedules.list_schedules(), lambda: 3])
     assert [w.result for w in written] == ["nothing read", [], 3]
     assert [w.error for w in written] == [None, None, None]
 

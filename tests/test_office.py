@@ -53,19 +53,19 @@ def set_repository(store: outpost.Store, repo: Path | str | None, workspace_id: 
 
 
 def edit_task(store: outpost.Store, task_id: str, now: datetime, **changes) -> dict:
-    current = call(store, store.task_fields, task_id)
+    current = call(store, store.office.task_fields, task_id)
     fields = outpost.normalize_task(changes, profiles=list(PROFILES), current=current)
-    return call(store, store.update_task, task_id, fields, now)
+    return call(store, store.office.update_task, task_id, fields, now)
 
 
 def edit_agent(store: outpost.Store, agent_id: str, now: datetime, **changes) -> dict:
-    current = call(store, store.agent_fields, agent_id)
-    return call(store, store.update_agent, agent_id,
+    current = call(store, store.office.agent_fields, agent_id)
+    return call(store, store.office.update_agent, agent_id,
                 outpost.normalize_agent(changes, profiles=list(PROFILES), current=current), now)
 
 
 def move(store: outpost.Store, task_id: str, state: str, now: datetime, by_agent: str | None = None) -> dict:
-    return call(store, store.move_task, task_id, state, now, by_agent)
+    return call(store, store.office.move_task, task_id, state, now, by_agent)
 
 
 def retry_due(w: dict) -> datetime:
@@ -74,7 +74,7 @@ def retry_due(w: dict) -> datetime:
 
 
 def enqueue(store: outpost.Store, agent_id: str, source, payload: dict, now: datetime, **kw) -> str:
-    return store.transaction(store.enqueue_wakeup, WS, agent_id, source, payload, now, **kw)[0]
+    return store.transaction(store.wakeups.enqueue_wakeup, WS, agent_id, source, payload, now, **kw)[0]
 
 
 def routine_wake(store: outpost.Store, agent_id: str, now: datetime, routine_id: str = "r1", **payload) -> str:
@@ -95,11 +95,11 @@ def attention(store: outpost.Store, kind: str) -> list[dict]:
 
 
 def agent(store: outpost.Store, agent_id: str) -> dict:
-    return call(store, store.get_agent, agent_id)
+    return call(store, store.office.get_agent, agent_id)
 
 
 def runs_of_agent(store: outpost.Store, agent_id: str) -> list[dict]:
-    return call(store, store.agent_runs, agent_id, 500)
+    return call(store, store.office.agent_runs, agent_id, 500)
 
 
 def fail_and_reschedule(store: outpost.Store, wakeup_id: str, now: datetime, error: str = "network timeout") -> dict:
@@ -294,7 +294,7 @@ def test_comment_wakeup_stays_queued_while_agent_at_capacity(office):
     tid = new_task(office, "Write docs", assignee_agent_id=worker)
     (run_id,) = dispatch(office, at(1))
     start(office, run_id, at(2))                 # the session is running
-    call(office, office.add_comment, tid, "Also cover the CLI", at(3))
+    call(office, office.office.add_comment, tid, "Also cover the CLI", at(3))
     comment = only(wakeups(office, worker, source="comment"))
     assert comment["status"] == "queued"
     other = new_task(office, "Another task", at(4), assignee_agent_id=worker)
@@ -304,7 +304,7 @@ def test_comment_wakeup_stays_queued_while_agent_at_capacity(office):
     # The session completes; after the cooldown the next tick picks up the comment.
     settle(office, run_id, "succeeded", at(20), result={"summary": "docs written"})
     assert agent(office, worker)["status"] == "idle"
-    assert call(office, office.next_wakeup_at, at(20)) == at(30)
+    assert call(office, office.office.next_wakeup_at, at(20)) == at(30)
     assert dispatch(office, at(25)) == []
     (next_run,) = dispatch(office, at(30))
     comment = wakeup(office, comment["id"])
@@ -370,7 +370,7 @@ def test_kanban_task_with_assignee_wakes_nobody(office):
                    parent_id=parent)
     blocked = new_task(office, "Kanban follow-up", workflow="kanban", assignee_agent_id=worker, blocked_by=[tid])
     move(office, tid, "IN_PROGRESS", at(1))
-    call(office, office.add_comment, tid, "any news?", at(2))
+    call(office, office.office.add_comment, tid, "any news?", at(2))
     move(office, tid, "IN_REVIEW", at(3))
     move(office, tid, "IN_PROGRESS", at(4))
     move(office, tid, "DONE", at(5))
@@ -378,17 +378,17 @@ def test_kanban_task_with_assignee_wakes_nobody(office):
     assert wakeups(office) == []
     assert dispatch(office, at(7)) == []
     # Nor does the recovery sweep treat an assigned kanban card as unstarted Office work.
-    call(office, office.recovery_sweep, at(8))
+    call(office, office.routines.recovery_sweep, at(8))
     assert wakeups(office) == [] and activity(office, "recovery_dispatch") == []
     # A kanban-workflow task inside a project is an Office task.
-    project = call(office, office.create_project, None, "App", None, None, at(8))["id"]
+    project = call(office, office.office.create_project, None, "App", None, None, at(8))["id"]
     in_project = new_task(office, "Project card", at(9), workflow="kanban", project_id=project,
                           assignee_agent_id=worker)
     assert only(wakeups(office, worker))["payload"] == {"task_id": in_project}
 
 
 def test_cross_workspace_refused(office, tmp_path):
-    ws_b = call(office, office.create_workspace, "B", T0)["id"]
+    ws_b = call(office, office.office.create_workspace, "B", T0)["id"]
     repo_b = tmp_path / "repo-b"
     set_repository(office, repo_b, ws_b)
     agent_a = new_agent(office, "A-worker")
@@ -410,9 +410,9 @@ def test_cross_workspace_refused(office, tmp_path):
     assert wakeups(office, agent_a) == []
     # An agent of A cannot act on B's task through the workspace-scoped calls.
     with pytest.raises(outpost.NotFound):
-        call(office, office.move_task, task_b, "DONE", at(2), None, WS)
+        call(office, office.office.move_task, task_b, "DONE", at(2), None, WS)
     with pytest.raises(outpost.NotFound):
-        call(office, office.add_comment, task_b, "hi", at(2), agent_a, WS)
+        call(office, office.office.add_comment, task_b, "hi", at(2), agent_a, WS)
     # The dispatcher never mixes: a wakeup of A naming B's task finds no such task in A.
     stray = enqueue(office, agent_a, outpost.WakeupSource.TASK_ASSIGNED, {"task_id": task_b}, at(3))
     queued = dispatch(office, at(4))
@@ -438,7 +438,7 @@ def test_rate_limit_resets_at_4am_schedules_0400_30(office):
     assert w["last_error"] == "rate_limit_error: resets at 4:00 AM UTC"
     # The retry waits for that instant, then runs.
     after_cooldown = now + timedelta(seconds=11)
-    assert call(office, office.next_wakeup_at, after_cooldown) == datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC)
+    assert call(office, office.office.next_wakeup_at, after_cooldown) == datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC)
     assert dispatch(office, datetime(2026, 4, 25, 4, 0, 29, tzinfo=UTC)) == []
     assert len(dispatch(office, datetime(2026, 4, 25, 4, 0, 30, tzinfo=UTC))) == 1
 
@@ -453,7 +453,7 @@ def test_a_pending_retry_meeting_a_new_wakeup_keeps_its_due_time_and_retry_count
     (w,) = wakeups(office, worker)
     (run_id,) = dispatch(office, now)
     start(office, run_id, now)
-    call(office, office.add_comment, tid, "one more thing", now + timedelta(seconds=30))   # during the run
+    call(office, office.office.add_comment, tid, "one more thing", now + timedelta(seconds=30))   # during the run
     settle(office, run_id, "failed", now + timedelta(minutes=1), error="rate_limit_error: resets at 4:00 AM UTC",
            exit_code=1)
     assert wakeup(office, w["id"])["retry_count"] == 1
@@ -498,7 +498,7 @@ def test_a_limit_with_no_reset_after_earlier_failures_falls_through_to_the_backo
         w = fail_and_reschedule(office, w["id"], now)
         now = retry_due(w)
     w = fail_and_reschedule(office, w["id"], now, error="429 Too Many Requests: rate limit exceeded")
-    assert call(office, office.get_run, w["run_id"])["failure_kind"] == "limit"
+    assert call(office, office.runs.get_run, w["run_id"])["failure_kind"] == "limit"
     assert w["retry_count"] == 3
     retry_at = instant(w["scheduled_retry_at"])
     assert now + timedelta(minutes=22.5) <= retry_at <= now + timedelta(minutes=37.5)
@@ -576,7 +576,7 @@ def test_each_escalation_wakes_the_coordinator(office):
 def test_a_wakeup_whose_workspace_has_no_repository_waits_without_counting_a_retry(store):
     """Defect 15: a workspace without a repository burned the wakeup's retries with backoff.
     It waits with the reason and starts as soon as a repository is set."""
-    other = call(store, store.create_workspace, "Research", at(0))["id"]
+    other = call(store, store.office.create_workspace, "Research", at(0))["id"]
     worker = new_agent(store, "Worker", workspace_id=other)
     tid = new_task(store, "t", assignee_agent_id=worker, workspace_id=other)
     (w,) = wakeups(store, worker, workspace_id=other)
@@ -587,23 +587,23 @@ def test_a_wakeup_whose_workspace_has_no_repository_waits_without_counting_a_ret
     assert outpost.wakeup_label(w) == "Waiting for its repository"
     assert task(store, tid)["checkout_agent_id"] is None
     assert agent(store, worker)["status"] == "idle"
-    assert call(store, store.own_runs_in, ["queued", "running"]) == []
+    assert call(store, store.runs.own_runs_in, ["queued", "running"]) == []
     # Once a repository is set, it starts at once.
     set_repository(store, Path("/srv/repos/app"), other)
     (run_id,) = dispatch(store, at(2))
-    assert call(store, store.get_run, run_id)["repository"] == "/srv/repos/app"
+    assert call(store, store.runs.get_run, run_id)["repository"] == "/srv/repos/app"
     assert wakeup(store, w["id"], other)["status"] == "claimed"
 
 
 def test_the_default_workspace_runs_in_the_embedded_repository_while_it_names_none(store, tmp_path):
     """API.md 7.1: Office works with no setup."""
-    settings = call(store, store.office_settings, None)
+    settings = call(store, store.office.office_settings, None)
     assert settings["repository"] is None
     assert settings["repository_in_use"] == str(tmp_path / "workspaces" / "ws_default")
     worker = new_agent(store, "Worker")
     new_task(store, "t", assignee_agent_id=worker)
     (run_id,) = dispatch(store, at(1))
-    assert call(store, store.get_run, run_id)["repository"] == str(tmp_path / "workspaces" / "ws_default")
+    assert call(store, store.runs.get_run, run_id)["repository"] == str(tmp_path / "workspaces" / "ws_default")
 
 
 def test_a_run_whose_repository_is_missing_leaves_its_wakeup_waiting_not_retrying(office):
@@ -615,7 +615,7 @@ def test_a_run_whose_repository_is_missing_leaves_its_wakeup_waiting_not_retryin
     assert instant(w["scheduled_retry_at"]) == at(1 + outpost.REPOSITORY_RECHECK_S)
     set_repository(office, Path("/srv/repos/app"))   # a settings change looks again at once
     (run_id,) = dispatch(office, at(20))
-    assert call(office, office.get_run, run_id)["repository"] == "/srv/repos/app"
+    assert call(office, office.runs.get_run, run_id)["repository"] == "/srv/repos/app"
 
 
 def test_lists_made_at_one_instant_have_a_total_order_by_id(office):
@@ -624,11 +624,11 @@ def test_lists_made_at_one_instant_have_a_total_order_by_id(office):
     names = ["zeta", "alpha", "mid"]
     agents = [new_agent(office, name, at(0)) for name in names]
     tasks_ = [new_task(office, name, at(0)) for name in names]
-    assert [a["id"] for a in call(office, office.list_agents, None)] == sorted(agents)
-    assert [t["id"] for t in call(office, office.list_tasks, None)] == sorted(tasks_)
+    assert [a["id"] for a in call(office, office.office.list_agents, None)] == sorted(agents)
+    assert [t["id"] for t in call(office, office.office.list_tasks, None)] == sorted(tasks_)
     for name in names:
-        call(office, office.create_workspace, name, at(0))
-    listed = call(office, office.list_workspaces)
+        call(office, office.office.create_workspace, name, at(0))
+    listed = call(office, office.office.list_workspaces)
     assert listed[0]["id"] == "ws_default" and [w["id"] for w in listed[1:]] == sorted(w["id"] for w in listed[1:])
 
 
@@ -688,7 +688,7 @@ def test_patch_reassign_cancels_pending_retries_immediately(office):
     entry = only(activity(office, "wakeup_retry_cancelled"))
     assert entry["data"] == {"reason": "retry_stale_assignee", "old_agent": a}
     assert only(wakeups(office, b))["status"] == "queued"
-    assert call(office, office.next_wakeup_at, at(5)) is None, "nothing is left to retry"
+    assert call(office, office.office.next_wakeup_at, at(5)) is None, "nothing is left to retry"
 
 
 def test_retry_task_cancelled(office):
@@ -773,13 +773,13 @@ def test_spec_build_pipeline_approval_then_blockers_resolved(office):
     start(office, planner_run, at(2))
     moved = move(office, spec, "DONE", at(3), by_agent=planner)
     assert moved["state"] == "IN_REVIEW"
-    approval = only(call(office, office.list_approvals, None, "pending"))
+    approval = only(call(office, office.office.list_approvals, None, "pending"))
     assert (approval["task_id"], approval["requested_by_agent_id"]) == (spec, planner)
     assert len(attention(office, "approval")) == 1
     assert wakeups(office, developer, source="task_blockers_resolved") == []
     settle(office, planner_run, "succeeded", at(4))
     # The user approves: Spec is done, Build's blocker resolves and the developer is woken.
-    call(office, office.resolve_approval, approval["id"], "approved", "looks good", at(5))
+    call(office, office.office.resolve_approval, approval["id"], "approved", "looks good", at(5))
     assert task(office, spec)["state"] == "DONE"
     resolved = only(wakeups(office, developer, source="task_blockers_resolved"))
     assert resolved["status"] == "queued"
@@ -799,13 +799,13 @@ def test_rejected_approval_sends_task_back_and_tells_the_agent(office):
     planner = new_agent(office, "Planner")
     spec = new_task(office, "Spec", requires_approval=True, assignee_agent_id=planner)
     move(office, spec, "DONE", at(1), by_agent=planner)
-    approval = only(call(office, office.list_approvals, None, "pending"))
-    call(office, office.resolve_approval, approval["id"], "rejected", "needs examples", at(2))
+    approval = only(call(office, office.office.list_approvals, None, "pending"))
+    call(office, office.office.resolve_approval, approval["id"], "rejected", "needs examples", at(2))
     assert task(office, spec)["state"] == "IN_PROGRESS"
     told = only(wakeups(office, planner, source="approval_resolved"))
     assert told["payload"]["status"] == "rejected" and told["payload"]["decision_note"] == "needs examples"
     with pytest.raises(outpost.Conflict):
-        call(office, office.resolve_approval, approval["id"], "approved", "", at(3))
+        call(office, office.office.resolve_approval, approval["id"], "approved", "", at(3))
 
 
 def test_move_back_from_review_wakes_assignee_with_rejection_comment(office):
@@ -828,9 +828,9 @@ def test_move_to_in_progress_wakes_assignee(office):
     assert only(woken)["payload"] == {"task_id": tid}
     # The agent's own comment does not wake it; someone else's does.
     other = new_agent(office, "Other")
-    call(office, office.add_comment, tid, "note to self", at(25 * HOUR + 1), worker)
+    call(office, office.office.add_comment, tid, "note to self", at(25 * HOUR + 1), worker)
     assert wakeups(office, worker, source="comment") == []
-    call(office, office.add_comment, tid, "from a colleague", at(25 * HOUR + 2), other)
+    call(office, office.office.add_comment, tid, "from a colleague", at(25 * HOUR + 2), other)
     assert only(wakeups(office, worker, source="comment"))["status"] == "queued"
 
 
@@ -861,10 +861,10 @@ def test_drag_to_in_progress_wakes_assignee_within_24h_of_assignment(office):
 
 def test_self_wake_for_later_waits_for_its_time(office):
     lead = new_agent(office, "Lead", role="coordinator")
-    w = call(office, office.wake_agent, lead, outpost.WakeupSource.SELF, {"reason": "check CI"}, at(0),
+    w = call(office, office.office.wake_agent, lead, outpost.WakeupSource.SELF, {"reason": "check CI"}, at(0),
              wake_at=at(10 * MINUTE))
     assert (w["status"], w["wake_at"]) == ("queued", outpost.rfc3339(at(10 * MINUTE)))
-    assert call(office, office.next_wakeup_at, at(1)) == at(10 * MINUTE)
+    assert call(office, office.office.next_wakeup_at, at(1)) == at(10 * MINUTE)
     assert dispatch(office, at(10 * MINUTE - 1)) == []
     (run_id,) = dispatch(office, at(10 * MINUTE))
     assert "check CI" in office_run(office, run_id)["assembled_prompt"]
@@ -943,14 +943,14 @@ def test_changing_a_workers_role_to_coordinator_applies_the_coordinators_idle_de
     worker = new_agent(office, "Worker")
     assert agent(office, worker)["skip_idle_wakeups"] is True
     fields = outpost.normalize_agent({"role": "coordinator"}, profiles=list(PROFILES),
-                                     current=call(office, office.agent_fields, worker))
+                                     current=call(office, office.office.agent_fields, worker))
     assert fields["skip_idle_wakeups"] is False
     chosen = new_agent(office, "Chosen", skip_idle_wakeups=False)   # the user's choice, not the default
     fields = outpost.normalize_agent({"role": "specialist"}, profiles=list(PROFILES),
-                                     current=call(office, office.agent_fields, chosen))
+                                     current=call(office, office.office.agent_fields, chosen))
     assert fields["skip_idle_wakeups"] is False
     both = outpost.normalize_agent({"role": "coordinator", "skip_idle_wakeups": True}, profiles=list(PROFILES),
-                                   current=call(office, office.agent_fields, worker))
+                                   current=call(office, office.office.agent_fields, worker))
     assert both["skip_idle_wakeups"] is True
 
 
@@ -1054,7 +1054,7 @@ def test_wakeups_merged_into_one_that_then_joins_a_pending_retry_come_along(offi
 def settle_all(store: outpost.Store, now: datetime, run_ids: list[str] | None = None,
                status: str = "succeeded") -> None:
     """Settle the given runs (default: every queued or running run)."""
-    for run_id in run_ids if run_ids is not None else call(store, store.own_runs_in, ["queued", "running"]):
+    for run_id in run_ids if run_ids is not None else call(store, store.runs.own_runs_in, ["queued", "running"]):
         settle(store, run_id, status, now)
 
 
@@ -1092,18 +1092,18 @@ def test_wakeup_merges_into_unstarted_run_of_same_scope(office):
     tid = new_task(office, "Refactor", assignee_agent_id=worker)
     (run_id,) = dispatch(office, at(1))
     claimed = only(wakeups(office, worker))
-    call(office, office.add_comment, tid, "Keep the public API stable", at(MINUTE))
+    call(office, office.office.add_comment, tid, "Keep the public API stable", at(MINUTE))
     comment = only(wakeups(office, worker, source="comment"))
     assert (comment["status"], comment["coalesced_into"], comment["run_id"]) == ("coalesced", claimed["id"], run_id)
     assert wakeup(office, claimed["id"])["coalesced_count"] == 2
     view = office_run(office, run_id)
     assert [x["source"] for x in view["context_snapshot"]["wakeups"]] == ["task_assigned", "comment"]
     assert "Keep the public API stable" in view["assembled_prompt"]
-    assert call(office, office.get_run, run_id)["status"] == "queued"
-    assert "Keep the public API stable" in call(office, office.launch_info, run_id)["prompt"]
+    assert call(office, office.runs.get_run, run_id)["status"] == "queued"
+    assert "Keep the public API stable" in call(office, office.runs.launch_info, run_id)["prompt"]
     # Once the run has started, new context waits for the next session instead.
     start(office, run_id, at(MINUTE + 1))
-    call(office, office.add_comment, tid, "One more thing", at(MINUTE + 2))
+    call(office, office.office.add_comment, tid, "One more thing", at(MINUTE + 2))
     assert only(wakeups(office, worker, source="comment", status="queued"))["payload"]["task_id"] == tid
 
 
@@ -1151,7 +1151,7 @@ def test_cooldown_respected(office):
     settle(office, run_id, "succeeded", at(100))
     assert agent(office, worker)["last_wakeup_finished_at"] == outpost.rfc3339(at(100))
     t2 = new_task(office, "two", at(101), assignee_agent_id=worker)
-    assert call(office, office.next_wakeup_at, at(101)) == at(130)
+    assert call(office, office.office.next_wakeup_at, at(101)) == at(130)
     assert dispatch(office, at(129)) == []
     assert only(wakeups(office, worker, status="queued"))["payload"] == {"task_id": t2}
     assert len(dispatch(office, at(130))) == 1
@@ -1226,7 +1226,7 @@ def test_a_budget_pause_keeps_the_agents_other_wakeups_queued_for_after_resume(o
     first = new_task(office, "one", assignee_agent_id=worker)
     settle_all(office, at(10), dispatch(office, at(1)))
     second = new_task(office, "two", at(20), assignee_agent_id=worker)
-    call(office, office.add_comment, first, "one more detail", at(21))
+    call(office, office.office.add_comment, first, "one more detail", at(21))
     assert dispatch(office, at(22)) == []
     assert agent(office, worker)["status"] == "paused"
     assert only(wakeups(office, worker, status="skipped"))["payload"] == {"task_id": second}
@@ -1249,8 +1249,8 @@ def test_a_budget_alert_fires_once_when_a_run_jumps_past_80_percent(office):
         settle_all(office, at(10 * i + 5), dispatch(office, at(10 * i + 1)))
     assert wakeups(office, lead, source="budget_alert") == []
     edit = outpost.normalize_agent({"budget_runs_per_day": 6}, profiles=list(PROFILES),
-                                   current=call(office, office.agent_fields, worker))
-    call(office, office.update_agent, worker, edit, at(60))    # 80 % of 6 is 5: already reached
+                                   current=call(office, office.office.agent_fields, worker))
+    call(office, office.office.update_agent, worker, edit, at(60))    # 80 % of 6 is 5: already reached
     new_task(office, "t5", at(70), assignee_agent_id=worker)
     settle_all(office, at(75), [r for r in dispatch(office, at(71)) if office_run(office, r)["agent_id"] == worker])
     alert = only(wakeups(office, lead, source="budget_alert"))
@@ -1262,22 +1262,22 @@ def test_a_budget_alert_fires_once_when_a_run_jumps_past_80_percent(office):
 
 def test_the_continuation_summary_counts_only_its_own_workspaces_escalations(office):
     """Defect 16: the summary's escalation count read the agent errors of every workspace."""
-    other = call(office, office.create_workspace, "Research", at(0))["id"]
+    other = call(office, office.office.create_workspace, "Research", at(0))["id"]
     set_repository(office, "/tmp/repo", other)
     stranger = new_agent(office, "Stranger", workspace_id=other)
-    call(office, office.wake_agent, stranger, outpost.WakeupSource.USER, {"user_id": "api"}, at(0),
+    call(office, office.office.wake_agent, stranger, outpost.WakeupSource.USER, {"user_id": "api"}, at(0),
          workspace_id=other)
-    assert call(office, office.fail_first_claimable, at(1), "boom")   # an escalation over there
+    assert call(office, office.pipeline.fail_first_claimable, at(1), "boom")   # an escalation over there
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     routine_wake(office, lead, at(2), "r1")
     (run_id,) = dispatch(office, at(3))
     settle(office, run_id, "succeeded", at(4), result={"summary": "all quiet"})
-    (row,) = call(office, office.summary_of, lead)
+    (row,) = call(office, office.office.summary_of, lead)
     assert " 0 agent errors in the last 24 h" in row["content"], row["content"]
 
 
 def test_workspace_budget_exhausted_blocks_every_agent(office):
-    set_repository(office, call(office, office.office_settings, None)["repository"], budget_runs_per_day=1)
+    set_repository(office, call(office, office.office.office_settings, None)["repository"], budget_runs_per_day=1)
     a, b = new_agent(office, "A"), new_agent(office, "B")
     new_task(office, "one", assignee_agent_id=a)
     new_task(office, "two", at(1), assignee_agent_id=b)
@@ -1291,10 +1291,10 @@ def test_executor_resolution_order(office):
     demo = outpost.demo_profile()
     profiles = {name: dataclasses.replace(demo, name=name) for name in ("task-x", "agent-x", "project-x", "ws-x")}
     names = list(profiles)
-    current = call(office, office.office_settings, None)
-    call(office, office.update_office_settings, None,
+    current = call(office, office.office.office_settings, None)
+    call(office, office.office.update_office_settings, None,
          outpost.normalize_settings({"default_executor": "ws-x"}, profiles=names, current=current))
-    project = call(office, office.create_project, None, "App", None, "project-x", T0)["id"]
+    project = call(office, office.office.create_project, None, "App", None, "project-x", T0)["id"]
     with_pref = new_agent(office, "Pref", executor="agent-x", profiles=names, cooldown_sec=0)
     no_pref = new_agent(office, "NoPref", executor=None, profiles=names, cooldown_sec=0)
     cases = [
@@ -1311,7 +1311,7 @@ def test_executor_resolution_order(office):
         by_task |= {office_run(office, r)["task_id"]: r for r in run_ids}
         settle_all(office, now, run_ids)
         now += timedelta(seconds=1)
-    assert {tid: call(office, office.get_run, by_task[tid])["agent"] for tid, _ in cases} == dict(cases)
+    assert {tid: call(office, office.runs.get_run, by_task[tid])["agent"] for tid, _ in cases} == dict(cases)
     assert outpost.resolve_executor(None, None, None, None) is None
     assert outpost.resolve_executor("t", "a", "p", "w") == "t"
     assert outpost.resolve_executor(None, None, "p", "w") == "p"
@@ -1334,7 +1334,7 @@ def test_continuation_summary_upserted_after_taskless_success_and_kept_on_builde
     (run1,) = dispatch(office, at(1))
     assert office_run(office, run1)["summary_injected"] == ""
     settle(office, run1, "succeeded", at(2), result={"status": "succeeded", "summary": "Reviewed 3 upstream PRs"})
-    (row,) = call(office, office.summary_of, lead)
+    (row,) = call(office, office.office.summary_of, lead)
     assert (row["scope"], row["updated_by_run_id"]) == ("routine:r1", run1)
     assert row["updated_at"] == outpost.rfc3339(at(2))
     for section in ("## Active focus", "## Open blockers", "## Recent decisions", "## Next action"):
@@ -1348,21 +1348,21 @@ def test_continuation_summary_upserted_after_taskless_success_and_kept_on_builde
     assert view["summary_injected"] == row["content"]
     assert "## Continuation summary\n" + row["content"] in view["assembled_prompt"]
     settle(office, run2, "failed", at(11), error="boom", exit_code=1)
-    assert call(office, office.summary_of, lead) == [row]
+    assert call(office, office.office.summary_of, lead) == [row]
     # A builder failure on a successful run: the last good summary stays; the wakeup still finishes.
     def broken(*args, **kwargs):
         raise RuntimeError("builder exploded")
     monkeypatch.setattr(outpost, "build_summary", broken)
     (retried,) = dispatch(office, at(10 * HOUR))    # the failed r1 fire, retried
     settle(office, retried, "succeeded", at(10 * HOUR + 1), result={"summary": "new facts"})
-    assert call(office, office.summary_of, lead) == [row]
+    assert call(office, office.office.summary_of, lead) == [row]
     assert wakeup(office, office_run(office, retried)["wakeup_id"])["status"] == "finished"
     monkeypatch.undo()
     # The next successful run rebuilds; each routine has its own chain; task-bound runs never write one.
     routine_wake(office, lead, at(11 * HOUR), "r2")
     (run3,) = dispatch(office, at(11 * HOUR))
     settle(office, run3, "succeeded", at(11 * HOUR + 1), result={"message": "r2 checked"})
-    summaries = {s["scope"]: s for s in call(office, office.summary_of, lead)}
+    summaries = {s["scope"]: s for s in call(office, office.office.summary_of, lead)}
     assert set(summaries) == {"routine:r1", "routine:r2"}
     assert summaries["routine:r1"] == row
     assert "r2 checked" in summaries["routine:r2"]["content"]
@@ -1370,7 +1370,7 @@ def test_continuation_summary_upserted_after_taskless_success_and_kept_on_builde
     new_task(office, "bound", at(12 * HOUR), assignee_agent_id=lead)
     (run4,) = dispatch(office, at(12 * HOUR))
     settle(office, run4, "succeeded", at(12 * HOUR + 1), result={"summary": "task work"})
-    assert {s["scope"] for s in call(office, office.summary_of, lead)} == {"routine:r1", "routine:r2"}
+    assert {s["scope"] for s in call(office, office.office.summary_of, lead)} == {"routine:r1", "routine:r2"}
 
 
 def test_summary_builder_is_deterministic_and_capped_8kb():
@@ -1426,20 +1426,20 @@ def test_prompt_has_summary_slice_1500_chars(office):
 def test_task_bound_resume_uses_session_and_delta_prompt(office):
     worker = new_agent(office, "Worker", instructions="Always write tests.")
     tid = new_task(office, "Add caching", description="SECRET-DESCRIPTION: use an LRU", assignee_agent_id=worker)
-    call(office, office.add_comment, tid, "early comment", at(1))
+    call(office, office.office.add_comment, tid, "early comment", at(1))
     (run1,) = dispatch(office, at(2))
     first = office_run(office, run1)
     assert first["resumed"] is False and first["session_id"] is None
     assert "SECRET-DESCRIPTION" in first["assembled_prompt"] and "Always write tests." in first["assembled_prompt"]
     assert "early comment" in first["assembled_prompt"]
-    assert call(office, office.launch_info, run1)["resume_session"] is None
+    assert call(office, office.runs.launch_info, run1)["resume_session"] is None
     settle(office, run1, "succeeded", at(10), result={"status": "succeeded", "session_id": "sess-42"})
     assert office_run(office, run1)["session_id"] == "sess-42"
-    call(office, office.add_comment, tid, "Please also handle eviction", at(20))
+    call(office, office.office.add_comment, tid, "Please also handle eviction", at(20))
     (run2,) = dispatch(office, at(21))
     second = office_run(office, run2)
     assert (second["resumed"], second["session_id"]) == (True, "sess-42")
-    assert call(office, office.launch_info, run2)["resume_session"] == "sess-42"
+    assert call(office, office.runs.launch_info, run2)["resume_session"] == "sess-42"
     prompt = second["assembled_prompt"]
     assert "SECRET-DESCRIPTION" not in prompt and "Always write tests." not in prompt
     assert "## New comments" in prompt and "Please also handle eviction" in prompt
@@ -1456,7 +1456,7 @@ def test_a_dead_session_is_dropped_and_the_wakeup_runs_once_fresh_without_a_retr
     tid = new_task(office, "Add caching", description="THE-DESCRIPTION", assignee_agent_id=worker)
     (run1,) = dispatch(office, at(2))
     settle(office, run1, "succeeded", at(10), result={"status": "succeeded", "session_id": "sess-42"})
-    call(office, office.add_comment, tid, "Please also handle eviction", at(20))
+    call(office, office.office.add_comment, tid, "Please also handle eviction", at(20))
     (run2,) = dispatch(office, at(21))
     assert office_run(office, run2)["resumed"] is True
     settle(office, run2, "failed", at(25), error=error, exit_code=1)
@@ -1466,7 +1466,7 @@ def test_a_dead_session_is_dropped_and_the_wakeup_runs_once_fresh_without_a_retr
     fresh = office_run(office, run3)
     assert (fresh["resumed"], fresh["session_id"]) == (False, None)
     assert "THE-DESCRIPTION" in fresh["assembled_prompt"]   # a fresh session gets the whole task again
-    assert call(office, office.launch_info, run3)["resume_session"] is None
+    assert call(office, office.runs.launch_info, run3)["resume_session"] is None
 
 
 def test_resumed_session_prompt_has_comment_posted_during_previous_run(office):
@@ -1474,7 +1474,7 @@ def test_resumed_session_prompt_has_comment_posted_during_previous_run(office):
     tid = new_task(office, "t", assignee_agent_id=worker)
     (run1,) = dispatch(office, at(1))
     start(office, run1, at(2))
-    call(office, office.add_comment, tid, "PLEASE-SEE-THIS", at(3))       # the agent is busy: queued
+    call(office, office.office.add_comment, tid, "PLEASE-SEE-THIS", at(3))       # the agent is busy: queued
     settle(office, run1, "succeeded", at(20), result={"session_id": "sess-1"})
     (run2,) = dispatch(office, at(40))
     view = office_run(office, run2)
@@ -1492,7 +1492,7 @@ def test_taskless_runs_never_resume(office):
     (run2,) = dispatch(office, at(10))
     view = office_run(office, run2)
     assert (view["resumed"], view["session_id"]) == (False, None)
-    assert call(office, office.launch_info, run2)["resume_session"] is None
+    assert call(office, office.runs.launch_info, run2)["resume_session"] is None
     assert "You are Lead, a coordinator agent" in view["assembled_prompt"]
 
 
@@ -1513,7 +1513,7 @@ def test_restart_resumes_queued_and_scheduled_retries(tmp_path):
     try:
         assert wakeup(store, retry["id"])["status"] == "queued"
         assert wakeup(store, retry["id"])["scheduled_retry_at"] == retry["scheduled_retry_at"]
-        next_at = call(store, store.next_wakeup_at, at(20))
+        next_at = call(store, store.office.next_wakeup_at, at(20))
         assert abs(next_at - instant(retry["scheduled_retry_at"])) < timedelta(milliseconds=1)
         (run_b,) = dispatch(store, at(20))
         assert office_run(store, run_b)["task_id"] == t_b
@@ -1525,7 +1525,7 @@ def test_restart_resumes_queued_and_scheduled_retries(tmp_path):
         store.close()
 
 
-@pytest.mark.parametrize("step", ["_checkout", "_budget_exceeded"])   # during, then after the checkout
+@pytest.mark.parametrize("step", ["_checkout", "budget_exceeded"])   # during, then after the checkout
 def test_crash_between_pipeline_steps_leaves_wakeup_consistent(office, monkeypatch, step):
     worker = new_agent(office, "Worker")
     tid = new_task(office, "t", assignee_agent_id=worker)
@@ -1533,15 +1533,15 @@ def test_crash_between_pipeline_steps_leaves_wakeup_consistent(office, monkeypat
 
     def crash(self, *args, **kwargs):
         raise RuntimeError(f"power cut in {step}")
-    monkeypatch.setattr(outpost.Store, step, crash)
+    monkeypatch.setattr(outpost.PipelineStore, step, crash)
     with pytest.raises(RuntimeError):
-        call(office, office.dispatch_wakeups, at(1), PROFILES)
+        call(office, office.pipeline.dispatch_wakeups, at(1), PROFILES)
     # The claim and the checkout were one transaction with the crash: nothing of them stayed.
     after = wakeup(office, w["id"])
     assert (after["status"], after["claimed_at"], after["run_id"]) == ("queued", None, None)
     assert task(office, tid)["checkout_agent_id"] is None
     assert agent(office, worker)["status"] == "idle"
-    assert call(office, office.own_runs_in, ["queued", "running"]) == []
+    assert call(office, office.runs.own_runs_in, ["queued", "running"]) == []
     monkeypatch.undo()
     (run_id,) = dispatch(office, at(2))
     assert wakeup(office, w["id"])["run_id"] == run_id
@@ -1559,14 +1559,14 @@ def test_run_interrupted_at_boot_is_claimed_again_with_a_new_run(office):
     (run_id,) = dispatch(office, at(1))
     start(office, run_id, at(2))
     # The daemon died; at the next start recover_at_boot settles the run failed/interrupted.
-    assert call(office, office.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="interrupted"), at(HOUR))
+    assert call(office, office.runs.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="interrupted"), at(HOUR))
     w = wakeup(office, w["id"])
     assert (w["status"], w["retry_count"], w["scheduled_retry_at"]) == ("queued", 0, None)
     assert task(office, tid)["checkout_agent_id"] is None
-    assert call(office, office.get_run, run_id)["status"] == "failed"
+    assert call(office, office.runs.get_run, run_id)["status"] == "failed"
     (again,) = dispatch(office, at(HOUR))
     assert again != run_id and wakeup(office, w["id"])["run_id"] == again
-    assert call(office, office.own_runs_in, ["queued"]) == [again]
+    assert call(office, office.runs.own_runs_in, ["queued"]) == [again]
     # Restarted again and again during a long session: never escalated, never a retry counted.
     now = at(HOUR)
     for _ in range(outpost.MAX_RETRY_COUNT + 1):
@@ -1594,7 +1594,7 @@ def test_claimed_wakeup_with_queued_run_is_not_redispatched_after_restart(tmp_pa
     try:
         assert dispatch(store, at(2 * 24 * HOUR)) == []
         assert only(wakeups(store, worker))["status"] == "claimed"
-        assert call(store, store.admit_next, 2, at(2 * 24 * HOUR)) == (run_id, False)
+        assert call(store, store.runs.admit_next, 2, at(2 * 24 * HOUR)) == (run_id, False)
     finally:
         store.close()
 
@@ -1627,7 +1627,7 @@ async def test_actor_task_assigned_runs_end_to_end_and_resumes_its_session(autoj
             assert task(store, tid)["checkout_agent_id"] is None
             assert not deps.worktree(run1["id"]).exists()
             # A comment from the user: the next session resumes the first one, with only the delta.
-            call(store, store.add_comment, tid, "@print resumed-with-delta", deps.clock.now())
+            call(store, store.office.add_comment, tid, "@print resumed-with-delta", deps.clock.now())
             deps.claim_wake.poke()
             comment = only(wakeups(store, worker, source="comment"))
             await until(lambda: wakeup(store, comment["id"])["status"] == "finished")
@@ -1652,12 +1652,12 @@ async def test_actor_comment_waits_for_running_session_then_runs(autojump_clock,
         async with trio.open_nursery() as nursery:
             nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
             run_id = await until(lambda: wakeup(store, first["id"])["run_id"])
-            await until(lambda: call(store, store.launch_info, run_id)["pid"])
-            call(store, store.add_comment, tid, "@print saw-the-comment", deps.clock.now())
+            await until(lambda: call(store, store.runs.launch_info, run_id)["pid"])
+            call(store, store.office.add_comment, tid, "@print saw-the-comment", deps.clock.now())
             deps.claim_wake.poke()
             comment = only(wakeups(store, worker, source="comment"))
             await trio.sleep(0.2)
-            assert call(store, store.get_run, run_id)["status"] == "running"
+            assert call(store, store.runs.get_run, run_id)["status"] == "running"
             assert wakeup(store, comment["id"])["status"] == "queued"
             await until(lambda: wakeup(store, comment["id"])["status"] == "finished")
             nursery.cancel_scope.cancel()
@@ -1691,7 +1691,7 @@ async def test_actor_reassigned_mid_run_the_new_agent_continues_the_task_branch_
             assert edited.status == 200, edited.body
             deps.claim_wake.poke()
             bobs = await until(lambda: (w := wakeups(store, bob)) and w[0]["status"] == "finished" and w[0])
-            assert call(store, store.get_run, run_a)["status"] == "cancelled", "Bob worked beside Ada"
+            assert call(store, store.runs.get_run, run_a)["status"] == "cancelled", "Bob worked beside Ada"
             nursery.cancel_scope.cancel()
     first, second = office_run(store, run_a), office_run(store, bobs["run_id"])
     assert first["status"] == "cancelled" and first["changes"]["commits"] == 2   # Ada's commit and her leftovers
@@ -1716,8 +1716,8 @@ async def test_actor_rate_limited_run_is_retried_at_the_parsed_reset(autojump_cl
             first = await until(lambda: (x := wakeup(store, w["id"]))["retry_count"] == 1 and x)
             second = await until(lambda: (x := wakeup(store, w["id"]))["retry_count"] == 2 and x)
             nursery.cancel_scope.cancel()
-    run1 = call(store, store.get_run, first["run_id"])
-    run2 = call(store, store.get_run, second["run_id"])
+    run1 = call(store, store.runs.get_run, first["run_id"])
+    run2 = call(store, store.runs.get_run, second["run_id"])
     assert run1["status"] == "failed" and "try again in 20 seconds" in run1["error"]
     assert first["status"] == "queued"
     # 20 s from the moment the agent said so (while its run went on: under autojump, the real time
@@ -1742,13 +1742,13 @@ async def test_a_wakeup_that_breaks_the_pipeline_is_failed_and_the_others_go_on(
     bad = new_task(store, "bad", deps.clock.now(), assignee_agent_id=a)
     good = new_task(store, "good", deps.clock.now(), assignee_agent_id=b)
     bad_wakeup, good_wakeup = only(wakeups(store, a)), only(wakeups(store, b))
-    real = outpost.Store.process_wakeup
+    real = outpost.PipelineStore.process_wakeup
 
     def broken(self, wakeup_id, now, profiles):
         if self.db.Wakeup[wakeup_id].task_id == bad:
             raise KeyError("a bug")
         return real(self, wakeup_id, now, profiles)
-    monkeypatch.setattr(outpost.Store, "process_wakeup", broken)
+    monkeypatch.setattr(outpost.PipelineStore, "process_wakeup", broken)
     await outpost.dispatch_wakeups(deps)
     failed = wakeup(store, bad_wakeup["id"])
     assert (failed["status"], failed["run_id"]) == ("failed", None)

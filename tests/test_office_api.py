@@ -740,7 +740,7 @@ async def test_a_queued_or_paused_run_has_no_voice(office_api):
     assert_problem(await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
     office_api.admit_all()
     assert (await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me")).status == 200
-    office_api.store.transaction(office_api.store.control_run, run_id, "pause", office_api.clock.now())
+    office_api.store.transaction(office_api.store.runs.control_run, run_id, "pause", office_api.clock.now())
     assert (await office_api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "paused"
     assert_problem(await office_api.as_run(office_api.token(run_id), "GET", "/api/agent/me"), 401, "unauthorized")
 

@@ -30,15 +30,15 @@ def fill(store: outpost.Store, repo: Path) -> dict[str, str]:
     """One of everything a page shows: a schedule with a failed run and its attention item, an
     agent with a task, its wakeup and Office run, and a routine with a webhook trigger."""
     set_settings(store, repository=str(repo))
-    schedule_id = call(store, store.create_schedule, normalized(repo), T0)["id"]
-    run_id = call(store, store.fire_manual, schedule_id, 1, T0)["run_id"]
-    call(store, store.admit_ready, 2, T0)
-    call(store, store.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="boom"), T0, exit_code=1)
-    call(store, store.notify_run, run_id, T0)
+    schedule_id = call(store, store.schedules.create_schedule, normalized(repo), T0)["id"]
+    run_id = call(store, store.schedules.fire_manual, schedule_id, 1, T0)["run_id"]
+    call(store, store.runs.admit_ready, 2, T0)
+    call(store, store.runs.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="boom"), T0, exit_code=1)
+    call(store, store.runs.notify_run, run_id, T0)
     agent_id = new_agent(store, "Worker", T0)
     task_id = new_task(store, "Write notes", T0, assignee_agent_id=agent_id)
-    (office_run_id,), _ = call(store, store.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})
-    routine = call(store, store.create_routine, None,
+    (office_run_id,), _ = call(store, store.pipeline.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})
+    routine = call(store, store.routines.create_routine, None,
                    outpost.normalize_routine({"name": "nightly", "assignee_agent_id": agent_id}),
                    [outpost.normalize_trigger({"kind": "webhook", "signing_mode": "hmac_sha256"}, 0, T0, "UTC")], T0)
     return {"schedule_id": schedule_id, "run_id": run_id, "agent_id": agent_id, "task_id": task_id,
@@ -66,7 +66,7 @@ async def test_the_settings_page_names_the_embedded_repository_while_none_is_set
 
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
-    assert len(PAGES) == 21
+    assert len(PAGES) == 22
 
 
 @pytest.mark.parametrize("rule", PAGES)
@@ -108,7 +108,7 @@ async def test_a_page_answers_on_a_filled_database(dashboard, tmp_path, rule):
 
 
 async def test_the_agents_page_shows_this_appliance_as_its_only_node(dashboard):
-    call(dashboard.store, dashboard.store.register_node, 3)
+    call(dashboard.store, dashboard.store.nodes.register_node, 3)
     client = outpost.create_app(dashboard).test_client()
     sign_in_client(client, dashboard.store, T0)
     page = await (await client.get("/agents")).get_data(as_text=True)

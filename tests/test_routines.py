@@ -65,8 +65,8 @@ import outpost
 # --- store helpers (one transaction per call, explicit ``now``) ---------------------------------------
 
 def edit_agent(store: outpost.Store, agent_id: str, now: datetime, **changes) -> dict:
-    current = call(store, store.agent_fields, agent_id)
-    return call(store, store.update_agent, agent_id,
+    current = call(store, store.office.agent_fields, agent_id)
+    return call(store, store.office.update_agent, agent_id,
                 outpost.normalize_agent(changes, profiles=list(PROFILES), current=current), now)
 
 
@@ -74,18 +74,19 @@ def new_routine(store: outpost.Store, assignee: str, *, triggers=(), now: dateti
                 workspace_id: str | None = None, **fields) -> dict:
     """A routine as the API makes it: the create answer (webhook secrets included, this once)."""
     raw = {"name": "Routine", "assignee_agent_id": assignee, **fields}
-    tz = call(store, store.office_settings, workspace_id)["timezone"]
+    tz = call(store, store.office.office_settings, workspace_id)["timezone"]
     checked = [outpost.normalize_trigger(t, i, now, tz) for i, t in enumerate(triggers)]
-    return call(store, store.create_routine, workspace_id, outpost.normalize_routine(raw), checked, now)
+    return call(store, store.routines.create_routine, workspace_id, outpost.normalize_routine(raw), checked, now)
 
 
 def edit_routine(store: outpost.Store, routine_id: str, now: datetime, **changes) -> dict:
-    current = call(store, store.routine_fields, routine_id)
-    return call(store, store.update_routine, routine_id, outpost.normalize_routine(changes, current=current), now)
+    current = call(store, store.routines.routine_fields, routine_id)
+    return call(store, store.routines.update_routine, routine_id, outpost.normalize_routine(changes, current=current),
+                now)
 
 
 def routine(store: outpost.Store, routine_id: str) -> dict:
-    return call(store, store.get_routine, routine_id)
+    return call(store, store.routines.get_routine, routine_id)
 
 
 def routine_runs(store: outpost.Store, routine_id: str) -> list[dict]:
@@ -95,11 +96,11 @@ def routine_runs(store: outpost.Store, routine_id: str) -> list[dict]:
 
 def fire(store: outpost.Store, routine_id: str, now: datetime, variables: dict | None = None) -> dict:
     """Run now (manual fire)."""
-    return call(store, store.fire_routine, routine_id, None, "manual", variables or {}, now)
+    return call(store, store.routines.fire_routine, routine_id, None, "manual", variables or {}, now)
 
 
 def tasks(store: outpost.Store, agent_id: str | None = None, workspace_id: str | None = None) -> list[dict]:
-    return call(store, store.list_tasks, workspace_id, agent_id)
+    return call(store, store.office.list_tasks, workspace_id, agent_id)
 
 
 # --- actors under MockClock ------------------------------------------------------------------------
@@ -280,7 +281,8 @@ def test_lightweight_routine_description_variable_from_webhook_reaches_the_promp
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="CI watch", description="Check the CI of {{branch}}.",
                     triggers=[{"kind": "webhook", "signing_mode": "none"}])
-    fired = call(office, office.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, (), 0, at(0))[0]
+    fired = call(office, office.routines.fire_webhook, r["triggers"][0]["id"], {"branch": "release/2.0"}, (), 0,
+                 at(0))[0]
     (run_id,) = dispatch(office, at(1))
     assert "Check the CI of release/2.0." in office_run(office, run_id)["assembled_prompt"]
     assert fired["trigger_payload"] == {"branch": "release/2.0"}
@@ -362,7 +364,7 @@ def test_lightweight_routine_fire_queues_a_taskless_routine_wakeup(office):
     assert "## Routine: Check upstream PRs\nLook at the open pull requests." in run["assembled_prompt"]
     # Its continuation summary is keyed by routine:<id>.
     settle(office, run_id, "succeeded", at(2), result={"summary": "two PRs need review"})
-    summaries = call(office, office.summary_of, lead)
+    summaries = call(office, office.office.summary_of, lead)
     assert [(s["scope"], s["updated_by_run_id"]) for s in summaries] == [(f"routine:{r['id']}", run_id)]
 
 
@@ -382,7 +384,7 @@ def test_a_lightweight_routine_run_takes_only_the_specs_statuses(office):
     assert [x["status"] for x in routine_runs(office, r["id"])] == ["task_created", "task_created"]
     failing = fire(office, r["id"], at(3))
     w = wakeup(office, failing["wakeup_id"])
-    office.transaction(lambda: office._escalate_failure(office.db.Wakeup[w["id"]], "boom", at(4)))
+    office.transaction(lambda: office.pipeline._escalate_failure(office.db.Wakeup[w["id"]], "boom", at(4)))
     failed = {x["id"]: x for x in routine_runs(office, r["id"])}[failing["id"]]
     assert (failed["status"], failed["completed_at"]) == ("failed", outpost.rfc3339(at(4)))
     # A worker with nothing to do: its routine's wakeup is idle-skipped, and so is the fire.
@@ -417,7 +419,7 @@ def test_a_routine_whose_wakeup_merged_into_another_routines_run_advances_its_ow
     fire(office, b["id"], at(0.5))   # the same agent, taskless: merged at claim time
     (run_id,) = dispatch(office, at(1))
     settle(office, run_id, "succeeded", at(2), result={"summary": "looked at both"})
-    scopes = {s["scope"]: s["updated_by_run_id"] for s in call(office, office.summary_of, lead)}
+    scopes = {s["scope"]: s["updated_by_run_id"] for s in call(office, office.office.summary_of, lead)}
     assert scopes == {f"routine:{a['id']}": run_id, f"routine:{b['id']}": run_id}
 
 
@@ -431,7 +433,7 @@ def test_skip_if_active_routine_run_is_skipped(office):
     assert (second["status"], second["linked_task_id"], second["coalesced_into_run_id"]) == ("skipped", None, None)
     assert len(tasks(office, worker)) == 1
     # "Active" means the linked task is not terminal: once it is done, the next fire proceeds.
-    call(office, office.move_task, first["linked_task_id"], "DONE", at(2 * MINUTE))
+    call(office, office.office.move_task, first["linked_task_id"], "DONE", at(2 * MINUTE))
     third = fire(office, r["id"], at(3 * MINUTE))
     assert third["status"] == "task_created" and len(tasks(office, worker)) == 2
     assert [x["status"] for x in routine_runs(office, r["id"])] == ["task_created", "skipped", "task_created"]
@@ -500,11 +502,11 @@ def test_a_cron_tick_fires_once_even_when_claimed_again(office):
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="Pulse", concurrency_policy="always_enqueue", triggers=[SCHEDULE_5MIN])
     trigger_id = r["triggers"][0]["id"]
-    assert call(office, office.claim_due_routines, at(5 * MINUTE + 30)) == 1
-    assert call(office, office.claim_due_routines, at(5 * MINUTE + 30)) == 0
+    assert call(office, office.routines.claim_due_routines, at(5 * MINUTE + 30)) == 1
+    assert call(office, office.routines.claim_due_routines, at(5 * MINUTE + 30)) == 0
     # Even if the trigger's next fire were set back (two claimers of one tick), the ledger holds.
     office.transaction(lambda: office.db.RoutineTrigger[trigger_id].set(next_run_at=outpost.naive(at(5 * MINUTE))))
-    call(office, office.claim_due_routines, at(5 * MINUTE + 40))
+    call(office, office.routines.claim_due_routines, at(5 * MINUTE + 40))
     x = only(routine_runs(office, r["id"]))
     w = wakeup(office, x["wakeup_id"])
     assert w["idempotency_key"] == f"routine:{r['id']}:{trigger_id}:{unix(at(5 * MINUTE)) // 60}"
@@ -765,7 +767,7 @@ async def test_paused_or_archived_routine_never_fires_from_any_trigger(api):
         assert manual.status == 409 and state in manual.body["detail"]
         hook = await api.deliver(public_id, b"{}", {})
         assert hook.status == 409
-        assert call(store, store.claim_due_routines, now) == 0
+        assert call(store, store.routines.claim_due_routines, now) == 0
         detail = await api.detail(r["id"])
         assert len(detail["runs"]) == before
         assert detail["triggers"][1]["refused_deliveries"][0]["reason"] == f"routine {state}"
@@ -775,7 +777,7 @@ async def test_paused_or_archived_routine_never_fires_from_any_trigger(api):
     # Its schedule moved on: resuming does not replay the ticks it slept through.
     assert (await api.detail(r["id"]))["triggers"][0]["next_run_at"] == "2026-11-30T08:15:00Z"
     assert (await api.patch(f"/api/office/routines/{r['id']}", {"status": "active"})).status == 200
-    assert call(store, store.claim_due_routines, at(15 * MINUTE)) == 1
+    assert call(store, store.routines.claim_due_routines, at(15 * MINUTE)) == 1
     assert [x["due_at"] for x in (await api.detail(r["id"]))["runs"]] == ["2026-11-30T08:15:00Z"]
     assert (await api.patch(f"/api/office/routines/{r['id']}", {"status": "archived"})).status == 200
     await nothing_fires(at(HOUR), "archived")
@@ -927,7 +929,7 @@ async def test_scheduler_down_3_hours_enqueue_missed_with_cap_fires_25_and_summa
     assert (heavy["catch_up_policy"], heavy["catch_up_max"]) == ("enqueue_missed_with_cap", 25)
     lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
-    (heartbeat,) = [x for x in call(store, store.list_routines, None) if x["name"] == "Coordinator heartbeat"]
+    (heartbeat,) = [x for x in call(store, store.routines.list_routines, None) if x["name"] == "Coordinator heartbeat"]
     await down_for_3_hours(deps)
     # 36 ticks were due (08:05 ... 11:00): the newest 25 fire, the 11 older ones are summarized.
     runs = routine_runs(store, heavy["id"])
@@ -954,7 +956,7 @@ def test_a_catch_up_past_the_counting_cap_says_more_than_n_ticks(office):
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
     r = new_routine(office, lead, name="Pulse", triggers=[
         {"kind": "schedule", "cron_expression": "* * * * *", "timezone": "UTC"}])
-    call(office, office.claim_due_routines, at(2855 * MINUTE))   # 08:01 ... two days later: 2855 ticks
+    call(office, office.routines.claim_due_routines, at(2855 * MINUTE))   # 08:01 ... two days later: 2855 ticks
     first = routine_runs(office, r["id"])[0]
     counted = first["missed_ticks"]
     assert 0 < counted < 2855 - 25
@@ -1018,7 +1020,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
     set_settings(store, repository=str(git_repo))
     lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
-    (hb,) = call(store, store.list_routines, None)
+    (hb,) = call(store, store.routines.list_routines, None)
     trigger_id = only(hb["triggers"])["id"]
 
     async def one_session(n: int) -> dict:
@@ -1049,7 +1051,7 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
     assert second["requested_at"] == "2026-11-30T08:10:00Z"
     run2 = office_run(store, second["run_id"])
     assert run2["status"] == "succeeded"
-    summary = only([s for s in call(store, store.summary_of, lead) if s["scope"] == f"routine:{hb['id']}"])
+    summary = only([s for s in call(store, store.office.summary_of, lead) if s["scope"] == f"routine:{hb['id']}"])
     assert summary["updated_by_run_id"] == run2["id"]
     assert run2["summary_injected"] and "## Active focus" in run2["summary_injected"]
     assert "## Continuation summary\n" + run2["summary_injected"] in run2["assembled_prompt"]
@@ -1061,31 +1063,32 @@ async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_de
     set_settings(store, repository=str(tmp_path / "repo"))
     lead = new_agent(store, "Lead", role="coordinator", cooldown_sec=0)
     await outpost.install_heartbeat(deps, lead)
-    (hb,) = call(store, store.list_routines, None)
-    assert call(store, store.scheduled_wakeups, lead) == 1
+    (hb,) = call(store, store.routines.list_routines, None)
+    assert call(store, store.routines.scheduled_wakeups, lead) == 1
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
         await trio.sleep(3 * MINUTE)
-        call(store, store.delete_routine, hb["id"], deps.clock.now())     # the user deletes it at 08:03
+        call(store, store.routines.delete_routine, hb["id"], deps.clock.now())     # the user deletes it at 08:03
         deps.cron_wake.poke()
         await trio.sleep(HOUR)                                          # twelve 5-minute boundaries
         nursery.cancel_scope.cancel()
     assert wakeups(store, lead) == []
-    assert call(store, store.list_routines, None) == [] and call(store, store.next_routine_due_at) is None
-    assert call(store, store.scheduled_wakeups, lead) == 0
+    assert call(store, store.routines.list_routines, None) == [] and call(store,
+                                                                          store.routines.next_routine_due_at) is None
+    assert call(store, store.routines.scheduled_wakeups, lead) == 0
     # Reactive sources still wake it.
-    call(store, store.wake_agent, lead, outpost.WakeupSource.USER, {"user_id": "dashboard"}, deps.clock.now())
+    call(store, store.office.wake_agent, lead, outpost.WakeupSource.USER, {"user_id": "dashboard"}, deps.clock.now())
     assert [w["source"] for w in wakeups(store, lead)] == ["user"]
 
 
 def test_deleted_heartbeat_pending_wakeup_does_not_wake_coordinator(office):
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
-    hb = call(office, office.install_heartbeat, lead, T0)
+    hb = call(office, office.routines.install_heartbeat, lead, T0)
     new_task(office, "Plan the quarter", T0, assignee_agent_id=lead)
     (busy,) = dispatch(office, T0)                          # the coordinator is in a session...
-    call(office, office.claim_due_routines, at(5 * MINUTE))    # ...when the 08:05 tick comes: it waits
+    call(office, office.routines.claim_due_routines, at(5 * MINUTE))    # ...when the 08:05 tick comes: it waits
     assert [w["source"] for w in wakeups(office, lead, status="queued")] == ["routine"]
-    call(office, office.delete_routine, hb["id"], at(6 * MINUTE))
+    call(office, office.routines.delete_routine, hb["id"], at(6 * MINUTE))
     settle(office, busy, "succeeded", at(7 * MINUTE))
     assert dispatch(office, at(8 * MINUTE)) == [], "the deleted heartbeat still woke the coordinator"
     assert wakeups(office, lead, source="routine", status="queued") == []
@@ -1104,7 +1107,7 @@ async def test_coordinator_page_shows_no_scheduled_wakeups_banner_after_heartbea
 async def test_coordinator_is_created_with_the_banner_when_its_heartbeat_cannot_be_installed(api, monkeypatch):
     def broken(self, agent_id, now):
         raise RuntimeError("disk trouble")
-    monkeypatch.setattr(outpost.Store, "install_heartbeat", broken)
+    monkeypatch.setattr(outpost.RoutineStore, "install_heartbeat", broken)
     lead = await api.agent("Lead", role="coordinator")
     assert (await api.get(f"/api/office/agents/{lead['id']}")).status == 200
     assert (await api.get("/api/office/routines")).body["routines"] == []
@@ -1129,13 +1132,13 @@ async def test_the_wakeups_page_labels_cancelled_idle_skipped_and_recovered_wake
     a, b = await api.agent("A", cooldown_sec=0), await api.agent("B", cooldown_sec=0)
     moved = (await api.post("/api/office/tasks", {"title": "moved", "assignee_agent_id": a["id"]})).body
     assert (await api.patch(f"/api/office/tasks/{moved['id']}", {"assignee_agent_id": b["id"]})).status == 200
-    (run_id,), _ = call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)   # A's: stale
+    (run_id,), _ = call(api.store, api.store.pipeline.dispatch_wakeups, api.clock.now(), profiles)   # A's: stale
     assert (await api.post(f"/v1/outpost/runs/{run_id}/control", {"action": "cancel"}, key="c1")).status == 200
-    assert call(api.store, api.store.recovery_sweep, api.clock.now()) == 1   # B's run was cancelled
-    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
+    assert call(api.store, api.store.routines.recovery_sweep, api.clock.now()) == 1   # B's run was cancelled
+    call(api.store, api.store.pipeline.dispatch_wakeups, api.clock.now(), profiles)
     idle = await api.routine(name="Poll", assignee_agent_id=a["id"])   # A has no task: idle-skipped
     assert (await api.post(f"/api/office/routines/{idle['id']}/fire", {"variables": {}})).status == 202
-    call(api.store, api.store.dispatch_wakeups, api.clock.now(), profiles)
+    call(api.store, api.store.pipeline.dispatch_wakeups, api.clock.now(), profiles)
     _, page = await api.page("/office/wakeups")
     for label in ("Cancelled - assignee changed", "Finished, no run", "Recovered"):
         assert label in page, label
@@ -1148,7 +1151,7 @@ async def test_two_routines_same_coordinator_within_window_coalesce(autojump_clo
     await outpost.install_heartbeat(deps, lead)
     budget = new_routine(store, lead, name="Budget check", triggers=[SCHEDULE_5MIN])
     await run_actors(deps, at(5 * MINUTE + 30))
-    routines = call(store, store.list_routines, None)
+    routines = call(store, store.routines.list_routines, None)
     assert [only(routine_runs(store, r["id"]))["status"] for r in routines] == ["task_created", "task_created"]
     w = wakeups(store, lead)
     (kept,) = [x for x in w if x["status"] == "queued"]
@@ -1167,9 +1170,9 @@ async def test_two_routines_same_coordinator_within_window_coalesce(autojump_clo
 
 def test_lightweight_routine_idle_skip_for_worker(office):
     worker = new_agent(office, "Worker", cooldown_sec=0)
-    assert call(office, office.get_agent, worker)["skip_idle_wakeups"] is True
+    assert call(office, office.office.get_agent, worker)["skip_idle_wakeups"] is True
     r = new_routine(office, worker, name="Poll upstream", triggers=[SCHEDULE_5MIN])
-    assert call(office, office.claim_due_routines, at(5 * MINUTE)) == 1
+    assert call(office, office.routines.claim_due_routines, at(5 * MINUTE)) == 1
     x = only(routine_runs(office, r["id"]))
     assert dispatch(office, at(5 * MINUTE)) == []                   # no session launched
     w = wakeup(office, x["wakeup_id"])
@@ -1183,7 +1186,7 @@ def test_lightweight_routine_idle_skip_for_worker(office):
     assert office_run(office, run_id)["task_id"] == tid
     settle(office, run_id, "succeeded", at(7 * MINUTE))
     # With that TODO task still open, the next tick is not idle: it runs.
-    call(office, office.claim_due_routines, at(10 * MINUTE))
+    call(office, office.routines.claim_due_routines, at(10 * MINUTE))
     (run_id,) = dispatch(office, at(10 * MINUTE))
     assert office_run(office, run_id)["task_id"] is None
     assert len(activity(office, "wakeup_idle_skipped")) == 1
@@ -1191,9 +1194,9 @@ def test_lightweight_routine_idle_skip_for_worker(office):
 
 def test_coordinator_routine_wakeup_proceeds_without_assigned_tasks(office):
     lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
-    assert call(office, office.get_agent, lead)["skip_idle_wakeups"] is False
-    call(office, office.install_heartbeat, lead, T0)
-    call(office, office.claim_due_routines, at(5 * MINUTE))
+    assert call(office, office.office.get_agent, lead)["skip_idle_wakeups"] is False
+    call(office, office.routines.install_heartbeat, lead, T0)
+    call(office, office.routines.claim_due_routines, at(5 * MINUTE))
     (run_id,) = dispatch(office, at(5 * MINUTE))
     assert office_run(office, run_id)["task_id"] is None
     assert activity(office, "wakeup_idle_skipped") == []
@@ -1230,7 +1233,7 @@ def test_recovery_sweep_dispatches_unstarted_office_task_and_skips_the_rest(offi
     assert task(office, started)["state"] == "TODO"
     waiting = new_task(office, "its wakeup is still queued", at(9 * HOUR), assignee_agent_id=ada)
     sweep = at(30 * HOUR)                                   # lookback 24 h: tasks created since T0 + 6 h
-    assert call(office, office.recovery_sweep, sweep) == 1
+    assert call(office, office.routines.recovery_sweep, sweep) == 1
     recovered = only([w for w in wakeups(office, ada) if w["reason"] == "recovery"])
     assert (recovered["source"], recovered["task_id"], recovered["status"]) == ("task_assigned", unstarted, "queued")
     assert [w["task_id"] for w in wakeups(office, ada, status="queued")] == [waiting, unstarted]
@@ -1239,21 +1242,21 @@ def test_recovery_sweep_dispatches_unstarted_office_task_and_skips_the_rest(offi
     assert only(activity(office, "recovery_sweep_complete"))["data"] == {"dispatched_count": 1}
     # The paused agent's task once it is back; nothing twice (its recovery wakeup is queued).
     edit_agent(office, bob, sweep, status="idle")
-    assert call(office, office.recovery_sweep, sweep + timedelta(minutes=5)) == 1
+    assert call(office, office.routines.recovery_sweep, sweep + timedelta(minutes=5)) == 1
     assert only([w for w in wakeups(office, bob) if w["reason"] == "recovery"])["task_id"] == bobs
     # A longer lookback reaches the older task.
     set_settings(office, recovery_lookback_hours=48)
-    assert call(office, office.recovery_sweep, sweep + timedelta(minutes=10)) == 1
+    assert call(office, office.routines.recovery_sweep, sweep + timedelta(minutes=10)) == 1
     assert [x["task_id"] for x in activity(office, "recovery_dispatch")] == [unstarted, bobs, old]
     assert [x["data"]["dispatched_count"] for x in activity(office, "recovery_sweep_complete")] == [1, 1, 1]
 
 
 def test_kanban_only_workspace_recovery_queues_no_task_assigned_run(store):
-    board = call(store, store.create_workspace, "Board", at(0))["id"]
+    board = call(store, store.office.create_workspace, "Board", at(0))["id"]
     ada = new_agent(store, "Ada", workspace_id=board, cooldown_sec=0)
     card = new_task(store, "a card with a runner", at(0), workspace_id=board, assignee_agent_id=ada, workflow="kanban")
     assert wakeups(store, workspace_id=board) == []
-    assert call(store, store.recovery_sweep, at(MINUTE)) == 0
+    assert call(store, store.routines.recovery_sweep, at(MINUTE)) == 0
     assert wakeups(store, workspace_id=board) == [] and task(store, card)["state"] == "TODO"
     assert [x["data"] for x in activity(store, "recovery_sweep_complete", board)] == [{"dispatched_count": 0}]
 
@@ -1275,18 +1278,18 @@ def test_recovery_sweep_failed_and_cancelled_runs_do_not_block(office):
         now = instant(w["scheduled_retry_at"]) + timedelta(milliseconds=1)
     assert wakeup(office, wid)["status"] == "failed"
     assert {task(office, t)["state"] for t in (cancelled, failed)} == {"TODO"}
-    assert call(office, office.recovery_sweep, now + timedelta(minutes=1)) == 2
+    assert call(office, office.routines.recovery_sweep, now + timedelta(minutes=1)) == 2
     assert sorted(x["task_id"] for x in activity(office, "recovery_dispatch")) == sorted([cancelled, failed])
 
 
 def test_recovery_sweep_skipped_entirely_when_no_workspace_has_agents(store):
     new_task(store, "a todo", at(0))
-    assert call(store, store.recovery_sweep, at(MINUTE)) == 0
+    assert call(store, store.routines.recovery_sweep, at(MINUTE)) == 0
     assert activity(store, "recovery_sweep_complete") == []
     # Once a workspace has an agent, only that workspace is swept.
-    busy = call(store, store.create_workspace, "Busy", at(0))["id"]
+    busy = call(store, store.office.create_workspace, "Busy", at(0))["id"]
     new_agent(store, "Ada", workspace_id=busy, cooldown_sec=0)
-    assert call(store, store.recovery_sweep, at(2 * MINUTE)) == 0
+    assert call(store, store.routines.recovery_sweep, at(2 * MINUTE)) == 0
     assert activity(store, "recovery_sweep_complete") == []
     assert [x["data"] for x in activity(store, "recovery_sweep_complete", busy)] == [{"dispatched_count": 0}]
 
@@ -1333,7 +1336,7 @@ async def test_recovery_actor_sweeps_at_start_and_every_5_minutes(autojump_clock
 async def test_one_cron_actor_serves_schedules_and_routines(autojump_clock, mock_deps, git_repo):
     deps, store = mock_deps, mock_deps.store
     set_settings(store, repository=str(git_repo))
-    sched = call(store, store.create_schedule, normalized(git_repo), T0)
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo), T0)
     worker = new_agent(store, "Worker", cooldown_sec=0)
     r = new_routine(store, worker, name="Scan", concurrency_policy="always_enqueue",
                     task_template={"title": "Scan {{datetime}}"}, triggers=[SCHEDULE_5MIN])
@@ -1342,17 +1345,17 @@ async def test_one_cron_actor_serves_schedules_and_routines(autojump_clock, mock
         async with trio.open_nursery() as nursery:
             nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
             # (each schedule run's commit is resolved with git, in real time: poll, do not jump)
-            await until(lambda: len(call(store, store.occurrences, sched["id"])) == 2
+            await until(lambda: len(call(store, store.schedules.occurrences, sched["id"])) == 2
                         and len(routine_runs(store, r["id"])) == 2, poll_s=1.0)
             nursery.cancel_scope.cancel()
     ticks = ["2026-11-30T08:05:00Z", "2026-11-30T08:10:00Z"]
-    assert sorted(o["due_at"] for o in call(store, store.occurrences, sched["id"])) == ticks
-    assert all(o["run_id"] for o in call(store, store.occurrences, sched["id"]))
+    assert sorted(o["due_at"] for o in call(store, store.schedules.occurrences, sched["id"])) == ticks
+    assert all(o["run_id"] for o in call(store, store.schedules.occurrences, sched["id"]))
     runs = routine_runs(store, r["id"])
     assert [x["due_at"] for x in runs] == ticks
     for x in runs:                                          # at its instant, not on a polling tick
         assert abs(instant(x["started_at"]) - instant(x["due_at"])) < timedelta(seconds=1)
-    assert (call(store, store.get_schedule, sched["id"])["next_fire_at"]
+    assert (call(store, store.schedules.get_schedule, sched["id"])["next_fire_at"]
             == only(routine(store, r["id"])["triggers"])["next_run_at"] == "2026-11-30T08:15:00Z")
 
 
@@ -1360,16 +1363,16 @@ def test_routine_triggers_and_schedules_share_the_timing_engine_across_dst(offic
     """Berlin springs forward on 28 March 2027: 02:30 does not exist that night."""
     made = datetime(2027, 3, 27, 12, 0, tzinfo=UTC)
     timing = {"kind": "cron", "expression": "30 2 * * *", "timezone": "Europe/Berlin"}
-    sched = call(office, office.create_schedule, normalized(git_repo, now=made, timing=timing), made)
+    sched = call(office, office.schedules.create_schedule, normalized(git_repo, now=made, timing=timing), made)
     worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Night", concurrency_policy="always_enqueue", now=made,
                     task_template={"title": "Night"},
                     triggers=[{"kind": "schedule", "cron_expression": "30 2 * * *", "timezone": "Europe/Berlin"}])
     assert r["triggers"][0]["next_run_at"] == sched["next_fire_at"]
     later = made + timedelta(days=3)
-    call(office, office.claim_due, later)
-    call(office, office.claim_due_routines, later)
-    occurrences = sorted(o["due_at"] for o in call(office, office.occurrences, sched["id"]))
+    call(office, office.schedules.claim_due, later)
+    call(office, office.routines.claim_due_routines, later)
+    occurrences = sorted(o["due_at"] for o in call(office, office.schedules.occurrences, sched["id"]))
     # 02:30 CET does not exist on the 28th: it fires at the first instant after the gap, 03:00 CEST.
     assert occurrences == ["2027-03-28T01:00:00Z", "2027-03-29T00:30:00Z", "2027-03-30T00:30:00Z"]
     assert [x["due_at"] for x in routine_runs(office, r["id"])] == occurrences

@@ -452,12 +452,12 @@ async def test_a_planted_fsmonitor_that_never_answers_cannot_hold_the_settlement
     raw = {"name": "dispatch", "brief": "go", "repository": str(git_repo), "agent": "planter",
            "timing": {"kind": "interval", "seconds": 3600, "timezone": "UTC"}}
     payload = outpost.normalize_definition(raw, deps.clock.now(), agents=["planter"])
-    run_id = (await deps.transaction(store.create_dispatch, payload, deps.clock.now()))["run_id"]
+    run_id = (await deps.transaction(store.schedules.create_dispatch, payload, deps.clock.now()))["run_id"]
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
             deps.claim_wake.poke()
-            while (run := await deps.transaction(store.get_run, run_id))["status"] not in SETTLED:
+            while (run := await deps.transaction(store.runs.get_run, run_id))["status"] not in SETTLED:
                 await trio.sleep(0.1)
             nursery.cancel_scope.cancel()
     assert run["status"] == "failed" and "did not finish within 3 s" in run["error"], run["error"]

@@ -50,7 +50,8 @@ def statement_kind(sql: str) -> str:
 def timed_store_methods() -> tuple[collections.Counter, collections.Counter]:
     spent, calls = collections.Counter(), collections.Counter()
     for name in TIMED:
-        fn = getattr(outpost.Store, name)
+        part = next(c for c in (outpost.Store, *outpost.StorePart.__subclasses__()) if hasattr(c, name))
+        fn = getattr(part, name)
 
         @functools.wraps(fn)
         def timer(*args, fn=fn, name=name, **kwargs):
@@ -60,7 +61,7 @@ def timed_store_methods() -> tuple[collections.Counter, collections.Counter]:
             finally:
                 spent[name] += time.perf_counter() - t0
                 calls[name] += 1
-        setattr(outpost.Store, name, timer)
+        setattr(part, name, timer)
     return spent, calls
 
 
@@ -146,7 +147,8 @@ def fire_lag(work: Path) -> None:
     outpost.orm.core.SessionCache.commit = timed_commit
     for due in dues:
         t0 = time.perf_counter()
-        (written,) = store.transactions([functools.partial(store.claim_due, due, digests={}, heads={}, up_since=start)])
+        (written,) = store.transactions([functools.partial(store.schedules.claim_due, due, digests={}, heads={},
+                                                           up_since=start)])
         whole.append(time.perf_counter() - t0)
         assert len(written.result) == 1, written
     outpost.orm.core.SessionCache.commit = real_commit

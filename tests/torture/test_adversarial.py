@@ -104,8 +104,8 @@ class Adv:
         sid = self.schedule()["id"]
         rid = self.fire(sid)
         now = datetime.now(UTC)
-        self.db(self.store.settle_run, rid, ended(outpost.RunStatus.FAILED, error="boom"), now, exit_code=1)
-        self.db(self.store.notify_run, rid, now)
+        self.db(self.store.runs.settle_run, rid, ended(outpost.RunStatus.FAILED, error="boom"), now, exit_code=1)
+        self.db(self.store.runs.notify_run, rid, now)
         attention = [a for a in self.db(self.store.list_attention, True) if a["run_id"] == rid]
         return sid, rid, attention[0]["id"]
 
@@ -567,7 +567,7 @@ def test_non_ascii_confirmation_is_422_confirmation_mismatch(adv, where):
                             {"changes": {"brief": "@print x"}, "confirmation": forged},
                             if_match=f'"{adv.request("GET", f"/v1/outpost/schedules/{adv.sid}").body["revision"]}"')
     else:
-        cookie, csrf = adv.db(adv.store.create_session, datetime.now(UTC))
+        cookie, csrf = adv.db(adv.store.access.create_session, datetime.now(UTC))
         form = urllib.parse.urlencode({"csrf": csrf, "definition": json.dumps(composed["definition"]),
                                        "confirmation": forged}).encode()
         reply = adv.request("POST", "/schedules", raw=form, auth=False, key=MISSING,

@@ -19,10 +19,10 @@ async def test_clock_steps_back_an_hour_and_forward_a_day(autojump_clock, tmp_pa
     config = outpost.Config(data_dir=tmp_path, agents=(outpost.demo_profile(),))
     deps = outpost.Deps(config=config, store=store, clock=clock, token="t", inline_db=True)
     definition = normalized(git_repo, concurrency_policy="always_enqueue")
-    sid = store.transaction(store.create_schedule, definition, T0)[0]["id"]
+    sid = store.transaction(store.schedules.create_schedule, definition, T0)[0]["id"]
 
     def ledger():
-        return store.transaction(store.occurrences, sid, 10_000)[0]
+        return store.transaction(store.schedules.occurrences, sid, 10_000)[0]
 
     with trio.fail_after(10 * 86400):
         async with trio.open_nursery() as nursery:
@@ -37,7 +37,7 @@ async def test_clock_steps_back_an_hour_and_forward_a_day(autojump_clock, tmp_pa
 
             clock.offset += timedelta(days=1)                # forward a day
             await trio.sleep(outpost.CRON_MAX_SLEEP_S + 60)  # noticed within one longest sleep
-            runs = store.transaction(store.list_runs, sid, None, 500, None)[0]["runs"]
+            runs = store.transaction(store.runs.list_runs, sid, None, 500, None)[0]["runs"]
             catch_ups = [r for r in runs if r["trigger"] == "catch_up"]
             assert len(catch_ups) == 1, "a day of missed slots folds into one catch-up: no storm"
             assert 24 * 12 <= catch_ups[0]["missed_count"] <= 24 * 12 + 1   # + the slot due as it noticed

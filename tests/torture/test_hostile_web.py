@@ -62,7 +62,7 @@ class Web:
         self.store = self.deps.store
         self.app = outpost.create_app(self.deps)
         self.client = self.app.test_client()
-        self.cookie, self.csrf = self.db(self.store.create_session, datetime.now(UTC))
+        self.cookie, self.csrf = self.db(self.store.access.create_session, datetime.now(UTC))
 
     def db(self, fn, *args, **kwargs):
         return self.store.transaction(fn, *args, **kwargs)[0]
@@ -134,10 +134,10 @@ def web(tmp_path_factory):
     env.sid = env.schedule(name=XSS, brief=f"{XSS}\n@print hi")["id"]
     env.rid = env.fire(env.sid)
     now = datetime.now(UTC)
-    env.db(env.store.settle_run, env.rid, ended(outpost.RunStatus.FAILED, error=f"boom {XSS}",
+    env.db(env.store.runs.settle_run, env.rid, ended(outpost.RunStatus.FAILED, error=f"boom {XSS}",
                                                 result={"status": "failed", "summary": XSS, "question": XSS}),
            now, exit_code=1)
-    env.db(env.store.notify_run, env.rid, now)
+    env.db(env.store.runs.notify_run, env.rid, now)
     env.deps.log_path(env.rid).parent.mkdir(parents=True, exist_ok=True)
     env.deps.log_path(env.rid).write_text(f"agent said {XSS}\n")
     dispatched = env.api("POST", "/v1/outpost/dispatches", {"brief": f"{XSS}\n@print hi", "repository": str(env.repo)})
@@ -145,15 +145,15 @@ def web(tmp_path_factory):
     env.dispatch_rid = dispatched.body["run_id"]
     env.aid = env.db(env.store.list_attention, True)[0]["id"]
     # Office: the same markup in an agent's name, a task, a comment, an approval and a routine.
-    office = env.db(env.store.create_agent, None, outpost.normalize_agent({"name": XSS, "executor": "demo"},
+    office = env.db(env.store.office.create_agent, None, outpost.normalize_agent({"name": XSS, "executor": "demo"},
                                                                           profiles=["demo"]), now)
     env.agent_id = office["id"]
-    task = env.db(env.store.create_task, None, outpost.normalize_task(
+    task = env.db(env.store.office.create_task, None, outpost.normalize_task(
         {"title": XSS, "description": XSS, "assignee_agent_id": env.agent_id}, profiles=["demo"]), now)
     env.task_id = task["id"]
-    env.db(env.store.add_comment, env.task_id, XSS, now)
-    env.approval_id = env.db(env.store.request_approval, env.task_id, env.agent_id, XSS, now, "ws_default")["id"]
-    routine = env.db(env.store.create_routine, None, outpost.normalize_routine(
+    env.db(env.store.office.add_comment, env.task_id, XSS, now)
+    env.approval_id = env.db(env.store.office.request_approval, env.task_id, env.agent_id, XSS, now, "ws_default")["id"]
+    routine = env.db(env.store.routines.create_routine, None, outpost.normalize_routine(
         {"name": XSS, "description": XSS, "assignee_agent_id": env.agent_id}),
         [{"kind": "webhook", "signing_mode": "hmac_sha256", "enabled": True}], now)
     env.routine_id, env.trigger_id = routine["id"], routine["triggers"][0]["id"]
@@ -264,7 +264,7 @@ def test_a_session_cookie_does_not_open_webhooks_or_the_agent_api(web):
     """Cross-site with a valid cookie: the agent API refuses (no run token) and changes
     nothing; a webhook without a signature is refused, fires nothing, and only its refusal
     is recorded (the audit trail of API.md 7.2)."""
-    runs_before = web.db(web.store.get_routine, web.routine_id)["runs"]
+    runs_before = web.db(web.store.routines.get_routine, web.routine_id)["runs"]
     visited = set()
     for rule, methods, path in rule_paths(web):
         if not rule.startswith(COOKIELESS):
@@ -275,7 +275,7 @@ def test_a_session_cookie_does_not_open_webhooks_or_the_agent_api(web):
                 "Content-Type": "application/json", "X-CSRF-Token": web.csrf, **CROSS_SITE["both"]})
             assert reply.status == 401, (rule, reply.status, reply.text)
     assert {"/api/agent/comments", "/api/routine-triggers/<public_id>/fire"} <= visited
-    detail = web.db(web.store.get_routine, web.routine_id)
+    detail = web.db(web.store.routines.get_routine, web.routine_id)
     assert detail["runs"] == runs_before
     assert detail["triggers"][0]["refused_deliveries"][0]["reason"].startswith("missing X-Outpost-Signature")
 

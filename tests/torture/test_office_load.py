@@ -56,14 +56,15 @@ class Office:
 
     def __init__(self, store: outpost.Store, repo: str):
         self.store = store
-        current = store.transaction(store.office_settings, None)[0]
+        current = store.transaction(store.office.office_settings, None)[0]
         settings = outpost.normalize_settings({"repository": repo}, profiles=PROFILES, current=current)
-        store.transaction(store.update_office_settings, None, settings)
+        store.transaction(store.office.update_office_settings, None, settings)
         self.agents: dict[str, dict] = {}
         for i in range(N_AGENTS):
             raw = {"name": f"agent-{i:02d}", "executor": "demo", "max_concurrent_sessions": 1 + i % 3,
                    "cooldown_sec": COOLDOWNS_S[(i // 3) % len(COOLDOWNS_S)]}
-            a = store.transaction(store.create_agent, None, outpost.normalize_agent(raw, profiles=PROFILES), T0)[0]
+            a = store.transaction(store.office.create_agent, None, outpost.normalize_agent(raw, profiles=PROFILES),
+                                  T0)[0]
             self.agents[a["id"]] = a
         self.ids = list(self.agents)
         self.cursor = store.transaction(store.latest_cursor)[0]
@@ -122,13 +123,15 @@ class Office:
         kind = i % 10
         if kind < 6:
             fields = outpost.normalize_task({"title": f"task {i}", "assignee_agent_id": agent_id}, profiles=PROFILES)
-            store.transaction(store.create_task, None, fields, now)
+            store.transaction(store.office.create_task, None, fields, now)
         elif kind < 8:
-            store.transaction(store.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id, outpost.WakeupSource.USER,
+            store.transaction(store.wakeups.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id,
+                              outpost.WakeupSource.USER,
                       {"user_id": "u", "context": f"n{i}"}, now)
         else:
             ahead = timedelta(seconds=random.Random(i).randint(0, SELF_WAKE_AHEAD_S))
-            store.transaction(store.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id, outpost.WakeupSource.SELF,
+            store.transaction(store.wakeups.enqueue_wakeup, outpost.DEFAULT_WORKSPACE, agent_id,
+                              outpost.WakeupSource.SELF,
                       {"reason": f"n{i}"}, now, wake_at=now + ahead)
 
 
@@ -154,30 +157,30 @@ def drain(office: Office, n: int, rng: random.Random) -> dict:
         while True:
             with office.checking():
                 before = office.last_finished()
-            _, processed = store.transaction(store.dispatch_wakeups, now, PROFILES)[0]
+            _, processed = store.transaction(store.pipeline.dispatch_wakeups, now, PROFILES)[0]
             with office.checking():
                 office.check_after_dispatch(now, before)
             processed_total += processed
             if not processed:
                 break
-        while (admitted := store.transaction(store.admit_next, MAX_RUNNING, now)[0]) is not None:
+        while (admitted := store.transaction(store.runs.admit_next, MAX_RUNNING, now)[0]) is not None:
             run_id, is_resume = admitted
             assert not is_resume and run_id not in running
             running[run_id] = now + timedelta(seconds=rng.choice((0, 0, 1, 2, 3)))
         for run_id in [r for r, done_at in running.items() if done_at <= now]:
             del running[run_id]
-            ctx = store.transaction(store.run_agent_context, run_id)[0]   # what its run token speaks for
+            ctx = store.transaction(store.office.run_agent_context, run_id)[0]   # what its run token speaks for
             assert ctx is not None, f"run {run_id} is not running"
             if ctx["task_id"]:   # the null agent finishes its task, as an agent does through the API
-                store.transaction(store.move_task, ctx["task_id"], outpost.TaskState.DONE, now,
+                store.transaction(store.office.move_task, ctx["task_id"], outpost.TaskState.DONE, now,
                                   by_agent=ctx["agent_id"], workspace_id=ctx["workspace_id"])
-            ok, wrote = store.transaction(store.settle_run, run_id, ended(outpost.RunStatus.SUCCEEDED), now,
+            ok, wrote = store.transaction(store.runs.settle_run, run_id, ended(outpost.RunStatus.SUCCEEDED), now,
                                           exit_code=0)
             assert ok and wrote, f"run {run_id} was already settled"
             settled += 1
             if settled % 10 == 0:   # a second settlement changes nothing
                 with office.checking():
-                    again = store.transaction(store.settle_run, run_id,
+                    again = store.transaction(store.runs.settle_run, run_id,
                                               ended(outpost.RunStatus.FAILED, error="late"), now)
                 assert again == (False, False), f"run {run_id} settled twice: {again}"
                 resettled += 1
@@ -190,7 +193,7 @@ def drain(office: Office, n: int, rng: random.Random) -> dict:
         if processed_total or running:
             now += timedelta(seconds=1)
             continue
-        wake = store.transaction(store.next_wakeup_at, now)[0]
+        wake = store.transaction(store.office.next_wakeup_at, now)[0]
         upcoming = [t for t in (wake, arrivals[0] if arrivals else None) if t is not None]
         assert upcoming, f"{left} wakeups left, nothing claimable, nothing due: stalled at {now}"
         now = max(now + timedelta(milliseconds=1), min(upcoming))

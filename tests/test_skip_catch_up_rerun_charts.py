@@ -1,5 +1,5 @@
-"""Beyond the seeds (API.md 9): skip when nothing changed, ask before catching up, the
-dead-man alert and /healthz, re-run and compare, the charts."""
+"""Skip when nothing changed, ask before catching up, the dead-man alert and /healthz,
+re-run and compare, the charts (API.md 9)."""
 from __future__ import annotations
 
 import re
@@ -25,7 +25,7 @@ def store(tmp_path):
 
 def ledger(store, schedule_id: str) -> list[str]:
     """The slot ledger's outcomes, oldest first."""
-    return [o["outcome"] for o in reversed(call(store, store.occurrences, schedule_id, 100))]
+    return [o["outcome"] for o in reversed(call(store, store.schedules.occurrences, schedule_id, 100))]
 
 
 ###############################################################################
@@ -33,28 +33,30 @@ def ledger(store, schedule_id: str) -> list[str]:
 ###############################################################################
 
 def test_an_unchanged_commit_skips_the_fire_and_a_new_one_admits_it(store, git_repo):
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN,
+                                                                    skip_if_unchanged=True), T0)
     head = git(git_repo, "rev-parse", "HEAD")
-    (first,) = call(store, store.claim_due, T0 + 10 * MIN, heads={sched["id"]: head})
-    call(store, store.set_resolved_commit, first, head)
+    (first,) = call(store, store.schedules.claim_due, T0 + 10 * MIN, heads={sched["id"]: head})
+    call(store, store.runs.set_resolved_commit, first, head)
     settle(store, first, "succeeded", T0 + 11 * MIN)
-    assert call(store, store.claim_due, T0 + 20 * MIN, heads={sched["id"]: head}) == []
-    (again,) = call(store, store.claim_due, T0 + 30 * MIN, heads={sched["id"]: "0" * 40})   # a new commit
+    assert call(store, store.schedules.claim_due, T0 + 20 * MIN, heads={sched["id"]: head}) == []
+    (again,) = call(store, store.schedules.claim_due, T0 + 30 * MIN, heads={sched["id"]: "0" * 40})   # a new commit
     assert ledger(store, sched["id"]) == ["admitted", "skipped_unchanged", "admitted"]
     assert again != first
     # A manual fire ignores the flag.
     settle(store, again, "succeeded", T0 + 31 * MIN)
-    fired = call(store, store.fire_manual, sched["id"], 1, T0 + 32 * MIN)
+    fired = call(store, store.schedules.fire_manual, sched["id"], 1, T0 + 32 * MIN)
     assert fired["outcome"] == "admitted"
 
 
 def test_only_a_success_counts_as_the_last_commit(store, git_repo):
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN,
+                                                                    skip_if_unchanged=True), T0)
     head = git(git_repo, "rev-parse", "HEAD")
-    (first,) = call(store, store.claim_due, T0 + 10 * MIN, heads={sched["id"]: head})
-    call(store, store.set_resolved_commit, first, head)
+    (first,) = call(store, store.schedules.claim_due, T0 + 10 * MIN, heads={sched["id"]: head})
+    call(store, store.runs.set_resolved_commit, first, head)
     settle(store, first, "failed", T0 + 11 * MIN, error="boom")
-    assert len(call(store, store.claim_due, T0 + 20 * MIN, heads={sched["id"]: head})) == 1
+    assert len(call(store, store.schedules.claim_due, T0 + 20 * MIN, heads={sched["id"]: head})) == 1
 
 
 async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path, git_repo):
@@ -62,13 +64,13 @@ async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path,
     schedule that skips when unchanged (and only of those), outside the claim's transaction."""
     store = outpost.Store(tmp_path / "cron.sqlite3")
     deps = make_deps(tmp_path, store=store, token="t", inline_db=True)
-    sched = call(store, store.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
                                                           skip_if_unchanged=True), T0)
-    call(store, store.create_schedule, normalized(git_repo, name="always", timing=EVERY_10_MIN), T0)
+    call(store, store.schedules.create_schedule, normalized(git_repo, name="always", timing=EVERY_10_MIN), T0)
     head = git(git_repo, "rev-parse", "HEAD")
     assert await outpost.unchanged_heads(deps, T0 + 5 * MIN) == {}, "nothing is due yet"
     assert await outpost.unchanged_heads(deps, T0 + 10 * MIN) == {sched["id"]: head}
-    broken = call(store, store.create_schedule, normalized(git_repo, name="gone", timing=EVERY_10_MIN,
+    broken = call(store, store.schedules.create_schedule, normalized(git_repo, name="gone", timing=EVERY_10_MIN,
                                                            skip_if_unchanged=True, source_ref="main"), T0)
     git(git_repo, "branch", "-m", "main", "renamed")
     heads = await outpost.unchanged_heads(deps, T0 + 10 * MIN)
@@ -81,7 +83,8 @@ async def test_a_fire_that_skips_when_unchanged_resolves_its_ref_once(tmp_path, 
     from; fire step 2 does not resolve the ref again (nor does the worktree step: it is recorded)."""
     store = outpost.Store(tmp_path / "once.sqlite3")
     deps = make_deps(tmp_path, store=store, token="t", inline_db=True)
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    sched = call(store, store.schedules.create_schedule,
+                 normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
     asked, real = [], outpost.resolve_ref
 
     async def counting(repository: str, ref: str) -> str:
@@ -89,10 +92,10 @@ async def test_a_fire_that_skips_when_unchanged_resolves_its_ref_once(tmp_path, 
         return await real(repository, ref)
     monkeypatch.setattr(outpost, "resolve_ref", counting)
     heads = await outpost.unchanged_heads(deps, T0 + 10 * MIN)
-    (run_id,) = call(store, store.claim_due, T0 + 10 * MIN, heads=heads)
+    (run_id,) = call(store, store.schedules.claim_due, T0 + 10 * MIN, heads=heads)
     await outpost.resolve_new_runs(deps, [run_id])
     assert asked == ["HEAD"]
-    recorded = call(store, store.launch_info, run_id)["resolved_commit"]
+    recorded = call(store, store.runs.launch_info, run_id)["resolved_commit"]
     assert recorded == heads[sched["id"]] == git(git_repo, "rev-parse", "HEAD")
     store.close()
 
@@ -106,7 +109,8 @@ async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_
     under MockClock lets the clock jump while it runs.)"""
     store = outpost.Store(tmp_path / "prepared.sqlite3")
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True)
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN,
+                                                                    skip_if_unchanged=True), T0)
     head = {"now": "1" * 40}
     asked_at = []
 
@@ -127,7 +131,7 @@ async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_
         async with trio.open_nursery() as nursery:
             nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
             await trio.sleep(10 * 60 + 1)    # 08:10: the first run of this schedule
-            (run,) = call(store, store.list_runs, sched["id"], None, 10, None)["runs"]
+            (run,) = call(store, store.runs.list_runs, sched["id"], None, 10, None)["runs"]
             settle(store, run["id"], "succeeded", deps.clock.now())
             await trio.sleep(10 * 60)        # 08:20: nothing changed, so it skips
             head["now"] = "2" * 40           # a commit lands while the actor sleeps
@@ -142,20 +146,20 @@ async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_
 
 
 def test_the_checks_name_only_schedules_that_skip_even_when_a_brief_mentions_the_flag(store, git_repo):
-    skips = call(store, store.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
+    skips = call(store, store.schedules.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
                                                           skip_if_unchanged=True), T0)
-    call(store, store.create_schedule, normalized(git_repo, name="talks", timing=EVERY_10_MIN,
+    call(store, store.schedules.create_schedule, normalized(git_repo, name="talks", timing=EVERY_10_MIN,
                                                   brief='Explain "skip_if_unchanged" to the team'), T0)
-    assert call(store, store.unchanged_checks, T0 + 10 * MIN) == [(skips["id"], str(git_repo), "HEAD")]
+    assert call(store, store.schedules.unchanged_checks, T0 + 10 * MIN) == [(skips["id"], str(git_repo), "HEAD")]
 
 
 def test_a_claim_until_an_instant_leaves_later_slots_for_the_next_claim(store, git_repo):
-    early = call(store, store.create_schedule, normalized(git_repo, name="early", timing=EVERY_10_MIN), T0)
-    later = call(store, store.create_schedule, normalized(git_repo, name="later", timing=EVERY_10_MIN),
+    early = call(store, store.schedules.create_schedule, normalized(git_repo, name="early", timing=EVERY_10_MIN), T0)
+    later = call(store, store.schedules.create_schedule, normalized(git_repo, name="later", timing=EVERY_10_MIN),
                  T0 + timedelta(seconds=2))
-    assert len(call(store, store.claim_due, T0 + 10 * MIN + timedelta(seconds=3), until=T0 + 10 * MIN)) == 1
+    assert len(call(store, store.schedules.claim_due, T0 + 10 * MIN + timedelta(seconds=3), until=T0 + 10 * MIN)) == 1
     assert ledger(store, early["id"]) == ["admitted"] and ledger(store, later["id"]) == []
-    assert len(call(store, store.claim_due, T0 + 10 * MIN + timedelta(seconds=3))) == 1
+    assert len(call(store, store.schedules.claim_due, T0 + 10 * MIN + timedelta(seconds=3))) == 1
     assert ledger(store, later["id"]) == ["admitted"]
 
 
@@ -164,47 +168,48 @@ def test_a_claim_until_an_instant_leaves_later_slots_for_the_next_claim(store, g
 ###############################################################################
 
 def asking_schedule(store, git_repo) -> dict:
-    return call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN, catch_up={"policy": "ask"}),
+    return call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN,
+                                                                   catch_up={"policy": "ask"}),
                 T0)
 
 
 def test_missed_slots_under_ask_wait_for_a_human_then_approve_runs_one_catch_up(store, git_repo):
     sched = asking_schedule(store, git_repo)
     # The daemon was down for an hour: six slots were missed; nothing runs.
-    assert call(store, store.claim_due, T0 + 65 * MIN) == []
-    s = call(store, store.get_schedule, sched["id"])
+    assert call(store, store.schedules.claim_due, T0 + 65 * MIN) == []
+    s = call(store, store.schedules.get_schedule, sched["id"])
     assert s["pending_catch_up"] == {"missed_count": 6, "first_missed_at": "2026-11-30T08:10:00Z",
                                      "last_missed_at": "2026-11-30T09:00:00Z", "missed_count_exact": True}
     assert ledger(store, sched["id"]) == ["pending_catch_up"] * 6
     item = only([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"])
     assert "missed 6 occurrences" in item["title"]
-    approved = call(store, store.control_schedule, sched["id"], 1, "approve_catch_up", T0 + 61 * MIN)
+    approved = call(store, store.schedules.control_schedule, sched["id"], 1, "approve_catch_up", T0 + 61 * MIN)
     assert approved["pending_catch_up"] is None and approved["revision"] == 2
-    (run,) = call(store, store.list_runs, sched["id"], None, 10, None)["runs"]
+    (run,) = call(store, store.runs.list_runs, sched["id"], None, 10, None)["runs"]
     assert (run["trigger"], run["missed_count"], run["status"]) == ("catch_up", 6, "queued")
     assert ledger(store, sched["id"]) == ["folded"] * 5 + ["admitted"]
     assert call(store, store.list_attention, True) == [], "the decision closes the plan's item"
     with pytest.raises(outpost.Conflict):
-        call(store, store.control_schedule, sched["id"], 2, "approve_catch_up", T0 + 62 * MIN)
+        call(store, store.schedules.control_schedule, sched["id"], 2, "approve_catch_up", T0 + 62 * MIN)
 
 
 def test_dismissing_a_catch_up_records_the_slots_as_skipped(store, git_repo):
     sched = asking_schedule(store, git_repo)
-    call(store, store.claim_due, T0 + 35 * MIN)
-    call(store, store.claim_due, T0 + 55 * MIN)   # more missed slots join the same plan: one item
-    assert call(store, store.get_schedule, sched["id"])["pending_catch_up"]["missed_count"] == 5
+    call(store, store.schedules.claim_due, T0 + 35 * MIN)
+    call(store, store.schedules.claim_due, T0 + 55 * MIN)   # more missed slots join the same plan: one item
+    assert call(store, store.schedules.get_schedule, sched["id"])["pending_catch_up"]["missed_count"] == 5
     assert len([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"]) == 1
-    call(store, store.control_schedule, sched["id"], 1, "dismiss_catch_up", T0 + 56 * MIN)
+    call(store, store.schedules.control_schedule, sched["id"], 1, "dismiss_catch_up", T0 + 56 * MIN)
     assert ledger(store, sched["id"]) == ["skipped_missed"] * 5
-    assert call(store, store.list_runs, sched["id"], None, 10, None)["runs"] == []
+    assert call(store, store.runs.list_runs, sched["id"], None, 10, None)["runs"] == []
     # A slot on time fires as usual.
-    assert len(call(store, store.claim_due, T0 + 60 * MIN)) == 1
+    assert len(call(store, store.schedules.claim_due, T0 + 60 * MIN)) == 1
 
 
 async def test_approve_and_dismiss_are_controls_of_the_api(tmp_path, git_repo):
     api = Api(make_deps(tmp_path), git_repo)
     created = await api.schedule(timing=EVERY_10_MIN, catch_up={"policy": "ask"})
-    call(api.store, api.store.claim_due, T0 + 45 * MIN)
+    call(api.store, api.store.schedules.claim_due, T0 + 45 * MIN)
     reply = await api.control(created["id"], "approve_catch_up", 1)
     assert reply.status == 200 and reply.body["pending_catch_up"] is None
     reply = await api.control(created["id"], "dismiss_catch_up", 2)
@@ -222,7 +227,7 @@ async def test_a_long_outage_under_ask_names_its_first_slot_and_says_more_than(t
     sched = await api.schedule(timing=EVERY_MINUTE, catch_up={"policy": "ask"})
     back = T0 + timedelta(days=2, minutes=30, seconds=30)   # down two days: 2,909 per-minute slots missed
     api.clock.at = back
-    call(api.store, api.store.claim_due, back)   # the cron actor's first claim
+    call(api.store, api.store.schedules.claim_due, back)   # the cron actor's first claim
     plan = (await api.get(f"/v1/outpost/schedules/{sched['id']}")).body["pending_catch_up"]
     assert plan["first_missed_at"] == "2026-11-30T08:01:00Z"
     assert plan["last_missed_at"] == "2026-12-02T08:29:00Z"
@@ -235,19 +240,19 @@ async def test_a_long_outage_under_ask_names_its_first_slot_and_says_more_than(t
     page = await (await api.client.get(f"/schedules/{sched['id']}")).get_data(as_text=True)
     panel = page.split('id="catch-up-plan"', 1)[1].split("</div>", 1)[0]
     assert f"<strong>{many}</strong>" in panel and "the first at 2026-11-30 08:01" in panel
-    (on_time,) = call(api.store, api.store.list_runs, sched["id"], None, 10, None)["runs"]   # 08:30 fired
+    (on_time,) = call(api.store, api.store.runs.list_runs, sched["id"], None, 10, None)["runs"]   # 08:30 fired
     await api.post(f"/v1/outpost/runs/{on_time['id']}/control", {"action": "cancel"})
     approved = await api.control(sched["id"], "approve_catch_up", await api.revision(sched["id"]))
     assert approved.status == 200, approved.body
-    run, _ = call(api.store, api.store.list_runs, sched["id"], None, 10, None)["runs"]
-    prompt = call(api.store, api.store.launch_info, run["id"])["prompt"]
+    run, _ = call(api.store, api.store.runs.list_runs, sched["id"], None, 10, None)["runs"]
+    prompt = call(api.store, api.store.runs.launch_info, run["id"])["prompt"]
     assert f"missed {many} occurrences since 2026-11-30 08:01 UTC" in prompt
 
 
 def test_a_plan_of_few_slots_says_its_count_is_exact(store, git_repo):
     sched = asking_schedule(store, git_repo)
-    call(store, store.claim_due, T0 + 65 * MIN)
-    plan = call(store, store.get_schedule, sched["id"])["pending_catch_up"]
+    call(store, store.schedules.claim_due, T0 + 65 * MIN)
+    plan = call(store, store.schedules.get_schedule, sched["id"])["pending_catch_up"]
     assert (plan["missed_count"], plan["missed_count_exact"]) == (6, True)
 
 
@@ -265,7 +270,8 @@ async def test_after_a_restart_the_slots_of_the_downtime_follow_catch_up_not_ove
     monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
     store = outpost.Store(tmp_path / "restart.sqlite3")
     every_10_s = {"kind": "interval", "seconds": 10, "timezone": "UTC"}
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=every_10_s, catch_up={"policy": policy},
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=every_10_s,
+                                                                    catch_up={"policy": policy},
                                                           concurrency_policy=concurrency), T0)
     back = T0 + timedelta(hours=1, seconds=5)   # down an hour: back 5 s after the 09:00:00 slot
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(back), token="t", inline_db=True)
@@ -274,10 +280,10 @@ async def test_after_a_restart_the_slots_of_the_downtime_follow_catch_up_not_ove
             nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
             await trio.sleep(1)
             nursery.cancel_scope.cancel()
-    slots = list(reversed(call(store, store.occurrences, sched["id"], 1000)))
+    slots = list(reversed(call(store, store.schedules.occurrences, sched["id"], 1000)))
     assert slots[-1]["due_at"] == "2026-11-30T09:00:00Z" and slots[-1]["outcome"] == "admitted"
     assert {o["outcome"] for o in slots[:-1]} == {outcome}, "every older slot of the downtime was missed"
-    assert len(call(store, store.list_runs, sched["id"], None, 100, None)["runs"]) == 1
+    assert len(call(store, store.runs.list_runs, sched["id"], None, 100, None)["runs"]) == 1
     store.close()
 
 
@@ -296,7 +302,7 @@ async def test_a_stalled_store_raises_one_missed_fire_and_healthz_says_503_until
     path = tmp_path / "stalled.sqlite3"
     store = outpost.Store(path)
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True)
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)
     outside = sqlite3.connect(path, isolation_level=None)
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
@@ -308,7 +314,7 @@ async def test_a_stalled_store_raises_one_missed_fire_and_healthz_says_503_until
             status, body = await healthz(deps)
             assert status == 503 and body["status"] == "cron_lagging" and body["cron_lag_seconds"] > 60
             outside.execute("ROLLBACK")
-            await until(lambda: call(store, store.occurrences, sched["id"], 10), poll_s=1)
+            await until(lambda: call(store, store.schedules.occurrences, sched["id"], 10), poll_s=1)
             await trio.sleep(1)
             assert (await healthz(deps))[0] == 200
             nursery.cancel_scope.cancel()
@@ -322,13 +328,15 @@ async def test_a_clock_step_raises_a_missed_fire_but_downtime_does_not(autojump_
     store = outpost.Store(tmp_path / "step.sqlite3")
     clock = SteppedClock(T0)
     deps = make_deps(tmp_path, store=store, clock=clock, token="t", inline_db=True)
-    down = call(store, store.create_schedule, normalized(git_repo, name="down", timing=EVERY_10_MIN), T0 - 60 * MIN)
+    down = call(store, store.schedules.create_schedule, normalized(git_repo, name="down", timing=EVERY_10_MIN),
+                T0 - 60 * MIN)
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
             await trio.sleep(60)   # the first pass caught up the downtime's slots: no alarm
             assert [a["kind"] for a in call(store, store.list_attention, True)] == []
-            stepped = call(store, store.create_schedule, normalized(git_repo, name="stepped", timing=EVERY_10_MIN),
+            stepped = call(store, store.schedules.create_schedule, normalized(git_repo, name="stepped",
+                                                                              timing=EVERY_10_MIN),
                            clock.now())
             deps.cron_wake.poke()
             await trio.sleep(1)
@@ -358,7 +366,7 @@ async def test_healthz_says_503_when_the_cron_actor_is_stuck_on_a_held_store_bef
     path = tmp_path / "held.sqlite3"
     store = outpost.Store(path)
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0 + 9 * MIN), token="t", inline_db=True)
-    sched = call(store, store.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)   # due 08:10
+    sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN), T0)   # due 08:10
     outside = sqlite3.connect(path, isolation_level=None)
     outside.execute("BEGIN IMMEDIATE")   # another process holds the write lock before the actors start
     with trio.fail_after(3600):
@@ -371,7 +379,7 @@ async def test_healthz_says_503_when_the_cron_actor_is_stuck_on_a_held_store_bef
             assert status == 503 and body["status"] == "cron_stuck" and not body["ok"]
             assert "cron actor" in body["reason"] and "150 s" in body["reason"]
             outside.execute("ROLLBACK")
-            await until(lambda: call(store, store.occurrences, sched["id"], 10), poll_s=1)
+            await until(lambda: call(store, store.schedules.occurrences, sched["id"], 10), poll_s=1)
             await trio.sleep(1)
             status, body = await healthz(deps)
             assert status == 200 and body["status"] == "ok", body
@@ -397,7 +405,7 @@ async def run_to_end(deps, run_id: str) -> dict:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
         deps.claim_wake.poke()
-        view = await until(lambda: (r := call(deps.store, deps.store.get_run, run_id))["status"]
+        view = await until(lambda: (r := call(deps.store, deps.store.runs.get_run, run_id))["status"]
                            in ("succeeded", "failed") and r)
         nursery.cancel_scope.cancel()
     return view
@@ -450,7 +458,7 @@ async def test_the_chart_holds_one_bar_per_day_with_the_right_counts(tmp_path, g
     sched = await api.schedule(timing=EVERY_10_MIN)
     store = api.store
     for minutes, status in ((5, "succeeded"), (6, "succeeded"), (7, "failed")):
-        fired = call(store, store.fire_manual, sched["id"], 1, T0 - timedelta(days=2) + minutes * MIN)
+        fired = call(store, store.schedules.fire_manual, sched["id"], 1, T0 - timedelta(days=2) + minutes * MIN)
         settle(store, fired["run_id"], status, T0 - timedelta(days=2) + (minutes + 1) * MIN,
                **({"error": "boom"} if status == "failed" else {}))
     reply = await api.get(f"/v1/outpost/charts/runs.svg?schedule_id={sched['id']}")
