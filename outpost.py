@@ -450,21 +450,905 @@ def invalid(field: str, message: str) -> ValidationFailed:
 # 3. Configuration: outpost.toml, environment and flags -> one frozen Config.
 ###############################################################################
 
+# --- agent CLIs ------------------------------------------------------------------------------
+# Everything Outpost knows of each agent CLI (API.md 8), in one place: the limits and login
+# failures a CLI's words name (8.3, 8.4), the readers of their output (8.2), the login checks of
+# ``outpost doctor``, and one Preset per CLI that holds its command lines, its reader, whether it
+# always ends with a terminal event, its login rules and its doctor check. A run's executor and
+# ``outpost doctor`` ask a profile's preset (``profile.kind``), never a table keyed by its name.
+# Uses only sections 1 and 2, and rfc3339 (moved up with it: a Limit's view needs it).
+
+def rfc3339(dt: datetime | None) -> str | None:
+    """An aware instant as RFC 3339 UTC with ``Z`` (milliseconds kept when present)."""
+    if dt is None:
+        return None
+    dt = dt.astimezone(UTC)
+    spec = "milliseconds" if dt.microsecond else "seconds"
+    return dt.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
+
+
+# Limits and login failures, in whatever words a CLI prints them (API.md 8.3, 8.4).
+
+#: Words that mark a limit in an error text or the tail of stderr (case-insensitive, whole words:
+#: a stack trace's ``RetryableQuotaError`` is no limit).
+USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "hit your limit", "hit your usage limit", "quota",
+                     "exhausted your capacity", "resource_exhausted", "limit will reset", "out of usage credits",
+                     "out of credits", "spend limit", "credit balance is too low", "billing_error")
+RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "ratelimiterror", "too many requests")
+#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit",
+#: "You've reached your Opus limit".
+HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b")
+#: A provider too busy to answer (Anthropic's 529, a 503 "overloaded"): waited out like a rate limit
+#: with no reset, never the agent's own failure. Not a bare "overloaded" (a compiler says that too).
+OVERLOADED = re.compile(r"overloaded_error|\b529\b|\b(?:model|engine|server|servers|api|service) (?:is |are )?"
+                        r"(?:currently |temporarily )?(?:down or )?overloaded|api error: \d{3} overloaded")
+#: A limit that no wait lifts: a spend cap, credits or a plan's quota used up. When it names no
+#: reset, the profile is paused until a human raises it and resumes the profile (API.md 8.3).
+SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
+                         r"check your plan and billing|out of (?:usage )?credits|add funds")
+#: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
+LIMIT_LADDER_S = (120, 600, 1800, 7200)
+LIMIT_JITTER = 0.25
+#: A profile stays limited this long past the reset its CLI named.
+LIMIT_BUFFER_S = 30
+#: A wall time named in a limit message that passed less than this ago means "now".
+LIMIT_RECENT_S = 15 * 60
+#: Zone abbreviations CLIs print, as fixed offsets (hours); any other zone is an IANA name.
+ZONE_ABBREVIATIONS = {"UTC": 0, "GMT": 0, "Z": 0, "EST": -5, "EDT": -4, "CST": -6, "CDT": -5, "MST": -7,
+                      "MDT": -6, "PST": -8, "PDT": -7, "AKST": -9, "AKDT": -8, "HST": -10, "CET": 1,
+                      "CEST": 2, "BST": 1, "WET": 0, "WEST": 1, "EET": 2, "EEST": 3, "IST": 5.5, "JST": 9,
+                      "KST": 9, "AEST": 10, "AEDT": 11}
+DURATION_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1, "sec": 1, "secs": 1,
+                  "second": 1, "seconds": 1, "m": MINUTE_S, "min": MINUTE_S, "mins": MINUTE_S,
+                  "minute": MINUTE_S, "minutes": MINUTE_S, "h": HOUR_S, "hr": HOUR_S, "hrs": HOUR_S,
+                  "hour": HOUR_S, "hours": HOUR_S, "d": DAY_S, "day": DAY_S, "days": DAY_S}
+_UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)(?![a-z])"
+_DURATION = rf"(?:\d+(?:\.\d+)?\s*{_UNIT}[\s,]*(?:and\s+)?)+"
+_WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
+#: A zone after a wall time: an IANA name, an abbreviation, or a fixed offset (GMT-3, UTC+5:30).
+_ZONE = r"((?:GMT|UTC)[+-]\d{1,2}(?::?\d{2})?|[A-Za-z_]+/[A-Za-z_]+(?:/[A-Za-z_]+)?|[A-Z]{1,5})"
+_MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
+MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
+                                       "nov", "dec"), 1)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limit:
+    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not).
+    ``raised_by`` names who must act on a spend or credit limit that no wait lifts (None: waiting does)."""
+    kind: str                      # rate_limit | usage_limit
+    resets_at: datetime | None
+    message: str
+    raised_by: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {"kind": self.kind, "resets_at": rfc3339(self.resets_at), "message": self.message}
+
+
+def _duration_s(text: str) -> float:
+    return sum(float(n) * DURATION_UNITS[u.lower()]
+               for n, u in re.findall(rf"(\d+(?:\.\d+)?)\s*({_UNIT})", text, re.IGNORECASE))
+
+
+def _zone_of(name: str | None, default: ZoneInfo) -> tzinfo:
+    if not name:
+        return default
+    if m := re.fullmatch(r"(?:GMT|UTC)([+-])(\d{1,2})(?::?(\d{2}))?", name, re.IGNORECASE):
+        offset = timedelta(hours=int(m[2]), minutes=int(m[3] or 0))
+        return timezone(-offset if m[1] == "-" else offset) if offset < timedelta(hours=15) else default
+    if name.upper() in ZONE_ABBREVIATIONS:
+        return timezone(timedelta(hours=ZONE_ABBREVIATIONS[name.upper()]))
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        return default
+
+
+def _hour(hour: str, ampm: str | None) -> int:
+    h = int(hour)
+    if ampm:
+        h = h % 12 + (12 if ampm.lower().startswith("p") else 0)
+    return h
+
+
+def _next_wall(now: datetime, tz: tzinfo, hour: int, minute: int) -> datetime | None:
+    """The next instant showing hour:minute in ``tz``; one that passed in the last 15 minutes is now."""
+    if hour > 23 or minute > 59:
+        return None
+    local = now.astimezone(tz)
+    wall = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if wall <= local - timedelta(seconds=LIMIT_RECENT_S):
+        wall = (wall.replace(tzinfo=None) + timedelta(days=1)).replace(tzinfo=tz)
+    return max(wall.astimezone(UTC), now)
+
+
+def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int, hour: int,
+               minute: int) -> datetime | None:
+    """That date and wall time in ``tz``; without a year, the next such date (one that passed in the
+    last 15 minutes is now)."""
+    if hour > 23 or minute > 59:
+        return None
+    for candidate in ((year,) if year else (now.astimezone(tz).year, now.astimezone(tz).year + 1)):
+        try:
+            at = datetime(candidate, month, day, hour, minute, tzinfo=tz)
+        except ValueError:
+            return None
+        if year or at > now - timedelta(seconds=LIMIT_RECENT_S):
+            return max(at.astimezone(UTC), now)
+    return None
+
+
+def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
+    """When a limit message says the limit resets (API.md 8.3), or None when it names no time.
+    A wall time without a zone is in ``tz`` (the profile's timezone)."""
+    if m := re.search(r"\|(\d{10})\b|reset_time\W{0,3}(\d{9,11})\b", text, re.IGNORECASE):
+        return max(datetime.fromtimestamp(int(m[1] or m[2]), UTC), now)
+    if m := re.search(r"resets?_in_seconds\W{0,3}(\d+(?:\.\d+)?)", text, re.IGNORECASE):
+        return now + timedelta(seconds=float(m[1]))
+    if m := re.search(r"retry-after:\s*(\d{1,9})\b", text, re.IGNORECASE):
+        return now + timedelta(seconds=int(m[1]))
+    # "resets Dec 4, 12pm (Europe/Paris)", "resets Jan 3, 2027, 10pm (...)", "resets Nov 13 at 9am"
+    m = re.search(rf"\bresets?\s+(?:on\s+)?{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?:(\d{{4}}),?\s+)?"
+                  rf"(?:at\s+)?{_WALL}(?:\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\))?", text, re.IGNORECASE)
+    if m and (m[6] or m[5]):   # a wall time: "at 3:28 PM" or "9am", never a bare number
+        return _next_date(now, _zone_of(m[7], tz), int(m[3]) if m[3] else None, MONTHS[m[1].lower()],
+                          int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
+    if m := re.search(rf"\breset(?:s)?\b(?:\s+at)?\s+{_WALL}\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\)",
+                      text, re.IGNORECASE):
+        return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
+    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b{_ZONE}(?![\w/])", text, re.IGNORECASE):
+        return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
+    if m := re.search(rf"\btry again at\s+{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(\d{{4}}),?\s+"
+                      r"(?:at\s+)?" + _WALL, text, re.IGNORECASE):
+        return _next_date(now, tz, int(m[3]), MONTHS[m[1].lower()], int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
+    m = re.search(rf"\b(?:try again|reset|resets)\s+at\s+{_WALL}", text, re.IGNORECASE)
+    if m and (m[2] or m[3]):   # "at 3:28 PM" or "at 3pm", never a bare number
+        return _next_wall(now, tz, _hour(m[1], m[3]), int(m[2] or 0))
+    if m := re.search(rf"\b(?:again|retry|retrying|reset|resets|available)\s+(?:in|after)\s+({_DURATION})",
+                      text, re.IGNORECASE):
+        return now + timedelta(seconds=_duration_s(m[1]))
+    return None
+
+
+def _has_word(lower: str, words: Iterable[str]) -> bool:
+    return any(re.search(rf"(?<![a-z]){re.escape(word)}(?![a-z])", lower) for word in words)
+
+
+def who_raises(text: str) -> str:
+    """Who can lift a spend or credit limit, from how the CLI worded it."""
+    if re.search(r"\b(?:your|ask|contact) (?:org'?s? )?admin|your org(?:anization)?'?s\b", text, re.IGNORECASE):
+        return "an admin of your organization (the account's billing or usage settings)"
+    return "whoever manages the account's billing (plan, credits or spend limit)"
+
+
+def find_limit(text: str, now: datetime, tz: ZoneInfo, *, kind: str | None = None) -> Limit | None:
+    """A limit named in ``text`` (an error, the tail of stderr), or None. ``kind`` is what the CLI's
+    structured fields said (``limit``, ``rate_limit``, ``usage_limit``, ``billing``, ``overloaded``):
+    then it is a limit whatever the words, and the words only tell its kind and reset."""
+    lower = text.lower()
+    usage = _has_word(lower, USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
+    overloaded = bool(OVERLOADED.search(lower))
+    rate = _has_word(lower, RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower)) or overloaded
+    if not usage and not rate and "limit reached" not in lower and kind is None:   # "5-hour limit reached": usage
+        return None
+    if kind in ("usage_limit", "billing"):
+        usage = True
+    elif kind in ("rate_limit", "overloaded"):
+        usage = False
+    else:
+        usage = usage or not rate
+    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit", "overloaded")
+    line = next((ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in words)), text.strip())
+    resets_at = limit_reset(text, now, tz)
+    spend = kind == "billing" or kind in (None, "limit") and SPEND_LIMIT.search(lower)
+    raised_by = who_raises(text) if resets_at is None and usage and spend else None
+    return Limit("usage_limit" if usage else "rate_limit", resets_at, line[:500], raised_by)
+
+
+def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datetime:
+    """Until when a limit holds its profile: the named reset plus 30 s; with no reset, the
+    ladder 2 min, 10 min, 30 min, 2 h (+-25%) by the profile's limits in a row."""
+    if limit.resets_at is not None:
+        return limit.resets_at + timedelta(seconds=LIMIT_BUFFER_S)
+    step = LIMIT_LADDER_S[min(streak, len(LIMIT_LADDER_S) - 1)]
+    return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
+
+
+#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4): none, a bad key, or an
+#: expired or revoked one (Claude Code's "Failed to authenticate. API Error: 401 OAuth token has
+#: expired", "Please login again"; Codex's refresh-token texts; Gemini's API_KEY_INVALID); aider's
+#: through litellm.
+AUTH_MARKERS = ("not logged in", "please run /login", "invalid api key", "authentication_error",
+                "authentication_failed", "please set an auth method", "401 unauthorized", "http 401",
+                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you",
+                "failed to authenticate", "oauth token has expired", "token has been revoked", "please login again",
+                "please log in again", "could not be refreshed", "sign in again", "api_key_invalid",
+                "api key not valid", "403 forbidden", "status 403", "http 403", "permissiondeniederror",
+                "does not have access to claude", '"unauthenticated"', '"permission_denied"')
+
+
+def is_auth_failure(text: str) -> bool:
+    lower = text.lower()
+    return (any(marker in lower for marker in AUTH_MARKERS)
+            or bool(re.search(r"openai_api_key\W+(?:is\s+)?(?:not set|missing|required)|"
+                              r"(?:missing|no|set)\s+(?:the\s+)?openai_api_key", lower)))
+
+
+# The report of a run (API.md 8.2): each CLI's reader.
+
+#: Longest final message a report keeps.
+FINAL_MESSAGE_CHARS = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class Reading:
+    """What an agent CLI said about its run, read from its whole output by its preset's reader.
+    ``verdict`` is what the CLI's own terminal event said (None: it printed none)."""
+    format: str
+    verdict: str | None = None          # succeeded | failed | needs_you
+    error: str | None = None
+    question: str | None = None
+    session_id: str | None = None
+    model: str | None = None
+    agent_version: str | None = None
+    turns: int | None = None
+    cost_usd: float | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    final_message: str | None = None
+    permission_denials: list[Any] = dataclasses.field(default_factory=list)
+    limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
+    failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
+    result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
+    ends_with_result: bool = False        # its CLI always ends with a terminal event (Preset.read): none is no result
+
+
+REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cost_usd", "input_tokens",
+                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials")
+
+
+def json_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Every line of the output that is one JSON object."""
+    for line in lines:
+        line = line.strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                value = json.loads(line)
+                if isinstance(value, dict):
+                    yield value
+
+
+def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
+    last = None
+    for last in json_lines(lines):   # noqa: B007 - the last one is wanted
+        pass
+    return last
+
+
+def _whole_json(lines: list[str]) -> Any:
+    """The output as one JSON document (a pretty-printed object, or an array), else None."""
+    text = "\n".join(lines).strip()
+    if not text.startswith(("{", "[")):
+        return None
+    with contextlib.suppress(ValueError):
+        return json.loads(text)
+    return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _string(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _final(text: Any) -> str | None:
+    return text[-FINAL_MESSAGE_CHARS:] if isinstance(text, str) and text else None
+
+
+#: What a failed HTTP status of the model API means for the run (a CLI's structured fields).
+STATUS_HINTS = {401: "auth", 403: "auth", 402: "billing", 429: "limit", 503: "overloaded", 529: "overloaded"}
+#: Claude Code's ``error`` on the assistant message it makes up when a request fails.
+CLAUDE_ERROR_HINTS = {"authentication_failed": "auth", "oauth_org_not_allowed": "auth", "billing_error": "billing",
+                      "rate_limit": "limit"}
+#: Claude Code's overage reasons (rate_limit_info.overageDisabledReason) of a spend cap: no wait lifts it.
+CLAUDE_SPEND_CAPS = ("org_level_disabled_until", "org_spend_cap_reached")
+#: Hints that make a failure a limit (find_limit's ``kind``).
+LIMIT_HINTS = ("limit", "rate_limit", "usage_limit", "billing", "overloaded")
+
+
+def read_claude(lines: list[str]) -> Reading:
+    """Claude Code, ``--output-format stream-json --verbose`` (or ``json``, and its array form
+    under ``--verbose``): ``system``/``init`` names the session, model and version; the
+    ``result`` event decides (``is_error`` or a ``subtype`` other than ``success`` fails, the
+    text is in ``result``); ``rate_limit_event`` gives an exact reset. What a failure was is read
+    from ``api_error_status`` and the assistant message's ``error`` before any text."""
+    events = list(json_lines(lines))
+    if len(events) <= 1 and isinstance(whole := _whole_json(lines), list | dict):
+        events = [e for e in (whole if isinstance(whole, list) else [whole]) if isinstance(e, dict)]
+    reading = Reading("claude-code")
+    for e in events:
+        kind = e.get("type")
+        if kind == "system" and e.get("subtype") == "init":
+            reading.session_id = _string(e.get("session_id")) or reading.session_id
+            reading.model = _string(e.get("model")) or reading.model
+            reading.agent_version = _string(e.get("claude_code_version")) or reading.agent_version
+        elif kind == "assistant":
+            content = (e.get("message") or {}).get("content") if isinstance(e.get("message"), dict) else None
+            texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
+            if any(isinstance(t, str) and t for t in texts):
+                reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
+            if isinstance(e.get("error"), str):   # authentication_failed, billing_error, rate_limit, ...
+                reading.failure_hint = CLAUDE_ERROR_HINTS.get(e["error"], reading.failure_hint)
+        elif kind == "rate_limit_event":
+            info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
+            resets = _number(info.get("resetsAt"))
+            if info.get("status") not in ("allowed", "allowed_warning"):
+                if info.get("rateLimitType") == "overage" and info.get("overageDisabledReason") in CLAUDE_SPEND_CAPS:
+                    reading.failure_hint, reading.limit_reset = "billing", None   # resetsAt is another window's
+                elif resets is not None:
+                    reading.limit_reset = datetime.fromtimestamp(resets, UTC)
+        elif kind == "result":
+            reading.result = e
+            reading.session_id = _string(e.get("session_id")) or reading.session_id
+            failing = e.get("is_error") is True or e.get("subtype", "success") != "success"
+            reading.verdict = "failed" if failing else "succeeded"
+            text = e.get("result") if isinstance(e.get("result"), str) else None
+            if failing:
+                reading.error = (text or _string(e.get("subtype")) or "the agent reported a failure")
+                if isinstance(e.get("errors"), list) and e["errors"]:
+                    reading.error += "; " + "; ".join(str(x) for x in e["errors"][:5])
+                status = _count(e.get("api_error_status"))
+                if reading.failure_hint is None or STATUS_HINTS.get(status) in ("auth", "overloaded"):
+                    reading.failure_hint = STATUS_HINTS.get(status, reading.failure_hint)
+            reading.final_message = _final(text) or reading.final_message
+            reading.cost_usd = _number(e.get("total_cost_usd"))
+            reading.turns = _count(e.get("num_turns"))
+            usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+            reading.input_tokens = _count(usage.get("input_tokens"))
+            reading.output_tokens = _count(usage.get("output_tokens"))
+            reading.cache_read_tokens = _count(usage.get("cache_read_input_tokens"))
+            denials = e.get("permission_denials")
+            reading.permission_denials = denials if isinstance(denials, list) else []
+            if not failing and reading.permission_denials:
+                tools = sorted({str(d.get("tool_name")) for d in reading.permission_denials if isinstance(d, dict)})
+                reading.verdict = "needs_you"
+                reading.question = (f"The agent was denied permission to use {', '.join(tools) or 'a tool'}. "
+                                    "Allow it in the profile, or reply with what to do instead.")
+    if reading.verdict != "failed":
+        reading.failure_hint = None
+    return reading
+
+
+def _codex_hint(message: str) -> str | None:
+    """What a Codex error says, from the HTTP status it names ("unexpected status 401 Unauthorized",
+    "exceeded retry limit, last status: 429") or its own error kinds (codex-rs protocol/error.rs)."""
+    if m := re.search(r"\b(?:unexpected|last) status:? (\d{3})\b", message):
+        return STATUS_HINTS.get(int(m[1]))
+    if message.startswith("Quota exceeded. Check your plan and billing details"):   # insufficient_quota
+        return "billing"
+    if "could not be refreshed" in message:   # the refresh token was used, revoked or expired
+        return "auth"
+    return None
+
+
+def read_codex(lines: list[str]) -> Reading:
+    """Codex, ``exec --json``: ``thread.started.thread_id`` is the session; ``turn.completed``
+    ends a turn (its ``usage`` the tokens); ``turn.failed`` (``error.message``) or ``error``
+    (``message``) fails, the HTTP status it names telling a login or limit failure; no terminal
+    event at all is no result."""
+    reading = Reading("codex")
+    for e in json_lines(lines):
+        kind = e.get("type")
+        if kind == "thread.started":
+            reading.session_id = _string(e.get("thread_id")) or reading.session_id
+        elif kind == "item.completed" and isinstance(e.get("item"), dict):
+            item = e["item"]
+            if item.get("type") in ("agent_message", "assistant_message"):
+                reading.final_message = _final(item.get("text")) or reading.final_message
+        elif kind == "turn.completed":   # its usage is the thread's running total: the last one counts
+            reading.result, reading.verdict, reading.error, reading.failure_hint = e, "succeeded", None, None
+            usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+            reading.input_tokens = _count(usage.get("input_tokens"))
+            reading.output_tokens = _count(usage.get("output_tokens"))
+            reading.cache_read_tokens = _count(usage.get("cached_input_tokens"))
+            reading.turns = (reading.turns or 0) + 1
+        elif kind == "turn.failed":
+            error = e.get("error") if isinstance(e.get("error"), dict) else {}
+            reading.result, reading.verdict = e, "failed"
+            reading.error = _string(error.get("message")) or "the turn failed"
+            reading.failure_hint = _codex_hint(reading.error)
+        elif kind == "error":   # "Reconnecting... 2/5" is Codex waiting for a network, not an end
+            reading.error = _string(e.get("message")) or "error"
+            if not reading.error.lower().startswith("reconnecting"):
+                reading.result, reading.verdict = e, "failed"
+                reading.failure_hint = _codex_hint(reading.error)
+    return reading
+
+
+def _google_hint(message: str) -> str | None:
+    """What a Gemini CLI error says: the Google API error it quotes ("[API Error: {...}]": its
+    ``code``, ``status`` and ErrorInfo ``reason``), or the CLI's own quota and overload texts."""
+    start = message.find("{")
+    with contextlib.suppress(ValueError):
+        body = json.JSONDecoder().raw_decode(message[start:])[0] if start >= 0 else None
+        error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+        if error is not None:
+            reasons = {d.get("reason") for d in error.get("details") or [] if isinstance(d, dict)}
+            if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                return "auth"
+            status = _count(error.get("code"))
+            return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
+    if "exhausted your daily quota" in message:   # resets by itself (at midnight Pacific): nobody must act
+        return "usage_limit"
+    if re.search(r"model is overloaded", message, re.IGNORECASE):
+        return "overloaded"
+    return None
+
+
+def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
+    """The model that answered: the one init named, unless that was ``auto`` (the CLI's router
+    chose): then the stats' model with the main role, else the one that used the most tokens."""
+    models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
+    if named and not named.startswith("auto") or not models:
+        return named
+    answering = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
+    if answering:
+        return answering[0]
+
+    def used(item: tuple[str, Any]) -> int:
+        figures = item[1] if isinstance(item[1], dict) else {}
+        tokens = figures.get("tokens") if isinstance(figures.get("tokens"), dict) else figures
+        return _count(tokens.get("total_tokens", tokens.get("total"))) or 0
+
+    return max(models.items(), key=used)[0]
+
+
+def read_gemini(lines: list[str]) -> Reading:
+    """Gemini CLI, ``--output-format stream-json`` (or the ``json`` format's one multi-line
+    object): ``init`` names the session and model (``auto``: the stats name the model that
+    answered); the ``result`` event's ``status`` decides, its ``error`` quoting the API's error;
+    its ``stats`` give the tokens."""
+    reading = Reading("gemini")
+    events = list(json_lines(lines))
+    whole = _whole_json(lines) if not events else None
+    if isinstance(whole, dict):   # --output-format json: {"response", "stats", "error"}
+        reading.result = whole
+        reading.session_id = _string(whole.get("session_id"))
+        reading.final_message = _final(whole.get("response"))
+        if isinstance(whole.get("stats"), dict):
+            reading.model = _gemini_model(whole["stats"], None)
+        error = whole.get("error")
+        reading.verdict = "failed" if error else "succeeded"
+        if error:
+            reading.error = _string(error.get("message")) if isinstance(error, dict) else str(error)
+            reading.failure_hint = _google_hint(reading.error or "")
+        return reading
+    for e in events:
+        kind = e.get("type")
+        if kind == "init":
+            reading.session_id = _string(e.get("session_id")) or reading.session_id
+            reading.model = _string(e.get("model")) or reading.model
+        elif kind == "message" and e.get("role") == "assistant":
+            text = e.get("content")
+            if isinstance(text, str):
+                reading.final_message = _final(((reading.final_message or "") + text) if e.get("delta")
+                                               else text)
+        elif kind == "error":
+            reading.error = _string(e.get("message")) or reading.error
+        elif kind == "result":
+            reading.result = e
+            ok = e.get("status") == "success"
+            reading.verdict = "succeeded" if ok else "failed"
+            if not ok:
+                error = e.get("error")
+                reading.error = ((_string(error.get("message")) if isinstance(error, dict) else _string(error))
+                                 or reading.error or "the agent reported a failure")
+                reading.failure_hint = _google_hint(reading.error)
+            stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
+            reading.input_tokens = _count(stats.get("input_tokens"))
+            reading.output_tokens = _count(stats.get("output_tokens"))
+            reading.cache_read_tokens = _count(stats.get("cached", stats.get("cached_tokens")))
+            reading.turns = _count(stats.get("turns"))
+            reading.model = _gemini_model(stats, reading.model)
+    return reading
+
+
+#: litellm's exception classes in aider's output, and what they mean for the run.
+LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth", "RateLimitError": "limit"}
+
+
+def read_aider(lines: list[str]) -> Reading:
+    """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
+    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run (the error's class
+    telling a login or limit failure), and so does "Model X has hit a token limit!"; each ``Tokens:
+    ... Cost: $X message, $Y session.`` line adds its cost; the reply is the final message; the
+    header names the version ("Aider v0.86.2") and the model ("Main model: X with ...")."""
+    reading = Reading("aider")
+    cost, tokens_at, errors_at = 0.0, None, None
+    for i, line in enumerate(lines):
+        if m := re.match(r"\s*litellm\.(\w*(?:Error|Exception))\b", line):
+            errors_at, reading.failure_hint = i, LITELLM_HINTS.get(m[1])
+        elif re.match(r"\s*Model \S+ has hit a token limit!", line):
+            errors_at, reading.failure_hint = i, None
+        elif m := re.match(r"Aider v(\d[\w.+-]*)\s*$", line):
+            reading.agent_version = m[1]
+        elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
+            reading.model = m[1]
+        if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
+                         r"Cost:\s*\$([\d.]+)\s+message", line):
+            sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
+            received = float(m[3].replace(",", "")) * (1000 if m[4] else 1)
+            reading.input_tokens = (reading.input_tokens or 0) + round(sent)
+            reading.output_tokens = (reading.output_tokens or 0) + round(received)
+            cost += float(m[5])
+            reading.cost_usd = round(cost, 6)
+            tokens_at = i
+    if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
+        reading.verdict = "failed"
+        # the error and what aider adds to it, not its advice ("... Try again later or check your quotas.")
+        kept = [ln.strip() for ln in lines[errors_at:errors_at + 6] if ln.strip()
+                and not re.match(r"\s*(?:Retrying in|The API provider|https?://|Token counts below)", ln)]
+        reading.error = "\n".join(kept[:4])[-ERROR_TAIL_BYTES:]
+    else:
+        reading.failure_hint = None
+    if tokens_at is not None:   # the reply: the paragraph before the Tokens line, after aider's header
+        before = "\n".join(lines[max(0, tokens_at - 200):tokens_at]).strip()
+        reading.final_message = _final(before.rsplit("\n\n", 1)[-1])
+    elif text := [ln for ln in lines if ln.strip()]:
+        reading.final_message = _final("\n".join(text[-20:]))
+    return reading
+
+
+def read_generic(lines: list[str]) -> Reading:
+    """Any other command (the demo agent included), API.md 5.5: exit 0 succeeds unless the last
+    JSON object line says ``"is_error": true``, ``"status": "failed"`` or ``"type": "turn.failed"
+    | "error"``; ``"status": "needs_you"`` (with ``"question"``) asks a human."""
+    result = last_json_object(lines)
+    reading = Reading("generic", result=result)
+    if result is None:
+        return reading
+    error = result.get("error")
+    reading.error = error if isinstance(error, str) else json.dumps(error) if error else None
+    if (result.get("is_error") is True or result.get("status") == "failed"
+            or result.get("type") in ("turn.failed", "error")):
+        reading.verdict = "failed"
+        reading.error = reading.error or _string(result.get("message")) or "the agent reported a failure"
+    elif result.get("status") == "needs_you":
+        reading.verdict, reading.question = "needs_you", _string(result.get("question"))
+    else:
+        reading.verdict = "succeeded"
+    reading.session_id = _string(result.get("session_id"))
+    reading.final_message = _final(result.get("summary"))
+    reading.cost_usd = _number(result.get("cost_usd"))
+    return reading
+
+
+# What ``outpost doctor`` asks of a CLI: its logins besides a variable or a file, and its version.
+
+def _json_file(path: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        value = json.loads(path.read_text())
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    """The ``KEY=value`` lines of a .env file (the ones Gemini CLI loads)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return {m[1]: m[2].strip().strip("'\"") for m in re.finditer(r"^\s*(?:export\s+)?([A-Z][A-Z0-9_]*)\s*=\s*(.*)$",
+                                                                   path.read_text(), re.MULTILINE)}
+    return {}
+
+
+def _truthy(value: Any) -> bool:
+    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def claude_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Claude Code's logins besides a key variable and ~/.claude/.credentials.json: an
+    ``apiKeyHelper`` or a key, Bedrock or Vertex in its settings (user or managed), Bedrock or
+    Vertex (CLAUDE_CODE_USE_BEDROCK, CLAUDE_CODE_USE_VERTEX) or ANTHROPIC_AUTH_TOKEN in the env.
+    https://docs.claude.com/en/docs/claude-code/settings , .../amazon-bedrock , .../google-vertex-ai"""
+    config = Path(env.get("CLAUDE_CONFIG_DIR") or home / ".claude")
+    found = [f"{key} ({what})" for key, what in (("CLAUDE_CODE_USE_BEDROCK", "Amazon Bedrock"),
+                                                 ("CLAUDE_CODE_USE_VERTEX", "Google Vertex AI"),
+                                                 ("CLAUDE_CODE_USE_FOUNDRY", "Microsoft Foundry"))
+             if _truthy(env.get(key))]
+    found += ["ANTHROPIC_AUTH_TOKEN"] if env.get("ANTHROPIC_AUTH_TOKEN") else []
+    for path in (config / "settings.json", Path("/etc/claude-code/managed-settings.json")):
+        settings = _json_file(path)
+        if isinstance(settings.get("apiKeyHelper"), str) and settings["apiKeyHelper"].strip():
+            found.append(f"apiKeyHelper in {path}")
+        settings_env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
+        found += [f"{key} in {path}" for key in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN")
+                  if settings_env.get(key)]
+        found += [f"{key} in {path}" for key in ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
+                                                 "CLAUDE_CODE_USE_FOUNDRY") if _truthy(settings_env.get(key))]
+    if env.get("CLAUDE_CONFIG_DIR") and (config / ".credentials.json").exists():
+        found.append(f"{config / '.credentials.json'}")
+    return found
+
+
+def codex_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Codex's logins besides CODEX_API_KEY and ~/.codex/auth.json: auth.json in $CODEX_HOME, or a
+    model provider of its own in config.toml (with its ``env_key`` set, when it names one).
+    https://github.com/openai/codex/blob/main/docs/config.md"""
+    codex_home = Path(env.get("CODEX_HOME") or home / ".codex")
+    found = [str(codex_home / "auth.json")] if env.get("CODEX_HOME") and (codex_home / "auth.json").exists() else []
+    with contextlib.suppress(OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        config = tomllib.loads((codex_home / "config.toml").read_text())
+        provider = config.get("model_provider")
+        if isinstance(provider, str) and provider != "openai":
+            spec = (config.get("model_providers") or {}).get(provider)
+            key = spec.get("env_key") if isinstance(spec, dict) else None
+            if not key or env.get(key):
+                found.append(f"model_provider {provider} in {codex_home / 'config.toml'}{f' ({key})' if key else ''}")
+    return found
+
+
+def gemini_logins(env: dict[str, str], home: Path) -> list[str]:
+    """Gemini CLI's logins besides GEMINI_API_KEY, Vertex AI's switch and ~/.gemini/oauth_creds.json:
+    a key in the .env files it loads (~/.gemini/.env, ~/.env), GOOGLE_API_KEY, a service account
+    (GOOGLE_APPLICATION_CREDENTIALS), gcloud's application-default credentials, or a metadata-server
+    login chosen in its settings. https://github.com/google-gemini/gemini-cli/blob/main/docs/get-started/authentication.md"""
+    found = ["GOOGLE_API_KEY"] if env.get("GOOGLE_API_KEY") else []
+    for path in (home / ".gemini" / ".env", home / ".env"):
+        found += [f"{key} in {path}" for key in ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI")
+                  if _dotenv(path).get(key)]
+    if (credentials := env.get("GOOGLE_APPLICATION_CREDENTIALS")) and Path(credentials).expanduser().is_file():
+        found.append(f"GOOGLE_APPLICATION_CREDENTIALS ({credentials})")
+    adc = Path(env.get("CLOUDSDK_CONFIG") or home / ".config" / "gcloud") / "application_default_credentials.json"
+    if adc.is_file():
+        found.append(f"gcloud application-default credentials ({adc})")
+    settings = _json_file(home / ".gemini" / "settings.json")
+    auth = ((settings.get("security") or {}).get("auth") or {}) if isinstance(settings.get("security"), dict) else {}
+    selected = (auth.get("selectedType") if isinstance(auth, dict) else None) or settings.get("selectedAuthType")
+    if selected in ("cloud-shell", "compute-default-credentials"):
+        found.append(f"{selected} in {home / '.gemini' / 'settings.json'}")
+    return found
+
+
+def cli_version(argv: list[str], env: dict[str, str]) -> str | None:
+    """The first line a CLI's version command prints, or None when it does not answer."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, env=env,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[0].strip()[:120] if done.returncode == 0 and lines else None
+
+
+# --- A run's log as a transcript (the run pages) ---------------------------------------------------
+# The agent writes its log: every text is clipped here, the entries and the characters are
+# capped, and the templates escape it all (Jinja autoescape); nothing is trusted to be a string.
+
+TRANSCRIPT_MESSAGE_CHARS = 4000      # a message or the final result
+TRANSCRIPT_TOOL_INPUT_CHARS = 300    # a tool call's input, summarized
+TRANSCRIPT_TOOL_RESULT_CHARS = 800   # what a tool answered
+TRANSCRIPT_ENTRIES = 500
+TRANSCRIPT_CHARS = 250_000           # the transcript stops there; the raw log has the rest
+#: The input field that says what a tool call does, by preference (Claude's Bash/Read/Edit/Grep/
+#: WebFetch, Gemini's run_shell_command/read_file...): else the input as compact JSON.
+TOOL_INPUT_KEYS = ("command", "file_path", "path", "absolute_path", "pattern", "url", "query", "prompt",
+                   "description")
+
+
+def clip(value: Any, limit: int) -> str:
+    """Text of at most ``limit`` characters (and a note of what was cut); any value as text."""
+    try:
+        text = value if isinstance(value, str) else "" if value is None else json.dumps(value, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        text = "(unreadable)"
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
+def tool_input_summary(value: Any) -> str:
+    if isinstance(value, dict):
+        for key in TOOL_INPUT_KEYS:
+            if isinstance(value.get(key), str) and value[key]:
+                return clip(value[key], TRANSCRIPT_TOOL_INPUT_CHARS)
+    return clip(value, TRANSCRIPT_TOOL_INPUT_CHARS)
+
+
+def session_words(model: Any, session_id: Any) -> str:
+    return f"model {clip(model, 100)}, session {clip(session_id, 100)}"
+
+
+def _content_text(content: Any) -> str:
+    """A tool result's content: a string, or Claude's list of ``{"type": "text", "text"}`` blocks."""
+    if isinstance(content, list):
+        return "\n".join(c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
+    return content if isinstance(content, str) else "" if content is None else json.dumps(content)
+
+
+def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Claude Code stream-json: ``assistant`` text, thinking and tool_use blocks; ``user``
+    tool_result blocks (or the prompt); the ``result`` with its cost."""
+    kind = e.get("type")
+    message = e.get("message") if isinstance(e.get("message"), dict) else {}
+    content = message.get("content")
+    if kind == "system" and e.get("subtype") == "init":
+        yield {"kind": "session", "text": session_words(e.get("model"), e.get("session_id"))}
+    elif kind in ("assistant", "user") and isinstance(content, str):
+        yield {"kind": "message", "role": kind, "text": clip(content, TRANSCRIPT_MESSAGE_CHARS)}
+    elif kind in ("assistant", "user") and isinstance(content, list):
+        for c in content:
+            block = c.get("type") if isinstance(c, dict) else None
+            if block == "text":
+                yield {"kind": "message", "role": kind, "text": clip(c.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
+            elif block == "thinking":
+                yield {"kind": "thinking", "text": clip(c.get("thinking"), TRANSCRIPT_MESSAGE_CHARS)}
+            elif block == "tool_use":
+                yield {"kind": "tool", "name": clip(c.get("name"), 100), "text": tool_input_summary(c.get("input"))}
+            elif block == "tool_result":
+                yield {"kind": "tool_result", "error": c.get("is_error") is True,
+                       "text": clip(_content_text(c.get("content")), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind == "result":
+        usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+        yield {"kind": "result", "error": e.get("is_error") is True or e.get("subtype", "success") != "success",
+               "text": clip(e.get("result") if isinstance(e.get("result"), str) else e.get("subtype"),
+                            TRANSCRIPT_MESSAGE_CHARS),
+               "cost_usd": _number(e.get("total_cost_usd")), "turns": _count(e.get("num_turns")),
+               "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
+
+
+def _codex_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Codex exec --json (codex-rs/exec/src/exec_events.rs): completed items (agent_message,
+    reasoning, command_execution, file_change, mcp_tool_call, web_search, error), the turn's end."""
+    kind = e.get("type")
+    item = e.get("item") if isinstance(e.get("item"), dict) else {}
+    what = item.get("type")
+    if kind == "thread.started":
+        yield {"kind": "session", "text": f"thread {clip(e.get('thread_id'), 100)}"}
+    elif kind == "item.completed" and what in ("agent_message", "assistant_message"):
+        yield {"kind": "message", "role": "assistant", "text": clip(item.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
+    elif kind == "item.completed" and what == "reasoning":
+        yield {"kind": "thinking", "text": clip(item.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
+    elif kind == "item.completed" and what == "command_execution":
+        yield {"kind": "tool", "name": "shell", "text": clip(item.get("command"), TRANSCRIPT_TOOL_INPUT_CHARS)}
+        code = _count(item.get("exit_code"))
+        yield {"kind": "tool_result", "error": code not in (0, None),
+               "text": clip(item.get("aggregated_output"), TRANSCRIPT_TOOL_RESULT_CHARS)
+               + (f"\n(exit code {code})" if code else "")}
+    elif kind == "item.completed" and what == "file_change":
+        changes = item.get("changes") if isinstance(item.get("changes"), list) else []
+        paths = ", ".join(f"{clip(c.get('kind'), 20)} {clip(c.get('path'), 200)}" for c in changes[:20]
+                          if isinstance(c, dict))
+        yield {"kind": "tool", "name": "edit", "text": clip(paths, TRANSCRIPT_TOOL_INPUT_CHARS)}
+    elif kind == "item.completed" and what == "mcp_tool_call":
+        yield {"kind": "tool", "name": f"{clip(item.get('server'), 50)}.{clip(item.get('tool'), 50)}",
+               "text": tool_input_summary(item.get("arguments"))}
+    elif kind == "item.completed" and what == "web_search":
+        yield {"kind": "tool", "name": "web_search", "text": clip(item.get("query"), TRANSCRIPT_TOOL_INPUT_CHARS)}
+    elif kind == "item.completed" and what == "error" or kind == "error":
+        yield {"kind": "error", "text": clip((item or e).get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind in ("turn.completed", "turn.failed"):
+        usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
+        error = e.get("error") if isinstance(e.get("error"), dict) else {}
+        yield {"kind": "result", "error": kind == "turn.failed", "cost_usd": None, "turns": None,
+               "text": clip(error.get("message"), TRANSCRIPT_MESSAGE_CHARS) if error else "turn completed",
+               "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
+
+
+def _gemini_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Gemini CLI stream-json: init, messages (an assistant's deltas are joined by the caller),
+    tool_use/tool_result, error, result with its stats."""
+    kind = e.get("type")
+    if kind == "init":
+        yield {"kind": "session", "text": session_words(e.get("model"), e.get("session_id"))}
+    elif kind == "message" and e.get("role") in ("user", "assistant"):
+        yield {"kind": "message", "role": e["role"], "text": clip(e.get("content"), TRANSCRIPT_MESSAGE_CHARS),
+               "delta": e.get("delta") is True}
+    elif kind == "tool_use":
+        yield {"kind": "tool", "name": clip(e.get("tool_name"), 100), "text": tool_input_summary(e.get("parameters"))}
+    elif kind == "tool_result":
+        error = e.get("error") if isinstance(e.get("error"), dict) else {}
+        yield {"kind": "tool_result", "error": e.get("status") != "success",
+               "text": clip(e.get("output") or error.get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind == "error":
+        yield {"kind": "error", "text": clip(e.get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
+    elif kind == "result":
+        stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
+        error = e.get("error")
+        yield {"kind": "result", "error": e.get("status") != "success", "cost_usd": None,
+               "turns": _count(stats.get("turns")),
+               "text": clip(error.get("message") if isinstance(error, dict) else error or e.get("status"),
+                            TRANSCRIPT_MESSAGE_CHARS),
+               "input_tokens": _count(stats.get("input_tokens")), "output_tokens": _count(stats.get("output_tokens"))}
+
+
+def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
+    """A log of a CLI whose preset (named ``fmt``) has a ``transcriber``, as entries (``kind``:
+    session, message, thinking, tool, tool_result, error, result, output for a line that is no
+    event), or None: another format, or no event in it. ``cut``: entries left out past the caps (the raw log has them)."""
+    preset = PRESETS.get(fmt or "")
+    reader = preset.transcriber if preset else None
+    if reader is None:
+        return None
+    entries: list[dict[str, Any]] = []
+    used = cut = events = 0
+    for line in text.splitlines():
+        stripped = line.strip()
+        event = None
+        if stripped.startswith("{"):
+            with contextlib.suppress(ValueError, RecursionError):
+                event = json.loads(stripped)
+        if isinstance(event, dict):
+            events += 1
+            found = list(reader(event))
+        else:
+            found = [{"kind": "output", "text": clip(line, TRANSCRIPT_TOOL_RESULT_CHARS)}] if stripped else []
+        for entry in found:
+            last = entries[-1] if entries else None
+            if last and entry["kind"] == "output" == last["kind"] or (entry.get("delta") and last
+                                                                    and last.get("delta")):
+                joined = clip(last["text"] + ("\n" if entry["kind"] == "output" else "") + entry["text"],
+                              TRANSCRIPT_MESSAGE_CHARS)   # output lines, or an assistant's deltas: one entry
+                used += len(joined) - len(last["text"])
+                last["text"] = joined
+            elif len(entries) >= TRANSCRIPT_ENTRIES or used >= TRANSCRIPT_CHARS:
+                cut += 1
+            else:
+                entries.append(entry)
+                used += len(entry.get("text") or "")
+    return {"entries": entries, "cut": cut} if events else None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preset:
     """How Outpost drives one agent CLI: its command lines (the prompt always on stdin), the
-    reader of its output (section 4), the flags that carry a model and a cost cap, how to ask
-    its version, and what shows it is logged in (a variable set, or a file in HOME)."""
+    reader of its output and whether the CLI always ends with a terminal event (then a run that
+    printed none has no result), the flags that carry a model and a cost cap, how to ask its
+    version, and what shows it is logged in: a variable set, a file in HOME, or what its own
+    ``logins`` check finds. The executor reads a run with ``read``; ``outpost doctor`` checks
+    the CLI with ``doctor``. ``name`` is the preset's name in outpost.toml and the report's
+    ``format``; the limits and login failures a CLI's structured fields name are its reader's."""
+    name: str
     command: tuple[str, ...]
     resume: tuple[str, ...] = ()
-    format: str = "generic"
+    reader: Callable[[list[str]], Reading] = read_generic
+    ends_with_result: bool = False
+    #: Its log's events as transcript entries (the run pages); None: the log reads raw.
+    transcriber: Callable[[dict[str, Any]], Iterator[dict[str, Any]]] | None = None
     model_flag: str | None = None
     budget_flag: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     version: tuple[str, ...] = ()
     login_env: tuple[str, ...] = ()
     login_files: tuple[str, ...] = ()
+    logins: Callable[[dict[str, str], Path], list[str]] | None = None
     login: str = ""
+
+    def read(self, lines: list[str]) -> Reading:
+        """What the CLI said about its run, from the lines it printed."""
+        reading = self.reader(lines)
+        reading.ends_with_result = self.ends_with_result
+        return reading
+
+    def doctor(self, binary: str, env: dict[str, str]) -> tuple[bool, str]:
+        """``outpost doctor``'s check of the CLI at ``binary`` under a run's ``env``: it answers
+        its version command, and a login is found. Usable or not, and the line that says so."""
+        if not self.version:
+            return True, f"ok, {binary} ({self.name}: no version or login check)"
+        version = cli_version([binary, *self.version[1:]], env)
+        if version is None:
+            return False, f"{binary} did not answer `{' '.join(self.version)}`"
+        home = Path(env.get("HOME", "~")).expanduser()
+        keys = [k for k in self.login_env if env.get(k)]
+        files = [f for f in self.login_files if (home / f).exists()]
+        others = self.logins(env, home) if self.logins else []
+        if not keys and not files and not others:
+            wanted = " or ".join([*self.login_env[:2], *(f"~/{f}" for f in self.login_files)])
+            return False, f"{version} at {binary}, but no login found ({wanted}): {self.login}"
+        return True, f"ok, {version} at {binary}, logged in by {', '.join(keys + files + others)}"
 
 
 #: The agent CLIs Outpost knows (API.md 8.1), each flag checked against the CLI's own docs:
@@ -483,41 +1367,51 @@ class Preset:
 #: - aider 0.86: one message from a file, no questions, no commits of its own (Outpost saves the
 #:   edits), plain unwrapped output, no self-update, no .gitignore edit, no analytics; it has no
 #:   sessions. https://aider.chat/docs/config/options.html
-PRESETS: dict[str, Preset] = {
-    "claude-code": Preset(
+PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
+    Preset(
+        "claude-code",
         command=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits"),
         resume=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
                 "--resume", "{session_id}"),
-        format="claude-code", model_flag="--model", budget_flag="--max-budget-usd", version=("claude", "--version"),
+        reader=read_claude, ends_with_result=True, transcriber=_claude_entries, model_flag="--model",
+        budget_flag="--max-budget-usd",
+        version=("claude", "--version"),
         login_env=("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN"), login_files=(".claude/.credentials.json",),
+        logins=claude_logins,
         login="run `claude`, then /login (or `claude setup-token`, or give ANTHROPIC_API_KEY through pass_env)"),
-    "codex": Preset(
+    Preset(
+        "codex",
         command=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "-"),
         resume=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "resume",
                 "{session_id}", "-"),
-        format="codex", model_flag="--model", version=("codex", "--version"),
-        login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",),
+        reader=read_codex, ends_with_result=True, transcriber=_codex_entries, model_flag="--model",
+        version=("codex", "--version"),
+        login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",), logins=codex_logins,
         login="run `codex login` (or `printenv OPENAI_API_KEY | codex login --with-api-key`), or give "
               "CODEX_API_KEY through pass_env (codex exec ignores OPENAI_API_KEY)"),
-    "gemini": Preset(
+    Preset(
+        "gemini",
         command=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit"),
         resume=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--resume",
                 "{session_id}"),
-        format="gemini", model_flag="--model", env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")),
-        version=("gemini", "--version"),
+        reader=read_gemini, ends_with_result=True, transcriber=_gemini_entries, model_flag="--model",
+        env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")), version=("gemini", "--version"),
         login_env=("GEMINI_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA"),
-        login_files=(".gemini/oauth_creds.json",),
+        login_files=(".gemini/oauth_creds.json",), logins=gemini_logins,
         login="run `gemini` once and choose a login (or give GEMINI_API_KEY through pass_env)"),
-    "aider": Preset(
+    Preset(
+        "aider",
         command=("aider", "--message-file", "{prompt_file}", "--yes-always", "--no-auto-commits", "--no-pretty",
                  "--no-stream", "--no-check-update", "--no-gitignore", "--no-analytics", "--no-show-release-notes"),
-        format="aider", model_flag="--model", version=("aider", "--version"),
+        reader=read_aider, model_flag="--model", version=("aider", "--version"),
         env=(("COLUMNS", "1000"), ("BROWSER", "true")),
         login_env=("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "DEEPSEEK_API_KEY", "OPENROUTER_API_KEY"),
         login="give the model provider's API key (ANTHROPIC_API_KEY, OPENAI_API_KEY, ...) through pass_env"),
-    "generic": Preset(command=()),
-}
+    Preset("generic", command=(), reader=read_generic),
+)}
 
+
+# --- profiles, settings and the Config ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AgentProfile:
@@ -540,10 +1434,6 @@ class AgentProfile:
     @property
     def kind(self) -> Preset:
         return PRESETS[self.preset]
-
-    @property
-    def format(self) -> str:
-        return self.kind.format
 
     @property
     def model_flag(self) -> str | None:
@@ -713,7 +1603,7 @@ def agent_profile(path: Path, name: str, spec: dict[str, Any]) -> AgentProfile:
     command = tuple(spec.get("command", preset.command))
     if not command:
         raise ConfigError(f"{path}: agents.{name}.command is missing (the command line that starts the agent; "
-                          f"or name a preset: {', '.join(p for p in PRESETS if p != 'generic')})")
+                          f"or name a preset: {', '.join(p.name for p in PRESETS.values() if p.command)})")
     for key in ("command", "resume"):
         if any("{prompt}" in item for item in spec.get(key, ())):
             raise ConfigError(f"{path}: agents.{name}.{key} holds {{prompt}}: the prompt goes to the agent on stdin "
@@ -898,15 +1788,6 @@ DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "ag
 
 
 # --- instants ----------------------------------------------------------------
-
-def rfc3339(dt: datetime | None) -> str | None:
-    """An aware instant as RFC 3339 UTC with ``Z`` (milliseconds kept when present)."""
-    if dt is None:
-        return None
-    dt = dt.astimezone(UTC)
-    spec = "milliseconds" if dt.microsecond else "seconds"
-    return dt.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
-
 
 def parse_instant(text: str, tz: ZoneInfo | None = None) -> datetime:
     """ISO 8601 -> aware datetime; without an offset it is wall time in ``tz`` (gap rule applied)."""
@@ -1636,759 +2517,87 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
     return env
 
 
-# --- agent CLIs: limits (API.md 8.3) ------------------------------------------------------
+# --- runs: the plan a run follows, how it ended (API.md 8.2) ---------------------------------------
 
-#: Words that mark a limit in an error text or the tail of stderr (case-insensitive, whole words:
-#: a stack trace's ``RetryableQuotaError`` is no limit).
-USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "hit your limit", "hit your usage limit", "quota",
-                     "exhausted your capacity", "resource_exhausted", "limit will reset", "out of usage credits",
-                     "out of credits", "spend limit", "credit balance is too low", "billing_error")
-RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "ratelimiterror", "too many requests")
-#: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit",
-#: "You've reached your Opus limit".
-HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b")
-#: A provider too busy to answer (Anthropic's 529, a 503 "overloaded"): waited out like a rate limit
-#: with no reset, never the agent's own failure. Not a bare "overloaded" (a compiler says that too).
-OVERLOADED = re.compile(r"overloaded_error|\b529\b|\b(?:model|engine|server|servers|api|service) (?:is |are )?"
-                        r"(?:currently |temporarily )?(?:down or )?overloaded|api error: \d{3} overloaded")
-#: A limit that no wait lifts: a spend cap, credits or a plan's quota used up. When it names no
-#: reset, the profile is paused until a human raises it and resumes the profile (API.md 8.3).
-SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
-                         r"check your plan and billing|out of (?:usage )?credits|add funds")
-#: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
-LIMIT_LADDER_S = (120, 600, 1800, 7200)
-LIMIT_JITTER = 0.25
-#: A profile stays limited this long past the reset its CLI named.
-LIMIT_BUFFER_S = 30
-#: A wall time named in a limit message that passed less than this ago means "now".
-LIMIT_RECENT_S = 15 * 60
-#: Zone abbreviations CLIs print, as fixed offsets (hours); any other zone is an IANA name.
-ZONE_ABBREVIATIONS = {"UTC": 0, "GMT": 0, "Z": 0, "EST": -5, "EDT": -4, "CST": -6, "CDT": -5, "MST": -7,
-                      "MDT": -6, "PST": -8, "PDT": -7, "AKST": -9, "AKDT": -8, "HST": -10, "CET": 1,
-                      "CEST": 2, "BST": 1, "WET": 0, "WEST": 1, "EET": 2, "EEST": 3, "IST": 5.5, "JST": 9,
-                      "KST": 9, "AEST": 10, "AEDT": 11}
-DURATION_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1, "sec": 1, "secs": 1,
-                  "second": 1, "seconds": 1, "m": MINUTE_S, "min": MINUTE_S, "mins": MINUTE_S,
-                  "minute": MINUTE_S, "minutes": MINUTE_S, "h": HOUR_S, "hr": HOUR_S, "hrs": HOUR_S,
-                  "hour": HOUR_S, "hours": HOUR_S, "d": DAY_S, "day": DAY_S, "days": DAY_S}
-_UNIT = r"(?:milliseconds?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h|days?|d)(?![a-z])"
-_DURATION = rf"(?:\d+(?:\.\d+)?\s*{_UNIT}[\s,]*(?:and\s+)?)+"
-_WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
-#: A zone after a wall time: an IANA name, an abbreviation, or a fixed offset (GMT-3, UTC+5:30).
-_ZONE = r"((?:GMT|UTC)[+-]\d{1,2}(?::?\d{2})?|[A-Za-z_]+/[A-Za-z_]+(?:/[A-Za-z_]+)?|[A-Z]{1,5})"
-_MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
-MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
-                                       "nov", "dec"), 1)}
+def run_timeout_s(limit_s: int, profile: AgentProfile | None) -> int:
+    """A run's time limit, decided here only: its own limit (a schedule's or a dispatch's
+    ``limits.timeout_seconds``, an Office run's), capped by its profile's ``timeout_seconds``,
+    which caps every run of that agent whatever a schedule says (API.md 8.1)."""
+    cap = profile.timeout_seconds if profile is not None else None
+    return min(limit_s, cap) if cap else limit_s
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Limit:
-    """A rate or usage limit an agent CLI hit, and when it said the limit resets (None: it did not).
-    ``raised_by`` names who must act on a spend or credit limit that no wait lifts (None: waiting does)."""
-    kind: str                      # rate_limit | usage_limit
-    resets_at: datetime | None
-    message: str
-    raised_by: str | None = None
+class RunPlan:
+    """One run as its supervisor carries it from worktree to settlement (and recovery settles
+    it): made once, from the run's row (``launch_info``) and its profile, then passed to every
+    step. Before it a 24-key dict went from step to step, each reading it by key and deciding
+    again what it needed (the profile, the model, the session, the time limit).
 
-    def view(self) -> dict[str, Any]:
-        return {"kind": self.kind, "resets_at": rfc3339(self.resets_at), "message": self.message}
+    - ``resolved_commit`` is the commit its fire recorded, so the ref is resolved once per fire:
+      a skip_if_unchanged fire records the commit the cron actor resolved to decide the skip (in
+      the claim's own transaction), any other fire resolves it in fire step 2 (resolve_new_runs),
+      a dispatch when it is checked. The worktree step resolves ``source_ref`` only when nothing
+      was recorded: the ref did not resolve then (it fails the run with git's words) or the run
+      was admitted before step 2 ended (the first commit recorded wins). A run that continues a
+      branch starts from that branch's head instead.
+    - ``timeout_seconds`` is the limit it runs under, decided once by run_timeout_s.
+    - ``model`` is the run's, else its profile's; ``session_id`` the CLI session it resumes
+      (None: a new one; a profile with no resume command always starts anew).
+    - Whether it was cancelled is no part of the plan, since only what happens while it runs can
+      tell: ``LiveRun.cancel`` makes it so (and ``LiveRun.timed_out`` tells a time limit from a
+      cancel), and run_outcome alone turns it into the cancelled outcome. (A cancel recorded for
+      a run that ended otherwise is the store's to apply when it settles: settle_run.)"""
+    run_id: str
+    schedule_id: str | None
+    agent: str                         # its profile's name
+    profile: AgentProfile | None       # None: not configured here (its launch fails, saying so)
+    prompt: str
+    repository: str                    # a path, or a URL (git works in its mirror)
+    workdir: str
+    source_ref: str
+    resolved_commit: str | None
+    result_branch: str
+    timeout_seconds: int
+    model: str | None
+    max_cost_usd: float | None
+    session_id: str | None
+    continues_branch: bool             # an Office task session or a reply: its branch goes on
+    handover_branch: str | None        # the branch its task was left on by another agent
+    worktree_run: str | None           # the run whose worktree it works in (a reply)
+    office: bool
+    task_id: str | None
+    paused: bool                       # paused between its admission and its start
+    node: str | None                   # the node and attempt that admitted it (the fence)
+    attempt: int
+    pid: int | None                    # its agent's process, as recorded (recovery)
+    pid_started: str | None
 
+    @classmethod
+    def of(cls, row: dict[str, Any], profile: AgentProfile | None) -> RunPlan:
+        """The plan of the run whose row ``launch_info`` read; ``profile``: the one it names."""
+        return cls(
+            run_id=row["id"], schedule_id=row["schedule_id"], agent=row["agent"], profile=profile,
+            prompt=row["prompt"], repository=row["repository"], workdir=row["workdir"],
+            source_ref=row["source_ref"], resolved_commit=row["resolved_commit"], result_branch=row["result_branch"],
+            timeout_seconds=run_timeout_s(row["timeout_seconds"], profile),
+            model=row["model"] or (profile.model if profile is not None else None), max_cost_usd=row["max_cost_usd"],
+            session_id=row["resume_session"] if profile is not None and profile.resume else None,
+            continues_branch=row["continues_branch"], handover_branch=row["handover_branch"],
+            worktree_run=row["worktree_run"], office=row["office"], task_id=row["task_id"],
+            paused=row["status"] == RunStatus.PAUSED, node=row["node"], attempt=row["attempt"], pid=row["pid"],
+            pid_started=row["pid_started"])
 
-def _duration_s(text: str) -> float:
-    return sum(float(n) * DURATION_UNITS[u.lower()]
-               for n, u in re.findall(rf"(\d+(?:\.\d+)?)\s*({_UNIT})", text, re.IGNORECASE))
-
-
-def _zone_of(name: str | None, default: ZoneInfo) -> tzinfo:
-    if not name:
-        return default
-    if m := re.fullmatch(r"(?:GMT|UTC)([+-])(\d{1,2})(?::?(\d{2}))?", name, re.IGNORECASE):
-        offset = timedelta(hours=int(m[2]), minutes=int(m[3] or 0))
-        return timezone(-offset if m[1] == "-" else offset) if offset < timedelta(hours=15) else default
-    if name.upper() in ZONE_ABBREVIATIONS:
-        return timezone(timedelta(hours=ZONE_ABBREVIATIONS[name.upper()]))
-    try:
-        return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        return default
-
-
-def _hour(hour: str, ampm: str | None) -> int:
-    h = int(hour)
-    if ampm:
-        h = h % 12 + (12 if ampm.lower().startswith("p") else 0)
-    return h
-
-
-def _next_wall(now: datetime, tz: tzinfo, hour: int, minute: int) -> datetime | None:
-    """The next instant showing hour:minute in ``tz``; one that passed in the last 15 minutes is now."""
-    if hour > 23 or minute > 59:
-        return None
-    local = now.astimezone(tz)
-    wall = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
-    if wall <= local - timedelta(seconds=LIMIT_RECENT_S):
-        wall = (wall.replace(tzinfo=None) + timedelta(days=1)).replace(tzinfo=tz)
-    return max(wall.astimezone(UTC), now)
-
-
-def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int, hour: int,
-               minute: int) -> datetime | None:
-    """That date and wall time in ``tz``; without a year, the next such date (one that passed in the
-    last 15 minutes is now)."""
-    if hour > 23 or minute > 59:
-        return None
-    for candidate in ((year,) if year else (now.astimezone(tz).year, now.astimezone(tz).year + 1)):
-        try:
-            at = datetime(candidate, month, day, hour, minute, tzinfo=tz)
-        except ValueError:
-            return None
-        if year or at > now - timedelta(seconds=LIMIT_RECENT_S):
-            return max(at.astimezone(UTC), now)
-    return None
-
-
-def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
-    """When a limit message says the limit resets (API.md 8.3), or None when it names no time.
-    A wall time without a zone is in ``tz`` (the profile's timezone)."""
-    if m := re.search(r"\|(\d{10})\b|reset_time\W{0,3}(\d{9,11})\b", text, re.IGNORECASE):
-        return max(datetime.fromtimestamp(int(m[1] or m[2]), UTC), now)
-    if m := re.search(r"resets?_in_seconds\W{0,3}(\d+(?:\.\d+)?)", text, re.IGNORECASE):
-        return now + timedelta(seconds=float(m[1]))
-    if m := re.search(r"retry-after:\s*(\d{1,9})\b", text, re.IGNORECASE):
-        return now + timedelta(seconds=int(m[1]))
-    # "resets Dec 4, 12pm (Europe/Paris)", "resets Jan 3, 2027, 10pm (...)", "resets Nov 13 at 9am"
-    m = re.search(rf"\bresets?\s+(?:on\s+)?{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?:(\d{{4}}),?\s+)?"
-                  rf"(?:at\s+)?{_WALL}(?:\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\))?", text, re.IGNORECASE)
-    if m and (m[6] or m[5]):   # a wall time: "at 3:28 PM" or "9am", never a bare number
-        return _next_date(now, _zone_of(m[7], tz), int(m[3]) if m[3] else None, MONTHS[m[1].lower()],
-                          int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
-    if m := re.search(rf"\breset(?:s)?\b(?:\s+at)?\s+{_WALL}\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\)",
-                      text, re.IGNORECASE):
-        return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(rf"\bresets?\s+at\s+{_WALL}\s*\b{_ZONE}(?![\w/])", text, re.IGNORECASE):
-        return _next_wall(now, _zone_of(m[4], tz), _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(rf"\btry again at\s+{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(\d{{4}}),?\s+"
-                      r"(?:at\s+)?" + _WALL, text, re.IGNORECASE):
-        return _next_date(now, tz, int(m[3]), MONTHS[m[1].lower()], int(m[2]), _hour(m[4], m[6]), int(m[5] or 0))
-    m = re.search(rf"\b(?:try again|reset|resets)\s+at\s+{_WALL}", text, re.IGNORECASE)
-    if m and (m[2] or m[3]):   # "at 3:28 PM" or "at 3pm", never a bare number
-        return _next_wall(now, tz, _hour(m[1], m[3]), int(m[2] or 0))
-    if m := re.search(rf"\b(?:again|retry|retrying|reset|resets|available)\s+(?:in|after)\s+({_DURATION})",
-                      text, re.IGNORECASE):
-        return now + timedelta(seconds=_duration_s(m[1]))
-    return None
+    @property
+    def fence(self) -> tuple[str | None, int]:
+        """(node, attempt): a store call for the run counts only while it is still this admission's."""
+        return self.node, self.attempt
 
 
-def _has_word(lower: str, words: Iterable[str]) -> bool:
-    return any(re.search(rf"(?<![a-z]){re.escape(word)}(?![a-z])", lower) for word in words)
-
-
-def who_raises(text: str) -> str:
-    """Who can lift a spend or credit limit, from how the CLI worded it."""
-    if re.search(r"\b(?:your|ask|contact) (?:org'?s? )?admin|your org(?:anization)?'?s\b", text, re.IGNORECASE):
-        return "an admin of your organization (the account's billing or usage settings)"
-    return "whoever manages the account's billing (plan, credits or spend limit)"
-
-
-def find_limit(text: str, now: datetime, tz: ZoneInfo, *, kind: str | None = None) -> Limit | None:
-    """A limit named in ``text`` (an error, the tail of stderr), or None. ``kind`` is what the CLI's
-    structured fields said (``limit``, ``rate_limit``, ``usage_limit``, ``billing``, ``overloaded``):
-    then it is a limit whatever the words, and the words only tell its kind and reset."""
-    lower = text.lower()
-    usage = _has_word(lower, USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
-    overloaded = bool(OVERLOADED.search(lower))
-    rate = _has_word(lower, RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower)) or overloaded
-    if not usage and not rate and "limit reached" not in lower and kind is None:   # "5-hour limit reached": usage
-        return None
-    if kind in ("usage_limit", "billing"):
-        usage = True
-    elif kind in ("rate_limit", "overloaded"):
-        usage = False
-    else:
-        usage = usage or not rate
-    words = (*USAGE_LIMIT_WORDS, *RATE_LIMIT_WORDS, "429", "limit", "overloaded")
-    line = next((ln.strip() for ln in text.splitlines() if any(w in ln.lower() for w in words)), text.strip())
-    resets_at = limit_reset(text, now, tz)
-    spend = kind == "billing" or kind in (None, "limit") and SPEND_LIMIT.search(lower)
-    raised_by = who_raises(text) if resets_at is None and usage and spend else None
-    return Limit("usage_limit" if usage else "rate_limit", resets_at, line[:500], raised_by)
-
-
-def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datetime:
-    """Until when a limit holds its profile: the named reset plus 30 s; with no reset, the
-    ladder 2 min, 10 min, 30 min, 2 h (+-25%) by the profile's limits in a row."""
-    if limit.resets_at is not None:
-        return limit.resets_at + timedelta(seconds=LIMIT_BUFFER_S)
-    step = LIMIT_LADDER_S[min(streak, len(LIMIT_LADDER_S) - 1)]
-    return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
-
-
-#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4): none, a bad key, or an
-#: expired or revoked one (Claude Code's "Failed to authenticate. API Error: 401 OAuth token has
-#: expired", "Please login again"; Codex's refresh-token texts; Gemini's API_KEY_INVALID); aider's
-#: through litellm.
-AUTH_MARKERS = ("not logged in", "please run /login", "invalid api key", "authentication_error",
-                "authentication_failed", "please set an auth method", "401 unauthorized", "http 401",
-                "status 401", "unauthorized: 401", "authenticationerror", "not able to authenticate you",
-                "failed to authenticate", "oauth token has expired", "token has been revoked", "please login again",
-                "please log in again", "could not be refreshed", "sign in again", "api_key_invalid",
-                "api key not valid", "403 forbidden", "status 403", "http 403", "permissiondeniederror",
-                "does not have access to claude", '"unauthenticated"', '"permission_denied"')
-
-
-def is_auth_failure(text: str) -> bool:
-    lower = text.lower()
-    return (any(marker in lower for marker in AUTH_MARKERS)
-            or bool(re.search(r"openai_api_key\W+(?:is\s+)?(?:not set|missing|required)|"
-                              r"(?:missing|no|set)\s+(?:the\s+)?openai_api_key", lower)))
-
-
-# --- agent CLIs: the report of a run (API.md 8.2) ---------------------------------------------
-
-#: Longest final message a report keeps.
-FINAL_MESSAGE_CHARS = 4096
 #: The failure kinds of a run (API.md 8.2); limit and auth are not the agent's own failure.
 FAILURE_KINDS = ("agent", "limit", "auth", "timeout", "interrupted", "launch", "no_result")
 #: Failure kinds that do not count toward a schedule's failure streak (API.md 5.3).
 NOT_THE_AGENTS_FAILURE = ("interrupted", "limit", "auth")
-
-
-@dataclasses.dataclass(slots=True)
-class Reading:
-    """What an agent CLI said about its run, read from its whole output by its format's reader.
-    ``verdict`` is what the CLI's own terminal event said (None: it printed none)."""
-    format: str
-    verdict: str | None = None          # succeeded | failed | needs_you
-    error: str | None = None
-    question: str | None = None
-    session_id: str | None = None
-    model: str | None = None
-    agent_version: str | None = None
-    turns: int | None = None
-    cost_usd: float | None = None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cache_read_tokens: int | None = None
-    final_message: str | None = None
-    permission_denials: list[Any] = dataclasses.field(default_factory=list)
-    limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
-    failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
-    result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
-
-
-REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cost_usd", "input_tokens",
-                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials")
-
-
-def json_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """Every line of the output that is one JSON object."""
-    for line in lines:
-        line = line.strip()
-        if line.startswith("{"):
-            with contextlib.suppress(ValueError):
-                value = json.loads(line)
-                if isinstance(value, dict):
-                    yield value
-
-
-def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
-    last = None
-    for last in json_lines(lines):   # noqa: B007 - the last one is wanted
-        pass
-    return last
-
-
-def _whole_json(lines: list[str]) -> Any:
-    """The output as one JSON document (a pretty-printed object, or an array), else None."""
-    text = "\n".join(lines).strip()
-    if not text.startswith(("{", "[")):
-        return None
-    with contextlib.suppress(ValueError):
-        return json.loads(text)
-    return None
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _count(value: Any) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _string(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-def _final(text: Any) -> str | None:
-    return text[-FINAL_MESSAGE_CHARS:] if isinstance(text, str) and text else None
-
-
-#: What a failed HTTP status of the model API means for the run (a CLI's structured fields).
-STATUS_HINTS = {401: "auth", 403: "auth", 402: "billing", 429: "limit", 503: "overloaded", 529: "overloaded"}
-#: Claude Code's ``error`` on the assistant message it makes up when a request fails.
-CLAUDE_ERROR_HINTS = {"authentication_failed": "auth", "oauth_org_not_allowed": "auth", "billing_error": "billing",
-                      "rate_limit": "limit"}
-#: Claude Code's overage reasons (rate_limit_info.overageDisabledReason) of a spend cap: no wait lifts it.
-CLAUDE_SPEND_CAPS = ("org_level_disabled_until", "org_spend_cap_reached")
-#: Hints that make a failure a limit (find_limit's ``kind``).
-LIMIT_HINTS = ("limit", "rate_limit", "usage_limit", "billing", "overloaded")
-
-
-def read_claude(lines: list[str]) -> Reading:
-    """Claude Code, ``--output-format stream-json --verbose`` (or ``json``, and its array form
-    under ``--verbose``): ``system``/``init`` names the session, model and version; the
-    ``result`` event decides (``is_error`` or a ``subtype`` other than ``success`` fails, the
-    text is in ``result``); ``rate_limit_event`` gives an exact reset. What a failure was is read
-    from ``api_error_status`` and the assistant message's ``error`` before any text."""
-    events = list(json_lines(lines))
-    if len(events) <= 1 and isinstance(whole := _whole_json(lines), list | dict):
-        events = [e for e in (whole if isinstance(whole, list) else [whole]) if isinstance(e, dict)]
-    reading = Reading("claude-code")
-    for e in events:
-        kind = e.get("type")
-        if kind == "system" and e.get("subtype") == "init":
-            reading.session_id = _string(e.get("session_id")) or reading.session_id
-            reading.model = _string(e.get("model")) or reading.model
-            reading.agent_version = _string(e.get("claude_code_version")) or reading.agent_version
-        elif kind == "assistant":
-            content = (e.get("message") or {}).get("content") if isinstance(e.get("message"), dict) else None
-            texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
-            if any(isinstance(t, str) and t for t in texts):
-                reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
-            if isinstance(e.get("error"), str):   # authentication_failed, billing_error, rate_limit, ...
-                reading.failure_hint = CLAUDE_ERROR_HINTS.get(e["error"], reading.failure_hint)
-        elif kind == "rate_limit_event":
-            info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
-            resets = _number(info.get("resetsAt"))
-            if info.get("status") not in ("allowed", "allowed_warning"):
-                if info.get("rateLimitType") == "overage" and info.get("overageDisabledReason") in CLAUDE_SPEND_CAPS:
-                    reading.failure_hint, reading.limit_reset = "billing", None   # resetsAt is another window's
-                elif resets is not None:
-                    reading.limit_reset = datetime.fromtimestamp(resets, UTC)
-        elif kind == "result":
-            reading.result = e
-            reading.session_id = _string(e.get("session_id")) or reading.session_id
-            failed = e.get("is_error") is True or e.get("subtype", "success") != "success"
-            reading.verdict = "failed" if failed else "succeeded"
-            text = e.get("result") if isinstance(e.get("result"), str) else None
-            if failed:
-                reading.error = (text or _string(e.get("subtype")) or "the agent reported a failure")
-                if isinstance(e.get("errors"), list) and e["errors"]:
-                    reading.error += "; " + "; ".join(str(x) for x in e["errors"][:5])
-                status = _count(e.get("api_error_status"))
-                if reading.failure_hint is None or STATUS_HINTS.get(status) in ("auth", "overloaded"):
-                    reading.failure_hint = STATUS_HINTS.get(status, reading.failure_hint)
-            reading.final_message = _final(text) or reading.final_message
-            reading.cost_usd = _number(e.get("total_cost_usd"))
-            reading.turns = _count(e.get("num_turns"))
-            usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
-            reading.input_tokens = _count(usage.get("input_tokens"))
-            reading.output_tokens = _count(usage.get("output_tokens"))
-            reading.cache_read_tokens = _count(usage.get("cache_read_input_tokens"))
-            denials = e.get("permission_denials")
-            reading.permission_denials = denials if isinstance(denials, list) else []
-            if not failed and reading.permission_denials:
-                tools = sorted({str(d.get("tool_name")) for d in reading.permission_denials if isinstance(d, dict)})
-                reading.verdict = "needs_you"
-                reading.question = (f"The agent was denied permission to use {', '.join(tools) or 'a tool'}. "
-                                    "Allow it in the profile, or reply with what to do instead.")
-    if reading.verdict != "failed":
-        reading.failure_hint = None
-    return reading
-
-
-def _codex_hint(message: str) -> str | None:
-    """What a Codex error says, from the HTTP status it names ("unexpected status 401 Unauthorized",
-    "exceeded retry limit, last status: 429") or its own error kinds (codex-rs protocol/error.rs)."""
-    if m := re.search(r"\b(?:unexpected|last) status:? (\d{3})\b", message):
-        return STATUS_HINTS.get(int(m[1]))
-    if message.startswith("Quota exceeded. Check your plan and billing details"):   # insufficient_quota
-        return "billing"
-    if "could not be refreshed" in message:   # the refresh token was used, revoked or expired
-        return "auth"
-    return None
-
-
-def read_codex(lines: list[str]) -> Reading:
-    """Codex, ``exec --json``: ``thread.started.thread_id`` is the session; ``turn.completed``
-    ends a turn (its ``usage`` the tokens); ``turn.failed`` (``error.message``) or ``error``
-    (``message``) fails, the HTTP status it names telling a login or limit failure; no terminal
-    event at all is no result."""
-    reading = Reading("codex")
-    for e in json_lines(lines):
-        kind = e.get("type")
-        if kind == "thread.started":
-            reading.session_id = _string(e.get("thread_id")) or reading.session_id
-        elif kind == "item.completed" and isinstance(e.get("item"), dict):
-            item = e["item"]
-            if item.get("type") in ("agent_message", "assistant_message"):
-                reading.final_message = _final(item.get("text")) or reading.final_message
-        elif kind == "turn.completed":   # its usage is the thread's running total: the last one counts
-            reading.result, reading.verdict, reading.error, reading.failure_hint = e, "succeeded", None, None
-            usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
-            reading.input_tokens = _count(usage.get("input_tokens"))
-            reading.output_tokens = _count(usage.get("output_tokens"))
-            reading.cache_read_tokens = _count(usage.get("cached_input_tokens"))
-            reading.turns = (reading.turns or 0) + 1
-        elif kind == "turn.failed":
-            error = e.get("error") if isinstance(e.get("error"), dict) else {}
-            reading.result, reading.verdict = e, "failed"
-            reading.error = _string(error.get("message")) or "the turn failed"
-            reading.failure_hint = _codex_hint(reading.error)
-        elif kind == "error":   # "Reconnecting... 2/5" is Codex waiting for a network, not an end
-            reading.error = _string(e.get("message")) or "error"
-            if not reading.error.lower().startswith("reconnecting"):
-                reading.result, reading.verdict = e, "failed"
-                reading.failure_hint = _codex_hint(reading.error)
-    return reading
-
-
-def _google_hint(message: str) -> str | None:
-    """What a Gemini CLI error says: the Google API error it quotes ("[API Error: {...}]": its
-    ``code``, ``status`` and ErrorInfo ``reason``), or the CLI's own quota and overload texts."""
-    start = message.find("{")
-    with contextlib.suppress(ValueError):
-        body = json.JSONDecoder().raw_decode(message[start:])[0] if start >= 0 else None
-        error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
-        if error is not None:
-            reasons = {d.get("reason") for d in error.get("details") or [] if isinstance(d, dict)}
-            if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-                return "auth"
-            status = _count(error.get("code"))
-            return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
-    if "exhausted your daily quota" in message:   # resets by itself (at midnight Pacific): nobody must act
-        return "usage_limit"
-    if re.search(r"model is overloaded", message, re.IGNORECASE):
-        return "overloaded"
-    return None
-
-
-def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
-    """The model that answered: the one init named, unless that was ``auto`` (the CLI's router
-    chose): then the stats' model with the main role, else the one that used the most tokens."""
-    models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
-    if named and not named.startswith("auto") or not models:
-        return named
-    answering = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
-    if answering:
-        return answering[0]
-
-    def used(item: tuple[str, Any]) -> int:
-        figures = item[1] if isinstance(item[1], dict) else {}
-        tokens = figures.get("tokens") if isinstance(figures.get("tokens"), dict) else figures
-        return _count(tokens.get("total_tokens", tokens.get("total"))) or 0
-
-    return max(models.items(), key=used)[0]
-
-
-def read_gemini(lines: list[str]) -> Reading:
-    """Gemini CLI, ``--output-format stream-json`` (or the ``json`` format's one multi-line
-    object): ``init`` names the session and model (``auto``: the stats name the model that
-    answered); the ``result`` event's ``status`` decides, its ``error`` quoting the API's error;
-    its ``stats`` give the tokens."""
-    reading = Reading("gemini")
-    events = list(json_lines(lines))
-    whole = _whole_json(lines) if not events else None
-    if isinstance(whole, dict):   # --output-format json: {"response", "stats", "error"}
-        reading.result = whole
-        reading.session_id = _string(whole.get("session_id"))
-        reading.final_message = _final(whole.get("response"))
-        if isinstance(whole.get("stats"), dict):
-            reading.model = _gemini_model(whole["stats"], None)
-        error = whole.get("error")
-        reading.verdict = "failed" if error else "succeeded"
-        if error:
-            reading.error = _string(error.get("message")) if isinstance(error, dict) else str(error)
-            reading.failure_hint = _google_hint(reading.error or "")
-        return reading
-    for e in events:
-        kind = e.get("type")
-        if kind == "init":
-            reading.session_id = _string(e.get("session_id")) or reading.session_id
-            reading.model = _string(e.get("model")) or reading.model
-        elif kind == "message" and e.get("role") == "assistant":
-            text = e.get("content")
-            if isinstance(text, str):
-                reading.final_message = _final(((reading.final_message or "") + text) if e.get("delta")
-                                               else text)
-        elif kind == "error":
-            reading.error = _string(e.get("message")) or reading.error
-        elif kind == "result":
-            reading.result = e
-            ok = e.get("status") == "success"
-            reading.verdict = "succeeded" if ok else "failed"
-            if not ok:
-                error = e.get("error")
-                reading.error = ((_string(error.get("message")) if isinstance(error, dict) else _string(error))
-                                 or reading.error or "the agent reported a failure")
-                reading.failure_hint = _google_hint(reading.error)
-            stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
-            reading.input_tokens = _count(stats.get("input_tokens"))
-            reading.output_tokens = _count(stats.get("output_tokens"))
-            reading.cache_read_tokens = _count(stats.get("cached", stats.get("cached_tokens")))
-            reading.turns = _count(stats.get("turns"))
-            reading.model = _gemini_model(stats, reading.model)
-    return reading
-
-
-#: litellm's exception classes in aider's output, and what they mean for the run.
-LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth", "RateLimitError": "limit"}
-
-
-def read_aider(lines: list[str]) -> Reading:
-    """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
-    ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run (the error's class
-    telling a login or limit failure), and so does "Model X has hit a token limit!"; each ``Tokens:
-    ... Cost: $X message, $Y session.`` line adds its cost; the reply is the final message; the
-    header names the version ("Aider v0.86.2") and the model ("Main model: X with ...")."""
-    reading = Reading("aider")
-    cost, tokens_at, errors_at = 0.0, None, None
-    for i, line in enumerate(lines):
-        if m := re.match(r"\s*litellm\.(\w*(?:Error|Exception))\b", line):
-            errors_at, reading.failure_hint = i, LITELLM_HINTS.get(m[1])
-        elif re.match(r"\s*Model \S+ has hit a token limit!", line):
-            errors_at, reading.failure_hint = i, None
-        elif m := re.match(r"Aider v(\d[\w.+-]*)\s*$", line):
-            reading.agent_version = m[1]
-        elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
-            reading.model = m[1]
-        if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
-                         r"Cost:\s*\$([\d.]+)\s+message", line):
-            sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
-            received = float(m[3].replace(",", "")) * (1000 if m[4] else 1)
-            reading.input_tokens = (reading.input_tokens or 0) + round(sent)
-            reading.output_tokens = (reading.output_tokens or 0) + round(received)
-            cost += float(m[5])
-            reading.cost_usd = round(cost, 6)
-            tokens_at = i
-    if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
-        reading.verdict = "failed"
-        # the error and what aider adds to it, not its advice ("... Try again later or check your quotas.")
-        kept = [ln.strip() for ln in lines[errors_at:errors_at + 6] if ln.strip()
-                and not re.match(r"\s*(?:Retrying in|The API provider|https?://|Token counts below)", ln)]
-        reading.error = "\n".join(kept[:4])[-ERROR_TAIL_BYTES:]
-    else:
-        reading.failure_hint = None
-    if tokens_at is not None:   # the reply: the paragraph before the Tokens line, after aider's header
-        before = "\n".join(lines[max(0, tokens_at - 200):tokens_at]).strip()
-        reading.final_message = _final(before.rsplit("\n\n", 1)[-1])
-    elif text := [ln for ln in lines if ln.strip()]:
-        reading.final_message = _final("\n".join(text[-20:]))
-    return reading
-
-
-def read_generic(lines: list[str]) -> Reading:
-    """Any other command (the demo agent included), API.md 5.5: exit 0 succeeds unless the last
-    JSON object line says ``"is_error": true``, ``"status": "failed"`` or ``"type": "turn.failed"
-    | "error"``; ``"status": "needs_you"`` (with ``"question"``) asks a human."""
-    result = last_json_object(lines)
-    reading = Reading("generic", result=result)
-    if result is None:
-        return reading
-    error = result.get("error")
-    reading.error = error if isinstance(error, str) else json.dumps(error) if error else None
-    if (result.get("is_error") is True or result.get("status") == "failed"
-            or result.get("type") in ("turn.failed", "error")):
-        reading.verdict = "failed"
-        reading.error = reading.error or _string(result.get("message")) or "the agent reported a failure"
-    elif result.get("status") == "needs_you":
-        reading.verdict, reading.question = "needs_you", _string(result.get("question"))
-    else:
-        reading.verdict = "succeeded"
-    reading.session_id = _string(result.get("session_id"))
-    reading.final_message = _final(result.get("summary"))
-    reading.cost_usd = _number(result.get("cost_usd"))
-    return reading
-
-
-#: One reader per output format; a preset names its format (section 3).
-READERS: dict[str, Callable[[list[str]], Reading]] = {
-    "claude-code": read_claude, "codex": read_codex, "gemini": read_gemini, "aider": read_aider,
-    "generic": read_generic}
-#: Formats whose CLI always ends with a terminal event: without one, there is no result.
-TERMINAL_EVENT_FORMATS = ("claude-code", "codex", "gemini")
-
-
-# --- A run's log as a transcript (the run pages) ---------------------------------------------------
-# The agent writes its log: every text is clipped here, the entries and the characters are
-# capped, and the templates escape it all (Jinja autoescape); nothing is trusted to be a string.
-
-#: The formats whose log reads as a transcript: their events, one JSON object a line.
-TRANSCRIPT_FORMATS = ("claude-code", "codex", "gemini")
-TRANSCRIPT_MESSAGE_CHARS = 4000      # a message or the final result
-TRANSCRIPT_TOOL_INPUT_CHARS = 300    # a tool call's input, summarized
-TRANSCRIPT_TOOL_RESULT_CHARS = 800   # what a tool answered
-TRANSCRIPT_ENTRIES = 500
-TRANSCRIPT_CHARS = 250_000           # the transcript stops there; the raw log has the rest
-#: The input field that says what a tool call does, by preference (Claude's Bash/Read/Edit/Grep/
-#: WebFetch, Gemini's run_shell_command/read_file...): else the input as compact JSON.
-TOOL_INPUT_KEYS = ("command", "file_path", "path", "absolute_path", "pattern", "url", "query", "prompt",
-                   "description")
-
-
-def clip(value: Any, limit: int) -> str:
-    """Text of at most ``limit`` characters (and a note of what was cut); any value as text."""
-    try:
-        text = value if isinstance(value, str) else "" if value is None else json.dumps(value, ensure_ascii=False)
-    except (ValueError, RecursionError):
-        text = "(unreadable)"
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit:,} more characters)"
-
-
-def tool_input_summary(value: Any) -> str:
-    if isinstance(value, dict):
-        for key in TOOL_INPUT_KEYS:
-            if isinstance(value.get(key), str) and value[key]:
-                return clip(value[key], TRANSCRIPT_TOOL_INPUT_CHARS)
-    return clip(value, TRANSCRIPT_TOOL_INPUT_CHARS)
-
-
-def session_words(model: Any, session_id: Any) -> str:
-    return f"model {clip(model, 100)}, session {clip(session_id, 100)}"
-
-
-def _content_text(content: Any) -> str:
-    """A tool result's content: a string, or Claude's list of ``{"type": "text", "text"}`` blocks."""
-    if isinstance(content, list):
-        return "\n".join(c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
-    return content if isinstance(content, str) else "" if content is None else json.dumps(content)
-
-
-def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Claude Code stream-json: ``assistant`` text, thinking and tool_use blocks; ``user``
-    tool_result blocks (or the prompt); the ``result`` with its cost."""
-    kind = e.get("type")
-    message = e.get("message") if isinstance(e.get("message"), dict) else {}
-    content = message.get("content")
-    if kind == "system" and e.get("subtype") == "init":
-        yield {"kind": "session", "text": session_words(e.get("model"), e.get("session_id"))}
-    elif kind in ("assistant", "user") and isinstance(content, str):
-        yield {"kind": "message", "role": kind, "text": clip(content, TRANSCRIPT_MESSAGE_CHARS)}
-    elif kind in ("assistant", "user") and isinstance(content, list):
-        for c in content:
-            block = c.get("type") if isinstance(c, dict) else None
-            if block == "text":
-                yield {"kind": "message", "role": kind, "text": clip(c.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
-            elif block == "thinking":
-                yield {"kind": "thinking", "text": clip(c.get("thinking"), TRANSCRIPT_MESSAGE_CHARS)}
-            elif block == "tool_use":
-                yield {"kind": "tool", "name": clip(c.get("name"), 100), "text": tool_input_summary(c.get("input"))}
-            elif block == "tool_result":
-                yield {"kind": "tool_result", "error": c.get("is_error") is True,
-                       "text": clip(_content_text(c.get("content")), TRANSCRIPT_TOOL_RESULT_CHARS)}
-    elif kind == "result":
-        usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
-        yield {"kind": "result", "error": e.get("is_error") is True or e.get("subtype", "success") != "success",
-               "text": clip(e.get("result") if isinstance(e.get("result"), str) else e.get("subtype"),
-                            TRANSCRIPT_MESSAGE_CHARS),
-               "cost_usd": _number(e.get("total_cost_usd")), "turns": _count(e.get("num_turns")),
-               "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
-
-
-def _codex_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Codex exec --json (codex-rs/exec/src/exec_events.rs): completed items (agent_message,
-    reasoning, command_execution, file_change, mcp_tool_call, web_search, error), the turn's end."""
-    kind = e.get("type")
-    item = e.get("item") if isinstance(e.get("item"), dict) else {}
-    what = item.get("type")
-    if kind == "thread.started":
-        yield {"kind": "session", "text": f"thread {clip(e.get('thread_id'), 100)}"}
-    elif kind == "item.completed" and what in ("agent_message", "assistant_message"):
-        yield {"kind": "message", "role": "assistant", "text": clip(item.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
-    elif kind == "item.completed" and what == "reasoning":
-        yield {"kind": "thinking", "text": clip(item.get("text"), TRANSCRIPT_MESSAGE_CHARS)}
-    elif kind == "item.completed" and what == "command_execution":
-        yield {"kind": "tool", "name": "shell", "text": clip(item.get("command"), TRANSCRIPT_TOOL_INPUT_CHARS)}
-        code = _count(item.get("exit_code"))
-        yield {"kind": "tool_result", "error": code not in (0, None),
-               "text": clip(item.get("aggregated_output"), TRANSCRIPT_TOOL_RESULT_CHARS)
-               + (f"\n(exit code {code})" if code else "")}
-    elif kind == "item.completed" and what == "file_change":
-        changes = item.get("changes") if isinstance(item.get("changes"), list) else []
-        paths = ", ".join(f"{clip(c.get('kind'), 20)} {clip(c.get('path'), 200)}" for c in changes[:20]
-                          if isinstance(c, dict))
-        yield {"kind": "tool", "name": "edit", "text": clip(paths, TRANSCRIPT_TOOL_INPUT_CHARS)}
-    elif kind == "item.completed" and what == "mcp_tool_call":
-        yield {"kind": "tool", "name": f"{clip(item.get('server'), 50)}.{clip(item.get('tool'), 50)}",
-               "text": tool_input_summary(item.get("arguments"))}
-    elif kind == "item.completed" and what == "web_search":
-        yield {"kind": "tool", "name": "web_search", "text": clip(item.get("query"), TRANSCRIPT_TOOL_INPUT_CHARS)}
-    elif kind == "item.completed" and what == "error" or kind == "error":
-        yield {"kind": "error", "text": clip((item or e).get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
-    elif kind in ("turn.completed", "turn.failed"):
-        usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
-        error = e.get("error") if isinstance(e.get("error"), dict) else {}
-        yield {"kind": "result", "error": kind == "turn.failed", "cost_usd": None, "turns": None,
-               "text": clip(error.get("message"), TRANSCRIPT_MESSAGE_CHARS) if error else "turn completed",
-               "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
-
-
-def _gemini_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Gemini CLI stream-json: init, messages (an assistant's deltas are joined by the caller),
-    tool_use/tool_result, error, result with its stats."""
-    kind = e.get("type")
-    if kind == "init":
-        yield {"kind": "session", "text": session_words(e.get("model"), e.get("session_id"))}
-    elif kind == "message" and e.get("role") in ("user", "assistant"):
-        yield {"kind": "message", "role": e["role"], "text": clip(e.get("content"), TRANSCRIPT_MESSAGE_CHARS),
-               "delta": e.get("delta") is True}
-    elif kind == "tool_use":
-        yield {"kind": "tool", "name": clip(e.get("tool_name"), 100), "text": tool_input_summary(e.get("parameters"))}
-    elif kind == "tool_result":
-        error = e.get("error") if isinstance(e.get("error"), dict) else {}
-        yield {"kind": "tool_result", "error": e.get("status") != "success",
-               "text": clip(e.get("output") or error.get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
-    elif kind == "error":
-        yield {"kind": "error", "text": clip(e.get("message"), TRANSCRIPT_TOOL_RESULT_CHARS)}
-    elif kind == "result":
-        stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
-        error = e.get("error")
-        yield {"kind": "result", "error": e.get("status") != "success", "cost_usd": None,
-               "turns": _count(stats.get("turns")),
-               "text": clip(error.get("message") if isinstance(error, dict) else error or e.get("status"),
-                            TRANSCRIPT_MESSAGE_CHARS),
-               "input_tokens": _count(stats.get("input_tokens")), "output_tokens": _count(stats.get("output_tokens"))}
-
-
-TRANSCRIBERS: dict[str, Callable[[dict[str, Any]], Iterator[dict[str, Any]]]] = {
-    "claude-code": _claude_entries, "codex": _codex_entries, "gemini": _gemini_entries}
-
-
-def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
-    """A log of a CLI of TRANSCRIPT_FORMATS as entries (``kind``: session, message, thinking, tool,
-    tool_result, error, result, output for a line that is no event), or None: another format,
-    or no event in it. ``cut``: entries left out past the caps (the raw log has them)."""
-    reader = TRANSCRIBERS.get(fmt or "")
-    if reader is None:
-        return None
-    entries: list[dict[str, Any]] = []
-    used = cut = events = 0
-    for line in text.splitlines():
-        stripped = line.strip()
-        event = None
-        if stripped.startswith("{"):
-            with contextlib.suppress(ValueError, RecursionError):
-                event = json.loads(stripped)
-        if isinstance(event, dict):
-            events += 1
-            found = list(reader(event))
-        else:
-            found = [{"kind": "output", "text": clip(line, TRANSCRIPT_TOOL_RESULT_CHARS)}] if stripped else []
-        for entry in found:
-            last = entries[-1] if entries else None
-            if last and entry["kind"] == "output" == last["kind"] or (entry.get("delta") and last
-                                                                    and last.get("delta")):
-                joined = clip(last["text"] + ("\n" if entry["kind"] == "output" else "") + entry["text"],
-                              TRANSCRIPT_MESSAGE_CHARS)   # output lines, or an assistant's deltas: one entry
-                used += len(joined) - len(last["text"])
-                last["text"] = joined
-            elif len(entries) >= TRANSCRIPT_ENTRIES or used >= TRANSCRIPT_CHARS:
-                cut += 1
-            else:
-                entries.append(entry)
-                used += len(entry.get("text") or "")
-    return {"entries": entries, "cut": cut} if events else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -2413,17 +2622,20 @@ def failed(error: str, kind: str, reading: Reading | None = None) -> Outcome:
 
 
 def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, timed_out: bool = False,
-                now: datetime, tz: ZoneInfo = UTC) -> Outcome:
-    """How a run ended, from what its CLI said and how its process ended. Exit 0 with a
-    failing terminal event fails (CLIs exit 0 on some failures); a failure whose text (or
-    stderr's tail) names a login problem is ``auth``, one that names a limit is ``limit``."""
+                cancelled: bool = False, now: datetime, tz: ZoneInfo = UTC) -> Outcome:
+    """How a run ended, from what its CLI said and how its process ended. A run cancelled while
+    it ran (``LiveRun.cancel``) is cancelled, whatever its process said. Exit 0 with a failing
+    terminal event fails (CLIs exit 0 on some failures); a failure whose text (or stderr's tail)
+    names a login problem is ``auth``, one that names a limit is ``limit``."""
+    if cancelled:
+        return Outcome(RunStatus.CANCELLED, "cancelled", reading=reading)
     tail = stderr_tail.strip()[-ERROR_TAIL_BYTES:]
     if timed_out:
         return failed("timeout" + (f": {tail}" if tail else ""), "timeout", reading)
     if exit_code == 0 and reading.verdict == "needs_you":
         return Outcome(RunStatus.NEEDS_YOU, None, question=reading.question, reading=reading)
     if exit_code == 0 and reading.verdict in ("succeeded", None) and not (
-            reading.verdict is None and reading.format in TERMINAL_EVENT_FORMATS):
+            reading.verdict is None and reading.ends_with_result):
         return Outcome(RunStatus.SUCCEEDED, None, reading=reading)
     if exit_code == 0 and reading.verdict is None:
         error, kind = "the agent ended without a result" + (f": {tail}" if tail else ""), "no_result"
@@ -4874,8 +5086,9 @@ class ScheduleStore(StorePart):
                    since: datetime | None = None, counted_all: bool = True, head: str | None = None,
                    pending: str | None = None) -> tuple[SlotOutcome, str | None, str | None]:
         """Apply the overlap rule (and skip_if_unchanged: ``head`` is what source_ref resolves
-        to now) to one due slot: returns (outcome, run id, occurrence id). ``pending`` is the
-        ledger row of a slot that waited for a human (catch_up ask): it is decided, not added."""
+        to now, and the commit a run it admits starts from: see RunPlan) to one due slot: returns
+        (outcome, run id, occurrence id). ``pending`` is the ledger row of a slot that waited for
+        a human (catch_up ask): it is decided, not added."""
         d = s.definition
         active = self._active_run(s.id)
         policy = d["concurrency_policy"]
@@ -4905,7 +5118,7 @@ class ScheduleStore(StorePart):
             run_id = self.queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
                                      repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
                                      limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
-                                     missed_count=missed_count, occurrence_id=oid)
+                                     missed_count=missed_count, occurrence_id=oid, resolved_commit=head)
             self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
             s.last_fired_at = naive(now)
             self.core.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
@@ -8245,8 +8458,15 @@ class LiveRun:
     remaining_s: float | None = None     # of the timeout, while paused
 
     def cancel(self) -> None:
+        """End it for a cancel (run control, or its node declared lost): the one place a run
+        becomes cancelled while it runs; run_outcome turns that into its outcome."""
         self.cancelled = True
         self.scope.cancel()
+
+    @property
+    def timed_out(self) -> bool:
+        """Its time limit ended its process: the scope was cancelled, and no cancel did it."""
+        return self.scope.cancelled_caught and not self.cancelled
 
     def pause(self) -> None:
         """SIGSTOP the process group and stop its timeout: paused time is not run time. Before
@@ -8322,7 +8542,7 @@ class LiveRuns:
 
 
 class OutputLines:
-    """The stdout lines a reader gets (section 4): the whole stream when it is small, else the
+    """The stdout lines a preset's reader gets: the whole stream when it is small, else the
     first OUTPUT_HEAD_LINES (a CLI names its session first) and the last OUTPUT_TAIL_BYTES (its
     result comes last), in order. Memory stays bounded however long a run talks."""
 
@@ -8431,7 +8651,6 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 stderr_tail.extend(chunk)
                 del stderr_tail[:-ERROR_TAIL_BYTES]
 
-        timed_out = False
         try:
             with live.scope:
                 async with trio.open_nursery() as nursery:
@@ -8440,8 +8659,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                     nursery.start_soon(pump_stdout)
                     nursery.start_soon(pump_stderr)
                     await proc.wait()
-            if live.scope.cancelled_caught and not live.cancelled:
-                timed_out = True
+            timed_out = live.timed_out
         finally:
             if proc.returncode is None:
                 await terminate_group(proc, grace_s)
@@ -8450,17 +8668,6 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
         return ProcessResult(proc.returncode, stdout_lines.lines(), stderr_tail.decode(errors="replace"), timed_out)
     finally:
         sink.close()
-
-
-def cli_version(argv: list[str], env: dict[str, str]) -> str | None:
-    """The first line a CLI's version command prints, or None when it does not answer."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, env=env,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = (done.stdout or done.stderr).strip().splitlines()
-    return lines[0].strip()[:120] if done.returncode == 0 and lines else None
 
 
 def read_log_bytes(path: Path, offset: int = 0) -> bytes | None:
@@ -9045,8 +9252,9 @@ class Deps:
 
 
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
-    """Fire step 2: record the exact commit each new run will use. A ref that does not
-    resolve is left for the supervisor, which fails the run with the reason."""
+    """Fire step 2: record the exact commit each new run will use (one whose fire resolved it
+    already, skip_if_unchanged's, has it). A ref that does not resolve is left for the
+    supervisor, which fails the run with the reason."""
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
         for run_id, repository, ref in await deps.transaction(deps.store.runs.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
@@ -9069,7 +9277,8 @@ async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
 async def unchanged_heads(deps: Deps, now: datetime,
                           checks: list[tuple[str, str, str]] | None = None) -> dict[str, str]:
     """skip_if_unchanged: the commit each due schedule's source_ref names now (git, before the
-    claim's transaction). A ref that does not resolve is left out: that fire runs and says why.
+    claim's transaction); a run the claim admits starts from it (the fire's one resolution).
+    A ref that does not resolve is left out: that fire runs and says why.
     ``checks``: the due schedules that ask for it, as read before the sleep (None: read them now)."""
     heads = {}
     if checks is None:
@@ -9196,20 +9405,20 @@ async def dispatch_wakeups(deps: Deps) -> None:
             return
 
 
-def run_workspace(deps: Deps, info: dict[str, Any]) -> Path:
+def run_workspace(deps: Deps, plan: RunPlan) -> Path:
     """Where a run works: an Office task session's one path, the path of the run a reply
     answers, or a path of its own."""
-    return deps.worktree(info["worktree_run"] or info["id"],
-                         info["result_branch"] if info["office"] and info["task_id"] else None)
+    return deps.worktree(plan.worktree_run or plan.run_id,
+                         plan.result_branch if plan.office and plan.task_id else None)
 
 
-def run_sandbox(deps: Deps, info: dict[str, Any]) -> Sandbox | None:
+def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     """The run's sandbox (API.md 12), or None when agents are not isolated."""
     if not deps.isolation.active:
         return None
     home = os.environ.get("HOME")
-    return Sandbox(deps.config.data_dir, run_workspace(deps, info), Path(deps.mirrors.path(info["repository"])),
-                   deps.private_dir(info["id"]), Path(home) if home else None)
+    return Sandbox(deps.config.data_dir, run_workspace(deps, plan), Path(deps.mirrors.path(plan.repository)),
+                   deps.private_dir(plan.run_id), Path(home) if home else None)
 
 
 async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:
@@ -9226,25 +9435,26 @@ async def take_over(repository: str, branch: str, left_on: str, head: str) -> st
     return left
 
 
-async def prepare_worktree(deps: Deps, info: dict[str, Any], workspace: Path) -> str:
-    """The run's worktree, and the commit it starts from: a fresh branch from ``source_ref``'s
-    commit, or, for a run that continues a branch (an Office task session, a reply), that
-    branch's head, on a fresh worktree of it. The branch is made in the repository now; the
-    agent's commits reach it when the run settles (bring_back)."""
-    repository, branch = await deps.mirrors.fetched(info["repository"]), info["result_branch"]
+async def prepare_worktree(deps: Deps, plan: RunPlan, workspace: Path) -> str:
+    """The run's worktree, and the commit it starts from: a fresh branch from the commit its
+    fire recorded (``source_ref`` is resolved here only when none was: see RunPlan), or, for a
+    run that continues a branch (an Office task session, a reply), that branch's head, on a
+    fresh worktree of it. The branch is made in the repository now; the agent's commits reach
+    it when the run settles (bring_back)."""
+    repository, branch = await deps.mirrors.fetched(plan.repository), plan.result_branch
     head = (await git(repository, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False)
-            if info["continues_branch"] and Path(repository).is_dir() else "")
-    if info.get("handover_branch") and Path(repository).is_dir() and not workspace.exists():
-        head = await take_over(repository, branch, info["handover_branch"], head)
+            if plan.continues_branch and Path(repository).is_dir() else "")
+    if plan.handover_branch and Path(repository).is_dir() and not workspace.exists():
+        head = await take_over(repository, branch, plan.handover_branch, head)
     if not head:
-        commit = info["resolved_commit"] or await deps.refs.resolve(repository, info["source_ref"])
-        commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, info["id"], commit)
+        commit = plan.resolved_commit or await deps.refs.resolve(repository, plan.source_ref)
+        commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, plan.run_id, commit)
         await git(repository, "update-ref", f"refs/heads/{branch}", commit)   # the run's own: a retried start redoes it
         await add_worktree(repository, commit, branch, workspace)
         return commit
-    commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, info["id"], head)
+    commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, plan.run_id, head)
     if workspace.exists():   # kept by an earlier run of the session (its changes could not be saved)
-        on = (await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False, sandbox=run_sandbox(deps, info))
+        on = (await git(workspace, "rev-parse", "--abbrev-ref", "HEAD", check=False, sandbox=run_sandbox(deps, plan))
               if worktree_intact(workspace) else "")
         if on != branch:
             raise LaunchError(f"{workspace} exists and is not a worktree of {branch}; remove it")
@@ -9274,6 +9484,12 @@ def login_hint(profile: AgentProfile) -> str:
             '{"action": "resume"}.')
 
 
+def run_plan(deps: Deps, row: dict[str, Any]) -> RunPlan:
+    """The plan of the run whose row ``launch_info`` read, made once: every step of its start and
+    settlement reads it."""
+    return RunPlan.of(row, deps.config.agent(row["agent"]))
+
+
 async def run_supervisor(deps: Deps, run_id: str) -> None:
     """One run, from worktree to settlement. Its failures settle the run as failed. When
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
@@ -9282,66 +9498,63 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     live = LiveRun(run_id, trio.CancelScope())
     deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
-        info = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
+        row = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
     except trio.Cancelled:   # the daemon stopped between its admission and its start: nothing ran
         deps.live.discard(run_id)
         with trio.move_on_after(CLEANUP_S, shield=True):
             await deps.transaction_retrying(deps.store.runs.requeue_unstarted, run_id, deps.clock.now(),
                                             "the daemon stopped before it started")
         raise
-    deps.metrics.observe_start(info)
-    if info["status"] == RunStatus.PAUSED:   # paused between its admission and now
+    deps.metrics.observe_start(row)
+    plan = run_plan(deps, row)
+    if plan.paused:   # paused between its admission and now
         live.pause()
-    workspace = run_workspace(deps, info)
-    commit, settled, exit_code = info["resolved_commit"], False, None
+    workspace = run_workspace(deps, plan)
+    commit, settled, exit_code = plan.resolved_commit, False, None
     try:
         try:
-            profile = deps.config.agent(info["agent"])
+            profile = plan.profile
             if profile is None:
-                raise LaunchError(f"agent profile {info['agent']!r} is not configured")
-            commit = await prepare_worktree(deps, info, workspace)
-            cwd = (workspace / info["workdir"]).resolve()
+                raise LaunchError(f"agent profile {plan.agent!r} is not configured")
+            commit = await prepare_worktree(deps, plan, workspace)
+            cwd = (workspace / plan.workdir).resolve()
             if not cwd.is_relative_to(workspace.resolve()):   # a symlink in the tree pointing elsewhere
-                raise LaunchError(f"workdir {info['workdir']!r} leads outside the worktree (a symlink); refused")
+                raise LaunchError(f"workdir {plan.workdir!r} leads outside the worktree (a symlink); refused")
             if not cwd.is_dir():
-                raise LaunchError(f"workdir {info['workdir']!r} does not exist in commit {commit[:12]}")
-            session = info["resume_session"] if profile.resume else None
+                raise LaunchError(f"workdir {plan.workdir!r} does not exist in commit {commit[:12]}")
             private = deps.private_dir(run_id)
             private.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (private / "prompt.md").write_text(info["prompt"])
-            argv = profile_argv(profile, model=info["model"] or profile.model, run_id=run_id, session_id=session,
-                                prompt_file=str(private / "prompt.md"), max_cost_usd=info["max_cost_usd"])
+            (private / "prompt.md").write_text(plan.prompt)
+            argv = profile_argv(profile, model=plan.model, run_id=run_id, session_id=plan.session_id,
+                                prompt_file=str(private / "prompt.md"), max_cost_usd=plan.max_cost_usd)
             env = agent_env(profile, dict(os.environ), run_id)
-            if sandbox := run_sandbox(deps, info):
+            if sandbox := run_sandbox(deps, plan):
                 await trio.to_thread.run_sync(sandbox.make_home_state)
                 argv, env["TMPDIR"] = sandbox.argv(argv, cwd), "/tmp"
                 if sandbox.home is not None:
                     env.setdefault("CLAUDE_CONFIG_DIR", str(sandbox.home / ".claude"))
             env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url}
-            if info["office"]:   # the agent acts on Office through the run-scoped token
-                env["OUTPOST_TASK_ID"] = info["task_id"] or ""
-            rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if session else "")
+            if plan.office:   # the agent acts on Office through the run-scoped token
+                env["OUTPOST_TASK_ID"] = plan.task_id or ""
+            rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if plan.session_id else "")
 
             async def on_spawn(pid: int) -> None:
                 if not await deps.transaction_retrying(deps.store.runs.mark_spawned, run_id, pid,
-                                                       process_start_time(pid),
-                                                       (info["node"], info["attempt"])):
+                                                       process_start_time(pid), plan.fence):
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
             done = await log_shipped(deps, run_id, functools.partial(
-                run_agent_process, argv, cwd=cwd, env=env, stdin_text=info["prompt"],
-                timeout_s=min(info["timeout_seconds"], profile.timeout_seconds or info["timeout_seconds"]),
+                run_agent_process, argv, cwd=cwd, env=env, stdin_text=plan.prompt, timeout_s=plan.timeout_seconds,
                 log_path=deps.log_path(run_id), live=live, on_spawn=on_spawn, grace_s=deps.grace_s))
             exit_code = done.exit_code
-            reading = READERS[profile.format](done.lines)
+            reading = profile.kind.read(done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
                 reading.agent_version = await agent_version(deps, profile, env, sandbox)
-            outcome = (Outcome(RunStatus.CANCELLED, "cancelled", reading=reading) if live.cancelled else
-                       run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
-                                   now=deps.clock.now(), tz=profile.zone))
+            outcome = run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
+                                  cancelled=live.cancelled, now=deps.clock.now(), tz=profile.zone)
         except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
-            if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, run_id, info, exc):
+            if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, plan, exc):
                 settled = True   # nothing ran: back in the queue, not settled
                 return
             unavailable = isinstance(exc, RepositoryUnavailable)
@@ -9351,38 +9564,38 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                 sink = LogSink(deps.log_path(run_id))
                 sink.write(f"[outpost] {reason}\n".encode())
                 sink.close()
-        await finish_run(deps, run_id, info, commit, outcome, exit_code)
+        await finish_run(deps, plan, commit, outcome, exit_code)
         settled = True
     finally:
         deps.live.discard(run_id)
         shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
-                await finish_run(deps, run_id, info, commit, failed(INTERRUPTED, "interrupted"), None)
+                await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None)
 
 
-async def left_to_another_node(deps: Deps, run_id: str, info: dict[str, Any], exc: RepositoryUnreachable) -> bool:
+async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreachable) -> bool:
     """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
     the queue for a node that can, and leaves that URL's runs to the others for a while. False
     when no other node is up (or the run is no longer this admission's): the run fails, with
     a reason that never counts toward a failure streak."""
     if not deps.store.dialect.fleet or not await deps.transaction_retrying(deps.store.nodes.other_nodes_up):
         return False
-    deps.mirrors.leave_to_others(info["repository"])
+    deps.mirrors.leave_to_others(plan.repository)
     reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
-    if not await deps.transaction_retrying(deps.store.runs.requeue_unstarted, run_id, deps.clock.now(), reason,
-                                           fence=(info["node"], info["attempt"])):
+    if not await deps.transaction_retrying(deps.store.runs.requeue_unstarted, plan.run_id, deps.clock.now(), reason,
+                                           fence=plan.fence):
         return False
-    log.getChild("run").warning("run %s: %s; left in the queue for another node", run_id, reason)
+    log.getChild("run").warning("run %s: %s; left in the queue for another node", plan.run_id, reason)
     return True
 
 
-async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str | None, outcome: Outcome,
-                     exit_code: int | None) -> None:
+async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None) -> None:
     """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
     worktree, record settlement."""
-    workspace, sandbox = run_workspace(deps, info), run_sandbox(deps, info)
-    local = deps.mirrors.path(info["repository"])
+    run_id = plan.run_id
+    workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
+    local = deps.mirrors.path(plan.repository)
     kept = None
     try:
         if workspace.exists() and not worktree_intact(workspace):
@@ -9390,41 +9603,40 @@ async def finish_run(deps: Deps, run_id: str, info: dict[str, Any], commit: str 
                               "nothing was brought back")
         await save_leftovers(workspace, run_id, sandbox)
         if workspace.exists() and Path(local).is_dir():
-            await bring_back(local, workspace, info["result_branch"], commit, sandbox)
+            await bring_back(local, workspace, plan.result_branch, commit, sandbox)
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
         outcome = failed(kept, "agent", outcome.reading)
-    commits = await count_commits(local, commit, info["result_branch"]) if commit else 0
+    commits = await count_commits(local, commit, plan.result_branch) if commit else 0
     if kept is None:
         await remove_worktree(workspace, sandbox)
     unpushed = None
-    if commits and is_repository_url(info["repository"]):   # API.md 10: the result goes back where it came from
+    if commits and is_repository_url(plan.repository):   # API.md 10: the result goes back where it came from
         try:
-            await deps.mirrors.push(info["repository"], info["result_branch"])
+            await deps.mirrors.push(plan.repository, plan.result_branch)
         except LaunchError as exc:
-            unpushed = (f"git push of {info['result_branch']} to {info['repository']} failed: {exc}\n"
+            unpushed = (f"git push of {plan.result_branch} to {plan.repository} failed: {exc}\n"
                         f"The branch is kept in {local}; push it from there, or fix the access and re-run.")
             log.getChild("run").warning("run %s: %s", run_id, unpushed.splitlines()[0])
     if deps.store.dialect.ships_logs and (
             ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
         await deps.transaction_retrying(deps.store.runs.replace_log, run_id, ended)   # as it ended, for every node
-    if (kept is None and not commits and commit and not info["continues_branch"]
+    if (kept is None and not commits and commit and not plan.continues_branch
             and outcome.status != RunStatus.NEEDS_YOU):   # API.md 11: before settling, so a settled run is done
-        await drop_branch_of(run_id, local, info["result_branch"], commit)
+        await drop_branch_of(run_id, local, plan.result_branch, commit)
     now = deps.clock.now()
-    profile = deps.config.agent(info["agent"])
+    hint = login_hint(plan.profile) if plan.profile else ""
     settled = await deps.transaction_retrying(deps.store.runs.settle_run, run_id, outcome, now, exit_code=exit_code,
-                                              commits=commits, auth_hint=login_hint(profile) if profile else "",
-                                              fence=(info["node"], info["attempt"]) if info["node"] else None)
+                                              commits=commits, auth_hint=hint, fence=plan.fence if plan.node else None)
     if unpushed is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "push_failed",
                                         f"Run {run_id}: its result branch was not pushed", unpushed, now,
-                                        schedule_id=info["schedule_id"], run_id=run_id)
+                                        schedule_id=plan.schedule_id, run_id=run_id)
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
                                         f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
-                                        schedule_id=info["schedule_id"], run_id=run_id)
+                                        schedule_id=plan.schedule_id, run_id=run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
     if settled:
@@ -9463,9 +9675,9 @@ async def recover_at_boot(deps: Deps) -> None:
                                                                 deps.config.max_running):
         await end_survivor(deps, run_id, pid, started)   # settled by another node: not ours to settle
     for run_id in await deps.transaction_retrying(deps.store.runs.own_runs_in, ["running", "paused"]):
-        info = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
-        await end_survivor(deps, run_id, info["pid"], info["pid_started"])
-        await finish_run(deps, run_id, info, info["resolved_commit"], failed(INTERRUPTED, "interrupted"), None)
+        plan = run_plan(deps, await deps.transaction_retrying(deps.store.runs.launch_info, run_id))
+        await end_survivor(deps, run_id, plan.pid, plan.pid_started)
+        await finish_run(deps, plan, plan.resolved_commit, failed(INTERRUPTED, "interrupted"), None)
 
 
 async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | None) -> None:
@@ -11525,7 +11737,7 @@ async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[s
     if run["status"] in ACTIVE_RUN_STATUSES or not log_text:
         return None
     profile = web.deps.profiles.get(run["agent"])
-    fmt = (run["agent_report"] or {}).get("format") or (profile.format if profile else None)
+    fmt = (run["agent_report"] or {}).get("format") or (profile.preset if profile else None)
     return await trio.to_thread.run_sync(transcript, log_text, fmt)
 
 
@@ -12472,96 +12684,9 @@ def print_inspect(report: dict[str, Any]) -> None:
                 print(f"   {key}: {json.dumps(value) if isinstance(value, dict) else value}")
 
 
-def _json_file(path: Path) -> dict[str, Any]:
-    with contextlib.suppress(OSError, ValueError):
-        value = json.loads(path.read_text())
-        return value if isinstance(value, dict) else {}
-    return {}
-
-
-def _dotenv(path: Path) -> dict[str, str]:
-    """The ``KEY=value`` lines of a .env file (the ones Gemini CLI loads)."""
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        return {m[1]: m[2].strip().strip("'\"") for m in re.finditer(r"^\s*(?:export\s+)?([A-Z][A-Z0-9_]*)\s*=\s*(.*)$",
-                                                                   path.read_text(), re.MULTILINE)}
-    return {}
-
-
-def _truthy(value: Any) -> bool:
-    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def claude_logins(env: dict[str, str], home: Path) -> list[str]:
-    """Claude Code's logins besides a key variable and ~/.claude/.credentials.json: an
-    ``apiKeyHelper`` or a key, Bedrock or Vertex in its settings (user or managed), Bedrock or
-    Vertex (CLAUDE_CODE_USE_BEDROCK, CLAUDE_CODE_USE_VERTEX) or ANTHROPIC_AUTH_TOKEN in the env.
-    https://docs.claude.com/en/docs/claude-code/settings , .../amazon-bedrock , .../google-vertex-ai"""
-    config = Path(env.get("CLAUDE_CONFIG_DIR") or home / ".claude")
-    found = [f"{key} ({what})" for key, what in (("CLAUDE_CODE_USE_BEDROCK", "Amazon Bedrock"),
-                                                 ("CLAUDE_CODE_USE_VERTEX", "Google Vertex AI"),
-                                                 ("CLAUDE_CODE_USE_FOUNDRY", "Microsoft Foundry"))
-             if _truthy(env.get(key))]
-    found += ["ANTHROPIC_AUTH_TOKEN"] if env.get("ANTHROPIC_AUTH_TOKEN") else []
-    for path in (config / "settings.json", Path("/etc/claude-code/managed-settings.json")):
-        settings = _json_file(path)
-        if isinstance(settings.get("apiKeyHelper"), str) and settings["apiKeyHelper"].strip():
-            found.append(f"apiKeyHelper in {path}")
-        settings_env = settings.get("env") if isinstance(settings.get("env"), dict) else {}
-        found += [f"{key} in {path}" for key in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN")
-                  if settings_env.get(key)]
-        found += [f"{key} in {path}" for key in ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
-                                                 "CLAUDE_CODE_USE_FOUNDRY") if _truthy(settings_env.get(key))]
-    if env.get("CLAUDE_CONFIG_DIR") and (config / ".credentials.json").exists():
-        found.append(f"{config / '.credentials.json'}")
-    return found
-
-
-def codex_logins(env: dict[str, str], home: Path) -> list[str]:
-    """Codex's logins besides CODEX_API_KEY and ~/.codex/auth.json: auth.json in $CODEX_HOME, or a
-    model provider of its own in config.toml (with its ``env_key`` set, when it names one).
-    https://github.com/openai/codex/blob/main/docs/config.md"""
-    codex_home = Path(env.get("CODEX_HOME") or home / ".codex")
-    found = [str(codex_home / "auth.json")] if env.get("CODEX_HOME") and (codex_home / "auth.json").exists() else []
-    with contextlib.suppress(OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        config = tomllib.loads((codex_home / "config.toml").read_text())
-        provider = config.get("model_provider")
-        if isinstance(provider, str) and provider != "openai":
-            spec = (config.get("model_providers") or {}).get(provider)
-            key = spec.get("env_key") if isinstance(spec, dict) else None
-            if not key or env.get(key):
-                found.append(f"model_provider {provider} in {codex_home / 'config.toml'}{f' ({key})' if key else ''}")
-    return found
-
-
-def gemini_logins(env: dict[str, str], home: Path) -> list[str]:
-    """Gemini CLI's logins besides GEMINI_API_KEY, Vertex AI's switch and ~/.gemini/oauth_creds.json:
-    a key in the .env files it loads (~/.gemini/.env, ~/.env), GOOGLE_API_KEY, a service account
-    (GOOGLE_APPLICATION_CREDENTIALS), gcloud's application-default credentials, or a metadata-server
-    login chosen in its settings. https://github.com/google-gemini/gemini-cli/blob/main/docs/get-started/authentication.md"""
-    found = ["GOOGLE_API_KEY"] if env.get("GOOGLE_API_KEY") else []
-    for path in (home / ".gemini" / ".env", home / ".env"):
-        found += [f"{key} in {path}" for key in ("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI")
-                  if _dotenv(path).get(key)]
-    if (credentials := env.get("GOOGLE_APPLICATION_CREDENTIALS")) and Path(credentials).expanduser().is_file():
-        found.append(f"GOOGLE_APPLICATION_CREDENTIALS ({credentials})")
-    adc = Path(env.get("CLOUDSDK_CONFIG") or home / ".config" / "gcloud") / "application_default_credentials.json"
-    if adc.is_file():
-        found.append(f"gcloud application-default credentials ({adc})")
-    settings = _json_file(home / ".gemini" / "settings.json")
-    auth = ((settings.get("security") or {}).get("auth") or {}) if isinstance(settings.get("security"), dict) else {}
-    selected = (auth.get("selectedType") if isinstance(auth, dict) else None) or settings.get("selectedAuthType")
-    if selected in ("cloud-shell", "compute-default-credentials"):
-        found.append(f"{selected} in {home / '.gemini' / 'settings.json'}")
-    return found
-
-
-#: A preset's logins that a variable or a file in HOME does not show alone (cli_doctor).
-LOGIN_CHECKS: dict[str, Callable[[dict[str, str], Path], list[str]]] = {
-    "claude-code": claude_logins, "codex": codex_logins, "gemini": gemini_logins}
-
-
 def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, str]:
-    """One profile, checked as its runs will see it: binary on the PATH it gets, version, login."""
+    """One profile, checked as its runs will see it: its binary on the PATH it gets, then its
+    preset's check (version, login)."""
     if profile.name == "demo":
         return True, "demo: ok, built in (outpost demo-agent)"
     env = agent_env(profile, parent, "doctor")
@@ -12569,20 +12694,8 @@ def doctor_line(profile: AgentProfile, parent: dict[str, str]) -> tuple[bool, st
     if binary is None:
         return False, (f"{profile.name}: {profile.command[0]!r} not found on the PATH it gets "
                        f"({env.get('PATH', os.defpath)}); install it for this user, or name it by absolute path")
-    if profile.preset == "generic":
-        return True, f"{profile.name}: ok, {binary} (generic: no version or login check)"
-    preset = profile.kind
-    version = cli_version([binary, *preset.version[1:]], env)
-    if version is None:
-        return False, f"{profile.name}: {binary} did not answer `{' '.join(preset.version)}`"
-    home = Path(env.get("HOME", "~")).expanduser()
-    keys = [k for k in preset.login_env if env.get(k)]
-    files = [f for f in preset.login_files if (home / f).exists()]
-    others = LOGIN_CHECKS[profile.preset](env, home) if profile.preset in LOGIN_CHECKS else []
-    if not keys and not files and not others:
-        wanted = " or ".join([*preset.login_env[:2], *(f"~/{f}" for f in preset.login_files)])
-        return False, f"{profile.name}: {version} at {binary}, but no login found ({wanted}): {preset.login}"
-    return True, f"{profile.name}: ok, {version} at {binary}, logged in by {', '.join(keys + files + others)}"
+    usable, said = profile.kind.doctor(binary, env)
+    return usable, f"{profile.name}: {said}"
 
 
 def cli_doctor(config: Config) -> int:

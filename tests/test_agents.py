@@ -202,7 +202,7 @@ def run_fake(tmp_path: Path, preset: str, prompt: str, *, session: str | None = 
                                 prompt_file=str(prompt_file), max_cost_usd=max_cost_usd)
     env = fake_env(tmp_path / "home", tmp_path) | dict(profile.env)
     done = subprocess.run(argv, input=prompt, capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
-    reading = outpost.READERS[profile.format](done.stdout.splitlines())
+    reading = profile.kind.read(done.stdout.splitlines())
     return outpost.run_outcome(reading, done.returncode, done.stderr, now=now, tz=CHICAGO)
 
 

@@ -538,6 +538,22 @@ def test_run_outcome(exit_code, result, stderr, timed_out, status, error_has):
         assert outcome.error and error_has in outcome.error
 
 
+@pytest.mark.parametrize(("exit_code", "timed_out"), [(0, False), (-15, False), (None, True), (1, True)])
+def test_a_cancel_while_it_ran_wins_over_whatever_its_process_said(exit_code, timed_out):
+    reading = outpost.read_generic([json.dumps({"status": "succeeded"})])
+    outcome = outpost.run_outcome(reading, exit_code, "", timed_out=timed_out, cancelled=True, now=T0)
+    assert (outcome.status, outcome.error, outcome.failure_kind) == (RunStatus.CANCELLED, "cancelled", None)
+    assert outcome.reading is reading
+
+
+def test_a_run_timeout_is_its_own_limit_capped_by_its_profile():
+    capped = outpost.AgentProfile("capped", ("agent",), timeout_seconds=600)
+    assert outpost.run_timeout_s(3600, capped) == 600
+    assert outpost.run_timeout_s(300, capped) == 300
+    assert outpost.run_timeout_s(3600, outpost.AgentProfile("free", ("agent",))) == 3600
+    assert outpost.run_timeout_s(3600, None) == 3600
+
+
 def test_failed_run_error_keeps_the_end_of_a_long_stderr():
     stderr = "x" * 10_000 + "\nthe real reason"
     error = outpost.run_outcome(outpost.read_generic([]), 1, stderr, now=T0).error

@@ -59,7 +59,7 @@ def run_real(clis: Path, tmp_path: Path, preset: str, prompt: str, timeout_s: fl
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
         timed_out = True
-    reading = outpost.READERS[profile.format](out.splitlines())
+    reading = profile.kind.read(out.splitlines())
     return outpost.run_outcome(reading, proc.returncode, err, timed_out=timed_out, now=T0)
 
 

@@ -78,6 +78,28 @@ async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path,
     store.close()
 
 
+async def test_a_fire_that_skips_when_unchanged_resolves_its_ref_once(tmp_path, git_repo, monkeypatch):
+    """Issue 26: the commit the cron actor resolved to decide the skip is the one the run starts
+    from; fire step 2 does not resolve the ref again (nor does the worktree step: it is recorded)."""
+    store = outpost.Store(tmp_path / "once.sqlite3")
+    deps = make_deps(tmp_path, store=store, token="t", inline_db=True)
+    sched = call(store, store.schedules.create_schedule,
+                 normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
+    asked, real = [], outpost.resolve_ref
+
+    async def counting(repository: str, ref: str) -> str:
+        asked.append(ref)
+        return await real(repository, ref)
+    monkeypatch.setattr(outpost, "resolve_ref", counting)
+    heads = await outpost.unchanged_heads(deps, T0 + 10 * MIN)
+    (run_id,) = call(store, store.schedules.claim_due, T0 + 10 * MIN, heads=heads)
+    await outpost.resolve_new_runs(deps, [run_id])
+    assert asked == ["HEAD"]
+    recorded = call(store, store.runs.launch_info, run_id)["resolved_commit"]
+    assert recorded == heads[sched["id"]] == git(git_repo, "rev-parse", "HEAD")
+    store.close()
+
+
 async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_costs_only_the_claim(
         autojump_clock, tmp_path, git_repo, monkeypatch):
     """Fire lag (issue 15): what the claim needs to know before it runs is read with the
