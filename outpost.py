@@ -68,6 +68,7 @@ Sections of this file, one per concern (``grep -n '^# [0-9]*\\. ' outpost.py``):
    10. store: the Office queue
 """
 
+
 ###############################################################################
 # 1. Imports and constants.
 ###############################################################################
@@ -304,7 +305,7 @@ VACUUM_AT_START_MAX_BYTES = 64 * 1024 * 1024
 
 
 ###############################################################################
-# 2. Errors: one family: a base, one subclass per problem code of API.md, and the
+# 2. Errors: one family: a base, one subclass per problem code, and the
 #    failures of configuration, schema, launch and the CLI.
 ###############################################################################
 
@@ -447,7 +448,8 @@ def invalid(field: str, message: str) -> ValidationFailed:
 
 
 ###############################################################################
-# 3. Configuration: outpost.toml, environment and flags -> one frozen Config.
+# 3. Agent CLIs: each preset's command lines, its reader of the CLI's output, its limit and
+#    login rules and its doctor check. Pure, but for the doctor's probes.
 ###############################################################################
 
 # --- agent CLIs ------------------------------------------------------------------------------
@@ -1268,7 +1270,8 @@ def _gemini_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
     """A log of a CLI whose preset (named ``fmt``) has a ``transcriber``, as entries (``kind``:
     session, message, thinking, tool, tool_result, error, result, output for a line that is no
-    event), or None: another format, or no event in it. ``cut``: entries left out past the caps (the raw log has them)."""
+    event), or None: another format, or no event in it. ``cut``: entries left out past the caps
+    (the raw log has them)."""
     preset = PRESETS.get(fmt or "")
     reader = preset.transcriber if preset else None
     if reader is None:
@@ -1410,6 +1413,10 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
     Preset("generic", command=(), reader=read_generic),
 )}
 
+
+###############################################################################
+# 4. Configuration: outpost.toml, environment and flags -> one frozen Config.
+###############################################################################
 
 # --- profiles, settings and the Config ---------------------------------------------------------
 
@@ -1740,7 +1747,8 @@ def api_token(data_dir: Path, *, create: bool) -> str | None:
 
 
 ###############################################################################
-# 4. Domain: pure functions and value types. No I/O, no trio, no clock reads.
+# 5. Schedules and runs, the domain: instants, timing and the DST rules, definitions,
+#    naming and outcomes. Pure: no I/O, no trio, no clock reads.
 ###############################################################################
 
 class RunStatus(enum.StrEnum):
@@ -2723,6 +2731,11 @@ def parse_if_match(value: str | None) -> int:
     return revision
 
 
+###############################################################################
+# 6. Office, the domain: agents, tasks, the wakeup queue's rules, retries, prompts,
+#    routines and webhook signatures. Pure.
+###############################################################################
+
 # --- Office: agents, tasks and the wakeup queue (office-scheduler spec) ------------------------
 
 class WakeupSource(enum.StrEnum):
@@ -3584,7 +3597,8 @@ def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> t
 
 
 ###############################################################################
-# 5. Store: Pony entities on SQLite or PostgreSQL, migrations, synchronous db_session functions.
+# 7. Store: the database and its session: Pony entities, migrations, views, the dialect
+#    (SQLite or PostgreSQL), transactions and the group commit.
 ###############################################################################
 
 def naive(dt: datetime | None) -> datetime | None:
@@ -4892,6 +4906,69 @@ class StorePart:
         self.core, self.db, self.dialect = core, core.db, core.dialect
 
 
+class PendingCall:
+    """A store call waiting for the writer thread."""
+    __slots__ = ("call", "taken", "written", "done")
+
+    def __init__(self, call: Callable[[], Any]):
+        self.call, self.taken, self.written, self.done = call, False, None, trio.Event()
+
+
+class GroupCommit:
+    """The one writer: store calls run on a worker thread one transaction at a time, and the
+    calls that arrive while a transaction is in flight run together in the next one, so one
+    fsync answers them all (DESIGN.md). Nobody is answered before the commit that holds their
+    call. The first waiter whose call nobody has taken leads the next group; the others wait
+    for the lock and find theirs done. ``sizes`` counts groups by size."""
+
+    def __init__(self, store: Store, observe: Callable[[float], None] = lambda seconds: None) -> None:
+        self.store = store
+        self.observe = observe   # each transaction's duration (outpost_store_transaction_seconds)
+        self.queue: list[PendingCall] = []
+        self.lock = trio.Lock()
+        self.sizes: collections.Counter[int] = collections.Counter()
+
+    async def run(self, call: Callable[[], Any]) -> Written:
+        pending = PendingCall(call)
+        self.queue.append(pending)
+        try:
+            async with self.lock:
+                if not pending.taken:
+                    await self._lead()
+        except trio.Cancelled:
+            if not pending.taken:   # withdrawn before it ran: nothing was written
+                self.queue.remove(pending)
+                raise
+            with trio.CancelScope(shield=True):   # running in another's group: it commits; wait for it
+                await pending.done.wait()
+        return pending.written
+
+    def summary(self) -> str:
+        calls, groups = sum(size * n for size, n in self.sizes.items()), sum(self.sizes.values())
+        return (f"{calls} store calls in {groups} transactions ({calls / groups:.1f} per transaction, "
+                f"largest group {max(self.sizes)})" if groups else "no store calls")
+
+    async def _lead(self) -> None:
+        group, self.queue = self.queue[:GROUP_COMMIT_MAX], self.queue[GROUP_COMMIT_MAX:]
+        for pending in group:
+            pending.taken = True
+        try:   # shielded: a group once taken is always run and answered, whoever leads it is cancelled
+            with trio.CancelScope(shield=True):
+                began = time.perf_counter()
+                written = await trio.to_thread.run_sync(self.store.transactions, [p.call for p in group])
+                self.observe(time.perf_counter() - began)
+        except Exception as exc:   # the writer thread itself failed (never a call's own error)
+            written = [Written(None, False, exc)] * len(group)
+        self.sizes[len(group)] += 1
+        for pending, outcome in zip(group, written, strict=True):
+            pending.written = outcome
+            pending.done.set()
+
+
+###############################################################################
+# 8. Store: schedules and firing (the slot ledger, claims, manual fires, dispatches).
+###############################################################################
+
 class ScheduleStore(StorePart):
     """Schedules and firing: definitions under revisions, the slot ledger, claiming due
     occurrences (UNIQUE per schedule and instant), manual fires and one-shot dispatches."""
@@ -5390,6 +5467,11 @@ class ScheduleStore(StorePart):
                  "data": {"cursor": self.core.latest_cursor()}},
             ]}
 
+
+###############################################################################
+# 9. Store: runs and admission, the nodes of a fleet, access (keys, sessions), the
+#    notification outbox.
+###############################################################################
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SettledRun:
@@ -6247,6 +6329,10 @@ class NotifyStore(StorePart):
                  "created_at": rfc3339(aware(n.created_at)), "delivered_at": rfc3339(aware(n.delivered_at))}
                 for n in rows if entry_index is None or keys.get(n.entry) == entry_index]
 
+
+###############################################################################
+# 10. Store: the Office queue: wakeups, Office resources, the dispatch pipeline.
+###############################################################################
 
 class WakeupStore(StorePart):
     """Wakeup intake (Office): the persisted queue: enqueue with idempotency keys and the
@@ -7367,6 +7453,10 @@ class PipelineStore(StorePart):
             row.set(**fields)
 
 
+###############################################################################
+# 11. Store: routines and recovery, housekeeping, and the Store made of its parts.
+###############################################################################
+
 class RoutineStore(StorePart):
     """Routines and recovery: routines with schedule, webhook and manual triggers,
     their ticks and fires, webhook deliveries, coordinator heartbeats, and the recovery sweep of
@@ -7890,7 +7980,7 @@ class Store(StoreCore):
 
 
 ###############################################################################
-# 6. Executors: git worktrees, the agent subprocess, output capture, the demo agent.
+# 12. Git and worktrees: the sandbox, refs and mirrors, a run's private clone.
 ###############################################################################
 
 def create_new(path: Path, data: bytes) -> None:
@@ -8352,6 +8442,10 @@ def ensure_embedded_repository(path: Path) -> None:
         subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, stdin=subprocess.DEVNULL)
 
 
+###############################################################################
+# 13. Running an agent: its process group, output capture, logs, the demo agent.
+###############################################################################
+
 def process_stat(pid: int) -> list[str] | None:
     """/proc/<pid>/stat from its third field (the state) on, or None: no such process."""
     try:
@@ -8686,46 +8780,6 @@ def read_log(path: Path, offset: int = 0) -> tuple[str, int]:
     return ("", 0) if data is None else (data.decode(errors="replace"), offset + len(data))
 
 
-async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
-    """read_log of a run: this node's file or, in a fleet, the copy that the node that ran it
-    keeps in the database."""
-    path = deps.log_path(run_id)
-    if not deps.store.dialect.ships_logs or path.exists():
-        return await trio.to_thread.run_sync(read_log, path, offset)
-    data = (await deps.transaction(deps.store.runs.stored_log, run_id))[offset:]
-    return data.decode(errors="replace"), offset + len(data)
-
-
-async def log_shipped(deps: Deps, run_id: str, work: Callable[[], Awaitable[Any]]) -> Any:
-    """``work()``, while in a fleet the run's log goes to the database beside it (ship_log).
-    What ``work`` raises comes out as itself, never inside an exception group."""
-    if not deps.store.dialect.ships_logs:
-        return await work()
-    failure: Exception | None = None
-    async with trio.open_nursery() as shipping:
-        shipping.start_soon(ship_log, deps, run_id)
-        try:
-            result = await work()
-        except Exception as exc:   # noqa: BLE001 - raised below, unwrapped
-            failure = exc
-        shipping.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-    return result
-
-
-async def ship_log(deps: Deps, run_id: str) -> None:
-    """A fleet: what the run's log file gained, into the database every LOG_SHIP_S, so any
-    node serves the live log. Ends when cancelled (finish_run stores the final log)."""
-    shipped = 0
-    while True:
-        await trio.sleep(LOG_SHIP_S)
-        data = await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id), shipped)
-        if data:
-            await deps.transaction_retrying(deps.store.runs.append_log, run_id, shipped, data)
-            shipped += len(data)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileDiff:
     """One file of a unified diff: its path, lines added and removed, and the diff text."""
@@ -8839,8 +8893,21 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
     return 0
 
 
+async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | None) -> None:
+    """An agent that outlived its daemon: its process group is ended, if that pid is still the
+    same process (a pid alone may have been reused)."""
+    if pid and started and process_start_time(pid) == started:
+        log.getChild("recovery").warning("run %s: ending its surviving process group %d", run_id, pid)
+        kill_group(pid, signal.SIGTERM)
+        kill_group(pid, signal.SIGCONT)
+        with trio.move_on_after(deps.grace_s):
+            while process_start_time(pid) == started:
+                await trio.sleep(0.05)
+        kill_group(pid, signal.SIGKILL)
+
+
 ###############################################################################
-# 7. Actors: cron, claim (+ run supervisor), recovery, notification.
+# 14. Wiring: clocks, channels, the Deps every actor and handler gets.
 ###############################################################################
 
 class Clock:
@@ -9084,65 +9151,6 @@ class Metrics:
             self.store.reading = None
 
 
-class PendingCall:
-    """A store call waiting for the writer thread."""
-    __slots__ = ("call", "taken", "written", "done")
-
-    def __init__(self, call: Callable[[], Any]):
-        self.call, self.taken, self.written, self.done = call, False, None, trio.Event()
-
-
-class GroupCommit:
-    """The one writer: store calls run on a worker thread one transaction at a time, and the
-    calls that arrive while a transaction is in flight run together in the next one, so one
-    fsync answers them all (DESIGN.md). Nobody is answered before the commit that holds their
-    call. The first waiter whose call nobody has taken leads the next group; the others wait
-    for the lock and find theirs done. ``sizes`` counts groups by size."""
-
-    def __init__(self, store: Store, observe: Callable[[float], None] = lambda seconds: None) -> None:
-        self.store = store
-        self.observe = observe   # each transaction's duration (outpost_store_transaction_seconds)
-        self.queue: list[PendingCall] = []
-        self.lock = trio.Lock()
-        self.sizes: collections.Counter[int] = collections.Counter()
-
-    async def run(self, call: Callable[[], Any]) -> Written:
-        pending = PendingCall(call)
-        self.queue.append(pending)
-        try:
-            async with self.lock:
-                if not pending.taken:
-                    await self._lead()
-        except trio.Cancelled:
-            if not pending.taken:   # withdrawn before it ran: nothing was written
-                self.queue.remove(pending)
-                raise
-            with trio.CancelScope(shield=True):   # running in another's group: it commits; wait for it
-                await pending.done.wait()
-        return pending.written
-
-    def summary(self) -> str:
-        calls, groups = sum(size * n for size, n in self.sizes.items()), sum(self.sizes.values())
-        return (f"{calls} store calls in {groups} transactions ({calls / groups:.1f} per transaction, "
-                f"largest group {max(self.sizes)})" if groups else "no store calls")
-
-    async def _lead(self) -> None:
-        group, self.queue = self.queue[:GROUP_COMMIT_MAX], self.queue[GROUP_COMMIT_MAX:]
-        for pending in group:
-            pending.taken = True
-        try:   # shielded: a group once taken is always run and answered, whoever leads it is cancelled
-            with trio.CancelScope(shield=True):
-                began = time.perf_counter()
-                written = await trio.to_thread.run_sync(self.store.transactions, [p.call for p in group])
-                self.observe(time.perf_counter() - began)
-        except Exception as exc:   # the writer thread itself failed (never a call's own error)
-            written = [Written(None, False, exc)] * len(group)
-        self.sizes[len(group)] += 1
-        for pending, outcome in zip(group, written, strict=True):
-            pending.written = outcome
-            pending.done.set()
-
-
 @dataclasses.dataclass(frozen=True)
 class Deps:
     """What the actors and the web share, fixed once built: config, clock, store access, and
@@ -9250,6 +9258,133 @@ class Deps:
     def profile_caps(self) -> dict[str, int]:
         return {a.name: a.max_running for a in self.config.agents if a.max_running}
 
+
+###############################################################################
+# 15. Fleet: repositories other nodes reach, logs kept in the database, the node actor.
+###############################################################################
+
+async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
+    """read_log of a run: this node's file or, in a fleet, the copy that the node that ran it
+    keeps in the database."""
+    path = deps.log_path(run_id)
+    if not deps.store.dialect.ships_logs or path.exists():
+        return await trio.to_thread.run_sync(read_log, path, offset)
+    data = (await deps.transaction(deps.store.runs.stored_log, run_id))[offset:]
+    return data.decode(errors="replace"), offset + len(data)
+
+
+async def log_shipped(deps: Deps, run_id: str, work: Callable[[], Awaitable[Any]]) -> Any:
+    """``work()``, while in a fleet the run's log goes to the database beside it (ship_log).
+    What ``work`` raises comes out as itself, never inside an exception group."""
+    if not deps.store.dialect.ships_logs:
+        return await work()
+    failure: Exception | None = None
+    async with trio.open_nursery() as shipping:
+        shipping.start_soon(ship_log, deps, run_id)
+        try:
+            result = await work()
+        except Exception as exc:   # noqa: BLE001 - raised below, unwrapped
+            failure = exc
+        shipping.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return result
+
+
+async def ship_log(deps: Deps, run_id: str) -> None:
+    """A fleet: what the run's log file gained, into the database every LOG_SHIP_S, so any
+    node serves the live log. Ends when cancelled (finish_run stores the final log)."""
+    shipped = 0
+    while True:
+        await trio.sleep(LOG_SHIP_S)
+        data = await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id), shipped)
+        if data:
+            await deps.transaction_retrying(deps.store.runs.append_log, run_id, shipped, data)
+            shipped += len(data)
+
+
+async def unreachable_repositories(deps: Deps) -> list[str]:
+    """API.md 10: the local paths of queued runs this node cannot reach, and the URLs it could not
+    fetch a moment ago (``Mirrors.leave_to_others``); their runs wait for a node that can. Paths
+    are asked off the event loop: a shared mount that hangs must not stop it."""
+    def missing(paths: list[str]) -> list[str]:
+        return [p for p in paths if not Path(p).is_dir()]
+    queued = await deps.transaction_retrying(deps.store.runs.queued_repositories)
+    paths = [r for r in queued if not is_repository_url(r)]
+    urls = deps.mirrors.unreachable(r for r in queued if is_repository_url(r))   # a fetch of them failed here
+    return (await trio.to_thread.run_sync(missing, paths) if paths else []) + urls
+
+
+async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreachable) -> bool:
+    """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
+    the queue for a node that can, and leaves that URL's runs to the others for a while. False
+    when no other node is up (or the run is no longer this admission's): the run fails, with
+    a reason that never counts toward a failure streak."""
+    if not deps.store.dialect.fleet or not await deps.transaction_retrying(deps.store.nodes.other_nodes_up):
+        return False
+    deps.mirrors.leave_to_others(plan.repository)
+    reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
+    if not await deps.transaction_retrying(deps.store.runs.requeue_unstarted, plan.run_id, deps.clock.now(), reason,
+                                           fence=plan.fence):
+        return False
+    log.getChild("run").warning("run %s: %s; left in the queue for another node", plan.run_id, reason)
+    return True
+
+
+async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
+    """A fleet (API.md 10): this node's heartbeat, on the database's clock, every
+    NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
+    started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes). A
+    node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
+    runs are no longer its to settle, and comes back up; if another process took its name
+    meanwhile, this one stops (``shutdown``). Ends when cancelled."""
+    flog = log.getChild("fleet")
+    while True:
+        if not await deps.transaction_retrying(deps.store.nodes.node_heartbeat):
+            ended = deps.live.cancel_all()
+            try:
+                orphans = await deps.transaction_retrying(deps.store.nodes.register_node, deps.config.max_running)
+            except NodeNameTaken as exc:
+                flog.error("%s: ended this process's %d agent(s); stopping", exc, ended)
+                shutdown.set()
+                return
+            flog.error("node %s was declared lost by another node: ended its %d agent(s); up again",
+                       deps.store.node, ended)
+            for run_id, pid, started in orphans:
+                await end_survivor(deps, run_id, pid, started)
+        if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
+            for run_id in await deps.transaction_retrying(deps.store.runs.cancels_requested, live):
+                deps.live.signal(run_id, "cancel")
+        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now()):
+            flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
+            for run_id in settled:
+                deps.settled.announce(run_id)
+            deps.nudge(Actor.CLAIM)
+        await trio.sleep(NODE_HEARTBEAT_S)
+
+
+def acquire_node_name(store: Store) -> None:
+    """Before a fleet node serves: its name, unless another live process holds it. One of this
+    machine is known alive or ended (a predecessor killed with -9 gives way at once); one
+    elsewhere is waited for, until its heartbeat is NODE_LOST_S old."""
+    deadline, replacing = time.monotonic() + NODE_LOST_S + NODE_HEARTBEAT_S, None
+    while holder := store.transaction(store.nodes.claim_node_name, replacing)[0]:
+        alive = process_alive_here(holder)
+        if alive is False:
+            replacing = holder
+            continue
+        if alive or time.monotonic() >= deadline:
+            store.close()
+            raise ConfigError(f"node name {store.node!r} is held by another running process ({holder}): "
+                              "give each node its own [settings] node_name")
+        log.getChild("fleet").warning("node name %r is held by %s; waiting for its heartbeat to stop",
+                                      store.node, holder)
+        time.sleep(NODE_HEARTBEAT_S)
+
+
+###############################################################################
+# 16. Actors: cron, claim (+ run supervisor), recovery, notification, outbox, housekeeping.
+###############################################################################
 
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
     """Fire step 2: record the exact commit each new run will use (one whose fire resolved it
@@ -9366,18 +9501,6 @@ async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
             deps.cron_watch.idle("claim")
             with trio.move_on_at(deps.clock.deadline(wake_at) if wake_at else math.inf):
                 await wake_in.receive()
-
-
-async def unreachable_repositories(deps: Deps) -> list[str]:
-    """API.md 10: the local paths of queued runs this node cannot reach, and the URLs it could not
-    fetch a moment ago (``Mirrors.leave_to_others``); their runs wait for a node that can. Paths
-    are asked off the event loop: a shared mount that hangs must not stop it."""
-    def missing(paths: list[str]) -> list[str]:
-        return [p for p in paths if not Path(p).is_dir()]
-    queued = await deps.transaction_retrying(deps.store.runs.queued_repositories)
-    paths = [r for r in queued if not is_repository_url(r)]
-    urls = deps.mirrors.unreachable(r for r in queued if is_repository_url(r))   # a fetch of them failed here
-    return (await trio.to_thread.run_sync(missing, paths) if paths else []) + urls
 
 
 async def dispatch_wakeups(deps: Deps) -> None:
@@ -9574,22 +9697,6 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                 await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None)
 
 
-async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreachable) -> bool:
-    """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
-    the queue for a node that can, and leaves that URL's runs to the others for a while. False
-    when no other node is up (or the run is no longer this admission's): the run fails, with
-    a reason that never counts toward a failure streak."""
-    if not deps.store.dialect.fleet or not await deps.transaction_retrying(deps.store.nodes.other_nodes_up):
-        return False
-    deps.mirrors.leave_to_others(plan.repository)
-    reason = f"node {deps.store.node} {exc}"[:ERROR_TAIL_BYTES]
-    if not await deps.transaction_retrying(deps.store.runs.requeue_unstarted, plan.run_id, deps.clock.now(), reason,
-                                           fence=plan.fence):
-        return False
-    log.getChild("run").warning("run %s: %s; left in the queue for another node", plan.run_id, reason)
-    return True
-
-
 async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None) -> None:
     """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
     worktree, record settlement."""
@@ -9678,19 +9785,6 @@ async def recover_at_boot(deps: Deps) -> None:
         plan = run_plan(deps, await deps.transaction_retrying(deps.store.runs.launch_info, run_id))
         await end_survivor(deps, run_id, plan.pid, plan.pid_started)
         await finish_run(deps, plan, plan.resolved_commit, failed(INTERRUPTED, "interrupted"), None)
-
-
-async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | None) -> None:
-    """An agent that outlived its daemon: its process group is ended, if that pid is still the
-    same process (a pid alone may have been reused)."""
-    if pid and started and process_start_time(pid) == started:
-        log.getChild("recovery").warning("run %s: ending its surviving process group %d", run_id, pid)
-        kill_group(pid, signal.SIGTERM)
-        kill_group(pid, signal.SIGCONT)
-        with trio.move_on_after(deps.grace_s):
-            while process_start_time(pid) == started:
-                await trio.sleep(0.05)
-        kill_group(pid, signal.SIGKILL)
 
 
 async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -9943,7 +10037,7 @@ async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
 
 
 ###############################################################################
-# 8. Web: the JSON API, server-sent events and the dashboard.
+# 17. Web: the JSON API, server-sent events and the dashboard.
 ###############################################################################
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -12255,9 +12349,8 @@ async def page_office_settings_save(web: Web):
     return await office_form(web, save, page_office_settings)
 
 
-
 ###############################################################################
-# 9. Supervisor, CLI and main().
+# 18. Supervisor: systemd, logging, serve.
 ###############################################################################
 
 def sd_notify(state: str) -> bool:
@@ -12287,38 +12380,6 @@ def watchdog_interval_s() -> float | None:
     return int(usec) / 2e6
 
 
-async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
-    """A fleet (API.md 10): this node's heartbeat, on the database's clock, every
-    NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
-    started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes). A
-    node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
-    runs are no longer its to settle, and comes back up; if another process took its name
-    meanwhile, this one stops (``shutdown``). Ends when cancelled."""
-    flog = log.getChild("fleet")
-    while True:
-        if not await deps.transaction_retrying(deps.store.nodes.node_heartbeat):
-            ended = deps.live.cancel_all()
-            try:
-                orphans = await deps.transaction_retrying(deps.store.nodes.register_node, deps.config.max_running)
-            except NodeNameTaken as exc:
-                flog.error("%s: ended this process's %d agent(s); stopping", exc, ended)
-                shutdown.set()
-                return
-            flog.error("node %s was declared lost by another node: ended its %d agent(s); up again",
-                       deps.store.node, ended)
-            for run_id, pid, started in orphans:
-                await end_survivor(deps, run_id, pid, started)
-        if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
-            for run_id in await deps.transaction_retrying(deps.store.runs.cancels_requested, live):
-                deps.live.signal(run_id, "cancel")
-        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now()):
-            flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
-            for run_id in settled:
-                deps.settled.announce(run_id)
-            deps.nudge(Actor.CLAIM)
-        await trio.sleep(NODE_HEARTBEAT_S)
-
-
 async def watchdog_actor() -> None:
     """Pings systemd's watchdog from the trio loop: a blocked loop stops the pings and
     systemd restarts the service. Ends when cancelled."""
@@ -12328,25 +12389,6 @@ async def watchdog_actor() -> None:
     while True:
         sd_notify("WATCHDOG=1")
         await trio.sleep(interval)
-
-
-def acquire_node_name(store: Store) -> None:
-    """Before a fleet node serves: its name, unless another live process holds it. One of this
-    machine is known alive or ended (a predecessor killed with -9 gives way at once); one
-    elsewhere is waited for, until its heartbeat is NODE_LOST_S old."""
-    deadline, replacing = time.monotonic() + NODE_LOST_S + NODE_HEARTBEAT_S, None
-    while holder := store.transaction(store.nodes.claim_node_name, replacing)[0]:
-        alive = process_alive_here(holder)
-        if alive is False:
-            replacing = holder
-            continue
-        if alive or time.monotonic() >= deadline:
-            store.close()
-            raise ConfigError(f"node name {store.node!r} is held by another running process ({holder}): "
-                              "give each node its own [settings] node_name")
-        log.getChild("fleet").warning("node name %r is held by %s; waiting for its heartbeat to stop",
-                                      store.node, holder)
-        time.sleep(NODE_HEARTBEAT_S)
 
 
 def open_deps(config: Config, clock: Clock | None = None) -> Deps:
@@ -12468,6 +12510,10 @@ def setup_logging(verbose: bool = False) -> None:
 #: Exit statuses of the CLI (README lists them).
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2, 3, 4, 5
 
+
+###############################################################################
+# 19. CLI and main(): the commands that talk to a running daemon, doctor, migrate, backup.
+###############################################################################
 
 class Client:
     """A small HTTP client for the daemon's API (stdlib only)."""

@@ -16,6 +16,10 @@ TREE = ast.parse(SOURCE)
 LONG_ALLOWED = {"define_entities"}
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 700
 MAX_METHODS = 80
+#: The sections of outpost.py, one per concern, in reading order (each uses only names defined above).
+SECTIONS = ["Imports and constants.", "Errors", "Agent CLIs", "Configuration", "Schedules and runs, the domain",
+            "Office, the domain", "Store", "Store", "Store", "Store", "Store", "Git and worktrees", "Running an agent",
+            "Wiring", "Fleet", "Actors", "Web", "Supervisor", "CLI and main()"]
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
 STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
                "PipelineStore", "RoutineStore", "HousekeepingStore"]
@@ -251,8 +255,10 @@ def annotations() -> set[int]:
 
 
 def test_sections_are_in_order_and_only_use_names_defined_above():
-    banners = [(i + 1, int(m[1])) for i, line in enumerate(SOURCE.split("\n")) if (m := re.match(r"^# (\d)\. ", line))]
-    assert [n for _, n in banners] == list(range(1, 10))
+    banners = [(i + 1, int(m[1])) for i, line in enumerate(SOURCE.split("\n")) if (m := re.match(r"^# (\d+)\. ", line))]
+    assert [n for _, n in banners] == list(range(1, len(SECTIONS) + 1))
+    titles = [line.split(". ", 1)[1].split(":")[0] for line in SOURCE.split("\n") if re.match(r"^# \d+\. ", line)]
+    assert titles == SECTIONS
     names, skip = module_names(banners), annotations()
     upward = sorted({(getattr(node, "name", node.lineno), n.id) for node in TREE.body
                      for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
@@ -312,3 +318,18 @@ def test_only_the_dialect_tells_sqlite_from_postgresql():
     assert outside == []
     assert isinstance(outpost.dialect_of("postgresql://u@h/db"), outpost.PostgresDialect)
     assert type(outpost.dialect_of(":memory:")) is outpost.Dialect
+
+
+def test_each_preset_holds_its_reader_and_nothing_else_names_a_cli():
+    """One home for agent CLIs: a preset carries its reader (a function, not a format string),
+    its transcriber and its doctor check; outside the Agent CLIs section no code names a CLI."""
+    assert all(callable(p.reader) and p.reader.__name__.startswith("read_") for p in outpost.PRESETS.values())
+    assert {p.reader for p in outpost.PRESETS.values()} == {outpost.read_claude, outpost.read_codex,
+                                                           outpost.read_gemini, outpost.read_aider,
+                                                           outpost.read_generic}
+    assert not hasattr(outpost, "READERS") and not hasattr(outpost, "TRANSCRIBERS")
+    banners = [i + 1 for i, line in enumerate(SOURCE.split("\n")) if re.match(r"^# \d+\. ", line)]
+    clis = (banners[SECTIONS.index("Agent CLIs")], banners[SECTIONS.index("Agent CLIs") + 1])
+    named = [n.lineno for n in ast.walk(TREE) if isinstance(n, ast.Constant) and n.value in outpost.PRESETS
+             and n.value != "generic" and not clis[0] <= n.lineno < clis[1]]
+    assert named == []
