@@ -10066,9 +10066,10 @@ class Web:
         from quart import render_template
         signed_in = bool(self.csrf)
         cookie, path = self.request.cookies.get(SESSION_COOKIE, ""), self.request.path
+        viewed = self.request.method == "GET"   # read here: the store call runs on the writer's thread
 
         def nav():
-            once = self.store.access.take_flash(cookie, path) if self.request.method == "GET" else {}
+            once = self.store.access.take_flash(cookie, path) if viewed else {}
             return self.store.open_attention_count(), self.store.latest_cursor(), once
         counts = await self.call(nav) if signed_in else (0, 0, {})
         notice = DONE_NOTICES.get(self.args.get("done", ""))
@@ -11448,7 +11449,8 @@ async def page_run_adopt(web: Web, run_id: str):
 @pages.post("/runs/<run_id>/reply", auth=Auth.SESSION)
 async def page_run_reply(web: Web, run_id: str):
     form = await web.form()
-    reply = await reply_to_run(web, run_id, form.get("message", ""), form.get("workspace", "default"))
+    message = form.get("message", "").replace("\r\n", "\n")   # a textarea's line breaks are CRLF
+    reply = await reply_to_run(web, run_id, message, form.get("workspace", "default"))
     return await web.see_other(f"/runs/{reply['run_id']}?done=replied")
 
 

@@ -265,3 +265,20 @@ async def test_every_form_answers_303_to_a_get_page_and_a_secret_shows_once(dash
 
     every_form = {r.rule for r in outpost.pages.routes if r.method == "POST"}
     assert every_form - PREVIEWS == forms.posted, "a new form: post it here"
+
+
+async def test_compose_shows_every_field_error_of_one_submit(dashboard, tmp_path):
+    client = outpost.create_app(dashboard).test_client()
+    csrf = sign_in_client(client, dashboard.store, T0)
+    response = await client.post("/schedules/review", headers={"Accept": "text/html"}, form={
+        "csrf": csrf, "name": " ", "brief": "@print hi", "repository": "relative/path", "timing_kind": "cron",
+        "expression": "61 * * * *", "timezone": "Mars/Olympus", "agent": "nobody", "timeout_seconds": "0"})
+    page = await response.get_data(as_text=True)
+    assert response.status_code == 422
+    shown = set(re.findall(r'data-error-for="([^"]+)"', page))
+    assert {"name", "repository", "agent", "limits.timeout_seconds"} <= shown, shown
+    assert shown & {"timing.timezone", "timing.expression"}, shown
+    with pytest.raises(outpost.ValidationFailed) as refused:   # the API's problem+json carries them all too
+        outpost.normalize_definition({"name": "", "brief": "", "repository": "/x", "timing": {}}, T0, agents=["demo"])
+    assert [e["field"] for e in refused.value.errors] == ["name", "brief", "timing.timezone"]
+    assert refused.value.detail.startswith("name: ")
