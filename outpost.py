@@ -226,13 +226,16 @@ AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
 AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
                        ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 12     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 13     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
                         #     a node's name is one process's (Node.process)
                         # 11: covering indexes of the tallies GET /metrics reads (run_tally, wakeup_tally)
                         # 12: the notification outbox
+                        # 13: a needs_you run's answer (Run.answer); a session's one-time flash
+#: The runs of a needs_you thread a run page shows before (and after) it, at most.
+THREAD_MAX = 25
 #: The workspace Office resources belong to unless a request names another.
 DEFAULT_WORKSPACE = "ws_default"
 #: The error of a run whose repository is missing or broken: its wakeup waits, it is no retry.
@@ -1746,6 +1749,57 @@ def api_token(data_dir: Path, *, create: bool) -> str | None:
     return token
 
 
+#: Where a running ``serve`` records the address it bound, for the CLI (``daemon_url``).
+SERVE_FILE = "serve.json"
+
+
+def record_address(data_dir: Path, url: str) -> None:
+    """``<data dir>/serve.json`` (0600, replaced whole): the URL this ``serve`` is bound to,
+    with its pid, written once bound so that a CLI without --url finds it on any port."""
+    path = data_dir / SERVE_FILE
+    temp = path.with_name(f".{SERVE_FILE}.{os.getpid()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url, "pid": os.getpid()}, f)
+    os.replace(temp, path)
+
+
+def forget_address(data_dir: Path) -> None:
+    """At stop: the address goes, unless another ``serve`` of this data dir has recorded its own."""
+    with contextlib.suppress(OSError, ValueError):
+        path = data_dir / SERVE_FILE
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+
+
+def recorded_address(data_dir: Path) -> str | None:
+    """The URL a live ``serve`` of this data dir recorded, reachable from this machine (a
+    wildcard bind is asked on loopback); None when there is none or its process is gone."""
+    try:
+        recorded = json.loads((data_dir / SERVE_FILE).read_text())
+        url, pid = recorded["url"], recorded["pid"]
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")) or not isinstance(pid, int):
+            return None
+        os.kill(pid, 0)
+    except PermissionError:   # alive, as another user
+        pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    parts = urllib.parse.urlsplit(url)
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(parts.netloc.rsplit(":", 1)[0])
+    return parts._replace(netloc=f"{host}:{parts.port}").geturl() if host else url
+
+
+def daemon_url(data_dir: Path, url: str | None) -> str:
+    """Where the CLI finds the daemon: --url, else $OUTPOST_PORT on 127.0.0.1, else the
+    address the running ``serve`` of this data dir recorded, else http://127.0.0.1:8321."""
+    if url:
+        return url
+    if os.environ.get("OUTPOST_PORT"):
+        return f"http://127.0.0.1:{os.environ['OUTPOST_PORT']}"
+    return recorded_address(data_dir) or f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
 ###############################################################################
 # 5. Schedules and runs, the domain: instants, timing and the DST rules, definitions,
 #    naming and outcomes. Pure: no I/O, no trio, no clock reads.
@@ -2257,64 +2311,106 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
     return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
 
 
+class FieldErrors:
+    """Validation that goes on past a field's error, so a form shows every error at once:
+    each ``with errors.check():`` block records its ValidationFailed; ``raise_any`` raises
+    them together (the first one's text first, as a single error reads)."""
+
+    def __init__(self):
+        self.errors: list[dict[str, str]] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ValidationFailed as err:
+            self.errors.extend(err.errors or [{"field": "definition", "message": err.detail}])
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise ValidationFailed("; ".join(f"{e['field']}: {e['message']}" for e in self.errors),
+                                   errors=self.errors)
+
+
 def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
                          check_past: bool = True) -> dict[str, Any]:
-    """Validate a schedule definition (API.md 4.1) and fill its defaults. Pure: the git
-    checks (repository, source_ref) are the store/executor's, see ``check_repository``."""
+    """Validate a schedule definition (API.md 4.1) and fill its defaults; every field's error
+    at once. Pure: the git checks (repository, source_ref) are the store/executor's, see
+    ``check_repository``."""
     if not isinstance(raw, dict):
         raise invalid("definition", "must be a JSON object")
     _check_unicode(raw, "")
     _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
-    d: dict[str, Any] = {"name": _text(raw, "name", 1, 100, single_line=True).strip()}
-    if not d["name"]:
-        raise invalid("name", "must not be blank")
-    d["brief"] = _text(raw, "brief", 1, 32768)
-    d["repository"] = _repository(raw)
-    workdir = _text(raw, "workdir", 1, 4096, ".", single_line=True)
-    if os.path.isabs(workdir) or ".." in Path(workdir).parts:
-        raise invalid("workdir", "must be a relative path without '..'")
-    d["workdir"] = os.path.normpath(workdir)
-    d["source_ref"] = _source_ref(raw)
-    agent = raw.get("agent", "demo")
-    if not isinstance(agent, str) or agent not in set(agents):
-        raise invalid("agent", f"no agent profile named {str(agent)[:60]!r}; known: {', '.join(sorted(agents))}")
-    d["agent"] = agent
-    d["timing"] = normalize_timing(raw.get("timing"), now, check_past=check_past)
-    limits = _object(raw, "limits")
+    d: dict[str, Any] = {}
+    errors = FieldErrors()
+    with errors.check():
+        d["name"] = _text(raw, "name", 1, 100, single_line=True).strip()
+        if not d["name"]:
+            raise invalid("name", "must not be blank")
+    with errors.check():
+        d["brief"] = _text(raw, "brief", 1, 32768)
+    with errors.check():
+        d["repository"] = _repository(raw)
+    with errors.check():
+        workdir = _text(raw, "workdir", 1, 4096, ".", single_line=True)
+        if os.path.isabs(workdir) or ".." in Path(workdir).parts:
+            raise invalid("workdir", "must be a relative path without '..'")
+        d["workdir"] = os.path.normpath(workdir)
+    with errors.check():
+        d["source_ref"] = _source_ref(raw)
+    with errors.check():
+        agent = raw.get("agent", "demo")
+        if not isinstance(agent, str) or agent not in set(agents):
+            raise invalid("agent", f"no agent profile named {str(agent)[:60]!r}; known: {', '.join(sorted(agents))}")
+        d["agent"] = agent
+    with errors.check():
+        d["timing"] = normalize_timing(raw.get("timing"), now, check_past=check_past)
+    with errors.check():
+        d["limits"] = normalize_limits(_object(raw, "limits"))
+    with errors.check():
+        d["notify"] = raw.get("notify", "attention")
+        if not isinstance(d["notify"], str) or d["notify"] not in NOTIFY_POLICIES:
+            raise invalid("notify", "must be attention, failures_only or always")
+    with errors.check():
+        d["concurrency_policy"] = raw.get("concurrency_policy", "skip_if_active")
+        if not isinstance(d["concurrency_policy"], str) or d["concurrency_policy"] not in CONCURRENCY_POLICIES:
+            raise invalid("concurrency_policy", "must be " + ", ".join(CONCURRENCY_POLICIES))
+    with errors.check():
+        d["catch_up"] = normalize_catch_up(_object(raw, "catch_up") or {"policy": "enqueue_missed_with_cap", "max": 1})
+    skip = raw.get("skip_if_unchanged", False)
+    with errors.check():
+        if not isinstance(skip, bool):
+            raise invalid("skip_if_unchanged", "must be true or false")
+    errors.raise_any()
+    if skip:   # only when set: older confirmations stay valid
+        d["skip_if_unchanged"] = True
+    return d
+
+
+def normalize_limits(limits: dict[str, Any]) -> dict[str, Any]:
     extra = set(limits) - {"timeout_seconds", "model", "max_cost_usd"}
     if extra:
         raise invalid(f"limits.{sorted(extra)[0]}", "is not a field of limits")
     model = limits.get("model")
     if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= 200):
         raise invalid("limits.model", "must be a string of 1-200 characters or null")
-    d["limits"] = {"timeout_seconds": _int(limits.get("timeout_seconds", HOUR_S),
-                                           "limits.timeout_seconds", 1, DAY_S), "model": model}
+    out = {"timeout_seconds": _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S),
+           "model": model}
     if (cap := limits.get("max_cost_usd")) is not None:   # only when set: older confirmations stay valid
         if _number(cap) is None or not 0.01 <= cap <= 10000:
             raise invalid("limits.max_cost_usd", "must be a number of US dollars from 0.01 to 10000, or null")
-        d["limits"]["max_cost_usd"] = float(cap)
-    d["notify"] = raw.get("notify", "attention")
-    if not isinstance(d["notify"], str) or d["notify"] not in NOTIFY_POLICIES:
-        raise invalid("notify", "must be attention, failures_only or always")
-    d["concurrency_policy"] = raw.get("concurrency_policy", "skip_if_active")
-    if not isinstance(d["concurrency_policy"], str) or d["concurrency_policy"] not in CONCURRENCY_POLICIES:
-        raise invalid("concurrency_policy", "must be " + ", ".join(CONCURRENCY_POLICIES))
-    catch_up = _object(raw, "catch_up") or {"policy": "enqueue_missed_with_cap", "max": 1}
+        out["max_cost_usd"] = float(cap)
+    return out
+
+
+def normalize_catch_up(catch_up: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(catch_up.get("policy"), str) or catch_up["policy"] not in CATCH_UP_POLICIES:
         raise invalid("catch_up.policy", "must be enqueue_missed_with_cap, skip_missed or ask")
     if catch_up["policy"] in ("skip_missed", "ask"):
         if set(catch_up) - {"policy"}:
             raise invalid("catch_up.max", f"is not used with {catch_up['policy']}")
-        d["catch_up"] = {"policy": catch_up["policy"]}
-    else:
-        d["catch_up"] = {"policy": "enqueue_missed_with_cap",
-                         "max": _int(catch_up.get("max", 1), "catch_up.max", 1, 25)}
-    skip = raw.get("skip_if_unchanged", False)
-    if not isinstance(skip, bool):
-        raise invalid("skip_if_unchanged", "must be true or false")
-    if skip:   # only when set: older confirmations stay valid
-        d["skip_if_unchanged"] = True
-    return d
+        return {"policy": catch_up["policy"]}
+    return {"policy": "enqueue_missed_with_cap", "max": _int(catch_up.get("max", 1), "catch_up.max", 1, 25)}
 
 
 DISPATCH_FIELDS = ("brief", "repository", "workdir", "source_ref", "agent", "limits", "notify")
@@ -3714,6 +3810,7 @@ def define_entities(db: orm.Database) -> None:
         rerun_of = Optional(str, nullable=True)            # the run a re-run repeats
         worktree_run = Optional(str, nullable=True)        # a reply works where the run it continues worked
         answered_by = Optional(str, nullable=True)         # the reply run that answered this one
+        answer = Optional(str, nullable=True)              # the user's reply to its question, as written
         continues_branch = Required(bool, default=False)   # starts from its result branch's head when it exists
         resume_session_id = Optional(str, nullable=True)   # the agent session this run resumes
         pid = Optional(int)
@@ -3764,6 +3861,7 @@ def define_entities(db: orm.Database) -> None:
         csrf = Required(str)
         created_at = Required(datetime)
         expires_at = Required(datetime, index=True)
+        flash = Optional(orm.Json, nullable=True)   # what the page a form redirected to shows once (a secret)
 
     class SigninCode(db.Entity):
         """A one-time sign-in link printed by ``outpost serve`` (stored as its SHA-256)."""
@@ -4123,6 +4221,10 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS notification_due ON "Notification"(status, next_at)',
         'CREATE INDEX IF NOT EXISTS notification_entry ON "Notification"(entry, id)',
     ],
+    13: [   # the dashboard: a needs_you run's answer for its thread; a secret shown once after a redirect
+        'ALTER TABLE "Run" ADD COLUMN answer TEXT',
+        'ALTER TABLE "DashboardSession" ADD COLUMN flash JSON',
+    ],
 }
 
 
@@ -4152,7 +4254,8 @@ def run_view(r) -> dict[str, Any]:
             "result": r.result, "agent_report": r.agent_report, "failure_kind": r.failure_kind,
             "cost_usd": r.cost_usd, "max_cost_usd": r.max_cost_usd, "over_budget": r.over_budget,
             "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
-            "continues": r.continues, "answered_by": r.answered_by, "rerun_of": r.rerun_of, "node": r.node}
+            "continues": r.continues, "answered_by": r.answered_by, "answer": r.answer, "rerun_of": r.rerun_of,
+            "node": r.node}
 
 
 def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
@@ -5904,12 +6007,16 @@ class RunStore(StorePart):
         self.core.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
         return run_view(r)
 
-    def reply_to_run(self, run_id: str, message: str, now: datetime) -> dict[str, Any]:
+    def reply_to_run(self, run_id: str, message: str, now: datetime, *, adopt_as: str | None = None) -> dict[str, Any]:
         """API.md 8.5: answer an adopted ``needs_you`` run with a continuation run on the same
-        result branch (a fresh worktree of its head) that resumes the agent's session."""
+        result branch (a fresh worktree of its head) that resumes the agent's session. The
+        answer is kept for the run's thread and its open ``needs_you`` item is acknowledged.
+        ``adopt_as``: the dashboard's one step, adopting an unowned run for that workspace first."""
         r = self._run(run_id)
         if r.status != RunStatus.NEEDS_YOU:
             raise Conflict(f"run {run_id} is {r.status}; only a needs_you run can be answered")
+        if adopt_as and not r.owner and not r.answered_by and r.trigger != "wakeup":
+            self.adopt_run(run_id, adopt_as, now)
         if not r.owner:
             raise Conflict(f"run {run_id} is not adopted; adopt it first (POST /v1/outpost/runs/{run_id}/adopt)")
         if r.answered_by:
@@ -5933,9 +6040,31 @@ class RunStore(StorePart):
                                 result_branch=r.result_branch, continues_branch=carries_work, continues=r.id,
                                 resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id,
                                 **start)
-        r.answered_by = reply
+        r.answered_by, r.answer = reply, message
         self.core.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
+        for item in self.db.Attention.select(lambda a: a.run_id == run_id and a.kind == "needs_you"
+                                             and a.acknowledged_at is None):
+            item.acknowledged_at = naive(now)   # answered: it needs no one any more
+            self.core.emit("attention.acknowledged", {"attention_id": item.id}, now)
         return {"run_id": reply}
+
+    def thread(self, run_id: str) -> list[dict[str, Any]]:
+        """The conversation a run belongs to, oldest first: each run's question, the answer it
+        got and the run that answer started, from the first question to the latest run (at most
+        THREAD_MAX runs either way)."""
+        first = self._run(run_id)
+        for _ in range(THREAD_MAX):
+            earlier = first.continues and self.db.Run.get(id=first.continues)
+            if not earlier:
+                break
+            first = earlier
+        steps, r = [], first
+        while r is not None and len(steps) < 2 * THREAD_MAX:
+            steps.append({"id": r.id, "status": r.status, "question": r.question, "answer": r.answer,
+                          "answered_by": r.answered_by, "final_message": (r.agent_report or {}).get("final_message"),
+                          "error": r.error, "finished_at": rfc3339(aware(r.finished_at))})
+            r = r.answered_by and self.db.Run.get(id=r.answered_by)
+        return steps
 
     def ask_human(self, run_id: str, question: str, now: datetime) -> dict[str, Any]:
         """``POST /api/agent/needs-you``: the run's question; it settles ``needs_you``."""
@@ -6154,6 +6283,21 @@ class AccessStore(StorePart):
         """The CSRF token of a live session, or None (unknown or expired cookie)."""
         found = self.db.DashboardSession.get(id=hashlib.sha256(cookie.encode()).hexdigest())
         return found.csrf if found and aware(found.expires_at) > now else None
+
+    def set_flash(self, cookie: str, path: str, context: dict[str, Any]) -> None:
+        """What the page at ``path`` shows once, the next time this session views it: a form's
+        one-time secret, kept here rather than in the redirect's URL (POST/redirect/GET)."""
+        found = self.db.DashboardSession.get(id=hashlib.sha256(cookie.encode()).hexdigest())
+        if found is not None:
+            found.flash = {"path": path, "context": context}
+
+    def take_flash(self, cookie: str, path: str) -> dict[str, Any]:
+        """The flash of ``path``, removed as it is read (a reload no longer shows it); {} when none."""
+        found = self.db.DashboardSession.get(id=hashlib.sha256(cookie.encode()).hexdigest())
+        if found is None or not found.flash or found.flash.get("path") != path:
+            return {}
+        context, found.flash = found.flash["context"], None
+        return context
 
     def end_session(self, cookie: str) -> None:
         self.db.execute('DELETE FROM "DashboardSession" WHERE id = $sid',
@@ -10153,7 +10297,8 @@ DONE_NOTICES = {
     "created": "Schedule created. It fires on its timing; use Fire now to run it at once.",
     "updated": "Schedule updated.", "enable": "Schedule enabled.", "pause": "Schedule paused.",
     "resume": "Schedule resumed: enabled, failure streak cleared.", "archive": "Schedule archived.",
-    "admitted": "Fired: a run is queued.", "skipped_overlap": "Not fired: a run of this schedule is still active.",
+    "admitted": "Fired: this run is queued; it starts when a slot is free and updates live here.",
+    "skipped_overlap": "Not fired: a run of this schedule is still active.",
     "cancel": "Cancel requested.", "run_pause": "Run paused: its slot is free.",
     "resume_run": "Resume requested: the run continues when a slot is free.",
     "acked": "Acknowledged.", "acked_all": "All open items acknowledged.",
@@ -10163,10 +10308,12 @@ DONE_NOTICES = {
     "approval_resolved": "Decision recorded.", "settings_saved": "Settings saved.",
     "routine_created": "Routine created.", "routine_updated": "Routine saved.", "routine_deleted": "Routine deleted.",
     "trigger_added": "Trigger added.", "trigger_deleted": "Trigger removed.",
+    "secret_rotated": "Secret rotated: callers still signing with the old one are accepted for a grace period.",
     "fired_received": "Fired: the agent's wakeup is queued.", "fired_task_created": "Fired: a task was created.",
     "fired_skipped": "Not fired: the routine's previous run is still active (skip_if_active).",
     "fired_coalesced": "Merged into the routine's active run (coalesce_if_active).",
-    "adopted": "Run adopted: you can reply to it.", "replied": "Reply sent: this run continues the answered one.",
+    "adopted": "Run adopted: you can reply to it.",
+    "replied": "Reply sent: this run continues the answered one, and its attention item is closed.",
     "resumed": "Profile resumed: its queued runs may start.",
     "rerun": "Re-run queued: same commit, prompt, profile and model.",
     "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
@@ -10229,8 +10376,19 @@ async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | Non
     """Normalize a definition and run the git checks. For an edit (``current`` given) a
     once-instant in the past is refused only when the timing really changed."""
     now = deps.clock.now()
-    definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
-                                      check_past=current is None)
+    try:
+        definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
+                                          check_past=current is None)
+    except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
+        repo = raw.get("repository") if isinstance(raw, dict) else None
+        errors = FieldErrors()
+        errors.errors = list(err.errors)
+        if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
+                and "repository" not in {e["field"] for e in errors.errors}):
+            errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
+                                                                    "on this machine"})
+        errors.raise_any()
+        raise
     if current is not None and definition["timing"] != current["timing"]:
         normalize_timing(definition["timing"], now, check_past=True)
     await check_repository(definition, deps)
@@ -10394,6 +10552,16 @@ class Web:
     async def form(self):
         return await self.request.form
 
+    async def see_other(self, target: str, **once: Any):
+        """A form's answer (POST/redirect/GET): 303 to the GET page ``target``, which a reload
+        views again without posting twice. ``once``: context that page shows the next time this
+        session views it, then never (a new secret), kept in the session, never in the URL."""
+        from quart import redirect
+        if once:
+            path = urllib.parse.urlsplit(target).path
+            await self.call(self.store.access.set_flash, self.request.cookies.get(SESSION_COOKIE, ""), path, once)
+        return redirect(target, 303)
+
     def int_arg(self, name: str, default: int, lo: int, hi: int) -> int:
         text = self.args.get(name)
         if text is None:
@@ -10422,16 +10590,23 @@ class Web:
 
     async def page(self, template: str, *, status: int = 200, section: str | None = None, live: bool = False,
                    **context: Any):
-        """A dashboard page: the template with the nav's counts and a ``?done=`` notice."""
+        """A dashboard page: the template with the nav's counts, a ``?done=`` notice and what
+        the form that redirected here left to show once (``see_other``'s ``once``)."""
         from quart import render_template
         signed_in = bool(self.csrf)
-        counts = (await self.call(lambda: (self.store.open_attention_count(), self.store.latest_cursor()))
-                  if signed_in else (0, 0))
+        cookie, path = self.request.cookies.get(SESSION_COOKIE, ""), self.request.path
+        viewed = self.request.method == "GET"   # read here: the store call runs on the writer's thread
+
+        def nav():
+            once = self.store.access.take_flash(cookie, path) if viewed else {}
+            return self.store.open_attention_count(), self.store.latest_cursor(), once
+        counts = await self.call(nav) if signed_in else (0, 0, {})
         notice = DONE_NOTICES.get(self.args.get("done", ""))
         html = await render_template(template, signed_in=signed_in, csrf=self.csrf, section=section,
                                      live=live, open_attention=counts[0], cursor=counts[1],
                                      isolation=self.deps.isolation,
-                                     flash={"kind": "ok", "text": notice} if notice else None, **context)
+                                     flash={"kind": "ok", "text": notice} if notice else None,
+                                     **{**context, **counts[2]})
         return html, status, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-store"}
 
 
@@ -10836,11 +11011,15 @@ async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
     return view
 
 
-async def reply_to_run(web: Web, run_id: str, message: Any) -> dict[str, Any]:
-    """API.md 8.5: answer an adopted needs_you run; its continuation joins the FIFO queue."""
+async def reply_to_run(web: Web, run_id: str, message: Any, adopt_as: Any = None) -> dict[str, Any]:
+    """API.md 8.5: answer an adopted needs_you run; its continuation joins the FIFO queue.
+    ``adopt_as`` (the dashboard): adopt an unowned run for this workspace in the same step."""
     if not isinstance(message, str) or not message.strip() or len(message) > MAX_TEXT_CHARS:
         raise invalid("message", f"the answer, 1-{MAX_TEXT_CHARS} characters, is required")
-    reply = await web.commit(web.store.runs.reply_to_run, run_id, message.strip(), web.now)
+    if adopt_as is not None and (not isinstance(adopt_as, str) or not 1 <= len(adopt_as.strip()) <= 200):
+        raise invalid("workspace", "a workspace name of 1-200 characters is required")
+    reply = await web.commit(web.store.runs.reply_to_run, run_id, message.strip(), web.now,
+                             adopt_as=adopt_as and adopt_as.strip())
     web.deps.nudge(Actor.CLAIM)
     return reply
 
@@ -11616,7 +11795,7 @@ def same_origin_path(target: str) -> str:
 async def signed_in_response(web: Web, target: str):
     from quart import redirect
     cookie, _ = await web.call(web.store.access.create_session, web.now)
-    response = redirect(same_origin_path(target))
+    response = redirect(same_origin_path(target), 303)
     response.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_TTL_S, httponly=True, samesite="Strict", path="/")
     return response
 
@@ -11650,7 +11829,7 @@ async def page_signin_link(web: Web, code: str):
 async def page_signout(web: Web):
     from quart import redirect
     await web.call(web.store.access.end_session, web.request.cookies.get(SESSION_COOKIE, ""))
-    response = redirect("/signin")
+    response = redirect("/signin", 303)
     response.delete_cookie(SESSION_COOKIE, path="/")
     return response
 
@@ -11734,7 +11913,6 @@ async def confirmed_definition(web: Web, form: dict[str, str], current: dict[str
 
 @pages.post("/schedules", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_confirm_new(web: Web):
-    from quart import redirect
     form = dict((await web.form()).items())
     definition = await confirmed_definition(web, form, None)
     try:
@@ -11743,7 +11921,7 @@ async def page_confirm_new(web: Web):
     except Conflict as err:
         return await web.page("schedule_form.html", status=409, section="schedules",
                               **form_context(web, form_from_definition(definition), errors_by_field(err), edit=None))
-    return redirect(f"/schedules/{created['id']}?done=created")
+    return await web.see_other(f"/schedules/{created['id']}?done=created")
 
 
 @pages.get("/schedules/<schedule_id>", auth=Auth.SESSION)
@@ -11785,7 +11963,6 @@ async def page_review_edit(web: Web, schedule_id: str):
 
 @pages.post("/schedules/<schedule_id>", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_confirm_edit(web: Web, schedule_id: str):
-    from quart import redirect
     form = dict((await web.form()).items())
     edit = edit_from(schedule_id, form)
     definition = await confirmed_definition(web, form, edit["definition"])
@@ -11799,16 +11976,17 @@ async def page_confirm_edit(web: Web, schedule_id: str):
                 if edit["definition"].get(f) != current.get(f) or definition.get(f) != current.get(f)]
         return await web.page("schedule_stale.html", status=412, section="schedules", s=current, edit=edit,
                               diff=diff)
-    return redirect(f"/schedules/{schedule_id}?done=updated")
+    return await web.see_other(f"/schedules/{schedule_id}?done=updated")
 
 
 @pages.post("/schedules/<schedule_id>/control", auth=Auth.SESSION)
 async def page_schedule_control(web: Web, schedule_id: str):
-    from quart import redirect
     form = await web.form()
     action = form.get("action", "")
     result = await control_schedule(web, schedule_id, form_revision(form), action)
-    return redirect(f"/schedules/{schedule_id}?done={result['outcome'] if action == 'fire' else action}")
+    if action == "fire" and result["outcome"] == "admitted":   # Fire now: on to the new run, live
+        return await web.see_other(f"/runs/{result['run_id']}?done=admitted")
+    return await web.see_other(f"/schedules/{schedule_id}?done={result['outcome'] if action == 'fire' else action}")
 
 
 # --- dashboard: runs and attention ------------------------------------------------------------------------
@@ -11846,16 +12024,17 @@ async def page_run(web: Web, run_id: str):
         local = web.deps.mirrors.path(run["repository"])
         changes = await changes_summary(local, run["resolved_commit"], run["result_branch"])
         files, cut = await branch_diff(local, run["resolved_commit"], run["result_branch"])
+    thread = await web.call(web.store.runs.thread, run_id) if run["continues"] or run["answered_by"] else []
     return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
                           schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes,
-                          files=files, diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1")
+                          files=files, diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1",
+                          thread=thread)
 
 
 @pages.post("/runs/<run_id>/rerun", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
 async def page_run_rerun(web: Web, run_id: str):
-    from quart import redirect
     again = await web.commit(web.store.runs.rerun, run_id, web.now)
-    return redirect(f"/runs/{again['run_id']}?done=rerun")
+    return await web.see_other(f"/runs/{again['run_id']}?done=rerun")
 
 
 @pages.get("/runs/<run_id>/compare", auth=Auth.SESSION)
@@ -11873,16 +12052,16 @@ async def page_compare(web: Web, run_id: str):
 
 @pages.post("/runs/<run_id>/adopt", auth=Auth.SESSION)
 async def page_run_adopt(web: Web, run_id: str):
-    from quart import redirect
     await adopt_run(web, run_id, (await web.form()).get("workspace", ""))
-    return redirect(f"/runs/{run_id}?done=adopted")
+    return await web.see_other(f"/runs/{run_id}?done=adopted")
 
 
 @pages.post("/runs/<run_id>/reply", auth=Auth.SESSION)
 async def page_run_reply(web: Web, run_id: str):
-    from quart import redirect
-    reply = await reply_to_run(web, run_id, (await web.form()).get("message", ""))
-    return redirect(f"/runs/{reply['run_id']}?done=replied")
+    form = await web.form()
+    message = form.get("message", "").replace("\r\n", "\n")   # a textarea's line breaks are CRLF
+    reply = await reply_to_run(web, run_id, message, form.get("workspace", "default"))
+    return await web.see_other(f"/runs/{reply['run_id']}?done=replied")
 
 
 @pages.get("/agents", auth=Auth.SESSION)
@@ -11909,18 +12088,16 @@ async def disk_use(deps: Deps) -> dict[str, int | None]:
 
 @pages.post("/agents/<name>/resume", auth=Auth.SESSION)
 async def page_agent_resume(web: Web, name: str):
-    from quart import redirect
     await control_profile(web, name, "resume")
-    return redirect("/agents?done=resumed")
+    return await web.see_other("/agents?done=resumed")
 
 
 @pages.post("/runs/<run_id>/control", auth=Auth.SESSION)
 async def page_run_control(web: Web, run_id: str):
-    from quart import redirect
     action = (await web.form()).get("action", "")
     await control_run(web, run_id, action)
     notice = {"cancel": "cancel", "pause": "run_pause", "resume": "resume_run"}[action]
-    return redirect(f"/runs/{run_id}?done={notice}")
+    return await web.see_other(f"/runs/{run_id}?done={notice}")
 
 
 @pages.get("/attention", auth=Auth.SESSION)
@@ -11934,20 +12111,18 @@ async def page_attention(web: Web):
 
 @pages.post("/attention/<attention_id>/ack", auth=Auth.SESSION)
 async def page_attention_ack(web: Web, attention_id: str):
-    from quart import redirect
     await ack_attention(web, attention_id)
-    return redirect("/attention?done=acked")
+    return await web.see_other("/attention?done=acked")
 
 
 @pages.post("/attention/ack-all", auth=Auth.SESSION)
 async def page_attention_ack_all(web: Web):
-    from quart import redirect
     waiting = [a["run_id"] for a in await web.call(web.store.list_attention, True)
                if a["kind"] == "needs_you" and a["run_id"]]
     await web.commit(web.store.ack_all_attention, web.now)
     for run_id in waiting:
         await drop_empty_branch(web.deps, run_id)
-    return redirect("/attention?done=acked_all")
+    return await web.see_other("/attention?done=acked_all")
 
 
 @pages.get("/settings", auth=Auth.SESSION)
@@ -11958,10 +12133,9 @@ async def page_settings(web: Web):
 
 @pages.post("/settings/notify/test", auth=Auth.SESSION)
 async def page_notify_test(web: Web):
-    from quart import redirect
     entry = (await web.form()).get("entry", "")
     await queue_test_notifications(web, int(entry) if entry.isdigit() else None)
-    return redirect("/settings?done=notify_test")
+    return await web.see_other("/settings?done=notify_test")
 
 
 # --- dashboard: Office ------------------------------------------------------------------------------------
@@ -11998,16 +12172,16 @@ async def office_page(web: Web, template: str, *, tab: str, status: int = 200, l
 
 
 async def office_form(web: Web, action: Callable[[Any], Awaitable[Any]], on_error: Callable[..., Awaitable[Any]]):
-    """A dashboard form: the action's redirect target (or its own page), else the form's page
-    again with the error by field; then the dispatcher is nudged, as new wakeups may wait."""
-    from quart import redirect
+    """A dashboard form: 303 to the action's target (a path, or the action's own ``see_other``),
+    else the form's page again with the errors by field (nothing was written); then the
+    dispatcher is nudged, as new wakeups may wait."""
     form = await web.form()
     try:
         target = await action(form)
     except OutpostError as err:
         return await on_error(web, form=form, errors=errors_by_field(err), status=err.status)
     web.deps.nudge(Actor.CLAIM)
-    return redirect(target) if isinstance(target, str) else target
+    return await web.see_other(target) if isinstance(target, str) else target
 
 
 def checkbox(form: dict[str, str], name: str) -> bool:
@@ -12200,11 +12374,10 @@ async def page_office_task_comment(web: Web, task_id: str):
 
 @pages.post("/office/approvals/<approval_id>/resolve", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
 async def page_office_approval_resolve(web: Web, approval_id: str):
-    from quart import redirect
     form = await web.form()
     approval = await web.commit(web.store.office.resolve_approval, approval_id, form.get("status", ""),
                                 _text(form, "decision_note", 0, MAX_TEXT_CHARS, ""), web.now)
-    return redirect(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
+    return await web.see_other(f"/office/tasks/{approval['task_id']}?done=approval_resolved")
 
 
 @pages.get("/office/wakeups", auth=Auth.SESSION)
@@ -12245,19 +12418,20 @@ async def page_office_routines_create(web: Web):
         raw, triggers = routine_form(form)
         routine = await create_routine(web, None, raw, triggers)
         new_secrets = {t["id"]: t["secret"] for t in routine["triggers"] if t.get("secret")}
-        if new_secrets:   # shown once: on the page itself rather than after a redirect
-            return await page_office_routine(web, routine["id"], new_secrets=new_secrets, status=201)
-        return f"/office/routines/{routine['id']}?done=routine_created"
+        target = f"/office/routines/{routine['id']}?done=routine_created"
+        return await web.see_other(target, new_secrets=new_secrets) if new_secrets else target
     return await office_form(web, create, page_office_routines)
 
 
 @pages.get("/office/routines/<routine_id>", auth=Auth.SESSION)
 async def page_office_routine(web: Web, routine_id: str, form: Any = None, errors: dict[str, str] | None = None,
-                              status: int = 200, new_secrets: dict[str, str] | None = None):
+                              status: int = 200):
+    """A routine; a new or rotated webhook secret is shown once here (``new_secrets``, the
+    flash ``see_other`` left), after the form that made it redirected."""
     routine = await web.call(web.store.routines.get_routine, routine_id)
     return await office_page(web, "office_routine.html", tab="routines", status=status, live=False, zones=zone_names(),
                              routine=routine, base_url=web.request.host_url.rstrip("/"), form=form,
-                             errors=errors or {}, new_secrets=new_secrets or {})
+                             errors=errors or {}, new_secrets={})
 
 
 @pages.post("/office/routines/<routine_id>", auth=Auth.SESSION)
@@ -12272,18 +12446,16 @@ async def page_office_routine_save(web: Web, routine_id: str):
 
 @pages.post("/office/routines/<routine_id>/status", auth=Auth.SESSION)
 async def page_office_routine_status(web: Web, routine_id: str):
-    from quart import redirect
     form = await web.form()
     await update_routine(web, routine_id, {"status": form.get("status", "")})
-    return redirect(form.get("next") if form.get("next") == "/office/routines" else
+    return await web.see_other(form.get("next") if form.get("next") == "/office/routines" else
                     f"/office/routines/{routine_id}?done=routine_updated")
 
 
 @pages.post("/office/routines/<routine_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_office_routine_delete(web: Web, routine_id: str):
-    from quart import redirect
     await web.commit(web.store.routines.delete_routine, routine_id, web.now)
-    return redirect("/office/routines?done=routine_deleted")
+    return await web.see_other("/office/routines?done=routine_deleted")
 
 
 @pages.post("/office/routines/<routine_id>/fire", auth=Auth.SESSION)
@@ -12305,23 +12477,24 @@ async def page_office_routine_add_trigger(web: Web, routine_id: str):
         elif raw["kind"] == "webhook":
             raw["signing_mode"] = form.get("signing_mode", "hmac_sha256")
         trigger = await add_trigger(web, routine_id, raw)
+        target = f"/office/routines/{routine_id}?done=trigger_added"
         if trigger.get("secret"):   # shown once
-            return await page_office_routine(web, routine_id, new_secrets={trigger["id"]: trigger["secret"]})
-        return f"/office/routines/{routine_id}?done=trigger_added"
+            return await web.see_other(target, new_secrets={trigger["id"]: trigger["secret"]})
+        return target
     return await office_form(web, add, functools.partial(page_office_routine, routine_id=routine_id))
 
 
 @pages.post("/office/routines/<routine_id>/triggers/<trigger_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_office_routine_delete_trigger(web: Web, routine_id: str, trigger_id: str):
-    from quart import redirect
     await web.commit(web.store.routines.delete_trigger, routine_id, trigger_id, web.now)
-    return redirect(f"/office/routines/{routine_id}?done=trigger_deleted")
+    return await web.see_other(f"/office/routines/{routine_id}?done=trigger_deleted")
 
 
 @pages.post("/office/routines/<routine_id>/triggers/<trigger_id>/rotate", auth=Auth.SESSION)
 async def page_office_routine_rotate(web: Web, routine_id: str, trigger_id: str):
     trigger = await web.commit(web.store.routines.rotate_secret, routine_id, trigger_id, web.now)
-    return await page_office_routine(web, routine_id, new_secrets={trigger_id: trigger["secret"]})
+    return await web.see_other(f"/office/routines/{routine_id}?done=secret_rotated",
+                               new_secrets={trigger_id: trigger["secret"]})
 
 
 @pages.get("/office/settings", auth=Auth.SESSION)
@@ -12476,6 +12649,10 @@ async def run_until_signal(deps: Deps) -> None:
                 binds = await appliance.start(serve, deps, shutdown)
                 port = int(binds[0].rsplit(":", 1)[1]) if binds else deps.config.port
                 base = f"http://{deps.config.host}:{port}"
+                try:
+                    record_address(deps.config.data_dir, binds[0] if binds else base)
+                except OSError as exc:   # the CLI then needs --url; serving goes on
+                    log.warning("cannot record the address in %s: %s", deps.config.data_dir / SERVE_FILE, exc)
                 code = await deps.transaction(deps.store.access.create_signin_code, deps.clock.now())
                 print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
@@ -12485,6 +12662,7 @@ async def run_until_signal(deps: Deps) -> None:
                     print("Running as root: a dedicated user is safer (see README, Security): an agent's "
                           "sandbox is all that stands between it and the whole machine", flush=True)
             outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
+    forget_address(deps.config.data_dir)
 
 
 class JournalFormatter(logging.Formatter):
@@ -12714,7 +12892,7 @@ def cli_client(data_dir: Path, url: str | None) -> Client:
     if token is None:
         raise CliError(f"no API token: set OUTPOST_API_TOKEN or start `outpost serve` once "
                        f"(it writes {data_dir / 'api-token'})", EXIT_NO_TOKEN)
-    return Client(url or f"http://127.0.0.1:{os.environ.get('OUTPOST_PORT', str(DEFAULT_PORT))}", token)
+    return Client(daemon_url(data_dir, url), token)
 
 
 def print_inspect(report: dict[str, Any]) -> None:
@@ -12988,6 +13166,10 @@ def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
     print(json.dumps(report, indent=2)) if as_json else print_inspect(report)
 
 
+#: The CLI's --url, as ``daemon_url`` resolves it.
+URL_HELP = "daemon URL (default: 127.0.0.1:$OUTPOST_PORT, else the address serve recorded in the data dir, else :8321)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outpost", description="Durable scheduler for coding agents.")
     parser.add_argument("--data-dir", type=Path, default=None, help="state directory (default $OUTPOST_DATA_DIR "
@@ -13023,7 +13205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-days", type=int, default=None, metavar="N",
                    help="keep N days (0: every settled run the rules allow; default [settings] keep_days)")
     p.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
-    p.add_argument("--url", default=None, help="daemon URL (default http://127.0.0.1:$OUTPOST_PORT)")
+    p.add_argument("--url", default=None, help=URL_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("doctor", help="check each agent profile: binary, version, login")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
@@ -13036,7 +13218,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("action", choices=actions)
         p.add_argument("target", nargs="?", help="schedule id/name, definition file, or run id")
         p.add_argument("target_file", nargs="?", help="for edit: the file of changed fields")
-        p.add_argument("--url", default=None, help="daemon URL (default http://127.0.0.1:$OUTPOST_PORT)")
+        p.add_argument("--url", default=None, help=URL_HELP)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--yes", action="store_true", help="confirm without asking")
         p.add_argument("--all", action="store_true", help="list: include archived")
@@ -13097,13 +13279,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.target is None and args.action not in ("list",):
             raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)
-        token = api_token(data_dir, create=False)
-        if token is None:
-            raise CliError(f"no API token: set OUTPOST_API_TOKEN or start `outpost serve` once "
-                           f"(it writes {data_dir / 'api-token'})", EXIT_NO_TOKEN)
-        port = os.environ.get("OUTPOST_PORT", str(DEFAULT_PORT))
-        client = Client(args.url or f"http://127.0.0.1:{port}", token)
-        (cli_schedules if args.command == "schedules" else cli_runs)(client, args)
+        (cli_schedules if args.command == "schedules" else cli_runs)(cli_client(data_dir, args.url), args)
         return 0
     except CliError as exc:
         print(f"outpost: {exc}", file=sys.stderr)

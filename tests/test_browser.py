@@ -141,9 +141,9 @@ def test_compose_review_confirm_fire_and_watch_the_run_live(page, server, repo):
     assert "Schedule created" in page.inner_text("#flash")
     shot(page, "schedule")
 
-    page.click("button[data-action=fire]")
-    assert "Fired: a run is queued" in page.inner_text("#flash")
-    page.click("#schedule-runs a")
+    page.click("button[data-action=fire]")   # Fire now lands on the new run's live page
+    page.wait_for_url("**/runs/*?done=admitted")
+    assert "Fired: this run is queued" in page.inner_text("#flash")
     page.evaluate("window.__notReloaded = true")
     sync_api.expect(page.locator("#run-status")).to_have_text("running", timeout=15_000)
     sync_api.expect(page.locator("#run-status")).to_have_text("succeeded", timeout=30_000)
@@ -358,7 +358,7 @@ def test_office_routine_run_now_asks_for_a_required_variable_first(page, server,
     assert "Not fired yet" in page.inner_text("#history")
     page.fill("input[name=var_reason]", "it was asked")
     page.click("#fire-routine")
-    page.wait_for_selector("#flash")
+    page.wait_for_url("**done=fired_*")
     assert "wakeup is queued" in page.inner_text("#flash")
     assert "reason=it was asked" in page.inner_text("#routine-runs")
     # The secret is not shown again.
@@ -366,7 +366,7 @@ def test_office_routine_run_now_asks_for_a_required_variable_first(page, server,
     assert secret not in page.content()
 
 
-def test_adopt_and_reply_to_a_run_that_needs_you(page, server, repo):
+def test_reply_in_one_step_shows_the_thread_and_closes_the_attention_item(page, server, repo):
     import uuid
 
     import httpx
@@ -374,23 +374,88 @@ def test_adopt_and_reply_to_a_run_that_needs_you(page, server, repo):
         run_id = api.post("/v1/outpost/dispatches", json={"brief": "@needs-you Which branch may I push to?",
                                                           "repository": str(repo), "agent": "demo"},
                           headers={"Idempotency-Key": uuid.uuid4().hex}).json()["run_id"]
+        wait_until(lambda: any(a["run_id"] == run_id for a in api.get("/v1/outpost/attention").json()["attention"]))
     sign_in(page, server)
     page.goto(f"{server.url}/runs/{run_id}")
     sync_api.expect(page.locator("#run-status")).to_have_text("needs you", timeout=30_000)
     page.reload()
+    badge = int(page.inner_text("#attention-count"))
     assert "Which branch may I push to?" in page.inner_text("#run-question")
-    assert page.query_selector("#reply-form") is None, "a run is adopted before it is answered"
-    page.fill("#adopt-form input[name=workspace]", "team")
-    page.click("#adopt-form button[type=submit]")
-    assert "Run adopted" in page.inner_text("#flash")
+    assert page.query_selector("#adopt-form") is None, "no separate Adopt step"
+    page.fill("#reply-form input[name=workspace]", "team")
     page.fill("#reply-message", "Push to release/2.0\n@print answered")
     shot(page, "reply")
-    page.click("#reply-form button[type=submit]")
+    page.click("#reply-form button[type=submit]")   # adopts and replies at once
+    page.wait_for_url("**/runs/*?done=replied")
+    reply_url = page.url
     assert "Reply sent" in page.inner_text("#flash")
-    assert run_id in page.inner_text("main")   # "This run answers run <id>"
+    assert int(page.inner_text("#attention-count")) == badge - 1, "the answered item is closed"
+    thread = page.locator("#thread")
+    assert "Which branch may I push to?" in thread.locator(".thread-question").inner_text()
+    assert "Push to release/2.0" in thread.locator(".thread-answer").inner_text()
+    assert thread.locator(f'a[href="/runs/{run_id}"]').count() == 1
     sync_api.expect(page.locator("#run-status")).to_have_text("succeeded", timeout=30_000)
+    page.reload()   # the result of the reply closes the thread
+    last = page.locator("#thread li.thread-step").last
+    assert "succeeded" in last.inner_text() and last.locator(".thread-result").count() == 1
+    assert page.url == reply_url
+    shot(page, "thread")
     page.goto(f"{server.url}/runs/{run_id}")
     assert "Answered by run" in page.inner_text("#needs-you")
+    assert page.query_selector("#reply-form") is None
+    assert "team" in page.inner_text(".facts")   # adopted as part of the reply
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}) as api:
+        assert api.get(f"/v1/outpost/runs/{run_id}").json()["answer"] == "Push to release/2.0\n@print answered"
+
+
+def test_a_reload_after_a_form_does_not_post_it_again(page, server, repo):
+    """POST/redirect/GET: each create form lands on a GET page; reloading it creates nothing."""
+    sign_in(page, server)
+
+    def counts():
+        """How many of each thing this test makes exist (other tests share the server)."""
+        with api_client(server) as api:
+            return (sum(s["name"] == "reload-once" for s in api.get("/v1/outpost/schedules").json()["schedules"]),
+                    sum(a["name"] == "reloader" for a in api.get("/api/office/agents").json()["agents"]),
+                    sum(t["title"] == "Reload me not" for t in api.get("/api/office/tasks").json()["tasks"]),
+                    sum(r["name"] == "Hooked once" for r in api.get("/api/office/routines").json()["routines"]))
+
+    assert counts() == (0, 0, 0, 0)
+    compose(page, server, repo, "reload-once", "@print once")
+    page.reload()
+    page.wait_for_selector("#schedule-controls")
+    page.goto(server.url + "/office/settings")
+    page.fill("#repository", str(repo))
+    page.click("#save-settings")
+    page.wait_for_selector("#flash")
+    page.goto(server.url + "/office/agents")
+    page.fill("#agent-form input[name=name]", "reloader")
+    page.click("#create-agent")
+    page.wait_for_selector("#agent-status")
+    page.reload()
+    page.goto(server.url + "/office/board")
+    page.fill("#task-form input[name=title]", "Reload me not")
+    page.click("#create-task")
+    page.wait_for_selector("#task-state")
+    page.reload()
+    page.goto(server.url + "/office/routines")
+    page.fill("#routine-form input[name=name]", "Hooked once")
+    page.select_option("#routine-form select[name=assignee_agent_id]", label="reloader (worker)")
+    page.select_option("#routine-form select[name=webhook_mode]", "hmac_sha256")
+    page.click("#create-routine")
+    page.wait_for_url("**/office/routines/*?done=routine_created")
+    secret = page.inner_text("#new-secret pre")
+    assert len(secret) > 30 and secret not in page.url
+    page.reload()
+    assert page.query_selector("#new-secret") is None and secret not in page.content(), "shown once"
+    page.once("dialog", lambda dialog: dialog.accept())   # "Make a new secret?"
+    page.click("button:has-text('Rotate secret')")
+    page.wait_for_url("**?done=secret_rotated")
+    rotated = page.inner_text("#new-secret pre")
+    assert rotated != secret and rotated not in page.url
+    page.reload()
+    assert page.query_selector("#new-secret") is None
+    assert counts() == (1, 1, 1, 1), "each form posted once, whatever the reloads"
 
 
 def test_the_agents_page_shows_a_paused_profile_and_resumes_it(browser, repo, tmp_path_factory):

@@ -489,6 +489,34 @@ def test_cli_against_the_real_daemon(server_factory, git_repo, tmp_path):
     assert [c["check"] for c in as_json["checks"]] == [1, 2, 3, 4, 5, 6]
 
 
+def test_the_cli_finds_serve_on_any_port_through_its_recorded_address(server_factory, git_repo, tmp_path):
+    """Issue 28: `schedules create` no longer fails on 8321 while serve runs on another port."""
+    server = server_factory()   # --port 0: a port of the kernel's choosing
+    recorded = server.data_dir / "serve.json"
+    assert json.loads(recorded.read_text())["url"] == server.url
+    assert recorded.stat().st_mode & 0o777 == 0o600
+    definition_file = tmp_path / "nightly.toml"
+    definition_file.write_text(TOML_DEFINITION.format(repo=git_repo))
+    created = cli(server.data_dir, "schedules", "create", str(definition_file), "--yes")   # no --url, no $OUTPOST_PORT
+    assert created.returncode == 0, created.stderr
+    with server.client() as client:
+        assert [s["name"] for s in client.get("/v1/outpost/schedules").json()["schedules"]] == ["cli-toml"]
+    elsewhere = cli(server.data_dir, "schedules", "list", port=free_port())   # $OUTPOST_PORT still wins
+    assert elsewhere.returncode == 3
+    assert server.stop() == 0
+    assert not recorded.exists(), "a stopped serve's address is forgotten"
+
+
+def test_a_recorded_address_of_a_dead_serve_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUTPOST_PORT", raising=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "serve.json").write_text(json.dumps({"url": "http://127.0.0.1:1234", "pid": int(dead.stdout)}))
+    assert outpost.daemon_url(tmp_path, None) == f"http://127.0.0.1:{outpost.DEFAULT_PORT}"
+    (tmp_path / "serve.json").write_text(json.dumps({"url": "http://0.0.0.0:1234", "pid": os.getpid()}))
+    assert outpost.daemon_url(tmp_path, None) == "http://127.0.0.1:1234", "a wildcard bind is asked on loopback"
+    assert outpost.daemon_url(tmp_path, "http://example.invalid:1") == "http://example.invalid:1"
+
+
 @pytest.mark.parametrize("args", [("schedules", "list"), ("runs", "list")])
 def test_cli_without_a_daemon_exits_3(tmp_path, args):
     data = tmp_path / "data"
