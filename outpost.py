@@ -155,7 +155,7 @@ IN_FLIGHT_STALE_S = 60
 MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
 CRON_MAX_SLEEP_S = 300.0
-#: A fleet (API.md 10): heartbeats every NODE_HEARTBEAT_S on the database's clock; a node silent
+#: A fleet (docs/fleet.md): heartbeats every NODE_HEARTBEAT_S on the database's clock; a node silent
 #: for NODE_LOST_S is lost; the claim actor and the event streams of every node look at the shared
 #: store every FLEET_POLL_S (the nudges of another node's requests do not reach them), the cron
 #: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
@@ -212,7 +212,7 @@ SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_P
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
 #: Every git command Outpost runs obeys no hook: a user's hooks are for the user's own commits, and
-#: one that an agent planted must never run with the daemon's rights (API.md 12).
+#: one that an agent planted must never run with the daemon's rights (docs/security.md).
 GIT_NO_HOOKS = ("-c", "core.hooksPath=/dev/null")
 #: What of the service user's HOME an isolated agent may write: the agent CLIs' own state folders
 #: (logins, sessions). The rest of HOME (~/.gitconfig, ~/.ssh, shell profiles)
@@ -228,7 +228,7 @@ AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": ""
 #: Current schema version of the store (section 5).
 SCHEMA_VERSION = 13     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
-                        # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, API.md 10);
+                        # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
                         #     a node's name is one process's (Node.process)
                         # 11: covering indexes of the tallies GET /metrics reads (run_tally, wakeup_tally)
@@ -243,7 +243,7 @@ REPOSITORY_UNAVAILABLE = "repository unavailable"
 #: How often a wakeup waiting for its repository looks again; and how long a node of a fleet that
 #: could not fetch a URL leaves its runs to the other nodes before it tries again.
 REPOSITORY_RECHECK_S = 30
-#: The start of the error of a run whose node could not fetch its repository URL (API.md 10).
+#: The start of the error of a run whose node could not fetch its repository URL (docs/fleet.md).
 UNREACHABLE_ERROR = f"{REPOSITORY_UNAVAILABLE}: cannot fetch "
 #: Wakeups of one agent, source and scope (WINDOW_ACROSS_TASKS: any task) this close together
 #: become one (spec: coalescing window).
@@ -274,7 +274,7 @@ MAX_PROMPT_CHARS = 65536
 ATTENTION_KINDS = ("needs_you", "failed", "changes_returned", "succeeded", "auto_pause", "missed_fire",
                    "catch_up_plan", "reconfirm", "agent_limited", "agent_auth", "approval", "agent_error",
                    "budget_blocked")
-#: The kinds a ``[[notify]]`` entry sends unless it names its own (API.md 11).
+#: The kinds a ``[[notify]]`` entry sends unless it names its own (docs/operations.md).
 NOTIFY_DEFAULT_KINDS = ("needs_you", "failed", "auto_pause", "agent_auth", "missed_fire", "budget_blocked")
 #: A notification that could not be delivered is tried again after 1 min, doubling up to 1 h,
 #: until it is a day old; then it is given up (and recorded).
@@ -289,7 +289,7 @@ NOTIFY_SENDING_STALE_S = 5 * MINUTE_S
 NOTIFY_SWEEP_S = MINUTE_S
 #: A daily digest missed while the daemon was down goes out late up to this long after its time.
 DIGEST_LATE_S = 6 * HOUR_S
-#: Days settled runs and their history are kept by default (``[settings] keep_days``, API.md 11).
+#: Days settled runs and their history are kept by default (``[settings] keep_days``, docs/operations.md).
 DEFAULT_KEEP_DAYS = 90
 #: Housekeeping: runs deleted per transaction, and other rows (events, ledger, wakeups) per
 #: transaction, so the one writer is held a few milliseconds at a time (well under 100 ms).
@@ -416,7 +416,7 @@ class ConfigError(OutpostError):
 
 
 class NodeNameTaken(ConfigError):
-    """A fleet node's name is held by another running process (API.md 10: names are unique)."""
+    """A fleet node's name is held by another running process (docs/fleet.md: names are unique)."""
 
 
 class SchemaTooNew(OutpostError):
@@ -434,7 +434,7 @@ class RepositoryUnavailable(LaunchError):
 
 
 class RepositoryUnreachable(RepositoryUnavailable):
-    """This node cannot fetch the run's repository URL (API.md 10): never counted toward a failure streak."""
+    """This node cannot fetch the run's repository URL (docs/fleet.md): never counted toward a failure streak."""
 
 
 class CliError(OutpostError):
@@ -456,7 +456,7 @@ def invalid(field: str, message: str) -> ValidationFailed:
 ###############################################################################
 
 # --- agent CLIs ------------------------------------------------------------------------------
-# Everything Outpost knows of each agent CLI (API.md 8), in one place: the limits and login
+# Everything Outpost knows of each agent CLI (docs/agent-clis.md), in one place: the limits and login
 # failures a CLI's words name (8.3, 8.4), the readers of their output (8.2), the login checks of
 # ``outpost doctor``, and one Preset per CLI that holds its command lines, its reader, whether it
 # always ends with a terminal event, its login rules and its doctor check. A run's executor and
@@ -472,7 +472,7 @@ def rfc3339(dt: datetime | None) -> str | None:
     return dt.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
 
 
-# Limits and login failures, in whatever words a CLI prints them (API.md 8.3, 8.4).
+# Limits and login failures, in whatever words a CLI prints them (docs/agent-clis.md, 8.4).
 
 #: Words that mark a limit in an error text or the tail of stderr (case-insensitive, whole words:
 #: a stack trace's ``RetryableQuotaError`` is no limit).
@@ -488,7 +488,7 @@ HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b")
 OVERLOADED = re.compile(r"overloaded_error|\b529\b|\b(?:model|engine|server|servers|api|service) (?:is |are )?"
                         r"(?:currently |temporarily )?(?:down or )?overloaded|api error: \d{3} overloaded")
 #: A limit that no wait lifts: a spend cap, credits or a plan's quota used up. When it names no
-#: reset, the profile is paused until a human raises it and resumes the profile (API.md 8.3).
+#: reset, the profile is paused until a human raises it and resumes the profile (docs/agent-clis.md).
 SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
                          r"check your plan and billing|out of (?:usage )?credits|add funds")
 #: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
@@ -584,7 +584,7 @@ def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int
 
 
 def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
-    """When a limit message says the limit resets (API.md 8.3), or None when it names no time.
+    """When a limit message says the limit resets (docs/agent-clis.md), or None when it names no time.
     A wall time without a zone is in ``tz`` (the profile's timezone)."""
     if m := re.search(r"\|(\d{10})\b|reset_time\W{0,3}(\d{9,11})\b", text, re.IGNORECASE):
         return max(datetime.fromtimestamp(int(m[1] or m[2]), UTC), now)
@@ -659,7 +659,7 @@ def limit_wait(limit: Limit, streak: int, now: datetime, jitter: float) -> datet
     return now + timedelta(seconds=step * (1 + LIMIT_JITTER * max(-1.0, min(1.0, jitter))))
 
 
-#: Texts of an agent CLI that cannot act for want of a login (API.md 8.4): none, a bad key, or an
+#: Texts of an agent CLI that cannot act for want of a login (docs/agent-clis.md): none, a bad key, or an
 #: expired or revoked one (Claude Code's "Failed to authenticate. API Error: 401 OAuth token has
 #: expired", "Please login again"; Codex's refresh-token texts; Gemini's API_KEY_INVALID); aider's
 #: through litellm.
@@ -679,7 +679,7 @@ def is_auth_failure(text: str) -> bool:
                               r"(?:missing|no|set)\s+(?:the\s+)?openai_api_key", lower)))
 
 
-# The report of a run (API.md 8.2): each CLI's reader.
+# The report of a run (docs/agent-clis.md): each CLI's reader.
 
 #: Longest final message a report keeps.
 FINAL_MESSAGE_CHARS = 4096
@@ -1012,7 +1012,7 @@ def read_aider(lines: list[str]) -> Reading:
 
 
 def read_generic(lines: list[str]) -> Reading:
-    """Any other command (the demo agent included), API.md 5.5: exit 0 succeeds unless the last
+    """Any other command (the demo agent included), docs/agent-clis.md: exit 0 succeeds unless the last
     JSON object line says ``"is_error": true``, ``"status": "failed"`` or ``"type": "turn.failed"
     | "error"``; ``"status": "needs_you"`` (with ``"question"``) asks a human."""
     result = last_json_object(lines)
@@ -1357,7 +1357,7 @@ class Preset:
         return True, f"ok, {version} at {binary}, logged in by {', '.join(keys + files + others)}"
 
 
-#: The agent CLIs Outpost knows (API.md 8.1), each flag checked against the CLI's own docs:
+#: The agent CLIs Outpost knows (docs/agent-clis.md), each flag checked against the CLI's own docs:
 #: - Claude Code: print mode reads the prompt from stdin; stream-json needs --verbose;
 #:   acceptEdits lets an unattended run edit files (other tools are denied and reported).
 #:   https://docs.claude.com/en/docs/claude-code/cli-reference, .../headless
@@ -1469,7 +1469,7 @@ def host_zone() -> ZoneInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NotifyEntry:
-    """One ``[[notify]]`` entry (API.md 11): where notifications go (an Apprise URL, which holds
+    """One ``[[notify]]`` entry (docs/operations.md): where notifications go (an Apprise URL, which holds
     its secrets: shown only as ``label``), which attention kinds, and an optional daily digest."""
     index: int
     url: str
@@ -1506,12 +1506,12 @@ class Config:
     allowed_hosts: tuple[str, ...] = ()
     agents: tuple[AgentProfile, ...] = ()
     isolate_agents: str = "auto"      # auto | always | never: bubblewrap around every agent
-    database: str | None = None       # a postgresql:// URL (a fleet, API.md 10); None: SQLite in data_dir
+    database: str | None = None       # a postgresql:// URL (a fleet, docs/fleet.md); None: SQLite in data_dir
     node_name: str = ""               # this process in a fleet; "" -> <hostname>:<port>
     fleet_max_running: int | None = None
-    metrics_token: str | None = None  # a second token that reads GET /metrics only (API.md 11)
-    notify: tuple[NotifyEntry, ...] = ()   # [[notify]] entries (API.md 11)
-    keep_days: int = DEFAULT_KEEP_DAYS   # housekeeping (API.md 11): settled runs older than this go
+    metrics_token: str | None = None  # a second token that reads GET /metrics only (docs/operations.md)
+    notify: tuple[NotifyEntry, ...] = ()   # [[notify]] entries (docs/operations.md)
+    keep_days: int = DEFAULT_KEEP_DAYS   # housekeeping (docs/operations.md): settled runs older than this go
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -1890,7 +1890,7 @@ def _gap_end(wall: datetime, tz: ZoneInfo) -> datetime:
 
 
 def wall_instants(wall: datetime, tz: ZoneInfo, *, follow_real_time: bool) -> list[datetime]:
-    """The instants a naive wall time stands for in ``tz``, by API.md's DST rules.
+    """The instants a naive wall time stands for in ``tz``, by the DST rules of docs/schedules.md.
 
     A time in a gap fires once at the first instant after the gap; a repeated time fires
     at its first occurrence. Jobs that follow real time (the cron's hour field is ``*``)
@@ -2209,7 +2209,7 @@ def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
         raise invalid(sorted(unknown)[0], f"is not a field of {what}")
 
 
-#: A repository named by URL (API.md 10): https://, ssh://, file:// or scp-like user@host:path.
+#: A repository named by URL (docs/fleet.md): https://, ssh://, file:// or scp-like user@host:path.
 REPOSITORY_URL = re.compile(r"^(?:(?:https|ssh|file)://\S+|[\w.-]+@[\w.-]+:(?!//)\S+)$")
 
 
@@ -2334,7 +2334,7 @@ class FieldErrors:
 
 def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
                          check_past: bool = True) -> dict[str, Any]:
-    """Validate a schedule definition (API.md 4.1) and fill its defaults; every field's error
+    """Validate a schedule definition (docs/schedules.md) and fill its defaults; every field's error
     at once. Pure: the git checks (repository, source_ref) are the store/executor's, see
     ``check_repository``."""
     if not isinstance(raw, dict):
@@ -2522,7 +2522,7 @@ def slug(name: str) -> str:
 
 
 def office_branch(task_id: str, agent_name: str) -> str:
-    """The one branch of an Office task session (API.md 8.5)."""
+    """The one branch of an Office task session (docs/agent-clis.md)."""
     return f"outpost/office/{task_id}/{slug(agent_name)}"
 
 
@@ -2589,7 +2589,7 @@ def profile_argv(profile: AgentProfile, *, model: str | None, run_id: str, sessi
 
 
 def profile_digest(profile: AgentProfile) -> str:
-    """API.md 8.1: what a schedule's confirmation covers of its profile (the effective command,
+    """docs/agent-clis.md: what a schedule's confirmation covers of its profile (the effective command,
     resume, preset, env names, pass_env, timeout cap). A change holds the schedule's fires."""
     facts = {"command": list(profile.command), "resume": list(profile.resume), "preset": profile.preset,
              "env": sorted(k for k, _ in profile.env), "pass_env": sorted(profile.pass_env),
@@ -2621,12 +2621,12 @@ def agent_env(profile: AgentProfile, parent: dict[str, str], run_id: str) -> dic
     return env
 
 
-# --- runs: the plan a run follows, how it ended (API.md 8.2) ---------------------------------------
+# --- runs: the plan a run follows, how it ended (docs/agent-clis.md) ---------------------------------------
 
 def run_timeout_s(limit_s: int, profile: AgentProfile | None) -> int:
     """A run's time limit, decided here only: its own limit (a schedule's or a dispatch's
     ``limits.timeout_seconds``, an Office run's), capped by its profile's ``timeout_seconds``,
-    which caps every run of that agent whatever a schedule says (API.md 8.1)."""
+    which caps every run of that agent whatever a schedule says (docs/agent-clis.md)."""
     cap = profile.timeout_seconds if profile is not None else None
     return min(limit_s, cap) if cap else limit_s
 
@@ -2698,15 +2698,15 @@ class RunPlan:
         return self.node, self.attempt
 
 
-#: The failure kinds of a run (API.md 8.2); limit and auth are not the agent's own failure.
+#: The failure kinds of a run (docs/agent-clis.md); limit and auth are not the agent's own failure.
 FAILURE_KINDS = ("agent", "limit", "auth", "timeout", "interrupted", "launch", "no_result")
-#: Failure kinds that do not count toward a schedule's failure streak (API.md 5.3).
+#: Failure kinds that do not count toward a schedule's failure streak (docs/schedules.md).
 NOT_THE_AGENTS_FAILURE = ("interrupted", "limit", "auth")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outcome:
-    """How a run ended: its status, its error text, and the agent report (API.md 8.2)."""
+    """How a run ended: its status, its error text, and the agent report (docs/agent-clis.md)."""
     status: RunStatus
     error: str | None
     failure_kind: str | None = None
@@ -2762,8 +2762,8 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
 
 
 def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: str | None = None) -> list[str]:
-    """Attention items one settled run raises under a notify policy (API.md 5.6). A limit or a
-    login failure raises its profile's own item instead (API.md 8.4)."""
+    """Attention items one settled run raises under a notify policy (docs/schedules.md). A limit or a
+    login failure raises its profile's own item instead (docs/agent-clis.md)."""
     if status == RunStatus.FAILED:
         # an Office failure is retried, then escalated
         return [] if notify == "wakeup" or failure_kind in ("limit", "auth") else ["failed"]
@@ -2782,10 +2782,10 @@ def notify_backoff_s(attempts: int) -> int:
 
 
 def next_failure_streak(streak: int, status: RunStatus, failure_kind: str | None, error: str | None = None) -> int:
-    """API.md 5.3: success resets the streak, the agent's own failure adds one; a run the
+    """docs/schedules.md: success resets the streak, the agent's own failure adds one; a run the
     daemon's stop or death interrupted, or one that hit a limit or a login wall, is not the
     agent's failure and counts for nothing; nor is one whose node could not fetch its
-    repository URL (API.md 10: ``error`` says so)."""
+    repository URL (docs/fleet.md: ``error`` says so)."""
     if status == RunStatus.SUCCEEDED:
         return 0
     if (status == RunStatus.FAILED and failure_kind not in NOT_THE_AGENTS_FAILURE
@@ -2809,7 +2809,7 @@ def parse_count(text: str | None) -> int | None:
 
 
 def check_revision(schedule_id: str, current: int, given: int) -> None:
-    """API.md 3: a stale If-Match is 412 with the current revision, before anything else is judged."""
+    """docs/http-api.md: a stale If-Match is 412 with the current revision, before anything else is judged."""
     if current != given:
         raise RevisionMismatch(f"schedule {schedule_id} is at revision {current}, not {given}; "
                                "someone else changed it: GET it again", extra={"current_revision": current})
@@ -2832,7 +2832,7 @@ def parse_if_match(value: str | None) -> int:
 #    routines and webhook signatures. Pure.
 ###############################################################################
 
-# --- Office: agents, tasks and the wakeup queue (office-scheduler spec) ------------------------
+# --- Office: agents, tasks and the wakeup queue (docs/office.md) ------------------------
 
 class WakeupSource(enum.StrEnum):
     ROUTINE = "routine"
@@ -3644,7 +3644,7 @@ def bearer(authorization: str | None) -> str:
 
 
 def verify_webhook(mode: str, secrets_: list[str], headers: dict[str, str], body: bytes, now: datetime) -> WebhookCheck:
-    """API.md 7.2, pure: which deliveries a trigger accepts. ``secrets_`` holds the current
+    """docs/office.md, pure: which deliveries a trigger accepts. ``secrets_`` holds the current
     secret and, during a rotation's grace period, the previous one. Compared in constant time."""
     def any_match(expected: Callable[[str], str], given: str) -> bool:
         return any(hmac.compare_digest(expected(s).encode(), given.encode()) for s in secrets_)
@@ -3758,7 +3758,7 @@ def define_entities(db: orm.Database) -> None:
         anchored_at = Required(datetime)     # interval schedules fire at anchored_at + k * seconds
         confirmation = Required(str)
         confirmed_at = Required(datetime)
-        profile_digest = Optional(str, nullable=True)   # the agent profile confirmed with it (API.md 8.1)
+        profile_digest = Optional(str, nullable=True)   # the agent profile confirmed with it (docs/agent-clis.md)
         pending_catch_up = Optional(orm.Json, nullable=True)   # ask: {missed_count(_exact), first/last_missed_at}
         created_at = Required(datetime)
         updated_at = Required(datetime)
@@ -3800,7 +3800,7 @@ def define_entities(db: orm.Database) -> None:
         exit_code = Optional(int)
         error = Optional(str, nullable=True)
         result = Optional(orm.Json, nullable=True)
-        agent_report = Optional(orm.Json, nullable=True)   # API.md 8.2
+        agent_report = Optional(orm.Json, nullable=True)   # docs/agent-clis.md
         failure_kind = Optional(str, nullable=True)
         cost_usd = Optional(float)
         max_cost_usd = Optional(float)
@@ -3818,14 +3818,14 @@ def define_entities(db: orm.Database) -> None:
         resume_requested_at = Optional(datetime)
         cancel_requested = Required(bool, default=False)
         notified = Required(bool, default=False)     # attention + failure streak applied
-        node = Optional(str, nullable=True)          # the node that admitted it (API.md 10)
+        node = Optional(str, nullable=True)          # the node that admitted it (docs/fleet.md)
         attempt = Required(int, default=0)           # admissions so far: with node, fences its writes
         queued_at = Required(datetime)
         started_at = Optional(datetime)
         finished_at = Optional(datetime)
 
     class ProfileState(db.Entity):
-        """An agent profile's standing (API.md 8.4): limited until a reset, or paused for a login."""
+        """An agent profile's standing (docs/agent-clis.md): limited until a reset, or paused for a login."""
         name = PrimaryKey(str)
         limited_until = Optional(datetime)
         limit_streak = Required(int, default=0)            # limits in a row that named no reset (the ladder)
@@ -3878,7 +3878,7 @@ def define_entities(db: orm.Database) -> None:
         body = Optional(orm.Json, nullable=True)
         created_at = Required(datetime, index=True)
 
-    # --- Office (office-scheduler spec): workspaces, agents, tasks, the wakeup queue ----------
+    # --- Office (docs/office.md): workspaces, agents, tasks, the wakeup queue ----------
 
     class Workspace(db.Entity):
         id = PrimaryKey(str)
@@ -4089,7 +4089,7 @@ def define_entities(db: orm.Database) -> None:
         created_at = Required(datetime)
 
     class Node(db.Entity):
-        """A process serving this database (API.md 10): alive while its heartbeat, written on
+        """A process serving this database (docs/fleet.md): alive while its heartbeat, written on
         the database's clock, is under NODE_LOST_S old."""
         name = PrimaryKey(str)
         started_at = Required(datetime)
@@ -4100,7 +4100,7 @@ def define_entities(db: orm.Database) -> None:
         process = Optional(str, nullable=True)         # the process holding the name (this_process); NULL: free
 
     class LogChunk(db.Entity):
-        """A fleet (API.md 10): a run's log in the database, so every node serves it. The node
+        """A fleet (docs/fleet.md): a run's log in the database, so every node serves it. The node
         running it appends what its log file gained (at byte ``at_byte``); at settlement one chunk
         replaces them: the file as it ended, head and tail."""
         run_id = Required(str)
@@ -4115,7 +4115,7 @@ def define_entities(db: orm.Database) -> None:
         expires_at = Required(datetime, index=True)
 
     class Notification(db.Entity):
-        """The outbox (API.md 11): one message for one ``[[notify]]`` entry, written in the
+        """The outbox (docs/operations.md): one message for one ``[[notify]]`` entry, written in the
         transaction that raised its attention item (or queued its digest or test). The rows are
         the truth: a restart resumes them; UNIQUE (entry, item) in SCHEMA_SQL 11 means an item
         reaches an entry once."""
@@ -4260,7 +4260,7 @@ def run_view(r) -> dict[str, Any]:
 
 def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
                        cost_usd_24h: float, now: datetime) -> dict[str, Any]:
-    """The standing of one agent profile (API.md 8.4), without its configuration."""
+    """The standing of one agent profile (docs/agent-clis.md), without its configuration."""
     limited = st is not None and st.limited_until is not None and aware(st.limited_until) > now
     return {"name": name, "running": running, "queued": queued,
             "limited_until": rfc3339(aware(st.limited_until)) if limited else None,
@@ -4456,7 +4456,7 @@ def postgres_is_empty(url: str) -> bool:
 
 def postgres_bind(url: str) -> dict[str, Any]:
     """Pony's bind arguments for a postgresql:// URL. The password is the URL's or
-    ``$OUTPOST_DATABASE_PASSWORD`` (API.md 10); query parameters (``sslmode=require``) pass
+    ``$OUTPOST_DATABASE_PASSWORD`` (docs/fleet.md); query parameters (``sslmode=require``) pass
     through to libpq."""
     try:
         import psycopg2  # noqa: F401, PLC0415 - the optional extra
@@ -4757,7 +4757,7 @@ class StoreCore:
     def __init__(self, database: Path | str, *, data_dir: Path | None = None, node: str | None = None,
                  process: str | None = None):
         """``database``: a SQLite file (the embedded default), ``:memory:``, or a postgresql://
-        URL (API.md 10). ``data_dir`` holds the default workspace's embedded repository; it is
+        URL (docs/fleet.md). ``data_dir`` holds the default workspace's embedded repository; it is
         the SQLite file's directory unless given. ``node``: this process's name in a fleet;
         ``process``: who holds that name (``this_process()`` in the daemon)."""
         self.node = node or socket.gethostname()
@@ -4773,7 +4773,7 @@ class StoreCore:
         self.database, self.dialect = database, dialect_of(database)
         if data_dir is None and not self.dialect.fleet and str(database) != ":memory:":
             data_dir = Path(database).absolute().parent
-        #: Where the default workspace's runs go while it names no repository (API.md 7.1).
+        #: Where the default workspace's runs go while it names no repository (docs/office.md).
         self.embedded_repository = str(data_dir / "workspaces" / DEFAULT_WORKSPACE) if data_dir else None
         with self.dialect.bound(self.db, database) as fresh:
             self._migrate(fresh)
@@ -4914,7 +4914,7 @@ class StoreCore:
         """Group commit: several store calls in one transaction, one commit (one fsync) for all.
         Each call is flushed before the next, so a constraint it breaks is its own error. A
         call that raises never takes the others' writes with it: the whole transaction rolls
-        back (Pony's cache does not roll back with a SAVEPOINT, DESIGN.md) and runs again as the
+        back (Pony's cache does not roll back with a SAVEPOINT, docs/development.md) and runs again as the
         calls before it together, the failed one alone (its own error), the rest together."""
         if len(calls) == 1:
             return [self._alone(calls[0])]
@@ -5020,7 +5020,7 @@ class PendingCall:
 class GroupCommit:
     """The one writer: store calls run on a worker thread one transaction at a time, and the
     calls that arrive while a transaction is in flight run together in the next one, so one
-    fsync answers them all (DESIGN.md). Nobody is answered before the commit that holds their
+    fsync answers them all (docs/development.md). Nobody is answered before the commit that holds their
     call. The first waiter whose call nobody has taken leads the next group; the others wait
     for the lock and find theirs done. ``sizes`` counts groups by size."""
 
@@ -5391,7 +5391,7 @@ class ScheduleStore(StorePart):
         self._record_paused(s, due.recent, due.count, now)
 
     def _held_for_reconfirm(self, s, digests: dict[str, str] | None, now: datetime) -> bool:
-        """API.md 8.1: the profile changed since the schedule was confirmed, so nothing runs
+        """docs/agent-clis.md: the profile changed since the schedule was confirmed, so nothing runs
         under authority nobody confirmed; one ``reconfirm`` item asks a human (once per
         confirmation). A schedule confirmed before digests were kept adopts its profile's now."""
         if digests is None:
@@ -5528,7 +5528,7 @@ class ScheduleStore(StorePart):
                 "open_attention": self.core.list_attention(open_only=True)}
 
     def inspect(self, schedule_id: str) -> dict[str, Any]:
-        """The six recovery checks, in order (API.md 5.7)."""
+        """The six recovery checks, in order (docs/http-api.md)."""
         s = self._schedule(schedule_id)
         view = self._schedule_view(s)
         active = self._active_run(s.id)
@@ -5629,7 +5629,7 @@ class RunStore(StorePart):
         ``status`` it walks every queued run: 31 ms at 100,000 queued instead of 1 ms). Plain,
         portable SQL: it runs unchanged on PostgreSQL.
 
-        In a fleet (API.md 10) ``max_running`` is this node's slots and ``fleet_max`` all nodes'; an
+        In a fleet (docs/fleet.md) ``max_running`` is this node's slots and ``fleet_max`` all nodes'; an
         admitted run is this node's (``node``, ``attempt`` + 1), and only its node resumes a pause;
         runs of a repository path this node cannot reach (``unreachable``) wait for another node."""
         mine, everyone = self.db.select(
@@ -5697,7 +5697,7 @@ class RunStore(StorePart):
                             {"now": sql_time(now)})[0]
         return sql_instant(at) if at else None
 
-    # --- nodes (API.md 10): the processes serving this database, and the runs they own ---------
+    # --- nodes (docs/fleet.md): the processes serving this database, and the runs they own ---------
 
     def requeue_unstarted(self, run_id: str, now: datetime, reason: str,
                           fence: tuple[str, int] | None = None) -> bool:
@@ -5822,7 +5822,7 @@ class RunStore(StorePart):
         return True
 
     def empty_branch(self, run_id: str) -> tuple[str, str, str] | None:
-        """API.md 11: (repository, result branch, commit it must still point at) of a settled run
+        """docs/operations.md: (repository, result branch, commit it must still point at) of a settled run
         whose branch carries no work and may go now, else None. Not a run that continues a branch
         with earlier work (a reply to a run with commits, an Office task session); a ``needs_you``
         run's branch stays until it is answered (its reply takes the branch over) or its
@@ -5843,7 +5843,7 @@ class RunStore(StorePart):
         return st if st is not None else self.db.ProfileState(name=name, updated_at=naive(now))
 
     def _hold_profile(self, r: SettledRun, outcome: Outcome, now: datetime, auth_hint: str) -> None:
-        """API.md 8.4: a limit holds the profile until its reset (+30 s), with one
+        """docs/agent-clis.md: a limit holds the profile until its reset (+30 s), with one
         ``agent_limited`` item per limit window; a login failure pauses it, with one
         ``agent_auth`` item, until ``resume``, and so does a spend limit that names no reset (its
         ``agent_limited`` item says who can raise it). A success ends the ladder of unnamed resets."""
@@ -5947,7 +5947,7 @@ class RunStore(StorePart):
                 "next": rows[limit - 1].id if len(rows) > limit else None}
 
     def rerun(self, run_id: str, now: datetime) -> dict[str, Any]:
-        """API.md 9: a new run (trigger ``rerun``) with the same resolved commit, prompt, agent
+        """docs/schedules.md: a new run (trigger ``rerun``) with the same resolved commit, prompt, agent
         profile and model, on a branch of its own: is the agent deterministic enough for this job?"""
         r = self._run(run_id)
         if r.status not in SETTLED_RUN_STATUSES:
@@ -5970,7 +5970,7 @@ class RunStore(StorePart):
     def daily_runs(self, now: datetime, tz: ZoneInfo, days: int, *, schedule_id: str | None = None,
                    office_agent_id: str | None = None) -> list[dict[str, Any]]:
         """Runs per day by outcome (succeeded, failed, needs you, skipped) and their cost, for the
-        last ``days`` days in ``tz``, oldest first: the charts (API.md 9)."""
+        last ``days`` days in ``tz``, oldest first: the charts (docs/schedules.md)."""
         first = (now.astimezone(tz) - timedelta(days=days - 1)).date()
         since = sql_time(datetime.combine(first, datetime.min.time(), tz))
         where, params = "r.queued_at >= $since", {"since": since}
@@ -6008,7 +6008,7 @@ class RunStore(StorePart):
         return run_view(r)
 
     def reply_to_run(self, run_id: str, message: str, now: datetime, *, adopt_as: str | None = None) -> dict[str, Any]:
-        """API.md 8.5: answer an adopted ``needs_you`` run with a continuation run on the same
+        """docs/agent-clis.md: answer an adopted ``needs_you`` run with a continuation run on the same
         result branch (a fresh worktree of its head) that resumes the agent's session. The
         answer is kept for the run's thread and its open ``needs_you`` item is acknowledged.
         ``adopt_as``: the dashboard's one step, adopting an unowned run for that workspace first."""
@@ -6028,7 +6028,7 @@ class RunStore(StorePart):
                 f"Go on with that work on branch {r.result_branch}.)")
         prompt = message + note if session else f"{r.prompt}\n\n(Outpost: you asked: {r.question}.)\n\n{message}"
         # The same worktree path as the answered run: a CLI that finds its sessions by directory finds it.
-        # A branch that carries no work (API.md 11: it may have been deleted) is made again from the
+        # A branch that carries no work (docs/operations.md: it may have been deleted) is made again from the
         # answered run's commit; one with work is continued from its head.
         carries_work = bool(r.commits or r.continues_branch or not r.resolved_commit)
         start = {} if carries_work else {"resolved_commit": r.resolved_commit}
@@ -6164,7 +6164,7 @@ class NodeStore(StorePart):
         return orphans
 
     def claim_node_name(self, replacing: str | None = None) -> str | None:
-        """A node's name is one process's at a time (API.md 10): two processes under one name would
+        """A node's name is one process's at a time (docs/fleet.md): two processes under one name would
         take each other's runs for their own. Claims it for this process, unless another process
         holds it and its heartbeat is under NODE_LOST_S old (and it is not ``replacing``, one the
         caller saw end): then returns that process and changes nothing."""
@@ -6197,7 +6197,7 @@ class NodeStore(StorePart):
         """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
         the queue (a later admission's attempt fences the lost one's writes); their in-flight
         Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
-        never started again (API.md 10): nothing here can reach their processes. Returns the
+        never started again (docs/fleet.md): nothing here can reach their processes. Returns the
         runs it settled."""
         lost = self.core.returning(f"UPDATE \"Node\" SET status = 'lost' WHERE status = 'up' AND name <> $me "
                                    f"AND heartbeat_at < {self.dialect.db_now(-NODE_LOST_S)} RETURNING name",
@@ -6329,7 +6329,7 @@ class AccessStore(StorePart):
 
 
 class NotifyStore(StorePart):
-    """The notification outbox (API.md 11): a row per attention item and ``[[notify]]`` entry,
+    """The notification outbox (docs/operations.md): a row per attention item and ``[[notify]]`` entry,
     queued in the transaction that raises the item (``StoreCore.attention_hooks``), plus the
     daily digests and test messages; claimed before a send, marked after, retried with backoff."""
 
@@ -7388,7 +7388,7 @@ class PipelineStore(StorePart):
         row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
         summary = row.content[:SUMMARY_PROMPT_CHARS] if row else ""
         prompt = self.wakeups.office_prompt(agent, w, resumed=resumed, summary=summary, task=task)
-        # API.md 8.5: one worktree path and branch per (agent, task), continued run after run
+        # docs/agent-clis.md: one worktree path and branch per (agent, task), continued run after run
         session_run = ({"result_branch": office_branch(w.task_id, agent.name), "continues_branch": True,
                         "resume_session_id": session.session_id if resumed else None} if w.task_id else {})
         run_id = self.schedules.queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt,
@@ -7452,7 +7452,7 @@ class PipelineStore(StorePart):
         self.core.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
 
     def _wait_for_repository(self, w, reason: str, now: datetime) -> None:
-        """API.md 7.1: a wakeup whose repository is missing or broken waits with the reason; it
+        """docs/office.md: a wakeup whose repository is missing or broken waits with the reason; it
         is not a retry (the agent did nothing wrong) and starts once the repository is usable."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
         error = reason if reason.startswith(REPOSITORY_UNAVAILABLE) else f"{REPOSITORY_UNAVAILABLE}: {reason}"
@@ -7983,7 +7983,7 @@ class RoutineStore(StorePart):
 
 
 class HousekeepingStore(StorePart):
-    """Housekeeping (API.md 11): which settled runs are old enough to go, and the deletes, each a
+    """Housekeeping (docs/operations.md): which settled runs are old enough to go, and the deletes, each a
     bounded batch in its own transaction. A run is kept whatever its age while it has an open
     attention item, while it is an unanswered ``needs_you``, while it is its schedule's latest
     run, and while an Office task session resumes from it."""
@@ -8140,7 +8140,7 @@ def create_new(path: Path, data: bytes) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sandbox:
-    """API.md 12: the machine as one run's agent sees it under bubblewrap. Everything read-only
+    """docs/security.md: the machine as one run's agent sees it under bubblewrap. Everything read-only
     but its worktree (a private clone, see add_worktree) and its CLIs' state in HOME; the data
     dir (API token, database, other runs) and /tmp replaced by empty ones, of which only the
     worktree, its prompt file and the repository it borrows objects from (read-only) are shown;
@@ -8211,7 +8211,7 @@ class Sandbox:
 
 async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox | None = None) -> str:
     """Run git with an argument list (never a shell), hooks off; stdout, or LaunchError with
-    stderr. In ``sandbox``: on a path an agent has written (API.md 12)."""
+    stderr. In ``sandbox``: on a path an agent has written (docs/security.md)."""
     argv, env = ["git", "-C", str(repo), *GIT_NO_HOOKS, *args], None
     if sandbox is not None:
         argv, env = sandbox.argv(argv), Sandbox.env(dict(os.environ))
@@ -8279,7 +8279,7 @@ class CatFile:
 
 
 class Mirrors:
-    """API.md 10: a repository named by URL is worked on in a bare mirror of its own under
+    """docs/fleet.md: a repository named by URL is worked on in a bare mirror of its own under
     ``<data dir>/mirrors``, cloned on first use and fetched before a ref of it is resolved; a
     run's result branch is pushed back to the URL when it settles. Credentials are the service
     user's git configuration and SSH keys, never Outpost's. The fetch takes branches and tags
@@ -8409,7 +8409,7 @@ async def check_repository(definition: dict[str, Any], deps: Deps) -> str:
 async def add_worktree(repository: str, commit: str, branch: str, path: Path) -> None:
     """A run's worktree: a private clone on ``branch`` at ``commit`` that borrows the repository's
     objects read-only (alternates), never a ``git worktree`` of it: an agent that can write a
-    worktree's ``.git`` could write the repository's config, hooks and refs (API.md 12). Made
+    worktree's ``.git`` could write the repository's config, hooks and refs (docs/security.md). Made
     before the agent runs, so git here obeys only the user's own configuration."""
     common = Path(repository, await git(repository, "rev-parse", "--git-common-dir")).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -8575,7 +8575,7 @@ def agent_isolation(mode: str) -> Isolation:
 
 
 def ensure_embedded_repository(path: Path) -> None:
-    """The default workspace's repository while the user names none (API.md 7.1): a git
+    """The default workspace's repository while the user names none (docs/office.md): a git
     repository with one empty commit, made once, so Office works with no setup."""
     if (path / ".git").exists():
         return
@@ -8634,7 +8634,7 @@ def kill_group(pid: int, sig: int) -> bool:
 class LogSink:
     """The run log: stdout and stderr interleaved. Past MAX_LOG_BYTES it keeps the first
     LOG_HEAD_BYTES and the last LOG_TAIL_BYTES with one line saying how much was cut
-    (API.md 5.4): the end of a run (its result, its error) is never the part that is lost.
+    (docs/http-api.md): the end of a run (its result, its error) is never the part that is lost.
     While the run goes on the file stops growing at the cap; the tail waits in memory and
     takes its place when the log is closed."""
 
@@ -8727,7 +8727,7 @@ class LiveRun:
             kill_group(self.pid, signal.SIGCONT)
 
     def spawned(self, pid: int, timeout_s: float) -> None:
-        """The process exists: its timeout starts, or, paused before, it is stopped at once (API.md 5.4)."""
+        """The process exists: its timeout starts, or, paused before, it is stopped at once (docs/http-api.md)."""
         self.pid = pid
         if self.paused:
             kill_group(pid, signal.SIGSTOP)
@@ -8955,10 +8955,10 @@ async def branch_diff(repository: str, base: str, branch: str) -> tuple[list[Fil
 
 
 async def compare_runs(a: dict[str, Any], b: dict[str, Any], local: str) -> tuple[dict[str, Any], list[FileDiff]]:
-    """API.md 9: whether two runs started alike, and the diff between their result branches
+    """docs/schedules.md: whether two runs started alike, and the diff between their result branches
     (the report, and the diff file by file for the compare page). ``local``: a's repository
     on this machine (a URL's mirror)."""
-    # A run without commits has no branch any more (API.md 11): its commit is what it returned.
+    # A run without commits has no branch any more (docs/operations.md): its commit is what it returned.
     left, right = ((r["resolved_commit"] or r["result_branch"]) if not r["changes"]["commits"] else r["result_branch"]
                    for r in (a, b))
     files, cut = await branch_diff(local, left, right)
@@ -8989,7 +8989,7 @@ def demo_office_call(path: str, body: dict[str, Any]) -> None:
 
 
 def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_id: str | None = None) -> int:
-    """The built-in simulated agent (API.md 6): obeys the prompt's ``@`` lines. In an Office
+    """The built-in simulated agent (README.md): obeys the prompt's ``@`` lines. In an Office
     run it also knows ``@comment TEXT`` and ``@move STATE`` (on its task, through the agent
     API), and it reports a session id that a resumed run continues."""
     summary: list[str] = []
@@ -9322,7 +9322,7 @@ class Deps:
     metrics: Metrics = dataclasses.field(default_factory=Metrics)   # GET /metrics: this appliance's registry
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
     mirrors: Mirrors = None      # type: ignore[assignment]   # one per data dir; kept by dataclasses.replace
-    housekeeping: trio.Lock = dataclasses.field(default_factory=trio.Lock)   # one pass at a time (API.md 11)
+    housekeeping: trio.Lock = dataclasses.field(default_factory=trio.Lock)   # one pass at a time (docs/operations.md)
 
     def __post_init__(self) -> None:
         if self.writer is None:
@@ -9448,7 +9448,7 @@ async def ship_log(deps: Deps, run_id: str) -> None:
 
 
 async def unreachable_repositories(deps: Deps) -> list[str]:
-    """API.md 10: the local paths of queued runs this node cannot reach, and the URLs it could not
+    """docs/fleet.md: the local paths of queued runs this node cannot reach, and the URLs it could not
     fetch a moment ago (``Mirrors.leave_to_others``); their runs wait for a node that can. Paths
     are asked off the event loop: a shared mount that hangs must not stop it."""
     def missing(paths: list[str]) -> list[str]:
@@ -9460,7 +9460,7 @@ async def unreachable_repositories(deps: Deps) -> list[str]:
 
 
 async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreachable) -> bool:
-    """API.md 10: a node of a fleet that cannot fetch a run's repository URL puts the run back in
+    """docs/fleet.md: a node of a fleet that cannot fetch a run's repository URL puts the run back in
     the queue for a node that can, and leaves that URL's runs to the others for a while. False
     when no other node is up (or the run is no longer this admission's): the run fails, with
     a reason that never counts toward a failure streak."""
@@ -9476,7 +9476,7 @@ async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreach
 
 
 async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
-    """A fleet (API.md 10): this node's heartbeat, on the database's clock, every
+    """A fleet (docs/fleet.md): this node's heartbeat, on the database's clock, every
     NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
     started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes). A
     node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
@@ -9680,7 +9680,7 @@ def run_workspace(deps: Deps, plan: RunPlan) -> Path:
 
 
 def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
-    """The run's sandbox (API.md 12), or None when agents are not isolated."""
+    """The run's sandbox (docs/security.md), or None when agents are not isolated."""
     if not deps.isolation.active:
         return None
     home = os.environ.get("HOME")
@@ -9863,7 +9863,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if kept is None:
         await remove_worktree(workspace, sandbox)
     unpushed = None
-    if commits and is_repository_url(plan.repository):   # API.md 10: the result goes back where it came from
+    if commits and is_repository_url(plan.repository):   # docs/fleet.md: the result goes back where it came from
         try:
             await deps.mirrors.push(plan.repository, plan.result_branch)
         except LaunchError as exc:
@@ -9873,8 +9873,9 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if deps.store.dialect.ships_logs and (
             ended := await trio.to_thread.run_sync(read_log_bytes, deps.log_path(run_id))):
         await deps.transaction_retrying(deps.store.runs.replace_log, run_id, ended)   # as it ended, for every node
+    # An empty result branch goes (docs/operations.md), before settling: a settled run is done.
     if (kept is None and not commits and commit and not plan.continues_branch
-            and outcome.status != RunStatus.NEEDS_YOU):   # API.md 11: before settling, so a settled run is done
+            and outcome.status != RunStatus.NEEDS_YOU):
         await drop_branch_of(run_id, local, plan.result_branch, commit)
     now = deps.clock.now()
     hint = login_hint(plan.profile) if plan.profile else ""
@@ -9896,7 +9897,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
 
 
 async def drop_empty_branch(deps: Deps, run_id: str) -> bool:
-    """API.md 11: a settled run's result branch goes when it carries no work (its
+    """docs/operations.md: a settled run's result branch goes when it carries no work (its
     ``result_branch`` still names it; ``changes.commits`` 0 says it was empty). ``finish_run``
     drops a run's empty branch before it settles; this, when a ``needs_you`` item is
     acknowledged. Whether a branch was deleted."""
@@ -9915,7 +9916,7 @@ async def drop_branch_of(run_id: str, local: str, branch: str, commit: str) -> b
 
 
 async def recover_at_boot(deps: Deps) -> None:
-    """API.md 5.2: a run that was running when the daemon died is settled failed/interrupted
+    """docs/schedules.md: a run that was running when the daemon died is settled failed/interrupted
     (its process group ended first if it is still the same process); queued runs stay
     queued and start normally; half-done idempotent requests are forgotten."""
     rlog = log.getChild("recovery")
@@ -10000,7 +10001,7 @@ async def merged_branch(deps: Deps, run: dict[str, Any], heads: dict[str, dict[s
 
 
 async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dict[str, Any]:
-    """API.md 11: settled runs older than ``keep_days`` go with their logs, events and Office facts,
+    """docs/operations.md: settled runs older than ``keep_days`` go with their logs, events and Office facts,
     and their result branch when its commits are in ``source_ref``; then old events, ledger rows
     (each schedule's newest LEDGER_KEEP stay), finished wakeups, refused deliveries, sent or given-up
     notifications and expired
@@ -10424,7 +10425,7 @@ class Auth(enum.StrEnum):
     SESSION = "session"       # a dashboard page: the session cookie (or the token); GET without one: sign-in
     RUN = "run"               # a running Office run's own token ($OUTPOST_RUN_TOKEN)
     ANY_RUN = "any_run"       # the run token of any running run (a schedule's or a dispatch's too)
-    SIGNATURE = "signature"   # a webhook: its trigger's signing mode, checked by the handler (API.md 7.2)
+    SIGNATURE = "signature"   # a webhook: its trigger's signing mode, checked by the handler (docs/office.md)
     METRICS = "metrics"       # a scraper: the API token or [settings] metrics_token (Bearer), nothing else
     PUBLIC = "public"         # no credentials: health and sign-in
 
@@ -10436,7 +10437,7 @@ class Route:
     rule: str
     handler: Callable[..., Awaitable[Any]]
     auth: Auth
-    idempotent: bool = False          # API.md 3's Idempotency-Key rules
+    idempotent: bool = False          # docs/http-api.md's Idempotency-Key rules
     status: int = 200                 # the status of the handler's JSON answer
     etag: bool = False                # the answer is a schedule: send its revision as the ETag
     nudges: tuple[Actor, ...] = ()    # actors woken after a successful answer
@@ -10470,9 +10471,9 @@ class Routes:
         return self.route("DELETE", rule, **options)
 
 
-#: ``/v1/outpost/`` (API.md 3-6) and ``/healthz``.
+#: ``/v1/outpost/`` (docs/http-api.md) and ``/healthz``.
 api = Routes("api", key_required=True)
-#: ``/api/office/`` (API.md 7): the Idempotency-Key is optional there.
+#: ``/api/office/`` (docs/office.md): the Idempotency-Key is optional there.
 office_api = Routes("office_api")
 #: ``/api/agent/``: what a running Office agent may do with its run token.
 agent_api = Routes("agent_api")
@@ -10737,7 +10738,7 @@ async def credentialed(web: Web) -> bool:
 
 
 async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> Any:
-    """API.md 3: replay, reuse and in-flight rules of the Idempotency-Key. The handler's
+    """docs/http-api.md: replay, reuse and in-flight rules of the Idempotency-Key. The handler's
     ``web.commit`` stores the answer in the action's own transaction; a refusal is stored
     too, except one whose fix is a header or a retry (the retry may reuse the key)."""
     key = web.request.headers.get("Idempotency-Key")
@@ -10980,7 +10981,7 @@ def create_app(deps: Deps):
 # --- actions: one function each, shared by the API and the dashboard -------------------------------
 
 async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, Any]:
-    """A manual occurrence (API.md 4.4 ``fire``): committed, then its commit resolved and admission woken."""
+    """A manual occurrence (docs/http-api.md ``fire``): committed, then its commit resolved and admission woken."""
     fired = await web.commit(web.store.schedules.fire_manual, schedule_id, revision, web.now, web.deps.profile_digests)
     await after_fire(web.deps, fired)
     return fired
@@ -11000,7 +11001,7 @@ async def control_schedule(web: Web, schedule_id: str, revision: int, action: An
 
 
 async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
-    """cancel | pause | resume (API.md 5.4): recorded, then the live process is signalled. A
+    """cancel | pause | resume (docs/http-api.md): recorded, then the live process is signalled. A
     running run is paused also while its worktree is prepared: its process is stopped the moment
     it exists; on another node of a fleet, that node's claim actor reads the pause."""
     if action not in ("cancel", "pause", "resume"):
@@ -11012,7 +11013,7 @@ async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
 
 
 async def reply_to_run(web: Web, run_id: str, message: Any, adopt_as: Any = None) -> dict[str, Any]:
-    """API.md 8.5: answer an adopted needs_you run; its continuation joins the FIFO queue.
+    """docs/agent-clis.md: answer an adopted needs_you run; its continuation joins the FIFO queue.
     ``adopt_as`` (the dashboard): adopt an unowned run for this workspace in the same step."""
     if not isinstance(message, str) or not message.strip() or len(message) > MAX_TEXT_CHARS:
         raise invalid("message", f"the answer, 1-{MAX_TEXT_CHARS} characters, is required")
@@ -11031,7 +11032,7 @@ async def adopt_run(web: Web, run_id: str, workspace: Any) -> dict[str, Any]:
 
 
 async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
-    """Acknowledge an item; an acknowledged ``needs_you`` run lets its empty branch go (API.md 11)."""
+    """Acknowledge an item; an acknowledged ``needs_you`` run lets its empty branch go (docs/operations.md)."""
     item = await web.commit(web.store.ack_attention, attention_id, web.now)
     if item["kind"] == "needs_you" and item["run_id"]:
         await drop_empty_branch(web.deps, item["run_id"])
@@ -11039,7 +11040,7 @@ async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
 
 
 async def agents_overview(web: Web) -> list[dict[str, Any]]:
-    """Every agent profile (API.md 8.4): its configuration and its standing, by name."""
+    """Every agent profile (docs/agent-clis.md): its configuration and its standing, by name."""
     profiles = sorted(web.deps.config.agents, key=lambda a: a.name)
     states = await web.call(web.store.runs.profile_states, [a.name for a in profiles], web.now)
     versions = await web.call(web.store.runs.agent_versions)
@@ -11135,13 +11136,13 @@ async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, A
     return await web.commit(web.store.routines.fire_routine, routine_id, None, "manual", variables, web.now)
 
 
-# --- JSON API: /v1/outpost/ (API.md 3-6) ---------------------------------------------------------
+# --- JSON API: /v1/outpost/ (docs/http-api.md) ---------------------------------------------------------
 
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
     """Answered by the event loop alone (it stays up while another process locks the database):
     503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim
-    actor has been in one pass that long, whether or not it knew of a due fire (API.md 9)."""
+    actor has been in one pass that long, whether or not it knew of a due fire (docs/schedules.md)."""
     from quart import jsonify
     lag = round(web.deps.cron_watch.lag_s(web.now), 1)
     stuck = web.deps.cron_watch.stuck(web.now)
@@ -11159,7 +11160,7 @@ async def api_healthz(web: Web):
 
 @api.get("/metrics", auth=Auth.METRICS)
 async def api_metrics(web: Web):
-    """Prometheus exposition (API.md 11), written by prometheus_client from this appliance's
+    """Prometheus exposition (docs/operations.md), written by prometheus_client from this appliance's
     registry: the database's totals and gauges read in one transaction, the sizes on disk
     (walked off the event loop, at most once a DISK_SIZES_TTL_S), this process's histograms."""
     deps = web.deps
@@ -11367,7 +11368,7 @@ async def api_ack_attention(web: Web, attention_id: str):
 
 @api.post("/v1/outpost/housekeeping", auth=Auth.TOKEN, idempotent=True)
 async def api_housekeeping(web: Web):
-    """API.md 11: a housekeeping pass now, ``{"keep_days"?: n, "dry_run"?: bool}`` (``keep_days``
+    """docs/operations.md: a housekeeping pass now, ``{"keep_days"?: n, "dry_run"?: bool}`` (``keep_days``
     0 here means every settled run the rules allow); its counts."""
     raw = await web.body()
     _unknown(raw, ("keep_days", "dry_run"), "housekeeping")
@@ -11452,7 +11453,7 @@ async def api_snapshot(web: Web):
     return await web.call(web.store.schedules.snapshot)
 
 
-# --- Office API: /api/office/ (API.md 7) -----------------------------------------------------------
+# --- Office API: /api/office/ (docs/office.md) -----------------------------------------------------------
 
 @office_api.get("/api/office/workspaces", auth=Auth.TOKEN)
 async def office_workspaces(web: Web):
@@ -11657,7 +11658,7 @@ async def office_rotate_secret(web: Web, routine_id: str, trigger_id: str):
     return await web.commit(web.store.routines.rotate_secret, routine_id, trigger_id, web.now)
 
 
-# --- webhooks: /api/routine-triggers/ (API.md 7.2) --------------------------------------------------
+# --- webhooks: /api/routine-triggers/ (docs/office.md) --------------------------------------------------
 
 @hooks.post("/api/routine-triggers/<public_id>/fire", auth=Auth.SIGNATURE)
 async def hook_fire(web: Web, public_id: str):
@@ -11713,7 +11714,7 @@ def own_task(web: Web, raw: dict[str, Any]) -> str:
 
 @agent_api.post("/api/agent/needs-you", auth=Auth.ANY_RUN)
 async def agent_needs_you(web: Web):
-    """API.md 8.5: the run asks a human; it settles ``needs_you`` with this question."""
+    """docs/agent-clis.md: the run asks a human; it settles ``needs_you`` with this question."""
     question = (await web.body()).get("question")
     if not isinstance(question, str) or not question.strip() or len(question) > MAX_TEXT_CHARS:
         raise invalid("question", f"the question, 1-{MAX_TEXT_CHARS} characters, is required")
@@ -12074,7 +12075,7 @@ async def page_agents(web: Web):
 
 
 async def disk_use(deps: Deps) -> dict[str, int | None]:
-    """Bytes on disk (API.md 11): the database (a fleet's, as its server counts it), run logs,
+    """Bytes on disk (docs/operations.md): the database (a fleet's, as its server counts it), run logs,
     worktrees and mirrors; the folders are walked on a worker thread, never on the event loop."""
     data = deps.config.data_dir
     if deps.store.dialect.fleet:
@@ -12871,7 +12872,7 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
 
 
 def cli_gc(client: Client, args: argparse.Namespace) -> None:
-    """``outpost gc``: a housekeeping pass of the running daemon (API.md 11), its counts."""
+    """``outpost gc``: a housekeeping pass of the running daemon (docs/operations.md), its counts."""
     body: dict[str, Any] = {"dry_run": args.dry_run}
     if args.keep_days is not None:
         body["keep_days"] = args.keep_days
@@ -12933,7 +12934,7 @@ def cli_doctor(config: Config) -> int:
 
 
 def cli_migrate(data_dir: Path, url: str) -> None:
-    """An appliance's SQLite history into an empty PostgreSQL database (API.md 10)."""
+    """An appliance's SQLite history into an empty PostgreSQL database (docs/fleet.md)."""
     if not (data_dir / "outpost.sqlite3").exists():
         raise CliError(f"no Outpost database in {data_dir}", EXIT_USAGE)
     if problem := _database_url(url):
@@ -12997,7 +12998,7 @@ def checked_database_copy(path: Path) -> dict[str, int]:
 
 
 def cli_backup(data_dir: Path, file: Path) -> None:
-    """``outpost backup FILE`` (API.md 11): the live database (SQLite's online backup, consistent
+    """``outpost backup FILE`` (docs/operations.md): the live database (SQLite's online backup, consistent
     while ``serve`` writes), ``outpost.toml`` and ``api-token`` in one gzipped tar with a manifest
     of their SHA-256s. Written beside FILE as 0600 (it holds the token and webhook secrets), then
     renamed over it: FILE is either the old backup or the whole new one. On PostgreSQL the
@@ -13112,7 +13113,7 @@ def restore_into(tar: Any, members: dict[str, Any], data_dir: Path) -> dict[str,
 
 
 def cli_restore(file: Path, data_dir: Path) -> None:
-    """``outpost restore FILE --data-dir DIR`` (API.md 11): a backup into a new, empty data dir,
+    """``outpost restore FILE --data-dir DIR`` (docs/operations.md): a backup into a new, empty data dir,
     refusing one that holds anything. What it wrote is removed again when the backup is refused."""
     import tarfile
     if data_dir.is_symlink() or (data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir()))):

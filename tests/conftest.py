@@ -400,7 +400,7 @@ class Api:
         await self.deps.transaction(self.store.runs.notify_run, run_id, self.clock.now())
 
     async def auto_paused(self) -> dict:
-        """A schedule whose three manual runs failed: auto-paused (API.md 5.3)."""
+        """A schedule whose three manual runs failed: auto-paused (docs/schedules.md)."""
         sched = await self.schedule()
         for _ in range(outpost.AUTO_PAUSE_STREAK):
             self.clock.at += timedelta(minutes=1)   # one manual fire per instant

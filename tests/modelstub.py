@@ -1,5 +1,5 @@
 """A stub of the model APIs the agent CLIs call, on 127.0.0.1, for the end-to-end tests of the real
-CLIs (API.md 8.6). Each CLI's own base-URL setting points at it; it answers with what the providers
+CLIs (docs/agent-clis.md). Each CLI's own base-URL setting points at it; it answers with what the providers
 document. The scenario is named in the prompt, ``stub:<scenario>`` (the latest one in a request's
 conversation wins, so runs of several scenarios can share one stub), else ``stub.scenario``.
 

@@ -780,7 +780,7 @@ async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, 
 
 
 def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_path):
-    """API.md 5.4: over 1 MiB the log keeps the first 256 KiB and the last 768 KiB with one line
+    """docs/http-api.md: over 1 MiB the log keeps the first 256 KiB and the last 768 KiB with one line
     between them, so a long run's result and error (its end) are never what is lost."""
     sink = outpost.LogSink(tmp_path / "run.log")
     lines = [f"line {i:07d} {'x' * 40}\n".encode() for i in range(60_000)]   # about 3.2 MB
@@ -803,7 +803,7 @@ def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_pa
     outpost.MAX_LOG_BYTES + outpost.LOG_TAIL_BYTES, 3 * 1024 * 1024,
 ], ids=["1 MiB + 1", "1.2 MB", "1.75 MiB - 1", "1.75 MiB", "3 MiB"])
 def test_a_log_over_1_mib_keeps_exactly_its_first_256_kib_and_its_last_768_kib(tmp_path, total):
-    """API.md 5.4, byte for byte: whatever the size over 1 MiB and however the output arrives
+    """docs/http-api.md, byte for byte: whatever the size over 1 MiB and however the output arrives
     (chunks of 1 byte to 64 KiB), the log is the first 256 KiB, one line counting the bytes
     cut, and the last 768 KiB."""
     written = b"".join(b"%09d\n" % i for i in range(total // 10 + 1))[:total]

@@ -1,4 +1,4 @@
-"""Agent CLIs (API.md 8): limits and login failures read from what the CLIs print, the
+"""Agent CLIs (docs/agent-clis.md): limits and login failures read from what the CLIs print, the
 readers of their output formats against the fake CLIs of tests/fakes, and what a limit, a
 login failure, a question or a changed profile does to runs, profiles and schedules."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ CHICAGO = ZoneInfo("America/Chicago")
 
 
 ###############################################################################
-# Limits (API.md 8.3): every form of the table, with the reset it means
+# Limits (docs/agent-clis.md): every form of the table, with the reset it means
 ###############################################################################
 
 #: 2026-11-30 08:00 UTC is 02:00 in Chicago (CST, UTC-6), 08:00 in Lisbon (WET).
@@ -175,7 +175,7 @@ def test_login_failures_are_told_from_other_failures(text, auth):
 
 
 ###############################################################################
-# Readers (API.md 8.2): each preset against its fake CLI
+# Readers (docs/agent-clis.md): each preset against its fake CLI
 ###############################################################################
 
 def fake_env(home: Path, log: Path | None = None, **extra: str) -> dict[str, str]:
@@ -473,7 +473,7 @@ def test_aider_at_its_token_limit_fails_though_it_exits_0(tmp_path):
 
 
 ###############################################################################
-# What a limit, a login failure and a session do (API.md 8.4, 8.5): the real actors
+# What a limit, a login failure and a session do (docs/agent-clis.md, 8.5): the real actors
 ###############################################################################
 
 @pytest.fixture
@@ -606,7 +606,7 @@ async def test_a_login_failure_pauses_the_profile_until_resumed(autojump_clock, 
 
 async def test_a_spend_limit_pauses_the_profile_until_someone_raises_it(autojump_clock, fakes_on_path, store,
                                                                         git_repo):
-    """API.md 8.3: a spend limit with no reset pauses the profile like a login failure, with one
+    """docs/agent-clis.md: a spend limit with no reset pauses the profile like a login failure, with one
     item saying who can raise it; the CLI's reset of another window does not lift it."""
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
     sched, fired = fired_schedule(deps, git_repo, "fake:recorded-oauth-spend")
@@ -670,7 +670,7 @@ async def office_session(deps: outpost.Deps, repo: Path, description: str) -> tu
 
 async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(autojump_clock, fakes_on_path, store,
                                                                              git_repo):
-    """API.md 8.5: the runs of one (agent, task) share one worktree path and branch, each
+    """docs/agent-clis.md: the runs of one (agent, task) share one worktree path and branch, each
     continuing from the branch's head, so the resumed CLI finds its session (by directory)
     and its earlier edits."""
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
@@ -746,7 +746,7 @@ async def test_a_dead_session_falls_back_to_one_fresh_run_without_a_retry(autoju
 
 
 ###############################################################################
-# Needs-you and replies (API.md 8.5), end to end on the real server
+# Needs-you and replies (docs/agent-clis.md), end to end on the real server
 ###############################################################################
 
 ASKER = """import json, os, sys, urllib.request
@@ -824,7 +824,7 @@ command = [{json.dumps(os.sys.executable)}, "-c", {json.dumps(ASKER)}]
 
 
 ###############################################################################
-# The profile in a schedule's authority (API.md 8.1), and outpost doctor
+# The profile in a schedule's authority (docs/agent-clis.md), and outpost doctor
 ###############################################################################
 
 def test_a_changed_profile_holds_the_schedules_fires_until_it_is_confirmed_again(store, git_repo):

@@ -1,4 +1,4 @@
-"""The HTTP contract of API.md sections 3-5, in process, through Quart's test client.
+"""The HTTP contract of docs/http-api.md (the JSON API), in process, through Quart's test client.
 
 No actors run here: runs stay ``queued`` unless a test settles them through the store.
 Time is a ``FixedClock`` at ``T0`` so next fires and timestamps are exact."""
@@ -349,7 +349,7 @@ async def test_compose_edit_of_a_once_schedule_whose_instant_passed_keeps_its_ti
     assert_problem(past, 422, "validation_failed", "timing.at")
 
 
-# --- inputs that must not crash compose (API.md 3: never a 500 for bad input) ----------------
+# --- inputs that must not crash compose (docs/http-api.md: never a 500 for bad input) ----------------
 
 @pytest.mark.parametrize("tz", ["Europe", "America", "a" * 300])
 async def test_timezone_that_is_a_directory_or_too_long_is_422(api, tz):
@@ -1183,7 +1183,7 @@ async def test_inspect_unknown_schedule_is_404(api):
 
 
 ###############################################################################
-# Fuzz: compose never answers 500 (API.md 3).
+# Fuzz: compose never answers 500 (docs/http-api.md).
 ###############################################################################
 
 @pytest.fixture(scope="module")

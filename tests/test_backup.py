@@ -1,4 +1,4 @@
-"""``outpost backup FILE`` and ``outpost restore FILE --data-dir DIR`` (API.md 11): a consistent copy
+"""``outpost backup FILE`` and ``outpost restore FILE --data-dir DIR`` (docs/operations.md): a consistent copy
 of a running appliance in one 0600 file, restored only into an empty data dir, a hostile archive
 never written outside it; on PostgreSQL, pg_dump's job."""
 

@@ -100,7 +100,7 @@ def test_once_fires_a_single_time(at, after, expected):
 
 
 ###############################################################################
-# DST rules of API.md 4.1
+# DST rules of docs/schedules.md
 ###############################################################################
 
 @pytest.mark.parametrize(("expression", "timezone", "after", "expected"), [
@@ -223,7 +223,7 @@ def test_stepping_one_fire_at_a_time_equals_asking_for_n(case, count):
 
 def reference_fires(minutes: list[int], hours: list[int] | None, tz: ZoneInfo, after: datetime,
                     days: int) -> list[datetime]:
-    """API.md's DST rules read literally, one real minute at a time.
+    """The DST rules of docs/schedules.md read literally, one real minute at a time.
 
     Hour field ``*``: every instant whose local wall time matches (gap skipped, both copies).
     Otherwise: a matching wall time fires at its first occurrence only (fold 0), and a matching
@@ -324,7 +324,7 @@ def test_no_warning_for_plain_timings(timing):
 
 
 ###############################################################################
-# normalize_definition: validation (API.md 4.1)
+# normalize_definition: validation (docs/schedules.md)
 ###############################################################################
 
 @pytest.mark.parametrize(("overrides", "field"), [
@@ -504,7 +504,7 @@ def test_confirmation_changes_when_any_field_changes(key, value):
 
 
 ###############################################################################
-# Run outcome (API.md 5.5), attention (5.6), failure streak (5.3)
+# Run outcome (docs/agent-clis.md), attention (5.6), failure streak (5.3)
 ###############################################################################
 
 @pytest.mark.parametrize(("exit_code", "result", "stderr", "timed_out", "status", "error_has"), [
@@ -604,13 +604,13 @@ def test_next_failure_streak(streak, status, expected):
 
 @pytest.mark.parametrize("kind", ["interrupted", "limit", "auth"])
 def test_failures_that_are_not_the_agents_own_do_not_feed_the_failure_streak(kind):
-    """API.md 5.3: a restart during a run, a limit or a login wall is not the agent's failure."""
+    """docs/schedules.md: a restart during a run, a limit or a login wall is not the agent's failure."""
     assert outpost.next_failure_streak(2, RunStatus.FAILED, kind) == 2
     assert outpost.next_failure_streak(2, RunStatus.FAILED, "no_result") == 3
 
 
 def test_a_node_that_could_not_fetch_the_repository_url_does_not_feed_the_failure_streak():
-    """API.md 10: the fetch failed, the agent never ran."""
+    """docs/fleet.md: the fetch failed, the agent never ran."""
     fetch = "repository unavailable: cannot fetch https://git.example/o/r.git: fatal: unable to access"
     assert outpost.next_failure_streak(2, RunStatus.FAILED, "launch", fetch) == 2
     assert outpost.next_failure_streak(2, RunStatus.FAILED, "launch", "repository unavailable: /srv/r is gone") == 3

@@ -1,4 +1,4 @@
-"""A fleet (API.md 10): several nodes on one PostgreSQL. Store-level rules with two Store
+"""A fleet (docs/fleet.md): several nodes on one PostgreSQL. Store-level rules with two Store
 objects as two nodes, then real `outpost serve --database` processes. Needs the throwaway
 cluster `.ci/run` starts ($OUTPOST_TEST_POSTGRES_URL); skipped without it."""
 
@@ -556,7 +556,7 @@ def process_state(pid: int) -> str:
 
 
 def test_a_pause_sent_to_another_node_stops_the_agent_where_it_runs(tmp_path, database, git_repo, server_factory):
-    """API.md 5.4: a running run can always be paused: sent to a node that is not running it, the
+    """docs/http-api.md: a running run can always be paused: sent to a node that is not running it, the
     pause is recorded there and the node that runs the agent stops it; resume continues it."""
     ledger = tmp_path / "ledger"
     a = Node(tmp_path, "a", database, ledger, max_running=1, sleep_s=60).start(server_factory)

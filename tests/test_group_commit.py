@@ -1,4 +1,4 @@
-"""Group commit (DESIGN.md, issue 15): store calls that arrive while a commit is in flight run
+"""Group commit (docs/development.md, issue 15): store calls that arrive while a commit is in flight run
 together in the next transaction, one commit for all, and each caller still gets exactly its
 own answer, only after the commit that holds its write.
 

@@ -1,4 +1,4 @@
-"""API.md 11, the first two bullets: empty result branches go at settlement, and housekeeping
+"""docs/operations.md, the first two bullets: empty result branches go at settlement, and housekeeping
 (``[settings] keep_days``, the daily pass, ``POST /v1/outpost/housekeeping``, ``outpost gc``)."""
 
 from __future__ import annotations

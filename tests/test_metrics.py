@@ -1,4 +1,4 @@
-"""GET /metrics (API.md 11): Prometheus exposition written by prometheus_client, its auth (the API
+"""GET /metrics (docs/operations.md): Prometheus exposition written by prometheus_client, its auth (the API
 token or ``[settings] metrics_token``, which opens nothing else), totals read from the database,
 and a real Prometheus scraping a real server (skipped, saying so, without Debian's prometheus)."""
 

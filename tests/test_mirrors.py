@@ -1,4 +1,4 @@
-"""Repositories by URL (API.md 10): a bare mirror per node under <data dir>/mirrors, fetched
+"""Repositories by URL (docs/fleet.md): a bare mirror per node under <data dir>/mirrors, fetched
 before source_ref resolves, the result branch pushed back when the run settles. End to end with
 a real `outpost serve` and a real remote (a bare repository reached by file://)."""
 
@@ -110,7 +110,7 @@ def test_runs_of_a_url_this_appliance_cannot_reach_fail_without_feeding_the_fail
         server_factory, remote, tmp_path):
     """Defect 9b: a single appliance that could not fetch a schedule's URL failed its runs as
     the agent's own failures, and three of them auto-paused the schedule. Now each fails with the
-    reason, and the streak is left as it was (API.md 10: a fetch that fails never counts)."""
+    reason, and the streak is left as it was (docs/fleet.md: a fetch that fails never counts)."""
     bare, _ = remote
     url = f"file://{bare}"
     server = server_factory(data_dir=tmp_path / "data")

@@ -1,4 +1,4 @@
-"""Notifications (API.md 11): ``[[notify]]`` entries deliver attention items through Apprise
+"""Notifications (docs/operations.md): ``[[notify]]`` entries deliver attention items through Apprise
 from a durable outbox, to REAL receivers started here: an HTTP server taking ``json://`` posts
 and an SMTP server (aiosmtpd) taking ``mailto://`` mail with a login."""
 

@@ -1,4 +1,4 @@
-"""Office: the persisted wakeup queue and its dispatcher (office-scheduler spec, API.md 7).
+"""Office: the persisted wakeup queue and its dispatcher (docs/office.md, docs/office.md).
 
 Each test is named after the spec scenario or rule it checks. Most drive the real Store
 (one transaction per call, explicit ``now``); a few run the real claim actor under
@@ -596,7 +596,7 @@ def test_a_wakeup_whose_workspace_has_no_repository_waits_without_counting_a_ret
 
 
 def test_the_default_workspace_runs_in_the_embedded_repository_while_it_names_none(store, tmp_path):
-    """API.md 7.1: Office works with no setup."""
+    """docs/office.md: Office works with no setup."""
     settings = call(store, store.office.office_settings, None)
     assert settings["repository"] is None
     assert settings["repository_in_use"] == str(tmp_path / "workspaces" / "ws_default")

@@ -1,4 +1,4 @@
-"""The Office API (API.md 7) and the agent API with its run-scoped token.
+"""The Office API (docs/office.md) and the agent API with its run-scoped token.
 
 The first part runs in process through Quart's test client, like test_api.py: no actors run,
 so a wakeup becomes a run only when a test calls the dispatcher and admission through the
@@ -774,7 +774,7 @@ async def test_the_api_token_is_not_an_agent_token(office_api):
 
 
 async def test_a_running_dispatch_token_may_only_ask_for_a_human(office_api):
-    """API.md 8.5: every run gets a run token; a dispatch's (or a schedule's) may only call
+    """docs/agent-clis.md: every run gets a run token; a dispatch's (or a schedule's) may only call
     POST /api/agent/needs-you, never the Office agent API."""
     reply = await office_api.post("/v1/outpost/dispatches",
                                   {"brief": "@print x", "repository": str(office_api.repo), "agent": "demo"},
@@ -1032,7 +1032,7 @@ def test_a_task_wakes_the_agent_and_a_comment_resumes_its_session(office_server)
 
 
 def test_a_fresh_install_runs_an_assigned_task_in_the_embedded_repository(server_factory):
-    """Defect 15 (API.md 7.1): in a fresh install an assigned agent silently retried with
+    """Defect 15 (docs/office.md): in a fresh install an assigned agent silently retried with
     backoff because the default workspace had no repository. Office works with no setup."""
     server = server_factory()
     embedded = server.data_dir / "workspaces" / "ws_default"

@@ -1,4 +1,4 @@
-"""The presets against the real agent CLIs (API.md 8.1), installed from npm into a cache outside
+"""The presets against the real agent CLIs (docs/agent-clis.md), installed from npm into a cache outside
 the checkout (reused when present) and run with no login and no network: what they print then
 is the ground truth for the version, the session id, the auth failure and Codex's wait for a
 network. Skips only where npm itself is missing."""

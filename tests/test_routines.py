@@ -1,6 +1,6 @@
-"""Office routines (office-scheduler spec: Routines, Routine runs, Heavy vs lightweight,
+"""Office routines (docs/office.md: Routines, Routine runs, Heavy vs lightweight,
 Concurrency policy, Catch-up policy, The pre-installed coordinator routine, Idle wakeup skip,
-Recovery sweep, and its Scenarios; API.md 7 and 7.2 for the webhook signature contract).
+Recovery sweep, and its Scenarios; docs/office.md and 7.2 for the webhook signature contract).
 
 Each test is named after the spec scenario or rule it checks. Time-based scenarios run the
 real cron (and claim / recovery) actors under MockClock; the downtime scenarios start the
@@ -161,7 +161,7 @@ async def api(tmp_path: Path):
 
 
 def outpost_signature(secret: str, body: bytes, t: int) -> dict[str, str]:
-    """API.md 7.2 hmac_sha256: X-Outpost-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>."""
+    """docs/office.md hmac_sha256: X-Outpost-Signature: t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>."""
     digest = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
     return {"X-Outpost-Signature": f"t={t},v1={digest}"}
 
@@ -514,7 +514,7 @@ def test_a_cron_tick_fires_once_even_when_claimed_again(office):
 
 
 ###############################################################################
-# Webhook triggers (API.md 7.2): signatures, refusals, GitHub deliveries, secrets.
+# Webhook triggers (docs/office.md): signatures, refusals, GitHub deliveries, secrets.
 ###############################################################################
 
 async def webhook_routine(api: RoutinesApi, mode: str = "hmac_sha256", **fields) -> tuple[dict, dict]:

@@ -1,4 +1,4 @@
-"""The sandbox holds (API.md 12): a hostile agent, run by a real ``outpost serve`` under real
+"""The sandbox holds (docs/security.md): a hostile agent, run by a real ``outpost serve`` under real
 bubblewrap, once with the daemon serving as root and once as an unprivileged user, tries every
 route out that review found: the data dir and the daemon through /proc, another run's
 environment, unmounting what hides the data dir, killing the daemon, and git (a clean filter, an

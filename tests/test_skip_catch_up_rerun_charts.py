@@ -1,5 +1,5 @@
 """Skip when nothing changed, ask before catching up, the dead-man alert and /healthz,
-re-run and compare, the charts (API.md 9)."""
+re-run and compare, the charts (docs/schedules.md)."""
 from __future__ import annotations
 
 import re

@@ -233,7 +233,7 @@ def test_two_claimers_racing_never_exceed_max_running(tx, claimers):
 
 
 ###############################################################################
-# Downtime and catch-up (API.md 5.2)
+# Downtime and catch-up (docs/schedules.md)
 ###############################################################################
 
 #: Back at 11:07:30 after the 08:05 run: the slots 08:10 ... 11:05 were missed.
@@ -352,7 +352,7 @@ def test_instants_read_back_exactly_whichever_way_the_row_was_written(tx, store)
 
 
 ###############################################################################
-# Settlement, failure streak, attention (API.md 5.3, 5.6)
+# Settlement, failure streak, attention (docs/schedules.md, 5.6)
 ###############################################################################
 
 def test_failure_streak_counts_failures_and_a_success_resets_it(tx):
@@ -496,7 +496,7 @@ def test_settle_run_records_the_first_end_only(tx):
 
 
 ###############################################################################
-# Control and manual fire (API.md 4.4)
+# Control and manual fire (docs/http-api.md)
 ###############################################################################
 
 @pytest.mark.parametrize(("before", "action", "enabled"), [
@@ -579,7 +579,7 @@ def test_manual_fire_at_the_instant_of_an_already_claimed_slot_still_queues_a_ru
 
 
 ###############################################################################
-# Idempotency keys (API.md 3)
+# Idempotency keys (docs/http-api.md)
 ###############################################################################
 
 STORED = {"body": {"id": "sch_1"}, "headers": {"ETag": '"1"'}}
@@ -641,7 +641,7 @@ def test_idempotency_keys_survive_a_restart(tmp_path):
 
 
 ###############################################################################
-# Events (API.md 5.7)
+# Events (docs/http-api.md)
 ###############################################################################
 
 def busy_morning(tx: Tx) -> str:

@@ -32,7 +32,7 @@ def key() -> dict[str, str]:
 
 
 def create_schedule(client: httpx.Client, raw: dict) -> dict:
-    """Compose, then confirm (API.md 4.2)."""
+    """Compose, then confirm (docs/schedules.md)."""
     composed = client.post("/v1/outpost/schedules/compose", json=raw)
     assert composed.status_code == 200, composed.text
     body = composed.json()
@@ -527,7 +527,7 @@ def test_cli_without_a_daemon_exits_3(tmp_path, args):
     assert "is `outpost serve` running?" in done.stderr
 
 
-# --- the demo agent (API.md 6), as the CLI runs it ---------------------------------------------------
+# --- the demo agent (README.md), as the CLI runs it ---------------------------------------------------
 
 def demo_agent(prompt: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(OUTPOST_PY), "demo-agent"], input=prompt, cwd=cwd,
@@ -551,7 +551,7 @@ def test_the_demo_agent_refuses_invalid_json_after_result_in_one_line(tmp_path):
     assert done.stderr.strip().count("\n") == 0 and "@result" in done.stderr and "JSON" in done.stderr
 
 
-# --- configuration at start (API.md 8.1) --------------------------------------------------------------
+# --- configuration at start (docs/agent-clis.md) --------------------------------------------------------------
 
 @pytest.mark.parametrize(("toml", "key"), [
     ('[agents.claude]\ncommand = ["claude"]\ntimeout_seconds = "3600"\n', "agents.claude.timeout_seconds"),
@@ -629,7 +629,7 @@ def test_process_alive_here_tells_a_live_process_an_ended_one_and_one_elsewhere(
     assert outpost.process_alive_here(outpost.this_process()) is True
 
 
-# --- faults of the machine, not of the agent (API.md 12: the daemon keeps serving) -------------------
+# --- faults of the machine, not of the agent (docs/security.md: the daemon keeps serving) -------------------
 
 @pytest.mark.parametrize("folder", ["runs", "private", "worktrees"])
 def test_a_run_whose_files_cannot_be_made_fails_with_the_reason_and_the_daemon_serves_on(

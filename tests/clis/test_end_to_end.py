@@ -1,4 +1,4 @@
-"""The real agent CLIs end to end (API.md 8.6): a real ``outpost serve`` runs Claude Code, Codex,
+"""The real agent CLIs end to end (docs/agent-clis.md): a real ``outpost serve`` runs Claude Code, Codex,
 Gemini CLI and aider, in its sandbox, against the model-API stub of tests/modelstub.py (each CLI's
 own base-URL setting pointed at it), and what Outpost reports of each run is asserted: a success
 with tokens, cost and session; a permission denial answered by a reply that resumes the session;
@@ -150,7 +150,7 @@ def assert_failed(outpost: Outpost, run: dict, kind: str, limit_kind: str | None
 
 
 ###############################################################################
-# Success: tokens, cost, session, model (API.md 8.2)
+# Success: tokens, cost, session, model (docs/agent-clis.md)
 ###############################################################################
 
 @pytest.mark.parametrize("cli", ["claude", "codex", "gemini", "aider"])
@@ -171,7 +171,7 @@ def test_a_real_cli_run_reports_its_session_tokens_and_cost(outpost_for, cli):
 
 
 ###############################################################################
-# Sessions: a permission denial answered (API.md 8.5), an Office session resumed and lost
+# Sessions: a permission denial answered (docs/agent-clis.md), an Office session resumed and lost
 ###############################################################################
 
 def test_claude_denied_a_tool_asks_a_human_and_the_reply_resumes_its_session(outpost_for):
@@ -227,7 +227,7 @@ def test_an_office_task_session_resumes_and_a_session_the_cli_lost_runs_fresh(ou
 
 
 ###############################################################################
-# Failures: what each one does (API.md 8.3, 8.4)
+# Failures: what each one does (docs/agent-clis.md, 8.4)
 ###############################################################################
 
 #: (cli, scenario, oauth) -> (failure_kind, limit kind, the profile paused afterwards)

@@ -5,7 +5,7 @@ CLI prints, recorded from the CLI's documentation and source (see the comment at
 each fake). The prompt chooses the shape with one word ``fake:<scenario>``; lines of the
 prompt add detail:
 
-    fake-text: TEXT       the message of a ``limit`` scenario (a form of API.md 8.3)
+    fake-text: TEXT       the message of a ``limit`` scenario (a form of docs/agent-clis.md)
     fake-write: PATH TEXT write TEXT to PATH in the working directory (an agent's edit)
     fake-sleep: SECONDS   wait before finishing
     fake-exit: N          the exit status of a ``plain`` scenario

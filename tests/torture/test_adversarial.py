@@ -757,7 +757,7 @@ def test_real_server_is_still_healthy_after_the_abuse(live):
 
 
 ###############################################################################
-# Hypothesis on the Office API (API.md 7): every write, no 500, no hang.
+# Hypothesis on the Office API (docs/office.md): every write, no 500, no hang.
 ###############################################################################
 
 def office_writes(adv: Adv) -> dict[str, tuple[str, str, Any]]:

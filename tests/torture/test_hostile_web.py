@@ -263,7 +263,7 @@ def test_cross_site_unsafe_requests_with_a_session_are_403_and_change_nothing(we
 def test_a_session_cookie_does_not_open_webhooks_or_the_agent_api(web):
     """Cross-site with a valid cookie: the agent API refuses (no run token) and changes
     nothing; a webhook without a signature is refused, fires nothing, and only its refusal
-    is recorded (the audit trail of API.md 7.2)."""
+    is recorded (the audit trail of docs/office.md)."""
     runs_before = web.db(web.store.routines.get_routine, web.routine_id)["runs"]
     visited = set()
     for rule, methods, path in rule_paths(web):
