@@ -13275,6 +13275,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "restore":
             cli_restore(args.file.expanduser().absolute(), data_dir)
+            return 0
         if args.command == "gc":
             cli_gc(cli_client(data_dir, args.url), args)
             return 0
