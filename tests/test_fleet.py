@@ -64,7 +64,7 @@ def queue(store: outpost.Store, repo: Path, n: int) -> list[str]:
 def silence(store: outpost.Store, node: str, seconds: int) -> None:
     """Make ``node``'s last heartbeat ``seconds`` old on the database's clock."""
     call(store, lambda: store.db.execute(
-        f'UPDATE "Node" SET heartbeat_at = {store.db_now(-seconds)} WHERE name = $n', {"n": node}))
+        f'UPDATE "Node" SET heartbeat_at = {store.dialect.db_now(-seconds)} WHERE name = $n', {"n": node}))
 
 
 def run_row(store: outpost.Store, run_id: str) -> dict:
