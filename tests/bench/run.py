@@ -3,7 +3,8 @@
 Usage (from the checkout)::
 
     .venv/bin/pip install -e '.[bench]'        # Huey, APScheduler 3, httpx, psutil, pyinstrument
-    .venv/bin/python tests/bench/run.py          # full sizes (about 10 minutes on 2 cores)
+    .venv/bin/python tests/bench/run.py          # full sizes (about 10 minutes on 2 cores, and the
+                                                 # year row 15 more, 3.5 to make its data the first time)
     .venv/bin/python tests/bench/run.py --quick  # shrunk sizes, every row kept (under 3 minutes)
     .venv/bin/python tests/bench/run.py --only intake,dashboard   # a subset of the rows
 
@@ -23,9 +24,13 @@ subprocess over loopback HTTP. Everything lives in a temporary directory and tal
 Rows: fire lag (vs a trio ``sleep_until`` + raw sqlite3 limit and APScheduler 3), due -> agent
 process started, durable intake, queue drain (vs SqliteHuey), wakeup drain (the Office wakeup
 queue, vs SqliteHuey end-to-end), cost growth (claim latency, idle cron CPU), restart, memory,
-dashboard; on PostgreSQL (a throwaway cluster, or ``$OUTPOST_BENCH_POSTGRES_URL``): fleet (queue
-drain with two nodes vs one, fire lag vs SQLite) and fleet_agents (agents kept busy at once by two
-``outpost serve`` nodes vs one, from the agents' own start and end times).
+dashboard, year (a year of history: 1 M runs, 10 M events, 100 schedules and their ledger rows,
+generated once into ``~/.cache/outpost-bench`` or ``$OUTPOST_BENCH_CACHE``, keyed by the schema
+version; pages and lists, claim latency vs an empty database, start time, one housekeeping pass
+under a polling client and the space it gives back); on PostgreSQL (a throwaway cluster, or
+``$OUTPOST_BENCH_POSTGRES_URL``): fleet (queue drain with two nodes vs one, fire lag vs SQLite) and
+fleet_agents (agents kept busy at once by two ``outpost serve`` nodes vs one, from the agents' own
+start and end times).
 """
 
 from __future__ import annotations
