@@ -218,7 +218,8 @@ def housekeeping(work: Path) -> None:
     hk_sql.__dict__["dialect"] = outpost.Dialect()
     for what in ("events", "occurrences"):
         table, key, where = outpost.HousekeepingStore._history(hk_sql, what)
-        where = where.replace("$$", "$").replace("$cutoff", ":cutoff").replace("$latest", ":latest").replace("$keep", ":keep")
+        for mark, name in (("$$", "$"), ("$cutoff", ":cutoff"), ("$latest", ":latest"), ("$keep", ":keep")):
+            where = where.replace(mark, name)
         queries[f"delete_history({what}) batch (as a SELECT)"] = (f'SELECT {key} FROM "{table}" WHERE {where} '
                                                                   f"LIMIT {outpost.HOUSEKEEPING_ROWS}")
     params |= {"latest": 2**62, "keep": outpost.LEDGER_KEEP}
