@@ -4,7 +4,7 @@ requests that stop at different depths.
 
 Usage::
 
-    .venv/bin/python tests/bench/profile_misses.py [wakeup_drain,intake,fire_lag]
+    .venv/bin/python tests/bench/profile_misses.py [wakeup_drain,intake,fire_lag,housekeeping]
 
 Prints one section per row. About a minute; only 127.0.0.1; bounded.
 """
@@ -160,7 +160,80 @@ def fire_lag(work: Path) -> None:
           "  take the fire's rows written before the due instant, leaving one short write at it.")
 
 
-SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "fire_lag": fire_lag}
+def housekeeping(work: Path) -> None:
+    """The year's housekeeping pass (run.py's year row, --quick size: the cached 100,000 runs):
+    each HousekeepingStore call timed in a real ``housekeeping_pass`` (Deps inline, no server),
+    then the query plans of its SQL and their time at the first and a middle batch."""
+    import trio
+    year = B.year_history(True)
+    d = B.year_copy(year, work / "data")
+    con = sqlite3.connect(d / "outpost.sqlite3")
+    oldest = con.execute('SELECT MIN(finished_at) FROM "Run"').fetchone()[0]
+    con.close()
+    keep_days = (B.now_utc().replace(tzinfo=None) - B.datetime.fromisoformat(oldest)).days - 36
+    store = outpost.Store(d / "outpost.sqlite3", data_dir=d)
+    hk = store.housekeeping
+    took: dict[str, list[float]] = collections.defaultdict(list)
+    def timer(name: str):
+        real = getattr(hk, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                took[name + (f"({args[0]})" if name == "delete_history" else "")].append(time.perf_counter() - t0)
+        return timed
+    for name in ("old_runs", "branches_in_use", "delete_runs", "delete_history", "give_back_space"):
+        setattr(hk, name, timer(name))
+    config = outpost.Config(data_dir=d, agents=(outpost.demo_profile(),))
+    deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="bench", inline_db=True)
+    t0 = time.perf_counter()
+    counts = trio.run(functools.partial(outpost.housekeeping_pass, deps, keep_days, dry_run=False))
+    print(f"  pass keep_days {keep_days}: {time.perf_counter() - t0:.1f} s, {counts}")
+    print("  each call holds the one writer (API reads included) for its whole time:")
+    for name, v in sorted(took.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {name:28} {len(v):5} calls  {sum(v):6.1f} s  p50 {statistics.median(v) * 1000:7.1f} ms  "
+              f"max {max(v) * 1000:7.1f} ms")
+    store.close()
+    # The plans, on a fresh copy (the same rows as before the pass).
+    d2 = B.year_copy(year, work / "plans")
+    con = sqlite3.connect(d2 / "outpost.sqlite3")
+    cutoff = B.sql_t(B.now_utc() - B.timedelta(days=keep_days))
+    gone = outpost.HousekeepingStore._gone(None, "r").replace("$cutoff", ":cutoff")
+    mid = con.execute('SELECT id FROM "Run" WHERE finished_at < ? ORDER BY id LIMIT 1 OFFSET 5000',
+                      (cutoff,)).fetchone()[0]
+    ids = [r[0] for r in con.execute('SELECT id FROM "Run" WHERE id > ? ORDER BY id LIMIT 100', (mid,))]
+    listed = ",".join(f":i{k}" for k in range(len(ids)))
+    params = {"cutoff": cutoff, "after": mid, **{f"i{k}": v for k, v in enumerate(ids)}}
+    queries = {
+        "old_runs (a batch of 100 mid-pass)": f'SELECT r.id FROM "Run" r WHERE r.id > :after AND {gone} '
+                                             "ORDER BY r.id LIMIT 100",
+        "delete_runs' WHERE (as a SELECT)": f'SELECT id FROM "Run" r WHERE r.id IN ({listed}) AND {gone}',
+        "branches_in_use": f'SELECT DISTINCT result_branch FROM "Run" r WHERE result_branch IN ({listed}) '
+                           f"AND NOT ({gone})",
+        "delete_runs' Attention delete (as a SELECT)": f'SELECT 1 FROM "Attention" WHERE run_id IN ({listed})',
+    }
+    hk_sql = outpost.HousekeepingStore.__new__(outpost.HousekeepingStore)
+    hk_sql.__dict__["dialect"] = outpost.Dialect()
+    for what in ("events", "occurrences"):
+        table, key, where = outpost.HousekeepingStore._history(hk_sql, what)
+        for mark, name in (("$$", "$"), ("$cutoff", ":cutoff"), ("$latest", ":latest"), ("$keep", ":keep")):
+            where = where.replace(mark, name)
+        queries[f"delete_history({what}) batch (as a SELECT)"] = (f'SELECT {key} FROM "{table}" WHERE {where} '
+                                                                  f"LIMIT {outpost.HOUSEKEEPING_ROWS}")
+    params |= {"latest": 2**62, "keep": outpost.LEDGER_KEEP}
+    for label, sql in queries.items():
+        plan = [r[3] for r in con.execute("EXPLAIN QUERY PLAN " + sql, params)]
+        t0 = time.perf_counter()
+        con.execute(sql, params).fetchall()
+        print(f"  {label}: {(time.perf_counter() - t0) * 1000:.0f} ms")
+        for step in plan:
+            print(f"      {step}")
+    con.close()
+
+
+SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "fire_lag": fire_lag, "housekeeping": housekeeping}
 
 
 def main() -> int:
