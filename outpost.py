@@ -226,7 +226,7 @@ AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
 AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
                        ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 13     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 14     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
@@ -234,6 +234,7 @@ SCHEMA_VERSION = 13     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
                         # 11: covering indexes of the tallies GET /metrics reads (run_tally, wakeup_tally)
                         # 12: the notification outbox
                         # 13: a needs_you run's answer (Run.answer); a session's one-time flash
+                        # 14: indexes that keep a year of history's reads small (the bench's year row)
 #: The runs of a needs_you thread a run page shows before (and after) it, at most.
 THREAD_MAX = 25
 #: The workspace Office resources belong to unless a request names another.
@@ -294,7 +295,7 @@ DEFAULT_KEEP_DAYS = 90
 #: Housekeeping: runs deleted per transaction, and other rows (events, ledger, wakeups) per
 #: transaction, so the one writer is held a few milliseconds at a time (well under 100 ms).
 HOUSEKEEPING_RUNS = 100
-HOUSEKEEPING_ROWS = 1000
+HOUSEKEEPING_ROWS = 500
 #: SQLite pages given back per transaction by ``PRAGMA incremental_vacuum`` (4 MiB of 4 KiB pages).
 VACUUM_PAGES = 1024
 #: A schedule's newest ledger rows (occurrences) that housekeeping keeps, whatever their age.
@@ -4225,6 +4226,16 @@ SCHEMA_SQL = {
         'ALTER TABLE "Run" ADD COLUMN answer TEXT',
         'ALTER TABLE "DashboardSession" ADD COLUMN flash JSON',
     ],
+    14: [   # a year of history (tests/bench, the year row): reads that stay small as the tables grow
+        'CREATE INDEX IF NOT EXISTS run_unnotified ON "Run"(id) WHERE NOT notified',   # the start's one lookup
+        'CREATE INDEX IF NOT EXISTS run_schedule_queued ON "Run"(schedule, queued_at)',   # a schedule's chart
+        'CREATE INDEX IF NOT EXISTS run_chart ON "Run"(queued_at, status, cost_usd)',   # the runs chart, index only
+        'CREATE INDEX IF NOT EXISTS run_result_branch ON "Run"(result_branch)',   # housekeeping's branch check
+        # (substr, not LIKE: SQLite's LIKE may be made case-sensitive, so no partial index takes it)
+        'CREATE INDEX IF NOT EXISTS occurrence_skipped ON "Occurrence"(due_at) '
+        "WHERE substr(outcome, 1, 7) = 'skipped'",
+        'CREATE INDEX IF NOT EXISTS attention_run ON "Attention"(run_id)',
+    ],
 }
 
 
@@ -4586,6 +4597,11 @@ class Dialect:
         """SQL for a JSON array column's elements as rows with a ``value`` column."""
         return f"json_each({column})"
 
+    def bucket(self, column: str, hours: bool) -> str:
+        """SQL for an instant column's UTC hour (``YYYY-MM-DD HH``) or minute (``... HH:MM``) as
+        text: what the charts group by, so a month of runs comes back as a row per hour or minute."""
+        return f"substr({column}, 1, {13 if hours else 16})"
+
     def copied(self, cursor: Any, table: str, key: str | None) -> None:
         """After ``outpost migrate`` copied ``table`` in (``key``: its automatic key column)."""
 
@@ -4695,6 +4711,9 @@ class PostgresDialect(Dialect):
 
     def json_elements(self, column: str) -> str:
         return f"jsonb_array_elements_text({column})"
+
+    def bucket(self, column: str, hours: bool) -> str:
+        return f"to_char({column}, '{'YYYY-MM-DD HH24' if hours else 'YYYY-MM-DD HH24:MI'}')"
 
     def copied(self, cursor: Any, table: str, key: str | None) -> None:
         if key is not None:
@@ -5979,24 +5998,34 @@ class RunStore(StorePart):
         if office_agent_id:
             where += ' AND r.id IN (SELECT run_id FROM "OfficeRun" WHERE agent_id = $aid)'
             params["aid"] = office_agent_id
-        rows = self.db.select(f'SELECT r.queued_at, r.status, r.cost_usd FROM "Run" r WHERE {where}', params)
+        # Counted by the UTC hour in SQL (a month of a busy appliance is ~100 k runs), then each
+        # hour to its day in ``tz``; by the minute in a zone whose offset is not whole hours.
+        whole_hours = all(tz.utcoffset(at).total_seconds() % HOUR_S == 0
+                          for at in (datetime.combine(first, datetime.min.time()), now.replace(tzinfo=None)))
+        minute = functools.partial(self.dialect.bucket, hours=whole_hours)
+        rows = self.db.select(f"SELECT {minute('r.queued_at')}, r.status, COUNT(*), SUM(r.cost_usd) FROM \"Run\" r "
+                              f"WHERE {where} GROUP BY 1, 2", params)
         if office_agent_id:   # a day's skips: wakeups skipped (budget, checkout), or ledger slots skipped
-            skips = self.db.select("SELECT finished_at FROM \"Wakeup\" WHERE agent_id = $aid AND status = 'skipped' "
-                                   "AND finished_at >= $since", params)
+            skips = self.db.select(f"SELECT {minute('finished_at')}, COUNT(*) FROM \"Wakeup\" WHERE agent_id = $aid "
+                                   "AND status = 'skipped' AND finished_at >= $since GROUP BY 1", params)
         else:
-            skips = self.db.select("SELECT due_at FROM \"Occurrence\" WHERE outcome LIKE 'skipped%' "
-                                   "AND due_at >= $since" + (" AND schedule = $sid" if schedule_id else ""), params)
+            skips = self.db.select(f"SELECT {minute('due_at')}, COUNT(*) FROM \"Occurrence\" "
+                                   "WHERE substr(outcome, 1, 7) = 'skipped' AND due_at >= $since"
+                                   + (" AND schedule = $sid" if schedule_id else "") + " GROUP BY 1", params)
         chart = {first + timedelta(days=i): {"succeeded": 0, "failed": 0, "needs_you": 0, "skipped": 0, "cost": 0.0}
                  for i in range(days)}
-        for at, status, cost in rows:
-            day = chart.get(sql_instant(at).astimezone(tz).date())
-            if day is not None:
+
+        def day_of(at: str) -> dict[str, Any] | None:
+            return chart.get(datetime.fromisoformat(at if len(at) > 13 else f"{at}:00").replace(tzinfo=UTC)
+                             .astimezone(tz).date())
+        for at, status, count, cost in rows:
+            if at and (day := day_of(at)) is not None:
                 if status in ("succeeded", "failed", "needs_you"):
-                    day[status] += 1
+                    day[status] += count
                 day["cost"] += cost or 0.0
-        for at in skips:
-            if at and (day := chart.get(sql_instant(at).astimezone(tz).date())) is not None:
-                day["skipped"] += 1
+        for at, count in skips:
+            if at and (day := day_of(at)) is not None:
+                day["skipped"] += count
         return [{"day": day.isoformat(), **counts} for day, counts in chart.items()]
 
     def adopt_run(self, run_id: str, workspace: str, now: datetime) -> dict[str, Any]:
@@ -6099,8 +6128,12 @@ class RunStore(StorePart):
         return run_view(r)
 
     def unnotified_runs(self) -> list[str]:
-        settled = [str(s) for s in SETTLED_RUN_STATUSES]
-        return [r.id for r in self.db.Run.select(lambda r: r.status in settled and not r.notified)]
+        """Settled runs the notification actor has not applied yet: a lookup in the partial
+        index run_unnotified (``status || ''`` keeps SQLite off the status indexes, whose
+        settled runs are most of a year's history)."""
+        states, params = sql_list("s", SETTLED_RUN_STATUSES)
+        return self.db.select(f'SELECT id FROM "Run" WHERE NOT notified AND status || \'\' IN {states} ORDER BY id',
+                              params)
 
     def notify_run(self, run_id: str, now: datetime) -> None:
         """Apply a settled run once: failure streak, auto-pause, attention items."""
@@ -7993,16 +8026,23 @@ class HousekeepingStore(StorePart):
         self.access = access
 
     def _gone(self, r: str) -> str:
-        """SQL: run ``r`` (an alias of "Run") goes in a pass with ``$cutoff``."""
-        return (f"{r}.status IN ('succeeded', 'failed', 'needs_you', 'cancelled') AND {r}.finished_at < $cutoff "
+        """SQL: run ``r`` (an alias of "Run") goes in a pass with ``$cutoff``. ``status || ''``
+        keeps SQLite walking the primary key from ``$after`` rather than every settled run of a
+        year through a status index (tests/bench, the year row)."""
+        return (f"{r}.status || '' IN ('succeeded', 'failed', 'needs_you', 'cancelled') "
+                f"AND {r}.finished_at < $cutoff "
                 f'AND NOT EXISTS (SELECT 1 FROM "Attention" a WHERE a.run_id = {r}.id AND a.acknowledged_at IS NULL) '
                 f"AND NOT ({r}.status = 'needs_you' AND {r}.answered_by IS NULL) "
                 f'AND ({r}.schedule IS NULL '
                 f'OR {r}.id <> (SELECT MAX(n.id) FROM "Run" n WHERE n.schedule = {r}.schedule)) '
                 f'AND NOT EXISTS (SELECT 1 FROM "AgentSession" s WHERE s.run_id = {r}.id)')
 
-    def _kept_runs(self) -> str:
-        return f'(SELECT k.id FROM "Run" k WHERE NOT ({self._gone("k")}))'
+    def _kept(self, column: str, dry_run: bool) -> str:
+        """SQL: ``column`` names a run that stays. After a pass's runs went (``dry_run`` False)
+        that is any run still there, one primary-key lookup; a dry run asks the rules of each."""
+        if dry_run:
+            return f'{column} IN (SELECT k.id FROM "Run" k WHERE NOT ({self._gone("k")}))'
+        return f'EXISTS (SELECT 1 FROM "Run" k WHERE k.id = {column})'
 
     def old_runs(self, cutoff: datetime, after: str, limit: int) -> list[dict[str, Any]]:
         """The next ``limit`` runs that go, by id after ``after``: what their branch check needs
@@ -8049,7 +8089,7 @@ class HousekeepingStore(StorePart):
             self.db.execute(f'DELETE FROM "{table}" WHERE run_id IN {listed}', params)
         return gone, int(chunk_bytes or 0)
 
-    def _history(self, what: str) -> tuple[str, str, str]:
+    def _history(self, what: str, dry_run: bool) -> tuple[str, str, str]:
         """(table, key, SQL condition) of the rows of ``what`` that go with ``$cutoff``:
         events older than it (never the newest, ``$latest``: a fleet's cursor is the newest
         event's) unless they name a run that stays; a schedule's ledger rows beyond its newest
@@ -8057,30 +8097,30 @@ class HousekeepingStore(StorePart):
         run_id = self.dialect.json_text("data", "run_id")
         if what == "events":
             return ("Event", "cursor", f"at < $cutoff AND cursor < $latest AND ({run_id} IS NULL "
-                                       f"OR {run_id} NOT IN {self._kept_runs()})")
-        if what == "occurrences":
+                                       f"OR NOT {self._kept(run_id, dry_run)})")
+        if what == "occurrences":   # older than its schedule's LEDGER_KEEP-th newest slot (an index walk)
             return ("Occurrence", "id",
-                    "id IN (SELECT o.id FROM (SELECT id, ROW_NUMBER() OVER (PARTITION BY schedule ORDER BY due_at "
-                    'DESC) AS newest FROM "Occurrence") o WHERE o.newest > $keep) AND created_at < $cutoff '
-                    f"AND (run_id IS NULL OR run_id NOT IN {self._kept_runs()})")
+                    'created_at < $cutoff AND due_at < (SELECT o.due_at FROM "Occurrence" o WHERE o.schedule = '
+                    '"Occurrence".schedule ORDER BY o.due_at DESC LIMIT 1 OFFSET $keep_offset) '
+                    f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)})")
         if what == "wakeups":
             return ("Wakeup", "id", "status IN ('finished', 'failed', 'cancelled', 'skipped', 'coalesced') "
                                     "AND COALESCE(finished_at, requested_at) < $cutoff "
-                                    f"AND (run_id IS NULL OR run_id NOT IN {self._kept_runs()})")
+                                    f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)})")
         if what == "notifications":   # the outbox's sent and given-up messages (a queued one waits)
             return "Notification", "id", "status IN ('delivered', 'given_up') AND created_at < $cutoff"
         return "WebhookRefusal", "id", "created_at < $cutoff"
 
     def _history_params(self, cutoff: datetime) -> dict[str, Any]:
-        return {"cutoff": sql_time(cutoff), "latest": self.core.latest_cursor(), "keep": LEDGER_KEEP}
+        return {"cutoff": sql_time(cutoff), "latest": self.core.latest_cursor(), "keep_offset": LEDGER_KEEP - 1}
 
     def count_history(self, what: str, cutoff: datetime) -> int:
-        table, _key, where = self._history(what)
+        table, _key, where = self._history(what, dry_run=True)
         return self.db.select(f'SELECT COUNT(*) FROM "{table}" WHERE {where}', self._history_params(cutoff))[0]
 
     def delete_history(self, what: str, cutoff: datetime) -> int:
         """One batch (at most HOUSEKEEPING_ROWS rows) of ``what``: how many went."""
-        table, key, where = self._history(what)
+        table, key, where = self._history(what, dry_run=False)
         return self.db.execute(f'DELETE FROM "{table}" WHERE {key} IN (SELECT {key} FROM "{table}" WHERE {where} '
                                f"LIMIT {HOUSEKEEPING_ROWS})", self._history_params(cutoff)).rowcount
 
