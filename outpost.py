@@ -12109,9 +12109,7 @@ async def page_run_reply(web: Web, run_id: str):
 async def page_agents(web: Web):
     return await web.page("agents.html", section="agents", agents=await agents_overview(web),
                           nodes=await web.call(web.store.nodes.list_nodes), this_node=web.store.node,
-                          fleet=web.store.dialect.fleet, tz=host_zone().key, disk=await disk_use(web.deps),
-                          last_pass=await web.call(web.store.housekeeping.last_pass),
-                          keep_days=web.deps.config.keep_days)
+                          fleet=web.store.dialect.fleet, tz=host_zone().key)
 
 
 async def disk_use(deps: Deps) -> dict[str, int | None]:
@@ -12169,7 +12167,9 @@ async def page_attention_ack_all(web: Web):
 @pages.get("/settings", auth=Auth.SESSION)
 async def page_settings(web: Web):
     return await web.page("settings.html", section="settings",
-                          notify=await web.call(web.store.notify.entry_states))
+                          notify=await web.call(web.store.notify.entry_states), disk=await disk_use(web.deps),
+                          last_pass=await web.call(web.store.housekeeping.last_pass),
+                          keep_days=web.deps.config.keep_days)
 
 
 @pages.post("/settings/notify/test", auth=Auth.SESSION)

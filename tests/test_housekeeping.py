@@ -171,7 +171,7 @@ async def test_gc_deletes_old_runs_and_merged_branches_and_keeps_what_the_rules_
     assert (await api.get("/v1/outpost/events")).status == 200
     last = call(api.store, api.store.housekeeping.last_pass)
     assert (last["runs"], last["keep_days"]) == (4, 1)
-    page = await api.get("/agents")   # the dashboard: disk use and the last pass
+    page = await api.get("/settings")   # the dashboard: disk use and the last pass
     assert page.status == 200 and 'id="housekeeping-panel"' in page.text and "Last pass" in page.text
     assert 'data-disk="logs"' in page.text and "4 runs" in page.text
     again = (await api.post("/v1/outpost/housekeeping", {"keep_days": 1})).body
