@@ -187,8 +187,10 @@ class Viewer:
             return page
         if target == "review":
             page.goto(self.server.url + f"/schedules/{self.ids['east']}/edit")
-            page.click("#review-button")
+            with page.expect_navigation():   # the POST's answer, with its stylesheet applied
+                page.click("#review-button")
             page.wait_for_selector("#review-summary")
+            page.wait_for_load_state("load")
         else:
             page.goto(self.server.url + target.format(**self.ids))
             page.wait_for_selector("#main")
