@@ -4235,6 +4235,7 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS occurrence_skipped ON "Occurrence"(due_at) '
         "WHERE substr(outcome, 1, 7) = 'skipped'",
         'CREATE INDEX IF NOT EXISTS attention_run ON "Attention"(run_id)',
+        'CREATE INDEX IF NOT EXISTS attention_schedule ON "Attention"(schedule_id, kind, created_at)',   # inspect
     ],
 }
 
@@ -5102,9 +5103,11 @@ class ScheduleStore(StorePart):
         return s
 
     def _active_run(self, schedule_id: str):
-        """The schedule's oldest queued, running or paused run (one index probe), or None."""
+        """The schedule's oldest queued, running or paused run (one index probe), or None.
+        ``+queued_at``: the probe is run_schedule (schedule, status), never a walk of the
+        schedule's year of runs through run_schedule_queued to skip the sort."""
         rows = self.db.select(f'SELECT id FROM "Run" WHERE schedule = $sid AND status IN {ACTIVE_RUN_SQL} '
-                              "ORDER BY queued_at, id LIMIT 1", {"sid": schedule_id})
+                              "ORDER BY +queued_at, id LIMIT 1", {"sid": schedule_id})
         return self.db.Run[rows[0]] if rows else None
 
     def _schedule_view(self, s) -> dict[str, Any]:
@@ -8047,10 +8050,19 @@ class HousekeepingStore(StorePart):
     def old_runs(self, cutoff: datetime, after: str, limit: int) -> list[dict[str, Any]]:
         """The next ``limit`` runs that go, by id after ``after``: what their branch check needs
         (the ref a reply's branch was made from is its first run's ``source_ref``)."""
+        # A run's id begins with the millisecond it was made in (a ULID): the walk ends after the
+        # millisecond of the last run queued before the cutoff (``~`` sorts after its random
+        # part), rather than reading every newer run to find no more. One made out of order (a
+        # clock step) goes in a later pass.
+        last = self.db.select('SELECT id FROM "Run" WHERE queued_at < $cutoff ORDER BY queued_at DESC LIMIT 1',
+                              {"cutoff": sql_time(cutoff)})
+        if not last:
+            return []
         rows = self.db.select(
             f'SELECT r.id, r.repository, r.result_branch, r.source_ref, r.continues FROM "Run" r '
-            f"WHERE r.id > $after AND {self._gone('r')} ORDER BY r.id LIMIT $limit",
-            {"cutoff": sql_time(cutoff), "after": after, "limit": limit})
+            f"WHERE r.id > $after AND r.id <= $last AND {self._gone('r')} ORDER BY r.id LIMIT $limit",
+            {"cutoff": sql_time(cutoff), "after": after, "last": last[0][:last[0].index("_") + 11] + "~",
+             "limit": limit})
         runs = []
         for run_id, repository, branch, source_ref, continues in rows:
             for _ in range(20):   # a reply's source_ref is the branch it continues: its first run's
@@ -8096,7 +8108,8 @@ class HousekeepingStore(StorePart):
         LEDGER_KEEP; finished wakeups; refused webhook deliveries; notifications sent or given up."""
         run_id = self.dialect.json_text("data", "run_id")
         if what == "events":
-            return ("Event", "cursor", f"at < $cutoff AND cursor < $latest AND ({run_id} IS NULL "
+            return ("Event", "cursor", "+at < $cutoff AND cursor < $latest AND cursor <= $old_events "
+                                       f"AND ({run_id} IS NULL "
                                        f"OR NOT {self._kept(run_id, dry_run)})")
         if what == "occurrences":   # older than its schedule's LEDGER_KEEP-th newest slot (an index walk)
             return ("Occurrence", "id",
@@ -8112,7 +8125,12 @@ class HousekeepingStore(StorePart):
         return "WebhookRefusal", "id", "created_at < $cutoff"
 
     def _history_params(self, cutoff: datetime) -> dict[str, Any]:
-        return {"cutoff": sql_time(cutoff), "latest": self.core.latest_cursor(), "keep_offset": LEDGER_KEEP - 1}
+        """``old_events``: the last event before the cutoff (events are numbered in time order),
+        so a batch's walk ends there rather than reading the rest of the log to find no more."""
+        old = self.db.select('SELECT cursor FROM "Event" WHERE at < $cutoff ORDER BY at DESC LIMIT 1',
+                             {"cutoff": sql_time(cutoff)})
+        return {"cutoff": sql_time(cutoff), "latest": self.core.latest_cursor(), "keep_offset": LEDGER_KEEP - 1,
+                "old_events": old[0] if old else 0}
 
     def count_history(self, what: str, cutoff: datetime) -> int:
         table, _key, where = self._history(what, dry_run=True)

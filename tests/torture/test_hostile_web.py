@@ -312,7 +312,7 @@ def test_same_origin_request_with_the_session_works(web):
     reply = web.request("POST", f"/schedules/{fresh['id']}/control", cookie=True, data=urllib.parse.urlencode(
         {"csrf": web.csrf, "action": "pause", "revision": "1"}).encode(),
         headers={**SAME_ORIGIN, "Content-Type": "application/x-www-form-urlencoded"})
-    assert reply.status == 302, reply.text
+    assert reply.status == 303, reply.text   # POST/redirect/GET
     assert web.api("GET", f"/v1/outpost/schedules/{fresh['id']}").body["enabled"] is False
 
 
@@ -515,7 +515,7 @@ def drive(live: Live) -> None:
         keep("signin refused", browser.post("/signin", data={"token": live.sentinel + "x"}))
         keep("signin page", browser.get("/signin?next=/runs"))
         signed_in = keep("signin", browser.post("/signin", data={"token": live.sentinel}))
-        assert signed_in.status_code == 302, signed_in.text
+        assert signed_in.status_code == 303, signed_in.text   # POST/redirect/GET
         live.cookie = signed_in.cookies[outpost.SESSION_COOKIE]
         keep("signin link", browser.get(live.server.signin_link.replace(live.server.url, "")))
 
