@@ -4,7 +4,7 @@ requests that stop at different depths.
 
 Usage::
 
-    .venv/bin/python tests/bench/profile_misses.py [wakeup_drain,intake,fire_lag,housekeeping]
+    .venv/bin/python tests/bench/profile_misses.py [wakeup_drain,intake,fire_lag,housekeeping,housekeeping_full]
 
 Prints one section per row. About a minute; only 127.0.0.1; bounded.
 """
@@ -160,12 +160,13 @@ def fire_lag(work: Path) -> None:
           "  take the fire's rows written before the due instant, leaving one short write at it.")
 
 
-def housekeeping(work: Path) -> None:
-    """The year's housekeeping pass (run.py's year row, --quick size: the cached 100,000 runs):
-    each HousekeepingStore call timed in a real ``housekeeping_pass`` (Deps inline, no server),
-    then the query plans of its SQL and their time at the first and a middle batch."""
+def housekeeping(work: Path, full: bool = False) -> None:
+    """The year's housekeeping pass (run.py's year row, --quick size: the cached 100,000 runs;
+    ``housekeeping_full``: the 1 M runs): each HousekeepingStore call timed in a real
+    ``housekeeping_pass`` (Deps inline, no server), then the query plans of its SQL and their
+    time at the first and a middle batch."""
     import trio
-    year = B.year_history(True)
+    year = B.year_history(not full)
     d = B.year_copy(year, work / "data")
     con = sqlite3.connect(d / "outpost.sqlite3")
     oldest = con.execute('SELECT MIN(finished_at) FROM "Run"').fetchone()[0]
@@ -210,19 +211,21 @@ def housekeeping(work: Path) -> None:
         "old_runs (a batch of 100 mid-pass)": f'SELECT r.id FROM "Run" r WHERE r.id > :after AND {gone} '
                                              "ORDER BY r.id LIMIT 100",
         "delete_runs' WHERE (as a SELECT)": f'SELECT id FROM "Run" r WHERE r.id IN ({listed}) AND {gone}',
-        "branches_in_use": f'SELECT DISTINCT result_branch FROM "Run" r WHERE result_branch IN ({listed}) '
-                           f"AND NOT ({gone})",
+        "branches_in_use (the batch's branches)": f'SELECT DISTINCT result_branch FROM "Run" r WHERE result_branch '
+                                                  f"IN (SELECT result_branch FROM \"Run\" WHERE id IN ({listed})) "
+                                                  f"AND NOT ({gone})",
         "delete_runs' Attention delete (as a SELECT)": f'SELECT 1 FROM "Attention" WHERE run_id IN ({listed})',
     }
     hk_sql = outpost.HousekeepingStore.__new__(outpost.HousekeepingStore)
     hk_sql.__dict__["dialect"] = outpost.Dialect()
     for what in ("events", "occurrences"):
-        table, key, where = outpost.HousekeepingStore._history(hk_sql, what)
-        for mark, name in (("$$", "$"), ("$cutoff", ":cutoff"), ("$latest", ":latest"), ("$keep", ":keep")):
+        table, key, where = outpost.HousekeepingStore._history(hk_sql, what, False)   # a real pass's
+        for mark, name in (("$$", "$"), ("$cutoff", ":cutoff"), ("$latest", ":latest"),
+                           ("$keep_offset", ":keep_offset")):
             where = where.replace(mark, name)
         queries[f"delete_history({what}) batch (as a SELECT)"] = (f'SELECT {key} FROM "{table}" WHERE {where} '
                                                                   f"LIMIT {outpost.HOUSEKEEPING_ROWS}")
-    params |= {"latest": 2**62, "keep": outpost.LEDGER_KEEP}
+    params |= {"latest": 2**62, "keep_offset": outpost.LEDGER_KEEP - 1}
     for label, sql in queries.items():
         plan = [r[3] for r in con.execute("EXPLAIN QUERY PLAN " + sql, params)]
         t0 = time.perf_counter()
@@ -233,7 +236,8 @@ def housekeeping(work: Path) -> None:
     con.close()
 
 
-SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "fire_lag": fire_lag, "housekeeping": housekeeping}
+SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "fire_lag": fire_lag, "housekeeping": housekeeping,
+            "housekeeping_full": functools.partial(housekeeping, full=True)}
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Usage (from the checkout)::
 
     .venv/bin/pip install -e '.[bench]'        # Huey, APScheduler 3, httpx, psutil, pyinstrument
     .venv/bin/python tests/bench/run.py          # full sizes (about 10 minutes on 2 cores, and the
-                                                 # year row 15 more, 3.5 to make its data the first time)
+                                                 # year row 3 more, 3 to make its data the first time)
     .venv/bin/python tests/bench/run.py --quick  # shrunk sizes, every row kept (under 3 minutes)
     .venv/bin/python tests/bench/run.py --only intake,dashboard   # a subset of the rows
 
