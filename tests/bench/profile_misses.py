@@ -206,9 +206,15 @@ def housekeeping(work: Path, full: bool = False) -> None:
                       (cutoff,)).fetchone()[0]
     ids = [r[0] for r in con.execute('SELECT id FROM "Run" WHERE id > ? ORDER BY id LIMIT 100', (mid,))]
     listed = ",".join(f":i{k}" for k in range(len(ids)))
-    params = {"cutoff": cutoff, "after": mid, **{f"i{k}": v for k, v in enumerate(ids)}}
+    last = con.execute('SELECT id FROM "Run" WHERE queued_at < ? ORDER BY queued_at DESC LIMIT 1',
+                       (cutoff,)).fetchone()[0]
+    old_events = con.execute('SELECT cursor FROM "Event" WHERE at < ? ORDER BY at DESC LIMIT 1',
+                             (cutoff,)).fetchone()[0]
+    params = {"cutoff": cutoff, "after": mid, "last": last[:last.index("_") + 11] + "~", "old_events": old_events,
+              **{f"i{k}": v for k, v in enumerate(ids)}}
     queries = {
-        "old_runs (a batch of 100 mid-pass)": f'SELECT r.id FROM "Run" r WHERE r.id > :after AND {gone} '
+        "old_runs (a batch of 100 mid-pass)": f'SELECT r.id FROM "Run" r WHERE r.id > :after AND r.id <= :last '
+                                             f"AND {gone} "
                                              "ORDER BY r.id LIMIT 100",
         "delete_runs' WHERE (as a SELECT)": f'SELECT id FROM "Run" r WHERE r.id IN ({listed}) AND {gone}',
         "branches_in_use (the batch's branches)": f'SELECT DISTINCT result_branch FROM "Run" r WHERE result_branch '
@@ -221,7 +227,7 @@ def housekeeping(work: Path, full: bool = False) -> None:
     for what in ("events", "occurrences"):
         table, key, where = outpost.HousekeepingStore._history(hk_sql, what, False)   # a real pass's
         for mark, name in (("$$", "$"), ("$cutoff", ":cutoff"), ("$latest", ":latest"),
-                           ("$keep_offset", ":keep_offset")):
+                           ("$keep_offset", ":keep_offset"), ("$old_events", ":old_events")):
             where = where.replace(mark, name)
         queries[f"delete_history({what}) batch (as a SELECT)"] = (f'SELECT {key} FROM "{table}" WHERE {where} '
                                                                   f"LIMIT {outpost.HOUSEKEEPING_ROWS}")

@@ -1454,6 +1454,11 @@ def year_copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True, copy_function=functools.partial(shutil.copy2))
     (dst / "outpost.toml").write_text(YEAR_TOML)
     conn = sqlite3.connect(dst / "outpost.sqlite3", isolation_level=None)
+    # The cache is keyed by the schema version only: an index added to the current version after
+    # the cache was made is not in it (the store migrates only from older versions), so make it here.
+    for sql in outpost.SCHEMA_SQL.get(outpost.SCHEMA_VERSION, []):
+        if sql.startswith("CREATE INDEX IF NOT EXISTS"):
+            conn.execute(sql)
     now = now_utc()
     conn.execute("BEGIN")
     for sid, definition_, anchored in conn.execute('SELECT id, definition, anchored_at FROM "Schedule"').fetchall():
