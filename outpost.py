@@ -8103,12 +8103,12 @@ class HousekeepingStore(StorePart):
 
     def _history(self, what: str, dry_run: bool) -> tuple[str, str, str]:
         """(table, key, SQL condition) of the rows of ``what`` that go with ``$cutoff``:
-        events older than it (never the newest, ``$latest``: a fleet's cursor is the newest
+        events older than it (up to ``$last_event``, never the newest: a fleet's cursor is the newest
         event's) unless they name a run that stays; a schedule's ledger rows beyond its newest
         LEDGER_KEEP; finished wakeups; refused webhook deliveries; notifications sent or given up."""
         run_id = self.dialect.json_text("data", "run_id")
         if what == "events":
-            return ("Event", "cursor", "+at < $cutoff AND cursor < $latest AND cursor <= $old_events "
+            return ("Event", "cursor", "+at < $cutoff AND cursor <= $last_event "
                                        f"AND ({run_id} IS NULL "
                                        f"OR NOT {self._kept(run_id, dry_run)})")
         if what == "occurrences":   # older than its schedule's LEDGER_KEEP-th newest slot (an index walk)
@@ -8125,12 +8125,13 @@ class HousekeepingStore(StorePart):
         return "WebhookRefusal", "id", "created_at < $cutoff"
 
     def _history_params(self, cutoff: datetime) -> dict[str, Any]:
-        """``old_events``: the last event before the cutoff (events are numbered in time order),
-        so a batch's walk ends there rather than reading the rest of the log to find no more."""
+        """``last_event``: the last event before the cutoff (events are numbered in time order),
+        never the newest (a fleet's cursor is the newest event's): one bound, so a batch's walk
+        of the primary key ends there rather than reading the rest of the log to find no more."""
         old = self.db.select('SELECT cursor FROM "Event" WHERE at < $cutoff ORDER BY at DESC LIMIT 1',
                              {"cutoff": sql_time(cutoff)})
-        return {"cutoff": sql_time(cutoff), "latest": self.core.latest_cursor(), "keep_offset": LEDGER_KEEP - 1,
-                "old_events": old[0] if old else 0}
+        return {"cutoff": sql_time(cutoff), "keep_offset": LEDGER_KEEP - 1,
+                "last_event": min(old[0], self.core.latest_cursor() - 1) if old else 0}
 
     def count_history(self, what: str, cutoff: datetime) -> int:
         table, _key, where = self._history(what, dry_run=True)

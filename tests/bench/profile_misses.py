@@ -210,7 +210,7 @@ def housekeeping(work: Path, full: bool = False) -> None:
                        (cutoff,)).fetchone()[0]
     old_events = con.execute('SELECT cursor FROM "Event" WHERE at < ? ORDER BY at DESC LIMIT 1',
                              (cutoff,)).fetchone()[0]
-    params = {"cutoff": cutoff, "after": mid, "last": last[:last.index("_") + 11] + "~", "old_events": old_events,
+    params = {"cutoff": cutoff, "after": mid, "last": last[:last.index("_") + 11] + "~", "last_event": old_events,
               **{f"i{k}": v for k, v in enumerate(ids)}}
     queries = {
         "old_runs (a batch of 100 mid-pass)": f'SELECT r.id FROM "Run" r WHERE r.id > :after AND r.id <= :last '
@@ -227,7 +227,7 @@ def housekeeping(work: Path, full: bool = False) -> None:
     for what in ("events", "occurrences"):
         table, key, where = outpost.HousekeepingStore._history(hk_sql, what, False)   # a real pass's
         for mark, name in (("$$", "$"), ("$cutoff", ":cutoff"), ("$latest", ":latest"),
-                           ("$keep_offset", ":keep_offset"), ("$old_events", ":old_events")):
+                           ("$keep_offset", ":keep_offset"), ("$last_event", ":last_event")):
             where = where.replace(mark, name)
         queries[f"delete_history({what}) batch (as a SELECT)"] = (f'SELECT {key} FROM "{table}" WHERE {where} '
                                                                   f"LIMIT {outpost.HOUSEKEEPING_ROWS}")
