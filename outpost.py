@@ -4598,6 +4598,12 @@ class Dialect:
         """SQL for a JSON array column's elements as rows with a ``value`` column."""
         return f"json_each({column})"
 
+    def unindexed(self, column: str) -> str:
+        """SQL for ``column`` that no index of it serves: SQLite's planner then takes the index
+        the query means (a primary-key walk, the schedule's probe) instead of one that skips a
+        sort by reading a year of rows."""
+        return f"+{column}"
+
     def bucket(self, column: str, hours: bool) -> str:
         """SQL for an instant column's UTC hour (``YYYY-MM-DD HH``) or minute (``... HH:MM``) as
         text: what the charts group by, so a month of runs comes back as a row per hour or minute."""
@@ -4712,6 +4718,9 @@ class PostgresDialect(Dialect):
 
     def json_elements(self, column: str) -> str:
         return f"jsonb_array_elements_text({column})"
+
+    def unindexed(self, column: str) -> str:
+        return column   # PostgreSQL has no unary + on a timestamp, and its planner needs no hint here
 
     def bucket(self, column: str, hours: bool) -> str:
         return f"to_char({column}, '{'YYYY-MM-DD HH24' if hours else 'YYYY-MM-DD HH24:MI'}')"
@@ -5104,10 +5113,10 @@ class ScheduleStore(StorePart):
 
     def _active_run(self, schedule_id: str):
         """The schedule's oldest queued, running or paused run (one index probe), or None.
-        ``+queued_at``: the probe is run_schedule (schedule, status), never a walk of the
+        ``queued_at`` unindexed: the probe is run_schedule (schedule, status), never a walk of the
         schedule's year of runs through run_schedule_queued to skip the sort."""
         rows = self.db.select(f'SELECT id FROM "Run" WHERE schedule = $sid AND status IN {ACTIVE_RUN_SQL} '
-                              "ORDER BY +queued_at, id LIMIT 1", {"sid": schedule_id})
+                              f"ORDER BY {self.dialect.unindexed('queued_at')}, id LIMIT 1", {"sid": schedule_id})
         return self.db.Run[rows[0]] if rows else None
 
     def _schedule_view(self, s) -> dict[str, Any]:
@@ -8108,7 +8117,7 @@ class HousekeepingStore(StorePart):
         LEDGER_KEEP; finished wakeups; refused webhook deliveries; notifications sent or given up."""
         run_id = self.dialect.json_text("data", "run_id")
         if what == "events":
-            return ("Event", "cursor", "+at < $cutoff AND cursor <= $last_event "
+            return ("Event", "cursor", f"{self.dialect.unindexed('at')} < $cutoff AND cursor <= $last_event "
                                        f"AND ({run_id} IS NULL "
                                        f"OR NOT {self._kept(run_id, dry_run)})")
         if what == "occurrences":   # older than its schedule's LEDGER_KEEP-th newest slot (an index walk)
