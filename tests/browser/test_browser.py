@@ -15,7 +15,7 @@ from conftest import Server, git, make_repo
 import outpost
 
 CHROMIUM = os.environ.get("OUTPOST_CHROMIUM", "/usr/bin/chromium")
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).parent.parent / "artifacts"
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install -e '.[test]')")
 if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
@@ -468,7 +468,7 @@ def test_the_agents_page_shows_a_paused_profile_and_resumes_it(browser, repo, tm
                                        'pass_env = ["PATH", "HOME"]\n')
     home = data.parent / "home"
     home.mkdir()
-    fakes = Path(__file__).parent / "fakes"
+    fakes = Path(__file__).parent.parent / "fakes"
     server = Server(data, env={"PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}", "HOME": str(home)}).start()
     try:
         with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}) as api:
