@@ -187,6 +187,10 @@ MISSED_COUNT_CAP = 500
 SCHEDULES_PAGE = 100
 #: How long a dashboard sign-in lasts.
 SESSION_TTL_S = 30 * DAY_S
+#: A proposal no human decided within a week is stale (docs/agent-clis.md).
+PROPOSAL_TTL_S = 7 * DAY_S
+#: How a proposer key begins (``outpost keys create --proposer``), so the API token is never looked up.
+PROPOSER_KEY_PREFIX = "opk_"
 #: How long the one-time sign-in link that ``outpost serve`` prints stays usable.
 SIGNIN_CODE_TTL_S = 15 * 60
 #: Consecutive failures that auto-pause a schedule.
@@ -207,7 +211,7 @@ DEFAULT_PASS_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "
 #: ``[settings] isolate_agents``: bubblewrap around every agent when it works (auto), or required, or off.
 ISOLATION_MODES = ("auto", "always", "never")
 #: Never handed to an agent, whatever a profile says.
-SECRET_ENV = ("OUTPOST_API_TOKEN", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+SECRET_ENV = ("OUTPOST_API_TOKEN", "OUTPOST_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 #: Author of the commit that saves what an agent left uncommitted: its own identity, never signed
 #: (a user's commit.gpgsign must not make the save fail); hooks are skipped with --no-verify.
 GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost", "-c", "commit.gpgsign=false")
@@ -226,7 +230,7 @@ AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
 AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
                        ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 14     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 15     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
@@ -235,6 +239,8 @@ SCHEMA_VERSION = 14     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
                         # 12: the notification outbox
                         # 13: a needs_you run's answer (Run.answer); a session's one-time flash
                         # 14: indexes that keep a year of history's reads small (the bench's year row)
+                        # 15: proposer keys and proposals (a person's own agent, docs/agent-clis.md);
+                        #     who asked for a dispatch (Run.requested_by)
 #: The runs of a needs_you thread a run page shows before (and after) it, at most.
 THREAD_MAX = 25
 #: The workspace Office resources belong to unless a request names another.
@@ -274,7 +280,7 @@ MAX_PROMPT_CHARS = 65536
 #: Every kind of attention item Outpost raises (StoreCore.raise_attention's callers).
 ATTENTION_KINDS = ("needs_you", "failed", "changes_returned", "succeeded", "auto_pause", "missed_fire",
                    "catch_up_plan", "reconfirm", "agent_limited", "agent_auth", "approval", "agent_error",
-                   "budget_blocked")
+                   "budget_blocked", "proposal")
 #: The kinds a ``[[notify]]`` entry sends unless it names its own (docs/operations.md).
 NOTIFY_DEFAULT_KINDS = ("needs_you", "failed", "auto_pause", "agent_auth", "missed_fire", "budget_blocked")
 #: A notification that could not be delivered is tried again after 1 min, doubling up to 1 h,
@@ -1309,6 +1315,58 @@ def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
     return {"entries": entries, "cut": cut} if events else None
 
 
+# Outpost's own tools in a run (docs/agent-clis.md): how each CLI is told of ``outpost mcp``.
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolServer:
+    """Outpost's MCP server as one run's CLI starts it: the command line of ``outpost mcp``, the
+    variables it needs (the run token and the API's URL), and the run's private folder, where
+    the files that wire it are written: outside the worktree, read-only to the agent."""
+    command: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    folder: Path
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolWiring:
+    """What a run's command line becomes with Outpost's tools: its argv, variables to add, and
+    files (name in the run's private folder -> text) to write before it starts."""
+    argv: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def claude_tools(argv: list[str], server: ToolServer) -> ToolWiring:
+    """Claude Code: only the servers of --mcp-config (a committed .mcp.json adds none), Outpost's
+    tools allowed by server name, the project's settings not read (they could allow a tool)."""
+    config = {"mcpServers": {"outpost": {"type": "stdio", "command": server.command, "args": list(server.args),
+                                         "env": dict(server.env)}}}
+    return ToolWiring([*argv, "--mcp-config", str(server.folder / "mcp.json"), "--strict-mcp-config",
+                       "--allowedTools", "mcp__outpost", "--setting-sources", "user"],
+                      files={"mcp.json": json.dumps(config)})
+
+
+def codex_tools(argv: list[str], server: ToolServer) -> ToolWiring:
+    """Codex: the one MCP server table given whole with -c, before ``resume`` and ``-`` (a
+    project's config.toml cannot add to it); its tools approved; the variables forwarded by name."""
+    table = {"command": server.command, "args": list(server.args), "env_vars": [k for k, _ in server.env],
+             "default_tools_approval_mode": "approve", "required": True, "startup_timeout_sec": 60}
+    entries = ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items())   # JSON values are TOML ones here
+    at = argv.index("exec") + 1 if "exec" in argv else min(1, len(argv))
+    return ToolWiring([*argv[:at], "-c", f"mcp_servers={{ outpost = {{ {entries} }} }}", *argv[at:]])
+
+
+def gemini_tools(argv: list[str], server: ToolServer) -> ToolWiring:
+    """Gemini CLI: system settings (they win over a project's .gemini/settings.json) with Outpost's
+    server trusted (no confirmation) and the only one allowed."""
+    settings = {"mcpServers": {"outpost": {"command": server.command, "args": list(server.args),
+                                           "env": {k: f"${k}" for k, _ in server.env}, "trust": True}},
+                "mcp": {"allowed": ["outpost"]}}
+    path = server.folder / "gemini-system-settings.json"
+    return ToolWiring(argv, {"GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(path)}, {path.name: json.dumps(settings)})
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preset:
     """How Outpost drives one agent CLI: its command lines (the prompt always on stdin), the
@@ -1333,6 +1391,9 @@ class Preset:
     login_files: tuple[str, ...] = ()
     logins: Callable[[dict[str, str], Path], list[str]] | None = None
     login: str = ""
+    #: How its command line gets Outpost's MCP tools (None: the CLI has no such wiring; its
+    #: agent is told the HTTP API and the run token).
+    tools: Callable[[list[str], ToolServer], ToolWiring] | None = None
 
     def read(self, lines: list[str]) -> Reading:
         """What the CLI said about its run, from the lines it printed."""
@@ -1384,7 +1445,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         budget_flag="--max-budget-usd",
         version=("claude", "--version"),
         login_env=("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN"), login_files=(".claude/.credentials.json",),
-        logins=claude_logins,
+        logins=claude_logins, tools=claude_tools,
         login="run `claude`, then /login (or `claude setup-token`, or give ANTHROPIC_API_KEY through pass_env)"),
     Preset(
         "codex",
@@ -1393,7 +1454,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
                 "{session_id}", "-"),
         reader=read_codex, ends_with_result=True, transcriber=_codex_entries, model_flag="--model",
         version=("codex", "--version"),
-        login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",), logins=codex_logins,
+        login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",), logins=codex_logins, tools=codex_tools,
         login="run `codex login` (or `printenv OPENAI_API_KEY | codex login --with-api-key`), or give "
               "CODEX_API_KEY through pass_env (codex exec ignores OPENAI_API_KEY)"),
     Preset(
@@ -1404,7 +1465,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         reader=read_gemini, ends_with_result=True, transcriber=_gemini_entries, model_flag="--model",
         env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")), version=("gemini", "--version"),
         login_env=("GEMINI_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA"),
-        login_files=(".gemini/oauth_creds.json",), logins=gemini_logins,
+        login_files=(".gemini/oauth_creds.json",), logins=gemini_logins, tools=gemini_tools,
         login="run `gemini` once and choose a login (or give GEMINI_API_KEY through pass_env)"),
     Preset(
         "aider",
@@ -2511,6 +2572,43 @@ def merge_changes(current: dict[str, Any], changes: Any) -> dict[str, Any]:
     return {**current, **changes}
 
 
+def definition_diff(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a change does to a definition, field by field (``timing.expression``), for its
+    review: each changed field with its value before and after, in the definition's order."""
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out |= flat(value, f"{prefix}{key}.")
+            else:
+                out[prefix + key] = value
+        return out
+    old, new = flat(before), flat(after)
+    return [{"field": f, "before": old.get(f), "after": new.get(f)}
+            for f in dict.fromkeys([*old, *new]) if old.get(f) != new.get(f)]
+
+
+def inspect_verdict(report: dict[str, Any]) -> str:
+    """One sentence first for "why didn't it run?", from the six recovery checks (docs/http-api.md)."""
+    checks = {c["check"]: c["data"] for c in report["checks"]}
+    state, active, latest = checks[1], checks[2], checks[3]["runs"][:1]
+    if state["archived"]:
+        return "Archived: it never fires again."
+    if state["auto_paused"]:
+        return (f"Auto-paused after {checks[5]['failure_streak']} failures in a row: it fires again once a human "
+                "resumes it.")
+    if not state["enabled"]:
+        return "Paused: it does not fire until it is enabled."
+    if active["active_run_id"]:
+        return (f"Run {active['active_run_id']} is still active: a fire due meanwhile is skipped or merged by its "
+                "concurrency policy.")
+    if not state["next_fire_at"]:
+        return "It has no next fire (a one-time schedule that already fired)."
+    if latest and latest[0]["status"] == "failed":
+        return f"Its latest run {latest[0]['run_id']} failed; it fires next at {state['next_fire_at']}."
+    return f"Healthy: it fires next at {state['next_fire_at']}."
+
+
 # --- naming, prompts, outcomes -------------------------------------------------
 
 def new_id(prefix: str) -> str:
@@ -3131,6 +3229,8 @@ SUMMARY_MAX_BYTES = 8 * 1024
 #: Decisions the summary remembers, and blockers it lists (lines are capped at 300 chars: < 8 KB).
 SUMMARY_DECISIONS = 5
 SUMMARY_BLOCKERS = 15
+#: The heading of the prompt section that names an agent's Outpost tools.
+ACTING_WITH_TOOLS = "## Acting on Outpost (your tools)"
 WAKE_WORDS = {
     "routine": "a routine fired", "comment": "a new comment on your task", "agent_error": "an agent's work failed",
     "self": "you asked to be woken", "user": "the user woke you", "task_assigned": "a task was assigned to you",
@@ -3158,10 +3258,12 @@ def wake_line(source: str, reason: str, payload: dict[str, Any]) -> str:
 def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], task: dict[str, Any] | None,
                     comments: list[dict[str, Any]], blockers: list[dict[str, Any]], summary: str,
                     resume: bool, dropped: int = 0, routine: dict[str, Any] | None = None,
-                    others: list[dict[str, Any]] | None = None) -> str:
+                    others: list[dict[str, Any]] | None = None, tools: bool = False) -> str:
     """What the agent reads: why it woke, the task and its new comments, the other tasks its
     merged wake reasons name, the summary slice. A resumed session already holds the
-    instructions, so it gets only this delta."""
+    instructions, so it gets only this delta. ``tools``: its CLI has Outpost's MCP tools (the
+    real CLIs: their unattended modes allow no shell call of the API); the demo agent and
+    generic profiles are told the HTTP API and the run token."""
     parts = []
     if not resume:
         parts.append(f"You are {agent['name']}, a {agent['role']} agent woken by Outpost Office.")
@@ -3187,7 +3289,13 @@ def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], tas
         parts += [f"{c['author']} at {c['created_at']}:\n{c['body']}" for c in comments]
     if summary:
         parts.append("## Continuation summary\n" + summary[:SUMMARY_PROMPT_CHARS])
-    if not resume:
+    if not resume and tools:
+        parts.append(ACTING_WITH_TOOLS + "\nAct on Outpost with your `outpost` tools (MCP server `outpost`): "
+                     "get_task and list_tasks to read, comment on a task, move_task, create_task (a subtask: "
+                     "parent_id, sequenced by blocked_by), request_approval from a human, wake another agent, "
+                     "and ask_human when you cannot go on without a person's decision. Task ids default to "
+                     "your task; agents are named by name (wake, assignee, reviewers).")
+    elif not resume:
         parts.append("## Acting on Outpost\nYour run token is in $OUTPOST_RUN_TOKEN and the API in $OUTPOST_API_URL: "
                      "POST /api/agent/comments, /api/agent/tasks/<id>/move, /api/agent/tasks, "
                      "/api/agent/approvals and /api/agent/wake (Authorization: Bearer $OUTPOST_RUN_TOKEN).")
@@ -3812,6 +3920,7 @@ def define_entities(db: orm.Database) -> None:
         worktree_run = Optional(str, nullable=True)        # a reply works where the run it continues worked
         answered_by = Optional(str, nullable=True)         # the reply run that answered this one
         answer = Optional(str, nullable=True)              # the user's reply to its question, as written
+        requested_by = Optional(str, nullable=True)        # the proposer key that dispatched it (its name)
         continues_branch = Required(bool, default=False)   # starts from its result branch's head when it exists
         resume_session_id = Optional(str, nullable=True)   # the agent session this run resumes
         pid = Optional(int)
@@ -3843,6 +3952,7 @@ def define_entities(db: orm.Database) -> None:
         detail = Optional(str, nullable=True)
         created_at = Required(datetime)
         acknowledged_at = Optional(datetime, index=True)
+        link = Optional(str, nullable=True)   # the dashboard page that settles it (a proposal's review)
 
     class Event(db.Entity):
         cursor = PrimaryKey(int)
@@ -4115,6 +4225,30 @@ def define_entities(db: orm.Database) -> None:
         routine_run_id = Required(str)
         expires_at = Required(datetime, index=True)
 
+    class AccessKey(db.Entity):
+        """A key for a person's own agent (``outpost keys create --proposer``): it may look and
+        propose, never decide. Only the key's SHA-256 is kept; revoking deletes the row."""
+        name = PrimaryKey(str)
+        role = Required(str)                     # proposer
+        digest = Required(str, unique=True)
+        created_at = Required(datetime)
+
+    class Proposal(db.Entity):
+        """A schedule change a proposer key asked for, waiting for a human (docs/agent-clis.md):
+        a new schedule, a change to one (made from ``base_revision``), or a control action."""
+        id = PrimaryKey(str)
+        kind = Required(str)                     # create | change | control
+        state = Required(str, index=True)        # pending | confirmed | declined | stale
+        schedule_id = Optional(str, nullable=True)
+        body = Required(orm.Json)                # {"definition"} | {"changes"} | {"action"}
+        base_revision = Optional(int)
+        review = Required(orm.Json)              # summary, next fires, warnings, diff
+        proposed_by = Required(str)
+        attention_id = Optional(str, nullable=True)
+        note = Optional(str, nullable=True)
+        created_at = Required(datetime)
+        decided_at = Optional(datetime)
+
     class Notification(db.Entity):
         """The outbox (docs/operations.md): one message for one ``[[notify]]`` entry, written in the
         transaction that raised its attention item (or queued its digest or test). The rows are
@@ -4237,6 +4371,11 @@ SCHEMA_SQL = {
         'CREATE INDEX IF NOT EXISTS attention_run ON "Attention"(run_id)',
         'CREATE INDEX IF NOT EXISTS attention_schedule ON "Attention"(schedule_id, kind, created_at)',   # inspect
     ],
+    15: [   # a person's own agent: who dispatched a run; proposals listed newest first
+        'ALTER TABLE "Run" ADD COLUMN requested_by TEXT',
+        'ALTER TABLE "Attention" ADD COLUMN link TEXT',
+        'CREATE INDEX IF NOT EXISTS proposal_newest ON "Proposal"(created_at, id)',
+    ],
 }
 
 
@@ -4267,6 +4406,7 @@ def run_view(r) -> dict[str, Any]:
             "cost_usd": r.cost_usd, "max_cost_usd": r.max_cost_usd, "over_budget": r.over_budget,
             "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
             "continues": r.continues, "answered_by": r.answered_by, "answer": r.answer, "rerun_of": r.rerun_of,
+            "requested_by": r.requested_by,
             "node": r.node}
 
 
@@ -4290,7 +4430,15 @@ def occurrence_view(o) -> dict[str, Any]:
 def attention_view(a) -> dict[str, Any]:
     return {"id": a.id, "kind": a.kind, "schedule_id": a.schedule_id, "run_id": a.run_id,
             "title": a.title, "detail": a.detail, "created_at": rfc3339(aware(a.created_at)),
-            "acknowledged_at": rfc3339(aware(a.acknowledged_at))}
+            "acknowledged_at": rfc3339(aware(a.acknowledged_at)), "link": a.link}
+
+
+def proposal_view(p, now: datetime) -> dict[str, Any]:
+    """A proposal as the API shows it; a pending one older than PROPOSAL_TTL_S reads ``stale``."""
+    expired = p.state == "pending" and aware(p.created_at) <= now - timedelta(seconds=PROPOSAL_TTL_S)
+    return {"id": p.id, "kind": p.kind, "state": "stale" if expired else p.state, "schedule_id": p.schedule_id,
+            **p.body, "base_revision": p.base_revision, "review": p.review, "proposed_by": p.proposed_by,
+            "created_at": rfc3339(aware(p.created_at)), "decided_at": rfc3339(aware(p.decided_at)), "note": p.note}
 
 
 def agent_view(a) -> dict[str, Any]:
@@ -4975,14 +5123,15 @@ class StoreCore:
         orm.flush()
 
     def raise_attention(self, kind: str, title: str, detail: str | None, now: datetime, *,
-               schedule_id: str | None, run_id: str | None) -> None:
+               schedule_id: str | None, run_id: str | None, link: str | None = None) -> str:
         aid = new_id("att")
         self.db.Attention(id=aid, kind=kind, schedule_id=schedule_id, run_id=run_id, title=title,
-                          detail=detail, created_at=naive(now))
+                          detail=detail, created_at=naive(now), link=link)
         self.emit("attention.raised", {"attention_id": aid, "kind": kind, "schedule_id": schedule_id,
                                        "run_id": run_id, "title": title}, now)
         for hook in self.attention_hooks:
             hook(aid, kind, title, detail, run_id, now)
+        return aid
 
     def _activity(self, code: str, workspace_id: str, now: datetime, *, agent_id: str | None = None,
                   task_id: str | None = None, wakeup_id: str | None = None, run_id: str | None = None,
@@ -5544,12 +5693,14 @@ class ScheduleStore(StorePart):
         active = self._active_run(s.id)   # a manual fire never queues behind active work
         return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
 
-    def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None) -> dict[str, Any]:
+    def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None,
+                        requested_by: str | None = None) -> dict[str, Any]:
+        """A one-shot run; ``requested_by``: the proposer key that asked for it."""
         return {"run_id": self.queue_run(schedule=None, agent=payload["agent"], trigger="dispatch",
                                           prompt=payload["brief"], repository=payload["repository"],
                                           workdir=payload["workdir"], source_ref=payload["source_ref"],
                                           limits=payload["limits"], notify=payload["notify"], now=now,
-                                          resolved_commit=commit)}
+                                          resolved_commit=commit, requested_by=requested_by)}
 
     def snapshot(self) -> dict[str, Any]:
         active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
@@ -6048,7 +6199,8 @@ class RunStore(StorePart):
         self.core.emit("run.adopted", {"run_id": r.id, "owner": workspace}, now)
         return run_view(r)
 
-    def reply_to_run(self, run_id: str, message: str, now: datetime, *, adopt_as: str | None = None) -> dict[str, Any]:
+    def reply_to_run(self, run_id: str, message: str, now: datetime, *, adopt_as: str | None = None,
+                     as_owner: str | None = None) -> dict[str, Any]:
         """docs/agent-clis.md: answer an adopted ``needs_you`` run with a continuation run on the same
         result branch (a fresh worktree of its head) that resumes the agent's session. The
         answer is kept for the run's thread and its open ``needs_you`` item is acknowledged.
@@ -6060,6 +6212,8 @@ class RunStore(StorePart):
             self.adopt_run(run_id, adopt_as, now)
         if not r.owner:
             raise Conflict(f"run {run_id} is not adopted; adopt it first (POST /v1/outpost/runs/{run_id}/adopt)")
+        if as_owner is not None and r.owner != as_owner:   # a proposer key answers only what it adopted
+            raise Forbidden(f"run {run_id} is owned by workspace {r.owner!r}, not by this key")
         if r.answered_by:
             raise Conflict(f"run {run_id} was already answered by run {r.answered_by}")
         if r.trigger == "wakeup":
@@ -6360,6 +6514,82 @@ class AccessStore(StorePart):
             'UPDATE "SigninCode" SET used_at = $now WHERE id = $cid AND used_at IS NULL AND expires_at > $now '
             "RETURNING id", {"now": sql_time(now), "cid": hashlib.sha256(code.encode()).hexdigest()}))
 
+    # Keys of a person's own agent, and what they propose (docs/agent-clis.md).
+
+    def create_key(self, name: str, role: str, now: datetime) -> dict[str, Any]:
+        """A new key, returned this once; only its SHA-256 is stored."""
+        if self.db.AccessKey.get(name=name):
+            raise Conflict(f"a key named {name!r} exists; revoke it first or choose another name")
+        key = PROPOSER_KEY_PREFIX + secrets.token_urlsafe(32)
+        self.db.AccessKey(name=name, role=role, digest=hashlib.sha256(key.encode()).hexdigest(),
+                          created_at=naive(now))
+        return {"name": name, "role": role, "key": key, "created_at": rfc3339(now)}
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        return [{"name": k.name, "role": k.role, "created_at": rfc3339(aware(k.created_at))}
+                for k in self.db.AccessKey.select().order_by(lambda k: k.name)]
+
+    def revoke_key(self, name: str) -> None:
+        key = self.db.AccessKey.get(name=name)
+        if key is None:
+            raise NotFound(f"no key named {name!r} (`outpost keys list` lists them)")
+        key.delete()
+
+    def key_of(self, given: str) -> dict[str, Any] | None:
+        """The key ``given`` is (name and role), or None: looked up by its digest, so a revoked
+        key stops at once."""
+        key = self.db.AccessKey.get(digest=hashlib.sha256(given.encode()).hexdigest())
+        return {"name": key.name, "role": key.role} if key else None
+
+    def create_proposal(self, kind: str, schedule_id: str | None, body: dict[str, Any], base_revision: int | None,
+                        review: dict[str, Any], proposed_by: str, now: datetime) -> dict[str, Any]:
+        """A proposal, and the ``proposal`` item that asks a human to confirm or decline it."""
+        pid = new_id("prp")
+        what = {"create": f"a new schedule {body.get('definition', {}).get('name', '')!r}",
+                "change": f"a change to {review.get('name', schedule_id)!r}",
+                "control": f"{body.get('action')} {review.get('name', schedule_id)!r}"}[kind]
+        attention = self.core.raise_attention("proposal", f"{proposed_by} proposes {what}", review.get("summary"),
+                                              now, schedule_id=schedule_id, run_id=None, link=f"/proposals/{pid}")
+        p = self.db.Proposal(id=pid, kind=kind, state="pending", schedule_id=schedule_id, body=body,
+                             base_revision=base_revision, review=review, proposed_by=proposed_by,
+                             attention_id=attention, created_at=naive(now))
+        self.core.emit("proposal.created", {"proposal_id": pid, "kind": kind, "schedule_id": schedule_id}, now)
+        return proposal_view(p, now)
+
+    def get_proposal(self, proposal_id: str, now: datetime) -> dict[str, Any]:
+        p = self.db.Proposal.get(id=proposal_id)
+        if p is None:
+            raise NotFound(f"no proposal {proposal_id}")
+        return proposal_view(p, now)
+
+    def list_proposals(self, state: str | None, now: datetime, limit: int = 100) -> list[dict[str, Any]]:
+        """Newest first (ties by id); ``state`` as the views say it (a pending one past its week is stale)."""
+        query = self.db.Proposal.select().order_by(lambda p: (orm.desc(p.created_at), orm.desc(p.id)))
+        views = (proposal_view(p, now) for p in query)
+        return list(itertools.islice((v for v in views if state in (None, v["state"])), limit))
+
+    def decide_proposal(self, proposal_id: str, state: str, note: str | None, now: datetime,
+                        schedule_id: str | None = None) -> dict[str, Any]:
+        """Settle a pending proposal once (a conditional UPDATE: two confirms cannot both apply it)
+        and close its item."""
+        p = self.db.Proposal.get(id=proposal_id)
+        if p is None:
+            raise NotFound(f"no proposal {proposal_id}")
+        current = proposal_view(p, now)
+        if current["state"] != "pending" and state != "stale":
+            raise Conflict(f"proposal {proposal_id} is {current['state']}; only a pending proposal can be decided")
+        changed = self.db.execute('UPDATE "Proposal" SET state = $state, note = $note, decided_at = $now, '
+                                  "schedule_id = COALESCE($sid, schedule_id) WHERE id = $id AND state = 'pending'",
+                                  {"state": state, "note": note, "now": sql_time(now), "sid": schedule_id,
+                                   "id": proposal_id}).rowcount
+        if not changed:
+            raise Conflict(f"proposal {proposal_id} was decided meanwhile")
+        self.db.execute('UPDATE "Attention" SET acknowledged_at = $now WHERE id = $aid AND acknowledged_at IS NULL',
+                        {"now": sql_time(now), "aid": p.attention_id})
+        self.core.emit("proposal.decided", {"proposal_id": proposal_id, "state": state}, now)
+        return {**current, "state": state, "note": note, "decided_at": rfc3339(now),
+                "schedule_id": schedule_id or current["schedule_id"]}
+
     def forget_in_flight(self) -> int:
         """At boot: an in-flight key of this node belongs to its previous process, which died
         before committing its action (another node's are its own, still in flight)."""
@@ -6570,7 +6800,8 @@ class WakeupStore(StorePart):
         if run_id and (o := self.db.OfficeRun.get(run_id=run_id)) is not None:
             o.context_snapshot = target.context_snapshot
             o.assembled_prompt = self.office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
-                                                     summary=o.summary_injected)
+                                                     summary=o.summary_injected,
+                                                     tools=ACTING_WITH_TOOLS in (o.assembled_prompt or ""))
             self.db.Run[o.run_id].prompt = o.assembled_prompt
         self.core.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
 
@@ -6679,7 +6910,9 @@ class WakeupStore(StorePart):
         t = self.db.Task.get(id=task_id)
         return task_view(t) if t is not None and t.workspace_id == workspace_id else None
 
-    def office_prompt(self, agent, w, *, resumed: bool, summary: str, task: dict[str, Any] | None = None) -> str:
+    def office_prompt(self, agent, w, *, resumed: bool, summary: str, task: dict[str, Any] | None = None,
+                      tools: bool = False) -> str:
+        """The prompt of ``w``'s run; ``tools``: its CLI has Outpost's own tools (docs/agent-clis.md)."""
         """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
         into the run before it starts). A resumed session gets comments since its last run."""
         task = task or (self.task_facts(w.task_id, w.workspace_id) if w.task_id else None)
@@ -6713,7 +6946,8 @@ class WakeupStore(StorePart):
         return assemble_prompt(
             agent={"name": agent.name, "role": agent.role, "instructions": agent.instructions},
             wakeups=snapshot.get("wakeups", []), task=task, comments=comments, blockers=blockers,
-            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine, others=others)
+            summary=summary, resume=resumed, dropped=snapshot.get("dropped", 0), routine=routine, others=others,
+            tools=tools)
 
     def coordinators(self, workspace_id: str, except_id: str):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
@@ -6802,6 +7036,18 @@ class OfficeStore(StorePart):
         if a is None:
             raise NotFound(f"no agent {agent_id}")
         return a
+
+    def agent_ref(self, workspace_id: str, ref: Any, field: str) -> str:
+        """The id of the workspace's agent that ``ref`` names, by id or by name (any case): what an
+        agent's tools take. A 422 naming the field and the agents there are, otherwise."""
+        agents = list(self.db.Agent.select(lambda a: a.workspace_id == workspace_id).order_by(lambda a: a.name))
+        if isinstance(ref, str):
+            wanted = ref.strip().lstrip("@").casefold()
+            found = [a for a in agents if a.id == ref or a.name.casefold() == wanted]
+            if len(found) == 1:
+                return found[0].id
+        names = ", ".join(a.name for a in agents[:20]) or "none"
+        raise invalid(field, f"names no agent of this workspace (its agents: {names})")
 
     def _check_agent_name(self, workspace_id: str, name: str, except_id: str | None = None) -> None:
         clash = self.db.Agent.get(lambda a: a.workspace_id == workspace_id and a.name == name and a.id != except_id)
@@ -6946,9 +7192,14 @@ class OfficeStore(StorePart):
             titles.update((t.id, t.title) for t in self.db.Task.select(lambda t: t.id in chunk))  # noqa: B023
         return titles
 
-    def get_task(self, task_id: str) -> dict[str, Any]:
-        t = self._task(task_id)
+    def get_task(self, task_id: str, workspace_id: str | None = None) -> dict[str, Any]:
+        """A task with its comments, approvals, subtasks and blockers (``workspace_id``: only there)."""
+        t = self._task(task_id, workspace_id)
         view = task_view(t)
+        blockers = list(t.blocked_by or [])
+        view["blockers"] = [{"id": b.id, "title": b.title, "state": b.state}
+                            for b in self.db.Task.select(lambda b: b.id in blockers).order_by(lambda b: b.id)
+                            ] if blockers else []
         task_id = t.id   # each list oldest first, ties by id
         view["comments"] = [comment_view(c) for c in self.db.Comment.select(lambda c: c.task_id == task_id)
                             .order_by(lambda c: (c.created_at, c.id))]
@@ -7063,10 +7314,14 @@ class OfficeStore(StorePart):
         return a
 
     def request_approval(self, task_id: str, agent_id: str, note: str, now: datetime,
-                         workspace_id: str) -> dict[str, Any]:
+                         workspace_id: str, reviewers: list[str] | None = None) -> dict[str, Any]:
+        """An agent asks a human to approve its task; ``reviewers`` (agent ids) become the task's,
+        woken when it moves to In Review."""
         t = self._task(task_id, workspace_id)
         if t.assignee_agent_id != agent_id:
             raise Forbidden(f"task {t.id} is not assigned to this agent")
+        if reviewers:
+            t.reviewers, t.updated_at = list(dict.fromkeys(reviewers)), naive(now)
         return approval_view(self._request_approval(t, agent_id, note, now))
 
     def list_approvals(self, workspace_id: str | None, status: str | None = None) -> list[dict[str, Any]]:
@@ -7432,7 +7687,8 @@ class PipelineStore(StorePart):
         resumed = bool(session and profile.resume)
         row = None if w.task_id else self.db.ContinuationSummary.get(agent_id=agent.id, scope=summary_scope(w.payload))
         summary = row.content[:SUMMARY_PROMPT_CHARS] if row else ""
-        prompt = self.wakeups.office_prompt(agent, w, resumed=resumed, summary=summary, task=task)
+        prompt = self.wakeups.office_prompt(agent, w, resumed=resumed, summary=summary, task=task,
+                                            tools=profile.kind.tools is not None)
         # docs/agent-clis.md: one worktree path and branch per (agent, task), continued run after run
         session_run = ({"result_branch": office_branch(w.task_id, agent.name), "continues_branch": True,
                         "resume_session_id": session.session_id if resumed else None} if w.task_id else {})
@@ -9863,12 +10119,19 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             argv = profile_argv(profile, model=plan.model, run_id=run_id, session_id=plan.session_id,
                                 prompt_file=str(private / "prompt.md"), max_cost_usd=plan.max_cost_usd)
             env = agent_env(profile, dict(os.environ), run_id)
+            token = run_token(deps.run_token_key, run_id)
+            if profile.kind.tools is not None:   # Outpost's own tools, its MCP server (docs/agent-clis.md)
+                wiring = profile.kind.tools(argv, ToolServer(sys.executable, (str(Path(__file__).resolve()), "mcp"), (
+                    ("OUTPOST_RUN_TOKEN", token), ("OUTPOST_API_URL", deps.api_url)), private))
+                for name, text in wiring.files.items():
+                    (private / name).write_text(text)
+                argv, env = wiring.argv, env | wiring.env
             if sandbox := run_sandbox(deps, plan):
                 await trio.to_thread.run_sync(sandbox.make_home_state)
                 argv, env["TMPDIR"] = sandbox.argv(argv, cwd), "/tmp"
                 if sandbox.home is not None:
                     env.setdefault("CLAUDE_CONFIG_DIR", str(sandbox.home / ".claude"))
-            env |= {"OUTPOST_RUN_TOKEN": run_token(deps.run_token_key, run_id), "OUTPOST_API_URL": deps.api_url}
+            env |= {"OUTPOST_RUN_TOKEN": token, "OUTPOST_API_URL": deps.api_url}
             if plan.office:   # the agent acts on Office through the run-scoped token
                 env["OUTPOST_TASK_ID"] = plan.task_id or ""
             rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if plan.session_id else "")
@@ -10361,6 +10624,15 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
 
 
 INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
+#: What a person's own agent may propose (docs/agent-clis.md), and the fields of each.
+PROPOSAL_KINDS = ("create", "change", "control")
+PROPOSAL_STATES = ("pending", "confirmed", "declined", "stale")
+PROPOSAL_FIELDS = {"create": ("definition",), "change": ("schedule_id", "changes"),
+                   "control": ("schedule_id", "action")}
+#: A control action in the words of a proposal's review.
+CONTROL_WORDS = {"enable": "Enable", "pause": "Pause", "resume": "Resume (enable, clear the failure streak of)",
+                 "archive": "Archive (for good)", "approve_catch_up": "Approve the catch-up of",
+                 "dismiss_catch_up": "Dismiss the catch-up of", "fire": "Fire now"}
 #: Short notices a redirect can ask the next page to show (``?done=``).
 DONE_NOTICES = {
     "created": "Schedule created. It fires on its timing; use Fire now to run it at once.",
@@ -10387,6 +10659,8 @@ DONE_NOTICES = {
     "rerun": "Re-run queued: same commit, prompt, profile and model.",
     "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
     "dismiss_catch_up": "Catch-up dismissed: the missed occurrences are recorded as skipped.",
+    "proposal_confirmed": "Proposal confirmed: the schedule is changed as reviewed.",
+    "proposal_declined": "Proposal declined: the agent that proposed it sees your note.",
     "notify_test": "Test message queued: it arrives in a few seconds (see each entry's last delivery below).",
 }
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
@@ -10509,6 +10783,9 @@ class Route:
     status: int = 200                 # the status of the handler's JSON answer
     etag: bool = False                # the answer is a schedule: send its revision as the ETag
     nudges: tuple[Actor, ...] = ()    # actors woken after a successful answer
+    #: A write a proposer key may make (docs/agent-clis.md: compose, propose, dispatch, adopt,
+    #: reply); every read of the API token's routes it may make anyway.
+    proposer: bool = False
 
 
 class Routes:
@@ -10573,6 +10850,7 @@ class Web:
         self.agent: dict[str, Any] | None = None
         self.csrf: str | None = None
         self.key: str | None = None
+        self.proposer: str | None = None   # the name of the proposer key asking (caller "proposer")
 
     @property
     def now(self) -> datetime:
@@ -10767,9 +11045,14 @@ async def authenticate(web: Web):
         return None
     if header is not None:
         given = bearer(header)
-        if not given or not hmac.compare_digest(given.encode(), web.deps.token.encode()):
+        if given and hmac.compare_digest(given.encode(), web.deps.token.encode()):
+            web.caller = "api"
+            return None
+        key = given.startswith(PROPOSER_KEY_PREFIX) and await web.call(web.store.access.key_of, given)
+        if not key:
             raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
-        web.caller = "api"
+        check_proposer(web.route, request.method)
+        web.caller, web.proposer = "proposer", key["name"]
         return None
     cookie = request.cookies.get(SESSION_COOKIE)
     web.csrf = cookie and await web.call(web.store.access.session_csrf, cookie, web.now)
@@ -10787,6 +11070,17 @@ async def authenticate(web: Web):
         if not hmac.compare_digest(given.encode(), web.csrf.encode()):
             raise CrossSiteRefused("the form's CSRF token is missing or stale: reload the page and try again")
     return None
+
+
+def check_proposer(route: Route, method: str) -> None:
+    """What a proposer key may do: read what the API token reads, and the writes its routes
+    declare (``Route.proposer``); never confirm, create, change or control a schedule, nor
+    change settings or agents. A 403 that says so, naming the route."""
+    if route.auth is Auth.TOKEN and (method in SAFE_METHODS or route.proposer):
+        return
+    raise Forbidden(f"a proposer key may not {method} {route.rule}: it may read, compose, propose, dispatch, "
+                    "adopt and reply; a change to schedules, settings or agents is a proposal a human confirms "
+                    "(POST /v1/outpost/proposals)")
 
 
 def scraper_token(deps: Deps, given: str) -> bool:
@@ -10818,6 +11112,8 @@ async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> A
         raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
     body = await web.request.get_data(cache=True)
     fingerprint = request_fingerprint(web.request.method, web.request.full_path.rstrip("?"), body)
+    if web.proposer is not None:   # a key's requests never replay a human's answer, nor the reverse
+        fingerprint += f" proposer:{web.proposer}"
     replay = await web.call(web.store.access.begin_idempotent, key, fingerprint, web.now)
     if replay is not None:
         return replayed(*replay)
@@ -11087,16 +11383,111 @@ async def reply_to_run(web: Web, run_id: str, message: Any, adopt_as: Any = None
         raise invalid("message", f"the answer, 1-{MAX_TEXT_CHARS} characters, is required")
     if adopt_as is not None and (not isinstance(adopt_as, str) or not 1 <= len(adopt_as.strip()) <= 200):
         raise invalid("workspace", "a workspace name of 1-200 characters is required")
+    if web.proposer is not None:
+        adopt_as = web.proposer
     reply = await web.commit(web.store.runs.reply_to_run, run_id, message.strip(), web.now,
-                             adopt_as=adopt_as and adopt_as.strip())
+                             adopt_as=adopt_as and adopt_as.strip(), as_owner=web.proposer)
     web.deps.nudge(Actor.CLAIM)
     return reply
 
 
 async def adopt_run(web: Web, run_id: str, workspace: Any) -> dict[str, Any]:
+    """A workspace takes a needs_you run before it replies; a proposer key's is its name (docs/agent-clis.md)."""
+    if web.proposer is not None:
+        workspace = workspace or web.proposer
     if not isinstance(workspace, str) or not 1 <= len(workspace.strip()) <= 200:
         raise invalid("workspace", "a workspace name of 1-200 characters is required")
     return await web.commit(web.store.runs.adopt_run, run_id, workspace.strip(), web.now)
+
+
+async def propose(web: Web, raw: dict[str, Any]) -> dict[str, Any]:
+    """docs/agent-clis.md: a proposal of a new schedule (``definition``), a change (``schedule_id``,
+    ``changes``) or a control action (``schedule_id``, ``action``), checked as a confirmation
+    would be and reviewed as compose reviews; a human confirms or declines it."""
+    kind = raw.get("kind")
+    if kind not in PROPOSAL_KINDS:
+        raise invalid("kind", "must be " + ", ".join(PROPOSAL_KINDS))
+    _unknown(raw, ("kind", *PROPOSAL_FIELDS[kind]), f"a {kind} proposal")
+    now, by = web.now, web.proposer or web.caller
+    if kind == "create":
+        definition = await checked_definition(web.deps, raw.get("definition"))
+        review = {**composed(definition, now, (raw.get("definition") or {}).get("timing")), "name": definition["name"]}
+        return await web.commit(web.store.access.create_proposal, kind, None, {"definition": definition}, None,
+                                review, by, now)
+    schedule_id = raw.get("schedule_id")
+    if not isinstance(schedule_id, str) or not schedule_id:
+        raise invalid("schedule_id", "the schedule this proposal is for is required")
+    current = await web.call(web.store.schedules.schedule_definition, schedule_id)
+    if current["archived"]:
+        raise Archived(f"schedule {schedule_id} is archived; propose a new one instead")
+    before = current["definition"]
+    if kind == "change":
+        definition = await checked_definition(web.deps, merge_changes(before, raw.get("changes")), before)
+        diff = definition_diff(before, definition)
+        if not diff:
+            raise invalid("changes", "change nothing of the schedule's definition")
+        review = {**composed(definition, now, definition["timing"]), "name": before["name"], "diff": diff}
+        body = {"changes": {k: definition[k] for k in raw["changes"] if k in definition}}
+    else:
+        action = raw.get("action")
+        if action not in (*SCHEDULE_ACTIONS, "fire"):
+            raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
+        review = {**composed(before, now, before["timing"]), "name": before["name"],
+                  "summary": f"{CONTROL_WORDS[action]} schedule {before['name']!r}."}
+        body = {"action": action}
+    return await web.commit(web.store.access.create_proposal, kind, schedule_id, body, current["revision"], review,
+                            by, now)
+
+
+async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
+    """A human applies a proposal as it was reviewed: a change or control with the revision it was
+    made from (412 if the schedule moved meanwhile, and the proposal is then stale), in one
+    transaction with the proposal's decision."""
+    p, now = await web.call(web.store.access.get_proposal, proposal_id, web.now), web.now
+    if p["state"] != "pending":
+        raise Conflict(f"proposal {proposal_id} is {p['state']}; only a pending proposal can be confirmed")
+    digests, decide = web.deps.profile_digests, web.store.access.decide_proposal
+    if p["kind"] == "create":
+        definition = await checked_definition(web.deps, p["definition"])
+
+        def apply():
+            schedule = web.store.schedules.create_schedule(definition, now, digests.get(definition["agent"]))
+            return decide(proposal_id, "confirmed", None, now, schedule["id"])
+        return await web.commit(apply)
+    current = await web.call(web.store.schedules.schedule_definition, p["schedule_id"])
+    if current["revision"] != p["base_revision"] or current["archived"]:
+        await web.call(decide, proposal_id, "stale", f"the schedule moved to revision {current['revision']} "
+                       f"(archived: {str(current['archived']).lower()}) after this was proposed", now)
+        check_revision(p["schedule_id"], current["revision"], p["base_revision"])
+        raise Archived(f"schedule {p['schedule_id']} is archived")
+    if p["kind"] == "change":
+        definition = await checked_definition(web.deps, merge_changes(current["definition"], p["changes"]),
+                                              current["definition"])
+
+        def apply():
+            web.store.schedules.update_schedule(p["schedule_id"], p["base_revision"], definition, now,
+                                                digests.get(definition["agent"]))
+            return decide(proposal_id, "confirmed", None, now)
+        return await web.commit(apply)
+    fired = {}
+
+    def apply():
+        if p["action"] == "fire":
+            fired.update(web.store.schedules.fire_manual(p["schedule_id"], p["base_revision"], now, digests))
+        else:
+            web.store.schedules.control_schedule(p["schedule_id"], p["base_revision"], p["action"], now)
+        return decide(proposal_id, "confirmed", None, now)
+    decided = await web.commit(apply)
+    if fired:
+        await after_fire(web.deps, fired)
+    return decided
+
+
+async def decline_proposal(web: Web, proposal_id: str, note: Any) -> dict[str, Any]:
+    if note is not None and (not isinstance(note, str) or len(note) > MAX_TEXT_CHARS):
+        raise invalid("note", f"must be text of at most {MAX_TEXT_CHARS} characters")
+    return await web.commit(web.store.access.decide_proposal, proposal_id, "declined", (note or "").strip() or None,
+                            web.now)
 
 
 async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
@@ -11258,7 +11649,7 @@ def _text_field(raw: dict[str, Any], key: str, hi: int, *, single_line: bool = F
     return value
 
 
-@api.post("/v1/outpost/schedules/compose", auth=Auth.TOKEN)
+@api.post("/v1/outpost/schedules/compose", auth=Auth.TOKEN, proposer=True)
 async def api_compose(web: Web):
     raw = await web.body()
     now = web.now
@@ -11279,12 +11670,17 @@ async def api_compose(web: Web):
             raise invalid("from", "must be an RFC 3339 instant with an offset, e.g. 2027-03-27T00:00:00Z") from None
         except OverflowError:
             raise invalid("from", f"must be between 1970 and {MAX_YEAR}") from None
-    count = web.int_arg("count", 5, 1, 100)
-    fires = next_fires(definition["timing"], after, count, anchor=now)
+    return composed(definition, now, raw.get("timing"), after, web.int_arg("count", 5, 1, 100))
+
+
+def composed(definition: dict[str, Any], now: datetime, raw_timing: Any, after: datetime | None = None,
+             count: int = 5) -> dict[str, Any]:
+    """What a human reads before confirming (docs/http-api.md compose): the definition, a
+    sentence, the next fires, the warnings and the digest a confirmation signs."""
+    fires = next_fires(definition["timing"], after or now, count, anchor=now)
     return {"definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
-            "next_fires": [rfc3339(f) for f in fires],
-            "warnings": timing_warnings(definition["timing"], now, raw.get("timing")),
-            "confirmation": confirmation_of(definition)}
+            "next_fires": [rfc3339(f) for f in fires], "confirmation": confirmation_of(definition),
+            "warnings": timing_warnings(definition["timing"], now, raw_timing)}
 
 
 @api.post("/v1/outpost/schedules", auth=Auth.TOKEN, idempotent=True, status=201, etag=True, nudges=(Actor.CRON,))
@@ -11359,7 +11755,7 @@ async def api_run_log(web: Web, run_id: str):
     return Response(text, content_type="text/plain; charset=utf-8", headers={"X-Log-Size": str(size)})
 
 
-@api.post("/v1/outpost/runs/<run_id>/adopt", auth=Auth.TOKEN, idempotent=True)
+@api.post("/v1/outpost/runs/<run_id>/adopt", auth=Auth.TOKEN, idempotent=True, proposer=True)
 async def api_adopt_run(web: Web, run_id: str):
     return await adopt_run(web, run_id, (await web.body()).get("workspace"))
 
@@ -11389,7 +11785,7 @@ async def api_runs_chart(web: Web):
     return svg, 200, {"Content-Type": "image/svg+xml; charset=utf-8", "Cache-Control": "no-store"}
 
 
-@api.post("/v1/outpost/runs/<run_id>/reply", auth=Auth.TOKEN, idempotent=True, status=202)
+@api.post("/v1/outpost/runs/<run_id>/reply", auth=Auth.TOKEN, idempotent=True, status=202, proposer=True)
 async def api_reply_run(web: Web, run_id: str):
     return await reply_to_run(web, run_id, (await web.body()).get("message"))
 
@@ -11409,11 +11805,63 @@ async def api_control_run(web: Web, run_id: str):
     return await control_run(web, run_id, (await web.body()).get("action"))
 
 
-@api.post("/v1/outpost/dispatches", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
+@api.post("/v1/outpost/dispatches", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,),
+          proposer=True)
 async def api_dispatch(web: Web):
     payload = normalize_dispatch(await web.body(), web.now, agents=web.profile_names)
     commit = await check_repository(payload, web.deps)   # resolved once, recorded with the run: one transaction
-    return await web.commit(web.store.schedules.create_dispatch, payload, web.now, commit)
+    return await web.commit(web.store.schedules.create_dispatch, payload, web.now, commit, web.proposer)
+
+
+@api.get("/v1/outpost/proposals", auth=Auth.TOKEN)
+async def api_list_proposals(web: Web):
+    state = web.choice_arg("state", PROPOSAL_STATES)
+    return {"proposals": await web.call(web.store.access.list_proposals, state, web.now,
+                                        web.int_arg("limit", 100, 1, 500))}
+
+
+@api.get("/v1/outpost/proposals/<proposal_id>", auth=Auth.TOKEN)
+async def api_get_proposal(web: Web, proposal_id: str):
+    return await web.call(web.store.access.get_proposal, proposal_id, web.now)
+
+
+@api.post("/v1/outpost/proposals", auth=Auth.TOKEN, idempotent=True, status=201, proposer=True)
+async def api_propose(web: Web):
+    return await propose(web, await web.body())
+
+
+@api.post("/v1/outpost/proposals/<proposal_id>/confirm", auth=Auth.TOKEN, idempotent=True,
+          nudges=(Actor.CRON, Actor.CLAIM))
+async def api_confirm_proposal(web: Web, proposal_id: str):
+    return await confirm_proposal(web, proposal_id)
+
+
+@api.post("/v1/outpost/proposals/<proposal_id>/decline", auth=Auth.TOKEN, idempotent=True)
+async def api_decline_proposal(web: Web, proposal_id: str):
+    return await decline_proposal(web, proposal_id, (await web.body()).get("note"))
+
+
+@api.get("/v1/outpost/keys", auth=Auth.TOKEN)
+async def api_list_keys(web: Web):
+    return {"keys": await web.call(web.store.access.list_keys)}
+
+
+@api.post("/v1/outpost/keys", auth=Auth.TOKEN, idempotent=True, status=201)
+async def api_create_key(web: Web):
+    """A proposer key for a person's own agent (docs/agent-clis.md), shown in this answer only."""
+    raw = await web.body()
+    _unknown(raw, ("name", "role"), "a key")
+    if raw.get("role", "proposer") != "proposer":
+        raise invalid("role", "must be proposer (the only kind of key)")
+    name = _text_field(raw, "name", 100).strip() if raw.get("name") is not None else f"agent-{secrets.token_hex(3)}"
+    if not re.fullmatch(r"[\w.@-]{1,100}", name):
+        raise invalid("name", "letters, digits, '.', '@', '_' and '-' only (it names the key in lists and runs)")
+    return await web.commit(web.store.access.create_key, name, "proposer", web.now)
+
+
+@api.delete("/v1/outpost/keys/<name>", auth=Auth.TOKEN, status=204)
+async def api_revoke_key(web: Web, name: str):
+    await web.call(web.store.access.revoke_key, name)
 
 
 @api.get("/v1/outpost/nodes", auth=Auth.TOKEN)
@@ -11789,6 +12237,13 @@ async def agent_needs_you(web: Web):
     return await web.commit(web.store.runs.ask_human, web.agent["run_id"], question.strip(), web.now)
 
 
+@agent_api.get("/api/agent/run", auth=Auth.ANY_RUN)
+async def agent_run(web: Web):
+    """Who this run token speaks for: ``outpost mcp`` offers an Office run's tools only when
+    ``office`` is true (docs/agent-clis.md)."""
+    return {**web.agent, "office": web.agent["agent_id"] is not None}
+
+
 @agent_api.get("/api/agent/me", auth=Auth.RUN)
 async def agent_me(web: Web):
     ctx = web.agent
@@ -11817,37 +12272,92 @@ async def agent_move(web: Web, task_id: str):
                             by_agent=web.agent["agent_id"], workspace_id=web.agent["workspace_id"])
 
 
+@agent_api.get("/api/agent/tasks", auth=Auth.RUN)
+async def agent_list_tasks(web: Web):
+    """The tasks of the run's workspace; ``assignee``: an agent's name or id."""
+    state = web.choice_arg("state", TaskState)
+    ws = web.agent["workspace_id"]
+
+    def tasks():
+        assignee = web.args.get("assignee")
+        who = web.store.office.agent_ref(ws, assignee, "assignee") if assignee else None
+        return {"tasks": web.store.office.list_tasks(ws, who, state)}
+    return await web.call(tasks)
+
+
+@agent_api.get("/api/agent/tasks/<task_id>", auth=Auth.RUN)
+async def agent_get_task(web: Web, task_id: str):
+    return await web.call(web.store.office.get_task, task_id, web.agent["workspace_id"])
+
+
+def agent_refs(web: Web, raw: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """An agent's body with agents named by name or id (``names``: its key -> the stored field)
+    turned into ids of its own workspace (a store call: run inside a transaction)."""
+    out, ws = dict(raw), web.agent["workspace_id"]
+    for key, field in names.items():
+        if key not in out:
+            continue
+        value = out.pop(key)
+        if isinstance(value, list):
+            if len(value) > 10:
+                raise invalid(key, "at most 10 agents")
+            out[field] = [web.store.office.agent_ref(ws, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        else:
+            out[field] = None if value is None else web.store.office.agent_ref(ws, value, key)
+    return out
+
+
 @agent_api.post("/api/agent/tasks", auth=Auth.RUN, status=201, nudges=(Actor.CLAIM,))
 async def agent_create_task(web: Web):
+    """A task (a subtask with ``parent_id``), its assignee and reviewers named by name or id."""
     raw = await web.body()
     if "workspace_id" in raw or "workflow" in raw:
         raise invalid(sorted({"workspace_id", "workflow"} & set(raw))[0], "is the run's own")
-    fields = normalize_task({"parent_id": web.agent["task_id"], **raw}, profiles=web.profile_names)
-    return await web.commit(web.store.office.create_task, web.agent["workspace_id"], fields, web.now,
-                            web.agent["agent_id"])
+
+    def create():
+        named = agent_refs(web, {"parent_id": web.agent["task_id"], **raw},
+                           {"assignee": "assignee_agent_id", "reviewers": "reviewers"})
+        fields = normalize_task(named, profiles=web.profile_names)
+        return web.store.office.create_task(web.agent["workspace_id"], fields, web.now, web.agent["agent_id"])
+    return await web.commit(create)
 
 
 @agent_api.post("/api/agent/approvals", auth=Auth.RUN, status=201, nudges=(Actor.CLAIM,))
 async def agent_request_approval(web: Web):
     raw = await web.body()
-    _unknown(raw, ("task_id", "note"), "an approval request")
-    return await web.commit(web.store.office.request_approval, own_task(web, raw), web.agent["agent_id"],
-                            _text(raw, "note", 0, MAX_TEXT_CHARS, ""), web.now, web.agent["workspace_id"])
+    _unknown(raw, ("task_id", "note", "reviewers"), "an approval request")
+    if raw.get("reviewers") is not None and not isinstance(raw["reviewers"], list):
+        raise invalid("reviewers", "must be a list of agent names or ids")
+    note = _text(raw, "note", 0, MAX_TEXT_CHARS, "")
+
+    def request():
+        reviewers = agent_refs(web, {"reviewers": raw.get("reviewers") or []}, {"reviewers": "reviewers"})
+        return web.store.office.request_approval(own_task(web, raw), web.agent["agent_id"], note, web.now,
+                                                 web.agent["workspace_id"], reviewers["reviewers"])
+    return await web.commit(request)
 
 
 @agent_api.post("/api/agent/wake", auth=Auth.RUN, status=202, nudges=(Actor.CLAIM,))
 async def agent_self_wake(web: Web):
     raw = await web.body()
-    _unknown(raw, ("reason", "payload", "delay_sec"), "a self-wake")
+    _unknown(raw, ("reason", "payload", "delay_sec", "agent"), "a wake")
     payload = raw.get("payload")
     if payload is not None and not isinstance(payload, dict):
         raise invalid("payload", "must be an object or null")
     delay = _int(raw.get("delay_sec", 0), "delay_sec", 0, 7 * DAY_S)
-    now = web.now
-    return await web.commit(web.store.office.wake_agent, web.agent["agent_id"], WakeupSource.SELF,
-                            {"reason": _text_field(raw, "reason", 200), "payload": payload}, now,
-                            wake_at=now + timedelta(seconds=delay) if delay else None,
-                            workspace_id=web.agent["workspace_id"])
+    reason, now, me, ws = _text_field(raw, "reason", 200), web.now, web.agent["agent_id"], web.agent["workspace_id"]
+
+    def wake():
+        """Itself (source self), or another agent of its workspace, as a mention would (source user)."""
+        target = web.store.office.agent_ref(ws, raw["agent"], "agent") if raw.get("agent") is not None else me
+        if target == me:
+            return web.store.office.wake_agent(me, WakeupSource.SELF, {"reason": reason, "payload": payload}, now,
+                                               wake_at=now + timedelta(seconds=delay) if delay else None,
+                                               workspace_id=ws)
+        return web.store.office.wake_agent(target, WakeupSource.USER, {"woken_by": me, "context": reason}, now,
+                                           reason=reason, workspace_id=ws,
+                                           wake_at=now + timedelta(seconds=delay) if delay else None)
+    return await web.commit(wake)
 
 
 # --- dashboard: sign-in --------------------------------------------------------------------------------
@@ -12190,6 +12700,47 @@ async def page_attention_ack_all(web: Web):
     for run_id in waiting:
         await drop_empty_branch(web.deps, run_id)
     return await web.see_other("/attention?done=acked_all")
+
+
+@pages.get("/proposals", auth=Auth.SESSION)
+async def page_proposals(web: Web):
+    proposals = await web.call(web.store.access.list_proposals, None, web.now)
+    return await web.page("proposals.html", section="attention", proposals=proposals,
+                          schedules=await web.call(web.store.schedules.schedule_zones))
+
+
+async def proposal_page(web: Web, proposal_id: str, *, status: int = 200, error: OutpostError | None = None):
+    """A proposal's review: what confirming would do (for a change, the diff against the revision
+    it was made from), and Confirm / Decline while it is pending."""
+    proposal = await web.call(web.store.access.get_proposal, proposal_id, web.now)
+    keys = await web.call(web.store.access.list_keys)
+    return await web.page("proposal.html", status=status, section="attention", p=proposal, error=error,
+                          by_key=any(k["name"] == proposal["proposed_by"] for k in keys))
+
+
+@pages.get("/proposals/<proposal_id>", auth=Auth.SESSION)
+async def page_proposal(web: Web, proposal_id: str):
+    return await proposal_page(web, proposal_id)
+
+
+@pages.post("/proposals/<proposal_id>/confirm", auth=Auth.SESSION, nudges=(Actor.CRON, Actor.CLAIM))
+async def page_confirm_proposal(web: Web, proposal_id: str):
+    try:
+        decided = await confirm_proposal(web, proposal_id)
+    except (RevisionMismatch, Conflict, Archived, ValidationFailed) as err:
+        return await proposal_page(web, proposal_id, status=err.status, error=err)
+    if decided["kind"] == "create":
+        return await web.see_other(f"/schedules/{decided['schedule_id']}?done=created")
+    return await web.see_other(f"/proposals/{proposal_id}?done=proposal_confirmed")
+
+
+@pages.post("/proposals/<proposal_id>/decline", auth=Auth.SESSION)
+async def page_decline_proposal(web: Web, proposal_id: str):
+    try:
+        await decline_proposal(web, proposal_id, (await web.form()).get("note"))
+    except (Conflict, ValidationFailed) as err:
+        return await proposal_page(web, proposal_id, status=err.status, error=err)
+    return await web.see_other(f"/proposals/{proposal_id}?done=proposal_declined")
 
 
 @pages.get("/settings", auth=Auth.SESSION)
@@ -12939,6 +13490,70 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
               + (" (cancel requested)" if run["status"] not in SETTLED_RUN_STATUSES else "") + ".")
 
 
+def cli_keys(client: Client, args: argparse.Namespace) -> None:
+    """``outpost keys``: a proposer key is printed once, alone on the last line (docs/agent-clis.md)."""
+    if args.action == "create":
+        if not args.proposer:
+            raise CliError("say what the key may do: `outpost keys create --proposer` (look and propose, never "
+                           "decide; the only kind)", EXIT_USAGE)
+        made = client.call("POST", "/v1/outpost/keys", {"name": args.key_name, "role": "proposer"} if args.key_name
+                           else {"role": "proposer"}, idempotent=True)
+        if args.json:
+            print(json.dumps(made))
+            return
+        print(f"Proposer key {made['name']!r} made. It is shown this once; give it to your agent's MCP server as "
+              "OUTPOST_KEY (docs/agent-clis.md):", file=sys.stderr)
+        print(made["key"])
+    elif args.action == "list":
+        keys = client.call("GET", "/v1/outpost/keys")["keys"]
+        if args.json:
+            print(json.dumps(keys, indent=2))
+        elif not keys:
+            print("No keys yet: `outpost keys create --proposer --name my-agent` makes one.")
+        else:
+            print_table([[k["name"], k["role"], k["created_at"]] for k in keys], ["NAME", "ROLE", "CREATED"])
+    else:
+        if not args.name:
+            raise CliError("`outpost keys revoke` needs the key's name (`outpost keys list`)", EXIT_USAGE)
+        client.call("DELETE", f"/v1/outpost/keys/{urllib.parse.quote(args.name, safe='')}")
+        print(f"Key {args.name!r} revoked: it opens nothing from now on.")
+
+
+def cli_proposals(client: Client, args: argparse.Namespace) -> None:
+    """``outpost proposals``: what proposer keys asked for; confirm and decline need the API token."""
+    if args.action == "list":
+        query = f"?state={urllib.parse.quote(args.state)}" if args.state else ""
+        proposals = client.call("GET", "/v1/outpost/proposals" + query)["proposals"]
+        if args.json:
+            print(json.dumps(proposals, indent=2))
+        elif not proposals:
+            print("No proposals.")
+        else:
+            print_table([[p["id"], p["state"], p["kind"], p["review"].get("name", ""), p["proposed_by"]]
+                         for p in proposals], ["ID", "STATE", "KIND", "SCHEDULE", "BY"])
+        return
+    if not args.id:
+        raise CliError(f"`outpost proposals {args.action}` needs a proposal id (`outpost proposals list`)", EXIT_USAGE)
+    path = f"/v1/outpost/proposals/{urllib.parse.quote(args.id, safe='')}"
+    if args.action == "show":
+        p = client.call("GET", path)
+    elif args.action == "confirm":
+        p = client.call("POST", path + "/confirm", {}, idempotent=True)
+    else:
+        p = client.call("POST", path + "/decline", {"note": args.note}, idempotent=True)
+    if args.json:
+        print(json.dumps(p, indent=2))
+        return
+    print(f"{p['id']}: {p['kind']} {p['review'].get('name', '')!r}, {p['state']} (proposed by {p['proposed_by']})")
+    print(p["review"].get("summary", ""))
+    for d in p["review"].get("diff", []):
+        print(f"  {d['field']}: {json.dumps(d['before'])} -> {json.dumps(d['after'])}")
+    for w in p["review"].get("warnings", []):
+        print(f"  warning: {w}")
+    if p["state"] == "confirmed" and p["schedule_id"]:
+        print(f"Schedule: {p['schedule_id']}")
+
+
 def cli_gc(client: Client, args: argparse.Namespace) -> None:
     """``outpost gc``: a housekeeping pass of the running daemon (docs/operations.md), its counts."""
     body: dict[str, Any] = {"dry_run": args.dry_run}
@@ -13239,6 +13854,226 @@ def cli_inspect(data_dir: Path, target: str, as_json: bool) -> None:
 URL_HELP = "daemon URL (default: 127.0.0.1:$OUTPOST_PORT, else the address serve recorded in the data dir, else :8321)"
 
 
+# --- outpost mcp: Outpost's own tools for agents (docs/agent-clis.md) ----------------------------------
+#
+# A stdio MCP server on the official SDK, a thin client of the daemon's HTTP API: every rule is the
+# API's, checked there for the credential this process started with. Inside a run (a run token) it
+# offers an Office run's task tools, or only ask_human; with a person's proposer key, reads and
+# proposals. A refusal reaches the model as the tool's error text (the problem's detail), never a
+# traceback.
+
+#: The tools each credential gets. No run ever gets a schedule, dispatch, control or confirmation tool.
+OFFICE_RUN_TOOLS = ("get_task", "list_tasks", "comment", "move_task", "create_task", "request_approval", "wake",
+                    "ask_human")
+RUN_TOOLS = ("ask_human",)
+PROPOSER_TOOLS = ("list_schedules", "get_schedule", "inspect_schedule", "preview", "list_runs", "get_run", "run_log",
+                  "list_attention", "propose_schedule", "propose_change", "propose_control", "get_proposal",
+                  "dispatch", "adopt_run", "reply")
+#: Lines of a run's log ``run_log`` answers with unless asked for another tail.
+RUN_LOG_TAIL = 200
+
+
+class AgentTools:
+    """The tools of ``outpost mcp``. Each is one call of the daemon's API; its docstring is what
+    the model reads. ``task_id``: the run's own task (an Office run), the default of its tools."""
+
+    def __init__(self, client: Client, task_id: str | None = None):
+        self.client = client
+        self.task_id = task_id
+
+    def _call(self, method: str, path: str, body: Any = None, *, idempotent: bool = False) -> str:
+        from mcp.server.mcpserver.exceptions import ToolError
+        try:
+            answer = self.client.call(method, path, body, idempotent=idempotent)
+        except CliError as exc:
+            raise ToolError(str(exc)) from None
+        return json.dumps(answer, ensure_ascii=False)
+
+    def _task(self, task_id: str | None) -> str:
+        from mcp.server.mcpserver.exceptions import ToolError
+        if not (task_id or self.task_id):
+            raise ToolError("this run has no task of its own: name one with task_id")
+        return urllib.parse.quote(task_id or self.task_id, safe="")
+
+    # An Office run's tools (its run token; its own workspace).
+
+    def get_task(self, task_id: str | None = None) -> str:
+        """A task with its blockers, subtasks, comments and approvals (default: this run's task)."""
+        return self._call("GET", f"/api/agent/tasks/{self._task(task_id)}")
+
+    def list_tasks(self, state: str | None = None, assignee: str | None = None) -> str:
+        """The tasks of your workspace; state: TODO, IN_PROGRESS, IN_REVIEW, DONE or CANCELLED;
+        assignee: an agent's name or id."""
+        query = urllib.parse.urlencode({k: v for k, v in (("state", state), ("assignee", assignee)) if v})
+        return self._call("GET", "/api/agent/tasks" + (f"?{query}" if query else ""))
+
+    def comment(self, body: str, task_id: str | None = None) -> str:
+        """Comment on a task (default: this run's task); its assignee is woken unless it is you."""
+        return self._call("POST", "/api/agent/comments", {"body": body, "task_id": self._task(task_id)})
+
+    def move_task(self, state: str, task_id: str | None = None) -> str:
+        """Move a task (default: this run's task) to TODO, IN_PROGRESS, IN_REVIEW, DONE or CANCELLED.
+        Done or Cancelled wakes the agents its end unblocks."""
+        return self._call("POST", f"/api/agent/tasks/{self._task(task_id)}/move", {"state": state})
+
+    def create_task(self, title: str, description: str | None = None, assignee: str | None = None,
+                    parent_id: str | None = None, blocked_by: list[str] | None = None,
+                    requires_approval: bool | None = None, reviewers: list[str] | None = None) -> str:
+        """Create a task in your workspace. parent_id makes it a subtask (given explicitly: none is
+        assumed); blocked_by lists task ids it waits for (its assignee is woken when they are all
+        done); assignee and reviewers are agent names or ids."""
+        body: dict[str, Any] = {"title": title, "parent_id": parent_id}
+        for key, value in (("description", description), ("assignee", assignee), ("blocked_by", blocked_by),
+                           ("requires_approval", requires_approval), ("reviewers", reviewers)):
+            if value is not None:
+                body[key] = value
+        return self._call("POST", "/api/agent/tasks", body)
+
+    def request_approval(self, note: str, task_id: str | None = None, reviewers: list[str] | None = None) -> str:
+        """Ask a human to approve a task assigned to you (default: this run's task); reviewers (agent
+        names or ids) become the task's, woken when it moves to IN_REVIEW. You are woken with the decision."""
+        body: dict[str, Any] = {"note": note, "task_id": self._task(task_id)}
+        if reviewers is not None:
+            body["reviewers"] = reviewers
+        return self._call("POST", "/api/agent/approvals", body)
+
+    def wake(self, agent: str, reason: str) -> str:
+        """Wake an agent of your workspace (its name or id; your own name wakes you again later)."""
+        return self._call("POST", "/api/agent/wake", {"agent": agent, "reason": reason})
+
+    def ask_human(self, question: str) -> str:
+        """Stop and ask a human: this run ends as "needs you" with your question, and a person's
+        answer continues your session. Use it when you cannot go on without a decision."""
+        return self._call("POST", "/api/agent/needs-you", {"question": question})
+
+    # A person's own agent (a proposer key): read, propose, dispatch, adopt, reply.
+
+    def _schedule(self, schedule: str) -> str:
+        from mcp.server.mcpserver.exceptions import ToolError
+        try:
+            return urllib.parse.quote(resolve_schedule(self.client, schedule), safe="")
+        except CliError as exc:
+            raise ToolError(str(exc)) from None
+
+    def list_schedules(self, include_archived: bool = False) -> str:
+        """Every schedule with its state, timing and next fire."""
+        return self._call("GET", f"/v1/outpost/schedules?include_archived={str(include_archived).lower()}")
+
+    def get_schedule(self, schedule_id: str) -> str:
+        """One schedule (its id, or its name)."""
+        return self._call("GET", f"/v1/outpost/schedules/{self._schedule(schedule_id)}")
+
+    def inspect_schedule(self, schedule_id: str) -> str:
+        """Why a schedule did or did not run: a verdict first, then the six recovery checks."""
+        report = json.loads(self._call("GET", f"/v1/outpost/schedules/{self._schedule(schedule_id)}/inspect"))
+        return json.dumps({"verdict": inspect_verdict(report), **report}, ensure_ascii=False)
+
+    def preview(self, definition: dict[str, Any]) -> str:
+        """What a schedule definition would do, changing nothing: a sentence, the next 5 fires in its
+        timezone with their offsets, and warnings (DST, cron quirks). Errors name the field."""
+        return self._call("POST", "/v1/outpost/schedules/compose", definition)
+
+    def list_runs(self, schedule_id: str | None = None, status: str | None = None, limit: int = 20) -> str:
+        """Runs, newest first; status: queued, running, paused, succeeded, failed, needs_you or cancelled."""
+        query = {"limit": str(limit), **({"status": status} if status else {})}
+        if schedule_id:
+            query["schedule_id"] = urllib.parse.unquote(self._schedule(schedule_id))
+        return self._call("GET", "/v1/outpost/runs?" + urllib.parse.urlencode(query))
+
+    def get_run(self, run_id: str) -> str:
+        """One run: its status, error, agent report, branch and commits."""
+        return self._call("GET", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}")
+
+    def run_log(self, run_id: str, tail: int | None = None) -> str:
+        """The last lines of a run's log (default 200)."""
+        from mcp.server.mcpserver.exceptions import ToolError
+        try:
+            text = self.client.call("GET", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/log", raw=True)
+        except CliError as exc:
+            raise ToolError(str(exc)) from None
+        lines = text.splitlines()[-max(1, min(tail or RUN_LOG_TAIL, 5000)):]
+        return "\n".join(lines)[-64 * 1024:]
+
+    def list_attention(self, state: str = "open") -> str:
+        """What waits for a human (state open or all): failures, questions, returned changes, proposals."""
+        return self._call("GET", f"/v1/outpost/attention?state={urllib.parse.quote(state)}")
+
+    def propose_schedule(self, definition: dict[str, Any]) -> str:
+        """Propose a new schedule (a full definition, as preview takes). Nothing is created: a human
+        reviews and confirms or declines it; follow it with get_proposal."""
+        return self._call("POST", "/v1/outpost/proposals", {"kind": "create", "definition": definition},
+                          idempotent=True)
+
+    def propose_change(self, schedule_id: str, changes: dict[str, Any]) -> str:
+        """Propose changed fields of a schedule (its id or name); a human sees the diff and confirms."""
+        return self._call("POST", "/v1/outpost/proposals", {"kind": "change", "schedule_id": urllib.parse.unquote(
+            self._schedule(schedule_id)), "changes": changes}, idempotent=True)
+
+    def propose_control(self, schedule_id: str, action: str) -> str:
+        """Propose enable, pause, resume, archive, fire, approve_catch_up or dismiss_catch_up of a schedule."""
+        return self._call("POST", "/v1/outpost/proposals", {"kind": "control", "schedule_id": urllib.parse.unquote(
+            self._schedule(schedule_id)), "action": action}, idempotent=True)
+
+    def get_proposal(self, proposal_id: str) -> str:
+        """A proposal's state: pending, confirmed (with the schedule id), declined (with the note) or stale."""
+        return self._call("GET", f"/v1/outpost/proposals/{urllib.parse.quote(proposal_id, safe='')}")
+
+    def dispatch(self, brief: str, repository: str, agent: str | None = None, source_ref: str | None = None,
+                 workdir: str | None = None) -> str:
+        """Run an agent once now on its own worktree and result branch (as POST /v1/outpost/dispatches)."""
+        body = {"brief": brief, "repository": repository, **{k: v for k, v in (
+            ("agent", agent), ("source_ref", source_ref), ("workdir", workdir)) if v is not None}}
+        return self._call("POST", "/v1/outpost/dispatches", body, idempotent=True)
+
+    def adopt_run(self, run_id: str) -> str:
+        """Take a run that waits for a human ("needs you") as yours, before you reply to it."""
+        return self._call("POST", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/adopt", {},
+                          idempotent=True)
+
+    def reply(self, run_id: str, message: str) -> str:
+        """Answer a needs-you run you adopted: a new run continues its session with your message."""
+        return self._call("POST", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/reply",
+                          {"message": message}, idempotent=True)
+
+
+def mcp_credential(args: argparse.Namespace) -> tuple[str, bool]:
+    """What ``outpost mcp`` acts with: a run's token inside a run (it wins: a run never gets a
+    person's tools), else a proposer key from $OUTPOST_KEY or --key-file. (credential, is a run)"""
+    if os.environ.get("OUTPOST_RUN_TOKEN"):
+        return os.environ["OUTPOST_RUN_TOKEN"], True
+    key = os.environ.get("OUTPOST_KEY", "").strip()
+    if args.key_file:
+        try:
+            key = Path(args.key_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise CliError(f"cannot read the key file {args.key_file}: {exc.strerror or exc}", EXIT_NO_TOKEN) from None
+    if not key:
+        raise CliError("no proposer key: make one with `outpost keys create --proposer --name my-agent`, then set "
+                       "OUTPOST_KEY to it (or pass --key-file FILE)", EXIT_NO_TOKEN)
+    return key, False
+
+
+def cli_mcp(data_dir: Path, args: argparse.Namespace) -> int:
+    """``outpost mcp``: serve the tools its credential allows on stdio until the client hangs up."""
+    import anyio
+    from mcp.server.mcpserver import MCPServer
+    credential, in_run = mcp_credential(args)
+    client = Client(args.url or os.environ.get("OUTPOST_API_URL") or daemon_url(data_dir, None), credential)
+    if in_run:
+        run = client.call("GET", "/api/agent/run")
+        tools, names = AgentTools(client, run.get("task_id")), OFFICE_RUN_TOOLS if run["office"] else RUN_TOOLS
+    else:
+        client.call("GET", "/v1/outpost/proposals?limit=1")   # a bad or revoked key stops here, in one line
+        tools, names = AgentTools(client), PROPOSER_TOOLS
+    server = MCPServer("outpost", instructions="Outpost, the scheduler that runs coding agents: "
+                       + ("your run's tools." if in_run else "look at schedules and runs, and propose changes a "
+                          "human confirms."), log_level="WARNING")
+    for name in names:
+        server.add_tool(getattr(tools, name), name=name)
+    anyio.run(server.run_stdio_async, backend="trio")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="outpost", description="Durable scheduler for coding agents.")
     parser.add_argument("--data-dir", type=Path, default=None, help="state directory (default $OUTPOST_DATA_DIR "
@@ -13278,6 +14113,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("doctor", help="check each agent profile: binary, version, login")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p = sub.add_parser("mcp", help="Outpost's tools for an agent, as a stdio MCP server (a proposer key in "
+                       "$OUTPOST_KEY, or a run's token inside a run)")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("--url", default=None, help=URL_HELP)
+    p.add_argument("--key-file", default=None, help="read the proposer key from this file instead of $OUTPOST_KEY")
+    p = sub.add_parser("keys", help="proposer keys for your own agents: create, list, revoke")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("action", choices=("create", "list", "revoke"))
+    p.add_argument("name", nargs="?", help="revoke: the key's name")
+    p.add_argument("--proposer", action="store_true", help="create: a key that may look and propose, never decide")
+    p.add_argument("--name", dest="key_name", default=None, help="create: the key's name (default agent-<hex>)")
+    p.add_argument("--url", default=None, help=URL_HELP)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("proposals", help="what your agents proposed: list, show, confirm, decline")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
+    p.add_argument("action", choices=("list", "show", "confirm", "decline"))
+    p.add_argument("id", nargs="?", help="the proposal (prp_...)")
+    p.add_argument("--note", default=None, help="decline: why, for the agent that proposed it")
+    p.add_argument("--state", default=None, help="list: only pending, confirmed, declined or stale")
+    p.add_argument("--url", default=None, help=URL_HELP)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
     demo.add_argument("--resume", metavar="SESSION_ID", help="continue this session (Office resumes)")
     for name, actions in (("schedules", ("list", "show", "create", "edit", "fire", "pause", "resume", "archive")),
@@ -13346,6 +14202,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "gc":
             cli_gc(cli_client(data_dir, args.url), args)
+            return 0
+        if args.command == "mcp":
+            return cli_mcp(data_dir, args)
+        if args.command in ("keys", "proposals"):
+            (cli_keys if args.command == "keys" else cli_proposals)(cli_client(data_dir, args.url), args)
             return 0
         if args.target is None and args.action not in ("list",):
             raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)

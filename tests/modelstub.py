@@ -42,8 +42,28 @@ What it speaks, and where the shapes come from (the providers' public API docume
   https://ai.google.dev/gemini-api/docs/troubleshooting , https://ai.google.dev/gemini-api/docs/rate-limits
 
 Scenarios: success, tool (the model asks to run ``git push origin HEAD``, which an unattended
-run may not), 401, 403, 429, 529 (overloaded), credits (out of credits or quota), bad-key
+run may not), calls (below), 401, 403, 429, 529 (overloaded), credits (out of credits or quota), bad-key
 (Gemini's API_KEY_INVALID), token-limit (the reply is cut at max tokens).
+
+calls: the model runs a script of tool calls written in the user's prompt, one a line,
+``stub-call: <tool> <json object of arguments>``. Stateless like the rest: on each request it
+counts the tool results the conversation holds (Anthropic ``tool_result`` blocks, Responses
+``function_call_output``/``custom_tool_call_output`` items, Gemini ``functionResponse`` parts) and
+makes call n of the script, else answers REPLY and then one line per tool result's text (so a test
+reads in the final message what the tools answered). The tool is the offered one named ``<tool>``,
+or ending with ``__<tool>``, or with ``_<tool>`` (Claude Code offers an MCP server's tools as
+``mcp__<server>__<tool>``, Gemini CLI as ``mcp_<server>_<tool>``, Codex as functions ``<tool>`` in a
+``{"type": "namespace", "name": "mcp__<server>"}`` tool, called with ``"namespace"``); none, and the
+model answers ``no tool <tool> offered``. Codex's code-mode models (``tool_mode`` code_mode_only in
+its model catalog, its default model among them) are offered no MCP tool directly, only the
+custom tool ``exec`` that runs JavaScript calling ``tools.<name>`` (names in ``ALL_TOOLS``): the
+model calls ``exec`` with a script that finds the tool there by the same rule and prints its text.
+``stub.calls`` lists each call the model made and each tool result it was given
+(``{"api", "kind": "call" | "result", "tool", "arguments" | "text"}``).
+Tool calls: Anthropic ``tool_use`` blocks (input_json_delta), https://platform.claude.com/docs/en/
+agents-and-tools/tool-use/implement-tool-use ; Responses ``function_call`` and ``custom_tool_call``
+items, https://platform.openai.com/docs/guides/function-calling ; Gemini ``functionCall`` parts,
+https://ai.google.dev/gemini-api/docs/function-calling
 """
 from __future__ import annotations
 
@@ -68,7 +88,8 @@ USAGE = {"input_tokens": 1200, "output_tokens": 345, "cache_read_input_tokens": 
 DENIED_COMMAND = "git push origin HEAD"
 #: How far ahead the stub's limits reset.
 RESET_IN_S = 3 * 3600
-SCENARIOS = ("success", "tool", "401", "403", "429", "429-weekly", "529", "credits", "spend", "bad-key", "token-limit")
+SCENARIOS = ("success", "tool", "calls", "401", "403", "429", "429-weekly", "529", "credits", "spend", "bad-key",
+             "token-limit")
 
 
 class ModelStub:
@@ -77,6 +98,10 @@ class ModelStub:
     def __init__(self) -> None:
         self.scenario = "success"   # for a request that names none
         self.requests: list[dict] = []
+        #: The ``calls`` scenario's tool calls and the tool results they got (see the module's doc).
+        self.calls: list[dict] = []
+        self._results_seen: set[tuple] = set()
+        self._lock = threading.Lock()
         #: The wait a rate limit names (OpenAI's "try again in Ns" and retry-after); the CLIs retry
         #: after it before they give up, so the tests keep it short.
         self.retry_after_s = 20.0
@@ -165,9 +190,41 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _record(self, api: str, body: dict) -> None:
-        tools = [t.get("name") or t.get("type") for t in body.get("tools") or [] if isinstance(t, dict)]
+        tools = [t["name"] for t in _offered_tools(api, body)]
         self.stub.requests.append({"api": api, "path": self.path, "scenario": self.scenario,
                                    "model": body.get("model"), "tools": tools, "at": time.time()})
+
+    def _calls_turn(self, api: str, body: dict) -> tuple[dict | None, str]:
+        """The ``calls`` scenario's next move: (the call to make, "") or (None, the text to answer)."""
+        script, results = _script(api, body), _tool_results(api, body)
+        with self.stub._lock:
+            for result in results:
+                if result["key"] not in self.stub._results_seen:
+                    self.stub._results_seen.add(result["key"])
+                    self.stub.calls.append({"api": api, "kind": "result", "tool": result["tool"],
+                                            "text": result["text"]})
+        missing = next((r["missing"] for r in results if r.get("missing")), None)
+        if missing:   # code mode's script found no such tool
+            return None, f"no tool {missing} offered"
+        if len(results) >= len(script):
+            return None, "\n".join([REPLY, *(r["text"] for r in results)])
+        tool, arguments = script[len(results)]
+        if arguments is None:
+            return None, f"stub-call {tool}: the arguments are no JSON object"
+        offered = _offered_tools(api, body)
+        found = _match(tool, offered)
+        if found is None and api == "responses":   # Codex's code mode: the tools are behind `exec`
+            found = next((t for t in offered if t["type"] == "custom" and t["call"] == "exec"), None)
+            if found is not None:
+                found = {**found, "code": _code_mode_call(tool, arguments)}
+        if found is None:
+            return None, f"no tool {tool} offered"
+        call = {"api": api, "kind": "call", "tool": found["name"], "arguments": arguments}
+        if "code" in found:
+            call |= {"wants": tool, "code": found["code"]}
+        with self.stub._lock:
+            self.stub.calls.append(call)
+        return {**found, "arguments": arguments}, ""
 
     def do_HEAD(self) -> None:
         self._send(200, b"")
@@ -226,6 +283,8 @@ class _Handler(BaseHTTPRequestHandler):
         model = body.get("model") or "claude-stub"
         message_id = "msg_" + uuid.uuid4().hex[:24]
         tool_turn = scenario == "tool" and not _answered_a_tool(body)
+        call, text = self._calls_turn("anthropic", body) if scenario == "calls" else (None, REPLY)
+        tool_turn = tool_turn or call is not None
         usage = {"input_tokens": USAGE["input_tokens"], "cache_creation_input_tokens": 0,
                  "cache_read_input_tokens": USAGE["cache_read_input_tokens"], "output_tokens": 1}
         if scenario == "token-limit":
@@ -233,14 +292,15 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             stop = "tool_use" if tool_turn else "end_turn"
         if tool_turn:
-            block = {"type": "tool_use", "id": "toolu_01" + uuid.uuid4().hex[:22], "name": "Bash", "input": {}}
-            delta = {"type": "input_json_delta",
-                     "partial_json": json.dumps({"command": DENIED_COMMAND, "description": "Push the branch"})}
+            name, arguments = ((call["call"], call["arguments"]) if call else
+                               ("Bash", {"command": DENIED_COMMAND, "description": "Push the branch"}))
+            block = {"type": "tool_use", "id": "toolu_01" + uuid.uuid4().hex[:22], "name": name, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(arguments)}
         else:
-            block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": REPLY}
+            block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": text}
         if not body.get("stream"):
             content = ([{**block, "input": json.loads(delta["partial_json"])}] if tool_turn
-                       else [{"type": "text", "text": REPLY}])
+                       else [{"type": "text", "text": text}])
             return self._send(200, {"id": message_id, "type": "message", "role": "assistant", "model": model,
                                     "content": content, "stop_reason": stop, "stop_sequence": None,
                                     "usage": {**usage, "output_tokens": USAGE["output_tokens"]}})
@@ -326,11 +386,23 @@ class _Handler(BaseHTTPRequestHandler):
         response_id = "resp_" + uuid.uuid4().hex[:24]
         tool = self.scenario == "tool" and not any(
             isinstance(item, dict) and item.get("type") == "function_call_output" for item in body.get("input", []))
+        call, text = self._calls_turn("responses", body) if self.scenario == "calls" else (None, REPLY)
         usage = {"input_tokens": USAGE["input_tokens"],
                  "input_tokens_details": {"cached_tokens": USAGE["cache_read_input_tokens"] // 5},
                  "output_tokens": USAGE["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": USAGE["input_tokens"] + USAGE["output_tokens"]}
-        if tool:
+        if call is not None:
+            tool = True
+            ids = {"id": "fc_" + uuid.uuid4().hex[:24], "status": "completed",
+                   "call_id": "call_" + uuid.uuid4().hex[:24]}
+            if call["type"] == "custom":   # a freeform tool: its input is text (code mode's is JavaScript)
+                item = {"type": "custom_tool_call", **ids, "name": call["call"],
+                        "input": call.get("code") or str(call["arguments"].get("input", ""))}
+            else:
+                item = {"type": "function_call", **ids, "name": call["call"],
+                        **({"namespace": call["namespace"]} if call["namespace"] else {}),
+                        "arguments": json.dumps(call["arguments"])}
+        elif tool:
             names = {t.get("name") for t in body.get("tools", []) if isinstance(t, dict)}
             name = "shell" if "shell" in names else "exec_command" if "exec_command" in names else "shell"
             arguments = ({"command": ["bash", "-lc", DENIED_COMMAND]} if name == "shell"
@@ -339,7 +411,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "call_id": "call_" + uuid.uuid4().hex[:24], "name": name, "arguments": json.dumps(arguments)}
         else:
             item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "completed",
-                    "role": "assistant", "content": [{"type": "output_text", "text": REPLY, "annotations": []}]}
+                    "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": []}]}
         started = {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
                    "model": model, "output": [], "usage": None}
         done = {**started, "status": "completed", "output": [item], "usage": usage}
@@ -353,11 +425,11 @@ class _Handler(BaseHTTPRequestHandler):
             events += [("response.content_part.added", {"item_id": item["id"], "output_index": 0,
                                                         "content_index": 0, "part": part}),
                        ("response.output_text.delta", {"item_id": item["id"], "output_index": 0,
-                                                       "content_index": 0, "delta": REPLY}),
+                                                       "content_index": 0, "delta": text}),
                        ("response.output_text.done", {"item_id": item["id"], "output_index": 0,
-                                                      "content_index": 0, "text": REPLY}),
+                                                      "content_index": 0, "text": text}),
                        ("response.content_part.done", {"item_id": item["id"], "output_index": 0,
-                                                       "content_index": 0, "part": {**part, "text": REPLY}})]
+                                                       "content_index": 0, "part": {**part, "text": text}})]
         events += [("response.output_item.done", {"output_index": 0, "item": item}),
                    ("response.completed", {"response": done})]
         if not body.get("stream"):
@@ -432,6 +504,10 @@ class _Handler(BaseHTTPRequestHandler):
                                         "next_speaker": "user"})}
         elif scenario == "tool" and not _answered_a_gemini_call(body):
             part = {"functionCall": {"name": "run_shell_command", "args": {"command": DENIED_COMMAND}}}
+        elif scenario == "calls":
+            call, text = self._calls_turn("gemini", body)
+            part = ({"functionCall": {"id": "call_" + uuid.uuid4().hex[:16], "name": call["call"],
+                                      "args": call["arguments"]}} if call else {"text": text})
         else:
             part = {"text": REPLY}
         tokens_in, tokens_out = (100, 20) if wants_json else (USAGE["input_tokens"], USAGE["output_tokens"])
@@ -457,6 +533,175 @@ def _answered_a_tool(body: dict) -> bool:
 def _answered_a_gemini_call(body: dict) -> bool:
     return any(isinstance(c, dict) and any(isinstance(p, dict) and "functionResponse" in p for p in c.get("parts", []))
                for c in body.get("contents") or [])
+
+
+#: A line of the ``calls`` scenario's script.
+_CALL_LINE = re.compile(r"^[ \t]*stub-call:[ \t]*(\S+)[ \t]*(.*?)[ \t]*$", re.MULTILINE)
+
+
+def _texts(content) -> list[str]:
+    """The text in a message's content: a string, or parts with ``text`` (text, input_text, output_text)."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, dict):
+        content = [content]
+    return [c["text"] for c in content or [] if isinstance(c, dict) and isinstance(c.get("text"), str)
+            and c.get("type", "text") in ("text", "input_text", "output_text")]
+
+
+def _user_texts(api: str, body: dict) -> list[str]:
+    """What the user wrote, in the order of the conversation (tool results are no user text)."""
+    if api == "gemini":
+        return [p["text"] for c in body.get("contents") or [] if isinstance(c, dict) and c.get("role", "user") == "user"
+                for p in c.get("parts") or [] if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    if api == "responses":
+        items = body.get("input")
+        if isinstance(items, str):
+            return [items]
+        return [text for item in items or [] if isinstance(item, dict) and item.get("role") == "user"
+                and item.get("type", "message") == "message" for text in _texts(item.get("content"))]
+    return [text for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") == "user"
+            for text in _texts(m.get("content"))]
+
+
+def _script(api: str, body: dict) -> list[tuple[str, dict | None]]:
+    """The ``calls`` scenario's script: (tool, its arguments, None if they are no JSON object)."""
+    script = []
+    for text in _user_texts(api, body):
+        for tool, raw in _CALL_LINE.findall(text):
+            try:
+                arguments = json.loads(raw or "{}")
+            except ValueError:
+                arguments = None
+            script.append((tool, arguments if isinstance(arguments, dict) else None))
+    return script
+
+
+def _offered_tools(api: str, body: dict) -> list[dict]:
+    """The tools a request offers: ``name`` (a namespace's tools as ``<namespace>__<tool>``, the names
+    Codex gives them), ``call`` and ``namespace`` (what a call names), ``type`` (function, custom, ...)."""
+    offered: list[dict] = []
+
+    def add(tools, namespace: str | None = None) -> None:
+        for t in tools or []:
+            if not isinstance(t, dict):
+                continue
+            if isinstance(t.get("functionDeclarations"), list):   # Gemini
+                for d in t["functionDeclarations"]:
+                    if isinstance(d, dict) and d.get("name"):
+                        offered.append({"name": d["name"], "call": d["name"], "namespace": None, "type": "function"})
+                continue
+            if t.get("type") == "namespace" and isinstance(t.get("tools"), list):   # Responses (Codex)
+                add(t["tools"], t.get("name"))
+                continue
+            if isinstance(t.get("function"), dict):   # Chat Completions
+                t = {**t["function"], "type": "function"}
+            name = t.get("name")
+            if not name:   # a built-in: Responses' web_search, Gemini's googleSearch
+                name = t.get("type") or next(iter(t), "?")
+                offered.append({"name": name, "call": name, "namespace": None, "type": "builtin"})
+                continue
+            offered.append({"name": f"{namespace}__{name}" if namespace else name, "call": name,
+                            "namespace": namespace, "type": t.get("type", "function")})
+
+    add(body.get("tools"))
+    if api == "responses" and isinstance(body.get("input"), list):   # Codex's additional_tools input items
+        for item in body["input"]:
+            if isinstance(item, dict) and item.get("type") == "additional_tools":
+                add(item.get("tools"))
+    return offered
+
+
+def _match(tool: str, offered: list[dict]) -> dict | None:
+    for fits in (lambda n: n == tool, lambda n: n.endswith(f"__{tool}"), lambda n: n.endswith(f"_{tool}")):
+        found = next((t for t in offered if t["type"] != "builtin" and fits(t["name"])), None)
+        if found:
+            return found
+    return None
+
+
+def _code_mode_call(tool: str, arguments: dict) -> str:
+    """The JavaScript for Codex's ``exec`` that calls ``tool``: found in ALL_TOOLS by the rule of _match,
+    its text printed as a JSON line the stub reads back (``stub_tool``, ``text``; ``missing`` if none).
+    An MCP tool answers a CallToolResult (its text parts are the text), a built-in one an object
+    (its ``output``, else the whole object)."""
+    return (f"const want = {json.dumps(tool)}, args = {json.dumps(arguments)};\n"
+            "const names = ALL_TOOLS.map((t) => t.name);\n"
+            "const name = names.find((n) => n === want) ?? names.find((n) => n.endsWith(`__${want}`))\n"
+            "  ?? names.find((n) => n.endsWith(`_${want}`));\n"
+            "if (name === undefined) {\n"
+            "  text(JSON.stringify({stub_tool: null, missing: want}));\n"
+            "} else {\n"
+            "  try {\n"
+            "    const r = await tools[name](args);\n"
+            "    const said = typeof r === \"string\" ? r\n"
+            "      : Array.isArray(r?.content)\n"
+            "        ? r.content.filter((c) => c.type === \"text\").map((c) => c.text).join(\"\\n\")\n"
+            "      : typeof r?.output === \"string\" ? r.output : JSON.stringify(r);\n"
+            "    text(JSON.stringify({stub_tool: name, text: said, is_error: !!r?.isError}));\n"
+            "  } catch (e) {\n"
+            "    text(JSON.stringify({stub_tool: name, text: String(e), is_error: true}));\n"
+            "  }\n"
+            "}\n")
+
+
+def _tool_results(api: str, body: dict) -> list[dict]:
+    """The tool results a conversation holds, in order: ``key`` (to record each once), ``tool``, ``text``
+    (and ``missing``: code mode found no such tool)."""
+    results: list[dict] = []
+    if api == "anthropic":
+        names = {}
+        for m in body.get("messages") or []:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), list):
+                continue
+            for c in m["content"]:
+                if not isinstance(c, dict):
+                    continue
+                if c.get("type") == "tool_use":
+                    names[c.get("id")] = c.get("name")
+                elif c.get("type") == "tool_result":
+                    results.append({"key": ("anthropic", c.get("tool_use_id")), "tool": names.get(c.get("tool_use_id")),
+                                    "text": "\n".join(_texts(c.get("content")))})
+    elif api == "responses":
+        names = {}
+        for item in body.get("input") if isinstance(body.get("input"), list) else []:
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type")
+            if kind in ("function_call", "custom_tool_call"):
+                ns = item.get("namespace")
+                names[item.get("call_id")] = f"{ns}__{item.get('name')}" if ns else item.get("name")
+            elif kind in ("function_call_output", "custom_tool_call_output"):
+                output = item.get("output")
+                texts = _texts(output.get("content") if isinstance(output, dict) else output)
+                result = {"key": ("responses", item.get("call_id")), "tool": names.get(item.get("call_id")),
+                          "text": "\n".join(texts)}
+                for text in texts:   # code mode: the line the stub's script printed
+                    try:
+                        said = json.loads(text)
+                    except ValueError:
+                        continue
+                    if isinstance(said, dict) and "stub_tool" in said:
+                        result |= {"tool": said["stub_tool"] or result["tool"], "text": said.get("text") or "",
+                                   **({"missing": said["missing"]} if said.get("missing") else {})}
+                results.append(result)
+    elif api == "gemini":
+        for c in body.get("contents") or []:
+            for p in (c.get("parts") or []) if isinstance(c, dict) else []:
+                if isinstance(p, dict) and isinstance(p.get("functionResponse"), dict):
+                    r = p["functionResponse"]
+                    response = r.get("response")
+                    if isinstance(response, dict) and isinstance(response.get("output"), str):
+                        text = response["output"]
+                    elif isinstance(response, dict) and isinstance(response.get("error"), str):
+                        text = response["error"]
+                    elif isinstance(response, dict) and isinstance(response.get("content"), list):
+                        text = "\n".join(_texts(response["content"]))
+                    else:
+                        text = json.dumps(response)
+                    results.append({"key": ("gemini", r.get("id") or (r.get("name"), len(results), text)),
+                                    "tool": r.get("name"), "text": text})
+    return results
 
 
 def _anthropic_error(kind: str, message: str) -> dict:
