@@ -41,8 +41,11 @@ def fill(store: outpost.Store, repo: Path) -> dict[str, str]:
     routine = call(store, store.routines.create_routine, None,
                    outpost.normalize_routine({"name": "nightly", "assignee_agent_id": agent_id}),
                    [outpost.normalize_trigger({"kind": "webhook", "signing_mode": "hmac_sha256"}, 0, T0, "UTC")], T0)
+    definition = normalized(repo, name="proposed")
+    proposal = call(store, store.access.create_proposal, "create", None, {"definition": definition}, None,
+                    {**outpost.composed(definition, T0, definition["timing"]), "name": "proposed"}, "my-agent", T0)
     return {"schedule_id": schedule_id, "run_id": run_id, "agent_id": agent_id, "task_id": task_id,
-            "routine_id": routine["id"], "office_run_id": office_run_id}
+            "routine_id": routine["id"], "office_run_id": office_run_id, "proposal_id": proposal["id"]}
 
 
 def path_of(rule: str, ids: dict[str, str]) -> str:
@@ -66,14 +69,14 @@ async def test_the_settings_page_names_the_embedded_repository_while_none_is_set
 
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
-    assert len(PAGES) == 22
+    assert len(PAGES) == 24
 
 
 @pytest.mark.parametrize("rule", PAGES)
 async def test_a_page_redirects_to_sign_in_when_signed_out(dashboard, rule):
     client = outpost.create_app(dashboard).test_client()
     response = await client.get(path_of(rule, dict.fromkeys(("schedule_id", "run_id", "agent_id", "task_id",
-                                                              "routine_id", "office_run_id"), "x")))
+                                                              "routine_id", "office_run_id", "proposal_id"), "x")))
     assert response.status_code == 302
     assert response.headers["Location"].startswith("/signin?next=")
 
@@ -82,7 +85,8 @@ async def test_a_page_redirects_to_sign_in_when_signed_out(dashboard, rule):
 async def test_a_page_answers_on_an_empty_database(dashboard, rule):
     client = outpost.create_app(dashboard).test_client()
     sign_in_client(client, dashboard.store, T0)
-    missing = dict.fromkeys(("schedule_id", "run_id", "agent_id", "task_id", "routine_id", "office_run_id"),
+    missing = dict.fromkeys(("schedule_id", "run_id", "agent_id", "task_id", "routine_id", "office_run_id",
+                             "proposal_id"),
                             "no_such_id")
     response = await client.get(path_of(rule, missing), headers={"Accept": "text/html"})
     expected = (404,) if "<" in rule else (200, 302)   # "/" and "/office" redirect to their first page
@@ -102,7 +106,7 @@ async def test_a_page_answers_on_a_filled_database(dashboard, tmp_path, rule):
         return
     page = await response.get_data(as_text=True)
     assert response.status_code == 200, (rule, page[:500])
-    for name in ("schedule_id", "run_id", "agent_id", "task_id", "routine_id"):
+    for name in ("schedule_id", "run_id", "agent_id", "task_id", "routine_id", "proposal_id"):
         if f"<{name}>" in rule:
             assert ids["office_run_id" if rule.startswith("/office/runs/") else name] in page
 
@@ -198,6 +202,16 @@ async def test_every_form_answers_303_to_a_get_page_and_a_secret_shows_once(dash
     rerun = await forms.post("/runs/<run_id>/rerun", f"/runs/{fired_run}/rerun")
     assert re.fullmatch(r"/runs/\w+\?done=rerun", rerun)
     assert await forms.post("/agents/<name>/resume", "/agents/demo/resume") == "/agents?done=resumed"
+    # Proposals: a person's agent proposed; a human confirms one (its schedule opens), declines another.
+    pid = ids["proposal_id"]
+    confirmed = await forms.post("/proposals/<proposal_id>/confirm", f"/proposals/{pid}/confirm")
+    assert re.fullmatch(r"/schedules/\w+\?done=created", confirmed)
+    assert call(store, store.access.get_proposal, pid, T0)["state"] == "confirmed"
+    edited = normalized(repo, name="prg edited")
+    second = call(store, store.access.create_proposal, "change", new_id, {"changes": {"brief": "Other."}}, 3,
+                  {**outpost.composed(edited, T0, edited["timing"]), "name": "prg edited", "diff": []}, "x", T0)
+    assert await forms.post("/proposals/<proposal_id>/decline", f"/proposals/{second['id']}/decline",
+                            note="no") == f"/proposals/{second['id']}?done=proposal_declined"
     item = call(store, store.list_attention, True)[0]["id"]
     assert await forms.post("/attention/<attention_id>/ack", f"/attention/{item}/ack") == "/attention?done=acked"
     assert await forms.post("/attention/ack-all", "/attention/ack-all") == "/attention?done=acked_all"
