@@ -714,6 +714,7 @@ class Reading:
     failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
     result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
     ends_with_result: bool = False        # its CLI always ends with a terminal event (Preset.read): none is no result
+    tools_error: str | None = None        # Outpost's own MCP server did not start (Claude's init event says)
 
 
 REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cost_usd", "input_tokens",
@@ -791,6 +792,12 @@ def read_claude(lines: list[str]) -> Reading:
             reading.session_id = _string(e.get("session_id")) or reading.session_id
             reading.model = _string(e.get("model")) or reading.model
             reading.agent_version = _string(e.get("claude_code_version")) or reading.agent_version
+            servers = e.get("mcp_servers") if isinstance(e.get("mcp_servers"), list) else []
+            down = [s for s in servers if isinstance(s, dict) and s.get("name") == "outpost"
+                    and s.get("status") not in ("connected", None)]
+            if down:   # the agent could not act on Outpost: never a success (docs/agent-clis.md)
+                status = _string(down[0]["status"])
+                reading.tools_error = f"Outpost's tools did not start (MCP server outpost: {status})"
         elif kind == "assistant":
             content = (e.get("message") or {}).get("content") if isinstance(e.get("message"), dict) else None
             texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
@@ -1181,6 +1188,15 @@ def _content_text(content: Any) -> str:
     return content if isinstance(content, str) else "" if content is None else json.dumps(content)
 
 
+def mcp_tool_name(name: Any) -> str:
+    """A tool's name as a transcript shows it: an MCP server's tool as ``server.tool`` (Claude Code
+    calls it ``mcp__outpost__comment``, Gemini CLI ``mcp_outpost_comment``), others as they are."""
+    text = clip(name, 100) if isinstance(name, str) else ""
+    if m := re.fullmatch(r"mcp__([\w-]+?)__(\w+)|mcp_(outpost)_(\w+)", text):
+        return f"{m[1] or m[3]}.{m[2] or m[4]}"
+    return text
+
+
 def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Claude Code stream-json: ``assistant`` text, thinking and tool_use blocks; ``user``
     tool_result blocks (or the prompt); the ``result`` with its cost."""
@@ -1199,7 +1215,7 @@ def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
             elif block == "thinking":
                 yield {"kind": "thinking", "text": clip(c.get("thinking"), TRANSCRIPT_MESSAGE_CHARS)}
             elif block == "tool_use":
-                yield {"kind": "tool", "name": clip(c.get("name"), 100), "text": tool_input_summary(c.get("input"))}
+                yield {"kind": "tool", "name": mcp_tool_name(c.get("name")), "text": tool_input_summary(c.get("input"))}
             elif block == "tool_result":
                 yield {"kind": "tool_result", "error": c.get("is_error") is True,
                        "text": clip(_content_text(c.get("content")), TRANSCRIPT_TOOL_RESULT_CHARS)}
@@ -1260,7 +1276,8 @@ def _gemini_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {"kind": "message", "role": e["role"], "text": clip(e.get("content"), TRANSCRIPT_MESSAGE_CHARS),
                "delta": e.get("delta") is True}
     elif kind == "tool_use":
-        yield {"kind": "tool", "name": clip(e.get("tool_name"), 100), "text": tool_input_summary(e.get("parameters"))}
+        yield {"kind": "tool", "name": mcp_tool_name(e.get("tool_name")),
+               "text": tool_input_summary(e.get("parameters"))}
     elif kind == "tool_result":
         error = e.get("error") if isinstance(e.get("error"), dict) else {}
         yield {"kind": "tool_result", "error": e.get("status") != "success",
@@ -1326,6 +1343,10 @@ class ToolServer:
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     folder: Path
+    #: MCP servers the CLI's own config files name (Codex: they are disabled for the run).
+    others: tuple[str, ...] = ()
+    #: Gemini CLI's system settings file for the run (see gemini_settings).
+    system_settings: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1335,36 +1356,55 @@ class ToolWiring:
     argv: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: What must be at ``ToolServer.system_settings`` (Gemini CLI's system settings), or None.
+    system_settings: dict[str, Any] | None = None
 
 
 def claude_tools(argv: list[str], server: ToolServer) -> ToolWiring:
     """Claude Code: only the servers of --mcp-config (a committed .mcp.json adds none), Outpost's
-    tools allowed by server name, the project's settings not read (they could allow a tool)."""
+    tools allowed by server name, the project's settings not read (they could allow a tool).
+    ``alwaysLoad``: connected before the first turn (print mode otherwise starts while the server
+    is still "pending" and offers none of its tools) and never deferred to tool search."""
     config = {"mcpServers": {"outpost": {"type": "stdio", "command": server.command, "args": list(server.args),
-                                         "env": dict(server.env)}}}
+                                         "alwaysLoad": True}}}   # it inherits the CLI's env: token, URL
     return ToolWiring([*argv, "--mcp-config", str(server.folder / "mcp.json"), "--strict-mcp-config",
                        "--allowedTools", "mcp__outpost", "--setting-sources", "user"],
-                      files={"mcp.json": json.dumps(config)})
+                      {"MCP_CONNECT_TIMEOUT_MS": "30000"}, {"mcp.json": json.dumps(config)})
 
 
 def codex_tools(argv: list[str], server: ToolServer) -> ToolWiring:
-    """Codex: the one MCP server table given whole with -c, before ``resume`` and ``-`` (a
-    project's config.toml cannot add to it); its tools approved; the variables forwarded by name."""
-    table = {"command": server.command, "args": list(server.args), "env_vars": [k for k, _ in server.env],
-             "default_tools_approval_mode": "approve", "required": True, "startup_timeout_sec": 60}
-    entries = ", ".join(f"{k} = {json.dumps(v)}" for k, v in table.items())   # JSON values are TOML ones here
+    """Codex: Outpost's server by -c overrides (they win over every config file), its tools
+    approved, required (the run fails when it cannot start), its two variables set by value so no
+    config layer can point them elsewhere; every other server a config names (``server.others``)
+    disabled; the agent's shell commands get no OUTPOST_ variable."""
+    table = {"command": server.command, "args": list(server.args), "env_vars": [],
+             "default_tools_approval_mode": "approve", "required": True, "startup_timeout_sec": 60,
+             "enabled": True, **{f"env.{k}": v for k, v in server.env}}
+    flags = [f"mcp_servers.outpost.{k}={json.dumps(v)}" for k, v in table.items()]   # JSON values are TOML here
+    flags += [f"mcp_servers.{json.dumps(name)}.enabled=false" for name in server.others if name != "outpost"]
+    flags.append('shell_environment_policy.exclude=["OUTPOST_*"]')
     at = argv.index("exec") + 1 if "exec" in argv else min(1, len(argv))
-    return ToolWiring([*argv[:at], "-c", f"mcp_servers={{ outpost = {{ {entries} }} }}", *argv[at:]])
+    return ToolWiring([*argv[:at], *(x for flag in flags for x in ("-c", flag)), *argv[at:]])
+
+
+def gemini_settings(server: ToolServer) -> dict[str, Any]:
+    """Gemini CLI's system settings for a run: Outpost's server trusted (no confirmation), its
+    variables expanded by Gemini from the run's env, and what a trusted project's
+    .gemini/settings.json could widen set back (system settings win over it; arrays replace)."""
+    return {"mcpServers": {"outpost": {"command": server.command, "args": list(server.args), "trust": True,
+                                       "timeout": 60_000, "env": {k: f"${k}" for k, _ in server.env}}},
+            "mcp": {"allowed": ["outpost"], "excluded": [], "serverCommand": ""},
+            "tools": {"allowed": [], "discoveryCommand": "", "callCommand": ""}, "hooksConfig": {"enabled": False}}
 
 
 def gemini_tools(argv: list[str], server: ToolServer) -> ToolWiring:
-    """Gemini CLI: system settings (they win over a project's .gemini/settings.json) with Outpost's
-    server trusted (no confirmation) and the only one allowed."""
-    settings = {"mcpServers": {"outpost": {"command": server.command, "args": list(server.args),
-                                           "env": {k: f"${k}" for k, _ in server.env}, "trust": True}},
-                "mcp": {"allowed": ["outpost"]}}
-    path = server.folder / "gemini-system-settings.json"
-    return ToolWiring(argv, {"GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(path)}, {path.name: json.dumps(settings)})
+    """Gemini CLI: system settings (``gemini_settings``), which it reads only from a file that root
+    owns in folders root owns (``server.system_settings``); only Outpost's server may start, and
+    the policy paths a project names are replaced by an empty folder of the run's."""
+    policies = server.folder / "gemini-policies"
+    return ToolWiring([*argv, "--allowed-mcp-server-names", "outpost", "--policy", str(policies), "--admin-policy",
+                       str(policies)], {"GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(server.system_settings)},
+                      {"gemini-policies/.keep": ""}, gemini_settings(server))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -2835,6 +2875,8 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
     tail = stderr_tail.strip()[-ERROR_TAIL_BYTES:]
     if timed_out:
         return failed("timeout" + (f": {tail}" if tail else ""), "timeout", reading)
+    if reading.tools_error:   # its agent could not act on Outpost: never a success (docs/agent-clis.md)
+        return failed(reading.tools_error, "launch", reading)
     if exit_code == 0 and reading.verdict == "needs_you":
         return Outcome(RunStatus.NEEDS_YOU, None, question=reading.question, reading=reading)
     if exit_code == 0 and reading.verdict in ("succeeded", None) and not (
@@ -10003,6 +10045,74 @@ def run_workspace(deps: Deps, plan: RunPlan) -> Path:
                          plan.result_branch if plan.office and plan.task_id else None)
 
 
+def outpost_tool_server(token: str, api_url: str, folder: Path) -> ToolServer:
+    """``outpost mcp`` as a run's CLI starts it: this Python in isolated mode (``-I``: no
+    PYTHONPATH or user site a project's config could set), this outpost.py."""
+    return ToolServer(sys.executable, ("-I", str(Path(__file__).resolve()), "mcp"),
+                      (("OUTPOST_RUN_TOKEN", token), ("OUTPOST_API_URL", api_url)), folder)
+
+
+#: Where an admin installs Gemini CLI's settings for Outpost's runs when the daemon is not root
+#: (Gemini reads system settings only from a file root owns: ``outpost gemini-settings``).
+GEMINI_SETTINGS_INSTALLED = Path("/etc/outpost/gemini-settings.json")
+
+
+def root_owned(path: Path) -> bool:
+    """Whether ``path`` and every folder above it belong to root and only root may write them."""
+    try:
+        return all((st := p.stat()).st_uid == 0 and not st.st_mode & 0o022 for p in (path, *path.parents))
+    except OSError:
+        return False
+
+
+def tool_server(deps: Deps, private: Path, cwd: Path, workspace: Path, token: str) -> ToolServer:
+    """Outpost's MCP server for one run (docs/agent-clis.md): ``outpost mcp`` in isolated mode
+    (``python -I``: no PYTHONPATH a project's config could set), the MCP servers Codex's config
+    files name (disabled for the run), and Gemini CLI's system settings, written into the run's
+    private folder when the daemon is root, else the file an admin installed; LaunchError when
+    Gemini would not read it (it would run without the tools and the agent could not act)."""
+    server = outpost_tool_server(token, deps.api_url, private)
+    configs = [Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex") / "config.toml",
+               *(d / ".codex" / "config.toml" for d in (cwd, *cwd.parents) if d.is_relative_to(workspace))]
+    others: list[str] = []
+    for config in configs:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            others += list(tomllib.loads(config.read_text()).get("mcp_servers", {}))
+    settings = private / "gemini-system-settings.json"
+    if os.geteuid() != 0:
+        settings = GEMINI_SETTINGS_INSTALLED
+    return dataclasses.replace(server, others=tuple(dict.fromkeys(others)), system_settings=settings)
+
+
+async def wire_tools(deps: Deps, profile: AgentProfile, argv: list[str], env: dict[str, str],
+                     server: ToolServer) -> tuple[list[str], dict[str, str]]:
+    """The run's command line and env with Outpost's MCP server, its files written first."""
+    wiring = profile.kind.tools(argv, server)
+    files = dict(wiring.files)
+    if wiring.system_settings is not None and server.system_settings.parent == server.folder:
+        files[server.system_settings.name] = json.dumps(wiring.system_settings)
+    elif wiring.system_settings is not None:
+        await trio.to_thread.run_sync(check_installed_settings, server.system_settings, wiring.system_settings)
+    for name, text in files.items():
+        (server.folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (server.folder / name).write_text(text)
+    return wiring.argv, env | wiring.env
+
+
+def check_installed_settings(path: Path, wanted: dict[str, Any]) -> None:
+    """A daemon that is not root runs Gemini CLI with the settings file an admin installed: it
+    must be root's and say what ``outpost gemini-settings`` says now, else the run fails saying how."""
+    fix = f"install it once as root: `outpost gemini-settings | sudo install -D -m 0644 /dev/stdin {path}`"
+    if not root_owned(path):
+        raise LaunchError(f"Gemini CLI takes Outpost's tools only from a settings file root owns; {fix}")
+    try:
+        installed = json.loads(path.read_text())
+    except (OSError, ValueError):
+        installed = None
+    if installed != wanted:
+        raise LaunchError(f"{path} is not what this Outpost needs (another install, or an older one); {fix}")
+
+
 def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     """The run's sandbox (docs/security.md), or None when agents are not isolated."""
     if not deps.isolation.active:
@@ -10121,11 +10231,8 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             env = agent_env(profile, dict(os.environ), run_id)
             token = run_token(deps.run_token_key, run_id)
             if profile.kind.tools is not None:   # Outpost's own tools, its MCP server (docs/agent-clis.md)
-                wiring = profile.kind.tools(argv, ToolServer(sys.executable, (str(Path(__file__).resolve()), "mcp"), (
-                    ("OUTPOST_RUN_TOKEN", token), ("OUTPOST_API_URL", deps.api_url)), private))
-                for name, text in wiring.files.items():
-                    (private / name).write_text(text)
-                argv, env = wiring.argv, env | wiring.env
+                argv, env = await wire_tools(deps, profile, argv, env, tool_server(deps, private, cwd, workspace,
+                                                                                   token))
             if sandbox := run_sandbox(deps, plan):
                 await trio.to_thread.run_sync(sandbox.make_home_state)
                 argv, env["TMPDIR"] = sandbox.argv(argv, cwd), "/tmp"
@@ -14118,6 +14225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p.add_argument("--url", default=None, help=URL_HELP)
     p.add_argument("--key-file", default=None, help="read the proposer key from this file instead of $OUTPOST_KEY")
+    p = sub.add_parser("gemini-settings", help=f"print the Gemini CLI settings a daemon that is not root needs in "
+                       f"{GEMINI_SETTINGS_INSTALLED} (root's)")
+    p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p = sub.add_parser("keys", help="proposer keys for your own agents: create, list, revoke")
     p.add_argument("--data-dir", type=Path, default=argparse.SUPPRESS)
     p.add_argument("action", choices=("create", "list", "revoke"))
@@ -14205,6 +14315,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "mcp":
             return cli_mcp(data_dir, args)
+        if args.command == "gemini-settings":   # docs/agent-clis.md: for a daemon that is not root
+            print(json.dumps(gemini_settings(outpost_tool_server("", "", data_dir)), indent=2))
+            return 0
         if args.command in ("keys", "proposals"):
             (cli_keys if args.command == "keys" else cli_proposals)(cli_client(data_dir, args.url), args)
             return 0

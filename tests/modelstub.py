@@ -57,7 +57,8 @@ or ending with ``__<tool>``, or with ``_<tool>`` (Claude Code offers an MCP serv
 model answers ``no tool <tool> offered``. Codex's code-mode models (``tool_mode`` code_mode_only in
 its model catalog, its default model among them) are offered no MCP tool directly, only the
 custom tool ``exec`` that runs JavaScript calling ``tools.<name>`` (names in ``ALL_TOOLS``): the
-model calls ``exec`` with a script that finds the tool there by the same rule and prints its text.
+model calls ``exec`` with a script that finds the tool there by the same rule and prints its text
+(and the names in ALL_TOOLS: the requests after it list them in ``stub.requests[...]["tools"]``).
 ``stub.calls`` lists each call the model made and each tool result it was given
 (``{"api", "kind": "call" | "result", "tool", "arguments" | "text"}``).
 Tool calls: Anthropic ``tool_use`` blocks (input_json_delta), https://platform.claude.com/docs/en/
@@ -191,6 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _record(self, api: str, body: dict) -> None:
         tools = [t["name"] for t in _offered_tools(api, body)]
+        for result in _tool_results(api, body) if api == "responses" else []:   # code mode's nested tools
+            tools += [n for n in result.get("offered", []) if n not in tools]
         self.stub.requests.append({"api": api, "path": self.path, "scenario": self.scenario,
                                    "model": body.get("model"), "tools": tools, "at": time.time()})
 
@@ -203,9 +206,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self.stub._results_seen.add(result["key"])
                     self.stub.calls.append({"api": api, "kind": "result", "tool": result["tool"],
                                             "text": result["text"]})
-        missing = next((r["missing"] for r in results if r.get("missing")), None)
-        if missing:   # code mode's script found no such tool
-            return None, f"no tool {missing} offered"
+        if results and results[-1].get("missing") and _ends_with_a_result(api, body):   # code mode found none
+            return None, f"no tool {results[-1]['missing']} offered"
         if len(results) >= len(script):
             return None, "\n".join([REPLY, *(r["text"] for r in results)])
         tool, arguments = script[len(results)]
@@ -622,7 +624,8 @@ def _match(tool: str, offered: list[dict]) -> dict | None:
 
 def _code_mode_call(tool: str, arguments: dict) -> str:
     """The JavaScript for Codex's ``exec`` that calls ``tool``: found in ALL_TOOLS by the rule of _match,
-    its text printed as a JSON line the stub reads back (``stub_tool``, ``text``; ``missing`` if none).
+    its text printed as a JSON line the stub reads back (``stub_tool``, ``text``; ``missing`` if none;
+    ``tools_offered``, the names in ALL_TOOLS, which the requests that carry it list among their tools).
     An MCP tool answers a CallToolResult (its text parts are the text), a built-in one an object
     (its ``output``, else the whole object)."""
     return (f"const want = {json.dumps(tool)}, args = {json.dumps(arguments)};\n"
@@ -630,7 +633,7 @@ def _code_mode_call(tool: str, arguments: dict) -> str:
             "const name = names.find((n) => n === want) ?? names.find((n) => n.endsWith(`__${want}`))\n"
             "  ?? names.find((n) => n.endsWith(`_${want}`));\n"
             "if (name === undefined) {\n"
-            "  text(JSON.stringify({stub_tool: null, missing: want}));\n"
+            "  text(JSON.stringify({stub_tool: null, missing: want, tools_offered: names}));\n"
             "} else {\n"
             "  try {\n"
             "    const r = await tools[name](args);\n"
@@ -638,11 +641,29 @@ def _code_mode_call(tool: str, arguments: dict) -> str:
             "      : Array.isArray(r?.content)\n"
             "        ? r.content.filter((c) => c.type === \"text\").map((c) => c.text).join(\"\\n\")\n"
             "      : typeof r?.output === \"string\" ? r.output : JSON.stringify(r);\n"
-            "    text(JSON.stringify({stub_tool: name, text: said, is_error: !!r?.isError}));\n"
+            "    text(JSON.stringify({stub_tool: name, text: said, is_error: !!r?.isError, tools_offered: names}));\n"
             "  } catch (e) {\n"
-            "    text(JSON.stringify({stub_tool: name, text: String(e), is_error: true}));\n"
+            "    text(JSON.stringify({stub_tool: name, text: String(e), is_error: true, tools_offered: names}));\n"
             "  }\n"
             "}\n")
+
+
+def _ends_with_a_result(api: str, body: dict) -> bool:
+    """Whether the conversation's latest turn is a tool's result (not a later message: a resumed
+    session's new prompt goes on with the script)."""
+    if api == "anthropic":
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict) and m.get("role") in ("user",
+                                                                                                        "assistant")]
+        last = messages[-1].get("content") if messages else None
+        return isinstance(last, list) and any(isinstance(c, dict) and c.get("type") == "tool_result" for c in last)
+    if api == "responses":
+        items = [i for i in body.get("input") if isinstance(i, dict) and (
+            i.get("type", "").endswith("_output") or i.get("role") in ("user", "assistant"))] if isinstance(
+            body.get("input"), list) else []
+        return bool(items) and items[-1].get("type", "").endswith("_output")
+    contents = [c for c in body.get("contents") or [] if isinstance(c, dict)]
+    return bool(contents) and any(isinstance(p, dict) and "functionResponse" in p
+                                  for p in contents[-1].get("parts") or [])
 
 
 def _tool_results(api: str, body: dict) -> list[dict]:
@@ -683,7 +704,8 @@ def _tool_results(api: str, body: dict) -> list[dict]:
                         continue
                     if isinstance(said, dict) and "stub_tool" in said:
                         result |= {"tool": said["stub_tool"] or result["tool"], "text": said.get("text") or "",
-                                   **({"missing": said["missing"]} if said.get("missing") else {})}
+                                   **({"missing": said["missing"]} if said.get("missing") else {}),
+                                   "offered": [n for n in said.get("tools_offered") or [] if isinstance(n, str)]}
                 results.append(result)
     elif api == "gemini":
         for c in body.get("contents") or []:

@@ -287,27 +287,83 @@ def test_a_dispatch_run_gets_only_ask_human_and_its_question_reaches_a_human(ser
 
 
 def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
-    server = outpost.ToolServer("/usr/bin/python3", ("/opt/outpost.py", "mcp"),
+    server = outpost.ToolServer("/usr/bin/python3", ("-I", "/opt/outpost.py", "mcp"),
                                 (("OUTPOST_RUN_TOKEN", "out_1.sig"), ("OUTPOST_API_URL", "http://127.0.0.1:1")),
-                                tmp_path)
+                                tmp_path, others=("evil", "outpost", "docs"),
+                                system_settings=tmp_path / "gemini-system-settings.json")
     claude = outpost.claude_tools(["claude", "-p", "--resume", "abc"], server)
-    assert claude.argv[:4] == ["claude", "-p", "--resume", "abc"]
-    assert claude.argv[4:] == ["--mcp-config", str(tmp_path / "mcp.json"), "--strict-mcp-config",
-                               "--allowedTools", "mcp__outpost", "--setting-sources", "user"]
-    assert json.loads(claude.files["mcp.json"])["mcpServers"]["outpost"]["args"] == ["/opt/outpost.py", "mcp"]
+    assert claude.argv == ["claude", "-p", "--resume", "abc", "--mcp-config", str(tmp_path / "mcp.json"),
+                           "--strict-mcp-config", "--allowedTools", "mcp__outpost", "--setting-sources", "user"]
+    entry = json.loads(claude.files["mcp.json"])["mcpServers"]["outpost"]
+    assert entry["args"] == ["-I", "/opt/outpost.py", "mcp"] and entry["alwaysLoad"] is True
+    assert "out_1.sig" not in claude.files["mcp.json"], "the token is inherited, never written down"
+    assert claude.env == {"MCP_CONNECT_TIMEOUT_MS": "30000"}
     codex = outpost.codex_tools(["codex", "exec", "--json", "resume", "abc", "-"], server)
-    assert codex.argv[:3] == ["codex", "exec", "-c"] and codex.argv[-3:] == ["resume", "abc", "-"]
-    assert codex.argv[3].startswith("mcp_servers={ outpost = {") and '"approve"' in codex.argv[3]
+    assert codex.argv[:2] == ["codex", "exec"] and codex.argv[-4:] == ["--json", "resume", "abc", "-"]
+    flags = codex.argv[3:-4:2]
+    assert all(flag == "-c" for flag in codex.argv[2:-4:2])
     import tomllib
-    table = tomllib.loads(codex.argv[3].replace("mcp_servers=", "mcp_servers = ", 1))["mcp_servers"]
-    assert list(table) == ["outpost"] and table["outpost"]["env_vars"] == ["OUTPOST_RUN_TOKEN", "OUTPOST_API_URL"]
+    merged = tomllib.loads("\n".join(f.replace("=", " = ", 1) for f in flags if not f.startswith("shell_")))
+    outpost_entry = merged["mcp_servers"]["outpost"]
+    assert (outpost_entry["default_tools_approval_mode"], outpost_entry["required"]) == ("approve", True)
+    assert outpost_entry["env"] == {"OUTPOST_RUN_TOKEN": "out_1.sig", "OUTPOST_API_URL": "http://127.0.0.1:1"}
+    assert {k: v.get("enabled") for k, v in merged["mcp_servers"].items()} == {
+        "outpost": True, "evil": False, "docs": False}, "every other server a config names is off"
+    assert 'shell_environment_policy.exclude=["OUTPOST_*"]' in flags
     gemini = outpost.gemini_tools(["gemini"], server)
-    settings = json.loads(gemini.files["gemini-system-settings.json"])
+    assert gemini.argv == ["gemini", "--allowed-mcp-server-names", "outpost", "--policy",
+                           str(tmp_path / "gemini-policies"), "--admin-policy", str(tmp_path / "gemini-policies")]
     assert gemini.env == {"GEMINI_CLI_SYSTEM_SETTINGS_PATH": str(tmp_path / "gemini-system-settings.json")}
+    settings = gemini.system_settings
     assert settings["mcpServers"]["outpost"]["trust"] is True and settings["mcp"]["allowed"] == ["outpost"]
-    assert "out_1.sig" not in gemini.files["gemini-system-settings.json"], "the token is passed by name"
+    assert settings["tools"]["allowed"] == [] and settings["hooksConfig"] == {"enabled": False}
+    assert settings["mcpServers"]["outpost"]["env"]["OUTPOST_RUN_TOKEN"] == "$OUTPOST_RUN_TOKEN"
     assert all(outpost.PRESETS[p].tools is not None for p in ("claude-code", "codex", "gemini"))
     assert outpost.PRESETS["aider"].tools is None and outpost.PRESETS["generic"].tools is None
+
+
+def test_codex_runs_disable_every_server_the_configs_name(tmp_path, monkeypatch):
+    workspace = tmp_path / "worktree"
+    (workspace / "sub" / ".codex").mkdir(parents=True)
+    (workspace / ".codex").mkdir()
+    (workspace / ".codex" / "config.toml").write_text('[mcp_servers.evil]\ncommand = "sh"\n')
+    (workspace / "sub" / ".codex" / "config.toml").write_text('[mcp_servers.other]\ncommand = "sh"\n')
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text('[mcp_servers.docs]\ncommand = "docs"\n[mcp_servers.broken\n')
+    monkeypatch.setenv("CODEX_HOME", str(home))
+    deps = outpost.Deps(config=outpost.Config(data_dir=tmp_path), store=None, clock=outpost.WallClock(), token="t")
+    server = outpost.tool_server(deps, tmp_path / "private", workspace / "sub", workspace, "tok")
+    assert set(server.others) == {"evil", "other"}, "a config that does not parse is left to Codex to refuse"
+
+
+def test_a_non_root_daemon_runs_gemini_only_with_the_settings_an_admin_installed(tmp_path):
+    server = outpost.outpost_tool_server("tok", "http://127.0.0.1:1", tmp_path)
+    wanted = outpost.gemini_settings(server)
+    mine = tmp_path / "gemini-settings.json"
+    mine.write_text(json.dumps(wanted))
+    if os.geteuid() == 0:
+        os.chown(mine, 12345, 12345)
+    with pytest.raises(outpost.LaunchError, match="root owns.*outpost gemini-settings"):
+        outpost.check_installed_settings(mine, wanted)
+    done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "gemini-settings"], capture_output=True,
+                          text=True, env=clean_env(), timeout=60)
+    printed = json.loads(done.stdout)
+    assert printed["mcpServers"]["outpost"]["args"] == ["-I", str(conftest.OUTPOST_PY), "mcp"]
+
+
+def test_a_claude_run_whose_outpost_tools_did_not_start_fails_saying_so():
+    init = json.dumps({"type": "system", "subtype": "init", "session_id": "s1", "model": "m",
+                       "mcp_servers": [{"name": "outpost", "status": "failed"}]})
+    result = json.dumps({"type": "result", "subtype": "success", "is_error": False, "result": "done"})
+    reading = outpost.PRESETS["claude-code"].read([init, result])
+    outcome = outpost.run_outcome(reading, 0, "", now=conftest.T0)
+    assert (outcome.status, outcome.failure_kind) == ("failed", "launch")
+    assert "Outpost's tools did not start" in outcome.error
+    connected = json.dumps({"type": "system", "subtype": "init", "mcp_servers": [{"name": "outpost",
+                                                                                   "status": "connected"}]})
+    assert outpost.run_outcome(outpost.PRESETS["claude-code"].read([connected, result]), 0, "",
+                               now=conftest.T0).status == "succeeded"
 
 
 def test_the_office_prompt_names_the_tools_only_for_a_cli_that_has_them():
