@@ -1343,8 +1343,9 @@ class ToolServer:
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     folder: Path
-    #: MCP servers the CLI's own config files name (Codex: they are disabled for the run).
-    others: tuple[str, ...] = ()
+    #: MCP servers the CLI's own config files name, each with the transport a disabling entry must
+    #: carry to stand on its own ("" where the file is always read; Codex: they are disabled).
+    others: tuple[tuple[str, str], ...] = ()
     #: Gemini CLI's system settings file for the run (see gemini_settings).
     system_settings: Path | None = None
 
@@ -1381,7 +1382,11 @@ def codex_tools(argv: list[str], server: ToolServer) -> ToolWiring:
              "default_tools_approval_mode": "approve", "required": True, "startup_timeout_sec": 60,
              "enabled": True, **{f"env.{k}": v for k, v in server.env}}
     flags = [f"mcp_servers.outpost.{k}={json.dumps(v)}" for k, v in table.items()]   # JSON values are TOML here
-    flags += [f"mcp_servers.{json.dumps(name)}.enabled=false" for name in server.others if name != "outpost"]
+    for name, transport in (o for o in server.others if o[0] != "outpost"):
+        # a project's file is read only when its folder is trusted: its entry must be valid alone
+        flags += [f"mcp_servers.{json.dumps(name)}.enabled=false", *{
+            "command": [f'mcp_servers.{json.dumps(name)}.command="false"'],
+            "url": [f'mcp_servers.{json.dumps(name)}.url="http://127.0.0.1:9/"']}.get(transport, [])]
     flags.append('shell_environment_policy.exclude=["OUTPOST_*"]')
     at = argv.index("exec") + 1 if "exec" in argv else min(1, len(argv))
     return ToolWiring([*argv[:at], *(x for flag in flags for x in ("-c", flag)), *argv[at:]])
@@ -10072,12 +10077,14 @@ def tool_server(deps: Deps, private: Path, cwd: Path, workspace: Path, token: st
     private folder when the daemon is root, else the file an admin installed; LaunchError when
     Gemini would not read it (it would run without the tools and the agent could not act)."""
     server = outpost_tool_server(token, deps.api_url, private)
-    configs = [Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex") / "config.toml",
-               *(d / ".codex" / "config.toml" for d in (cwd, *cwd.parents) if d.is_relative_to(workspace))]
-    others: list[str] = []
+    user = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex") / "config.toml"
+    configs = [user, *(d / ".codex" / "config.toml" for d in (cwd, *cwd.parents) if d.is_relative_to(workspace))]
+    others: list[tuple[str, str]] = []
     for config in configs:
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            others += list(tomllib.loads(config.read_text()).get("mcp_servers", {}))
+            for name, entry in tomllib.loads(config.read_text()).get("mcp_servers", {}).items():
+                transport = "url" if isinstance(entry, dict) and "url" in entry else "command"
+                others.append((name, "" if config == user else transport))
     settings = private / "gemini-system-settings.json"
     if os.geteuid() != 0:
         settings = GEMINI_SETTINGS_INSTALLED

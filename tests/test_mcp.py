@@ -289,7 +289,7 @@ def test_a_dispatch_run_gets_only_ask_human_and_its_question_reaches_a_human(ser
 def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
     server = outpost.ToolServer("/usr/bin/python3", ("-I", "/opt/outpost.py", "mcp"),
                                 (("OUTPOST_RUN_TOKEN", "out_1.sig"), ("OUTPOST_API_URL", "http://127.0.0.1:1")),
-                                tmp_path, others=("evil", "outpost", "docs"),
+                                tmp_path, others=(("evil", "command"), ("outpost", ""), ("docs", "")),
                                 system_settings=tmp_path / "gemini-system-settings.json")
     claude = outpost.claude_tools(["claude", "-p", "--resume", "abc"], server)
     assert claude.argv == ["claude", "-p", "--resume", "abc", "--mcp-config", str(tmp_path / "mcp.json"),
@@ -309,6 +309,8 @@ def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
     assert outpost_entry["env"] == {"OUTPOST_RUN_TOKEN": "out_1.sig", "OUTPOST_API_URL": "http://127.0.0.1:1"}
     assert {k: v.get("enabled") for k, v in merged["mcp_servers"].items()} == {
         "outpost": True, "evil": False, "docs": False}, "every other server a config names is off"
+    assert merged["mcp_servers"]["evil"]["command"] == "false", "a project's entry stands alone (an untrusted one)"
+    assert "command" not in merged["mcp_servers"]["docs"], "the user's own is read: it keeps its transport"
     assert 'shell_environment_policy.exclude=["OUTPOST_*"]' in flags
     gemini = outpost.gemini_tools(["gemini"], server)
     assert gemini.argv == ["gemini", "--allowed-mcp-server-names", "outpost", "--policy",
@@ -327,14 +329,17 @@ def test_codex_runs_disable_every_server_the_configs_name(tmp_path, monkeypatch)
     (workspace / "sub" / ".codex").mkdir(parents=True)
     (workspace / ".codex").mkdir()
     (workspace / ".codex" / "config.toml").write_text('[mcp_servers.evil]\ncommand = "sh"\n')
-    (workspace / "sub" / ".codex" / "config.toml").write_text('[mcp_servers.other]\ncommand = "sh"\n')
+    (workspace / "sub" / ".codex" / "config.toml").write_text('[mcp_servers.other]\nurl = "http://x"\n')
     home = tmp_path / "codex-home"
     home.mkdir()
-    (home / "config.toml").write_text('[mcp_servers.docs]\ncommand = "docs"\n[mcp_servers.broken\n')
+    (home / "config.toml").write_text('[mcp_servers.docs]\ncommand = "docs"\n')
     monkeypatch.setenv("CODEX_HOME", str(home))
     deps = outpost.Deps(config=outpost.Config(data_dir=tmp_path), store=None, clock=outpost.WallClock(), token="t")
     server = outpost.tool_server(deps, tmp_path / "private", workspace / "sub", workspace, "tok")
-    assert set(server.others) == {"evil", "other"}, "a config that does not parse is left to Codex to refuse"
+    assert set(server.others) == {("evil", "command"), ("other", "url"), ("docs", "")}
+    (home / "config.toml").write_text('[mcp_servers.docs\n')
+    server = outpost.tool_server(deps, tmp_path / "private", workspace / "sub", workspace, "tok")
+    assert set(server.others) == {("evil", "command"), ("other", "url")}, "one that does not parse is Codex's to refuse"
 
 
 def test_a_non_root_daemon_runs_gemini_only_with_the_settings_an_admin_installed(tmp_path):

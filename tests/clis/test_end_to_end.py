@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -393,3 +395,49 @@ def test_a_real_clis_dispatch_run_asks_a_human_through_its_only_tool(outpost_for
     run = outpost_.settled(run_id, "ask_human")
     assert (run["status"], run["question"]) == ("needs_you", "Release 1.4 from main or next?"), run["error"]
     assert offered_outpost_tools(stub, since) == {"ask_human"}
+
+
+def test_your_own_claude_code_proposes_with_a_key_and_only_you_confirm(outpost_for, stub, tmp_path):
+    """The user side (docs/agent-clis.md): Claude Code with Outpost added as the docs say, started
+    with a proposer key; its agent proposes a schedule and answers a needs-you run."""
+    outpost_ = outpost_for("claude")
+    made = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "--data-dir", str(outpost_.server.data_dir),
+                           "keys", "create", "--proposer", "--name", "laptop", "--url", outpost_.server.url],
+                          capture_output=True, text=True, timeout=60)
+    key = made.stdout.strip().splitlines()[-1]
+    env = {"PATH": f"{CLIS / 'node_modules' / '.bin'}:{os.environ['PATH']}", "HOME": str(outpost_.home),
+           "LANG": "C.UTF-8", "ANTHROPIC_BASE_URL": stub.url, "ANTHROPIC_API_KEY": "sk-ant-api03-stub",
+           "CLAUDE_CODE_MAX_RETRIES": "0"}
+    added = subprocess.run(["claude", "mcp", "add", "-s", "user", "outpost", "-e", f"OUTPOST_KEY={key}", "--",
+                            sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", outpost_.server.url],
+                           capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert added.returncode == 0, added.stderr
+
+    def ask(prompt: str) -> str:
+        done = subprocess.run(["claude", "-p", "--output-format", "json", "--allowedTools", "mcp__outpost"],
+                              input=prompt, capture_output=True, text=True, env=env, timeout=SETTLE_S, cwd=tmp_path)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+        return json.loads(done.stdout)["result"]
+
+    definition = {"name": "nightly-deps", "brief": "Update the lockfile.", "repository": str(outpost_.repo),
+                  "agent": "claude", "timing": {"kind": "cron", "expression": "0 9 * * 1-5",
+                                                "timezone": "Europe/Berlin"}}
+    answer = ask(f"stub:calls Propose it.\nstub-call: propose_schedule {json.dumps({'definition': definition})}")
+    (proposal,) = outpost_.client.get("/v1/outpost/proposals").json()["proposals"]
+    assert proposal["id"] in answer and proposal["proposed_by"] == "laptop" and proposal["state"] == "pending"
+    assert outpost_.client.get("/v1/outpost/schedules").json()["schedules"] == []
+    assert len(outpost_.attention("proposal")) == 1
+    as_key = {"Authorization": f"Bearer {key}", "Idempotency-Key": uuid.uuid4().hex}
+    refused = outpost_.client.post(f"/v1/outpost/proposals/{proposal['id']}/confirm", headers=as_key)
+    assert refused.status_code == 403
+    confirmed = outpost_.post(f"/v1/outpost/proposals/{proposal['id']}/confirm", {})
+    assert outpost_.client.get(f"/v1/outpost/schedules/{confirmed['schedule_id']}").json()["name"] == "nightly-deps"
+    # a needs-you run the user's agent adopts and answers
+    asking = outpost_.post("/v1/outpost/dispatches", {"brief": "@needs-you Which file?", "agent": "demo",
+                                                      "repository": str(outpost_.repo)})["run_id"]
+    assert outpost_.settled(asking, "needs you")["status"] == "needs_you"
+    ask(f"stub:calls Answer it.\nstub-call: adopt_run {json.dumps({'run_id': asking})}\n"
+        f"stub-call: reply {json.dumps({'run_id': asking, 'message': 'README, please'})}")
+    answered = outpost_.client.get(f"/v1/outpost/runs/{asking}").json()
+    assert (answered["owner"], answered["answer"]) == ("laptop", "README, please")
+    assert outpost_.settled(answered["answered_by"], "reply")["continues"] == asking
