@@ -13995,13 +13995,17 @@ class AgentTools:
         self.client = client
         self.task_id = task_id
 
-    def _call(self, method: str, path: str, body: Any = None, *, idempotent: bool = False) -> str:
+    def _request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False,
+                 raw: bool = False) -> Any:
+        """The API's answer; its refusal as the tool's error (the problem's words, never a traceback)."""
         from mcp.server.mcpserver.exceptions import ToolError
         try:
-            answer = self.client.call(method, path, body, idempotent=idempotent)
+            return self.client.call(method, path, body, idempotent=idempotent, raw=raw)
         except CliError as exc:
             raise ToolError(str(exc)) from None
-        return json.dumps(answer, ensure_ascii=False)
+
+    def _call(self, method: str, path: str, body: Any = None, *, idempotent: bool = False) -> str:
+        return json.dumps(self._request(method, path, body, idempotent=idempotent), ensure_ascii=False)
 
     def _task(self, task_id: str | None) -> str:
         from mcp.server.mcpserver.exceptions import ToolError
@@ -14079,13 +14083,16 @@ class AgentTools:
 
     def inspect_schedule(self, schedule_id: str) -> str:
         """Why a schedule did or did not run: a verdict first, then the six recovery checks."""
-        report = json.loads(self._call("GET", f"/v1/outpost/schedules/{self._schedule(schedule_id)}/inspect"))
+        report = self._request("GET", f"/v1/outpost/schedules/{self._schedule(schedule_id)}/inspect")
         return json.dumps({"verdict": inspect_verdict(report), **report}, ensure_ascii=False)
 
     def preview(self, definition: dict[str, Any]) -> str:
         """What a schedule definition would do, changing nothing: a sentence, the next 5 fires in its
         timezone with their offsets, and warnings (DST, cron quirks). Errors name the field."""
-        return self._call("POST", "/v1/outpost/schedules/compose", definition)
+        composed = self._request("POST", "/v1/outpost/schedules/compose", definition)
+        zone_name = composed["definition"]["timing"]["timezone"]
+        local = [local_time(f, zone_name) for f in composed["next_fires"]]
+        return json.dumps({**composed, "next_fires_local": local}, ensure_ascii=False)
 
     def list_runs(self, schedule_id: str | None = None, status: str | None = None, limit: int = 20) -> str:
         """Runs, newest first; status: queued, running, paused, succeeded, failed, needs_you or cancelled."""
@@ -14100,11 +14107,7 @@ class AgentTools:
 
     def run_log(self, run_id: str, tail: int | None = None) -> str:
         """The last lines of a run's log (default 200)."""
-        from mcp.server.mcpserver.exceptions import ToolError
-        try:
-            text = self.client.call("GET", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/log", raw=True)
-        except CliError as exc:
-            raise ToolError(str(exc)) from None
+        text = self._request("GET", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/log", raw=True)
         lines = text.splitlines()[-max(1, min(tail or RUN_LOG_TAIL, 5000)):]
         return "\n".join(lines)[-64 * 1024:]
 

@@ -111,6 +111,7 @@ async def test_a_persons_agent_proposes_and_only_a_human_confirms(served):
         assert await mcp.tools() == sorted(outpost.PROPOSER_TOOLS)
         preview = await mcp.ok("preview", definition={**DEFINITION, "repository": str(repo)})
         assert len(preview["next_fires"]) == 5 and preview["summary"]
+        assert preview["next_fires_local"][0].endswith(("CET (+01:00)", "CEST (+02:00)")), "in its zone, offset"
         proposal = await mcp.ok("propose_schedule", definition={**DEFINITION, "repository": str(repo)})
         assert (proposal["state"], proposal["kind"], proposal["proposed_by"]) == ("pending", "create", "my-agent")
         assert proposal["review"]["next_fires"] == preview["next_fires"]
