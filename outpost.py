@@ -84,6 +84,7 @@ import functools
 import hashlib
 import heapq
 import hmac
+import inspect
 import io
 import itertools
 import json
@@ -111,7 +112,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import trio
@@ -229,6 +230,10 @@ AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
 #: a command for the next run, or for the user's own CLI outside, to run.
 AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
                        ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
+#: Exit statuses of the CLI (docs/cli.md lists them).
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2, 3, 4, 5
+#: This Outpost's version (pyproject.toml), as its MCP server names itself.
+OUTPOST_VERSION = "0.1.0"
 #: Current schema version of the store (section 5).
 SCHEMA_VERSION = 15     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
@@ -1375,12 +1380,14 @@ def claude_tools(argv: list[str], server: ToolServer) -> ToolWiring:
 
 def codex_tools(argv: list[str], server: ToolServer) -> ToolWiring:
     """Codex: Outpost's server by -c overrides (they win over every config file), its tools
-    approved, required (the run fails when it cannot start), its two variables set by value so no
-    config layer can point them elsewhere; every other server a config names (``server.others``)
-    disabled; the agent's shell commands get no OUTPOST_ variable."""
-    table = {"command": server.command, "args": list(server.args), "env_vars": [],
+    approved, required (the run fails when it cannot start); the token forwarded by name (a
+    command line is readable in /proc), the API's URL set by value so no config layer can point
+    the token elsewhere; every other server a config names (``server.others``) disabled; the
+    agent's shell commands get no OUTPOST_ variable."""
+    secret, *plain = server.env   # the token by name (never on a command line), the URL by value
+    table = {"command": server.command, "args": list(server.args), "env_vars": [secret[0]],
              "default_tools_approval_mode": "approve", "required": True, "startup_timeout_sec": 60,
-             "enabled": True, **{f"env.{k}": v for k, v in server.env}}
+             "enabled": True, **{f"env.{k}": v for k, v in plain}}
     flags = [f"mcp_servers.outpost.{k}={json.dumps(v)}" for k, v in table.items()]   # JSON values are TOML here
     for name, transport in (o for o in server.others if o[0] != "outpost"):
         # a project's file is read only when its folder is trusted: its entry must be valid alone
@@ -1901,6 +1908,8 @@ def daemon_url(data_dir: Path, url: str | None) -> str:
     """Where the CLI finds the daemon: --url, else $OUTPOST_PORT on 127.0.0.1, else the
     address the running ``serve`` of this data dir recorded, else http://127.0.0.1:8321."""
     if url:
+        if not re.match(r"https?://", url):
+            raise CliError(f"--url {url!r} needs its scheme: http://{url}", EXIT_USAGE)
         return url
     if os.environ.get("OUTPOST_PORT"):
         return f"http://127.0.0.1:{os.environ['OUTPOST_PORT']}"
@@ -11163,6 +11172,9 @@ async def authenticate(web: Web):
             web.caller = "api"
             return None
         key = given.startswith(PROPOSER_KEY_PREFIX) and await web.call(web.store.access.key_of, given)
+        if given.startswith(PROPOSER_KEY_PREFIX) and not key:
+            raise Unauthorized("this proposer key is unknown or revoked (`outpost keys list` lists the live ones; "
+                               "`outpost keys create --proposer` makes a new one)")
         if not key:
             raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
         check_proposer(web.route, request.method)
@@ -11226,8 +11238,8 @@ async def run_idempotently(web: Web, table: Routes, params: dict[str, Any]) -> A
         raise invalid("Idempotency-Key", "must be 1-255 printable ASCII characters, no outer spaces")
     body = await web.request.get_data(cache=True)
     fingerprint = request_fingerprint(web.request.method, web.request.full_path.rstrip("?"), body)
-    if web.proposer is not None:   # a key's requests never replay a human's answer, nor the reverse
-        fingerprint += f" proposer:{web.proposer}"
+    if web.proposer is not None:   # a key's Idempotency-Keys are its own: it can neither replay nor claim a human's
+        key = "proposer:" + hashlib.sha256(f"{web.proposer}\n{key}".encode()).hexdigest()
     replay = await web.call(web.store.access.begin_idempotent, key, fingerprint, web.now)
     if replay is not None:
         return replayed(*replay)
@@ -11539,7 +11551,7 @@ async def propose(web: Web, raw: dict[str, Any]) -> dict[str, Any]:
         definition = await checked_definition(web.deps, merge_changes(before, raw.get("changes")), before)
         diff = definition_diff(before, definition)
         if not diff:
-            raise invalid("changes", "change nothing of the schedule's definition")
+            raise invalid("changes", "match the schedule's definition as it is: there is nothing to propose")
         review = {**composed(definition, now, definition["timing"]), "name": before["name"], "diff": diff}
         body = {"changes": {k: definition[k] for k in raw["changes"] if k in definition}}
     else:
@@ -11548,6 +11560,8 @@ async def propose(web: Web, raw: dict[str, Any]) -> dict[str, Any]:
             raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
         review = {**composed(before, now, before["timing"]), "name": before["name"],
                   "summary": f"{CONTROL_WORDS[action]} schedule {before['name']!r}."}
+        if action not in ("enable", "resume", "fire"):   # after it the schedule does not fire: no fires to read
+            review |= {"next_fires": [], "warnings": []}
         body = {"action": action}
     return await web.commit(web.store.access.create_proposal, kind, schedule_id, body, current["revision"], review,
                             by, now)
@@ -11570,8 +11584,10 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
         return await web.commit(apply)
     current = await web.call(web.store.schedules.schedule_definition, p["schedule_id"])
     if current["revision"] != p["base_revision"] or current["archived"]:
-        await web.call(decide, proposal_id, "stale", f"the schedule moved to revision {current['revision']} "
-                       f"(archived: {str(current['archived']).lower()}) after this was proposed", now)
+        why = ("the schedule was archived" if current["archived"] else
+               f"the schedule changed (it is at revision {current['revision']} now, this was made from "
+               f"revision {p['base_revision']})")
+        await web.call(decide, proposal_id, "stale", f"{why} after this was proposed", now)
         check_revision(p["schedule_id"], current["revision"], p["base_revision"])
         raise Archived(f"schedule {p['schedule_id']} is archived")
     if p["kind"] == "change":
@@ -12404,6 +12420,12 @@ async def agent_get_task(web: Web, task_id: str):
     return await web.call(web.store.office.get_task, task_id, web.agent["workspace_id"])
 
 
+#: What an agent may set on a task it creates: never its executor (which profile's command and
+#: secrets serve it), workspace, workflow, project or state (a new task starts in TODO).
+AGENT_TASK_FIELDS = ("title", "description", "assignee", "assignee_agent_id", "parent_id", "blocked_by",
+                     "requires_approval", "reviewers")
+
+
 def agent_refs(web: Web, raw: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     """An agent's body with agents named by name or id (``names``: its key -> the stored field)
     turned into ids of its own workspace (a store call: run inside a transaction)."""
@@ -12425,8 +12447,7 @@ def agent_refs(web: Web, raw: dict[str, Any], names: dict[str, str]) -> dict[str
 async def agent_create_task(web: Web):
     """A task (a subtask with ``parent_id``), its assignee and reviewers named by name or id."""
     raw = await web.body()
-    if "workspace_id" in raw or "workflow" in raw:
-        raise invalid(sorted({"workspace_id", "workflow"} & set(raw))[0], "is the run's own")
+    _unknown(raw, AGENT_TASK_FIELDS, "an agent's task")
 
     def create():
         named = agent_refs(web, {"parent_id": web.agent["task_id"], **raw},
@@ -12468,7 +12489,8 @@ async def agent_self_wake(web: Web):
             return web.store.office.wake_agent(me, WakeupSource.SELF, {"reason": reason, "payload": payload}, now,
                                                wake_at=now + timedelta(seconds=delay) if delay else None,
                                                workspace_id=ws)
-        return web.store.office.wake_agent(target, WakeupSource.USER, {"woken_by": me, "context": reason}, now,
+        return web.store.office.wake_agent(target, WakeupSource.USER, {"user_id": f"agent:{me}", "context": reason},
+                                           now,
                                            reason=reason, workspace_id=ws,
                                            wake_at=now + timedelta(seconds=delay) if delay else None)
     return await web.commit(wake)
@@ -12796,8 +12818,10 @@ async def page_attention(web: Web):
     items = await web.call(web.store.list_attention, False)
     open_items = [a for a in items if not a["acknowledged_at"]]
     done_items = [a for a in items if a["acknowledged_at"]][:50]
+    pending = await web.call(web.store.access.list_proposals, "pending", web.now)
     return await web.page("attention.html", section="attention", live=True, open_items=open_items,
-                          done_items=done_items, schedules=await web.call(web.store.schedules.schedule_zones))
+                          done_items=done_items, schedules=await web.call(web.store.schedules.schedule_zones),
+                          pending_proposals=len(pending))
 
 
 @pages.post("/attention/<attention_id>/ack", auth=Auth.SESSION)
@@ -12818,6 +12842,7 @@ async def page_attention_ack_all(web: Web):
 
 @pages.get("/proposals", auth=Auth.SESSION)
 async def page_proposals(web: Web):
+    """Every proposal, newest first: what a person's own agents asked for."""
     proposals = await web.call(web.store.access.list_proposals, None, web.now)
     return await web.page("proposals.html", section="attention", proposals=proposals,
                           schedules=await web.call(web.store.schedules.schedule_zones))
@@ -12828,7 +12853,11 @@ async def proposal_page(web: Web, proposal_id: str, *, status: int = 200, error:
     it was made from), and Confirm / Decline while it is pending."""
     proposal = await web.call(web.store.access.get_proposal, proposal_id, web.now)
     keys = await web.call(web.store.access.list_keys)
-    return await web.page("proposal.html", status=status, section="attention", p=proposal, error=error,
+    moved = None   # a pending change or action whose schedule moved on: it can no longer be confirmed
+    if proposal["state"] == "pending" and proposal["schedule_id"]:
+        current = await web.call(web.store.schedules.schedule_definition, proposal["schedule_id"])
+        moved = current if current["revision"] != proposal["base_revision"] or current["archived"] else None
+    return await web.page("proposal.html", status=status, section="attention", p=proposal, error=error, moved=moved,
                           by_key=any(k["name"] == proposal["proposed_by"] for k in keys))
 
 
@@ -12841,7 +12870,9 @@ async def page_proposal(web: Web, proposal_id: str):
 async def page_confirm_proposal(web: Web, proposal_id: str):
     try:
         decided = await confirm_proposal(web, proposal_id)
-    except (RevisionMismatch, Conflict, Archived, ValidationFailed) as err:
+    except (RevisionMismatch, Archived):   # the proposal is stale now: its page says why
+        return await web.see_other(f"/proposals/{proposal_id}")
+    except (Conflict, ValidationFailed) as err:
         return await proposal_page(web, proposal_id, status=err.status, error=err)
     if decided["kind"] == "create":
         return await web.see_other(f"/schedules/{decided['schedule_id']}?done=created")
@@ -13419,8 +13450,6 @@ def setup_logging(verbose: bool = False) -> None:
 
 # --- the CLI that talks to a running daemon ----------------------------------------------------
 
-#: Exit statuses of the CLI (README lists them).
-EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2, 3, 4, 5
 
 
 ###############################################################################
@@ -13604,19 +13633,28 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
               + (" (cancel requested)" if run["status"] not in SETTLED_RUN_STATUSES else "") + ".")
 
 
-def cli_keys(client: Client, args: argparse.Namespace) -> None:
-    """``outpost keys``: a proposer key is printed once, alone on the last line (docs/agent-clis.md)."""
+def cli_keys(client: Client, args: argparse.Namespace, folder: Path) -> None:
+    """``outpost keys``: a proposer key is printed once, alone on the last line, and kept in
+    ``<data dir>/keys/NAME`` (0600): the data dir is hidden from every run, so no agent reads it
+    there, unlike a key written into a CLI's own config (docs/agent-clis.md)."""
     if args.action == "create":
         if not args.proposer:
             raise CliError("say what the key may do: `outpost keys create --proposer` (look and propose, never "
                            "decide; the only kind)", EXIT_USAGE)
         made = client.call("POST", "/v1/outpost/keys", {"name": args.key_name, "role": "proposer"} if args.key_name
                            else {"role": "proposer"}, idempotent=True)
+        saved = folder / made["name"]
+        with contextlib.suppress(OSError):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(made["key"] + "\n")
         if args.json:
-            print(json.dumps(made))
+            print(json.dumps({**made, "file": str(saved) if saved.exists() else None}))
             return
-        print(f"Proposer key {made['name']!r} made. It is shown this once; give it to your agent's MCP server as "
-              "OUTPOST_KEY (docs/agent-clis.md):", file=sys.stderr)
+        where = f"saved in {saved} (0600; no run sees the data dir)" if saved.exists() else "not saved"
+        print(f"Proposer key {made['name']!r} made, {where}. Give your CLI `outpost mcp --key-file {saved}` "
+              "(docs/agent-clis.md); never write the key into a CLI's config, which runs can read:", file=sys.stderr)
         print(made["key"])
     elif args.action == "list":
         keys = client.call("GET", "/v1/outpost/keys")["keys"]
@@ -13630,6 +13668,8 @@ def cli_keys(client: Client, args: argparse.Namespace) -> None:
         if not args.name:
             raise CliError("`outpost keys revoke` needs the key's name (`outpost keys list`)", EXIT_USAGE)
         client.call("DELETE", f"/v1/outpost/keys/{urllib.parse.quote(args.name, safe='')}")
+        with contextlib.suppress(OSError):
+            (folder / Path(args.name).name).unlink()
         print(f"Key {args.name!r} revoked: it opens nothing from now on.")
 
 
@@ -13649,23 +13689,37 @@ def cli_proposals(client: Client, args: argparse.Namespace) -> None:
     if not args.id:
         raise CliError(f"`outpost proposals {args.action}` needs a proposal id (`outpost proposals list`)", EXIT_USAGE)
     path = f"/v1/outpost/proposals/{urllib.parse.quote(args.id, safe='')}"
-    if args.action == "show":
-        p = client.call("GET", path)
-    elif args.action == "confirm":
+    p = client.call("GET", path)
+    if args.action == "show" or not args.json:
+        show_proposal(p, args.json)
+    if args.action == "confirm":
+        confirm(f"Confirm {p['id']} ({p['kind']} {p['review'].get('name', '')!r})?", args.yes)
         p = client.call("POST", path + "/confirm", {}, idempotent=True)
-    else:
+    elif args.action == "decline":
         p = client.call("POST", path + "/decline", {"note": args.note}, idempotent=True)
-    if args.json:
+    if args.action != "show":
+        print(json.dumps(p, indent=2) if args.json else f"{p['id']}: {p['state']}"
+              + (f", schedule {p['schedule_id']}" if p["state"] == "confirmed" and p["schedule_id"] else "")
+              + (f", with the note: {p['note']}" if p["note"] else ""))
+
+
+def show_proposal(p: dict[str, Any], as_json: bool) -> None:
+    """What a human reviews before confirming (as ``schedules create`` shows it)."""
+    if as_json:
         print(json.dumps(p, indent=2))
         return
-    print(f"{p['id']}: {p['kind']} {p['review'].get('name', '')!r}, {p['state']} (proposed by {p['proposed_by']})")
-    print(p["review"].get("summary", ""))
-    for d in p["review"].get("diff", []):
+    review = p["review"]
+    print(f"{p['id']}: {p['kind']} {review.get('name', '')!r}, {p['state']} (proposed by {p['proposed_by']})")
+    print(review.get("summary", ""))
+    for d in review.get("diff", []):
         print(f"  {d['field']}: {json.dumps(d['before'])} -> {json.dumps(d['after'])}")
-    for w in p["review"].get("warnings", []):
+    if p["kind"] == "create":
+        print("Brief:\n  " + review["definition"]["brief"].replace("\n", "\n  "))
+    zone_name = review["definition"]["timing"]["timezone"]
+    for fire in review.get("next_fires", []):
+        print(f"  fires {local_time(fire, zone_name)}")
+    for w in review.get("warnings", []):
         print(f"  warning: {w}")
-    if p["state"] == "confirmed" and p["schedule_id"]:
-        print(f"Schedule: {p['schedule_id']}")
 
 
 def cli_gc(client: Client, args: argparse.Namespace) -> None:
@@ -13688,8 +13742,9 @@ def cli_client(data_dir: Path, url: str | None) -> Client:
     """The daemon's API with its token, for the commands that call it."""
     token = api_token(data_dir, create=False)
     if token is None:
-        raise CliError(f"no API token: set OUTPOST_API_TOKEN or start `outpost serve` once "
-                       f"(it writes {data_dir / 'api-token'})", EXIT_NO_TOKEN)
+        raise CliError(f"no API token in {data_dir}: name the daemon's data dir with --data-dir, set "
+                       f"OUTPOST_API_TOKEN, or start `outpost serve` once (it writes {data_dir / 'api-token'})",
+                       EXIT_NO_TOKEN)
     return Client(daemon_url(data_dir, url), token)
 
 
@@ -13983,6 +14038,12 @@ RUN_TOOLS = ("ask_human",)
 PROPOSER_TOOLS = ("list_schedules", "get_schedule", "inspect_schedule", "preview", "list_runs", "get_run", "run_log",
                   "list_attention", "propose_schedule", "propose_change", "propose_control", "get_proposal",
                   "dispatch", "adopt_run", "reply")
+#: What a schedule definition holds, for the tools that take one (docs/schedules.md).
+DEFINITION_HELP = """definition: {"name", "brief" (the agent's instructions), "repository" (the absolute path of
+a git repository on Outpost's machine), "agent" (a profile), "timing": {"kind": "cron", "expression":
+"0 9 * * 1-5", "timezone": "Europe/Berlin"} or {"kind": "interval", "seconds": 3600, "timezone"} or
+{"kind": "once", "at": "2027-01-04T09:00", "timezone"}; optional "source_ref", "workdir",
+"limits": {"timeout_seconds", "model"}, "notify", "concurrency_policy", "catch_up"}."""
 #: Lines of a run's log ``run_log`` answers with unless asked for another tail.
 RUN_LOG_TAIL = 200
 
@@ -14029,7 +14090,8 @@ class AgentTools:
         """Comment on a task (default: this run's task); its assignee is woken unless it is you."""
         return self._call("POST", "/api/agent/comments", {"body": body, "task_id": self._task(task_id)})
 
-    def move_task(self, state: str, task_id: str | None = None) -> str:
+    def move_task(self, state: Literal["TODO", "IN_PROGRESS", "IN_REVIEW", "DONE", "CANCELLED"],
+                  task_id: str | None = None) -> str:
         """Move a task (default: this run's task) to TODO, IN_PROGRESS, IN_REVIEW, DONE or CANCELLED.
         Done or Cancelled wakes the agents its end unblocks."""
         return self._call("POST", f"/api/agent/tasks/{self._task(task_id)}/move", {"state": state})
@@ -14111,33 +14173,48 @@ class AgentTools:
         lines = text.splitlines()[-max(1, min(tail or RUN_LOG_TAIL, 5000)):]
         return "\n".join(lines)[-64 * 1024:]
 
-    def list_attention(self, state: str = "open") -> str:
+    def list_attention(self, state: Literal["open", "all"] = "open") -> str:
         """What waits for a human (state open or all): failures, questions, returned changes, proposals."""
         return self._call("GET", f"/v1/outpost/attention?state={urllib.parse.quote(state)}")
 
     def propose_schedule(self, definition: dict[str, Any]) -> str:
-        """Propose a new schedule (a full definition, as preview takes). Nothing is created: a human
-        reviews and confirms or declines it; follow it with get_proposal."""
-        return self._call("POST", "/v1/outpost/proposals", {"kind": "create", "definition": definition},
-                          idempotent=True)
+        """Propose a new schedule. Nothing is created: a human reviews it and confirms or declines;
+        follow it with get_proposal."""
+        return self._proposal("POST", "/v1/outpost/proposals", {"kind": "create", "definition": definition})
 
     def propose_change(self, schedule_id: str, changes: dict[str, Any]) -> str:
-        """Propose changed fields of a schedule (its id or name); a human sees the diff and confirms."""
-        return self._call("POST", "/v1/outpost/proposals", {"kind": "change", "schedule_id": urllib.parse.unquote(
-            self._schedule(schedule_id)), "changes": changes}, idempotent=True)
+        """Propose changed fields of a schedule (its id or name); a human sees the diff and confirms.
+        Each field given replaces the schedule's whole field: timing with all its keys
+        ({"timing": {"kind": "cron", "expression": "0 7 * * *", "timezone": "Europe/Berlin"}})."""
+        return self._proposal("POST", "/v1/outpost/proposals", {"kind": "change", "schedule_id": urllib.parse.unquote(
+            self._schedule(schedule_id)), "changes": changes})
 
-    def propose_control(self, schedule_id: str, action: str) -> str:
-        """Propose enable, pause, resume, archive, fire, approve_catch_up or dismiss_catch_up of a schedule."""
-        return self._call("POST", "/v1/outpost/proposals", {"kind": "control", "schedule_id": urllib.parse.unquote(
-            self._schedule(schedule_id)), "action": action}, idempotent=True)
+    def propose_control(self, schedule_id: str, action: Literal["enable", "pause", "resume", "archive", "fire",
+                                                                 "approve_catch_up", "dismiss_catch_up"]) -> str:
+        """Propose an action on a schedule (its id or name); a human confirms it."""
+        return self._proposal("POST", "/v1/outpost/proposals", {"kind": "control", "schedule_id": urllib.parse.unquote(
+            self._schedule(schedule_id)), "action": action})
 
     def get_proposal(self, proposal_id: str) -> str:
         """A proposal's state: pending, confirmed (with the schedule id), declined (with the note) or stale."""
-        return self._call("GET", f"/v1/outpost/proposals/{urllib.parse.quote(proposal_id, safe='')}")
+        return self._proposal("GET", f"/v1/outpost/proposals/{urllib.parse.quote(proposal_id, safe='')}")
+
+    def _proposal(self, method: str, path: str, body: Any = None) -> str:
+        """A proposal as the agent needs it: its state and the note first, then what a human reviews."""
+        p = self._request(method, path, body, idempotent=method == "POST")
+        review = p["review"]
+        zone_name = review["definition"]["timing"]["timezone"]
+        return json.dumps({k: v for k, v in {
+            "id": p["id"], "state": p["state"], "note": p["note"], "schedule_id": p["schedule_id"],
+            "kind": p["kind"], "summary": review.get("summary"), "diff": review.get("diff"),
+            "next_fires": [local_time(f, zone_name) for f in review.get("next_fires", [])],
+            "warnings": review.get("warnings"), "decided_at": p["decided_at"]}.items() if v not in (None, [])},
+            ensure_ascii=False)
 
     def dispatch(self, brief: str, repository: str, agent: str | None = None, source_ref: str | None = None,
                  workdir: str | None = None) -> str:
-        """Run an agent once now on its own worktree and result branch (as POST /v1/outpost/dispatches)."""
+        """Run an agent once, now, on its own worktree and result branch. repository: the absolute
+        path of a git repository on Outpost's machine; agent: a profile (list_runs shows those in use)."""
         body = {"brief": brief, "repository": repository, **{k: v for k, v in (
             ("agent", agent), ("source_ref", source_ref), ("workdir", workdir)) if v is not None}}
         return self._call("POST", "/v1/outpost/dispatches", body, idempotent=True)
@@ -14160,13 +14237,22 @@ def mcp_credential(args: argparse.Namespace) -> tuple[str, bool]:
         return os.environ["OUTPOST_RUN_TOKEN"], True
     key = os.environ.get("OUTPOST_KEY", "").strip()
     if args.key_file:
+        path = Path(args.key_file).expanduser()
         try:
-            key = Path(args.key_file).expanduser().read_text().strip()
+            if path.stat().st_mode & 0o077:
+                raise CliError(f"the key file {path} may be read by others: `chmod 600 {path}`", EXIT_NO_TOKEN)
+            key = path.read_text().strip()
         except OSError as exc:
             raise CliError(f"cannot read the key file {args.key_file}: {exc.strerror or exc}", EXIT_NO_TOKEN) from None
+        if not key:
+            raise CliError(f"the key file {path} is empty: put the key `outpost keys create` printed in it",
+                           EXIT_NO_TOKEN)
     if not key:
-        raise CliError("no proposer key: make one with `outpost keys create --proposer --name my-agent`, then set "
-                       "OUTPOST_KEY to it (or pass --key-file FILE)", EXIT_NO_TOKEN)
+        raise CliError("no proposer key: make one with `outpost keys create --proposer --name my-agent`, then pass "
+                       "--key-file <data dir>/keys/my-agent (or set OUTPOST_KEY)", EXIT_NO_TOKEN)
+    if not key.startswith(PROPOSER_KEY_PREFIX):   # never the API token: a person's agent only proposes
+        raise CliError(f"that is no proposer key (they begin with {PROPOSER_KEY_PREFIX}); make one with "
+                       "`outpost keys create --proposer`", EXIT_NO_TOKEN)
     return key, False
 
 
@@ -14180,13 +14266,21 @@ def cli_mcp(data_dir: Path, args: argparse.Namespace) -> int:
         run = client.call("GET", "/api/agent/run")
         tools, names = AgentTools(client, run.get("task_id")), OFFICE_RUN_TOOLS if run["office"] else RUN_TOOLS
     else:
-        client.call("GET", "/v1/outpost/proposals?limit=1")   # a bad or revoked key stops here, in one line
+        try:   # a bad or revoked key stops here, in one line
+            client.call("GET", "/v1/outpost/proposals?limit=1")
+        except CliError as exc:
+            if "(404" in str(exc):
+                raise CliError(f"no Outpost daemon answers at {client.base_url} (404): check --url",
+                               EXIT_UNREACHABLE) from None
+            raise
         tools, names = AgentTools(client), PROPOSER_TOOLS
-    server = MCPServer("outpost", instructions="Outpost, the scheduler that runs coding agents: "
-                       + ("your run's tools." if in_run else "look at schedules and runs, and propose changes a "
-                          "human confirms."), log_level="WARNING")
+    purpose = "your run's tools." if in_run else "look at schedules and runs, and propose changes a human confirms."
+    server = MCPServer("outpost", version=OUTPOST_VERSION, log_level="WARNING",
+                       instructions="Outpost, the scheduler that runs coding agents: " + purpose)
     for name in names:
-        server.add_tool(getattr(tools, name), name=name)
+        tool = getattr(tools, name)
+        server.add_tool(tool, name=name, description=inspect.cleandoc(tool.__doc__)
+                        + ("\n" + DEFINITION_HELP if name in ("preview", "propose_schedule") else ""))
     anyio.run(server.run_stdio_async, backend="trio")
     return 0
 
@@ -14252,6 +14346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", nargs="?", help="the proposal (prp_...)")
     p.add_argument("--note", default=None, help="decline: why, for the agent that proposed it")
     p.add_argument("--state", default=None, help="list: only pending, confirmed, declined or stale")
+    p.add_argument("--yes", action="store_true", help="confirm: without asking")
     p.add_argument("--url", default=None, help=URL_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     demo = sub.add_parser("demo-agent", help="the built-in simulated agent (reads the prompt on stdin)")
@@ -14328,8 +14423,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "gemini-settings":   # docs/agent-clis.md: for a daemon that is not root
             print(json.dumps(gemini_settings(outpost_tool_server("", "", data_dir)), indent=2))
             return 0
-        if args.command in ("keys", "proposals"):
-            (cli_keys if args.command == "keys" else cli_proposals)(cli_client(data_dir, args.url), args)
+        if args.command == "keys":
+            cli_keys(cli_client(data_dir, args.url), args, data_dir / "keys")
+            return 0
+        if args.command == "proposals":
+            cli_proposals(cli_client(data_dir, args.url), args)
             return 0
         if args.target is None and args.action not in ("list",):
             raise CliError(f"`outpost {args.command} {args.action}` needs a target", EXIT_USAGE)

@@ -100,7 +100,12 @@ def test_a_revoked_or_forged_key_stops_outpost_mcp_and_every_request(served):
         done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url],
                               capture_output=True, text=True, env=clean_env(OUTPOST_KEY=bad), timeout=60,
                               stdin=subprocess.DEVNULL)
-        assert done.returncode == outpost.EXIT_REFUSED and "401" in done.stderr and "Traceback" not in done.stderr
+        assert done.returncode == outpost.EXIT_REFUSED and "unknown or revoked" in done.stderr
+        assert done.stderr.count("\n") == 1
+    done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url],
+                          capture_output=True, text=True, env=clean_env(OUTPOST_KEY=server.token), timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == outpost.EXIT_NO_TOKEN and "no proposer key" in done.stderr, "never the API token"
 
 
 async def test_a_persons_agent_proposes_and_only_a_human_confirms(served):
@@ -113,8 +118,10 @@ async def test_a_persons_agent_proposes_and_only_a_human_confirms(served):
         assert len(preview["next_fires"]) == 5 and preview["summary"]
         assert preview["next_fires_local"][0].endswith(("CET (+01:00)", "CEST (+02:00)")), "in its zone, offset"
         proposal = await mcp.ok("propose_schedule", definition={**DEFINITION, "repository": str(repo)})
-        assert (proposal["state"], proposal["kind"], proposal["proposed_by"]) == ("pending", "create", "my-agent")
-        assert proposal["review"]["next_fires"] == preview["next_fires"]
+        assert (proposal["state"], proposal["kind"]) == ("pending", "create")
+        assert proposal["next_fires"] == preview["next_fires_local"], "what the human reviews, in its zone"
+        stored = human.get(f"/v1/outpost/proposals/{proposal['id']}").json()
+        assert stored["proposed_by"] == "my-agent" and stored["review"]["next_fires"] == preview["next_fires"]
         assert human.get("/v1/outpost/schedules").json()["schedules"] == [], "a proposal creates nothing"
         items = [a for a in human.get("/v1/outpost/attention").json()["attention"] if a["kind"] == "proposal"]
         assert len(items) == 1 and items[0]["link"] == f"/proposals/{proposal['id']}"
@@ -131,7 +138,7 @@ async def test_a_persons_agent_proposes_and_only_a_human_confirms(served):
         # a change: the diff against the revision it was made from; a human declines it with a note
         change = await mcp.ok("propose_change", schedule_id="nightly",
                               changes={"timing": {**DEFINITION["timing"], "expression": "30 7 * * *"}})
-        assert change["review"]["diff"] == [{"field": "timing.expression", "before": "0 9 * * 1-5",
+        assert change["diff"] == [{"field": "timing.expression", "before": "0 9 * * 1-5",
                                              "after": "30 7 * * *"}]
         post(human, f"/v1/outpost/proposals/{change['id']}/decline", {"note": "keep weekdays"}).raise_for_status()
         declined = await mcp.ok("get_proposal", proposal_id=change["id"])
@@ -174,6 +181,39 @@ async def test_a_proposer_key_dispatches_as_itself_and_replies_only_to_runs_it_a
         answered = conftest.wait_for(lambda: (r := human.get(f"/v1/outpost/runs/{reply['run_id']}").json())[
             "status"] in conftest.SETTLED and r, timeout_s=60)
         assert answered["continues"] == run_id
+
+
+def test_a_key_is_kept_where_no_run_reads_it_and_a_readable_key_file_is_refused(served):
+    server, _ = served
+    key = make_key(server, "laptop")
+    saved = server.data_dir / "keys" / "laptop"
+    assert saved.read_text().strip() == key and saved.stat().st_mode & 0o777 == 0o600
+    assert (server.data_dir / "keys").stat().st_mode & 0o777 == 0o700
+    saved.chmod(0o644)
+    done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url, "--key-file",
+                           str(saved)], capture_output=True, text=True, env=clean_env(), timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == outpost.EXIT_NO_TOKEN and f"chmod 600 {saved}" in done.stderr
+    revoked = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "--data-dir", str(server.data_dir), "keys",
+                              "revoke", "laptop", "--url", server.url], capture_output=True, text=True,
+                             env=clean_env(), timeout=60)
+    assert revoked.returncode == 0 and not saved.exists()
+
+
+def test_a_keys_idempotency_keys_are_its_own(served):
+    server, repo = served
+    key = make_key(server)
+    as_key = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    shared = {"Idempotency-Key": "the-same-key"}
+    first = as_key.post("/v1/outpost/schedules/compose", json={**DEFINITION, "repository": str(repo)},
+                        headers=shared)
+    assert first.status_code == 200
+    proposal = as_key.post("/v1/outpost/proposals", json={"kind": "create", "definition": {
+        **DEFINITION, "repository": str(repo)}}, headers=shared)
+    assert proposal.status_code == 201
+    human = server.client().post("/v1/outpost/dispatches", json={"brief": "hi", "repository": str(repo)},
+                                 headers=shared)
+    assert human.status_code == 202 and "Idempotent-Replayed" not in human.headers, "a key claims no human's key"
 
 
 def route_path(rule: str) -> str:
@@ -242,7 +282,12 @@ def test_an_office_run_acts_through_its_tools_and_reaches_nothing_else(server_fa
         'mcp-call: get_task {}',
         'mcp-call: propose_schedule {"definition": {}}',
         'mcp-call: comment {"body": "x", "task_id": "tsk_01AAAAAAAAAAAAAAAAAAAAAAAA"}',
-        'mcp-call: wake {"agent": "Nobody", "reason": "hi"}'])
+        'mcp-call: wake {"agent": "Nobody", "reason": "hi"}',
+        'mcp-call: wake {"agent": "worker", "reason": "look at the plan"}',
+        'http-call: POST /api/agent/tasks {"title": "mine", "executor": "tooluser"}',
+        'http-call: POST /api/agent/tasks {"title": "started", "state": "IN_PROGRESS"}',
+        'http-call: GET /v1/outpost/schedules {}',
+        'http-call: POST /v1/outpost/proposals {"kind": "create", "definition": {}}'])
     task = post(human, "/api/office/tasks", {"title": "Ship 1.4", "description": calls,
                                              "assignee_agent_id": lead["id"]}).json()
     runs = conftest.wait_for(lambda: [r for r in human.get(f"/api/office/agents/{lead['id']}/runs").json()["runs"]
@@ -250,7 +295,9 @@ def test_an_office_run_acts_through_its_tools_and_reaches_nothing_else(server_fa
     assert runs[0]["status"] == "succeeded", runs[0]["error"]
     out = agent_output(server, runs[0]["id"])
     assert out["tools"] == sorted(outpost.OFFICE_RUN_TOOLS)
-    made, commented, approval, moved, got, propose, foreign, nobody = out["calls"]
+    made, commented, approval, moved, got, propose, foreign, nobody, woke = out["calls"]
+    assert out["http"] == [422, 422, 401, 401], "no executor or state of its choosing; no user route"
+    assert not woke["error"], woke["text"]
     assert not any(c["error"] for c in (made, commented, approval, moved, got)), out["calls"]
     sub = json.loads(made["text"])
     assert (sub["parent_id"], sub["blocked_by"], sub["assignee_agent_id"]) == (task["id"], [first["id"]],
@@ -264,6 +311,7 @@ def test_an_office_run_acts_through_its_tools_and_reaches_nothing_else(server_fa
     assert foreign["error"] and "404" in foreign["text"]
     assert nobody["error"] and "Lead" in nobody["text"] and "Worker" in nobody["text"]
     wakes = human.get(f"/api/office/wakeups?agent_id={worker['id']}").json()["wakeups"]
+    assert any(w["source"] == "user" and w["payload"].get("user_id") == f"agent:{lead['id']}" for w in wakes)
     assert any(w["reason"] and w["source"] == "task_assigned" or w["payload"].get("task_id") == task["id"]
                for w in wakes), "the reviewer is woken by the move to In Review"
     blocked = [w for w in wakes if w["payload"].get("task_id") == sub["id"]]
@@ -307,7 +355,9 @@ def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
     merged = tomllib.loads("\n".join(f.replace("=", " = ", 1) for f in flags if not f.startswith("shell_")))
     outpost_entry = merged["mcp_servers"]["outpost"]
     assert (outpost_entry["default_tools_approval_mode"], outpost_entry["required"]) == ("approve", True)
-    assert outpost_entry["env"] == {"OUTPOST_RUN_TOKEN": "out_1.sig", "OUTPOST_API_URL": "http://127.0.0.1:1"}
+    assert outpost_entry["env"] == {"OUTPOST_API_URL": "http://127.0.0.1:1"}, "the URL by value: no layer redirects it"
+    assert outpost_entry["env_vars"] == ["OUTPOST_RUN_TOKEN"] and not any("out_1.sig" in a for a in codex.argv), (
+        "the token never on a command line (/proc/<pid>/cmdline)")
     assert {k: v.get("enabled") for k, v in merged["mcp_servers"].items()} == {
         "outpost": True, "evil": False, "docs": False}, "every other server a config names is off"
     assert merged["mcp_servers"]["evil"]["command"] == "false", "a project's entry stands alone (an untrusted one)"

@@ -45,10 +45,11 @@ PAGES = {
     "office-run": "/office/runs/{office_run}", "office-activity": "/office/activity",
     "office-routines": "/office/routines", "office-routine": "/office/routines/{routine}",
     "office-settings": "/office/settings", "settings": "/settings", "signin": "signin",
+    "proposals": "/proposals", "proposal": "/proposals/{proposal}",
 }
 #: List pages: their times are relative, in <time> elements; none is in a schedule's own zone.
 LIST_PAGES = ["schedules", "runs", "attention", "agents", "office-agents", "office-agent", "office-wakeups",
-              "office-activity", "office-routines", "office-task", "office-routine"]
+              "office-activity", "office-routines", "office-task", "office-routine", "proposals"]
 #: The zone the browser is in for the time checks: none of the data set's.
 VIEWER_ZONE = "Asia/Tokyo"
 STREAM = "**/v1/outpost/events/stream*"   # blocked: no live refresh swaps a page while it is checked
@@ -134,7 +135,14 @@ def ids(server, tmp_path_factory) -> dict[str, str]:
         wait_for(lambda: ended(idler), 60)
         settled(api, office_run)
         wait_for(lambda: api.get("/api/office/activity").json()["activity"], 30)
-    return {"east": east, "committed": committed["id"], "again": again["id"], "failed": failed["id"],
+        # a change a person's agent proposed (a proposer key), with a brief that wraps on a phone
+        key = api.post("/v1/outpost/keys", headers=keyed(), json={"name": "laptop", "role": "proposer"}).json()["key"]
+        proposal = api.post("/v1/outpost/proposals", json={
+            "kind": "change", "schedule_id": east, "changes": {
+                "brief": "@print report, then the-changelog-of-this-release-with-a-long-name.md\n@commit notes.txt x",
+                "timing": {"kind": "cron", "expression": "30 7 * * *", "timezone": "America/New_York"}}},
+            headers={**keyed(), "Authorization": f"Bearer {key}"}).json()["id"]
+    return {"east": east, "proposal": proposal, "committed": committed["id"], "again": again["id"], "failed": failed["id"],
             "asked": asked["id"], "agent": agent, "task": task, "routine": routine, "office_run": office_run}
 
 

@@ -405,11 +405,13 @@ def test_your_own_claude_code_proposes_with_a_key_and_only_you_confirm(outpost_f
                            "keys", "create", "--proposer", "--name", "laptop", "--url", outpost_.server.url],
                           capture_output=True, text=True, timeout=60)
     key = made.stdout.strip().splitlines()[-1]
+    key_file = outpost_.server.data_dir / "keys" / "laptop"   # where `keys create` keeps it, hidden from runs
     env = {"PATH": f"{CLIS / 'node_modules' / '.bin'}:{os.environ['PATH']}", "HOME": str(outpost_.home),
            "LANG": "C.UTF-8", "ANTHROPIC_BASE_URL": stub.url, "ANTHROPIC_API_KEY": "sk-ant-api03-stub",
            "CLAUDE_CODE_MAX_RETRIES": "0"}
-    added = subprocess.run(["claude", "mcp", "add", "-s", "user", "outpost", "-e", f"OUTPOST_KEY={key}", "--",
-                            sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", outpost_.server.url],
+    entry = {"type": "stdio", "command": sys.executable, "alwaysLoad": True,
+             "args": [str(conftest.OUTPOST_PY), "mcp", "--key-file", str(key_file), "--url", outpost_.server.url]}
+    added = subprocess.run(["claude", "mcp", "add-json", "-s", "user", "outpost", json.dumps(entry)],
                            capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert added.returncode == 0, added.stderr
 
@@ -423,7 +425,9 @@ def test_your_own_claude_code_proposes_with_a_key_and_only_you_confirm(outpost_f
                   "agent": "claude", "timing": {"kind": "cron", "expression": "0 9 * * 1-5",
                                                 "timezone": "Europe/Berlin"}}
     answer = ask(f"stub:calls Propose it.\nstub-call: propose_schedule {json.dumps({'definition': definition})}")
-    (proposal,) = outpost_.client.get("/v1/outpost/proposals").json()["proposals"]
+    proposals = outpost_.client.get("/v1/outpost/proposals").json()["proposals"]
+    assert len(proposals) == 1, answer
+    (proposal,) = proposals
     assert proposal["id"] in answer and proposal["proposed_by"] == "laptop" and proposal["state"] == "pending"
     assert outpost_.client.get("/v1/outpost/schedules").json()["schedules"] == []
     assert len(outpost_.attention("proposal")) == 1

@@ -2,13 +2,17 @@
 command, it does what any agent could do inside its run: starts ``outpost mcp`` with its run's
 environment (OUTPOST_RUN_TOKEN, OUTPOST_API_URL), lists the tools it is offered and makes the calls
 its prompt names, one ``mcp-call: <tool> <json arguments>`` line each (``$TASK`` in them is the
-run's own task id). It prints one JSON line: the tool names and each call's error flag and text."""
+run's own task id), and the raw requests a hostile agent would send with its run token, one
+``http-call: <METHOD> <path> <json body>`` line each. It prints one JSON line: the tool names,
+each call's error flag and text, and each request's status."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import sys
+import urllib.error
+import urllib.request
 
 import anyio
 from mcp import ClientSession, StdioServerParameters
@@ -28,7 +32,19 @@ async def main(outpost_py: str) -> None:
             answer = await session.call_tool(name, arguments)
             results.append({"tool": name, "error": answer.is_error,
                             "text": "".join(getattr(c, "text", "") for c in answer.content)})
-    print(json.dumps({"tools": tools, "calls": results}), flush=True)
+    print(json.dumps({"tools": tools, "calls": results, "http": [http(m[1], m[2], m[3]) for m in re.finditer(
+        r"^http-call: (\w+) (\S+) (\{.*\})$", prompt, re.MULTILINE)]}), flush=True)
+
+
+def http(method: str, path: str, body: str) -> int:
+    request = urllib.request.Request(os.environ["OUTPOST_API_URL"] + path, data=body.encode(), method=method,
+                                     headers={"Authorization": "Bearer " + os.environ["OUTPOST_RUN_TOKEN"],
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 if __name__ == "__main__":
