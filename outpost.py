@@ -6604,8 +6604,13 @@ class AccessStore(StorePart):
         what = {"create": f"a new schedule {body.get('definition', {}).get('name', '')!r}",
                 "change": f"a change to {review.get('name', schedule_id)!r}",
                 "control": f"{body.get('action')} {review.get('name', schedule_id)!r}"}[kind]
-        attention = self.core.raise_attention("proposal", f"{proposed_by} proposes {what}", review.get("summary"),
-                                              now, schedule_id=schedule_id, run_id=None, link=f"/proposals/{pid}")
+        definition = review["definition"]   # its times are for its review page, in the schedule's zone
+        detail = {"create": f"Agent {definition['agent']!r} on {definition['repository']}, "
+                            f"{describe_timing(definition['timing'])}.",
+                  "change": "Changes " + ", ".join(d["field"] for d in review.get("diff", [])) + ".",
+                  "control": review.get("summary")}[kind] + " Review it, then confirm or decline."
+        attention = self.core.raise_attention("proposal", f"{proposed_by} proposes {what}", detail, now,
+                                              schedule_id=schedule_id, run_id=None, link=f"/proposals/{pid}")
         p = self.db.Proposal(id=pid, kind=kind, state="pending", schedule_id=schedule_id, body=body,
                              base_revision=base_revision, review=review, proposed_by=proposed_by,
                              attention_id=attention, created_at=naive(now))
@@ -11217,10 +11222,14 @@ def scraper_token(deps: Deps, given: str) -> bool:
 
 
 async def credentialed(web: Web) -> bool:
-    """Whether a request that matched no route carries the API token or a signed-in session."""
+    """Whether a request that matched no route carries the API token, a live proposer key (which
+    reads every path the token does) or a signed-in session."""
     header = web.request.headers.get("Authorization")
     if header is not None:
-        return hmac.compare_digest(bearer(header).encode(), web.deps.token.encode())
+        given = bearer(header)
+        if given.startswith(PROPOSER_KEY_PREFIX):
+            return bool(await web.call(web.store.access.key_of, given))
+        return hmac.compare_digest(given.encode(), web.deps.token.encode())
     cookie = web.request.cookies.get(SESSION_COOKIE)
     return bool(cookie and await web.call(web.store.access.session_csrf, cookie, web.now))
 

@@ -142,8 +142,9 @@ def ids(server, tmp_path_factory) -> dict[str, str]:
                 "brief": "@print report, then the-changelog-of-this-release-with-a-long-name.md\n@commit notes.txt x",
                 "timing": {"kind": "cron", "expression": "30 7 * * *", "timezone": "America/New_York"}}},
             headers={**keyed(), "Authorization": f"Bearer {key}"}).json()["id"]
-    return {"east": east, "proposal": proposal, "committed": committed["id"], "again": again["id"], "failed": failed["id"],
-            "asked": asked["id"], "agent": agent, "task": task, "routine": routine, "office_run": office_run}
+    return {"east": east, "proposal": proposal, "committed": committed["id"], "again": again["id"],
+            "failed": failed["id"], "asked": asked["id"], "agent": agent, "task": task, "routine": routine,
+            "office_run": office_run}
 
 
 @pytest.fixture(scope="module")
