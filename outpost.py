@@ -14288,7 +14288,8 @@ def cli_mcp(data_dir: Path, args: argparse.Namespace) -> int:
                        instructions="Outpost, the scheduler that runs coding agents: " + purpose)
     for name in names:
         tool = getattr(tools, name)
-        server.add_tool(tool, name=name, description=inspect.cleandoc(tool.__doc__)
+        server.add_tool(tool, name=name, structured_output=False,   # the API's JSON as the text, not wrapped again
+                        description=inspect.cleandoc(tool.__doc__)
                         + ("\n" + DEFINITION_HELP if name in ("preview", "propose_schedule") else ""))
     anyio.run(server.run_stdio_async, backend="trio")
     return 0
