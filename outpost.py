@@ -12724,7 +12724,7 @@ async def page_runs(web: Web):
                              **({"schedule_id": schedule_id} if schedule_id else {}))
     return await web.page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
                           schedules=await web.call(web.store.schedules.schedule_zones), schedule_id=schedule_id,
-                          status=status, statuses=[s.value for s in RunStatus], chart=chart)
+                          status_filter=status, statuses=[s.value for s in RunStatus], chart=chart)
 
 
 async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[str, Any] | None:

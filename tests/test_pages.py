@@ -296,3 +296,16 @@ async def test_compose_shows_every_field_error_of_one_submit(dashboard, tmp_path
         outpost.normalize_definition({"name": "", "brief": "", "repository": "/x", "timing": {}}, T0, agents=["demo"])
     assert [e["field"] for e in refused.value.errors] == ["name", "brief", "timing.timezone"]
     assert refused.value.detail.startswith("name: ")
+
+
+async def test_the_runs_page_filters_by_status(dashboard, tmp_path):
+    """A status filter is the list's, never the page's HTTP status (it answered 500: int("failed"))."""
+    ids = fill(dashboard.store, make_repo(tmp_path / "repo"))
+    client = outpost.create_app(dashboard).test_client()
+    sign_in_client(client, dashboard.store, T0)
+    failed = await client.get("/runs?status=failed", headers={"Accept": "text/html"})
+    page = await failed.get_data(as_text=True)
+    assert failed.status_code == 200 and ids["run_id"] in page
+    assert '<option value="failed" selected>' in page
+    none = await client.get("/runs?status=cancelled", headers={"Accept": "text/html"})
+    assert none.status_code == 200 and ids["run_id"] not in await none.get_data(as_text=True)
