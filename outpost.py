@@ -3594,6 +3594,8 @@ TRIGGER_KINDS = ("schedule", "webhook", "manual")
 SIGNING_MODES = ("none", "bearer", "hmac_sha256", "github")
 VARIABLE_TYPES = ("text", "number", "boolean", "select")
 BUILTIN_VARIABLES = ("date", "datetime")
+#: The spec's names of routine policies, stored as Outpost's (shared/API.md 7.3).
+ROUTINE_POLICY_ALIASES = {"always_create": "always_enqueue"}
 ROUTINE_FIELDS = ("workspace_id", "name", "description", "assignee_agent_id", "status", "concurrency_policy",
                   "catch_up_policy", "catch_up_max", "priority", "task_template", "variables", "triggers")
 #: A webhook signature (hmac_sha256) is valid this long around its timestamp (either way: the
@@ -3691,6 +3693,7 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
                                   ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
                                   ("catch_up_policy", CATCH_UP_POLICIES, "enqueue_missed_with_cap")):
         value = merged.get(key, default)
+        value = ROUTINE_POLICY_ALIASES.get(value, value) if key == "concurrency_policy" else value
         if value not in allowed:
             raise invalid(key, "must be " + ", ".join(allowed))
         r[key] = value

@@ -472,6 +472,17 @@ def test_always_enqueue_creates_a_task_on_every_fire(office):
     assert len({x["linked_task_id"] for x in runs}) == 3 == len(tasks(office, worker))
 
 
+def test_always_create_is_the_specs_name_for_always_enqueue(office):
+    """shared/API.md 7.3: the spec's ``always_create`` is accepted and stored as ``always_enqueue``."""
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    r = new_routine(office, worker, name="Scan", concurrency_policy="always_create", task_template={"title": "Scan"})
+    assert r["concurrency_policy"] == "always_enqueue"
+    runs = [fire(office, r["id"], at(i * MINUTE)) for i in range(2)]
+    assert [x["status"] for x in runs] == ["task_created"] * 2
+    with pytest.raises(outpost.ValidationFailed, match="always_enqueue"):
+        outpost.normalize_routine({"name": "x", "assignee_agent_id": worker, "concurrency_policy": "sometimes"})
+
+
 def test_concurrency_policy_is_evaluated_per_dispatch_fingerprint(office):
     worker = new_agent(office, "Release Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Release", task_template={"title": "Release {{branch}}"})
