@@ -80,6 +80,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import functools
 import hashlib
 import heapq
@@ -13341,6 +13342,29 @@ async def watchdog_actor() -> None:
         await trio.sleep(interval)
 
 
+#: The lock ``serve`` holds for its life: one daemon per data dir (shared/API.md 2).
+SERVE_LOCK = "serve.lock"
+
+
+def hold_serve_lock(data_dir: Path) -> Any:
+    """The open, exclusively locked ``<data dir>/serve.lock`` (the kernel drops the lock when the
+    process ends, however it ends), or ConfigError naming the ``serve`` that holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    held = open(data_dir / SERVE_LOCK, "a")  # noqa: SIM115 - kept open for the process's life
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        try:
+            running = json.loads((data_dir / SERVE_FILE).read_text())
+            who = f"pid {running['pid']}, {running['url']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "it has not recorded its address yet"
+        raise ConfigError(f"another outpost serve runs on the data dir {data_dir} ({who}); stop it first, "
+                          "or give this one its own --data-dir") from None
+    return held
+
+
 def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = api_token(config.data_dir, create=True)
@@ -14392,6 +14416,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 config = load_config(data_dir, host=args.host, port=args.port, max_running=args.max_running,
                                      database=args.database)
+                lock = hold_serve_lock(config.data_dir)   # held until the store is closed
                 deps = open_deps(config)
             except (ConfigError, SchemaTooNew, orm.dbapiprovider.DatabaseError) as exc:
                 print(f"outpost: {exc}", file=sys.stderr)
@@ -14404,6 +14429,7 @@ def main(argv: list[str] | None = None) -> int:
                 trio.run(run_until_signal, deps)
             finally:
                 deps.store.close()
+                lock.close()
             return 0
         if args.command == "doctor":
             try:

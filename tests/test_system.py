@@ -669,3 +669,19 @@ def test_a_read_only_data_dir_stops_serve_with_one_line(tmp_path):
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert str(data) in line and "Read-only file system" in line, line
+
+
+def test_a_second_serve_on_the_same_data_dir_exits_2_naming_the_running_one(server_factory, tmp_path):
+    """shared/API.md 2: one daemon per data dir. A second serve (the same port or another) exits 2
+    with one line naming the running one; the first keeps its serve.json and goes on serving."""
+    first = server_factory()
+    recorded = json.loads((first.data_dir / "serve.json").read_text())
+    for port in ("0", first.url.rsplit(":", 1)[1]):
+        second = subprocess.run([sys.executable, str(OUTPOST_PY), "serve", "--data-dir", str(first.data_dir),
+                                 "--port", port], capture_output=True, text=True, timeout=60,
+                                env={k: v for k, v in os.environ.items() if k != "OUTPOST_API_TOKEN"})
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+        assert str(recorded["pid"]) in second.stderr and first.url in second.stderr
+        assert json.loads((first.data_dir / "serve.json").read_text()) == recorded, "only its writer removes it"
+    assert first.client().get("/healthz").status_code == 200
