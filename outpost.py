@@ -3267,11 +3267,13 @@ def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: da
     """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]; a run that
     hit a limit with a parsed reset is retried when its profile's limit ends (the spec's
     rate-limit path); any other failure, a limit that named no reset included, falls through
-    to the backoff of its retry count, not before ``not_before``."""
+    to the backoff of its retry count, not before ``not_before``. So does a reset that had
+    already passed (the profile is then held only LIMIT_BUFFER_S): waiting for it again and
+    again would burn the retries in minutes."""
     count = retry_count + 1
     if count > MAX_RETRY_COUNT:
         return RetryPlan(count, None, "escalated")
-    if limited_until is not None:
+    if limited_until is not None and limited_until > now + timedelta(seconds=LIMIT_BUFFER_S):
         return RetryPlan(count, limited_until, "rate_limit_parsed")
     delay = RETRY_BACKOFF_S[count - 1] * (1 + RETRY_JITTER * max(-1.0, min(1.0, jitter)))
     return RetryPlan(count, max(now + timedelta(seconds=delay), not_before or now), "backoff")

@@ -236,6 +236,17 @@ def test_plan_retry_escalates_after_max_retry_count_even_for_limits():
     assert (rl3.retry_count, rl3.retry_at, rl3.source) == (4, limited, "rate_limit_parsed")
 
 
+@pytest.mark.parametrize("retry_count", [0, 1, 2, 3])
+def test_a_limit_whose_named_reset_has_passed_falls_through_to_the_ladder(retry_count):
+    """shared/API.md 7.3: a reset already past (the profile is held only the 30 s buffer) is no
+    reset to wait for: the retry takes the backoff of its count, never "now + 30 s" again and again."""
+    stale = T0 + timedelta(seconds=outpost.LIMIT_BUFFER_S)   # limit_wait of a reset clamped to now
+    plan = outpost.plan_retry(retry_count, T0, 0.0, stale)
+    assert (plan.source, plan.retry_at) == ("backoff", T0 + timedelta(seconds=BACKOFF[retry_count]))
+    ahead = T0 + timedelta(hours=1)
+    assert outpost.plan_retry(retry_count, T0, 0.0, ahead).retry_at == ahead, "a reset ahead is still waited for"
+
+
 # --- the wakeup queue: producers ---------------------------------------------------------------------
 
 def test_task_assigned_wakeup_is_queued_when_assignment_saved(office):
