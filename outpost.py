@@ -3043,6 +3043,16 @@ SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, 
 TASK_WORKFLOWS = ("office", "kanban")
 #: Wakeup reason of a reviewer woken by a move to In Review (its staleness follows the reviewers).
 REVIEW_REASON = "review_requested"
+#: Wakeup reason of an agent a comment mentions (shared/API.md 7.3): it is woken on the task, as a
+#: reviewer is, without taking it over (its staleness: only the task ending).
+MENTION_REASON = "mentioned"
+#: The wakes of an agent that takes part in a task it is not assigned: no checkout, no handover.
+PARTICIPANT_REASONS = (REVIEW_REASON, MENTION_REASON)
+PARTICIPANT_SQL = "(" + ", ".join(f"'{reason}'" for reason in PARTICIPANT_REASONS) + ")"   # for raw SQL
+#: The agents one comment may wake by mention (a comment that names every agent wakes these first).
+MAX_MENTIONS = 10
+#: ``@Name`` (a name without spaces) or ``@"Release Bot"``; never inside a word or an e-mail address.
+MENTION = re.compile(r'(?<![\w@.])@(?:"([^"\n]{1,100})"|([\w][\w.-]{0,99}))')
 #: The note of a task_assigned wakeup that waits, queued, for its task's open blockers.
 HELD_NOTE = "held until its blockers are done"
 
@@ -3075,8 +3085,13 @@ class SelfPayload:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class UserPayload:
-    user_id: str
+    """A person's wake (user_id: who asked), or a mention in a comment (task_id, comment_id,
+    mentioned_by: its author, an agent id or "user")."""
+    user_id: str | None = None
     context: str | None = None
+    task_id: str | None = None
+    comment_id: str | None = None
+    mentioned_by: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -3142,6 +3157,16 @@ def wakeup_payload(source: str, raw: Any):
     return cls(**raw)
 
 
+def mentioned_names(body: str) -> list[str]:
+    """The agent names a comment mentions, in order, each once (case aside), at most MAX_MENTIONS."""
+    names: dict[str, str] = {}
+    for quoted, bare in MENTION.findall(body):
+        name = (quoted or bare.rstrip(".-")).strip()
+        if name:
+            names.setdefault(name.casefold(), name)
+    return list(names.values())[:MAX_MENTIONS]
+
+
 def payload_task_id(payload: dict[str, Any]) -> str | None:
     """The task a wakeup is about (its scope); None for a taskless wakeup."""
     task_id = payload.get("task_id")
@@ -3189,11 +3214,15 @@ def merge_context(snapshot: dict[str, Any], source: str, reason: str, payload: d
     return merged
 
 
-def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool) -> CancelReason | None:
-    """The staleness check: is the task scope of a wakeup still this agent's to act on?"""
+def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool,
+                 mention: bool = False) -> CancelReason | None:
+    """The staleness check: is the task scope of a wakeup still this agent's to act on? A mention
+    holds while its task is open, whoever it is assigned to."""
     if task is None:
         return CancelReason.TASK_NOT_FOUND
     terminal = task["state"] in TERMINAL_TASK_STATES or task["archived_at"] is not None
+    if mention:
+        return CancelReason.TASK_TERMINAL if terminal else None
     if review:
         if terminal:
             return CancelReason.TASK_TERMINAL
@@ -3205,12 +3234,15 @@ def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool) ->
     return CancelReason.TASK_TERMINAL if terminal else None
 
 
-def retry_stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool) -> CancelReason | None:
+def retry_stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool,
+                       mention: bool = False) -> CancelReason | None:
     """Retry promotion: a scheduled retry is dropped once its task was cancelled or changed hands.
     A review wakeup's agent is a reviewer, never the assignee: it is stale when the agent is no
-    longer among the task's reviewers."""
+    longer among the task's reviewers. A mention's retry holds until its task is cancelled."""
     if task is None or task["state"] == TaskState.CANCELLED:
         return CancelReason.RETRY_TASK_CANCELLED
+    if mention:
+        return None
     if review:
         return None if agent_id in task["reviewers"] else CancelReason.REVIEW_PARTICIPANT_CHANGED
     if task["assignee_agent_id"] != agent_id:
@@ -3353,7 +3385,8 @@ def assemble_prompt(*, agent: dict[str, Any], wakeups: list[dict[str, Any]], tas
                      "get_task and list_tasks to read, comment on a task, move_task, create_task (a subtask: "
                      "parent_id, sequenced by blocked_by), request_approval from a human, wake another agent, "
                      "and ask_human when you cannot go on without a person's decision. Task ids default to "
-                     "your task; agents are named by name (wake, assignee, reviewers).")
+                     "your task; agents are named by name (wake, assignee, reviewers); @Name in a comment "
+                     "wakes that agent.")
     elif not resume:
         parts.append("## Acting on Outpost\nYour run token is in $OUTPOST_RUN_TOKEN and the API in $OUTPOST_API_URL: "
                      "POST /api/agent/comments, /api/agent/tasks/<id>/move, /api/agent/tasks, "
@@ -4121,6 +4154,7 @@ def define_entities(db: orm.Database) -> None:
         task_id = Required(str, index=True)
         author_agent_id = Optional(str, nullable=True)     # None: the user
         body = Required(str)
+        mentions = Optional(orm.Json, nullable=True)       # [{"name", "agent_id" | None}] (7.3)
         created_at = Required(datetime)
 
     class Approval(db.Entity):
@@ -4436,6 +4470,7 @@ SCHEMA_SQL = {
     15: [   # a person's own agent: who dispatched a run; proposals listed newest first
         'ALTER TABLE "Run" ADD COLUMN requested_by TEXT',
         'ALTER TABLE "Attention" ADD COLUMN link TEXT',
+        'ALTER TABLE "Comment" ADD COLUMN mentions JSON',
         'CREATE INDEX IF NOT EXISTS proposal_newest ON "Proposal"(created_at, id)',
     ],
 }
@@ -4536,7 +4571,7 @@ def wakeup_view(w) -> dict[str, Any]:
 
 def comment_view(c) -> dict[str, Any]:
     return {"id": c.id, "task_id": c.task_id, "author_agent_id": c.author_agent_id, "body": c.body,
-            "created_at": rfc3339(aware(c.created_at))}
+            "mentions": c.mentions or [], "created_at": rfc3339(aware(c.created_at))}
 
 
 def approval_view(a) -> dict[str, Any]:
@@ -5992,8 +6027,8 @@ class RunStore(StorePart):
         rows = self.db.select(
             'SELECT r.result_branch FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id JOIN "Wakeup" w '
             "ON w.id = o.wakeup_id WHERE o.task_id = $t AND o.run_id <> $run AND r.started_at IS NOT NULL "
-            f"AND r.status NOT IN {ACTIVE_RUN_SQL} AND w.reason <> $review ORDER BY r.finished_at DESC, r.id DESC "
-            "LIMIT 1", {"t": o.task_id, "run": r.id, "review": REVIEW_REASON})
+            f"AND r.status NOT IN {ACTIVE_RUN_SQL} AND w.reason NOT IN {PARTICIPANT_SQL} "
+            "ORDER BY r.finished_at DESC, r.id DESC LIMIT 1", {"t": o.task_id, "run": r.id})
         return rows[0] if rows and rows[0] != r.result_branch else None
 
     def launch_info(self, run_id: str) -> dict[str, Any]:
@@ -6900,7 +6935,9 @@ class WakeupStore(StorePart):
         returns the earlier request and inserts nothing; a request for an agent whose run of the
         same scope has not started merges into it; otherwise it is queued. Plain SQL: an
         assignment burst enqueues many."""
-        payload = dataclasses.asdict(wakeup_payload(source, payload))
+        given = payload   # a field the request left out stays out (a mention has no user_id)
+        payload = {k: v for k, v in dataclasses.asdict(wakeup_payload(source, payload)).items()
+                   if k in given or v is not None}
         key = idempotency_key or wakeup_idempotency_key(source, payload, agent_id)
         if key is not None and (earlier := self.db.select('SELECT id, requested_at FROM "Wakeup" '
                                                           'WHERE idempotency_key = $k', {"k": key})):
@@ -7223,8 +7260,8 @@ class OfficeStore(StorePart):
                     self.wakeups.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
                 stopping = self.db.select(
                     'SELECT w.run_id FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
-                    f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason <> $review AND r.status IN "
-                    f"{ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id, "review": REVIEW_REASON})
+                    f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason NOT IN {PARTICIPANT_SQL} "
+                    f"AND r.status IN {ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id})
                 if not stopping:
                     self.wakeups.release_checkout(t.id, previous)
             if t.assignee_agent_id:   # a new assignment is a new event, even back to an earlier assignee
@@ -7365,12 +7402,32 @@ class OfficeStore(StorePart):
 
     def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
                     workspace_id: str | None = None) -> dict[str, Any]:
-        """A comment wakes the task's assignee unless the assignee wrote it."""
+        """A comment wakes the task's assignee unless the assignee wrote it, and each agent it
+        mentions (``@Name``, ``@"Release Bot"``) but its author and the assignee (shared/API.md 7.3)."""
         t = self._task(task_id, workspace_id)
         c = self._comment(t, body, now, author_agent_id)
         if t.assignee_agent_id != author_agent_id:
             self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now)
+        c.mentions = self._wake_mentioned(t, c, now)
         return comment_view(c)
+
+    def _wake_mentioned(self, t, c, now: datetime) -> list[dict[str, Any]]:
+        """The agents a comment names, each woken on its task (source user, reason mentioned);
+        an unknown name wakes nobody and is listed with no agent id."""
+        if "@" not in c.body:
+            return []
+        ws = t.workspace_id
+        agents = {a.name.casefold(): a for a in self.db.Agent.select(lambda a: a.workspace_id == ws)}
+        mentions = []
+        for name in mentioned_names(c.body):
+            a = agents.get(name.casefold())
+            mentions.append({"name": a.name if a else name, "agent_id": a.id if a else None})
+            open_task = t.state not in TERMINAL_TASK_STATES and t.archived_at is None
+            if a is not None and a.id not in (c.author_agent_id, t.assignee_agent_id) and open_task:
+                self.wakeups.enqueue_wakeup(ws, a.id, WakeupSource.USER, {
+                    "task_id": t.id, "comment_id": c.id, "mentioned_by": c.author_agent_id or "user"}, now,
+                    reason=MENTION_REASON)
+        return mentions
 
     def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
         a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
@@ -7632,7 +7689,7 @@ class PipelineStore(StorePart):
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
                 f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
-                f"AND NOT (w.reason <> '{REVIEW_REASON}' AND EXISTS ({locked})) "   # another's session holds it
+                f"AND NOT (w.reason NOT IN {PARTICIPANT_SQL} AND EXISTS ({locked})) "   # another's session
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
@@ -7653,12 +7710,13 @@ class PipelineStore(StorePart):
             self.wakeups.end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
             return PipelineOutcome(claimed=True)
         task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
-        review = w.reason == REVIEW_REASON
+        review, mention = w.reason == REVIEW_REASON, w.reason == MENTION_REASON
 
         def other_task(q) -> bool:   # merged across tasks (the window): this task's fate is not its own
             return q.task_id != w.task_id
 
-        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review)):
+        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review,
+                                                                          mention=mention)):
             self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
@@ -7673,7 +7731,7 @@ class PipelineStore(StorePart):
                                  fire="skipped")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
-        if w.task_id and (reason := stale_reason(task, w.agent_id, review=review)):
+        if w.task_id and (reason := stale_reason(task, w.agent_id, review=review, mention=mention)):
             self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
@@ -7698,8 +7756,8 @@ class PipelineStore(StorePart):
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
-        # 5. Checkout (a reviewer reads the task; only the one working it takes the lock).
-        if w.task_id and w.reason != REVIEW_REASON and not self._checkout(w.task_id, agent.id, now):
+        # 5. Checkout (a reviewer or a mentioned agent reads the task; only the one working it takes the lock).
+        if w.task_id and w.reason not in PARTICIPANT_REASONS and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
             self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
@@ -14125,7 +14183,8 @@ class AgentTools:
         return self._call("GET", "/api/agent/tasks" + (f"?{query}" if query else ""))
 
     def comment(self, body: str, task_id: str | None = None) -> str:
-        """Comment on a task (default: this run's task); its assignee is woken unless it is you."""
+        """Comment on a task (default: this run's task); its assignee is woken unless it is you,
+        and so is each agent you mention: @Name, or @"Two Words"."""
         return self._call("POST", "/api/agent/comments", {"body": body, "task_id": self._task(task_id)})
 
     def move_task(self, state: Literal["TODO", "IN_PROGRESS", "IN_REVIEW", "DONE", "CANCELLED"],

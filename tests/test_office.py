@@ -323,6 +323,39 @@ def test_comment_wakeup_stays_queued_while_agent_at_capacity(office):
     assert "Also cover the CLI" in office_run(office, next_run)["assembled_prompt"]
 
 
+def test_a_mention_wakes_the_named_agent_on_the_task_as_a_participant(office):
+    """shared/API.md 7.3: ``@Bob please look`` wakes Bob (source user, payload task, comment and
+    who mentioned him); the assignee is woken as ``comment`` once; the author and unknown names
+    wake nobody and the comment lists them. Bob's wake runs though Alice holds the task."""
+    alice, bob, bot = new_agent(office, "Alice"), new_agent(office, "Bob"), new_agent(office, "Release Bot")
+    tid = new_task(office, "Ship 1.4", assignee_agent_id=alice)
+    (alice_run,) = dispatch(office, at(1))
+    start(office, alice_run, at(2))   # Alice's session holds the task's checkout
+    body = '@bob please look, and @"Release Bot" cut it; cc @Alice @Nobody, mail me@example.com'
+    c = call(office, office.office.add_comment, tid, body, at(3))
+    assert c["mentions"] == [{"name": "Bob", "agent_id": bob}, {"name": "Release Bot", "agent_id": bot},
+                             {"name": "Alice", "agent_id": alice}, {"name": "Nobody", "agent_id": None}]
+    (woke_bob,) = wakeups(office, bob)
+    assert (woke_bob["source"], woke_bob["reason"]) == ("user", "mentioned")
+    assert woke_bob["payload"] == {"task_id": tid, "comment_id": c["id"], "mentioned_by": "user"}
+    assert len(wakeups(office, bot)) == 1 and sorted(w["source"] for w in wakeups(office, alice)) == [
+        "comment", "task_assigned"], "the assignee is woken as comment, not again as mentioned"
+    assert call(office, office.office.get_task, tid)["comments"][0]["mentions"] == c["mentions"]
+    runs = dispatch(office, at(4))
+    assert wakeup(office, woke_bob["id"])["run_id"] in runs, "a mention takes no checkout: it runs beside Alice"
+    mine = call(office, office.office.add_comment, tid, "@Bob I will do it myself", at(5), bob)
+    assert len(wakeups(office, bob)) == 1 and mine["mentions"] == [{"name": "Bob", "agent_id": bob}]
+
+
+def test_a_comment_that_mentions_everyone_wakes_at_most_ten(office):
+    names = [f"agent{i}" for i in range(15)]
+    ids = [new_agent(office, n) for n in names]
+    tid = new_task(office, "Noisy")
+    c = call(office, office.office.add_comment, tid, " ".join(f"@{n}" for n in names), at(1))
+    assert len(c["mentions"]) == outpost.MAX_MENTIONS == 10
+    assert sum(len(wakeups(office, a)) for a in ids) == 10
+
+
 def test_three_subtasks_done_give_one_task_children_completed_wakeup(office):
     lead = new_agent(office, "Lead", role="coordinator")
     workers = [new_agent(office, f"Worker {i}") for i in range(3)]
