@@ -5420,9 +5420,16 @@ class ScheduleStore(StorePart):
         return self._schedule_view(s)
 
     def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
-        """enable | pause | resume | archive (``fire`` is fire_manual)."""
+        """enable | pause | resume | archive | dismiss_catch_up (``fire`` is fire_manual); the
+        schedule's view. approve_catch_up answers as fire does too (``outcome``, ``run_id``)."""
         s = self._schedule(schedule_id)
         self._guard(s, revision)
+        if action == "approve_catch_up":
+            outcome, run_id = self.decide_catch_up(s, True, now)
+            if outcome == SlotOutcome.SKIPPED_OVERLAP:   # nothing changed: the plan waits, the revision stays
+                return {**self._schedule_view(s), "outcome": str(outcome), "run_id": None}
+            self._controlled(s, action, now)
+            return {**self._schedule_view(s), "outcome": str(outcome), "run_id": run_id}
         if action == "enable":
             if s.auto_paused:
                 raise AutoPaused(f"schedule {s.id} was auto-paused after {s.failure_streak} failures; "
@@ -5436,16 +5443,19 @@ class ScheduleStore(StorePart):
             if not s.enabled:
                 self._settle_paused_slots(s, now)
             s.enabled, s.auto_paused, s.failure_streak = True, False, 0
-        elif action in ("approve_catch_up", "dismiss_catch_up"):
-            self.decide_catch_up(s, action == "approve_catch_up", now)
+        elif action == "dismiss_catch_up":
+            self.decide_catch_up(s, False, now)
         elif action == "archive":
             s.archived, s.enabled, s.next_fire_at = True, False, None
         else:
             raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
+        self._controlled(s, action, now)
+        return self._schedule_view(s)
+
+    def _controlled(self, s, action: str, now: datetime) -> None:
         s.revision += 1
         s.updated_at = naive(now)
         self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
-        return self._schedule_view(s)
 
     def get_schedule(self, schedule_id: str) -> dict[str, Any]:
         return self._schedule_view(self._schedule(schedule_id))
@@ -5625,13 +5635,24 @@ class ScheduleStore(StorePart):
                                  "dismiss them.", now, schedule_id=s.id, run_id=None)
         self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
 
-    def decide_catch_up(self, s, approve: bool, now: datetime) -> str | None:
+    def decide_catch_up(self, s, approve: bool, now: datetime) -> tuple[SlotOutcome, str | None]:
         """approve_catch_up (one catch-up run, as enqueue_missed_with_cap with max 1) or
-        dismiss_catch_up (the slots are ``skipped_missed``). The run's id, if one was queued."""
+        dismiss_catch_up (the slots are ``skipped_missed``): the outcome, and the run's id if one
+        was queued. Approved while a run of the schedule is active (its policy not
+        always_enqueue) it is ``skipped_overlap``: the plan and its item stay, the item says so."""
         plan = s.pending_catch_up
         if not plan:
             raise Conflict(f"schedule {s.id} has no pending catch-up to decide")
         sid = s.id
+        active = self._active_run(sid)
+        if approve and active is not None and s.definition["concurrency_policy"] != "always_enqueue":
+            for item in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "catch_up_plan"
+                                                 and a.acknowledged_at is None):
+                plan_text = re.sub(r"^Run \S+ of this schedule is still active.*?when it ends\. ", "",
+                                   item.detail or "")
+                item.detail = (f"Run {active.id} of this schedule is still active, so the catch-up did not "
+                               f"start: approve again when it ends. {plan_text}")
+            return SlotOutcome.SKIPPED_OVERLAP, None
         rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
                     .order_by(lambda o: o.due_at))
         s.pending_catch_up = None
@@ -5643,14 +5664,14 @@ class ScheduleStore(StorePart):
                 o.outcome = str(SlotOutcome.SKIPPED_MISSED)
             self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
                                              "count": plan["missed_count"]}, now)
-            return None
+            return SlotOutcome.SKIPPED_MISSED, None
         last = rows[-1]
         _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
                                        since=parse_instant(plan["first_missed_at"]), pending=last.id,
                                        counted_all=plan.get("missed_count_exact", True))
         for o in rows[:-1]:
             o.outcome, o.run_id = str(SlotOutcome.FOLDED), run_id
-        return run_id
+        return SlotOutcome.ADMITTED, run_id
 
     def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
         for slot in slots:
@@ -10850,6 +10871,8 @@ DONE_NOTICES = {
     "resumed": "Profile resumed: its queued runs may start.",
     "rerun": "Re-run queued: same commit, prompt, profile and model.",
     "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
+    "approve_catch_up_later": "Not started: a run of this schedule is still active. Approve the catch-up again "
+                              "when it ends; the plan waits.",
     "dismiss_catch_up": "Catch-up dismissed: the missed occurrences are recorded as skipped.",
     "proposal_confirmed": "Proposal confirmed: the schedule is changed as reviewed.",
     "proposal_declined": "Proposal declined: the agent that proposed it sees your note.",
@@ -12774,7 +12797,9 @@ async def page_schedule_control(web: Web, schedule_id: str):
     result = await control_schedule(web, schedule_id, form_revision(form), action)
     if action == "fire" and result["outcome"] == "admitted":   # Fire now: on to the new run, live
         return await web.see_other(f"/runs/{result['run_id']}?done=admitted")
-    return await web.see_other(f"/schedules/{schedule_id}?done={result['outcome'] if action == 'fire' else action}")
+    later = action == "approve_catch_up" and result["outcome"] == SlotOutcome.SKIPPED_OVERLAP
+    done = result["outcome"] if action == "fire" else "approve_catch_up_later" if later else action
+    return await web.see_other(f"/schedules/{schedule_id}?done={done}")
 
 
 # --- dashboard: runs and attention ------------------------------------------------------------------------

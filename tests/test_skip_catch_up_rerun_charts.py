@@ -193,6 +193,28 @@ def test_missed_slots_under_ask_wait_for_a_human_then_approve_runs_one_catch_up(
         call(store, store.schedules.control_schedule, sched["id"], 2, "approve_catch_up", T0 + 62 * MIN)
 
 
+def test_approving_a_catch_up_while_a_run_is_active_starts_it_later_not_never(store, git_repo):
+    """shared/API.md 9: approve_catch_up answers as fire does. While a run of the schedule is
+    active it is skipped_overlap: the plan stays pending, its item open and saying so, nothing is
+    folded; approved again once the run ended, the catch-up runs (before: 200, the plan cleared,
+    the item closed and nothing started)."""
+    sched = asking_schedule(store, git_repo)
+    call(store, store.schedules.claim_due, T0 + 65 * MIN)
+    busy = call(store, store.schedules.fire_manual, sched["id"], 1, T0 + 66 * MIN)["run_id"]
+    held = call(store, store.schedules.control_schedule, sched["id"], 1, "approve_catch_up", T0 + 67 * MIN)
+    assert (held["outcome"], held["run_id"], held["revision"]) == ("skipped_overlap", None, 1)
+    assert held["pending_catch_up"]["missed_count"] == 6
+    assert ledger(store, sched["id"]).count("pending_catch_up") == 6, "nothing folded"
+    item = only([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"])
+    assert busy in item["detail"] and "approve again" in item["detail"]
+    settle(store, busy, "succeeded", T0 + 69 * MIN)
+    approved = call(store, store.schedules.control_schedule, sched["id"], 1, "approve_catch_up", T0 + 70 * MIN)
+    assert approved["outcome"] == "admitted" and approved["pending_catch_up"] is None
+    run = call(store, store.runs.get_run, approved["run_id"])
+    assert (run["trigger"], run["missed_count"]) == ("catch_up", 6)
+    assert not [a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"]
+
+
 def test_dismissing_a_catch_up_records_the_slots_as_skipped(store, git_repo):
     sched = asking_schedule(store, git_repo)
     call(store, store.schedules.claim_due, T0 + 35 * MIN)
