@@ -5624,15 +5624,23 @@ class ScheduleStore(StorePart):
         plan = s.pending_catch_up or {}
         first = plan.get("first_missed_at") or rfc3339(first_due)
         exact = plan.get("missed_count_exact", True) and counted_all
-        s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
+        count = plan.get("missed_count", 0) + total
+        s.pending_catch_up = {"missed_count": count, "first_missed_at": first,
                               "last_missed_at": rfc3339(missed[-1]), "missed_count_exact": exact}
-        if not plan:
-            tz = ZoneInfo(s.definition["timing"]["timezone"])
-            many = f"{total}" if counted_all else f"more than {total:,}"
-            title = f"Schedule '{s.name}' missed {many} occurrence{'s' if total != 1 else ''}: run a catch-up?"
-            since = f"{first_due.astimezone(tz):%Y-%m-%d %H:%M %Z}"
-            self.core.raise_attention("catch_up_plan", title, f"Missed since {since}. Approve one catch-up run, or "
-                                 "dismiss them.", now, schedule_id=s.id, run_id=None)
+        # the item always tells the whole plan: a second outage updates its count and window
+        tz = ZoneInfo(s.definition["timing"]["timezone"])
+        many = f"{count}" if exact else f"more than {count:,}"
+        title = f"Schedule '{s.name}' missed {many} occurrence{'s' if count != 1 else ''}: run a catch-up?"
+        window = (f"{parse_instant(first).astimezone(tz):%Y-%m-%d %H:%M %Z} to "
+                  f"{missed[-1].astimezone(tz):%Y-%m-%d %H:%M %Z}")
+        detail = f"Missed from {window}. Approve one catch-up run, or dismiss them."
+        sid = s.id
+        items = list(self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "catch_up_plan"
+                                              and a.acknowledged_at is None))
+        for item in items:
+            item.title, item.detail = title, detail
+        if not items:
+            self.core.raise_attention("catch_up_plan", title, detail, now, schedule_id=s.id, run_id=None)
         self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
 
     def decide_catch_up(self, s, approve: bool, now: datetime) -> tuple[SlotOutcome, str | None]:

@@ -215,6 +215,17 @@ def test_approving_a_catch_up_while_a_run_is_active_starts_it_later_not_never(st
     assert not [a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"]
 
 
+def test_a_second_outage_updates_the_open_plans_item_to_the_whole_count(store, git_repo):
+    """Its item said 4 missed while the plan said 24: it now tells the plan's count and window."""
+    sched = asking_schedule(store, git_repo)
+    call(store, store.schedules.claim_due, T0 + 45 * MIN)    # 4 missed: 08:10 .. 08:40
+    call(store, store.schedules.claim_due, T0 + 245 * MIN)   # down again: 20 more, 08:50 .. 12:00
+    plan = call(store, store.schedules.get_schedule, sched["id"])["pending_catch_up"]
+    item = only([a for a in call(store, store.list_attention, True) if a["kind"] == "catch_up_plan"])
+    assert f"missed {plan['missed_count']} occurrences" in item["title"] and plan["missed_count"] == 24
+    assert "from 2026-11-30 08:10 UTC to 2026-11-30 12:00 UTC" in item["detail"]
+
+
 def test_dismissing_a_catch_up_records_the_slots_as_skipped(store, git_repo):
     sched = asking_schedule(store, git_repo)
     call(store, store.schedules.claim_due, T0 + 35 * MIN)
