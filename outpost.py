@@ -50,7 +50,11 @@ Where to look:
   ``store.nodes``, ``store.access``, ``store.notify``, ``store.wakeups``, ``store.office``,
   ``store.pipeline``, ``store.routines``; each holds the parts below it that it calls. What
   differs between SQLite and PostgreSQL is ``store.dialect`` (``Dialect``, ``PostgresDialect``);
-- an agent CLI: its ``Preset`` in ``PRESETS`` (the Agent CLIs section);
+- an agent CLI: its ``Preset`` in ``PRESETS`` (the Agent CLIs section), and how it is told of
+  Outpost's own MCP server (``claude_tools``, ``codex_tools``, ``gemini_tools``);
+- the tools agents act with: ``AgentTools`` and ``cli_mcp`` (the CLI section) over the agent API
+  (``agent_api``) and, for a person's own agent, proposer keys and proposals (``propose``,
+  ``confirm_proposal``; ``check_proposer`` says what a key may do);
 - a behaviour of the spec: search for its name (``skip_if_active``, ``task_blockers_resolved``,
   ``retry_stale_assignee``).
 
