@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import conftest
@@ -429,3 +430,18 @@ def test_the_office_prompt_names_the_tools_only_for_a_cli_that_has_them():
     assert outpost.ACTING_WITH_TOOLS in with_tools and "create_task" in with_tools and "curl" not in with_tools
     plain = outpost.assemble_prompt(**args)
     assert "$OUTPOST_RUN_TOKEN" in plain and outpost.ACTING_WITH_TOOLS not in plain
+
+
+def test_a_proposal_nobody_decided_within_a_week_is_stale_and_cannot_be_confirmed(store, tmp_path):
+    repo = conftest.make_repo(tmp_path / "repo")
+    definition = conftest.normalized(repo, name="weekly")
+    review = {**outpost.composed(definition, conftest.T0, definition["timing"]), "name": "weekly"}
+    made = conftest.call(store, store.access.create_proposal, "create", None, {"definition": definition}, None,
+                         review, "laptop", conftest.T0)
+    week = conftest.T0 + timedelta(seconds=outpost.PROPOSAL_TTL_S)
+    assert conftest.call(store, store.access.get_proposal, made["id"], week - timedelta(seconds=1))[
+        "state"] == "pending"
+    assert conftest.call(store, store.access.get_proposal, made["id"], week)["state"] == "stale"
+    assert [p["id"] for p in conftest.call(store, store.access.list_proposals, "stale", week)] == [made["id"]]
+    with pytest.raises(outpost.Conflict, match="stale"):
+        conftest.call(store, store.access.decide_proposal, made["id"], "confirmed", None, week)
