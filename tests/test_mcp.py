@@ -97,16 +97,13 @@ def test_a_revoked_or_forged_key_stops_outpost_mcp_and_every_request(served):
     assert client.get("/v1/outpost/schedules").status_code == 200
     assert server.client().delete("/v1/outpost/keys/my-agent").status_code == 204
     assert client.get("/v1/outpost/schedules").status_code == 401, "revoking is immediate"
-    for bad in (key, "opk_" + "A" * 43):
-        done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url],
-                              capture_output=True, text=True, env=clean_env(OUTPOST_KEY=bad), timeout=60,
-                              stdin=subprocess.DEVNULL)
-        assert done.returncode == outpost.EXIT_REFUSED and "unknown or revoked" in done.stderr
-        assert done.stderr.count("\n") == 1
-    done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url],
-                          capture_output=True, text=True, env=clean_env(OUTPOST_KEY=server.token), timeout=60,
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == outpost.EXIT_NO_TOKEN and "no proposer key" in done.stderr, "never the API token"
+    started = [subprocess.Popen([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                                env=clean_env(OUTPOST_KEY=bad)) for bad in (key, "opk_" + "A" * 43, server.token)]
+    (revoked, forged, token) = [(p.wait(60), p.stderr.read()) for p in started]   # at once: each imports the SDK
+    for status, stderr in (revoked, forged):
+        assert status == outpost.EXIT_REFUSED and "unknown or revoked" in stderr and stderr.count("\n") == 1
+    assert token[0] == outpost.EXIT_NO_TOKEN and "no proposer key" in token[1], "never the API token"
 
 
 async def test_a_persons_agent_proposes_and_only_a_human_confirms(served):
