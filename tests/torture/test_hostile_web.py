@@ -158,6 +158,13 @@ def web(tmp_path_factory):
         [{"kind": "webhook", "signing_mode": "hmac_sha256", "enabled": True}], now)
     env.routine_id, env.trigger_id = routine["id"], routine["triggers"][0]["id"]
     env.public_id = routine["triggers"][0]["public_id"]
+    # A proposal of a person's agent: markup in its name, brief and the note it is declined with.
+    definition = outpost.normalize_definition({"name": f"{XSS} proposed", "brief": XSS, "repository": str(env.repo),
+                                               "agent": "demo", "timing": {"kind": "cron", "expression": "0 9 * * *",
+                                                                           "timezone": "UTC"}}, now, agents=["demo"])
+    env.proposal_id = env.db(env.store.access.create_proposal, "create", None, {"definition": definition}, None,
+                             {**outpost.composed(definition, now, definition["timing"]), "name": definition["name"]},
+                             XSS, now)["id"]
     yield env
     env.store.close()
 
@@ -167,7 +174,7 @@ def rule_paths(web: Web) -> list[tuple[str, set[str], str]]:
     values = {"schedule_id": web.sid, "run_id": web.rid, "attention_id": web.aid, "code": "nope",
               "filename": "outpost.css", "agent_id": web.agent_id, "task_id": web.task_id,
               "approval_id": web.approval_id, "routine_id": web.routine_id, "trigger_id": web.trigger_id,
-              "public_id": web.public_id, "name": "demo", "other_id": web.rid}
+              "public_id": web.public_id, "name": "demo", "other_id": web.rid, "proposal_id": web.proposal_id}
     routes = []
     for rule in web.app.url_map.iter_rules():
         path = rule.rule
