@@ -3218,16 +3218,16 @@ def merge_context(snapshot: dict[str, Any], source: str, reason: str, payload: d
     return merged
 
 
-def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool,
-                 mention: bool = False) -> CancelReason | None:
-    """The staleness check: is the task scope of a wakeup still this agent's to act on? A mention
-    holds while its task is open, whoever it is assigned to."""
+def stale_reason(task: dict[str, Any] | None, agent_id: str, reason: str | None) -> CancelReason | None:
+    """The staleness check: is the task scope of a wakeup (of this ``reason``) still this agent's
+    to act on? A reviewer's holds while it reviews; a mention's while its task is open, whoever
+    it is assigned to; any other while the agent is the assignee."""
     if task is None:
         return CancelReason.TASK_NOT_FOUND
     terminal = task["state"] in TERMINAL_TASK_STATES or task["archived_at"] is not None
-    if mention:
+    if reason == MENTION_REASON:
         return CancelReason.TASK_TERMINAL if terminal else None
-    if review:
+    if reason == REVIEW_REASON:
         if terminal:
             return CancelReason.TASK_TERMINAL
         if task["state"] != TaskState.IN_REVIEW or agent_id not in task["reviewers"]:
@@ -3238,16 +3238,15 @@ def stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool,
     return CancelReason.TASK_TERMINAL if terminal else None
 
 
-def retry_stale_reason(task: dict[str, Any] | None, agent_id: str, *, review: bool,
-                       mention: bool = False) -> CancelReason | None:
+def retry_stale_reason(task: dict[str, Any] | None, agent_id: str, reason: str | None) -> CancelReason | None:
     """Retry promotion: a scheduled retry is dropped once its task was cancelled or changed hands.
     A review wakeup's agent is a reviewer, never the assignee: it is stale when the agent is no
     longer among the task's reviewers. A mention's retry holds until its task is cancelled."""
     if task is None or task["state"] == TaskState.CANCELLED:
         return CancelReason.RETRY_TASK_CANCELLED
-    if mention:
+    if reason == MENTION_REASON:
         return None
-    if review:
+    if reason == REVIEW_REASON:
         return None if agent_id in task["reviewers"] else CancelReason.REVIEW_PARTICIPANT_CHANGED
     if task["assignee_agent_id"] != agent_id:
         return CancelReason.RETRY_STALE_ASSIGNEE
@@ -7743,13 +7742,10 @@ class PipelineStore(StorePart):
             self.wakeups.end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
             return PipelineOutcome(claimed=True)
         task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
-        review, mention = w.reason == REVIEW_REASON, w.reason == MENTION_REASON
-
         def other_task(q) -> bool:   # merged across tasks (the window): this task's fate is not its own
             return q.task_id != w.task_id
 
-        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, review=review,
-                                                                          mention=mention)):
+        if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, w.reason)):
             self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
@@ -7764,7 +7760,7 @@ class PipelineStore(StorePart):
                                  fire="skipped")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
-        if w.task_id and (reason := stale_reason(task, w.agent_id, review=review, mention=mention)):
+        if w.task_id and (reason := stale_reason(task, w.agent_id, w.reason)):
             self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
