@@ -2647,6 +2647,17 @@ def definition_diff(before: dict[str, Any], after: dict[str, Any]) -> list[dict[
             for f in dict.fromkeys([*old, *new]) if old.get(f) != new.get(f)]
 
 
+def plan_words(name: str, zone_name: str, plan: dict[str, Any]) -> tuple[str, str]:
+    """A pending catch-up plan's item: its title and detail, the whole plan's count and window in
+    the schedule's zone ("more than N" when counting stopped)."""
+    count, tz = plan["missed_count"], ZoneInfo(zone_name)
+    many = f"{count}" if plan.get("missed_count_exact", True) else f"more than {count:,}"
+    window = " to ".join(f"{parse_instant(plan[k]).astimezone(tz):%Y-%m-%d %H:%M %Z}"
+                         for k in ("first_missed_at", "last_missed_at"))
+    return (f"Schedule '{name}' missed {many} occurrence{'s' if count != 1 else ''}: run a catch-up?",
+            f"Missed from {window}. Approve one catch-up run, or dismiss them.")
+
+
 def inspect_verdict(report: dict[str, Any]) -> str:
     """One sentence first for "why didn't it run?", from the six recovery checks (docs/http-api.md)."""
     checks = {c["check"]: c["data"] for c in report["checks"]}
@@ -5627,24 +5638,21 @@ class ScheduleStore(StorePart):
         plan = s.pending_catch_up or {}
         first = plan.get("first_missed_at") or rfc3339(first_due)
         exact = plan.get("missed_count_exact", True) and counted_all
-        count = plan.get("missed_count", 0) + total
-        s.pending_catch_up = {"missed_count": count, "first_missed_at": first,
+        s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
                               "last_missed_at": rfc3339(missed[-1]), "missed_count_exact": exact}
         # the item always tells the whole plan: a second outage updates its count and window
-        tz = ZoneInfo(s.definition["timing"]["timezone"])
-        many = f"{count}" if exact else f"more than {count:,}"
-        title = f"Schedule '{s.name}' missed {many} occurrence{'s' if count != 1 else ''}: run a catch-up?"
-        window = (f"{parse_instant(first).astimezone(tz):%Y-%m-%d %H:%M %Z} to "
-                  f"{missed[-1].astimezone(tz):%Y-%m-%d %H:%M %Z}")
-        detail = f"Missed from {window}. Approve one catch-up run, or dismiss them."
-        sid = s.id
-        items = list(self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "catch_up_plan"
-                                              and a.acknowledged_at is None))
+        title, detail = plan_words(s.name, s.definition["timing"]["timezone"], s.pending_catch_up)
+        items = self._open_plan_items(s.id)
         for item in items:
             item.title, item.detail = title, detail
         if not items:
             self.core.raise_attention("catch_up_plan", title, detail, now, schedule_id=s.id, run_id=None)
         self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
+
+    def _open_plan_items(self, schedule_id: str) -> list[Any]:
+        """The schedule's open ``catch_up_plan`` item (one at most, as raised)."""
+        return list(self.db.Attention.select(lambda a: a.schedule_id == schedule_id and a.kind == "catch_up_plan"
+                                             and a.acknowledged_at is None))
 
     def decide_catch_up(self, s, approve: bool, now: datetime) -> tuple[SlotOutcome, str | None]:
         """approve_catch_up (one catch-up run, as enqueue_missed_with_cap with max 1) or
@@ -5657,18 +5665,15 @@ class ScheduleStore(StorePart):
         sid = s.id
         active = self._active_run(sid)
         if approve and active is not None and s.definition["concurrency_policy"] != "always_enqueue":
-            for item in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "catch_up_plan"
-                                                 and a.acknowledged_at is None):
-                plan_text = re.sub(r"^Run \S+ of this schedule is still active.*?when it ends\. ", "",
-                                   item.detail or "")
+            _, detail = plan_words(s.name, s.definition["timing"]["timezone"], plan)
+            for item in self._open_plan_items(sid):
                 item.detail = (f"Run {active.id} of this schedule is still active, so the catch-up did not "
-                               f"start: approve again when it ends. {plan_text}")
+                               f"start: approve again when it ends. {detail}")
             return SlotOutcome.SKIPPED_OVERLAP, None
         rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
                     .order_by(lambda o: o.due_at))
         s.pending_catch_up = None
-        for item in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "catch_up_plan"
-                                             and a.acknowledged_at is None):
+        for item in self._open_plan_items(sid):
             item.acknowledged_at = naive(now)
         if not approve or not rows:
             for o in rows:
