@@ -1344,14 +1344,18 @@ def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
 
 # Outpost's own tools in a run (docs/agent-clis.md): how each CLI is told of ``outpost mcp``.
 
+#: The variables of every run that ``outpost mcp`` reads: its token, and where the API is.
+RUN_TOKEN_ENV, API_URL_ENV = "OUTPOST_RUN_TOKEN", "OUTPOST_API_URL"
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolServer:
     """Outpost's MCP server as one run's CLI starts it: the command line of ``outpost mcp``, the
-    variables it needs (the run token and the API's URL), and the run's private folder, where
-    the files that wire it are written: outside the worktree, read-only to the agent."""
+    API's URL (the run token it reads from the run's env, RUN_TOKEN_ENV, never from a file or a
+    command line), and the run's private folder, where the files that wire it are written:
+    outside the worktree, read-only to the agent."""
     command: str
     args: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
+    api_url: str
     folder: Path
     #: MCP servers the CLI's own config files name, each with the transport a disabling entry must
     #: carry to stand on its own ("" where the file is always read; Codex: they are disabled).
@@ -1389,10 +1393,9 @@ def codex_tools(argv: list[str], server: ToolServer) -> ToolWiring:
     command line is readable in /proc), the API's URL set by value so no config layer can point
     the token elsewhere; every other server a config names (``server.others``) disabled; the
     agent's shell commands get no OUTPOST_ variable."""
-    secret, *plain = server.env   # the token by name (never on a command line), the URL by value
-    table = {"command": server.command, "args": list(server.args), "env_vars": [secret[0]],
+    table = {"command": server.command, "args": list(server.args), "env_vars": [RUN_TOKEN_ENV],
              "default_tools_approval_mode": "approve", "required": True, "startup_timeout_sec": 60,
-             "enabled": True, **{f"env.{k}": v for k, v in plain}}
+             "enabled": True, f"env.{API_URL_ENV}": server.api_url}
     flags = [f"mcp_servers.outpost.{k}={json.dumps(v)}" for k, v in table.items()]   # JSON values are TOML here
     for name, transport in (o for o in server.others if o[0] != "outpost"):
         # a project's file is read only when its folder is trusted: its entry must be valid alone
@@ -1409,7 +1412,7 @@ def gemini_settings(server: ToolServer) -> dict[str, Any]:
     variables expanded by Gemini from the run's env, and what a trusted project's
     .gemini/settings.json could widen set back (system settings win over it; arrays replace)."""
     return {"mcpServers": {"outpost": {"command": server.command, "args": list(server.args), "trust": True,
-                                       "timeout": 60_000, "env": {k: f"${k}" for k, _ in server.env}}},
+                                       "timeout": 60_000, "env": {k: f"${k}" for k in (RUN_TOKEN_ENV, API_URL_ENV)}}},
             "mcp": {"allowed": ["outpost"], "excluded": [], "serverCommand": ""},
             "tools": {"allowed": [], "discoveryCommand": "", "callCommand": ""}, "hooksConfig": {"enabled": False}}
 
@@ -7053,9 +7056,9 @@ class WakeupStore(StorePart):
 
     def office_prompt(self, agent, w, *, resumed: bool, summary: str, task: dict[str, Any] | None = None,
                       tools: bool = False) -> str:
-        """The prompt of ``w``'s run; ``tools``: its CLI has Outpost's own tools (docs/agent-clis.md)."""
         """The prompt of a wakeup's run, from its context snapshot (rebuilt when a wakeup merges
-        into the run before it starts). A resumed session gets comments since its last run."""
+        into the run before it starts). A resumed session gets comments since its last run;
+        ``tools``: its CLI has Outpost's own tools (docs/agent-clis.md)."""
         task = task or (self.task_facts(w.task_id, w.workspace_id) if w.task_id else None)
         since = None   # a resumed session has read the comments up to its previous run's prompt
         if resumed and (session := self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id)):
@@ -10162,11 +10165,33 @@ def run_workspace(deps: Deps, plan: RunPlan) -> Path:
                          plan.result_branch if plan.office and plan.task_id else None)
 
 
-def outpost_tool_server(token: str, api_url: str, folder: Path) -> ToolServer:
+def outpost_tool_server(api_url: str, folder: Path) -> ToolServer:
     """``outpost mcp`` as a run's CLI starts it: this Python in isolated mode (``-I``: no
     PYTHONPATH or user site a project's config could set), this outpost.py."""
-    return ToolServer(sys.executable, ("-I", str(Path(__file__).resolve()), "mcp"),
-                      (("OUTPOST_RUN_TOKEN", token), ("OUTPOST_API_URL", api_url)), folder)
+    return ToolServer(sys.executable, ("-I", str(Path(__file__).resolve()), "mcp"), api_url, folder)
+
+
+#: The most of a CLI config file Outpost reads to learn the MCP servers it names.
+CONFIG_READ_BYTES = 1 << 20
+
+
+def config_servers(path: Path) -> dict[str, Any]:
+    """The ``mcp_servers`` table of a Codex config file, read as a regular file only (never
+    through a link, a FIFO or a device a repository could leave there) and at most
+    CONFIG_READ_BYTES; {} for anything else, or what does not parse (Codex refuses it itself)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        data = f.read(CONFIG_READ_BYTES + 1)
+    try:
+        servers = tomllib.loads(data.decode()).get("mcp_servers", {}) if len(data) <= CONFIG_READ_BYTES else {}
+    except (ValueError, RecursionError):
+        return {}
+    return servers if isinstance(servers, dict) else {}
 
 
 #: Where an admin installs Gemini CLI's settings for Outpost's runs when the daemon is not root
@@ -10182,28 +10207,25 @@ def root_owned(path: Path) -> bool:
         return False
 
 
-def tool_server(deps: Deps, private: Path, cwd: Path, workspace: Path, token: str) -> ToolServer:
+def tool_server(api_url: str, private: Path, cwd: Path, workspace: Path) -> ToolServer:
     """Outpost's MCP server for one run (docs/agent-clis.md): ``outpost mcp`` in isolated mode
     (``python -I``: no PYTHONPATH a project's config could set), the MCP servers Codex's config
     files name (disabled for the run), and Gemini CLI's system settings, written into the run's
     private folder when the daemon is root, else the file an admin installed; LaunchError when
-    Gemini would not read it (it would run without the tools and the agent could not act)."""
-    server = outpost_tool_server(token, deps.api_url, private)
+    Gemini would not read it (it would run without the tools and the agent could not act). It
+    reads files the agent wrote: run it off the event loop."""
+    server = outpost_tool_server(api_url, private)
     user = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex") / "config.toml"
     configs = [user, *(d / ".codex" / "config.toml" for d in (cwd, *cwd.parents) if d.is_relative_to(workspace))]
-    others: list[tuple[str, str]] = []
-    for config in configs:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            for name, entry in tomllib.loads(config.read_text()).get("mcp_servers", {}).items():
-                transport = "url" if isinstance(entry, dict) and "url" in entry else "command"
-                others.append((name, "" if config == user else transport))
+    others = [(name, "" if config == user else "url" if isinstance(entry, dict) and "url" in entry else "command")
+              for config in configs for name, entry in config_servers(config).items()]
     settings = private / "gemini-system-settings.json"
     if os.geteuid() != 0:
         settings = GEMINI_SETTINGS_INSTALLED
     return dataclasses.replace(server, others=tuple(dict.fromkeys(others)), system_settings=settings)
 
 
-async def wire_tools(deps: Deps, profile: AgentProfile, argv: list[str], env: dict[str, str],
+async def wire_tools(profile: AgentProfile, argv: list[str], env: dict[str, str],
                      server: ToolServer) -> tuple[list[str], dict[str, str]]:
     """The run's command line and env with Outpost's MCP server, its files written first."""
     wiring = profile.kind.tools(argv, server)
@@ -10348,16 +10370,15 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             argv = profile_argv(profile, model=plan.model, run_id=run_id, session_id=plan.session_id,
                                 prompt_file=str(private / "prompt.md"), max_cost_usd=plan.max_cost_usd)
             env = agent_env(profile, dict(os.environ), run_id)
-            token = run_token(deps.run_token_key, run_id)
             if profile.kind.tools is not None:   # Outpost's own tools, its MCP server (docs/agent-clis.md)
-                argv, env = await wire_tools(deps, profile, argv, env, tool_server(deps, private, cwd, workspace,
-                                                                                   token))
+                server = await trio.to_thread.run_sync(tool_server, deps.api_url, private, cwd, workspace)
+                argv, env = await wire_tools(profile, argv, env, server)
             if sandbox := run_sandbox(deps, plan):
                 await trio.to_thread.run_sync(sandbox.make_home_state)
                 argv, env["TMPDIR"] = sandbox.argv(argv, cwd), "/tmp"
                 if sandbox.home is not None:
                     env.setdefault("CLAUDE_CONFIG_DIR", str(sandbox.home / ".claude"))
-            env |= {"OUTPOST_RUN_TOKEN": token, "OUTPOST_API_URL": deps.api_url}
+            env |= {RUN_TOKEN_ENV: run_token(deps.run_token_key, run_id), API_URL_ENV: deps.api_url}
             if plan.office:   # the agent acts on Office through the run-scoped token
                 env["OUTPOST_TASK_ID"] = plan.task_id or ""
             rlog.info("run %s starting %s in %s%s", run_id, profile.name, cwd, " (resumed)" if plan.session_id else "")
@@ -10853,6 +10874,8 @@ INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DA
 #: What a person's own agent may propose (docs/agent-clis.md), and the fields of each.
 PROPOSAL_KINDS = ("create", "change", "control")
 PROPOSAL_STATES = ("pending", "confirmed", "declined", "stale")
+#: Who a proposal made without a key is by (``Web.caller``): a key may not take these names.
+HUMAN_CALLERS = ("api", "dashboard")
 PROPOSAL_FIELDS = {"create": ("definition",), "change": ("schedule_id", "changes"),
                    "control": ("schedule_id", "action")}
 #: A control action in the words of a proposal's review.
@@ -11276,12 +11299,12 @@ async def authenticate(web: Web):
         if given and hmac.compare_digest(given.encode(), web.deps.token.encode()):
             web.caller = "api"
             return None
-        key = given.startswith(PROPOSER_KEY_PREFIX) and await web.call(web.store.access.key_of, given)
-        if given.startswith(PROPOSER_KEY_PREFIX) and not key:
+        if not given.startswith(PROPOSER_KEY_PREFIX):
+            raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
+        key = await web.call(web.store.access.key_of, given)
+        if key is None:
             raise Unauthorized("this proposer key is unknown or revoked (`outpost keys list` lists the live ones; "
                                "`outpost keys create --proposer` makes a new one)")
-        if not key:
-            raise Unauthorized("send Authorization: Bearer <token> (`outpost token` prints it)")
         check_proposer(web.route, request.method)
         web.caller, web.proposer = "proposer", key["name"]
         return None
@@ -12095,6 +12118,8 @@ async def api_create_key(web: Web):
     name = _text_field(raw, "name", 100).strip() if raw.get("name") is not None else f"agent-{secrets.token_hex(3)}"
     if not re.fullmatch(r"[\w.@-]{1,100}", name):
         raise invalid("name", "letters, digits, '.', '@', '_' and '-' only (it names the key in lists and runs)")
+    if name in HUMAN_CALLERS:
+        raise invalid("name", f"{name!r} names a human's proposals (the API token, the dashboard): choose another")
     return await web.commit(web.store.access.create_key, name, "proposer", web.now)
 
 
@@ -12590,18 +12615,16 @@ async def agent_self_wake(web: Web):
         raise invalid("payload", "must be an object or null")
     delay = _int(raw.get("delay_sec", 0), "delay_sec", 0, 7 * DAY_S)
     reason, now, me, ws = _text_field(raw, "reason", 200), web.now, web.agent["agent_id"], web.agent["workspace_id"]
+    wake_at = now + timedelta(seconds=delay) if delay else None
 
     def wake():
         """Itself (source self), or another agent of its workspace, as a mention would (source user)."""
         target = web.store.office.agent_ref(ws, raw["agent"], "agent") if raw.get("agent") is not None else me
         if target == me:
             return web.store.office.wake_agent(me, WakeupSource.SELF, {"reason": reason, "payload": payload}, now,
-                                               wake_at=now + timedelta(seconds=delay) if delay else None,
-                                               workspace_id=ws)
+                                               wake_at=wake_at, workspace_id=ws)
         return web.store.office.wake_agent(target, WakeupSource.USER, {"user_id": f"agent:{me}", "context": reason},
-                                           now,
-                                           reason=reason, workspace_id=ws,
-                                           wake_at=now + timedelta(seconds=delay) if delay else None)
+                                           now, reason=reason, wake_at=wake_at, workspace_id=ws)
     return await web.commit(wake)
 
 
@@ -12963,13 +12986,12 @@ async def proposal_page(web: Web, proposal_id: str, *, status: int = 200, error:
     """A proposal's review: what confirming would do (for a change, the diff against the revision
     it was made from), and Confirm / Decline while it is pending."""
     proposal = await web.call(web.store.access.get_proposal, proposal_id, web.now)
-    keys = await web.call(web.store.access.list_keys)
     moved = None   # a pending change or action whose schedule moved on: it can no longer be confirmed
     if proposal["state"] == "pending" and proposal["schedule_id"]:
         current = await web.call(web.store.schedules.schedule_definition, proposal["schedule_id"])
         moved = current if current["revision"] != proposal["base_revision"] or current["archived"] else None
     return await web.page("proposal.html", status=status, section="attention", p=proposal, error=error, moved=moved,
-                          by_key=any(k["name"] == proposal["proposed_by"] for k in keys))
+                          by_key=proposal["proposed_by"] not in HUMAN_CALLERS)
 
 
 @pages.get("/proposals/<proposal_id>", auth=Auth.SESSION)
@@ -14182,6 +14204,11 @@ a git repository on Outpost's machine), "agent" (a profile), "timing": {"kind": 
 RUN_LOG_TAIL = 200
 
 
+def url_segment(text: str) -> str:
+    """``text`` as one segment of a URL path (an id a model typed: ``../keys`` stays one segment)."""
+    return urllib.parse.quote(text, safe="")
+
+
 class AgentTools:
     """The tools of ``outpost mcp``. Each is one call of the daemon's API; its docstring is what
     the model reads. ``task_id``: the run's own task (an Office run), the default of its tools."""
@@ -14190,29 +14217,33 @@ class AgentTools:
         self.client = client
         self.task_id = task_id
 
+    @staticmethod
+    def _refused(text: str) -> Exception:
+        """A tool's error, which the model reads (the SDK's, imported only when ``outpost mcp`` runs)."""
+        from mcp.server.mcpserver.exceptions import ToolError
+        return ToolError(text)
+
     def _request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False,
                  raw: bool = False) -> Any:
         """The API's answer; its refusal as the tool's error (the problem's words, never a traceback)."""
-        from mcp.server.mcpserver.exceptions import ToolError
         try:
             return self.client.call(method, path, body, idempotent=idempotent, raw=raw)
         except CliError as exc:
-            raise ToolError(str(exc)) from None
+            raise self._refused(str(exc)) from None
 
     def _call(self, method: str, path: str, body: Any = None, *, idempotent: bool = False) -> str:
         return json.dumps(self._request(method, path, body, idempotent=idempotent), ensure_ascii=False)
 
     def _task(self, task_id: str | None) -> str:
-        from mcp.server.mcpserver.exceptions import ToolError
         if not (task_id or self.task_id):
-            raise ToolError("this run has no task of its own: name one with task_id")
-        return urllib.parse.quote(task_id or self.task_id, safe="")
+            raise self._refused("this run has no task of its own: name one with task_id")
+        return task_id or self.task_id
 
     # An Office run's tools (its run token; its own workspace).
 
     def get_task(self, task_id: str | None = None) -> str:
         """A task with its blockers, subtasks, comments and approvals (default: this run's task)."""
-        return self._call("GET", f"/api/agent/tasks/{self._task(task_id)}")
+        return self._call("GET", f"/api/agent/tasks/{url_segment(self._task(task_id))}")
 
     def list_tasks(self, state: str | None = None, assignee: str | None = None) -> str:
         """The tasks of your workspace; state: TODO, IN_PROGRESS, IN_REVIEW, DONE or CANCELLED;
@@ -14229,7 +14260,7 @@ class AgentTools:
                   task_id: str | None = None) -> str:
         """Move a task (default: this run's task) to TODO, IN_PROGRESS, IN_REVIEW, DONE or CANCELLED.
         Done or Cancelled wakes the agents its end unblocks."""
-        return self._call("POST", f"/api/agent/tasks/{self._task(task_id)}/move", {"state": state})
+        return self._call("POST", f"/api/agent/tasks/{url_segment(self._task(task_id))}/move", {"state": state})
 
     def create_task(self, title: str, description: str | None = None, assignee: str | None = None,
                     parent_id: str | None = None, blocked_by: list[str] | None = None,
@@ -14264,11 +14295,11 @@ class AgentTools:
     # A person's own agent (a proposer key): read, propose, dispatch, adopt, reply.
 
     def _schedule(self, schedule: str) -> str:
-        from mcp.server.mcpserver.exceptions import ToolError
+        """A schedule's id, from its id or its name."""
         try:
-            return urllib.parse.quote(resolve_schedule(self.client, schedule), safe="")
+            return resolve_schedule(self.client, schedule)
         except CliError as exc:
-            raise ToolError(str(exc)) from None
+            raise self._refused(str(exc)) from None
 
     def list_schedules(self, include_archived: bool = False) -> str:
         """Every schedule with its state, timing and next fire."""
@@ -14276,11 +14307,11 @@ class AgentTools:
 
     def get_schedule(self, schedule_id: str) -> str:
         """One schedule (its id, or its name)."""
-        return self._call("GET", f"/v1/outpost/schedules/{self._schedule(schedule_id)}")
+        return self._call("GET", f"/v1/outpost/schedules/{url_segment(self._schedule(schedule_id))}")
 
     def inspect_schedule(self, schedule_id: str) -> str:
         """Why a schedule did or did not run: a verdict first, then the six recovery checks."""
-        report = self._request("GET", f"/v1/outpost/schedules/{self._schedule(schedule_id)}/inspect")
+        report = self._request("GET", f"/v1/outpost/schedules/{url_segment(self._schedule(schedule_id))}/inspect")
         return json.dumps({"verdict": inspect_verdict(report), **report}, ensure_ascii=False)
 
     def preview(self, definition: dict[str, Any]) -> str:
@@ -14295,16 +14326,16 @@ class AgentTools:
         """Runs, newest first; status: queued, running, paused, succeeded, failed, needs_you or cancelled."""
         query = {"limit": str(limit), **({"status": status} if status else {})}
         if schedule_id:
-            query["schedule_id"] = urllib.parse.unquote(self._schedule(schedule_id))
+            query["schedule_id"] = self._schedule(schedule_id)
         return self._call("GET", "/v1/outpost/runs?" + urllib.parse.urlencode(query))
 
     def get_run(self, run_id: str) -> str:
         """One run: its status, error, agent report, branch and commits."""
-        return self._call("GET", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}")
+        return self._call("GET", f"/v1/outpost/runs/{url_segment(run_id)}")
 
     def run_log(self, run_id: str, tail: int | None = None) -> str:
         """The last lines of a run's log (default 200)."""
-        text = self._request("GET", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/log", raw=True)
+        text = self._request("GET", f"/v1/outpost/runs/{url_segment(run_id)}/log", raw=True)
         lines = text.splitlines()[-max(1, min(tail or RUN_LOG_TAIL, 5000)):]
         return "\n".join(lines)[-64 * 1024:]
 
@@ -14321,18 +14352,18 @@ class AgentTools:
         """Propose changed fields of a schedule (its id or name); a human sees the diff and confirms.
         Each field given replaces the schedule's whole field: timing with all its keys
         ({"timing": {"kind": "cron", "expression": "0 7 * * *", "timezone": "Europe/Berlin"}})."""
-        return self._proposal("POST", "/v1/outpost/proposals", {"kind": "change", "schedule_id": urllib.parse.unquote(
-            self._schedule(schedule_id)), "changes": changes})
+        return self._proposal("POST", "/v1/outpost/proposals",
+                              {"kind": "change", "schedule_id": self._schedule(schedule_id), "changes": changes})
 
     def propose_control(self, schedule_id: str, action: Literal["enable", "pause", "resume", "archive", "fire",
                                                                  "approve_catch_up", "dismiss_catch_up"]) -> str:
         """Propose an action on a schedule (its id or name); a human confirms it."""
-        return self._proposal("POST", "/v1/outpost/proposals", {"kind": "control", "schedule_id": urllib.parse.unquote(
-            self._schedule(schedule_id)), "action": action})
+        return self._proposal("POST", "/v1/outpost/proposals",
+                              {"kind": "control", "schedule_id": self._schedule(schedule_id), "action": action})
 
     def get_proposal(self, proposal_id: str) -> str:
         """A proposal's state: pending, confirmed (with the schedule id), declined (with the note) or stale."""
-        return self._proposal("GET", f"/v1/outpost/proposals/{urllib.parse.quote(proposal_id, safe='')}")
+        return self._proposal("GET", f"/v1/outpost/proposals/{url_segment(proposal_id)}")
 
     def _proposal(self, method: str, path: str, body: Any = None) -> str:
         """A proposal as the agent needs it: its state and the note first, then what a human reviews."""
@@ -14356,20 +14387,20 @@ class AgentTools:
 
     def adopt_run(self, run_id: str) -> str:
         """Take a run that waits for a human ("needs you") as yours, before you reply to it."""
-        return self._call("POST", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/adopt", {},
+        return self._call("POST", f"/v1/outpost/runs/{url_segment(run_id)}/adopt", {},
                           idempotent=True)
 
     def reply(self, run_id: str, message: str) -> str:
         """Answer a needs-you run you adopted: a new run continues its session with your message."""
-        return self._call("POST", f"/v1/outpost/runs/{urllib.parse.quote(run_id, safe='')}/reply",
+        return self._call("POST", f"/v1/outpost/runs/{url_segment(run_id)}/reply",
                           {"message": message}, idempotent=True)
 
 
 def mcp_credential(args: argparse.Namespace) -> tuple[str, bool]:
     """What ``outpost mcp`` acts with: a run's token inside a run (it wins: a run never gets a
     person's tools), else a proposer key from $OUTPOST_KEY or --key-file. (credential, is a run)"""
-    if os.environ.get("OUTPOST_RUN_TOKEN"):
-        return os.environ["OUTPOST_RUN_TOKEN"], True
+    if os.environ.get(RUN_TOKEN_ENV):
+        return os.environ[RUN_TOKEN_ENV], True
     key = os.environ.get("OUTPOST_KEY", "").strip()
     if args.key_file:
         path = Path(args.key_file).expanduser()
@@ -14396,7 +14427,7 @@ def cli_mcp(data_dir: Path, args: argparse.Namespace) -> int:
     import anyio
     from mcp.server.mcpserver import MCPServer
     credential, in_run = mcp_credential(args)
-    client = Client(args.url or os.environ.get("OUTPOST_API_URL") or daemon_url(data_dir, None), credential)
+    client = Client(args.url or os.environ.get(API_URL_ENV) or daemon_url(data_dir, None), credential)
     if in_run:
         run = client.call("GET", "/api/agent/run")
         tools, names = AgentTools(client, run.get("task_id")), OFFICE_RUN_TOOLS if run["office"] else RUN_TOOLS
@@ -14559,7 +14590,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mcp":
             return cli_mcp(data_dir, args)
         if args.command == "gemini-settings":   # docs/agent-clis.md: for a daemon that is not root
-            print(json.dumps(gemini_settings(outpost_tool_server("", "", data_dir)), indent=2))
+            print(json.dumps(gemini_settings(outpost_tool_server("", data_dir)), indent=2))
             return 0
         if args.command == "keys":
             cli_keys(cli_client(data_dir, args.url), args, data_dir / "keys")
