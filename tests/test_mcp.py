@@ -187,6 +187,8 @@ def test_a_key_is_kept_where_no_run_reads_it_and_a_readable_key_file_is_refused(
     saved = server.data_dir / "keys" / "laptop"
     assert saved.read_text().strip() == key and saved.stat().st_mode & 0o777 == 0o600
     assert (server.data_dir / "keys").stat().st_mode & 0o777 == 0o700
+    taken = post(server.client(), "/v1/outpost/keys", {"name": "dashboard", "role": "proposer"})
+    assert (taken.status_code, taken.json()["errors"][0]["field"]) == (422, "name"), "a human's name is no key's"
     saved.chmod(0o644)
     done = subprocess.run([sys.executable, str(conftest.OUTPOST_PY), "mcp", "--url", server.url, "--key-file",
                            str(saved)], capture_output=True, text=True, env=clean_env(), timeout=60,
@@ -334,8 +336,7 @@ def test_a_dispatch_run_gets_only_ask_human_and_its_question_reaches_a_human(ser
 
 
 def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
-    server = outpost.ToolServer("/usr/bin/python3", ("-I", "/opt/outpost.py", "mcp"),
-                                (("OUTPOST_RUN_TOKEN", "out_1.sig"), ("OUTPOST_API_URL", "http://127.0.0.1:1")),
+    server = outpost.ToolServer("/usr/bin/python3", ("-I", "/opt/outpost.py", "mcp"), "http://127.0.0.1:1",
                                 tmp_path, others=(("evil", "command"), ("outpost", ""), ("docs", "")),
                                 system_settings=tmp_path / "gemini-system-settings.json")
     claude = outpost.claude_tools(["claude", "-p", "--resume", "abc"], server)
@@ -343,7 +344,7 @@ def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
                            "--strict-mcp-config", "--allowedTools", "mcp__outpost", "--setting-sources", "user"]
     entry = json.loads(claude.files["mcp.json"])["mcpServers"]["outpost"]
     assert entry["args"] == ["-I", "/opt/outpost.py", "mcp"] and entry["alwaysLoad"] is True
-    assert "out_1.sig" not in claude.files["mcp.json"], "the token is inherited, never written down"
+    assert "env" not in entry, "the token is inherited from the run's env, never written down"
     assert claude.env == {"MCP_CONNECT_TIMEOUT_MS": "30000"}
     codex = outpost.codex_tools(["codex", "exec", "--json", "resume", "abc", "-"], server)
     assert codex.argv[:2] == ["codex", "exec"] and codex.argv[-4:] == ["--json", "resume", "abc", "-"]
@@ -354,8 +355,7 @@ def test_each_cli_is_wired_to_outposts_server_and_nothing_else(tmp_path):
     outpost_entry = merged["mcp_servers"]["outpost"]
     assert (outpost_entry["default_tools_approval_mode"], outpost_entry["required"]) == ("approve", True)
     assert outpost_entry["env"] == {"OUTPOST_API_URL": "http://127.0.0.1:1"}, "the URL by value: no layer redirects it"
-    assert outpost_entry["env_vars"] == ["OUTPOST_RUN_TOKEN"] and not any("out_1.sig" in a for a in codex.argv), (
-        "the token never on a command line (/proc/<pid>/cmdline)")
+    assert outpost_entry["env_vars"] == ["OUTPOST_RUN_TOKEN"], "the token by name: never on a command line"
     assert {k: v.get("enabled") for k, v in merged["mcp_servers"].items()} == {
         "outpost": True, "evil": False, "docs": False}, "every other server a config names is off"
     assert merged["mcp_servers"]["evil"]["command"] == "false", "a project's entry stands alone (an untrusted one)"
@@ -383,16 +383,28 @@ def test_codex_runs_disable_every_server_the_configs_name(tmp_path, monkeypatch)
     home.mkdir()
     (home / "config.toml").write_text('[mcp_servers.docs]\ncommand = "docs"\n')
     monkeypatch.setenv("CODEX_HOME", str(home))
-    deps = outpost.Deps(config=outpost.Config(data_dir=tmp_path), store=None, clock=outpost.WallClock(), token="t")
-    server = outpost.tool_server(deps, tmp_path / "private", workspace / "sub", workspace, "tok")
+    server = outpost.tool_server("http://127.0.0.1:1", tmp_path / "private", workspace / "sub", workspace)
     assert set(server.others) == {("evil", "command"), ("other", "url"), ("docs", "")}
     (home / "config.toml").write_text('[mcp_servers.docs\n')
-    server = outpost.tool_server(deps, tmp_path / "private", workspace / "sub", workspace, "tok")
+    server = outpost.tool_server("http://127.0.0.1:1", tmp_path / "private", workspace / "sub", workspace)
     assert set(server.others) == {("evil", "command"), ("other", "url")}, "one that does not parse is Codex's to refuse"
 
 
+def test_a_repositorys_codex_config_that_is_a_fifo_a_link_or_huge_is_not_read(tmp_path):
+    """The daemon reads the worktree's .codex/config.toml (to disable the servers it names): a FIFO
+    there must not block it, a link must not make it read elsewhere, a huge file is left unread."""
+    secret = tmp_path / "secret.toml"
+    secret.write_text('[mcp_servers.leak]\ncommand = "x"\n')
+    fifo, link, huge = tmp_path / "fifo.toml", tmp_path / "link.toml", tmp_path / "huge.toml"
+    os.mkfifo(fifo)
+    link.symlink_to(secret)
+    huge.write_text('[mcp_servers.big]\ncommand = "x"\n' + "#" * outpost.CONFIG_READ_BYTES)
+    assert [outpost.config_servers(p) for p in (fifo, link, huge, tmp_path / "missing")] == [{}, {}, {}, {}]
+    assert outpost.config_servers(secret) == {"leak": {"command": "x"}}
+
+
 def test_a_non_root_daemon_runs_gemini_only_with_the_settings_an_admin_installed(tmp_path):
-    server = outpost.outpost_tool_server("tok", "http://127.0.0.1:1", tmp_path)
+    server = outpost.outpost_tool_server("http://127.0.0.1:1", tmp_path)
     wanted = outpost.gemini_settings(server)
     mine = tmp_path / "gemini-settings.json"
     mine.write_text(json.dumps(wanted))
