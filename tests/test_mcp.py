@@ -454,3 +454,10 @@ def test_a_proposal_nobody_decided_within_a_week_is_stale_and_cannot_be_confirme
     assert [p["id"] for p in conftest.call(store, store.access.list_proposals, "stale", week)] == [made["id"]]
     with pytest.raises(outpost.Conflict, match="stale"):
         conftest.call(store, store.access.decide_proposal, made["id"], "confirmed", None, week)
+
+
+def test_a_persons_key_never_reaches_a_run_whatever_its_profile_passes():
+    """A profile that passes OUTPOST_KEY on (a user's mistake) hands no run a person's key."""
+    profile = outpost.AgentProfile(name="p", command=("true",), pass_env=("PATH", "OUTPOST_KEY"))
+    env = outpost.agent_env(profile, {"PATH": "/bin", "OUTPOST_KEY": "opk_secret"}, "out_1")
+    assert "OUTPOST_KEY" not in env and env["PATH"] == "/bin"
