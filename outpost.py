@@ -3214,8 +3214,11 @@ def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) 
 #: Sources whose coalescing window spans the agent's tasks (spec: the same agent and source
 #: within 5 s merge: five subtasks finishing give one task_children_completed). The other
 #: task-bound sources hand an agent one task's work, run in that task's session, branch and
-#: lock: their window keeps to the task, so no task is left without a run of its own.
+#: lock: their window keeps to the task, so no task is left without a run of its own. Their
+#: wakeups come in bursts (one cascade of tasks finishing) and are not claimed before their
+#: window has passed (API.md 7.3), so the burst becomes one run.
 WINDOW_ACROSS_TASKS = (WakeupSource.TASK_CHILDREN_COMPLETED,)
+WINDOW_HELD_SQL = "(" + ", ".join(f"'{s}'" for s in WINDOW_ACROSS_TASKS) + ")"
 #: Merged wakeups a context snapshot keeps in full; older ones are only counted.
 SNAPSHOT_KEEP = 20
 
@@ -6947,26 +6950,42 @@ class WakeupStore(StorePart):
             self.db.Run[o.run_id].prompt = o.assembled_prompt
         self.core.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
 
-    def requeue_merged(self, w, now: datetime, still_wanted: Callable[[Any], bool]) -> str | None:
-        """``w`` ends without a run: the requests merged into it that no run has carried yet
-        and that still ask for one (``still_wanted``) are queued again instead of ending with
-        it, the oldest on its own and the others merged into that one. Returns its id."""
+    def release_riders(self, w, now: datetime) -> list[str]:
+        """``w`` ends without a run that carried it to a successful end (API.md 7.3): every
+        request merged into it whose own reason still holds (its agent there, its task still this
+        agent's to act on, its routine active) is queued again, keeping its source and payload (the
+        oldest on its own, the others merged into it: they came together); the others end with
+        their own reason. None stays ``coalesced`` into an ended wakeup. Returns the ids queued
+        again."""
         wakeup_id = w.id
-        kept = [q for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.run_id is None)
-                .order_by(lambda q: (q.requested_at, q.id)) if still_wanted(q)]
-        if not kept:
-            return None
-        first = kept[0]
-        snapshot: dict[str, Any] = {}
-        for q in kept:
-            q.coalesced_into = None if q is first else first.id
+        agent = self.db.Agent.get(id=w.agent_id)
+        requeued: list[Any] = []
+        for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.status == "coalesced").order_by(
+                lambda q: (q.requested_at, q.id)):
+            routine = self.db.Routine.get(id=q.payload.get("routine_id")) if q.source == WakeupSource.ROUTINE else None
+            if agent is None:
+                self.end_wakeup(q, "finished", now, note="agent deleted: no session", fire="skipped")
+            elif q.task_id and (reason := stale_reason(self.task_facts(q.task_id, q.workspace_id), q.agent_id,
+                                                       q.reason)):
+                self.end_wakeup(q, "cancelled", now, cancel_reason=str(reason))
+            elif q.source == WakeupSource.ROUTINE and (routine is None or routine.status != "active"):
+                self.end_wakeup(q, "finished", now, fire="skipped",
+                                note=f"its routine is {routine.status if routine else 'deleted'}: no session")
+            else:
+                requeued.append(q)
+        if not requeued:
+            return []
+        # They came together and go on together: the oldest queued, the others merged into it.
+        first, snapshot = requeued[0], {}
+        for q in requeued:
+            q.coalesced_into, q.run_id = (None if q is first else first.id), None
             snapshot = merge_context(snapshot, q.source, q.reason, q.payload, aware(q.requested_at))
-        first.status, first.finished_at, first.coalesced_count = "queued", None, len(kept)
+        first.status, first.finished_at, first.coalesced_count = "queued", None, len(requeued)
         first.context_snapshot = snapshot
-        w.coalesced_count -= len(kept)
+        w.coalesced_count -= len(requeued)
         self.core.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
-                                    "split_from": w.id}, now)
-        return first.id
+                                         "split_from": wakeup_id}, now)
+        return [q.id for q in requeued]
 
     def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
                        now: datetime, *, reason: str | None = None, wake_at: datetime | None = None,
@@ -7012,9 +7031,13 @@ class WakeupStore(StorePart):
             t.checkout_agent_id, t.checkout_at = None, None
 
     def end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
-                    cancel_reason: str | None = None, *, fire: str | None = None) -> None:
+                    cancel_reason: str | None = None, *, fire: str | None = None, carried: bool = False) -> None:
         """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
-        ended without a session); by default skipped or failed as the wakeup, else unchanged."""
+        ended without a session); by default skipped or failed as the wakeup, else unchanged.
+        ``carried``: its run ended well, and the requests merged into it with it; otherwise
+        they are released (``release_riders``)."""
+        if not carried:
+            self.release_riders(w, now)
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.core.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
@@ -7596,12 +7619,15 @@ class OfficeStore(StorePart):
 
     def next_wakeup_at(self, now: datetime) -> datetime | None:
         """When the dispatcher next has something to claim without being nudged: a retry or
-        self-wake coming due, or a busy agent's cooldown ending."""
-        due = sql_time(now)
+        self-wake coming due, a coalescing window closing, or a busy agent's cooldown ending."""
+        due, window = sql_time(now), timedelta(seconds=COALESCING_WINDOW_S)
         times = [sql_instant(t) for t in self.db.select(
             'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'queued\' AND scheduled_retry_at > $due '
             'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'queued\' AND wake_at > $due',
             {"due": due}) if t]
+        times += [sql_instant(t) + window for t in self.db.select(
+            f'SELECT MIN(requested_at) FROM "Wakeup" WHERE status = \'queued\' AND source IN {WINDOW_HELD_SQL} '
+            'AND requested_at > $since', {"since": sql_time(now - window)}) if t]
         for last, cooldown in self.db.select(
                 'SELECT a.last_wakeup_finished_at, a.cooldown_sec FROM "Agent" a WHERE a.last_wakeup_finished_at '
                 'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id AND w.status = \'queued\')'):
@@ -7702,7 +7728,7 @@ class PipelineStore(StorePart):
         """The claim query, oldest first: only agents that are idle or working claim; a wakeup
         whose agent is paused or stopped, at max_concurrent_sessions or in its cooldown, or
         whose retry or wake time is ahead, stays queued."""
-        due = sql_time(now)
+        due, window = sql_time(now), sql_time(now - timedelta(seconds=COALESCING_WINDOW_S))
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
             'SELECT a.id, a.status, a.last_wakeup_finished_at, a.cooldown_sec, a.max_concurrent_sessions '
             'FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
@@ -7730,7 +7756,9 @@ class PipelineStore(StorePart):
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
                 f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
                 f"AND NOT (w.reason NOT IN {PARTICIPANT_SQL} AND EXISTS ({locked})) "   # another's session
-                'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room})
+                f"AND NOT (w.source IN {WINDOW_HELD_SQL} AND w.requested_at > $window) "   # its window is open
+                'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room,
+                                                         "window": window})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> PipelineOutcome:
@@ -7750,26 +7778,19 @@ class PipelineStore(StorePart):
             self.wakeups.end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
             return PipelineOutcome(claimed=True)
         task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
-        def other_task(q) -> bool:   # merged across tasks (the window): this task's fate is not its own
-            return q.task_id != w.task_id
-
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, w.reason)):
-            self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.cancel_stale(w, reason, now, code="wakeup_retry_cancelled")
             return PipelineOutcome(claimed=True)
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
             routine_id = w.payload.get("routine_id")
             r = self.db.Routine.get(id=routine_id)
             if r is None or r.status != "active":   # what merged into it from elsewhere still runs
-                self.wakeups.requeue_merged(w, now, lambda q: q.source != WakeupSource.ROUTINE
-                                     or q.payload.get("routine_id") != routine_id)
                 self.wakeups.end_wakeup(w, "finished", now,
                                         note=f"its routine is {r.status if r else 'deleted'}: no session",
                                  fire="skipped")
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, w.reason)):
-            self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.cancel_stale(w, reason, now)
             return PipelineOutcome(claimed=True)
         # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
@@ -7788,7 +7809,6 @@ class PipelineStore(StorePart):
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
                 # Only the routine's own part is skipped: a user, self or event wake that merged
                 # into it (into its pending retry) is queued again and runs.
-                self.wakeups.requeue_merged(w, now, lambda q: not idle_skip_applies(q.source, q.payload, True, 0))
                 self.wakeups.end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
@@ -7796,7 +7816,6 @@ class PipelineStore(StorePart):
         # 5. Checkout (a reviewer or a mentioned agent reads the task; only the one working it takes the lock).
         if w.task_id and w.reason not in PARTICIPANT_REASONS and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
-            self.wakeups.requeue_merged(w, now, other_task)
             self.wakeups.end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
         # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.
@@ -7976,7 +7995,7 @@ class PipelineStore(StorePart):
         self.wakeups.release_checkout(o.task_id, o.agent_id)
         result = r.result if isinstance(r.result, dict) else {}
         if status in (RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU):
-            self.wakeups.end_wakeup(w, "finished", now)
+            self.wakeups.end_wakeup(w, "finished", now, carried=True)
             session_id = (r.agent_report or {}).get("session_id")
             if o.task_id and isinstance(session_id, str) and 0 < len(session_id) <= 200:
                 o.session_id = session_id

@@ -396,7 +396,7 @@ def test_a_wakeup_merged_from_another_task_outlives_the_one_it_joined(office):
            for i, e in enumerate(epics)]
     assert [wakeup(office, i)["status"] for i in ids] == ["queued", "coalesced", "coalesced"]
     move(office, epics[0], "DONE", at(63))
-    (run_id,) = dispatch(office, at(64))
+    (run_id,) = dispatch(office, at(66))   # the first's window closes at 65, the second's at 66
     first, second, third = (wakeup(office, i) for i in ids)
     assert (first["status"], first["cancel_reason"]) == ("cancelled", "task_terminal")
     assert (second["status"], second["coalesced_count"], second["run_id"]) == ("claimed", 2, run_id)

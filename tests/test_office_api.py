@@ -450,6 +450,11 @@ async def test_children_of_three_parents_completed_within_5_s_give_one_coordinat
     for i, child in enumerate(children):
         office_api.clock.at = T0 + timedelta(minutes=1, seconds=2 * i)   # 0, 2 and 4 s apart
         assert (await office_api.post(f"/api/office/tasks/{child['id']}/move", {"state": "DONE"})).status == 200
+        # The claim actor looks at once (issue 34: it claimed the first, and the window never held).
+        assert office_api.dispatch() == []
+    office_api.clock.at = T0 + timedelta(minutes=1, seconds=4.999)
+    assert office_api.dispatch() == [], "the first wakeup's window is still open"
+    office_api.clock.at = T0 + timedelta(minutes=1, seconds=5)
     [run_id] = office_api.dispatch()
     assert office_api.dispatch() == []
     woken = sorted(await office_api.wakeups("?source=task_children_completed"), key=lambda w: w["requested_at"])
