@@ -2937,10 +2937,11 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
 
 def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: str | None = None) -> list[str]:
     """Attention items one settled run raises under a notify policy (docs/schedules.md). A limit or a
-    login failure raises its profile's own item instead (docs/agent-clis.md)."""
+    login failure raises its profile's own item instead (docs/agent-clis.md); a run interrupted by
+    a shutdown, a crash or a lost node raises none (API.md 2)."""
     if status == RunStatus.FAILED:
-        # an Office failure is retried, then escalated
-        return [] if notify == "wakeup" or failure_kind in ("limit", "auth") else ["failed"]
+        # an Office failure is retried, then escalated; a run the daemon's stop ended was no failure
+        return [] if notify == "wakeup" or failure_kind in ("limit", "auth", "interrupted") else ["failed"]
     if status == RunStatus.NEEDS_YOU:
         return ["needs_you"]
     if status != RunStatus.SUCCEEDED:
@@ -3080,6 +3081,7 @@ class RoutinePayload:
     routine_id: str
     variables: dict[str, Any] = dataclasses.field(default_factory=dict)
     missed_ticks: int = 0
+    task_id: str | None = None   # a heavy routine's fire waking its open task's agent again
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -3205,6 +3207,11 @@ def wakeup_idempotency_key(source: str, payload: dict[str, Any], agent_id: str) 
         case WakeupSource.AGENT_ERROR:
             return f"agent_error:{payload['run_id']}:{agent_id}"
     return None
+
+
+def routine_waiting_note(fired: int) -> str:
+    """What a needs_you item of a heavy routine's task says of the fires it held back."""
+    return f"The routine fired {fired} more time{'s' if fired != 1 else ''} while this waits for you."
 
 
 def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) -> str:
@@ -8246,6 +8253,36 @@ class RoutineStore(StorePart):
                     return x
         return None
 
+    def _task_has_work(self, task_id: str) -> bool:
+        """A heavy routine's open task is worked on: a wakeup on it is queued or claimed (a run
+        to come, running, or a retry waiting), or its latest run waits for a human."""
+        if self.db.select('SELECT 1 FROM "Wakeup" WHERE task_id = $t AND status IN (\'queued\', \'claimed\') '
+                          "LIMIT 1", {"t": task_id}):
+            return True
+        return self._waiting_run(task_id) is not None
+
+    def _waiting_run(self, task_id: str) -> str | None:
+        """The task's latest run, if it is an unanswered ``needs_you``."""
+        latest = self.db.select(
+            'SELECT r.id, r.status, r.answered_by FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
+            "WHERE o.task_id = $t ORDER BY o.queued_at DESC, o.run_id DESC LIMIT 1", {"t": task_id})
+        if latest and latest[0][1] == RunStatus.NEEDS_YOU and latest[0][2] is None:
+            return latest[0][0]
+        return None
+
+    def _count_on_waiting_item(self, active, now: datetime) -> None:
+        """A fire coalesced into a task that waits for a human is counted on that run's open
+        item: its detail is the run's question and how often the routine fired since."""
+        run_id = self._waiting_run(active.linked_task_id)
+        item = self.db.Attention.get(run_id=run_id, kind="needs_you", acknowledged_at=None) if run_id else None
+        if item is None:
+            return
+        since = self.db.Run[run_id].finished_at or self.db.Run[run_id].queued_at
+        active_id = active.id
+        fired = orm.count(x for x in self.db.RoutineRun if x.coalesced_into_run_id == active_id
+                          and x.status == "coalesced" and x.started_at >= since)
+        item.detail = f"{self.db.Run[run_id].question or ''}\n\n{routine_waiting_note(fired)}".strip()
+
     def fire_routine(self, routine_id: str, trigger_id: str | None, source: str, provided: dict[str, Any],
                      now: datetime, *, due_at: datetime | None = None, missed_ticks: int = 0,
                      since: datetime | None = None, counted_all: bool = True) -> dict[str, Any]:
@@ -8284,10 +8321,22 @@ class RoutineStore(StorePart):
             t.last_fired_at = naive(now)
         active = None if r.concurrency_policy == "always_enqueue" else self._active_routine_run(r, fingerprint)
         agent = self.db.Agent.get(id=r.assignee_agent_id)
-        if active is not None and active.id != x.id:
+        if active is not None and active.linked_task_id and not self._task_has_work(active.linked_task_id):
+            # Its task's run ended (failed, escalated, cancelled): the fire is not swallowed by a
+            # task nobody works on; it wakes the task's agent again, on the task's session.
+            task = self.db.Task[active.linked_task_id]
+            payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks, "task_id": task.id}
+            x.wakeup_id = self.wakeups.enqueue_wakeup(
+                r.workspace_id, task.assignee_agent_id or r.assignee_agent_id, WakeupSource.ROUTINE, payload, now,
+                reason=f"routine {r.name} fired again; its task is still open",
+                idempotency_key=routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None)
+            x.status, x.linked_task_id, x.completed_at = "task_created", task.id, naive(now)
+        elif active is not None and active.id != x.id:
             x.status = "skipped" if r.concurrency_policy == "skip_if_active" else "coalesced"
             x.coalesced_into_run_id = active.id if x.status == "coalesced" else None
             x.completed_at = naive(now)
+            if active.linked_task_id:
+                self._count_on_waiting_item(active, now)
         elif agent is None or agent.workspace_id != r.workspace_id:
             x.status, x.error, x.completed_at = "failed", "the routine's assignee no longer exists", naive(now)
         elif template:
@@ -10921,6 +10970,7 @@ DONE_NOTICES = {
     "fired_received": "Fired: the agent's wakeup is queued.", "fired_task_created": "Fired: a task was created.",
     "fired_skipped": "Not fired: the routine's previous run is still active (skip_if_active).",
     "fired_coalesced": "Merged into the routine's active run (coalesce_if_active).",
+    "fired_woke_task": "Fired: its open task's last run had ended, so its agent is woken on that task again.",
     "adopted": "Run adopted: you can reply to it.",
     "replied": "Reply sent: this run continues the answered one, and its attention item is closed.",
     "resumed": "Profile resumed: its queued runs may start.",
@@ -13380,7 +13430,8 @@ async def page_office_routine_fire(web: Web, routine_id: str):
     async def fire(form):
         variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
         run = await fire_routine(web, routine_id, variables)
-        done = "received" if run["status"] == "task_created" and not run["linked_task_id"] else run["status"]
+        done = ("received" if run["status"] == "task_created" and not run["linked_task_id"] else
+                "woke_task" if run["status"] == "task_created" and run["wakeup_id"] else run["status"])
         return f"/office/routines/{routine_id}?done=fired_{done}"
     return await office_form(web, fire, functools.partial(page_office_routine, routine_id=routine_id))
 

@@ -90,7 +90,17 @@ DENIED_COMMAND = "git push origin HEAD"
 #: How far ahead the stub's limits reset.
 RESET_IN_S = 3 * 3600
 SCENARIOS = ("success", "tool", "calls", "401", "403", "429", "429-weekly", "529", "credits", "spend", "bad-key",
-             "token-limit")
+             "token-limit", "500", "500-retry-after", "502", "502-retry-after", "503", "503-retry-after", "cut",
+             "hang", "capacity", "capacity-503", "usage-limit")
+#: The provider outages (500 api_error / server_error / INTERNAL, 502 a gateway's HTML page, 503), each
+#: also with a ``retry-after`` header of RETRY_AFTER_5XX_S seconds.
+OUTAGES = ("500", "500-retry-after", "502", "502-retry-after", "503", "503-retry-after")
+RETRY_AFTER_5XX_S = 120
+#: What a gateway in front of the API (Cloudflare) answers for a 502.
+BAD_GATEWAY_HTML = (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway"
+                    b"</h1></center>\r\n<hr><center>cloudflare</center>\r\n</body>\r\n</html>\r\n")
+#: How long a ``hang`` request is held at most (the CLI is killed long before).
+HANG_S = 900
 
 
 class ModelStub:
@@ -107,6 +117,8 @@ class ModelStub:
         #: after it before they give up, so the tests keep it short.
         self.retry_after_s = 20.0
         self.reset_at = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=RESET_IN_S)
+        #: Set by stop(): a ``hang`` request lets go.
+        self.stopped = threading.Event()
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.daemon_threads = True
         self.server.stub = self
@@ -121,6 +133,7 @@ class ModelStub:
         return self
 
     def stop(self) -> None:
+        self.stopped.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -189,6 +202,47 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(chunk)
             self.wfile.flush()
         self.close_connection = True
+
+    def _outage(self, api: str) -> bool:
+        """Answer the scenario's 5xx (OUTAGES) or hang, if it is one; False otherwise."""
+        scenario = self.scenario
+        if scenario == "hang":   # the request is read and never answered
+            self.stub.stopped.wait(HANG_S)
+            self.close_connection = True
+            return True
+        if scenario not in OUTAGES:
+            return False
+        status = int(scenario[:3])
+        headers = {"retry-after": str(RETRY_AFTER_5XX_S)} if scenario.endswith("-retry-after") else {}
+        if status == 502:
+            self._send(502, BAD_GATEWAY_HTML, headers, content_type="text/html")
+        elif api == "anthropic":
+            self._send(status, _anthropic_error("api_error", "Internal server error" if status == 500
+                                                else "Service Unavailable"), headers)
+        elif api == "gemini":
+            self._send(status, _google_error(500, "An internal error has occurred. Please retry or report in "
+                                             "https://developers.generativeai.google/guide/troubleshooting",
+                                             "INTERNAL") if status == 500 else
+                       _google_error(503, "The service is currently unavailable.", "UNAVAILABLE"), headers)
+        else:
+            self._send(status, _openai_error("The server had an error while processing your request. Sorry about that!"
+                                             if status == 500 else "The server is overloaded or not ready yet.",
+                                             "server_error", None), headers)
+        return True
+
+    def _cut(self, chunks: list[bytes], whole: bytes | None = None) -> None:
+        """The ``cut`` scenario: a reply begun (the chunks of a stream, or the head of a ``whole``
+        body under its full content-length), then the connection closed without its end."""
+        if whole is not None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(whole)))
+            self.end_headers()
+            self.wfile.write(whole[:len(whole) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self._stream(chunks)
 
     def _record(self, api: str, body: dict) -> None:
         tools = [t["name"] for t in _offered_tools(api, body)]
@@ -282,6 +336,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._anthropic_limit(scenario)
         if scenario == "529":
             return self._send(529, _anthropic_error("overloaded_error", "Overloaded"))
+        if self._outage("anthropic"):
+            return None
         model = body.get("model") or "claude-stub"
         message_id = "msg_" + uuid.uuid4().hex[:24]
         tool_turn = scenario == "tool" and not _answered_a_tool(body)
@@ -303,9 +359,21 @@ class _Handler(BaseHTTPRequestHandler):
         if not body.get("stream"):
             content = ([{**block, "input": json.loads(delta["partial_json"])}] if tool_turn
                        else [{"type": "text", "text": text}])
-            return self._send(200, {"id": message_id, "type": "message", "role": "assistant", "model": model,
-                                    "content": content, "stop_reason": stop, "stop_sequence": None,
-                                    "usage": {**usage, "output_tokens": USAGE["output_tokens"]}})
+            whole = {"id": message_id, "type": "message", "role": "assistant", "model": model,
+                     "content": content, "stop_reason": stop, "stop_sequence": None,
+                     "usage": {**usage, "output_tokens": USAGE["output_tokens"]}}
+            if scenario == "cut":
+                return self._cut([], json.dumps(whole).encode())
+            return self._send(200, whole)
+        if scenario == "cut":   # message_start, the block begun, half the text: then the connection closes
+            return self._cut([
+                _sse("message_start", {"type": "message_start", "message": {
+                    "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+                    "stop_reason": None, "stop_sequence": None, "usage": usage}}),
+                _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                             "content_block": {"type": "text", "text": ""}}),
+                _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                             "delta": {"type": "text_delta", "text": REPLY[:len(REPLY) // 2]}})])
         self._stream([
             _sse("message_start", {"type": "message_start", "message": {
                 "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
@@ -372,6 +440,21 @@ class _Handler(BaseHTTPRequestHandler):
         elif scenario == "529":
             self._send(503, _openai_error("The engine is currently overloaded, please try again later.",
                                           "server_error", None))
+        elif self._outage("openai"):
+            pass
+        elif scenario == "capacity-503":   # the Responses backend's capacity code in an HTTP 503
+            self._send(503, {"error": {"message": "Our servers are currently overloaded. Please try again later.",
+                                       "type": "service_unavailable_error", "param": None,
+                                       "code": "server_is_overloaded"}})
+        elif scenario == "usage-limit":   # a ChatGPT plan's usage limit, as Codex reads it (error.rs)
+            reset = self.stub.reset_at
+            self._send(429, {"error": {"type": "usage_limit_reached", "message": "The usage limit has been reached",
+                                       "plan_type": "pro", "resets_at": int(reset.timestamp()),
+                                       "resets_in_seconds": int((reset - datetime.now(UTC)).total_seconds())}},
+                       {"x-codex-primary-used-percent": "100", "x-codex-primary-window-minutes": "300",
+                        "x-codex-primary-reset-at": str(int(reset.timestamp())),
+                        "x-codex-primary-reset-after-seconds": str(int((reset - datetime.now(UTC)).total_seconds())),
+                        "x-codex-secondary-used-percent": "40", "x-codex-secondary-window-minutes": "10080"})
         elif scenario == "credits":
             self._send(429, _openai_error(
                 "You exceeded your current quota, please check your plan and billing details. For more "
@@ -432,8 +515,21 @@ class _Handler(BaseHTTPRequestHandler):
                                                       "content_index": 0, "text": text}),
                        ("response.content_part.done", {"item_id": item["id"], "output_index": 0,
                                                        "content_index": 0, "part": {**part, "text": text}})]
-        events += [("response.output_item.done", {"output_index": 0, "item": item}),
-                   ("response.completed", {"response": done})]
+        if self.scenario == "cut":   # the text begun, then the connection closes: no response.completed
+            if not body.get("stream"):
+                return self._cut([], json.dumps(done).encode())
+            events = events[:3] + [events[3], ("response.output_text.delta", {
+                "item_id": item["id"], "output_index": 0, "content_index": 0, "delta": text[:len(text) // 2]})]
+            return self._cut([_sse(name, {"type": name, "sequence_number": i, **data})
+                              for i, (name, data) in enumerate(events)])
+        if self.scenario == "capacity":   # the Responses backend's capacity code in a response.failed event
+            failed = {**started, "status": "failed", "error": {
+                "code": "server_is_overloaded",
+                "message": "Our servers are currently overloaded. Please try again later."}}
+            events = [("response.created", {"response": started}), ("response.failed", {"response": failed})]
+        else:
+            events += [("response.output_item.done", {"output_index": 0, "item": item}),
+                       ("response.completed", {"response": done})]
         if not body.get("stream"):
             return self._send(200, done)
         self._stream([_sse(name, {"type": name, "sequence_number": i, **data})
@@ -450,11 +546,17 @@ class _Handler(BaseHTTPRequestHandler):
         usage = {"prompt_tokens": USAGE["input_tokens"], "completion_tokens": USAGE["output_tokens"],
                  "total_tokens": USAGE["input_tokens"] + USAGE["output_tokens"]}
         if not body.get("stream"):
-            return self._send(200, {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
-                                    "model": model, "choices": [{"index": 0, "message": {
-                                        "role": "assistant", "content": REPLY}, "logprobs": None,
-                                        "finish_reason": finish}], "usage": usage})
+            whole = {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+                     "model": model, "choices": [{"index": 0, "message": {
+                         "role": "assistant", "content": REPLY}, "logprobs": None,
+                         "finish_reason": finish}], "usage": usage}
+            if self.scenario == "cut":
+                return self._cut([], json.dumps(whole).encode())
+            return self._send(200, whole)
         base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        if self.scenario == "cut":   # half the text, then the connection closes: no finish_reason, no [DONE]
+            return self._cut([_sse(None, {**base, "choices": [{"index": 0, "delta": {
+                "role": "assistant", "content": REPLY[:len(REPLY) // 2]}, "finish_reason": None}]})])
         self._stream([
             _sse(None, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": REPLY},
                                              "finish_reason": None}]}),
@@ -497,6 +599,8 @@ class _Handler(BaseHTTPRequestHandler):
         if scenario == "529":
             return self._send(503, _google_error(503, "The model is overloaded. Please try again later.",
                                                  "UNAVAILABLE"))
+        if self._outage("gemini"):
+            return None
         config = body.get("generationConfig") or {}
         wants_json = (config.get("responseMimeType") == "application/json" or "responseJsonSchema" in config
                       or "responseSchema" in config)
@@ -520,6 +624,13 @@ class _Handler(BaseHTTPRequestHandler):
                                     "cachedContentTokenCount": 0, "totalTokenCount": tokens_in + tokens_out},
                   "modelVersion": model, "responseId": base64.urlsafe_b64encode(
                       hashlib.sha256(uuid.uuid4().bytes).digest()[:12]).decode()}
+        if scenario == "cut" and not wants_json:   # half the text, no finishReason: then the connection closes
+            if not stream:
+                return self._cut([], json.dumps(answer).encode())
+            half = {"text": REPLY[:len(REPLY) // 2]}
+            begun = {**answer, "candidates": [{"content": {"role": "model", "parts": [half]}, "index": 0}]}
+            begun.pop("usageMetadata")
+            return self._cut([_sse(None, begun)])
         if not stream:
             return self._send(200, answer)
         self._stream([_sse(None, answer)])

@@ -463,6 +463,50 @@ def test_coalesce_if_active_routine_run_is_coalesced_into_the_active_one(office)
     assert len(wakeups(office, lead, source="routine")) == 2
 
 
+def test_a_heavy_routine_whose_task_run_escalated_wakes_its_agent_again_at_the_next_fire(office):
+    """Issue 34: the task of a failed daily review stayed IN_PROGRESS and every later fire was
+    recorded coalesced into it, running nothing. A fire into a task nobody works on wakes the
+    task's agent again, on that task and its branch; a fire while a retry waits is still
+    coalesced."""
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    r = new_routine(office, worker, name="Daily review", task_template={"title": "Review"})
+    first = fire(office, r["id"], at(0))
+    tid, now = first["linked_task_id"], at(1)
+    for attempt in range(outpost.MAX_RETRY_COUNT + 1):
+        (run_id,) = dispatch(office, now)
+        settle(office, run_id, "failed", now, error="network timeout", exit_code=1)
+        held = fire(office, r["id"], now + timedelta(seconds=1))
+        if attempt < outpost.MAX_RETRY_COUNT:   # a retry waits: the task is worked on
+            assert (held["status"], held["coalesced_into_run_id"]) == ("coalesced", first["id"])
+        now += timedelta(hours=3)
+    assert only(wakeups(office, worker, source="task_assigned"))["status"] == "failed", "escalated"
+    assert task(office, tid)["state"] == "IN_PROGRESS"
+    assert (held["status"], held["linked_task_id"]) == ("task_created", tid)
+    woken = wakeup(office, held["wakeup_id"])
+    assert (woken["source"], woken["task_id"], woken["agent_id"], woken["status"]) == ("routine", tid, worker,
+                                                                                       "queued")
+    (run_id,) = dispatch(office, now)
+    assert office_run(office, run_id)["task_id"] == tid
+    assert call(office, office.runs.get_run, run_id)["result_branch"] == outpost.office_branch(tid, "Worker")
+    assert len(tasks(office, worker)) == 1
+
+
+def test_a_heavy_routine_fire_into_a_task_waiting_for_you_is_counted_on_its_item(office):
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    r = new_routine(office, worker, name="Daily review", task_template={"title": "Review"})
+    tid = fire(office, r["id"], at(0))["linked_task_id"]
+    (run_id,) = dispatch(office, at(1))
+    settle(office, run_id, "needs_you", at(2), result={"status": "needs_you", "question": "Which branch?"})
+    call(office, office.runs.notify_run, run_id, at(2))
+    for i in range(3):
+        x = fire(office, r["id"], at(HOUR * (i + 1)))
+        assert (x["status"], x["wakeup_id"]) == ("coalesced", None)
+    item = only([a for a in call(office, office.list_attention, True) if a["kind"] == "needs_you"])
+    assert item["run_id"] == run_id
+    assert item["detail"] == "Which branch?\n\nThe routine fired 3 more times while this waits for you."
+    assert [w["task_id"] for w in wakeups(office, worker)] == [tid], "nothing else was woken"
+
+
 def test_always_enqueue_creates_a_task_on_every_fire(office):
     worker = new_agent(office, "Worker", cooldown_sec=0)
     r = new_routine(office, worker, name="Scan", concurrency_policy="always_enqueue",

@@ -187,7 +187,11 @@ def test_sigterm_while_a_run_sleeps_shuts_down_cleanly(server_factory, git_repo)
     again = server_factory(data_dir=server.data_dir)
     with again.client() as client:
         run = get_run(client, run_id)
-        assert (run["status"], run["error"]) == ("failed", "interrupted")
+        assert (run["status"], run["error"], run["failure_kind"]) == ("failed", "interrupted", "interrupted")
+        # The operator stopped it: no failure item (and so no notification), no failure streak.
+        items = client.get("/v1/outpost/attention?state=all").json()["attention"]
+        assert [i for i in items if i["run_id"] == run_id] == []
+        assert client.get(f"/v1/outpost/schedules/{schedule['id']}").json()["failure_streak"] == 0
         # The run that was queued at shutdown starts now; the interrupted one does not.
         assert wait_status(client, queued)["status"] == "succeeded"
         run = get_run(client, run_id)

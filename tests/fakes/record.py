@@ -4,6 +4,7 @@ stub of tests/modelstub.py: one JSON file per (CLI, scenario) in tests/fakes/rec
 fakes replay with ``fake:recorded-<scenario>`` (fakecli.replay) and tests/test_agents.py reads.
 
     python tests/fakes/record.py [claude|claude-oauth|codex|gemini|aider ...]
+    python tests/fakes/record.py codex:500,hang gemini:503   # only these scenarios of a CLI
 
 The CLIs come from $OUTPOST_AGENT_CLIS (npm, default ~/.cache/outpost/agent-clis) and
 $OUTPOST_AIDER_VENV (PyPI, default ~/.cache/outpost/aider-venv), as .ci/run installs them. Each
@@ -12,6 +13,11 @@ run gets a fresh HOME under /var/tmp/outpost-record and the login a user would h
 setting pointed at the stub, and its retries cut short (CLAUDE_CODE_MAX_RETRIES=0, Gemini's
 general.maxAttempts 1) so that a failure is printed within seconds. aider cannot be told to retry
 less: its 429/503 scenarios take about 80 s each, so the runs of one CLI go in parallel.
+
+A run that has not ended by its deadline (``hang``: KILL_AFTER_S; any other: DEADLINE_S) gets
+SIGTERM, as Outpost's timeout does, and SIGKILL 10 s later; the recording says so in ``killed``
+(signal, after how many seconds, whether SIGKILL was needed) and its exit_code is what
+``subprocess`` reported (a negative number: the signal that ended it).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,16 +43,30 @@ AIDER = Path(os.environ.get("OUTPOST_AIDER_VENV", Path.home() / ".cache" / "outp
 ROOT = Path("/var/tmp/outpost-record")
 #: A session id no CLI knows.
 UNKNOWN_SESSION = "0b4c1a55-6c9e-4d5b-9f0e-123456789abc"
+#: The provider outages of tests/modelstub.py: 500, 502, 503, each also with a retry-after.
+OUTAGES = modelstub.OUTAGES
+#: A stream cut mid-reply; a provider that never answers.
+BROKEN = ("cut", "hang")
 #: cli -> (preset, model, scenarios)
 PLAN = {
     "claude": ("claude-code", None, ("success", "tool", "401", "403", "429", "529", "credits", "token-limit",
-                                     "unknown-session")),
+                                     "unknown-session", *OUTAGES, *BROKEN)),
     "claude-oauth": ("claude-code", None, ("401", "429", "429-weekly", "credits", "spend")),
-    "codex": ("codex", None, ("success", "401", "403", "429", "529", "credits", "unknown-session")),
+    "codex": ("codex", None, ("success", "401", "403", "429", "529", "credits", "unknown-session", *OUTAGES,
+                              *BROKEN, "capacity", "capacity-503", "usage-limit")),
     "gemini": ("gemini", "gemini-2.5-pro", ("success-auto", "tool", "401", "bad-key", "403", "429", "529", "credits",
-                                            "unknown-session")),
-    "aider": ("aider", "openai/gpt-4o", ("success", "401", "403", "429", "529", "credits", "token-limit")),
+                                            "unknown-session", *OUTAGES, *BROKEN)),
+    "aider": ("aider", "openai/gpt-4o", ("success", "401", "403", "429", "529", "credits", "token-limit", *OUTAGES,
+                                         *BROKEN, "success-unpriced")),
 }
+#: (cli, scenario) -> the model it runs with instead of PLAN's: one litellm knows no price for.
+MODEL_OF = {("aider", "success-unpriced"): "openai/stub-unpriced-model"}
+#: The scenario the stub plays for a recorded one of another name.
+STUB_SCENARIO = {"success-auto": "success", "unknown-session": "success", "success-unpriced": "success"}
+#: A ``hang`` run is ended after this many seconds (SIGTERM, as Outpost's timeout ends a run).
+KILL_AFTER_S = 25
+#: Any other run is ended after this long (a CLI that retries a 5xx for minutes).
+DEADLINE_S = 280
 #: Each CLI's stderr is kept whole up to this size, else its head and tail.
 STDERR_KEPT = 8192
 
@@ -82,13 +103,14 @@ def cli_version(cli: str) -> str:
 
 def record(cli: str, scenario: str, url: str, version: str) -> Path:
     preset, model, _ = PLAN[cli]
+    model = MODEL_OF.get((cli, scenario), model)
     root = ROOT / f"{cli}-{scenario}"
     shutil.rmtree(root, ignore_errors=True)
     work = root / "work"
     work.mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(work)], check=True)
     profile = outpost.agent_profile(Path("outpost.toml"), cli, {"preset": preset})
-    stub_scenario = {"success-auto": "success", "unknown-session": "success"}.get(scenario, scenario)
+    stub_scenario = STUB_SCENARIO.get(scenario, scenario)
     prompt = f"stub:{stub_scenario} Say hi."
     (root / "prompt.md").write_text(prompt)
     argv = outpost.profile_argv(profile, model=None if scenario == "success-auto" else model, run_id="out_rec",
@@ -96,8 +118,8 @@ def record(cli: str, scenario: str, url: str, version: str) -> Path:
                                 prompt_file=str(root / "prompt.md"), max_cost_usd=None)
     env = cli_env(cli, root / "home", url) | dict(profile.env)
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=work, env=env, input=prompt, capture_output=True, text=True, timeout=300)
-    stderr = done.stderr
+    returncode, stdout, stderr, killed = run_bounded(argv, work, env, prompt,
+                                                     KILL_AFTER_S if scenario == "hang" else DEADLINE_S)
     if len(stderr) > STDERR_KEPT:
         stderr = stderr[:2048] + "\n[... cut when recorded ...]\n" + stderr[-(STDERR_KEPT - 2048):]
     path = RECORDED / f"{cli}-{scenario}.json"
@@ -106,20 +128,43 @@ def record(cli: str, scenario: str, url: str, version: str) -> Path:
                          f"(scenario {stub_scenario}) by tests/fakes/record.py",
         "recorded_at": time.strftime("%Y-%m-%d"), "cli": cli, "scenario": scenario,
         "argv": [Path(argv[0]).name, *argv[1:]], "seconds": round(time.monotonic() - started, 1),
-        "exit_code": done.returncode, "stdout": done.stdout, "stderr": stderr}, indent=1, ensure_ascii=False) + "\n")
+        "exit_code": returncode, **({"killed": killed} if killed else {}),
+        "stdout": stdout, "stderr": stderr}, indent=1, ensure_ascii=False) + "\n")
     return path
 
 
+def run_bounded(argv: list[str], cwd: Path, env: dict[str, str], prompt: str,
+                deadline_s: float) -> tuple[int, str, str, dict | None]:
+    """Run one CLI to its end, or to ``deadline_s``: then SIGTERM, and SIGKILL 10 s later if it lives on."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    killed = None
+    try:
+        stdout, stderr = proc.communicate(prompt, timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        killed = {"signal": "SIGTERM", "after_s": deadline_s, "sigkill_needed": False}
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            killed["sigkill_needed"] = True
+            stdout, stderr = proc.communicate()
+    return proc.returncode, stdout, stderr, killed
+
+
 def main() -> None:
-    chosen = sys.argv[1:] or list(PLAN)
+    chosen = [arg.partition(":")[0] for arg in sys.argv[1:]] or list(PLAN)
+    only = {arg.partition(":")[0]: arg.partition(":")[2].split(",") for arg in sys.argv[1:] if ":" in arg}
     RECORDED.mkdir(exist_ok=True)
     stub = modelstub.ModelStub().start()
     try:
         for cli in chosen:
             stub.retry_after_s = 3600 if cli == "gemini" else 1   # Gemini fails at once past 300 s; Codex retries
             version = cli_version(cli)
-            with concurrent.futures.ThreadPoolExecutor(max_workers=8 if cli == "aider" else 3) as pool:
-                for path in pool.map(lambda s, c=cli, v=version: record(c, s, stub.url, v), PLAN[cli][2]):
+            with concurrent.futures.ThreadPoolExecutor(max_workers=8 if cli == "aider" else 6) as pool:
+                scenarios = only.get(cli) or PLAN[cli][2]
+                for path in pool.map(lambda s, c=cli, v=version: record(c, s, stub.url, v), scenarios):
                     print(path.relative_to(HERE), flush=True)
     finally:
         stub.stop()
