@@ -498,12 +498,18 @@ USAGE_LIMIT_WORDS = ("usage limit", "usage_limit", "hit your limit", "hit your u
                      "out of credits", "spend limit", "credit balance is too low", "billing_error")
 RATE_LIMIT_WORDS = ("rate limit", "rate_limit", "ratelimit", "ratelimiterror", "too many requests")
 #: Claude Code 2.1's wordings: "You've hit your session limit", "... your weekly limit", "... Opus limit",
-#: "You've reached your Opus limit".
-HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b")
+#: "You've reached your Opus limit"; "Your limit resets at 2026-12-01T21:39:39Z".
+HIT_A_LIMIT = re.compile(r"\b(?:hit|reached) your [\w' -]{0,30}\blimit\b|\byour [\w' -]{0,30}\blimit resets\b")
 #: A provider too busy to answer (Anthropic's 529, a 503 "overloaded"): waited out like a rate limit
 #: with no reset, never the agent's own failure. Not a bare "overloaded" (a compiler says that too).
 OVERLOADED = re.compile(r"overloaded_error|\b529\b|\b(?:model|engine|server|servers|api|service) (?:is |are )?"
                         r"(?:currently |temporarily )?(?:down or )?overloaded|api error: \d{3} overloaded")
+#: A provider that is down or cut the reply off (a 5xx, a dropped stream), in each real CLI's words
+#: (tests/fakes/recorded/*-500, -502, -503, -cut, codex-capacity): waited out as an overload.
+PROVIDER_DOWN = re.compile(
+    r"api error: 50[0-4]\b|connection to the api was lost"                      # Claude Code
+    r"|experiencing high demand|stream closed before response\.completed|model is at capacity"   # Codex
+    r"|service is currently unavailable|model stream ended without a finish reason")   # Gemini
 #: A limit that no wait lifts: a spend cap, credits or a plan's quota used up. When it names no
 #: reset, the profile is paused until a human raises it and resumes the profile (docs/agent-clis.md).
 SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
@@ -609,6 +615,13 @@ def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
         return now + timedelta(seconds=float(m[1]))
     if m := re.search(r"retry-after:\s*(\d{1,9})\b", text, re.IGNORECASE):
         return now + timedelta(seconds=int(m[1]))
+    # "Your limit resets at 2026-12-01T21:39:39Z": an ISO instant (without an offset: in ``tz``)
+    if m := re.search(r"\b(?:resets?|try again|retry|available)\s+(?:at|after|on)\s+"
+                      r"(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)", text,
+                      re.IGNORECASE):
+        with contextlib.suppress(ValueError):
+            at = datetime.fromisoformat(m[1])
+            return max((at if at.tzinfo else at.replace(tzinfo=tz)).astimezone(UTC), now)
     # "resets Dec 4, 12pm (Europe/Paris)", "resets Jan 3, 2027, 10pm (...)", "resets Nov 13 at 9am"
     m = re.search(rf"\bresets?\s+(?:on\s+)?{_MONTH}\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+(?:(\d{{4}}),?\s+)?"
                   rf"(?:at\s+)?{_WALL}(?:\s*\(([A-Za-z_]+(?:/[A-Za-z0-9_+-]+)*)\))?", text, re.IGNORECASE)
@@ -649,7 +662,7 @@ def find_limit(text: str, now: datetime, tz: ZoneInfo, *, kind: str | None = Non
     then it is a limit whatever the words, and the words only tell its kind and reset."""
     lower = text.lower()
     usage = _has_word(lower, USAGE_LIMIT_WORDS) or bool(HIT_A_LIMIT.search(lower))
-    overloaded = bool(OVERLOADED.search(lower))
+    overloaded = bool(OVERLOADED.search(lower) or PROVIDER_DOWN.search(lower))
     rate = _has_word(lower, RATE_LIMIT_WORDS) or bool(re.search(r"\b429\b", lower)) or overloaded
     if not usage and not rate and "limit reached" not in lower and kind is None:   # "5-hour limit reached": usage
         return None
@@ -776,7 +789,8 @@ def _final(text: Any) -> str | None:
 
 
 #: What a failed HTTP status of the model API means for the run (a CLI's structured fields).
-STATUS_HINTS = {401: "auth", 403: "auth", 402: "billing", 429: "limit", 503: "overloaded", 529: "overloaded"}
+STATUS_HINTS = {401: "auth", 403: "auth", 402: "billing", 429: "limit", 500: "overloaded", 502: "overloaded",
+                503: "overloaded", 504: "overloaded", 529: "overloaded"}
 #: Claude Code's ``error`` on the assistant message it makes up when a request fails.
 CLAUDE_ERROR_HINTS = {"authentication_failed": "auth", "oauth_org_not_allowed": "auth", "billing_error": "billing",
                       "rate_limit": "limit"}
@@ -990,7 +1004,9 @@ def read_gemini(lines: list[str]) -> Reading:
 
 
 #: litellm's exception classes in aider's output, and what they mean for the run.
-LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth", "RateLimitError": "limit"}
+LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth", "RateLimitError": "limit",
+                 "InternalServerError": "overloaded", "BadGatewayError": "overloaded",
+                 "ServiceUnavailableError": "overloaded", "APIConnectionError": "overloaded"}
 
 
 def read_aider(lines: list[str]) -> Reading:
@@ -1011,13 +1027,14 @@ def read_aider(lines: list[str]) -> Reading:
         elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
             reading.model = m[1]
         if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
-                         r"Cost:\s*\$([\d.]+)\s+message", line):
+                         r"(?:Cost:\s*\$([\d.]+)\s+message|$)", line):   # no cost part: litellm knows no price
             sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
             received = float(m[3].replace(",", "")) * (1000 if m[4] else 1)
             reading.input_tokens = (reading.input_tokens or 0) + round(sent)
             reading.output_tokens = (reading.output_tokens or 0) + round(received)
-            cost += float(m[5])
-            reading.cost_usd = round(cost, 6)
+            if m[5] is not None:
+                cost += float(m[5])
+                reading.cost_usd = round(cost, 6)
             tokens_at = i
     if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
         reading.verdict = "failed"
@@ -2897,6 +2914,16 @@ def failed(error: str, kind: str, reading: Reading | None = None) -> Outcome:
     return Outcome(RunStatus.FAILED, error, kind, reading=reading)
 
 
+def killed_by(exit_code: int | None) -> str | None:
+    """The signal that ended a process: its negative return code, or a shell's and Node's 128 + N
+    (Claude Code exits 143 on SIGTERM)."""
+    number = -exit_code if exit_code is not None and exit_code < 0 else (
+        exit_code - 128 if exit_code in (129, 130, 134, 137, 143) else None)
+    with contextlib.suppress(ValueError, TypeError):
+        return signal.Signals(number).name
+    return None
+
+
 def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, timed_out: bool = False,
                 cancelled: bool = False, now: datetime, tz: ZoneInfo = UTC) -> Outcome:
     """How a run ended, from what its CLI said and how its process ended. A run cancelled while
@@ -2917,6 +2944,9 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
         return Outcome(RunStatus.SUCCEEDED, None, reading=reading)
     if exit_code == 0 and reading.verdict is None:
         error, kind = "the agent ended without a result" + (f": {tail}" if tail else ""), "no_result"
+    elif reading.verdict is None and reading.error is None and (signal_name := killed_by(exit_code)):
+        # something else ended it (an OOM kill, a kill by hand) before its CLI said how it went
+        error, kind = f"the agent was ended by {signal_name} before it gave a result", "no_result"
     else:
         parts = (reading.error, tail) if exit_code == 0 else (tail, reading.error)
         error = "; ".join(dict.fromkeys(t for t in parts if t)) or (

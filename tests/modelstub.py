@@ -91,7 +91,7 @@ DENIED_COMMAND = "git push origin HEAD"
 RESET_IN_S = 3 * 3600
 SCENARIOS = ("success", "tool", "calls", "401", "403", "429", "429-weekly", "529", "credits", "spend", "bad-key",
              "token-limit", "500", "500-retry-after", "502", "502-retry-after", "503", "503-retry-after", "cut",
-             "hang", "capacity", "capacity-503", "usage-limit")
+             "hang", "capacity", "capacity-503", "usage-limit", "usage-limit-weekly")
 #: The provider outages (500 api_error / server_error / INTERNAL, 502 a gateway's HTML page, 503), each
 #: also with a ``retry-after`` header of RETRY_AFTER_5XX_S seconds.
 OUTAGES = ("500", "500-retry-after", "502", "502-retry-after", "503", "503-retry-after")
@@ -446,8 +446,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(503, {"error": {"message": "Our servers are currently overloaded. Please try again later.",
                                        "type": "service_unavailable_error", "param": None,
                                        "code": "server_is_overloaded"}})
-        elif scenario == "usage-limit":   # a ChatGPT plan's usage limit, as Codex reads it (error.rs)
-            reset = self.stub.reset_at
+        elif scenario in ("usage-limit", "usage-limit-weekly"):   # a ChatGPT plan's usage limit (Codex's error.rs)
+            reset = self.stub.reset_at + (timedelta(days=3) if scenario == "usage-limit-weekly" else timedelta())
             self._send(429, {"error": {"type": "usage_limit_reached", "message": "The usage limit has been reached",
                                        "plan_type": "pro", "resets_at": int(reset.timestamp()),
                                        "resets_in_seconds": int((reset - datetime.now(UTC)).total_seconds())}},

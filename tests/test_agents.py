@@ -135,6 +135,16 @@ def test_text_without_a_limit_word_is_no_limit(text):
     assert outpost.find_limit(text, T0, CHICAGO) is None
 
 
+@pytest.mark.parametrize(("text", "reset"), [
+    ("Your limit resets at 2026-12-01T21:39:39Z", datetime(2026, 12, 1, 21, 39, 39, tzinfo=UTC)),
+    ("usage limit reached; try again at 2026-12-01T15:39:39-06:00", datetime(2026, 12, 1, 21, 39, 39, tzinfo=UTC)),
+    ("Rate limit: resets at 2026-12-01 15:39", datetime(2026, 12, 1, 21, 39, tzinfo=UTC)),   # no offset: Chicago
+    ("usage limit reached: resets at 2026-11-29T09:00:00Z", T0),   # already past: now, then the ladder
+])
+def test_a_dated_iso_reset_is_read(text, reset):
+    assert outpost.find_limit(text, T0, CHICAGO).resets_at == reset
+
+
 def test_an_epoch_already_past_means_now():
     assert outpost.find_limit("Claude AI usage limit reached|1767000000", T0, CHICAGO).resets_at == T0
 
@@ -386,6 +396,45 @@ RECORDED_OUTCOMES = {
     "aider-529": ("failed", "limit", "rate_limit", None),
     "aider-credits": ("failed", "limit", "usage_limit", None),   # insufficient_quota
     "aider-token-limit": ("failed", "agent", None, None),   # "has hit a token limit!", exit 0
+    # Issue 34: provider outages (5xx with and without Retry-After, a cut stream) are waited out as
+    # limits, never the agent's failure; a CLI ended by a signal before its result is no_result.
+    "claude-500": ("failed", "limit", "rate_limit", None),   # api_error_status 500 "server-side issue"
+    "claude-500-retry-after": ("failed", "limit", "rate_limit", None),
+    "claude-502": ("failed", "limit", "rate_limit", None),
+    "claude-502-retry-after": ("failed", "limit", "rate_limit", None),
+    "claude-503": ("failed", "limit", "rate_limit", None),
+    "claude-503-retry-after": ("failed", "limit", "rate_limit", None),
+    "claude-cut": ("failed", "limit", "rate_limit", None),   # "Connection to the API was lost (ECONNRESET)"
+    "claude-hang": ("failed", "no_result", None, None),   # init, then SIGTERM: exit 143, no result event
+    "codex-500": ("failed", "limit", "rate_limit", None),   # "We're currently experiencing high demand"
+    "codex-500-retry-after": ("failed", "no_result", None, None),   # it honours Retry-After silently: killed
+    "codex-502": ("failed", "limit", "rate_limit", None),   # "unexpected status 502 Bad Gateway"
+    "codex-502-retry-after": ("failed", "no_result", None, None),
+    "codex-503": ("failed", "limit", "rate_limit", None),
+    "codex-503-retry-after": ("failed", "no_result", None, None),
+    "codex-cut": ("failed", "limit", "rate_limit", None),   # "stream disconnected before completion"
+    "codex-hang": ("failed", "no_result", None, None),   # killed by SIGTERM after turn.started
+    "codex-capacity": ("failed", "limit", "rate_limit", None),   # "Selected model is at capacity"
+    "codex-capacity-503": ("failed", "limit", "rate_limit", None),
+    "codex-usage-limit": ("failed", "limit", "usage_limit", 13380),   # "try again at 5:43 AM" (Chicago)
+    "codex-usage-limit-weekly": ("failed", "limit", "usage_limit", 445560),   # "at Dec 5th, 2026 5:46 AM"
+    "gemini-500": ("failed", "limit", "rate_limit", None),   # [API Error: {... "status": "INTERNAL"}]
+    "gemini-500-retry-after": ("failed", "limit", "rate_limit", None),
+    "gemini-502": ("failed", "limit", "rate_limit", None),
+    "gemini-502-retry-after": ("failed", "limit", "rate_limit", None),
+    "gemini-503": ("failed", "limit", "rate_limit", None),   # RetryableQuotaError: "currently unavailable"
+    "gemini-503-retry-after": ("failed", "limit", "rate_limit", None),
+    "gemini-cut": ("failed", "limit", "rate_limit", None),   # "Model stream ended without a finish reason."
+    "gemini-hang": ("failed", "no_result", None, None),   # init and the prompt, then SIGTERM: exit 0
+    "aider-500": ("failed", "limit", "rate_limit", None),   # litellm.InternalServerError, exit 0
+    "aider-500-retry-after": ("failed", "limit", "rate_limit", None),
+    "aider-502": ("failed", "limit", "rate_limit", None),   # litellm.BadGatewayError
+    "aider-502-retry-after": ("failed", "limit", "rate_limit", None),
+    "aider-503": ("failed", "limit", "rate_limit", None),   # litellm.ServiceUnavailableError
+    "aider-503-retry-after": ("failed", "limit", "rate_limit", None),
+    "aider-cut": ("failed", "limit", "rate_limit", None),   # InternalServerError "Connection error."
+    "aider-hang": ("failed", "no_result", None, None),   # its header, then SIGTERM
+    "aider-success-unpriced": ("succeeded", None, None, None),   # "Tokens: 1.2k sent, 345 received." no cost
 }
 #: Recordings of a spend or credit limit that no wait lifts: the profile waits for a human.
 RAISED_BY_A_HUMAN = {"claude-credits", "claude-oauth-spend", "codex-credits", "aider-credits"}

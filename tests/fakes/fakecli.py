@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -116,6 +117,9 @@ def replay(name: str, recording: str) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.write(data["stderr"])
     sys.stderr.flush()
+    if data["exit_code"] < 0:   # it died of that signal (subprocess's negative code): so does the replay
+        signal.signal(-data["exit_code"], signal.SIG_DFL)
+        os.kill(os.getpid(), -data["exit_code"])
     sys.exit(data["exit_code"])
 
 

@@ -14,20 +14,23 @@ setting pointed at the stub, and its retries cut short (CLAUDE_CODE_MAX_RETRIES=
 general.maxAttempts 1) so that a failure is printed within seconds. aider cannot be told to retry
 less: its 429/503 scenarios take about 80 s each, so the runs of one CLI go in parallel.
 
-A run that has not ended by its deadline (``hang``: KILL_AFTER_S; any other: DEADLINE_S) gets
-SIGTERM, as Outpost's timeout does, and SIGKILL 10 s later; the recording says so in ``killed``
+A run that has not ended by its deadline (``hang``: KILL_AFTER_S after its first line of output;
+any other: DEADLINE_S) gets
+SIGTERM to its process group, as Outpost's timeout does, and SIGKILL 10 s later; the recording says so in ``killed``
 (signal, after how many seconds, whether SIGKILL was needed) and its exit_code is what
 ``subprocess`` reported (a negative number: the signal that ended it).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,7 +56,8 @@ PLAN = {
                                      "unknown-session", *OUTAGES, *BROKEN)),
     "claude-oauth": ("claude-code", None, ("401", "429", "429-weekly", "credits", "spend")),
     "codex": ("codex", None, ("success", "401", "403", "429", "529", "credits", "unknown-session", *OUTAGES,
-                              *BROKEN, "capacity", "capacity-503", "usage-limit")),
+                              *BROKEN, "capacity", "capacity-503", "usage-limit",
+                              "usage-limit-weekly")),
     "gemini": ("gemini", "gemini-2.5-pro", ("success-auto", "tool", "401", "bad-key", "403", "429", "529", "credits",
                                             "unknown-session", *OUTAGES, *BROKEN)),
     "aider": ("aider", "openai/gpt-4o", ("success", "401", "403", "429", "529", "credits", "token-limit", *OUTAGES,
@@ -63,8 +67,10 @@ PLAN = {
 MODEL_OF = {("aider", "success-unpriced"): "openai/stub-unpriced-model"}
 #: The scenario the stub plays for a recorded one of another name.
 STUB_SCENARIO = {"success-auto": "success", "unknown-session": "success", "success-unpriced": "success"}
-#: A ``hang`` run is ended after this many seconds (SIGTERM, as Outpost's timeout ends a run).
+#: A ``hang`` run is ended this many seconds after its first line of output (SIGTERM, as Outpost's
+#: timeout ends a run), or FIRST_LINE_S after its start if it prints none.
 KILL_AFTER_S = 25
+FIRST_LINE_S = 120
 #: Any other run is ended after this long (a CLI that retries a 5xx for minutes).
 DEADLINE_S = 280
 #: Each CLI's stderr is kept whole up to this size, else its head and tail.
@@ -118,8 +124,7 @@ def record(cli: str, scenario: str, url: str, version: str) -> Path:
                                 prompt_file=str(root / "prompt.md"), max_cost_usd=None)
     env = cli_env(cli, root / "home", url) | dict(profile.env)
     started = time.monotonic()
-    returncode, stdout, stderr, killed = run_bounded(argv, work, env, prompt,
-                                                     KILL_AFTER_S if scenario == "hang" else DEADLINE_S)
+    returncode, stdout, stderr, killed = run_bounded(argv, work, env, prompt, hang=scenario == "hang")
     if len(stderr) > STDERR_KEPT:
         stderr = stderr[:2048] + "\n[... cut when recorded ...]\n" + stderr[-(STDERR_KEPT - 2048):]
     path = RECORDED / f"{cli}-{scenario}.json"
@@ -134,23 +139,56 @@ def record(cli: str, scenario: str, url: str, version: str) -> Path:
 
 
 def run_bounded(argv: list[str], cwd: Path, env: dict[str, str], prompt: str,
-                deadline_s: float) -> tuple[int, str, str, dict | None]:
-    """Run one CLI to its end, or to ``deadline_s``: then SIGTERM, and SIGKILL 10 s later if it lives on."""
+                hang: bool) -> tuple[int, str, str, dict | None]:
+    """Run one CLI, in its own process group, to its end, or to its deadline: then SIGTERM to the
+    group, and SIGKILL to what is left of it 10 s later (``sigkill_needed``: the leader lived on).
+    A ``hang`` run's deadline is KILL_AFTER_S after its first line of output (Claude's and Gemini's
+    init event, Codex's thread.started), or FIRST_LINE_S after its start if it prints none."""
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    killed = None
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)   # its own group, as in Outpost
+    out: list[str] = []
+    err: list[str] = []
+    first_line: list[float] = []
+
+    def read_out() -> None:
+        for line in proc.stdout:
+            if not first_line:
+                first_line.append(time.monotonic())
+            out.append(line)
+
+    readers = [threading.Thread(target=read_out, daemon=True),
+               threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)]
+    for reader in readers:
+        reader.start()
+    started = time.monotonic()
     try:
-        stdout, stderr = proc.communicate(prompt, timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        killed = {"signal": "SIGTERM", "after_s": deadline_s, "sigkill_needed": False}
-        try:
-            stdout, stderr = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            killed["sigkill_needed"] = True
-            stdout, stderr = proc.communicate()
-    return proc.returncode, stdout, stderr, killed
+        proc.stdin.write(prompt)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    killed = None
+    while proc.poll() is None:
+        if hang:
+            deadline = first_line[0] + KILL_AFTER_S if first_line else started + FIRST_LINE_S
+        else:
+            deadline = started + DEADLINE_S
+        if time.monotonic() >= deadline:
+            os.killpg(proc.pid, signal.SIGTERM)   # the group: Gemini CLI runs itself again as a child
+            killed = {"signal": "SIGTERM", "after_s": round(time.monotonic() - started, 1),
+                      "after_first_output_line_s": round(time.monotonic() - first_line[0], 1) if first_line else None,
+                      "sigkill_needed": False}
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                killed["sigkill_needed"] = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)   # what is left of the group
+            proc.wait()
+            break
+        time.sleep(0.2)
+    for reader in readers:
+        reader.join(timeout=10)
+    return proc.returncode, "".join(out), "".join(err), killed
 
 
 def main() -> None:
