@@ -3098,10 +3098,22 @@ MENTION_REASON = "mentioned"
 #: The wakes of an agent that takes part in a task it is not assigned: no checkout, no handover.
 PARTICIPANT_REASONS = (REVIEW_REASON, MENTION_REASON)
 PARTICIPANT_SQL = "(" + ", ".join(f"'{reason}'" for reason in PARTICIPANT_REASONS) + ")"   # for raw SQL
-#: The agents one comment may wake by mention (a comment that names every agent wakes these first).
+
+
+def same_part_sql(reason: str | None) -> str:
+    """Wakeups merge only with those of the same part on a task: a reviewer's or a mentioned
+    agent's (it reads the task, takes no lock) never carries the work of its assignee, which
+    waits for the task's lock (and the other way round)."""
+    return f"w.reason {'' if reason in PARTICIPANT_REASONS else 'NOT '}IN {PARTICIPANT_SQL}"
+
+
+#: The agents one comment may wake by mention (a comment that names every agent wakes these
+#: first), and the unknown names it lists.
 MAX_MENTIONS = 10
 #: ``@Name`` (a name without spaces) or ``@"Release Bot"``; never inside a word or an e-mail address.
 MENTION = re.compile(r'(?<![\w@.])@(?:"([^"\n]{1,100})"|([\w][\w.-]{0,99}))')
+#: Code in a comment, a fenced block or an inline span: its @words are decorators and packages.
+CODE_SPANS = re.compile(r"```.*?(?:```|\Z)|`[^`\n]*`", re.DOTALL)
 #: The note of a task_assigned wakeup that waits, queued, for its task's open blockers.
 HELD_NOTE = "held until its blockers are done"
 
@@ -3208,13 +3220,14 @@ def wakeup_payload(source: str, raw: Any):
 
 
 def mentioned_names(body: str) -> list[str]:
-    """The agent names a comment mentions, in order, each once (case aside), at most MAX_MENTIONS."""
+    """The names a comment mentions outside its code (``@dataclass`` in a snippet is none), in
+    order, each once (case aside)."""
     names: dict[str, str] = {}
-    for quoted, bare in MENTION.findall(body):
+    for quoted, bare in MENTION.findall(CODE_SPANS.sub(" ", body)):
         name = (quoted or bare.rstrip(".-")).strip()
         if name:
             names.setdefault(name.casefold(), name)
-    return list(names.values())[:MAX_MENTIONS]
+    return list(names.values())
 
 
 def payload_task_id(payload: dict[str, Any]) -> str | None:
@@ -3641,7 +3654,8 @@ def normalize_task(raw: Any, *, profiles: Iterable[str], current: dict[str, Any]
     t["reviewers"] = _ids(merged, "reviewers", 10)
     t["requires_approval"] = _bool(merged, "requires_approval", False)
     workflow = merged.get("workflow", "office")
-    if workflow not in TASK_WORKFLOWS:
+    # an edit keeps a routine's task on the routine workflow (only its fire creates one)
+    if workflow not in TASK_WORKFLOWS and not (current is not None and workflow == "routine"):
         raise invalid("workflow", "must be office or kanban")
     t["workflow"] = workflow
     t["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
@@ -6486,7 +6500,9 @@ class RunStore(StorePart):
         r.notified = True
         status = RunStatus(r.status)
         s = r.schedule
-        label = f"'{s.name}'" if s else "dispatch"
+        o = self.db.OfficeRun.get(run_id=r.id) if r.trigger == "wakeup" else None
+        agent = self.db.Agent.get(id=o.agent_id) if o is not None else None
+        label = f"'{s.name}'" if s else f"agent {agent.name}" if agent else "dispatch"
         titles = {"failed": f"Run of {label} failed", "needs_you": f"Run of {label} needs you",
                   "changes_returned": f"Run of {label} returned {r.commits} commit{'s' if r.commits != 1 else ''}",
                   "succeeded": f"Run of {label} succeeded"}
@@ -6944,14 +6960,17 @@ class WakeupStore(StorePart):
         """Every wakeup as (source, status, count), for GET /metrics."""
         return list(self.db.select('SELECT source, status, COUNT(*) FROM "Wakeup" GROUP BY source, status'))
 
-    def _coalescing_target(self, agent_id: str, source: str, task_id: str | None, now: datetime) -> str | None:
+    def _coalescing_target(self, agent_id: str, source: str, task_id: str | None, reason: str,
+                           now: datetime) -> str | None:
         """Where a new request of this agent and scope merges: first a wakeup whose run has not
         started (claimed with its run still queued, or waiting for a scheduled retry: new context
         can still reach it), else the coalescing window (a queued wakeup of the same source from
         the last 5 s; for WINDOW_ACROSS_TASKS of any of the agent's tasks). Three index probes
         (agent, scope, status), never the agent's whole history."""
         scope = "w.task_id = $t" if task_id else "w.task_id IS NULL"
-        window = "w.task_id IS NOT NULL" if task_id and source in WINDOW_ACROSS_TASKS else scope
+        scope += f" AND {same_part_sql(reason)}"
+        window = f"w.task_id IS NOT NULL AND {same_part_sql(reason)}" if task_id and source in WINDOW_ACROSS_TASKS \
+            else scope
         rows = self.db.select(
             f'SELECT id FROM (SELECT 0 AS rank, w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
             f"WHERE w.agent_id = $a AND {scope} AND w.status = 'claimed' AND r.status = 'queued' "
@@ -7042,7 +7061,7 @@ class WakeupStore(StorePart):
             # outside the 24 h window: the key is free again
             self.db.execute('UPDATE "Wakeup" SET idempotency_key = NULL WHERE id = $w', {"w": earlier[0][0]})
         task_id, reason = payload_task_id(payload), reason or str(source)
-        target = None if wake_at else self._coalescing_target(agent_id, str(source), task_id, now)
+        target = None if wake_at else self._coalescing_target(agent_id, str(source), task_id, reason, now)
         wakeup_id = new_id("wk")
         self.db.execute(
             'INSERT INTO "Wakeup" (id, workspace_id, agent_id, source, reason, payload, task_id, status, '
@@ -7518,16 +7537,32 @@ class OfficeStore(StorePart):
             return []
         ws = t.workspace_id
         agents = {a.name.casefold(): a for a in self.db.Agent.select(lambda a: a.workspace_id == ws)}
-        mentions = []
+        mentions: list[dict[str, Any]] = []
+        open_task = t.state not in TERMINAL_TASK_STATES and t.archived_at is None
+        relayed = c.author_agent_id is not None and self._woken_by_an_agents_mention(c.author_agent_id, t.id)
         for name in mentioned_names(c.body):
             a = agents.get(name.casefold())
+            if sum((m["agent_id"] is None) is (a is None) for m in mentions) >= MAX_MENTIONS:
+                continue
             mentions.append({"name": a.name if a else name, "agent_id": a.id if a else None})
-            open_task = t.state not in TERMINAL_TASK_STATES and t.archived_at is None
-            if a is not None and a.id not in (c.author_agent_id, t.assignee_agent_id) and open_task:
+            if a is not None and a.id not in (c.author_agent_id, t.assignee_agent_id) and open_task and not relayed:
                 self.wakeups.enqueue_wakeup(ws, a.id, WakeupSource.USER, {
                     "task_id": t.id, "comment_id": c.id, "mentioned_by": c.author_agent_id or "user"}, now,
                     reason=MENTION_REASON)
+        if relayed and any(m["agent_id"] for m in mentions):
+            self.core._activity("mention_not_relayed", ws, now, agent_id=c.author_agent_id, task_id=t.id,
+                                comment_id=c.id)
         return mentions
+
+    def _woken_by_an_agents_mention(self, agent_id: str, task_id: str) -> bool:
+        """The agent writes from a run that another agent's mention woke: its own mentions wake
+        nobody, so two agents can never wake each other on and on (a person's mention can be
+        passed on once)."""
+        latest = self.db.Wakeup.select(lambda w: w.agent_id == agent_id and w.task_id == task_id
+                                       and w.claimed_at is not None).order_by(
+            lambda w: (orm.desc(w.claimed_at), orm.desc(w.id))).first()   # the run it writes from
+        return (latest is not None and latest.reason == MENTION_REASON
+                and latest.payload.get("mentioned_by") not in (None, "user"))
 
     def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
         a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
@@ -7868,7 +7903,7 @@ class PipelineStore(StorePart):
         still_blocked = bool(task and task["blocked_by"] and self.wakeups.open_blockers(task["blocked_by"]))
         others = [self.db.Wakeup[other] for other in self.db.select(
             'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
-            + ("task_id = $t" if w.task_id else "task_id IS NULL")
+            + ("task_id = $t" if w.task_id else "task_id IS NULL") + f" AND {same_part_sql(w.reason)}"
             + (" AND source <> 'task_assigned'" if still_blocked else "")   # a held assignment keeps waiting
             + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
             {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
@@ -8284,29 +8319,33 @@ class RoutineStore(StorePart):
         return None
 
     def _task_has_work(self, task_id: str) -> bool:
-        """A heavy routine's open task is worked on: a wakeup on it is queued or claimed (a run
-        to come, running, or a retry waiting), or its latest run waits for a human."""
-        if self.db.select('SELECT 1 FROM "Wakeup" WHERE task_id = $t AND status IN (\'queued\', \'claimed\') '
-                          "LIMIT 1", {"t": task_id}):
+        """A heavy routine's open task is worked on: a wakeup of its assignee on it is queued or
+        claimed (a run to come, running, or a retry waiting; a reviewer's or a mentioned agent's
+        wakeup works no task), or its latest run waits for a human with its item open."""
+        t = self.db.Task[task_id]
+        if self.db.select('SELECT 1 FROM "Wakeup" WHERE task_id = $t AND agent_id = $a '
+                          f"AND status IN ('queued', 'claimed') AND reason NOT IN {PARTICIPANT_SQL} LIMIT 1",
+                          {"t": task_id, "a": t.assignee_agent_id}):
             return True
-        return self._waiting_run(task_id) is not None
+        return self._waiting_item(task_id) is not None
 
-    def _waiting_run(self, task_id: str) -> str | None:
-        """The task's latest run, if it is an unanswered ``needs_you``."""
+    def _waiting_item(self, task_id: str):
+        """The open ``needs_you`` item of the task's latest run, if that run waits for a human
+        (one acknowledged without an answer waits for nobody)."""
         latest = self.db.select(
-            'SELECT r.id, r.status, r.answered_by FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
+            'SELECT r.id, r.status FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
             "WHERE o.task_id = $t ORDER BY o.queued_at DESC, o.run_id DESC LIMIT 1", {"t": task_id})
-        if latest and latest[0][1] == RunStatus.NEEDS_YOU and latest[0][2] is None:
-            return latest[0][0]
-        return None
+        if not latest or latest[0][1] != RunStatus.NEEDS_YOU:
+            return None
+        return self.db.Attention.get(run_id=latest[0][0], kind="needs_you", acknowledged_at=None)
 
     def _count_on_waiting_item(self, active, now: datetime) -> None:
         """A fire coalesced into a task that waits for a human is counted on that run's open
         item: its detail is the run's question and how often the routine fired since."""
-        run_id = self._waiting_run(active.linked_task_id)
-        item = self.db.Attention.get(run_id=run_id, kind="needs_you", acknowledged_at=None) if run_id else None
+        item = self._waiting_item(active.linked_task_id)
         if item is None:
             return
+        run_id = item.run_id
         since = self.db.Run[run_id].finished_at or self.db.Run[run_id].queued_at
         active_id = active.id
         fired = orm.count(x for x in self.db.RoutineRun if x.coalesced_into_run_id == active_id
@@ -8644,7 +8683,10 @@ class HousekeepingStore(StorePart):
         if what == "wakeups":
             return ("Wakeup", "id", "status IN ('finished', 'failed', 'cancelled', 'skipped', 'coalesced') "
                                     "AND COALESCE(finished_at, requested_at) < $cutoff "
-                                    f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)})")
+                                    f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)}) "
+                                    # a merged one rides a wakeup still to run: it is not history yet
+                                    'AND NOT EXISTS (SELECT 1 FROM "Wakeup" c WHERE c.id = "Wakeup".coalesced_into '
+                                    "AND c.status IN ('queued', 'claimed'))")
         if what == "notifications":   # the outbox's sent and given-up messages (a queued one waits)
             return "Notification", "id", "status IN ('delivered', 'given_up') AND created_at < $cutoff"
         return "WebhookRefusal", "id", "created_at < $cutoff"

@@ -88,3 +88,15 @@ async def test_a_task_page_lists_its_own_wakeups_however_many_newer_ones_the_wor
     client = signed_in()
     page = await (await client.get(f"/office/tasks/{first}")).get_data(as_text=True)
     assert page.count("data-wakeup=") == 1 and f'data-wakeup="{own["id"]}"' in page
+
+
+async def test_a_comments_mentions_show_who_it_woke_and_which_names_are_no_agent(store, signed_in):
+    """A newcomer posting "@Ghost and @Worker" was told only "Comment posted."."""
+    worker = store.transaction(store.office.create_agent, None, outpost.normalize_agent(
+        {"name": "Worker", "executor": "demo"}, profiles=["demo"]), T0)[0]
+    fields = outpost.normalize_task({"title": "t"}, profiles=["demo"])
+    tid = store.transaction(store.office.create_task, None, fields, T0)[0]["id"]
+    store.transaction(store.office.add_comment, tid, "@Ghost and @worker, check this", T0)
+    page = await (await signed_in().get(f"/office/tasks/{tid}")).get_data(as_text=True)
+    assert ('Mentions: <span class="warn-text">Ghost (no agent of that name: woke nobody)</span>, '
+            f'<a href="/office/agents/{worker["id"]}">Worker</a>') in page

@@ -13,26 +13,34 @@ from datetime import datetime, timedelta
 import hypothesis.strategies as st
 import trio
 from conftest import (
+    HOUR,
     MINUTE,
     PROFILES,
     T0,
+    OfficeApi,
+    activity,
     at,
     call,
     dispatch,
     instant,
+    make_deps,
     new_agent,
     new_store,
     new_task,
     office_run,
+    only,
     set_settings,
     settle,
+    start,
+    task,
     until,
     wakeup,
     wakeups,
 )
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_office import edit_task, enqueue, fail_and_reschedule, move, retry_due, routine_wake
+from test_office import edit_agent, edit_task, enqueue, fail_and_reschedule, move, retry_due, routine_wake
+from test_routines import fire, new_routine
 
 import outpost
 
@@ -211,6 +219,138 @@ async def test_the_claim_actor_waits_out_the_window_and_makes_one_run_of_a_burst
     assert len({w["run_id"] for w in wakeups(store, lead, source="task_children_completed")}) == 1
 
 
+# --- what an adversary tried (issue 34's review) -----------------------------------------------------------
+
+def escalated_heavy_task(office):
+    """A heavy routine whose task's run failed past its retries: the task is open, nobody works it."""
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    r = new_routine(office, worker, name="Daily review", task_template={"title": "Review"})
+    tid, now = fire(office, r["id"], at(0))["linked_task_id"], at(1)
+    for _ in range(outpost.MAX_RETRY_COUNT + 1):
+        (run_id,) = dispatch(office, now)
+        settle(office, run_id, "failed", now, error="network timeout", exit_code=1)
+        now += timedelta(hours=3)
+    assert only(wakeups(office, worker, source="task_assigned"))["status"] == "failed"
+    return worker, r, tid, now
+
+
+def test_a_paused_bystanders_mention_does_not_make_a_heavy_routines_task_look_worked_on(office):
+    worker, r, tid, now = escalated_heavy_task(office)
+    zed = new_agent(office, "Zed", cooldown_sec=0)
+    edit_agent(office, zed, now, status="paused")
+    call(office, office.office.add_comment, tid, "@Zed FYI", now, worker)
+    assert only(wakeups(office, zed))["status"] == "queued", "it waits for Zed to be resumed"
+    fired = [fire(office, r["id"], now + timedelta(days=d)) for d in range(1, 4)]
+    assert [x["status"] for x in fired] == ["task_created", "coalesced", "coalesced"]
+    assert wakeup(office, fired[0]["wakeup_id"])["agent_id"] == worker
+
+
+def test_a_needs_you_item_dismissed_unanswered_waits_for_nobody(office):
+    worker = new_agent(office, "Worker", cooldown_sec=0)
+    r = new_routine(office, worker, name="Daily review", task_template={"title": "Review"})
+    tid = fire(office, r["id"], at(0))["linked_task_id"]
+    (run_id,) = dispatch(office, at(1))
+    settle(office, run_id, "needs_you", at(2), result={"status": "needs_you", "question": "Which branch?"})
+    call(office, office.runs.notify_run, run_id, at(2))
+    item = only([a for a in call(office, office.list_attention, True) if a["kind"] == "needs_you"])
+    call(office, office.ack_attention, item["id"], at(3))
+    x = fire(office, r["id"], at(HOUR))
+    assert (x["status"], x["linked_task_id"]) == ("task_created", tid)
+    assert wakeup(office, x["wakeup_id"])["task_id"] == tid
+
+
+async def test_a_heavy_routines_task_can_be_edited_reassigned_and_archived(tmp_path):
+    deps = make_deps(tmp_path)
+    set_settings(deps.store, repository=str(tmp_path / "repo"))
+    api = OfficeApi(deps, tmp_path)
+    worker = (await api.agent("Worker"))["id"]
+    other = (await api.agent("Other"))["id"]
+    r = new_routine(deps.store, worker, name="Daily review", task_template={"title": "Review"})
+    tid = fire(deps.store, r["id"], T0)["linked_task_id"]
+    replies = [await api.patch(f"/api/office/tasks/{tid}", body)
+               for body in ({"assignee_agent_id": other}, {"title": "Review (renamed)"}, {"archived": True})]
+    deps.store.close()
+    assert [reply.status for reply in replies] == [200, 200, 200], [reply.body for reply in replies]
+    assert (replies[-1].body["workflow"], replies[-1].body["assignee_agent_id"]) == ("routine", other)
+    refused = await api.patch(f"/api/office/tasks/{tid}", {"workflow": "routine"})
+    assert refused.status == 422
+
+
+def test_an_assignment_never_rides_a_mention_past_the_task_lock(office):
+    """The new assignee's task_assigned does not merge into its mention wake (which takes no lock):
+    it waits for the old assignee's run to end, as it does without the mention."""
+    owner = new_agent(office, "Owner", cooldown_sec=0)
+    bee = new_agent(office, "Bee", cooldown_sec=0)
+    tid = new_task(office, "Shared", at(0), assignee_agent_id=owner)
+    (owner_run,) = dispatch(office, at(1))
+    start(office, owner_run, at(1))
+    call(office, office.office.add_comment, tid, "@Bee can you take this over?", at(2))
+    edit_task(office, tid, at(3), assignee_agent_id=bee)
+    (mention_run,) = dispatch(office, at(4))   # Bee reads the task meanwhile: no lock taken
+    assert wakeup(office, office_run(office, mention_run)["wakeup_id"])["reason"] == "mentioned"
+    assigned = only(wakeups(office, bee, source="task_assigned"))
+    assert (assigned["status"], assigned["coalesced_into"]) == ("queued", None)
+    settle(office, mention_run, "succeeded", at(5))
+    assert dispatch(office, at(5)) == [], "the assignment waits for Owner's run to end"
+    settle(office, owner_run, "cancelled", at(6))
+    (bee_run,) = dispatch(office, at(7))
+    assert office_run(office, bee_run)["wakeup_id"] == assigned["id"]
+    assert task(office, tid)["checkout_agent_id"] == bee
+
+
+def test_two_agents_that_mention_each_other_wake_each_other_once(office):
+    """A person's mention wakes Bee; Bee's mention passes it on to Cee; Cee's mention back wakes
+    nobody (the activity log says so): no endless ping-pong."""
+    owner = new_agent(office, "Owner", cooldown_sec=0)
+    bee, cee = new_agent(office, "Bee", cooldown_sec=0), new_agent(office, "Cee", cooldown_sec=0)
+    tid = new_task(office, "Shared", at(0), assignee_agent_id=owner)
+    for run_id in dispatch(office, at(0)):
+        settle(office, run_id, "succeeded", at(0))
+    call(office, office.office.add_comment, tid, "@Bee look", at(1))
+    now, woken = at(2), []
+    names = {bee: "Cee", cee: "Bee"}
+    for _ in range(10):
+        for run_id in dispatch(office, now):
+            author = office_run(office, run_id)["agent_id"]
+            if author in names:   # it comments from its run, then ends
+                woken.append(author)
+                start(office, run_id, now)
+                call(office, office.office.add_comment, tid, f"@{names[author]} your turn", now, author)
+            settle(office, run_id, "succeeded", now)
+        now += timedelta(seconds=30)
+    assert woken == [bee, cee]
+    assert only(activity(office, "mention_not_relayed"))["agent_id"] == cee
+
+
+def test_riders_of_a_wakeup_still_to_run_are_no_history_for_housekeeping(office):
+    lead = new_agent(office, "Lead", role="coordinator", cooldown_sec=0)
+    epics = [new_task(office, f"Epic {i}", at(i), assignee_agent_id=lead) for i in range(2)]
+    for run_id in dispatch(office, at(10)) + dispatch(office, at(10)):
+        settle(office, run_id, "succeeded", at(10))
+    edit_agent(office, lead, at(20), status="paused")
+    carrier = enqueue(office, lead, CHILDREN, {"task_id": epics[0]}, at(60))
+    rider = enqueue(office, lead, CHILDREN, {"task_id": epics[1]}, at(61))
+    later = at(60) + timedelta(days=outpost.DEFAULT_KEEP_DAYS + 1)
+    cutoff = later - timedelta(days=outpost.DEFAULT_KEEP_DAYS)
+    while call(office, office.housekeeping.delete_history, "wakeups", cutoff):
+        pass
+    assert wakeup(office, rider)["coalesced_into"] == carrier, "kept while its carrier waits"
+    edit_agent(office, lead, later, status="idle")
+    edit_task(office, epics[0], later, assignee_agent_id=new_agent(office, "Other"))
+    assert epics[1] in runs_on(office, dispatch(office, later + timedelta(seconds=5)))
+
+
+def test_at_words_in_code_and_unknown_names_do_not_use_up_the_mention_cap(office):
+    owner = new_agent(office, "Owner", cooldown_sec=0)
+    reviewer = new_agent(office, "Reviewer", cooldown_sec=0)
+    tid = new_task(office, "Shared", at(0), assignee_agent_id=owner)
+    body = ("Fixed it:\n```\n@dataclass\n@property\n@types/node\n```\nsee `@pytest.fixture` and "
+            + " ".join(f"@nobody{i}" for i in range(12)) + "\n@Reviewer please check")
+    c = call(office, office.office.add_comment, tid, body, at(1), owner)
+    assert [m["name"] for m in c["mentions"]] == [f"nobody{i}" for i in range(10)] + ["Reviewer"]
+    assert only(wakeups(office, reviewer))["reason"] == "mentioned"
+
+
 # --- random interleavings ------------------------------------------------------------------------------
 
 LIVE = ("queued", "claimed")
@@ -225,7 +365,7 @@ def carried_well(office, carrier: dict) -> bool:
 
 class Interleavings(RuleBasedStateMachine):
     """Two agents (a coordinator and a worker), three tasks, wakeups of every kind a user or an
-    event makes, and every way a run ends. After each step: no wakeup is ``coalesced`` into a
+    event makes (mentions too), pauses, and every way a run ends. After each step: no wakeup is ``coalesced`` into a
     carrier that ended without carrying it; a rider that ended did so for its own reason."""
 
     def __init__(self):
@@ -281,6 +421,30 @@ class Interleavings(RuleBasedStateMachine):
             extra = {"error": "boom", "exit_code": 1} if how == "failed" else {}
             settle(self.office, run_id, how, self.tick(1), **extra)
 
+    @rule(how=st.sampled_from(["interrupted", "limit", "auth"]), which=st.integers(0, 3))
+    def end_a_run_as_no_failure_of_the_agent(self, how, which):
+        """Ends that put the wakeup back: a shutdown, a limit, a login (lifted at once here)."""
+        open_runs = sorted(call(self.office, self.office.runs.own_runs_in, ["queued", "running"]))
+        if not open_runs:
+            return
+        error = {"interrupted": outpost.INTERRUPTED, "limit": "429 rate limit, try again in 20s",
+                 "auth": "Not logged in · Please run /login"}[how]
+        settle(self.office, open_runs[which % len(open_runs)], "failed", self.tick(1), error=error, exit_code=1)
+
+        def lift():
+            for p in self.office.db.ProfileState.select():
+                p.limited_until, p.paused_reason = None, None
+        self.office.transaction(lift)
+
+    @rule(who=st.integers(0, 1), status=st.sampled_from(["paused", "idle"]))
+    def pause(self, who, status):
+        edit_agent(self.office, self.agents[who], self.tick(1), status=status)
+
+    @rule(task=st.integers(0, 2), author=st.integers(0, 2), named=st.integers(0, 1))
+    def mention(self, task, author, named):
+        call(self.office, self.office.office.add_comment, self.tasks[task], f"@{['Lead', 'Worker'][named]} see",
+             self.tick(0.5), (self.agents + [None])[author])
+
     @rule(task=st.integers(0, 2), who=st.integers(0, 2))
     def reassign(self, task, who):
         t = call(self.office, self.office.office.get_task, self.tasks[task])
@@ -302,6 +466,9 @@ class Interleavings(RuleBasedStateMachine):
             if w["status"] == "coalesced":
                 carrier = now[w["coalesced_into"]]
                 assert carrier["status"] in LIVE or carried_well(self.office, carrier), (w, carrier)
+                assert carrier["status"] != "coalesced", ("a chain", w)
+            if w["status"] in LIVE:
+                assert w["coalesced_into"] is None, w
             was = self.before.get(w["id"])
             if was is not None and was["status"] == "coalesced" and w["status"] not in ("coalesced", *LIVE):
                 # a rider that ended did so for its own reason, now true
@@ -312,7 +479,9 @@ class Interleavings(RuleBasedStateMachine):
         self.before = now
 
     def teardown(self):
-        """Quiet: every run succeeds and every retry comes due; nothing is left waiting."""
+        """Quiet: every agent idle, every run succeeds and every retry comes due; nothing is left waiting."""
+        for who in self.agents:
+            edit_agent(self.office, who, self.tick(1), status="idle")
         for _ in range(12):
             for run_id in call(self.office, self.office.runs.own_runs_in, ["queued", "running"]):
                 settle(self.office, run_id, "succeeded", self.tick(1))

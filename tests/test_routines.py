@@ -502,7 +502,7 @@ def test_a_heavy_routine_fire_into_a_task_waiting_for_you_is_counted_on_its_item
         x = fire(office, r["id"], at(HOUR * (i + 1)))
         assert (x["status"], x["wakeup_id"]) == ("coalesced", None)
     item = only([a for a in call(office, office.list_attention, True) if a["kind"] == "needs_you"])
-    assert item["run_id"] == run_id
+    assert (item["run_id"], item["title"]) == (run_id, "Run of agent Worker needs you")   # not "of dispatch"
     assert item["detail"] == "Which branch?\n\nThe routine fired 3 more times while this waits for you."
     assert [w["task_id"] for w in wakeups(office, worker)] == [tid], "nothing else was woken"
 
