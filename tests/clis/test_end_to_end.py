@@ -257,6 +257,12 @@ FAILURES = {
     ("gemini", "credits", False): ("limit", "usage_limit", False),   # the daily quota: resets by itself
     ("aider", "401", False): ("auth", None, True),
     ("aider", "token-limit", False): ("agent", None, False),   # exits 0: still a failure
+    # Issue 34: a provider outage is waited out, never the agent's failure.
+    ("claude", "500", False): ("limit", "rate_limit", False),   # "API Error: 500 ... server-side issue"
+    ("claude", "cut", False): ("limit", "rate_limit", False),   # "Connection to the API was lost"
+    ("codex", "capacity", False): ("limit", "rate_limit", False),   # "Selected model is at capacity"
+    ("codex", "cut", False): ("limit", "rate_limit", False),   # "stream closed before response.completed"
+    ("gemini", "503", False): ("limit", "rate_limit", False),   # "The service is currently unavailable."
 }
 
 
