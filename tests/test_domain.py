@@ -524,7 +524,7 @@ def test_confirmation_changes_when_any_field_changes(key, value):
                  "ValueError: bad input", id="exit-1-stderr-tail"),
     pytest.param(2, {"status": "succeeded"}, "", False, RunStatus.FAILED, "2", id="exit-2-json-says-success"),
     pytest.param(1, {"status": "needs_you"}, "died", False, RunStatus.FAILED, "died", id="exit-1-needs_you"),
-    pytest.param(-9, None, "", False, RunStatus.FAILED, "-9", id="killed"),
+    pytest.param(-9, None, "", False, RunStatus.FAILED, "ended by SIGKILL", id="killed"),
     pytest.param(None, None, "still working", True, RunStatus.FAILED, "timeout", id="timeout"),
     pytest.param(0, None, "", True, RunStatus.FAILED, "timeout", id="timeout-wins-over-exit-0"),
 ])
