@@ -240,7 +240,7 @@ EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2,
 #: This Outpost's version (pyproject.toml), as its MCP server names itself.
 OUTPOST_VERSION = "0.1.0"
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 15     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 16     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
@@ -251,6 +251,7 @@ SCHEMA_VERSION = 15     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
                         # 14: indexes that keep a year of history's reads small (the bench's year row)
                         # 15: proposer keys and proposals (a person's own agent, docs/agent-clis.md);
                         #     who asked for a dispatch (Run.requested_by)
+                        # 16: channels (ChannelState, ChannelDelivery, Comment.author)
 #: The runs of a needs_you thread a run page shows before (and after) it, at most.
 THREAD_MAX = 25
 #: The workspace Office resources belong to unless a request names another.
@@ -292,6 +293,15 @@ ATTENTION_KINDS = ("needs_you", "failed", "changes_returned", "succeeded", "auto
                    "catch_up_plan", "reconfirm", "agent_limited", "agent_auth", "approval", "agent_error",
                    "budget_blocked", "proposal")
 #: The kinds a ``[[notify]]`` entry sends unless it names its own (docs/operations.md).
+#: Channels (shared/API.md 14): the kinds, the services' API roots (settings slack_api_url and
+#: telegram_api_url point them at local stubs in tests), Slack's replay window for a signed
+#: request, how long a delivered event id is remembered, and each service's longest message.
+CHANNEL_KINDS = ("slack", "telegram")
+SLACK_API_URL = "https://slack.com/api"
+TELEGRAM_API_URL = "https://api.telegram.org"
+SLACK_SIGNATURE_WINDOW_S = 300
+CHANNEL_DEDUP_S = DAY_S
+CHANNEL_TEXT_MAX = {"slack": 4000, "telegram": 4096}
 NOTIFY_DEFAULT_KINDS = ("needs_you", "failed", "auto_pause", "agent_auth", "missed_fire", "budget_blocked")
 #: A notification that could not be delivered is tried again after 1 min, doubling up to 1 h,
 #: until it is a day old; then it is given up (and recorded).
@@ -1637,6 +1647,30 @@ class NotifyEntry:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ChannelEntry:
+    """One ``[[channels]]`` entry (shared/API.md 14): a Slack channel or a Telegram chat that
+    feeds one Office task. Its secrets are read here (``env:NAME`` from the environment) and
+    shown nowhere."""
+    name: str
+    kind: str                      # slack | telegram
+    channel: str                   # Slack channel id; Telegram chat id
+    task: str                      # a task id, or "create"
+    agent: str | None              # with task "create": the agent the channel task is assigned to
+    bot_token: str
+    signing_secret: str = ""       # Slack
+    secret_token: str = ""         # Telegram
+
+    @property
+    def key(self) -> str:
+        """Its outbox entry: the agent's replies go out as this entry's rows."""
+        return f"channel:{self.name}"
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} ({'Slack' if self.kind == 'slack' else 'Telegram'})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Config:
     data_dir: Path
     host: str = "127.0.0.1"
@@ -1651,6 +1685,9 @@ class Config:
     metrics_token: str | None = None  # a second token that reads GET /metrics only (docs/operations.md)
     notify: tuple[NotifyEntry, ...] = ()   # [[notify]] entries (docs/operations.md)
     keep_days: int = DEFAULT_KEEP_DAYS   # housekeeping (docs/operations.md): settled runs older than this go
+    channels: tuple[ChannelEntry, ...] = ()   # [[channels]] entries (docs/office.md "Channels")
+    slack_api_url: str = SLACK_API_URL
+    telegram_api_url: str = TELEGRAM_API_URL
 
     def agent(self, name: str) -> AgentProfile | None:
         return next((a for a in self.agents if a.name == name), None)
@@ -1725,11 +1762,16 @@ def _metrics_token(value: Any) -> str | None:
     return "must be a string of at least 16 printable ASCII characters without spaces (a secret a scraper sends)"
 
 
+def _api_url(value: Any) -> str | None:
+    ok = isinstance(value, str) and re.fullmatch(r"https?://[^\s/?#]+(?:/[^\s?#]*)?", value) is not None
+    return None if ok else f"must be an http(s) URL such as https://slack.com/api, not {value!r}"
+
+
 SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
     "max_running": _whole(1, 1000), "allowed_hosts": _strings(empty=True),
     "isolate_agents": _one_of(*ISOLATION_MODES), "database": _database_url,
     "node_name": _text_value, "fleet_max_running": _whole(1, 100_000), "metrics_token": _metrics_token,
-    "keep_days": _whole(1, 100_000)}
+    "keep_days": _whole(1, 100_000), "slack_api_url": _api_url, "telegram_api_url": _api_url}
 
 
 def _zone_name(value: Any) -> str | None:
@@ -1828,6 +1870,61 @@ def notify_entries(path: Path, raw: Any) -> tuple[NotifyEntry, ...]:
     return tuple(entries)
 
 
+#: The keys of a [[channels]] entry, each checked; ``kind`` decides which secrets it needs.
+CHANNEL_KEYS: dict[str, Callable[[Any], str | None]] = {
+    "name": lambda v: None if isinstance(v, str) and re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", v) else
+    f"must be a short lowercase name (letters, digits, - and _), not {v!r}",
+    "kind": _one_of(*CHANNEL_KINDS), "channel": lambda v: None if isinstance(v, str) and v or (
+        isinstance(v, int) and not isinstance(v, bool)) else f"must be a channel or chat id, not {v!r}",
+    "task": _text_value, "agent": _text_value, "bot_token": _text_value, "signing_secret": _text_value,
+    "secret_token": _text_value}
+#: What each kind of channel needs, besides name, kind and channel.
+CHANNEL_SECRETS = {"slack": ("signing_secret", "bot_token"), "telegram": ("bot_token", "secret_token")}
+
+
+def _secret(path: Path, where: str, value: str) -> str:
+    """A secret as written, or ``env:NAME`` read from the environment (unset: stop ``serve``)."""
+    if not value.startswith("env:"):
+        return value
+    name = value[4:]
+    if not os.environ.get(name):
+        raise ConfigError(f"{path}: {where} names ${name}, which is not set")
+    return os.environ[name]
+
+
+def channel_entries(path: Path, raw: Any) -> tuple[ChannelEntry, ...]:
+    """The ``[[channels]]`` entries, each checked here: a typo, an unknown or missing key stops
+    ``serve`` with one line naming it."""
+    if not isinstance(raw, list) or not all(isinstance(spec, dict) for spec in raw):
+        raise ConfigError(f"{path}: channels must be [[channels]] tables (name, kind, channel, task, ...)")
+    entries: list[ChannelEntry] = []
+    for index, spec in enumerate(raw):
+        where = f"channels[{index}]"
+        _checked_table(path, where, spec, CHANNEL_KEYS)
+        for key in ("name", "kind", "channel", "task"):
+            if key not in spec:
+                raise ConfigError(f"{path}: {where}.{key} is missing")
+        kind = spec["kind"]
+        for key in CHANNEL_SECRETS[kind]:
+            if key not in spec:
+                raise ConfigError(f"{path}: {where}.{key} is missing (a {kind} channel needs "
+                                  f"{' and '.join(CHANNEL_SECRETS[kind])})")
+        for key in ("signing_secret", "secret_token"):
+            if key in spec and key not in CHANNEL_SECRETS[kind]:
+                raise ConfigError(f"{path}: {where}.{key} is not a setting of a {kind} channel")
+        if spec["task"] == "create" and "agent" not in spec:
+            raise ConfigError(f"{path}: {where}.agent is missing (task \"create\" assigns the channel task to it)")
+        if any(e.name == spec["name"] for e in entries):
+            raise ConfigError(f"{path}: {where}.name {spec['name']!r} repeats an earlier channel's")
+        secrets = {key: _secret(path, f"{where}.{key}", spec[key]) for key in CHANNEL_SECRETS[kind]}
+        if kind == "telegram" and not re.fullmatch(r"[A-Za-z0-9_-]{1,256}", secrets["secret_token"]):
+            raise ConfigError(f"{path}: {where}.secret_token must be 1-256 of A-Z, a-z, 0-9, _ and - "
+                              "(what Telegram's setWebhook accepts)")
+        entries.append(ChannelEntry(spec["name"], kind, str(spec["channel"]), spec["task"], spec.get("agent"),
+                                    **secrets))
+    return tuple(entries)
+
+
 def load_config(data_dir: Path, *, host: str | None = None, port: int | None = None,
                 max_running: int | None = None, database: str | None = None) -> Config:
     """Read ``<data dir>/outpost.toml`` (optional), check every key and type, and merge flags
@@ -1841,8 +1938,9 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for section in raw:
-        if section not in ("settings", "agents", "notify"):
-            raise ConfigError(f"{path}: [{section}] is not a section Outpost knows (known: settings, agents, notify)")
+        if section not in ("settings", "agents", "notify", "channels"):
+            raise ConfigError(f"{path}: [{section}] is not a section Outpost knows "
+                              "(known: settings, agents, notify, channels)")
     settings = _checked_table(path, "settings", raw.get("settings", {}), SETTINGS_KEYS)
     agents = [demo_profile()]
     profiles = raw.get("agents", {})
@@ -1868,6 +1966,9 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
                   node_name=settings.get("node_name", ""), fleet_max_running=settings.get("fleet_max_running"),
                   metrics_token=settings.get("metrics_token"),
                   notify=notify_entries(path, raw.get("notify", [])),
+                  channels=channel_entries(path, raw.get("channels", [])),
+                  slack_api_url=settings.get("slack_api_url", SLACK_API_URL).rstrip("/"),
+                  telegram_api_url=settings.get("telegram_api_url", TELEGRAM_API_URL).rstrip("/"),
                   keep_days=settings.get("keep_days", DEFAULT_KEEP_DAYS))
 
 
@@ -3967,6 +4068,65 @@ def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> t
     return fired, total - len(fired)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChannelMessage:
+    """One person's message from a channel (shared/API.md 14), as it becomes a comment: the
+    service's id of the delivery (deduplicated), the sender, and the text."""
+    delivery_id: str
+    sender: str            # Slack: the user id (its display name is looked up); Telegram: the name
+    text: str
+
+
+def slack_signature(secret: str, timestamp: str, body: bytes) -> str:
+    """``X-Slack-Signature`` v0: HMAC-SHA256 of ``v0:<timestamp>:<raw body>`` with the signing
+    secret (https://docs.slack.dev/authentication/verifying-requests-from-slack)."""
+    return "v0=" + hmac.new(secret.encode(), b"v0:" + timestamp.encode() + b":" + body, hashlib.sha256).hexdigest()
+
+
+def slack_refusal(secret: str, headers: dict[str, str], body: bytes, now: datetime) -> str | None:
+    """Why a request is not Slack's (None: it is): no or a stale timestamp (300 s either way:
+    a replay), or a signature that does not match, compared in constant time."""
+    stamp = headers.get("x-slack-request-timestamp", "")
+    if not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 12:
+        return "missing X-Slack-Request-Timestamp"
+    if abs(now.timestamp() - int(stamp)) > SLACK_SIGNATURE_WINDOW_S:
+        return "stale timestamp (a replay, or a clock off by more than 5 minutes)"
+    given = headers.get("x-slack-signature", "")
+    if not hmac.compare_digest(slack_signature(secret, stamp, body).encode(), given.encode()):
+        return "bad signature"
+    return None
+
+
+def slack_message(envelope: dict[str, Any], channel: str) -> ChannelMessage | None:
+    """The person's message an ``event_callback`` carries, or None for what is no such message:
+    another event type, another channel, a bot's post (its own replies among them: ``bot_id``),
+    an edit, a deletion or any other ``subtype``, an empty text."""
+    event = envelope.get("event")
+    if not isinstance(event, dict) or event.get("type") != "message" or event.get("channel") != channel:
+        return None
+    if event.get("bot_id") or event.get("subtype") or not isinstance(event.get("user"), str):
+        return None
+    text, event_id = event.get("text"), envelope.get("event_id")
+    if not isinstance(text, str) or not text.strip() or not isinstance(event_id, str) or not event_id:
+        return None
+    return ChannelMessage(event_id[:200], event["user"][:100], text)
+
+
+def telegram_message(update: dict[str, Any], chat: str) -> ChannelMessage | None:
+    """A Telegram webhook update's ``message.text`` from the configured chat, by a person;
+    None for anything else (an edit, a channel post, a bot, another chat)."""
+    message, update_id = update.get("message"), update.get("update_id")
+    if not isinstance(message, dict) or not isinstance(update_id, int) or isinstance(update_id, bool):
+        return None
+    sender, text = message.get("from") or {}, message.get("text")
+    if not isinstance(sender, dict) or sender.get("is_bot") or not isinstance(text, str) or not text.strip():
+        return None
+    if str((message.get("chat") or {}).get("id")) != chat:
+        return None
+    name = sender.get("username") or sender.get("first_name") or str(sender.get("id", "someone"))
+    return ChannelMessage(str(update_id), str(name)[:100], text)
+
+
 ###############################################################################
 # 7. Store: the database and its session: Pony entities, migrations, views, the dialect
 #    (SQLite or PostgreSQL), transactions and the group commit.
@@ -4226,6 +4386,7 @@ def define_entities(db: orm.Database) -> None:
         author_agent_id = Optional(str, nullable=True)     # None: the user
         body = Required(str)
         mentions = Optional(orm.Json, nullable=True)       # [{"name", "agent_id" | None}] (7.3)
+        author = Optional(str, nullable=True)              # a person's name on a channel (Slack, Telegram)
         created_at = Required(datetime)
 
     class Approval(db.Entity):
@@ -4357,6 +4518,25 @@ def define_entities(db: orm.Database) -> None:
         error = Optional(str, nullable=True)
         started_at = Required(datetime)
         completed_at = Optional(datetime)
+
+    class ChannelState(db.Entity):
+        """A ``[[channels]]`` entry as it stands (shared/API.md 14): the task it feeds, and the
+        last message in and out."""
+        name = PrimaryKey(str)
+        kind = Required(str)
+        task_id = Required(str)
+        last_in_at = Optional(datetime)
+        last_out_at = Optional(datetime)
+        last_error = Optional(str, nullable=True)
+
+    class ChannelDelivery(db.Entity):
+        """A message a channel delivered (its service's event or update id): UNIQUE (channel,
+        delivery_id) in SCHEMA_SQL 16 makes a retry or a replay add nothing."""
+        id = PrimaryKey(int, auto=True)
+        channel = Required(str)
+        delivery_id = Required(str)
+        comment_id = Optional(str, nullable=True)
+        created_at = Required(datetime, index=True)
 
     class WebhookRefusal(db.Entity):
         id = PrimaryKey(int, auto=True)
@@ -4544,6 +4724,10 @@ SCHEMA_SQL = {
         'ALTER TABLE "Comment" ADD COLUMN mentions JSON',
         'CREATE INDEX IF NOT EXISTS proposal_newest ON "Proposal"(created_at, id)',
     ],
+    16: [   # channels: a delivery is taken once; a comment's author on a channel
+        'ALTER TABLE "Comment" ADD COLUMN author TEXT',
+        'CREATE UNIQUE INDEX IF NOT EXISTS channel_delivery_once ON "ChannelDelivery"(channel, delivery_id)',
+    ],
 }
 
 
@@ -4641,8 +4825,8 @@ def wakeup_view(w) -> dict[str, Any]:
 
 
 def comment_view(c) -> dict[str, Any]:
-    return {"id": c.id, "task_id": c.task_id, "author_agent_id": c.author_agent_id, "body": c.body,
-            "mentions": c.mentions or [], "created_at": rfc3339(aware(c.created_at))}
+    return {"id": c.id, "task_id": c.task_id, "author_agent_id": c.author_agent_id, "author": c.author,
+            "body": c.body, "mentions": c.mentions or [], "created_at": rfc3339(aware(c.created_at))}
 
 
 def approval_view(a) -> dict[str, Any]:
@@ -6809,11 +6993,16 @@ class NotifyStore(StorePart):
     def __init__(self, core: StoreCore):
         super().__init__(core)
         self.entries: tuple[NotifyEntry, ...] = ()
+        self.channels: tuple[ChannelEntry, ...] = ()
         self._queued = False   # set after a commit that queued a row: Deps.transaction nudges the actor
         core.attention_hooks.append(self.queue_item)
 
-    def configure(self, entries: tuple[NotifyEntry, ...]) -> None:
-        self.entries = entries
+    def configure(self, entries: tuple[NotifyEntry, ...], channels: tuple[ChannelEntry, ...] = ()) -> None:
+        """The ``[[notify]]`` entries, and the ``[[channels]]`` whose replies go out as rows too."""
+        self.entries, self.channels = entries, channels
+
+    def _keys(self) -> list[str]:
+        return [e.key for e in (*self.entries, *self.channels)]
 
     def take_queued(self) -> bool:
         """Whether a row was queued since the last look (set only once it was committed)."""
@@ -6823,13 +7012,17 @@ class NotifyStore(StorePart):
     def _mark_queued(self) -> None:
         self._queued = True
 
-    def _queue(self, entry: NotifyEntry, item: str | None, kind: str, title: str, body: str | None,
+    def _queue(self, entry: NotifyEntry | ChannelEntry, item: str | None, kind: str, title: str, body: str | None,
                link: str | None, now: datetime) -> int:
         row = self.db.Notification(entry=entry.key, item=item, kind=kind, title=title[:500], body=body,
                                    link=link, status="queued", next_at=naive(now), created_at=naive(now))
         self.core.after_commit(self._mark_queued)
         orm.flush()
         return row.id
+
+    def queue_channel_message(self, channel: ChannelEntry, item: str | None, text: str, now: datetime) -> int:
+        """A message for a channel (an agent's comment, ``item`` its id: sent once; or a test)."""
+        return self._queue(channel, item, "channel" if item else "test", channel.title, text, None, now)
 
     def queue_item(self, attention_id: str, kind: str, title: str, detail: str | None, run_id: str | None,
                    now: datetime) -> None:
@@ -6876,9 +7069,9 @@ class NotifyStore(StorePart):
         """The next due row of a configured entry, claimed ("sending") by a conditional UPDATE:
         one process sends it. A row left sending by a process that stopped is due again after
         NOTIFY_SENDING_STALE_S."""
-        if not self.entries:
+        if not self._keys():
             return None
-        keys, params = sql_list("k", [e.key for e in self.entries])
+        keys, params = sql_list("k", self._keys())
         params |= {"now": sql_time(now), "stale": sql_time(now - timedelta(seconds=NOTIFY_SENDING_STALE_S))}
         due = self.db.select(f'SELECT id FROM "Notification" WHERE entry IN {keys} AND ((status = \'queued\' '
                              "AND next_at <= $now) OR (status = 'sending' AND sending_at <= $stale)) "
@@ -6908,9 +7101,9 @@ class NotifyStore(StorePart):
 
     def next_due(self) -> datetime | None:
         """When a row of a configured entry is next due (a retry, or a stale send)."""
-        if not self.entries:
+        if not self._keys():
             return None
-        keys, params = sql_list("k", [e.key for e in self.entries])
+        keys, params = sql_list("k", self._keys())
         row = self.db.select(f"SELECT MIN(next_at) FROM \"Notification\" WHERE entry IN {keys} AND status = 'queued'",
                              params)
         sending = self.db.select(f"SELECT MIN(sending_at) FROM \"Notification\" WHERE entry IN {keys} "
@@ -7189,6 +7382,8 @@ class OfficeStore(StorePart):
     def __init__(self, core: StoreCore, runs: RunStore, wakeups: WakeupStore):
         super().__init__(core)
         self.runs, self.wakeups = runs, wakeups
+        #: Called with (task, comment, now) in the transaction of every new comment.
+        self.comment_hooks: list[Callable[[Any, Any, datetime], None]] = []
 
     def workspace_row(self, workspace_id: str | None):
         ws = self.db.Workspace.get(id=workspace_id or DEFAULT_WORKSPACE)
@@ -7512,22 +7707,26 @@ class OfficeStore(StorePart):
             if open_children == 0:
                 self._wake_assignee(parent, WakeupSource.TASK_CHILDREN_COMPLETED, {"task_id": parent.id}, now)
 
-    def _comment(self, t, body: str, now: datetime, author_agent_id: str | None):
+    def _comment(self, t, body: str, now: datetime, author_agent_id: str | None, author: str | None = None):
         c = self.db.Comment(id=new_id("cmt"), task_id=t.id, author_agent_id=author_agent_id, body=body,
-                            created_at=naive(now))
+                            author=author, created_at=naive(now))
         self.core.emit("comment.created", {"comment_id": c.id, "task_id": t.id, "author_agent_id": author_agent_id},
                        now)
         return c
 
     def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
-                    workspace_id: str | None = None) -> dict[str, Any]:
+                    workspace_id: str | None = None, *, author: str | None = None) -> dict[str, Any]:
         """A comment wakes the task's assignee unless the assignee wrote it, and each agent it
-        mentions (``@Name``, ``@"Release Bot"``) but its author and the assignee (shared/API.md 7.3)."""
+        mentions (``@Name``, ``@"Release Bot"``) but its author and the assignee (shared/API.md 7.3).
+        ``author``: a person's name on a channel. The ``comment_hooks`` see it last (a channel
+        task's agent's comment is posted back)."""
         t = self._task(task_id, workspace_id)
-        c = self._comment(t, body, now, author_agent_id)
+        c = self._comment(t, body, now, author_agent_id, author)
         if t.assignee_agent_id != author_agent_id:
             self._wake_assignee(t, WakeupSource.COMMENT, {"task_id": t.id, "comment_id": c.id}, now)
         c.mentions = self._wake_mentioned(t, c, now)
+        for hook in self.comment_hooks:
+            hook(t, c, now)
         return comment_view(c)
 
     def _wake_mentioned(self, t, c, now: datetime) -> list[dict[str, Any]]:
@@ -8729,11 +8928,113 @@ class HousekeepingStore(StorePart):
         return {"at": rfc3339(sql_instant(at)), **(json.loads(data) if isinstance(data, str) else data)}
 
 
+class ChannelStore(StorePart):
+    """Channels (shared/API.md 14): a Slack channel or a Telegram chat that feeds one Office task.
+    A person's message there becomes a comment on the task (which wakes its agent, and whoever
+    it mentions); the agent's own comments there go back out through the outbox."""
+
+    def __init__(self, core: StoreCore, office: OfficeStore, notify: NotifyStore, routines: RoutineStore):
+        super().__init__(core)
+        self.office, self.notify, self.routines = office, notify, routines
+        self.entries: dict[str, ChannelEntry] = {}
+        office.comment_hooks.append(self.post_back)
+
+    def sync(self, entries: tuple[ChannelEntry, ...], now: datetime) -> None:
+        """At start: each entry's state and task (``"create"``: made once, assigned to its agent).
+        A task or an agent that is not there stops ``serve`` with one line."""
+        self.entries = {e.name: e for e in entries}
+        for e in entries:
+            state = self.db.ChannelState.get(name=e.name)
+            if e.task != "create":
+                if self.db.Task.get(id=e.task) is None:
+                    raise ConfigError(f"channels: {e.name}.task {e.task!r} is no task (give a task id, or \"create\")")
+                task_id = e.task
+            elif state is not None and self.db.Task.get(id=state.task_id) is not None:
+                task_id = state.task_id
+            else:
+                agent = self.db.Agent.get(workspace_id=DEFAULT_WORKSPACE, name=e.agent)
+                if agent is None:
+                    raise ConfigError(f"channels: {e.name}.agent {e.agent!r} is no agent of the default workspace")
+                where = f"the Slack channel {e.channel}" if e.kind == "slack" else f"the Telegram chat {e.channel}"
+                task_id = self.office.create_task(DEFAULT_WORKSPACE, {
+                    "title": e.title, "state": str(TaskState.IN_PROGRESS), "assignee_agent_id": agent.id,
+                    "description": f"Messages from {where} arrive here as comments, each with its sender's name. "
+                                   "Your comments on this task are posted back there.",
+                    "parent_id": None, "project_id": None, "blocked_by": [], "reviewers": [],
+                    "requires_approval": False, "workflow": "office", "executor": None}, now)["id"]
+            if state is None:
+                self.db.ChannelState(name=e.name, kind=e.kind, task_id=task_id)
+            else:
+                state.set(kind=e.kind, task_id=task_id)
+
+    def receive(self, name: str, message: ChannelMessage, now: datetime) -> dict[str, Any]:
+        """A person's message: a comment on the channel's task, once per delivery id (a retry or a
+        replay within CHANNEL_DEDUP_S adds nothing and answers ``duplicate``)."""
+        state = self.db.ChannelState[name]
+        self.db.execute('DELETE FROM "ChannelDelivery" WHERE channel = $c AND created_at < $cutoff',
+                        {"c": name, "cutoff": sql_time(now - timedelta(seconds=CHANNEL_DEDUP_S))})
+        taken = self.core.returning(
+            'INSERT INTO "ChannelDelivery" (channel, delivery_id, created_at) VALUES ($c, $d, $now) '
+            "ON CONFLICT DO NOTHING RETURNING id", {"c": name, "d": message.delivery_id, "now": sql_time(now)})
+        if not taken:
+            return {"status": "duplicate"}
+        comment = self.office.add_comment(state.task_id, message.text[:MAX_TEXT_CHARS], now, author=message.sender)
+        self.db.ChannelDelivery[taken[0]].comment_id = comment["id"]
+        state.last_in_at = naive(now)
+        self.core.emit("channel.received", {"channel": name, "comment_id": comment["id"]}, now)
+        return {"status": "comment", "comment_id": comment["id"], "task_id": state.task_id}
+
+    def post_back(self, t, c, now: datetime) -> None:
+        """A comment hook: the channel task's agent's comment goes out to its channel (once: the
+        outbox's UNIQUE (entry, item))."""
+        if c.author_agent_id is None or c.author_agent_id != t.assignee_agent_id:
+            return
+        task_id = t.id
+        for state in self.db.ChannelState.select(lambda x: x.task_id == task_id):
+            if (entry := self.entries.get(state.name)) is not None:
+                self.notify.queue_channel_message(entry, c.id, c.body, now)
+
+    def sent(self, name: str, error: str | None, now: datetime) -> None:
+        """How a message to the channel went (Settings shows the last)."""
+        if (state := self.db.ChannelState.get(name=name)) is not None:
+            if error is None:
+                state.last_out_at, state.last_error = naive(now), None
+            else:
+                state.last_error = error[:500]
+
+    def refuse(self, name: str, reason: str, source_address: str | None, size: int, now: datetime) -> None:
+        """A refused delivery, recorded as a refused webhook delivery is (never its body)."""
+        self.routines.refuse_webhook(f"channel:{name}", reason, source_address, size, now)
+
+    def queue_test(self, name: str, now: datetime) -> int:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise NotFound(f"no channel {name!r} in outpost.toml")
+        return self.notify.queue_channel_message(entry, None, "Outpost test message: this channel works.", now)
+
+    def states(self) -> list[dict[str, Any]]:
+        """Each configured channel as the API and Settings show it (never a secret)."""
+        views = []
+        for e in self.entries.values():
+            state = self.db.ChannelState.get(name=e.name)
+            refused = self.db.select('SELECT created_at, reason, source_address, size FROM "WebhookRefusal" '
+                                     "WHERE trigger_id = $k ORDER BY id DESC LIMIT $kept",
+                                     {"k": f"channel:{e.name}", "kept": REFUSED_DELIVERIES_KEPT})
+            views.append({"name": e.name, "kind": e.kind, "channel": e.channel,
+                          "task_id": state.task_id if state else None,
+                          "last_in_at": rfc3339(aware(state.last_in_at)) if state else None,
+                          "last_out_at": rfc3339(aware(state.last_out_at)) if state else None,
+                          "last_error": state.last_error if state else None,
+                          "refused": [{"at": rfc3339(sql_instant(at)), "reason": reason, "source": source,
+                                       "size": size} for at, reason, source, size in refused]})
+        return views
+
+
 class Store(StoreCore):
     """The store: the core session with its parts, each a set of synchronous functions run in
     one ``db_session`` through ``transaction`` (``Deps.transaction`` from trio), returning plain
     dicts, never entities. A part holds the parts below it that it calls, never one above:
-    schedules <- runs <- nodes; access; notify; wakeups <- office <- pipeline <- routines."""
+    schedules <- runs <- nodes; access; notify; wakeups <- office <- pipeline <- routines <- channels."""
 
     def __init__(self, database: Path | str, **kwargs: Any):
         super().__init__(database, **kwargs)
@@ -8747,6 +9048,7 @@ class Store(StoreCore):
         self.pipeline = PipelineStore(self, self.schedules, self.runs, self.wakeups, self.office)
         self.routines = RoutineStore(self, self.schedules, self.wakeups, self.office, self.pipeline)
         self.housekeeping = HousekeepingStore(self, self.access)
+        self.channels = ChannelStore(self, self.office, self.notify, self.routines)
 
 
 ###############################################################################
@@ -10829,6 +11131,64 @@ def send_notification(url: str, title: str, body: str) -> str | None:
     return lines[-1][:1000] if lines else "the receiver did not accept the message"
 
 
+def channel_call(url: str, payload: dict[str, Any] | None, token: str | None = None,
+                 timeout_s: float = NOTIFY_SEND_TIMEOUT_S) -> tuple[dict[str, Any] | None, str | None]:
+    """POST JSON to a Slack or Telegram API method (None: GET, its arguments in the URL) in a
+    worker thread: (its answer, None), or (None, why not). Both answer ``{"ok": false, ...}``
+    for a refusal, often with HTTP 200; a 429 names when to come back."""
+    headers = {"Content-Type": "application/json; charset=utf-8"} if payload is not None else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, json.dumps(payload).encode() if payload is not None else None, headers,
+                                     method="POST" if payload is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:   # noqa: S310 - an http(s) setting
+            reply = json.loads(response.read(1 << 20) or b"{}")
+    except urllib.error.HTTPError as exc:
+        with contextlib.suppress(ValueError, OSError):
+            refusal = json.loads(exc.read(1 << 20) or b"{}")
+            if isinstance(refusal, dict) and refusal.get("ok") is False:
+                wait = exc.headers.get("Retry-After") or (refusal.get("parameters") or {}).get("retry_after")
+                return None, (f"HTTP {exc.code}: {refusal.get('error') or refusal.get('description')}"
+                              + (f" (retry after {wait} s)" if wait else ""))
+        return None, f"HTTP {exc.code} {exc.reason}"
+    except (OSError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:500]
+    if not isinstance(reply, dict) or reply.get("ok") is not True:
+        why = reply.get("error") or reply.get("description") if isinstance(reply, dict) else None
+        return None, f"refused: {why or 'no ok in the answer'}"
+    return reply, None
+
+
+def send_channel_message(config: Config, entry: ChannelEntry, text: str) -> str | None:
+    """One message to a channel: Slack ``chat.postMessage`` with the bot token, Telegram
+    ``sendMessage``; a text longer than the service takes is cut, saying so. None when sent."""
+    limit = CHANNEL_TEXT_MAX[entry.kind]
+    if len(text) > limit:
+        text = text[:limit - 40].rstrip() + "\n[cut: the full comment is on the task]"
+    if entry.kind == "slack":
+        _, error = channel_call(f"{config.slack_api_url}/chat.postMessage", {"channel": entry.channel, "text": text},
+                                entry.bot_token)
+    else:
+        _, error = channel_call(f"{config.telegram_api_url}/bot{entry.bot_token}/sendMessage",
+                                {"chat_id": entry.channel, "text": text})
+    return error
+
+
+def slack_user_name(config: Config, entry: ChannelEntry, user_id: str) -> str:
+    """A Slack user's display name (``users.info``, scope users:read), else the real name, else
+    the id; asked within a second, as Slack waits 3 s for the event's answer."""
+    reply, _ = channel_call(f"{config.slack_api_url}/users.info?user={urllib.parse.quote(user_id)}", None,
+                            entry.bot_token, timeout_s=1.0)
+    user = (reply or {}).get("user") or {}
+    profile = user.get("profile") or {} if isinstance(user, dict) else {}
+    for name in (profile.get("display_name"), profile.get("real_name"), user.get("real_name") if isinstance(
+            user, dict) else None):
+        if isinstance(name, str) and name.strip():
+            return name.strip()[:100]
+    return user_id
+
+
 def within_real_time(work: Callable[[], str | None], timeout_s: float) -> str | None:
     """``work()`` in a daemon thread of its own, given ``timeout_s`` real seconds (a socket
     that hangs past Apprise's own timeouts); then its answer, or why there is none. Real
@@ -10850,16 +11210,22 @@ def within_real_time(work: Callable[[], str | None], timeout_s: float) -> str | 
     return told[0]
 
 
-async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, NotifyEntry]) -> None:
+async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, NotifyEntry | ChannelEntry]) -> None:
     """Send one claimed outbox row, then record how it went."""
     nlog = log.getChild("notify")
     entry = entries[row["entry"]]
-    base = deps.api_url.rstrip("/")
-    body = "\n\n".join(part for part in (row["body"], f"{base}{row['link']}" if row["link"] else None) if part)
-    error = await trio.to_thread.run_sync(within_real_time, functools.partial(
-        send_notification, entry.url, row["title"], body or row["title"]), NOTIFY_SEND_TIMEOUT_S,
-        abandon_on_cancel=True)
+    if isinstance(entry, ChannelEntry):
+        send = functools.partial(send_channel_message, deps.config, entry, row["body"] or "")
+    else:
+        base = deps.api_url.rstrip("/")
+        body = "\n\n".join(part for part in (row["body"], f"{base}{row['link']}" if row["link"] else None) if part)
+        send = functools.partial(send_notification, entry.url, row["title"], body or row["title"])
+    error = await trio.to_thread.run_sync(within_real_time, send, NOTIFY_SEND_TIMEOUT_S + 5, abandon_on_cancel=True)
     status = await deps.transaction_retrying(deps.store.notify.finish, row["id"], error, deps.clock.now())
+    if isinstance(entry, ChannelEntry):
+        await deps.transaction_retrying(deps.store.channels.sent, entry.name, error, deps.clock.now())
+        nlog.info("channel %s message %d: %s", entry.name, row["id"], error or "sent")
+        return
     if status == "delivered":
         nlog.info("notification %d (%s) delivered to notify[%d] %s", row["id"], row["kind"], entry.index, entry.label)
     elif status == "given_up":
@@ -10875,7 +11241,7 @@ async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     through Apprise in a worker thread, so no other actor ever waits for a receiver. Queues each
     entry's daily digest when due. The rows are the truth: it wakes for the next retry (read from
     the store) and every NOTIFY_SWEEP_S, so a restart or a lost nudge delays, never loses."""
-    entries = {e.key: e for e in deps.config.notify}
+    entries: dict[str, NotifyEntry | ChannelEntry] = {e.key: e for e in (*deps.config.notify, *deps.config.channels)}
     if not entries:
         return
     async with wake_in:
@@ -12624,6 +12990,78 @@ async def hook_fire(web: Web, public_id: str):
     return json_response({"routine_run_id": run["id"], "status": run["status"]}, 202)
 
 
+# --- channels: /api/channels/ (docs/office.md "Channels") ------------------------------------------------
+
+def channel_of(web: Web, kind: str, name: str) -> ChannelEntry:
+    entry = next((e for e in web.deps.config.channels if e.name == name and e.kind == kind), None)
+    if entry is None:
+        raise NotFound(f"no {kind} channel {name!r} in outpost.toml")
+    return entry
+
+
+async def channel_body(web: Web, name: str, body: bytes) -> dict[str, Any] | None:
+    """The request's JSON object, or None (the refusal recorded)."""
+    with contextlib.suppress(ValueError, RecursionError):
+        if isinstance(parsed := json.loads(body), dict):
+            return parsed
+    await web.call(web.store.channels.refuse, name, "body is not a JSON object", web.request.remote_addr,
+                   len(body), web.now)
+    return None
+
+
+async def channel_refused(web: Web, name: str, reason: str, body: bytes):
+    await web.call(web.store.channels.refuse, name, reason, web.request.remote_addr, len(body), web.now)
+    return problem_response(WebhookRefused(f"channel delivery refused: {reason}"))
+
+
+@hooks.post("/api/channels/slack/<name>", auth=Auth.SIGNATURE, nudges=(Actor.CLAIM,))
+async def hook_slack(web: Web, name: str):
+    """Slack's Events API: signed (v0, within 300 s), ``url_verification`` answered with its
+    challenge, a person's ``message`` in the channel a comment (by ``event_id`` once; Slack's
+    own retries add nothing); anything else answered 200 and ignored, so Slack does not retry."""
+    entry = channel_of(web, "slack", name)
+    body = await web.request.get_data(cache=True)
+    headers = {k.lower(): v for k, v in web.request.headers.items()}
+    if reason := slack_refusal(entry.signing_secret, headers, body, web.now):
+        return await channel_refused(web, name, reason, body)
+    if (envelope := await channel_body(web, name, body)) is None:
+        return problem_response(invalid("body", "must be a JSON object (a Slack event)"))
+    if envelope.get("type") == "url_verification":
+        return {"challenge": str(envelope.get("challenge", ""))[:200]}
+    if (message := slack_message(envelope, entry.channel)) is None:
+        return {"status": "ignored"}
+    sender = await trio.to_thread.run_sync(slack_user_name, web.deps.config, entry, message.sender,
+                                           abandon_on_cancel=True)
+    return await web.commit(web.store.channels.receive, name, dataclasses.replace(message, sender=sender), web.now)
+
+
+@hooks.post("/api/channels/telegram/<name>", auth=Auth.SIGNATURE, nudges=(Actor.CLAIM,))
+async def hook_telegram(web: Web, name: str):
+    """A Telegram webhook update: its ``X-Telegram-Bot-Api-Secret-Token`` (setWebhook's
+    ``secret_token``) compared in constant time; ``message.text`` from the chat a comment, by
+    ``update_id`` once; anything else answered 200 and ignored (Telegram retries other answers)."""
+    entry = channel_of(web, "telegram", name)
+    body = await web.request.get_data(cache=True)
+    given = web.request.headers.get("X-Telegram-Bot-Api-Secret-Token", "")
+    if not hmac.compare_digest(given.encode(), entry.secret_token.encode()):
+        return await channel_refused(web, name, "missing or wrong X-Telegram-Bot-Api-Secret-Token", body)
+    if (update := await channel_body(web, name, body)) is None:
+        return problem_response(invalid("body", "must be a JSON object (a Telegram update)"))
+    if (message := telegram_message(update, entry.channel)) is None:
+        return {"status": "ignored"}
+    return await web.commit(web.store.channels.receive, name, message, web.now)
+
+
+@office_api.get("/api/office/channels", auth=Auth.TOKEN)
+async def office_channels(web: Web):
+    return {"channels": await web.call(web.store.channels.states)}
+
+
+@office_api.post("/api/office/channels/<name>/test", auth=Auth.TOKEN, status=202, nudges=(Actor.NOTIFY,))
+async def office_channel_test(web: Web, name: str):
+    return {"id": await web.commit(web.store.channels.queue_test, name, web.now)}
+
+
 # --- agent API: /api/agent/ (a running Office agent, with its run token) -----------------------------
 
 def own_task(web: Web, raw: dict[str, Any]) -> str:
@@ -13637,7 +14075,8 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     else:
         os.chmod(config.db_path, 0o600)   # it holds webhook secrets (HMAC needs them as they are)
     ensure_embedded_repository(Path(store.embedded_repository))
-    store.notify.configure(config.notify)
+    store.notify.configure(config.notify, config.channels)
+    store.transaction(store.channels.sync, config.channels, datetime.now(UTC))
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
                 isolation=agent_isolation(config.isolate_agents))
 

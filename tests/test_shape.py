@@ -22,11 +22,11 @@ SECTIONS = ["Imports and constants.", "Errors", "Agent CLIs", "Configuration", "
             "Wiring", "Fleet", "Actors", "Web", "Supervisor", "CLI and main()"]
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
 STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
-               "PipelineStore", "RoutineStore", "HousekeepingStore"]
+               "PipelineStore", "RoutineStore", "HousekeepingStore", "ChannelStore"]
 PART_ATTRIBUTES = {"schedules": "ScheduleStore", "runs": "RunStore", "nodes": "NodeStore", "access": "AccessStore",
                    "notify": "NotifyStore",
                    "wakeups": "WakeupStore", "office": "OfficeStore", "pipeline": "PipelineStore",
-                   "routines": "RoutineStore", "housekeeping": "HousekeepingStore"}
+                   "routines": "RoutineStore", "channels": "ChannelStore", "housekeeping": "HousekeepingStore"}
 
 #: Every route of the appliance: (method, rule, auth). Reviewed: a change here is a change of the
 #: contract or of who may call what.
@@ -102,6 +102,8 @@ ROUTES = [
     ("POST", "/api/office/routines/<routine_id>/triggers", "token"),
     ("DELETE", "/api/office/routines/<routine_id>/triggers/<trigger_id>", "token"),
     ("POST", "/api/office/routines/<routine_id>/triggers/<trigger_id>/rotate", "token"),
+    ("GET", "/api/office/channels", "token"),
+    ("POST", "/api/office/channels/<name>/test", "token"),
     ("POST", "/api/agent/needs-you", "any_run"),
     ("GET", "/api/agent/run", "any_run"),
     ("GET", "/api/agent/me", "run"),
@@ -113,6 +115,8 @@ ROUTES = [
     ("POST", "/api/agent/approvals", "run"),
     ("POST", "/api/agent/wake", "run"),
     ("POST", "/api/routine-triggers/<public_id>/fire", "signature"),
+    ("POST", "/api/channels/slack/<name>", "signature"),
+    ("POST", "/api/channels/telegram/<name>", "signature"),
     ("GET", "/signin", "public"),
     ("POST", "/signin", "public"),
     ("GET", "/signin/<code>", "public"),
