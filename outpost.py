@@ -11420,6 +11420,7 @@ DONE_NOTICES = {
     "proposal_confirmed": "Proposal confirmed: the schedule is changed as reviewed.",
     "proposal_declined": "Proposal declined: the agent that proposed it sees your note.",
     "notify_test": "Test message queued: it arrives in a few seconds (see each entry's last delivery below).",
+    "channel_test": "Test message queued for the channel: it arrives in a few seconds (see its last out below).",
 }
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
 CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
@@ -13603,7 +13604,8 @@ async def page_decline_proposal(web: Web, proposal_id: str):
 @pages.get("/settings", auth=Auth.SESSION)
 async def page_settings(web: Web):
     return await web.page("settings.html", section="settings",
-                          notify=await web.call(web.store.notify.entry_states), disk=await disk_use(web.deps),
+                          notify=await web.call(web.store.notify.entry_states),
+                          channels=await web.call(web.store.channels.states), disk=await disk_use(web.deps),
                           last_pass=await web.call(web.store.housekeeping.last_pass),
                           keep_days=web.deps.config.keep_days)
 
@@ -13613,6 +13615,13 @@ async def page_notify_test(web: Web):
     entry = (await web.form()).get("entry", "")
     await queue_test_notifications(web, int(entry) if entry.isdigit() else None)
     return await web.see_other("/settings?done=notify_test")
+
+
+@pages.post("/settings/channels/<name>/test", auth=Auth.SESSION)
+async def page_channel_test(web: Web, name: str):
+    await web.commit(web.store.channels.queue_test, name, web.now)
+    web.deps.nudge(Actor.NOTIFY)
+    return await web.see_other("/settings?done=channel_test")
 
 
 # --- dashboard: Office ------------------------------------------------------------------------------------

@@ -149,6 +149,7 @@ ROUTES = [
     ("POST", "/proposals/<proposal_id>/decline", "session"),
     ("GET", "/settings", "session"),
     ("POST", "/settings/notify/test", "session"),
+    ("POST", "/settings/channels/<name>/test", "session"),
     ("GET", "/office", "session"),
     ("GET", "/office/agents", "session"),
     ("POST", "/office/agents", "session"),
