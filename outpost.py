@@ -89,6 +89,7 @@ import functools
 import hashlib
 import heapq
 import hmac
+import http.client
 import inspect
 import io
 import itertools
@@ -300,6 +301,8 @@ CHANNEL_KINDS = ("slack", "telegram")
 SLACK_API_URL = "https://slack.com/api"
 TELEGRAM_API_URL = "https://api.telegram.org"
 SLACK_SIGNATURE_WINDOW_S = 300
+#: How long a Slack event waits for its sender's display name (users.info) before it uses the id.
+SLACK_NAME_LOOKUP_S = 1.5
 CHANNEL_DEDUP_S = DAY_S
 CHANNEL_TEXT_MAX = {"slack": 4000, "telegram": 4096}
 NOTIFY_DEFAULT_KINDS = ("needs_you", "failed", "auto_pause", "agent_auth", "missed_fire", "budget_blocked")
@@ -1917,6 +1920,10 @@ def channel_entries(path: Path, raw: Any) -> tuple[ChannelEntry, ...]:
         if any(e.name == spec["name"] for e in entries):
             raise ConfigError(f"{path}: {where}.name {spec['name']!r} repeats an earlier channel's")
         secrets = {key: _secret(path, f"{where}.{key}", spec[key]) for key in CHANNEL_SECRETS[kind]}
+        for key, value in secrets.items():   # it goes into a header or a URL: one visible word
+            if not re.fullmatch(r"[\x21-\x7e]{1,512}", value):
+                raise ConfigError(f"{path}: {where}.{key} must be one word of visible ASCII (a space, a newline "
+                                  "or another character in it: check what you pasted)")
         if kind == "telegram" and not re.fullmatch(r"[A-Za-z0-9_-]{1,256}", secrets["secret_token"]):
             raise ConfigError(f"{path}: {where}.secret_token must be 1-256 of A-Z, a-z, 0-9, _ and - "
                               "(what Telegram's setWebhook accepts)")
@@ -4077,6 +4084,11 @@ class ChannelMessage:
     text: str
 
 
+def plain_text(text: str) -> str:
+    """``text`` with any lone surrogate (JSON's ``"\\ud800"``) replaced: it could not be stored."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def slack_signature(secret: str, timestamp: str, body: bytes) -> str:
     """``X-Slack-Signature`` v0: HMAC-SHA256 of ``v0:<timestamp>:<raw body>`` with the signing
     secret (https://docs.slack.dev/authentication/verifying-requests-from-slack)."""
@@ -4109,7 +4121,7 @@ def slack_message(envelope: dict[str, Any], channel: str) -> ChannelMessage | No
     text, event_id = event.get("text"), envelope.get("event_id")
     if not isinstance(text, str) or not text.strip() or not isinstance(event_id, str) or not event_id:
         return None
-    return ChannelMessage(event_id[:200], event["user"][:100], text)
+    return ChannelMessage(plain_text(event_id[:200]), plain_text(event["user"][:100]), plain_text(text))
 
 
 def telegram_message(update: dict[str, Any], chat: str) -> ChannelMessage | None:
@@ -4121,10 +4133,11 @@ def telegram_message(update: dict[str, Any], chat: str) -> ChannelMessage | None
     sender, text = message.get("from") or {}, message.get("text")
     if not isinstance(sender, dict) or sender.get("is_bot") or not isinstance(text, str) or not text.strip():
         return None
-    if str((message.get("chat") or {}).get("id")) != chat:
+    where = message.get("chat")
+    if not isinstance(where, dict) or str(where.get("id")) != chat:
         return None
     name = sender.get("username") or sender.get("first_name") or str(sender.get("id", "someone"))
-    return ChannelMessage(str(update_id), str(name)[:100], text)
+    return ChannelMessage(str(update_id), plain_text(str(name)[:100]), plain_text(text))
 
 
 ###############################################################################
@@ -8943,6 +8956,7 @@ class ChannelStore(StorePart):
         """At start: each entry's state and task (``"create"``: made once, assigned to its agent).
         A task or an agent that is not there stops ``serve`` with one line."""
         self.entries = {e.name: e for e in entries}
+        fed: dict[str, str] = {}
         for e in entries:
             state = self.db.ChannelState.get(name=e.name)
             if e.task != "create":
@@ -8962,10 +8976,20 @@ class ChannelStore(StorePart):
                                    "Your comments on this task are posted back there.",
                     "parent_id": None, "project_id": None, "blocked_by": [], "reviewers": [],
                     "requires_approval": False, "workflow": "office", "executor": None}, now)["id"]
+            if task_id in fed:   # each would get the other's replies
+                raise ConfigError(f"channels: {e.name} and {fed[task_id]} feed the same task {task_id}; "
+                                  "give each channel its own task")
+            fed[task_id] = e.name
             if state is None:
                 self.db.ChannelState(name=e.name, kind=e.kind, task_id=task_id)
             else:
                 state.set(kind=e.kind, task_id=task_id)
+
+    def delivered(self, name: str, delivery_id: str, now: datetime) -> bool:
+        """Whether this delivery was taken in the last CHANNEL_DEDUP_S (a read: ``receive`` decides)."""
+        cutoff = sql_time(now - timedelta(seconds=CHANNEL_DEDUP_S))
+        return bool(self.db.select('SELECT 1 FROM "ChannelDelivery" WHERE channel = $c AND delivery_id = $d '
+                                   "AND created_at >= $cutoff", {"c": name, "d": delivery_id, "cutoff": cutoff}))
 
     def receive(self, name: str, message: ChannelMessage, now: datetime) -> dict[str, Any]:
         """A person's message: a comment on the channel's task, once per delivery id (a retry or a
@@ -11152,7 +11176,7 @@ def channel_call(url: str, payload: dict[str, Any] | None, token: str | None = N
                 return None, (f"HTTP {exc.code}: {refusal.get('error') or refusal.get('description')}"
                               + (f" (retry after {wait} s)" if wait else ""))
         return None, f"HTTP {exc.code} {exc.reason}"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:   # its text may hold the URL: the caller redacts
         return None, f"{type(exc).__name__}: {exc}"[:500]
     if not isinstance(reply, dict) or reply.get("ok") is not True:
         why = reply.get("error") or reply.get("description") if isinstance(reply, dict) else None
@@ -11166,13 +11190,14 @@ def send_channel_message(config: Config, entry: ChannelEntry, text: str) -> str 
     limit = CHANNEL_TEXT_MAX[entry.kind]
     if len(text) > limit:
         text = text[:limit - 40].rstrip() + "\n[cut: the full comment is on the task]"
-    if entry.kind == "slack":
+    if entry.kind == "slack":   # Slack reads & < > as markup (<!channel> pings everyone): escaped
+        text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
         _, error = channel_call(f"{config.slack_api_url}/chat.postMessage", {"channel": entry.channel, "text": text},
                                 entry.bot_token)
     else:
         _, error = channel_call(f"{config.telegram_api_url}/bot{entry.bot_token}/sendMessage",
                                 {"chat_id": entry.channel, "text": text})
-    return error
+    return error.replace(entry.bot_token, "<bot token>") if error else None
 
 
 def slack_user_name(config: Config, entry: ChannelEntry, user_id: str) -> str:
@@ -11180,12 +11205,12 @@ def slack_user_name(config: Config, entry: ChannelEntry, user_id: str) -> str:
     the id; asked within a second, as Slack waits 3 s for the event's answer."""
     reply, _ = channel_call(f"{config.slack_api_url}/users.info?user={urllib.parse.quote(user_id)}", None,
                             entry.bot_token, timeout_s=1.0)
-    user = (reply or {}).get("user") or {}
-    profile = user.get("profile") or {} if isinstance(user, dict) else {}
-    for name in (profile.get("display_name"), profile.get("real_name"), user.get("real_name") if isinstance(
-            user, dict) else None):
+    user = (reply or {}).get("user")
+    user = user if isinstance(user, dict) else {}
+    profile = user.get("profile") if isinstance(user.get("profile"), dict) else {}
+    for name in (profile.get("display_name"), profile.get("real_name"), user.get("real_name")):
         if isinstance(name, str) and name.strip():
-            return name.strip()[:100]
+            return plain_text(name.strip())[:100]
     return user_id
 
 
@@ -13031,8 +13056,12 @@ async def hook_slack(web: Web, name: str):
         return {"challenge": str(envelope.get("challenge", ""))[:200]}
     if (message := slack_message(envelope, entry.channel)) is None:
         return {"status": "ignored"}
-    sender = await trio.to_thread.run_sync(slack_user_name, web.deps.config, entry, message.sender,
-                                           abandon_on_cancel=True)
+    if await web.call(web.store.channels.delivered, name, message.delivery_id, web.now):
+        return {"status": "duplicate"}   # Slack's retry: answered before any lookup
+    sender = message.sender
+    with trio.move_on_after(SLACK_NAME_LOOKUP_S):   # Slack waits 3 s for the answer, whatever users.info does
+        sender = await trio.to_thread.run_sync(slack_user_name, web.deps.config, entry, message.sender,
+                                               abandon_on_cancel=True)
     return await web.commit(web.store.channels.receive, name, dataclasses.replace(message, sender=sender), web.now)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 import urllib.parse
 
 
@@ -23,6 +24,7 @@ class ChannelStub:
         self.users = {"U123": {"id": "U123", "real_name": "Ada Lovelace", "profile": {"display_name": "ada"}}}
         self.requests: list[dict] = []
         self.down = False
+        self.users_delay_s = 0.0   # users.info answers this late
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -49,6 +51,7 @@ class ChannelStub:
                 if stub.down:
                     return self.answer(503, {"ok": False, "error": "service_unavailable"})
                 if url.path == "/slack/users.info":
+                    time.sleep(stub.users_delay_s)
                     if self.headers.get("Authorization") != f"Bearer {stub.slack_token}":
                         return self.answer(200, {"ok": False, "error": "invalid_auth"})
                     user = stub.users.get(urllib.parse.parse_qs(url.query).get("user", [""])[0])

@@ -83,6 +83,53 @@ def test_a_persons_slack_message_and_telegram_message_are_read():
     assert outpost.telegram_message({"update_id": 11, "edited_message": update["message"]}, "-100") is None
 
 
+def test_text_that_cannot_be_stored_or_a_chat_that_is_no_object_is_no_500():
+    assert outpost.slack_message(slack_event("hi \ud800 there"), "C111").text == "hi \ufffd there"
+    update = {"update_id": 1, "message": {"chat": "x", "from": {"first_name": "A"}, "text": "hi"}}
+    assert outpost.telegram_message(update, "x") is None
+    named = {"update_id": 2, "message": {"chat": {"id": 7}, "from": {"first_name": "\udc00"}, "text": "\ud800"}}
+    assert outpost.telegram_message(named, "7") == outpost.ChannelMessage("2", "\ufffd", "\ufffd")
+
+
+def entry_for(stub: ChannelStub, kind: str = "slack", token: str | None = None) -> outpost.ChannelEntry:
+    return outpost.ChannelEntry("ops", kind, "C111" if kind == "slack" else "-100", "tsk_1", None,
+                                token or (stub.slack_token if kind == "slack" else stub.telegram_token),
+                                signing_secret=SECRET, secret_token=TG_SECRET)
+
+
+def stub_config(tmp_path: Path, stub: ChannelStub, **more) -> outpost.Config:
+    return outpost.Config(data_dir=tmp_path, slack_api_url=f"{stub.url}/slack",
+                          telegram_api_url=f"{stub.url}/telegram", **more)
+
+
+def test_a_reply_to_slack_is_escaped_so_an_agent_cannot_ping_the_channel(tmp_path, stub):
+    assert outpost.send_channel_message(stub_config(tmp_path, stub), entry_for(stub), "<!channel> & <@U9>") is None
+    assert stub.posted("/slack/chat.postMessage") == [{"channel": "C111", "text": "&lt;!channel&gt; &amp; &lt;@U9&gt;"}]
+
+
+def test_an_error_of_a_send_never_shows_the_bot_token(tmp_path, stub):
+    config = outpost.Config(data_dir=tmp_path, telegram_api_url=f"{stub.url}/tele gram")   # an invalid URL
+    error = outpost.send_channel_message(config, entry_for(stub, "telegram", "123:very-secret"), "hi")
+    assert error and "123:very-secret" not in error and "<bot token>" in error
+
+
+def test_a_hostile_users_info_answer_falls_back_to_the_user_id(tmp_path, stub):
+    stub.users["U9"] = {"id": "U9", "profile": "not an object"}
+    assert outpost.slack_user_name(stub_config(tmp_path, stub), entry_for(stub), "U9") == "U9"
+    assert outpost.slack_user_name(stub_config(tmp_path, stub), entry_for(stub), "U123") == "ada"
+
+
+def test_two_channels_feeding_one_task_stop_serve(store):
+    agent = store.transaction(store.office.create_agent, None, outpost.normalize_agent(
+        {"name": "Release", "executor": "demo"}, profiles=["demo"]), T0)[0]
+    task = store.transaction(store.office.create_task, None, outpost.normalize_task(
+        {"title": "t", "assignee_agent_id": agent["id"]}, profiles=["demo"]), T0)[0]
+    entries = tuple(outpost.ChannelEntry(name, "slack", f"C{i}", task["id"], None, "xoxb", signing_secret="s")
+                    for i, name in enumerate(("ops", "alerts")))
+    with pytest.raises(outpost.ConfigError, match="alerts and ops feed the same task"):
+        store.transaction(store.channels.sync, entries, T0)
+
+
 # --- configuration ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("toml", "says"), [
@@ -92,7 +139,9 @@ def test_a_persons_slack_message_and_telegram_message_are_read():
     ('[[channels]]\nname = "ops"\nkind = "slack"\nchannel = "C1"\ntask = "create"\nsigning_secret = "s"\n'
      'bot_token = "x"\n', "channels[0].agent is missing"),
     ('[[channels]]\nname = "ops"\nkind = "telegram"\nchannel = 5\ntask = "t"\nbot_token = "x"\n'
-     'secret_token = "has space"\n', "secret_token must be 1-256"),
+     'secret_token = "has:colon"\n', "secret_token must be 1-256"),
+    ('[[channels]]\nname = "ops"\nkind = "telegram"\nchannel = 5\ntask = "t"\nbot_token = "123:AB CD"\n'
+     'secret_token = "s"\n', "bot_token must be one word of visible ASCII"),
     ('[[channels]]\nname = "ops"\nkind = "telegram"\nchannel = 5\ntask = "t"\nbot_token = "env:NO_SUCH_VAR_X"\n'
      'secret_token = "s"\n', "names $NO_SUCH_VAR_X, which is not set"),
     ('[[channels]]\nname = "ops"\nkind = "slack"\nchanel = "C1"\n', "channels[0].chanel is not a setting"),
@@ -289,3 +338,16 @@ def test_a_channel_naming_a_missing_agent_stops_serve_with_one_line(tmp_path, st
     assert done.stderr.strip().splitlines() == [
         "outpost: channels: ops.agent 'Release' is no agent of the default workspace"]
     assert datetime.now(UTC) > T0
+
+
+def test_a_slow_users_info_does_not_hold_the_event_the_sender_is_its_id(office_with_channels, stub):
+    stub.users_delay_s = 4   # past the 1.5 s Outpost waits for a name (Slack waits 3 s for the answer)
+    with office_with_channels.client() as client:
+        reply = post_slack(client, slack_event("slow name", event_id="EvSlow"))
+        assert reply.json()["status"] == "comment"
+        ops = channel(client, "ops")
+        comment = client.get(f"/api/office/tasks/{ops['task_id']}").json()["comments"][-1]
+        assert comment["author"] == "U123"
+        again = post_slack(client, slack_event("slow name", event_id="EvSlow"))
+        assert again.json() == {"status": "duplicate"}   # before any lookup
+
