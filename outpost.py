@@ -10618,7 +10618,7 @@ async def dispatch_wakeups(deps: Deps) -> None:
                 log.getChild("office").error("wakeup %s failed: it could not be dispatched", failed)
                 queued, processed = [], 1
         if queued:
-            log.getChild("office").info("dispatched %d wakeup run(s)", len(queued))
+            log.getChild("office").info("dispatched %d wakeup run(s): %s", len(queued), ", ".join(queued[:20]))
             await resolve_new_runs(deps, queued)
         if not processed:
             return
@@ -13036,8 +13036,19 @@ async def channel_body(web: Web, name: str, body: bytes) -> dict[str, Any] | Non
 
 
 async def channel_refused(web: Web, name: str, reason: str, body: bytes):
+    log.getChild("channels").warning("channel %s refused a delivery from %s (%d bytes): %s", name,
+                                     web.request.remote_addr, len(body), reason)
     await web.call(web.store.channels.refuse, name, reason, web.request.remote_addr, len(body), web.now)
     return problem_response(WebhookRefused(f"channel delivery refused: {reason}"))
+
+
+async def channel_received(web: Web, name: str, message: ChannelMessage) -> dict[str, Any]:
+    """The message as a comment (or a duplicate), logged: the first step of its journey."""
+    taken = await web.commit(web.store.channels.receive, name, message, web.now)
+    log.getChild("channels").info("channel %s delivery %s from %s: %s", name, message.delivery_id, message.sender,
+                                  f"comment {taken['comment_id']} on task {taken['task_id']}"
+                                  if taken["status"] == "comment" else taken["status"])
+    return taken
 
 
 @hooks.post("/api/channels/slack/<name>", auth=Auth.SIGNATURE, nudges=(Actor.CLAIM,))
@@ -13062,7 +13073,7 @@ async def hook_slack(web: Web, name: str):
     with trio.move_on_after(SLACK_NAME_LOOKUP_S):   # Slack waits 3 s for the answer, whatever users.info does
         sender = await trio.to_thread.run_sync(slack_user_name, web.deps.config, entry, message.sender,
                                                abandon_on_cancel=True)
-    return await web.commit(web.store.channels.receive, name, dataclasses.replace(message, sender=sender), web.now)
+    return await channel_received(web, name, dataclasses.replace(message, sender=sender))
 
 
 @hooks.post("/api/channels/telegram/<name>", auth=Auth.SIGNATURE, nudges=(Actor.CLAIM,))
@@ -13079,7 +13090,7 @@ async def hook_telegram(web: Web, name: str):
         return problem_response(invalid("body", "must be a JSON object (a Telegram update)"))
     if (message := telegram_message(update, entry.channel)) is None:
         return {"status": "ignored"}
-    return await web.commit(web.store.channels.receive, name, message, web.now)
+    return await channel_received(web, name, message)
 
 
 @office_api.get("/api/office/channels", auth=Auth.TOKEN)
