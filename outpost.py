@@ -1891,7 +1891,7 @@ def _secret(path: Path, where: str, value: str) -> str:
         return value
     name = value[4:]
     if not os.environ.get(name):
-        raise ConfigError(f"{path}: {where} names ${name}, which is not set")
+        raise ConfigError(f"{path}: {where} names ${name}, which is not set (or empty)")
     return os.environ[name]
 
 
@@ -8963,12 +8963,11 @@ class ChannelStore(StorePart):
                 if self.db.Task.get(id=e.task) is None:
                     raise ConfigError(f"channels: {e.name}.task {e.task!r} is no task (give a task id, or \"create\")")
                 task_id = e.task
+            elif (agent := self.db.Agent.get(workspace_id=DEFAULT_WORKSPACE, name=e.agent)) is None:
+                raise ConfigError(f"channels: {e.name}.agent {e.agent!r} is no agent of the default workspace")
             elif state is not None and self.db.Task.get(id=state.task_id) is not None:
-                task_id = state.task_id
+                task_id = state.task_id   # made once: who works it is then the task's assignee
             else:
-                agent = self.db.Agent.get(workspace_id=DEFAULT_WORKSPACE, name=e.agent)
-                if agent is None:
-                    raise ConfigError(f"channels: {e.name}.agent {e.agent!r} is no agent of the default workspace")
                 where = f"the Slack channel {e.channel}" if e.kind == "slack" else f"the Telegram chat {e.channel}"
                 task_id = self.office.create_task(DEFAULT_WORKSPACE, {
                     "title": e.title, "state": str(TaskState.IN_PROGRESS), "assignee_agent_id": agent.id,

@@ -143,7 +143,7 @@ def test_two_channels_feeding_one_task_stop_serve(store):
     ('[[channels]]\nname = "ops"\nkind = "telegram"\nchannel = 5\ntask = "t"\nbot_token = "123:AB CD"\n'
      'secret_token = "s"\n', "bot_token must be one word of visible ASCII"),
     ('[[channels]]\nname = "ops"\nkind = "telegram"\nchannel = 5\ntask = "t"\nbot_token = "env:NO_SUCH_VAR_X"\n'
-     'secret_token = "s"\n', "names $NO_SUCH_VAR_X, which is not set"),
+     'secret_token = "s"\n', "names $NO_SUCH_VAR_X, which is not set (or empty)"),
     ('[[channels]]\nname = "ops"\nkind = "slack"\nchanel = "C1"\n', "channels[0].chanel is not a setting"),
     ('[settings]\nslack_api_url = "ftp://x"\n', "settings.slack_api_url must be an http(s) URL"),
 ])
@@ -351,3 +351,16 @@ def test_a_slow_users_info_does_not_hold_the_event_the_sender_is_its_id(office_w
         again = post_slack(client, slack_event("slow name", event_id="EvSlow"))
         assert again.json() == {"status": "duplicate"}   # before any lookup
 
+
+
+def test_a_channels_agent_is_checked_at_every_start_and_its_task_is_made_once(store):
+    store.transaction(store.office.create_agent, None, outpost.normalize_agent(
+        {"name": "Release", "executor": "demo"}, profiles=["demo"]), T0)
+    entry = outpost.ChannelEntry("ops", "slack", "C1", "create", "Release", "xoxb", signing_secret="s")
+    store.transaction(store.channels.sync, (entry,), T0)
+    store.transaction(store.channels.sync, (entry,), T0)
+    tasks = store.transaction(store.office.list_tasks, None, None)[0]
+    assert [t["title"] for t in tasks] == ["ops (Slack)"]
+    typo = outpost.ChannelEntry("ops", "slack", "C1", "create", "Relase", "xoxb", signing_secret="s")
+    with pytest.raises(outpost.ConfigError, match="ops.agent 'Relase' is no agent"):
+        store.transaction(store.channels.sync, (typo,), T0)
