@@ -364,3 +364,22 @@ def test_a_channels_agent_is_checked_at_every_start_and_its_task_is_made_once(st
     typo = outpost.ChannelEntry("ops", "slack", "C1", "create", "Relase", "xoxb", signing_secret="s")
     with pytest.raises(outpost.ConfigError, match="ops.agent 'Relase' is no agent"):
         store.transaction(store.channels.sync, (typo,), T0)
+
+
+def test_a_channel_message_is_a_comment_whose_mentions_wake_the_named_agents(store):
+    def agent(name: str) -> str:
+        return store.transaction(store.office.create_agent, None, outpost.normalize_agent(
+            {"name": name, "executor": "demo"}, profiles=["demo"]), T0)[0]["id"]
+    release, bob = agent("Release"), agent("Bob")
+    entry = outpost.ChannelEntry("ops", "slack", "C1", "create", "Release", "xoxb", signing_secret="s")
+    store.transaction(store.channels.sync, (entry,), T0)
+    taken = store.transaction(store.channels.receive, "ops", outpost.ChannelMessage(
+        "Ev1", "ada", "@Bob please look, @Ghost too"), T0)[0]
+    comment = store.transaction(store.office.get_task, taken["task_id"])[0]["comments"][-1]
+    assert (comment["author"], comment["mentions"]) == ("ada", [{"name": "Bob", "agent_id": bob},
+                                                                {"name": "Ghost", "agent_id": None}])
+    woken = store.transaction(store.office.list_wakeups, None, None, None, None, 100)[0]
+    assert {(w["agent_id"], w["source"], w["reason"]) for w in woken if w["payload"].get("comment_id")} == {
+        (release, "comment", "comment"), (bob, "user", "mentioned")}
+    assert store.transaction(store.channels.receive, "ops", outpost.ChannelMessage("Ev1", "ada", "again"),
+                             T0)[0] == {"status": "duplicate"}
