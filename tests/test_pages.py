@@ -222,6 +222,10 @@ async def test_every_form_answers_303_to_a_get_page_and_a_secret_shows_once(dash
     agent = await forms.post("/office/agents", "/office/agents", name="Second", executor="demo")
     second = re.fullmatch(r"/office/agents/(\w+)\?done=agent_created", agent)[1]
     assert len(call(store, store.office.list_agents, None)) == 2
+    call(store, store.channels.sync, (outpost.ChannelEntry("ops", "slack", "C1", "create", "Second", "xoxb",
+                                                           signing_secret="s"),), T0)
+    assert await forms.post("/settings/channels/<name>/test", "/settings/channels/ops/test") == (
+        "/settings?done=channel_test")
     assert await forms.post("/office/agents/<agent_id>", f"/office/agents/{second}", name="Second",
                             role="worker", status="idle") == f"/office/agents/{second}?done=agent_updated"
     assert await forms.post("/office/agents/<agent_id>/wake", f"/office/agents/{second}/wake",
