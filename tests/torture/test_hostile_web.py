@@ -55,7 +55,9 @@ class Web:
     def __init__(self, base: Path):
         self.base = base
         self.repo = make_repo(base / "repo")
-        config = outpost.Config(data_dir=base, agents=(outpost.demo_profile(),))
+        # A Slack channel "demo" (the route fill's name), its task made for the Office agent below.
+        self.channel = outpost.ChannelEntry("demo", "slack", "C1", "create", XSS, "xoxb-t", signing_secret="s")
+        config = outpost.Config(data_dir=base, agents=(outpost.demo_profile(),), channels=(self.channel,))
         self.db_path = base / "outpost.sqlite3"
         self.deps = outpost.Deps(config=config, store=outpost.Store(self.db_path), clock=outpost.WallClock(),
                                  token=TOKEN)
@@ -148,6 +150,7 @@ def web(tmp_path_factory):
     office = env.db(env.store.office.create_agent, None, outpost.normalize_agent({"name": XSS, "executor": "demo"},
                                                                           profiles=["demo"]), now)
     env.agent_id = office["id"]
+    env.db(env.store.channels.sync, (env.channel,), now)
     task = env.db(env.store.office.create_task, None, outpost.normalize_task(
         {"title": XSS, "description": XSS, "assignee_agent_id": env.agent_id}, profiles=["demo"]), now)
     env.task_id = task["id"]
@@ -239,7 +242,7 @@ CROSS_SITE = {
 
 #: Routes that never take the session cookie: a webhook fire (its own signature) and the agent
 #: API (a run token). A cookie alone gets 401 there; see the test right after this one.
-COOKIELESS = ("/api/routine-triggers/", "/api/agent/")
+COOKIELESS = ("/api/routine-triggers/", "/api/agent/", "/api/channels/")
 
 
 @pytest.mark.parametrize("variant", list(CROSS_SITE))
@@ -280,8 +283,10 @@ def test_a_session_cookie_does_not_open_webhooks_or_the_agent_api(web):
             visited.add(rule)
             reply = web.request(method, path, data=b'{"body": "x", "state": "DONE"}', cookie=True, headers={
                 "Content-Type": "application/json", "X-CSRF-Token": web.csrf, **CROSS_SITE["both"]})
-            assert reply.status == 401, (rule, reply.status, reply.text)
-    assert {"/api/agent/comments", "/api/routine-triggers/<public_id>/fire"} <= visited
+            # no Telegram channel is named "demo" here: 404, cookie or not
+            expected = 404 if rule == "/api/channels/telegram/<name>" else 401
+            assert reply.status == expected, (rule, reply.status, reply.text)
+    assert {"/api/agent/comments", "/api/routine-triggers/<public_id>/fire", "/api/channels/slack/<name>"} <= visited
     detail = web.db(web.store.routines.get_routine, web.routine_id)
     assert detail["runs"] == runs_before
     assert detail["triggers"][0]["refused_deliveries"][0]["reason"].startswith("missing X-Outpost-Signature")
