@@ -1850,15 +1850,21 @@ def notify_label(url: str) -> str | None:
     return target.url(privacy=True).partition("?")[0] if target else None   # without Apprise's default options
 
 
+def _config_tables(path: Path, raw: Any, section: str, keys: dict[str, Callable[[Any], str | None]],
+                   names: str) -> Iterator[tuple[int, str, dict]]:
+    """Each ``[[section]]`` table with its index and name (``notify[0]``), every key checked."""
+    if not isinstance(raw, list) or not all(isinstance(spec, dict) for spec in raw):
+        raise ConfigError(f"{path}: {section} must be [[{section}]] tables ({names})")
+    for index, spec in enumerate(raw):
+        where = f"{section}[{index}]"
+        yield index, where, _checked_table(path, where, spec, keys)
+
+
 def notify_entries(path: Path, raw: Any) -> tuple[NotifyEntry, ...]:
     """The ``[[notify]]`` entries: each checked here, so a typo stops ``serve`` at start with one
     line; a URL is named by its entry and scheme only (it holds tokens and passwords)."""
-    if not isinstance(raw, list) or not all(isinstance(spec, dict) for spec in raw):
-        raise ConfigError(f"{path}: notify must be [[notify]] tables (url, kinds, digest)")
     entries: list[NotifyEntry] = []
-    for index, spec in enumerate(raw):
-        where = f"notify[{index}]"
-        _checked_table(path, where, spec, NOTIFY_KEYS)
+    for index, where, spec in _config_tables(path, raw, "notify", NOTIFY_KEYS, "url, kinds, digest"):
         if "url" not in spec:
             raise ConfigError(f"{path}: {where}.url is missing (an Apprise URL, such as ntfy://ntfy.sh/my-topic)")
         scheme = spec["url"].partition("://")[0] if "://" in spec["url"] else "(none)"
@@ -1898,12 +1904,8 @@ def _secret(path: Path, where: str, value: str) -> str:
 def channel_entries(path: Path, raw: Any) -> tuple[ChannelEntry, ...]:
     """The ``[[channels]]`` entries, each checked here: a typo, an unknown or missing key stops
     ``serve`` with one line naming it."""
-    if not isinstance(raw, list) or not all(isinstance(spec, dict) for spec in raw):
-        raise ConfigError(f"{path}: channels must be [[channels]] tables (name, kind, channel, task, ...)")
     entries: list[ChannelEntry] = []
-    for index, spec in enumerate(raw):
-        where = f"channels[{index}]"
-        _checked_table(path, where, spec, CHANNEL_KEYS)
+    for _, where, spec in _config_tables(path, raw, "channels", CHANNEL_KEYS, "name, kind, channel, task, ..."):
         for key in ("name", "kind", "channel", "task"):
             if key not in spec:
                 raise ConfigError(f"{path}: {where}.{key} is missing")
