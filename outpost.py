@@ -241,7 +241,7 @@ EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2,
 #: This Outpost's version (pyproject.toml), as its MCP server names itself.
 OUTPOST_VERSION = "0.1.0"
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 16     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 17     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
@@ -316,7 +316,7 @@ NOTIFY_SEND_TIMEOUT_S = 60
 #: took it in the instant before the crash).
 NOTIFY_SENDING_STALE_S = 5 * MINUTE_S
 #: How often the outbox actor looks for work without a nudge (another node's items, a lost nudge).
-NOTIFY_SWEEP_S = MINUTE_S
+OUTBOX_SWEEP_S = MINUTE_S
 #: A daily digest missed while the daemon was down goes out late up to this long after its time.
 DIGEST_LATE_S = 6 * HOUR_S
 #: Days settled runs and their history are kept by default (``[settings] keep_days``, docs/operations.md).
@@ -1622,12 +1622,19 @@ def host_zone() -> ZoneInfo:
 @dataclasses.dataclass(frozen=True, slots=True)
 class NotifyEntry:
     """One ``[[notify]]`` entry (docs/operations.md): where notifications go (an Apprise URL, which holds
-    its secrets: shown only as ``label``), which attention kinds, and an optional daily digest."""
-    index: int
+    its secrets: shown only as ``label``), which attention kinds, and an optional daily digest; or
+    one added from the dashboard (``index`` None, ``id`` its row's)."""
+    index: int | None
     url: str
     label: str                              # the URL with its secrets masked (Apprise's privacy form)
     kinds: tuple[str, ...] = NOTIFY_DEFAULT_KINDS
     digest: str | None = None               # "08:00 Europe/Berlin"
+    id: str = ""                            # "toml-0" for outpost.toml's first, "ntf_..." for the dashboard's
+
+    @property
+    def name(self) -> str:
+        """The entry in logs: ``notify[0]`` (outpost.toml) or its id."""
+        return f"notify[{self.index}]" if self.index is not None else self.id
 
     @property
     def key(self) -> str:
@@ -1875,7 +1882,7 @@ def notify_entries(path: Path, raw: Any) -> tuple[NotifyEntry, ...]:
         if any(e.url == spec["url"] for e in entries):
             raise ConfigError(f"{path}: {where}.url repeats an earlier entry's (give it more kinds instead)")
         entries.append(NotifyEntry(index, spec["url"], label, tuple(spec.get("kinds", NOTIFY_DEFAULT_KINDS)),
-                                   spec.get("digest")))
+                                   spec.get("digest"), f"toml-{index}"))
     return tuple(entries)
 
 
@@ -2066,6 +2073,9 @@ class RunStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+#: What made a run: a schedule's timing, a person, a re-run or reply, a dispatch, an Office wakeup.
+RUN_TRIGGERS = ("cron", "interval", "once", "manual", "catch_up", "dispatch", "rerun", "reply", "wakeup")
+
 #: A run in one of these states is over.
 SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU, RunStatus.CANCELLED)
 #: A schedule whose run is in one of these states is "active" for the overlap rules.
@@ -2094,10 +2104,17 @@ CONCURRENCY_POLICIES = ("skip_if_active", "coalesce_if_active", "always_enqueue"
 SCHEDULE_ACTIONS = ("enable", "pause", "resume", "archive", "approve_catch_up", "dismiss_catch_up")
 CATCH_UP_POLICIES = ("enqueue_missed_with_cap", "skip_missed", "ask")
 NOTIFY_POLICIES = ("attention", "failures_only", "always")
+#: Attention kinds a schedule's ``mute`` may stop for it (a question waiting for you is never muted).
+MUTABLE_ATTENTION_KINDS = ("changes_returned", "succeeded", "failed", "missed_fire")
+#: Kinds that fold: while one is open for a schedule or an Office agent, the next of its kind counts
+#: on it instead of making a second item (the README's 5-minute example made 288 a day).
+FOLDED_ATTENTION_KINDS = ("changes_returned", "succeeded", "failed", "missed_fire", "agent_error")
+#: The runs a folded item lists, newest first.
+FOLDED_RUNS_MAX = 100
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                 "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
 DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
-                     "limits", "notify", "concurrency_policy", "catch_up", "skip_if_unchanged")
+                     "limits", "notify", "concurrency_policy", "catch_up", "skip_if_unchanged", "mute")
 
 
 # --- instants ----------------------------------------------------------------
@@ -2285,6 +2302,29 @@ def next_fires(timing: dict[str, Any], after: datetime, count: int = 1,
     return [at.astimezone(UTC)] if at > after else []
 
 
+#: The most fires of one schedule or routine trigger the upcoming list shows (a minutely cron has
+#: 10,080 in a week); docs/http-api.md.
+UPCOMING_MAX_EACH = 500
+
+
+def upcoming_fires(timing: dict[str, Any], next_at: datetime | None, now: datetime, until: datetime, *,
+                   paused: bool, anchor: datetime | None = None) -> list[tuple[datetime, str]]:
+    """The due instants of one timing up to ``until``, each ``scheduled``, ``late`` (its stored next
+    fire passed more than MISFIRE_GRACE_S ago and nobody claimed it: the cron actor is behind or
+    down) or ``paused`` (counted on from now: a paused schedule's slots wait unclaimed)."""
+    if paused:
+        return [(at, "paused") for at in next_fires(timing, now, UPCOMING_MAX_EACH, anchor=anchor) if at <= until]
+    if next_at is None:
+        return []   # a once schedule that fired
+    fires, grace = [], now - timedelta(seconds=MISFIRE_GRACE_S)
+    if next_at < grace:
+        fires.append((next_at, "late"))
+    after = max(grace, next_at - timedelta(microseconds=1))
+    fires += [(at, "scheduled") for at in next_fires(timing, after, UPCOMING_MAX_EACH - len(fires), anchor=anchor)
+              if at <= until]
+    return fires
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DueSlots:
     """The due instants of a schedule in [first due, now]: how many (``counted_all`` false:
@@ -2460,6 +2500,25 @@ def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
         raise invalid(sorted(unknown)[0], f"is not a field of {what}")
 
 
+#: The longest notification URL the dashboard takes (Apprise URLs with a token are ~200).
+NOTIFY_URL_MAX = 2000
+#: The most items one bulk action (runs cancelled or re-run, attention acknowledged) takes at once.
+BULK_MAX = 200
+
+
+def selected_ids(raw: Any) -> list[str]:
+    """A bulk action's ``{"ids": [...]}``: 1-BULK_MAX ids, each once, in the order given."""
+    if not isinstance(raw, dict):
+        raise invalid("body", "must be a JSON object with ids")
+    _unknown(raw, ("ids",), "a bulk action")
+    ids = raw.get("ids")
+    if not isinstance(ids, list) or not 1 <= len(ids) <= BULK_MAX:
+        raise invalid("ids", f"a list of 1-{BULK_MAX} ids is required")
+    if not all(isinstance(i, str) and 0 < len(i) <= 100 for i in ids):
+        raise invalid("ids", "every id must be a string of 1-100 characters")
+    return list(dict.fromkeys(ids))
+
+
 #: A repository named by URL (docs/fleet.md): https://, ssh://, file:// or scp-like user@host:path.
 REPOSITORY_URL = re.compile(r"^(?:(?:https|ssh|file)://\S+|[\w.-]+@[\w.-]+:(?!//)\S+)$")
 
@@ -2632,9 +2691,16 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     with errors.check():
         if not isinstance(skip, bool):
             raise invalid("skip_if_unchanged", "must be true or false")
+    mute = raw.get("mute", [])
+    with errors.check():
+        if not isinstance(mute, list) or not all(isinstance(k, str) and k in MUTABLE_ATTENTION_KINDS for k in mute):
+            raise invalid("mute", "must be a list of attention kinds: " + ", ".join(MUTABLE_ATTENTION_KINDS)
+                          + " (a question waiting for you is never muted)")
     errors.raise_any()
     if skip:   # only when set: older confirmations stay valid
         d["skip_if_unchanged"] = True
+    if mute:
+        d["mute"] = sorted(set(mute), key=MUTABLE_ATTENTION_KINDS.index)
     return d
 
 
@@ -4294,6 +4360,21 @@ def define_entities(db: orm.Database) -> None:
         created_at = Required(datetime)
         acknowledged_at = Optional(datetime, index=True)
         link = Optional(str, nullable=True)   # the dashboard page that settles it (a proposal's review)
+        agent_id = Optional(str, nullable=True)            # an Office agent's item (folds like a schedule's)
+        times = Required(int, default=1)                   # how often it happened while open (folded)
+        latest_at = Optional(datetime)
+        run_ids = Optional(orm.Json, nullable=True)        # the runs folded in, newest first
+
+    class NotifyTarget(db.Entity):
+        """A notification entry added from the dashboard (docs/operations.md); outpost.toml's
+        ``[[notify]]`` entries live in the config and are read-only."""
+        id = PrimaryKey(str)
+        url = Required(str, unique=True)
+        label = Required(str)                              # the URL with its secrets masked: all a page shows
+        kinds = Required(orm.Json)
+        digest = Optional(str, nullable=True)
+        created_at = Required(datetime)
+        updated_at = Required(datetime)
 
     class Event(db.Entity):
         cursor = PrimaryKey(int)
@@ -4743,6 +4824,12 @@ SCHEMA_SQL = {
         'ALTER TABLE "Comment" ADD COLUMN author TEXT',
         'CREATE UNIQUE INDEX IF NOT EXISTS channel_delivery_once ON "ChannelDelivery"(channel, delivery_id)',
     ],
+    17: [   # attention folds (an open item counts what happened again); notification entries from the dashboard
+        'ALTER TABLE "Attention" ADD COLUMN agent_id TEXT',
+        'ALTER TABLE "Attention" ADD COLUMN times INTEGER NOT NULL DEFAULT 1',
+        'ALTER TABLE "Attention" ADD COLUMN latest_at TIMESTAMP',
+        'ALTER TABLE "Attention" ADD COLUMN run_ids JSON',
+    ],
 }
 
 
@@ -4795,9 +4882,11 @@ def occurrence_view(o) -> dict[str, Any]:
 
 
 def attention_view(a) -> dict[str, Any]:
-    return {"id": a.id, "kind": a.kind, "schedule_id": a.schedule_id, "run_id": a.run_id,
+    run_ids = a.run_ids if a.run_ids is not None else [a.run_id] if a.run_id else []
+    return {"id": a.id, "kind": a.kind, "schedule_id": a.schedule_id, "agent_id": a.agent_id, "run_id": a.run_id,
             "title": a.title, "detail": a.detail, "created_at": rfc3339(aware(a.created_at)),
-            "acknowledged_at": rfc3339(aware(a.acknowledged_at)), "link": a.link}
+            "acknowledged_at": rfc3339(aware(a.acknowledged_at)), "link": a.link, "count": a.times,
+            "latest_at": rfc3339(aware(a.latest_at or a.created_at)), "run_ids": run_ids}
 
 
 def proposal_view(p, now: datetime) -> dict[str, Any]:
@@ -5490,10 +5579,25 @@ class StoreCore:
         orm.flush()
 
     def raise_attention(self, kind: str, title: str, detail: str | None, now: datetime, *,
-               schedule_id: str | None, run_id: str | None, link: str | None = None) -> str:
+               schedule_id: str | None, run_id: str | None, link: str | None = None,
+               agent_id: str | None = None) -> str:
+        """A new item, or, for a kind that folds, the open one of its schedule (or Office agent)
+        counting it: newest title, detail and run first; no second notification. PostgreSQL's
+        SERIALIZABLE makes two nodes folding at once run one of them again."""
+        if kind in FOLDED_ATTENTION_KINDS and (schedule_id or agent_id):
+            scope = {"schedule_id": schedule_id} if schedule_id else {"agent_id": agent_id}
+            same = self.db.Attention.select(kind=kind, acknowledged_at=None, **scope)
+            if (item := same.order_by(self.db.Attention.created_at).first()) is not None:
+                earlier = item.run_ids if item.run_ids is not None else [item.run_id] if item.run_id else []
+                item.run_ids = ([run_id] if run_id else []) + earlier[:FOLDED_RUNS_MAX - 1]
+                item.times, item.latest_at = item.times + 1, naive(now)
+                item.title, item.detail, item.run_id = title, detail, run_id or item.run_id
+                self.emit("attention.folded", {"attention_id": item.id, "kind": kind, "count": item.times,
+                                               "run_id": run_id}, now)
+                return item.id
         aid = new_id("att")
         self.db.Attention(id=aid, kind=kind, schedule_id=schedule_id, run_id=run_id, title=title,
-                          detail=detail, created_at=naive(now), link=link)
+                          detail=detail, created_at=naive(now), link=link, agent_id=agent_id)
         self.emit("attention.raised", {"attention_id": aid, "kind": kind, "schedule_id": schedule_id,
                                        "run_id": run_id, "title": title}, now)
         for hook in self.attention_hooks:
@@ -5538,12 +5642,20 @@ class StoreCore:
         return dict(self.db.select('SELECT kind, COUNT(*) FROM "Attention" WHERE acknowledged_at IS NULL '
                                    "GROUP BY kind"))
 
-    def ack_all_attention(self, now: datetime) -> int:
-        items = list(self.db.Attention.select(lambda a: a.acknowledged_at is None))
+    def ack_attention_items(self, attention_ids: list[str] | None, now: datetime) -> dict[str, Any]:
+        """Acknowledge a selection (every open item when ``attention_ids`` is None): the items now
+        acknowledged, and the ids that name no item."""
+        if attention_ids is None:
+            items = list(self.db.Attention.select(lambda a: a.acknowledged_at is None))
+        else:
+            items = list(self.db.Attention.select(lambda a: a.id in attention_ids))
         for a in items:
-            a.acknowledged_at = naive(now)
-            self.emit("attention.acknowledged", {"attention_id": a.id}, now)
-        return len(items)
+            if a.acknowledged_at is None:
+                a.acknowledged_at = naive(now)
+                self.emit("attention.acknowledged", {"attention_id": a.id}, now)
+        found = {a.id for a in items}
+        return {"acknowledged": [attention_view(a) for a in sorted(items, key=lambda a: a.id)],
+                "unknown": [i for i in attention_ids or [] if i not in found]}
 
 
 class StorePart:
@@ -5780,6 +5892,19 @@ class ScheduleStore(StorePart):
         rows = self.db.select(f"SELECT id, name, {self.dialect.json_text('definition', 'timing', 'timezone')} "
                               'FROM "Schedule"')
         return {sid: (name, tz) for sid, name, tz in rows}
+
+    def upcoming(self, now: datetime, until: datetime) -> list[dict[str, Any]]:
+        """Every fire of the schedules that are not archived up to ``until`` (docs/http-api.md)."""
+        fires = []
+        for s in self.db.Schedule.select(lambda s: not s.archived):
+            timing = s.definition["timing"]
+            if timing["kind"] not in ("cron", "interval", "once"):
+                continue
+            for at, state in upcoming_fires(timing, aware(s.next_fire_at), now, until, paused=not s.enabled,
+                                            anchor=aware(s.anchored_at)):
+                fires.append({"at": at, "kind": "schedule", "id": s.id, "name": s.name,
+                              "timezone": timing.get("timezone") or "UTC", "state": state})
+        return fires
 
     def next_due_at(self) -> datetime | None:
         due = orm.min(s.next_fire_at for s in self.db.Schedule if not s.archived)
@@ -6057,7 +6182,10 @@ class ScheduleStore(StorePart):
 
     def _missed_fire(self, s, late: list[datetime], now: datetime) -> None:
         """The dead-man alert: slots that came due while the daemon was up and were not claimed
-        within MISFIRE_GRACE_S (a stalled actor or store, a clock step): one item per claim."""
+        within MISFIRE_GRACE_S (a stalled actor or store, a clock step): one item per claim
+        (folded into the open one), unless the schedule mutes it."""
+        if "missed_fire" in s.definition.get("mute", []):
+            return
         tz = ZoneInfo(s.definition["timing"]["timezone"])
         lateness = int((now - late[0]).total_seconds())
         more = f" and {len(late) - 1} more" if len(late) > 1 else ""
@@ -6505,18 +6633,34 @@ class RunStore(StorePart):
     def get_run(self, run_id: str) -> dict[str, Any]:
         return run_view(self._run(run_id))
 
-    def list_runs(self, schedule_id: str | None, status: str | None, limit: int,
-                  before: str | None) -> dict[str, Any]:
-        query = self.db.Run.select()
-        if schedule_id:
-            query = query.filter(lambda r: r.schedule.id == schedule_id)
-        if status:
-            query = query.filter(lambda r: r.status == status)
+    def list_runs(self, schedule_id: str | None, status: str | None, limit: int, before: str | None, *,
+                  agent: str | None = None, trigger: str | None = None, since: datetime | None = None,
+                  until: datetime | None = None, q: str | None = None) -> dict[str, Any]:
+        """Runs newest first (by id), a page of ``limit`` and the id to page on from; the filters of
+        docs/http-api.md combine; ``q`` is text in the schedule's name, the result branch, the error
+        or the agent's final message, any case."""
+        where, params = ["1 = 1"], {"n": limit + 1}
+        for column, value in (("r.schedule", schedule_id), ("r.status", status), ("r.agent", agent),
+                              ("r.trigger", trigger)):
+            if value:
+                where.append(f"{column} = ${column[2:]}")
+                params[column[2:]] = value
+        for op, name, value in ((">=", "since", since), ("<", "until", until)):
+            if value is not None:
+                where.append(f"r.queued_at {op} ${name}")
+                params[name] = naive(value)
         if before:
-            query = query.filter(lambda r: r.id < before)
-        rows = list(query.order_by(lambda r: orm.desc(r.id))[:limit + 1])
-        return {"runs": [run_view(r) for r in rows[:limit]],
-                "next": rows[limit - 1].id if len(rows) > limit else None}
+            where.append("r.id < $before")
+            params["before"] = before
+        if q:
+            params["q"] = "%" + re.sub(r"([\\%_])", r"\\\1", q.lower()) + "%"
+            texts = ("s.name", "r.result_branch", "r.error", self.dialect.json_text("r.agent_report", "final_message"))
+            where.append("(" + " OR ".join(f"LOWER(COALESCE({t}, '')) LIKE $q ESCAPE '\\'" for t in texts) + ")")
+        ids = self.db.select(f'SELECT r.id FROM "Run" r LEFT JOIN "Schedule" s ON s.id = r.schedule '
+                             f'WHERE {" AND ".join(where)} ORDER BY r.id DESC LIMIT $n', params)
+        runs = {r.id: r for r in self.db.Run.select(lambda r: r.id in ids)} if ids else {}
+        return {"runs": [run_view(runs[i]) for i in ids[:limit]],
+                "next": ids[limit - 1] if len(ids) > limit else None}
 
     def rerun(self, run_id: str, now: datetime) -> dict[str, Any]:
         """docs/schedules.md: a new run (trigger ``rerun``) with the same resolved commit, prompt, agent
@@ -6683,6 +6827,26 @@ class RunStore(StorePart):
         self.core.emit("run.controlled", {"run_id": r.id, "action": action}, now)
         return run_view(r)
 
+    def act_on_runs(self, action: str, run_ids: list[str], now: datetime) -> dict[str, Any]:
+        """docs/http-api.md: cancel or re-run each of a selection, in one transaction; each one's
+        outcome: its status after the action, why nothing was done, a re-run's new run."""
+        results = []
+        for run_id in run_ids:
+            try:
+                if action == "cancel":
+                    status = self.control_run(run_id, "cancel", now)["status"]
+                    detail = None if status == RunStatus.CANCELLED else "cancel requested: its agent is being stopped"
+                    results.append({"id": run_id, "status": status, "detail": detail, "run_id": None})
+                else:
+                    again = self.rerun(run_id, now)["run_id"]
+                    results.append({"id": run_id, "status": self.db.Run[run_id].status, "detail": None,
+                                    "run_id": again})
+            except (NotFound, Conflict) as refused:   # refused before anything was written
+                r = self.db.Run.get(id=run_id)
+                results.append({"id": run_id, "status": r.status if r else None, "detail": refused.detail,
+                                "run_id": None})
+        return {"results": results}
+
     def unnotified_runs(self) -> list[str]:
         """Settled runs the notification actor has not applied yet: a lookup in the partial
         index run_unnotified (``status || ''`` keeps SQLite off the status indexes, whose
@@ -6707,10 +6871,11 @@ class RunStore(StorePart):
                   "succeeded": f"Run of {label} succeeded"}
         details = {"failed": r.error, "needs_you": r.question,
                    "changes_returned": f"branch {r.result_branch}", "succeeded": (r.result or {}).get("summary")}
-        for kind in attention_kinds(r.notify, status, r.commits, r.failure_kind):
+        muted = s.definition.get("mute", []) if s else []
+        for kind in (k for k in attention_kinds(r.notify, status, r.commits, r.failure_kind) if k not in muted):
             detail = details[kind]
             self.core.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
-                                 schedule_id=s.id if s else None, run_id=r.id)
+                                 schedule_id=s.id if s else None, run_id=r.id, agent_id=agent.id if agent else None)
         if s is None:
             return
         s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind, r.error)
@@ -7007,17 +7172,61 @@ class NotifyStore(StorePart):
 
     def __init__(self, core: StoreCore):
         super().__init__(core)
-        self.entries: tuple[NotifyEntry, ...] = ()
+        self.toml_entries: tuple[NotifyEntry, ...] = ()
         self.channels: tuple[ChannelEntry, ...] = ()
         self._queued = False   # set after a commit that queued a row: Deps.transaction nudges the actor
         core.attention_hooks.append(self.queue_item)
 
     def configure(self, entries: tuple[NotifyEntry, ...], channels: tuple[ChannelEntry, ...] = ()) -> None:
         """The ``[[notify]]`` entries, and the ``[[channels]]`` whose replies go out as rows too."""
-        self.entries, self.channels = entries, channels
+        self.toml_entries, self.channels = entries, channels
+
+    @property
+    def entries(self) -> tuple[NotifyEntry, ...]:
+        """outpost.toml's entries, then the dashboard's, read in this transaction: a change made from
+        the dashboard (on any node) counts from its commit, without a restart."""
+        stored = self.db.NotifyTarget.select().order_by(lambda t: t.id)
+        return self.toml_entries + tuple(NotifyEntry(None, t.url, t.label, tuple(t.kinds), t.digest, t.id)
+                                         for t in stored)
+
+    def senders(self) -> dict[str, NotifyEntry | ChannelEntry]:
+        """Every entry and channel by its outbox key (the outbox actor's, at each look)."""
+        return {e.key: e for e in (*self.entries, *self.channels)}
 
     def _keys(self) -> list[str]:
         return [e.key for e in (*self.entries, *self.channels)]
+
+    def add_entry(self, url: str, label: str, kinds: list[str], digest: str | None, now: datetime) -> dict[str, Any]:
+        """A notification entry from the dashboard (its fields checked by ``notify_fields``)."""
+        if any(e.url == url for e in self.entries):
+            raise Conflict("an entry already sends to this URL: give it more kinds instead")
+        t = self.db.NotifyTarget(id=new_id("ntf"), url=url, label=label, kinds=kinds, digest=digest,
+                                 created_at=naive(now), updated_at=naive(now))
+        return self._stored_state(t)
+
+    def _target(self, entry_id: str):
+        if entry_id.startswith("toml-") and any(e.id == entry_id for e in self.toml_entries):
+            raise Conflict(f"entry {entry_id} is outpost.toml's: change it there and restart")
+        t = self.db.NotifyTarget.get(id=entry_id)
+        if t is None:
+            raise NotFound(f"no notification entry {entry_id}")
+        return t
+
+    def update_entry(self, entry_id: str, changes: dict[str, Any], now: datetime) -> dict[str, Any]:
+        t = self._target(entry_id)
+        if "url" in changes and any(e.url == changes["url"] and e.id != t.id for e in self.entries):
+            raise Conflict("an entry already sends to this URL: give it more kinds instead")
+        for field, value in changes.items():
+            setattr(t, field, value)
+        t.updated_at = naive(now)
+        return self._stored_state(t)
+
+    def remove_entry(self, entry_id: str) -> None:
+        """An entry from the dashboard goes; its messages not yet sent stay unsent."""
+        self._target(entry_id).delete()
+
+    def _stored_state(self, t) -> dict[str, Any]:
+        return next(e for e in self.entry_states() if e["id"] == t.id)
 
     def take_queued(self) -> bool:
         """Whether a row was queued since the last look (set only once it was committed)."""
@@ -7047,10 +7256,12 @@ class NotifyStore(StorePart):
                 self._queue(entry, attention_id, kind, title, detail[:2000] if detail else None,
                             f"/runs/{run_id}" if run_id else "/attention", now)
 
-    def queue_test(self, index: int | None, now: datetime) -> list[dict[str, Any]]:
-        """A test message to every entry (or the one at ``index``): what was queued."""
-        chosen = [e for e in self.entries if index is None or e.index == index]
-        return [{"entry": e.index, "url": e.label,
+    def queue_test(self, entry_id: str | None, now: datetime) -> list[dict[str, Any]]:
+        """A test message to every entry (or the one of ``entry_id``): what was queued."""
+        chosen = [e for e in self.entries if entry_id is None or e.id == entry_id]
+        if entry_id is not None and not chosen:
+            raise NotFound(f"no notification entry {entry_id}")
+        return [{"entry": e.index, "entry_id": e.id, "url": e.label,
                  "id": self._queue(e, None, "test", "Outpost test notification",
                                    "This entry works: Outpost notifications reach you here.", "/settings", now)}
                 for e in chosen]
@@ -7130,8 +7341,9 @@ class NotifyStore(StorePart):
 
     def entry_states(self) -> list[dict[str, Any]]:
         """Each entry as Settings and the API show it: never its URL, only its label."""
-        return [{"entry": e.index, "url": e.label, "kinds": list(e.kinds), "digest": e.digest,
-                 **self._entry_state(e.key)} for e in self.entries]
+        return [{"entry": e.index, "id": e.id, "source": "toml" if e.index is not None else "dashboard",
+                 "url": e.label, "kinds": list(e.kinds), "digest": e.digest, **self._entry_state(e.key)}
+                for e in self.entries]
 
     def _entry_state(self, key: str) -> dict[str, Any]:
         delivered, pending, given_up = self.db.select(
@@ -8004,9 +8216,7 @@ class PipelineStore(StorePart):
             w = self.db.Wakeup[wakeup_id]
             self.wakeups.end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
             self.core.raise_attention("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched",
-                                      error[:500],
-                                 now,
-                                 schedule_id=None, run_id=None)
+                                      error[:500], now, schedule_id=None, run_id=None, agent_id=w.agent_id)
             return wakeup_id
         return None
 
@@ -8256,8 +8466,8 @@ class PipelineStore(StorePart):
         agent = self.db.Agent.get(id=w.agent_id)
         name = agent.name if agent else w.agent_id
         self.core.raise_attention("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})",
-                             error[:ERROR_TAIL_BYTES],
-                             now, schedule_id=None, run_id=w.run_id)
+                                  error[:ERROR_TAIL_BYTES], now, schedule_id=None, run_id=w.run_id,
+                                  agent_id=w.agent_id)
         for c in self.wakeups.coordinators(w.workspace_id, w.agent_id):
             self.wakeups.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
                                 {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
@@ -8694,6 +8904,22 @@ class RoutineStore(StorePart):
                     self._record_failed_fire(r, t.id, slot, err.detail, now)
                 fired += 1
         return fired
+
+    def upcoming(self, now: datetime, days: int) -> dict[str, Any]:
+        """docs/http-api.md: every fire of the next ``days`` days across schedules and routines'
+        schedule triggers that are not archived, in time order (ties by id); late ones first."""
+        until = now + timedelta(days=days)
+        fires = self.schedules.upcoming(now, until)
+        routines = {r.id: r for r in self.db.Routine.select(lambda r: r.status != "archived")}
+        for t in self.db.RoutineTrigger.select(lambda t: t.kind == "schedule"):
+            if (r := routines.get(t.routine_id)) is None:
+                continue
+            for at, state in upcoming_fires(trigger_timing(t.cron_expression, t.timezone), aware(t.next_run_at),
+                                            now, until, paused=r.status != "active" or not t.enabled):
+                fires.append({"at": at, "kind": "routine", "id": r.id, "name": r.name, "timezone": t.timezone,
+                              "state": state})
+        fires.sort(key=lambda f: (f["at"], f["id"]))
+        return {"fires": [{**f, "at": rfc3339(f["at"])} for f in fires]}
 
     def next_routine_due_at(self) -> datetime | None:
         return aware(orm.min(t.next_run_at for t in self.db.RoutineTrigger if t.kind == "schedule"))
@@ -11253,37 +11479,43 @@ async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, Notify
         nlog.info("channel %s message %d: %s", entry.name, row["id"], error or "sent")
         return
     if status == "delivered":
-        nlog.info("notification %d (%s) delivered to notify[%d] %s", row["id"], row["kind"], entry.index, entry.label)
+        nlog.info("notification %d (%s) delivered to %s %s", row["id"], row["kind"], entry.name, entry.label)
     elif status == "given_up":
-        nlog.error("notification %d (%s) to notify[%d] %s given up after %d attempts: %s", row["id"], row["kind"],
-                   entry.index, entry.label, row["attempts"], error)
+        nlog.error("notification %d (%s) to %s %s given up after %d attempts: %s", row["id"], row["kind"],
+                   entry.name, entry.label, row["attempts"], error)
     else:
-        nlog.warning("notification %d (%s) to notify[%d] %s failed (attempt %d), retrying: %s", row["id"],
-                     row["kind"], entry.index, entry.label, row["attempts"], error)
+        nlog.warning("notification %d (%s) to %s %s failed (attempt %d), retrying: %s", row["id"],
+                     row["kind"], entry.name, entry.label, row["attempts"], error)
 
 
 async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     """In: nudges (an outbox row was committed). Out: the outbox's messages, sent one at a time
     through Apprise in a worker thread, so no other actor ever waits for a receiver. Queues each
     entry's daily digest when due. The rows are the truth: it wakes for the next retry (read from
-    the store) and every NOTIFY_SWEEP_S, so a restart or a lost nudge delays, never loses."""
-    entries: dict[str, NotifyEntry | ChannelEntry] = {e.key: e for e in (*deps.config.notify, *deps.config.channels)}
-    if not entries:
-        return
+    the store) and every OUTBOX_SWEEP_S, so a restart or a lost nudge delays, never loses. The
+    entries are read at each look: one added on Settings counts from its commit."""
     async with wake_in:
         while True:
             now = deps.clock.now()
-            for entry in deps.config.notify:
+            senders = await deps.transaction_retrying(deps.store.notify.senders)
+            notify = [e for e in senders.values() if isinstance(e, NotifyEntry)]
+            for entry in notify:
                 due = entry.digest_due(now)
                 if due is not None and now - due <= timedelta(seconds=DIGEST_LATE_S):
                     await deps.transaction_retrying(deps.store.notify.queue_digest, entry, due, now)
             while row := await deps.transaction_retrying(deps.store.notify.claim_next, deps.clock.now()):
-                await deliver_one(deps, row, entries)
+                if row["entry"] not in senders:   # added (or removed) since this look began
+                    senders = await deps.transaction_retrying(deps.store.notify.senders)
+                if row["entry"] not in senders:   # removed: its row waits unclaimed, as a removed entry's do
+                    await deps.transaction_retrying(deps.store.notify.finish, row["id"], "its entry was removed",
+                                                    deps.clock.now())
+                    continue
+                await deliver_one(deps, row, senders)
             now = deps.clock.now()
-            wake = [now + timedelta(seconds=NOTIFY_SWEEP_S)]
+            wake = [now + timedelta(seconds=OUTBOX_SWEEP_S)]
             if (due := await deps.transaction_retrying(deps.store.notify.next_due)) is not None:
                 wake.append(due)
-            wake += [d + timedelta(days=1) for e in deps.config.notify if (d := e.digest_due(now)) is not None]
+            wake += [d + timedelta(days=1) for e in notify if (d := e.digest_due(now)) is not None]
             with trio.move_on_at(deps.clock.deadline(min(wake))):
                 try:
                     await wake_in.receive()
@@ -11328,6 +11560,33 @@ def choice_arg(args, name: str, choices: Iterable[str]) -> str | None:
     if value is not None and value not in choices:
         raise invalid(name, "must be one of " + ", ".join(choices))
     return value
+
+
+def run_filters(args, agents: Iterable[str], tz: ZoneInfo = UTC) -> dict[str, Any]:
+    """The runs list's filters from a query string (docs/http-api.md), each checked: a 422 naming
+    the parameter. ``since``/``until`` are RFC 3339 instants, or dates (the dashboard's date boxes)
+    read in ``tz``, ``until`` then through the end of its day."""
+    found: dict[str, Any] = {"schedule_id": args.get("schedule_id") or None,
+                             "status": choice_arg(args, "status", RunStatus),
+                             "agent": choice_arg(args, "agent", sorted(agents)),
+                             "trigger": choice_arg(args, "trigger", RUN_TRIGGERS),
+                             "q": (args.get("q") or "").strip()[:200] or None}
+    for name in ("since", "until"):
+        text = (args.get(name) or "").strip()
+        if not text:
+            found[name] = None
+            continue
+        try:
+            if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+                midnight = datetime.fromisoformat(text).replace(tzinfo=tz)
+                found[name] = midnight + timedelta(days=1) if name == "until" else midnight
+            else:
+                found[name] = parse_instant(text)
+            found[name] = found[name].astimezone(UTC)   # an instant past year 9999 in UTC fails here, not later
+        except (ValueError, OverflowError):
+            raise invalid(name, "must be an RFC 3339 instant with its offset (2026-12-01T08:00:00Z) "
+                                "or a date (2026-12-01)") from None
+    return found
 
 
 def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
@@ -11382,7 +11641,8 @@ def definition_from_form(form: dict[str, str]) -> dict[str, Any]:
         "limits": {"timeout_seconds": number("timeout_seconds", "3600"), "model": form.get("model") or None},
         "notify": form.get("notify", "attention"),
         "concurrency_policy": form.get("concurrency_policy", "skip_if_active"),
-        "catch_up": catch_up, "skip_if_unchanged": form.get("skip_if_unchanged") == "yes"}
+        "catch_up": catch_up, "skip_if_unchanged": form.get("skip_if_unchanged") == "yes",
+        "mute": [k for k in MUTABLE_ATTENTION_KINDS if form.get(f"mute_{k}") == "yes"]}
 
 
 def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
@@ -11394,6 +11654,7 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
              "timeout_seconds": str(d["limits"]["timeout_seconds"]), "model": d["limits"]["model"] or "",
              "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1)),
              "skip_if_unchanged": "yes" if d.get("skip_if_unchanged") else ""}
+    form |= {f"mute_{k}": "yes" for k in d.get("mute", [])}
     if t["kind"] == "interval":
         unit = next(u for u, n in reversed(INTERVAL_UNITS.items()) if t["seconds"] % n == 0)
         form |= {"interval_amount": str(t["seconds"] // INTERVAL_UNITS[unit]), "interval_unit": unit}
@@ -11424,6 +11685,8 @@ DONE_NOTICES = {
     "cancel": "Cancel requested.", "run_pause": "Run paused: its slot is free.",
     "resume_run": "Resume requested: the run continues when a slot is free.",
     "acked": "Acknowledged.", "acked_all": "All open items acknowledged.",
+    "acked_selected": "The selected items are acknowledged.",
+    "notify_saved": "Notification entry saved: it counts from now.", "notify_removed": "Notification entry removed.",
     "agent_created": "Agent created. Assign it a task on the board to wake it.", "agent_updated": "Agent saved.",
     "woken": "Wakeup queued: the agent wakes as soon as it has room.", "task_created": "Task created.",
     "task_updated": "Task saved.", "moved": "Task moved.", "commented": "Comment posted.",
@@ -12106,7 +12369,11 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
                                                  for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
                                                  if v < 1024 ** (i + 1) or unit == "TiB")}
 #: Constants the templates use, so a status set is spelled once.
+#: A folded attention item's "and 12 more runs returned changes", by kind.
+FOLD_WORDS = {"changes_returned": "runs returned changes", "succeeded": "runs succeeded", "failed": "runs failed",
+              "missed_fire": "missed fires", "agent_error": "failures"}
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
+                    "MUTABLE_ATTENTION_KINDS": MUTABLE_ATTENTION_KINDS, "FOLD_WORDS": FOLD_WORDS,
                     "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
 
 
@@ -12166,6 +12433,16 @@ async def control_run(web: Web, run_id: str, action: Any) -> dict[str, Any]:
     web.deps.live.signal(run_id, action)
     web.deps.nudge(Actor.CLAIM)   # pause frees a slot, resume asks for one
     return view
+
+
+async def act_on_runs(web: Web, action: str, run_ids: list[str]) -> dict[str, Any]:
+    """Cancel or re-run a selection (docs/http-api.md); the live ones among the cancelled are signalled."""
+    answer = await web.commit(web.store.runs.act_on_runs, action, run_ids, web.now)
+    for result in answer["results"]:
+        if action == "cancel" and result["status"] in ACTIVE_RUN_STATUSES:
+            web.deps.live.signal(result["id"], "cancel")
+    web.deps.nudge(Actor.CLAIM)
+    return answer
 
 
 async def reply_to_run(web: Web, run_id: str, message: Any, adopt_as: Any = None) -> dict[str, Any]:
@@ -12292,6 +12569,15 @@ async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
     if item["kind"] == "needs_you" and item["run_id"]:
         await drop_empty_branch(web.deps, item["run_id"])
     return item
+
+
+async def ack_attention_items(web: Web, attention_ids: list[str] | None) -> dict[str, Any]:
+    """Acknowledge a selection, or every open item (None), as ``ack_attention`` does one."""
+    answer = await web.commit(web.store.ack_attention_items, attention_ids, web.now)
+    for item in answer["acknowledged"]:
+        if item["kind"] == "needs_you" and item["run_id"]:
+            await drop_empty_branch(web.deps, item["run_id"])
+    return answer
 
 
 async def agents_overview(web: Web) -> list[dict[str, Any]]:
@@ -12533,9 +12819,9 @@ async def api_inspect_schedule(web: Web, schedule_id: str):
 
 @api.get("/v1/outpost/runs", auth=Auth.TOKEN)
 async def api_list_runs(web: Web):
-    status = web.choice_arg("status", RunStatus)
-    return await web.call(web.store.runs.list_runs, web.args.get("schedule_id") or None, status,
-                          web.int_arg("limit", 50, 1, 500), web.args.get("before") or None)
+    found = run_filters(web.args, web.profile_names)
+    return await web.call(web.store.runs.list_runs, found.pop("schedule_id"), found.pop("status"),
+                          web.int_arg("limit", 50, 1, 500), web.args.get("before") or None, **found)
 
 
 @api.get("/v1/outpost/runs/<run_id>", auth=Auth.TOKEN)
@@ -12559,6 +12845,16 @@ async def api_adopt_run(web: Web, run_id: str):
 @api.post("/v1/outpost/runs/<run_id>/rerun", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.CLAIM,))
 async def api_rerun(web: Web, run_id: str):
     return await web.commit(web.store.runs.rerun, run_id, web.now)
+
+
+@api.post("/v1/outpost/runs/cancel", auth=Auth.TOKEN, idempotent=True)
+async def api_cancel_runs(web: Web):
+    return await act_on_runs(web, "cancel", selected_ids(await web.body()))
+
+
+@api.post("/v1/outpost/runs/rerun", auth=Auth.TOKEN, idempotent=True)
+async def api_rerun_runs(web: Web):
+    return await act_on_runs(web, "rerun", selected_ids(await web.body()))
 
 
 @api.get("/v1/outpost/runs/<run_id>/compare/<other_id>", auth=Auth.TOKEN)
@@ -12675,6 +12971,16 @@ async def api_list_attention(web: Web):
     return {"attention": await web.call(web.store.list_attention, state == "open")}
 
 
+@api.get("/v1/outpost/upcoming", auth=Auth.TOKEN)
+async def api_upcoming(web: Web):
+    return await web.call(web.store.routines.upcoming, web.now, web.int_arg("days", 7, 1, 31))
+
+
+@api.post("/v1/outpost/attention/ack", auth=Auth.TOKEN, idempotent=True)
+async def api_ack_attention_items(web: Web):
+    return await ack_attention_items(web, selected_ids(await web.body()))
+
+
 @api.post("/v1/outpost/attention/<attention_id>/ack", auth=Auth.TOKEN, idempotent=True)
 async def api_ack_attention(web: Web, attention_id: str):
     return await ack_attention(web, attention_id)
@@ -12705,19 +13011,84 @@ async def api_notify(web: Web):
 
 
 async def queue_test_notifications(web: Web, raw: Any) -> dict[str, Any]:
-    """``POST /v1/outpost/notify/test`` and Settings' Send test: a test message to every
-    ``[[notify]]`` entry, or to the one at index ``entry``."""
-    if not web.deps.config.notify:
-        raise Conflict("no [[notify]] entries in outpost.toml: add one (docs/operations.md#notifications)")
-    if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool)
-                            or not any(e.index == raw for e in web.deps.config.notify)):
-        raise invalid("entry", f"must be the index of a [[notify]] entry (0 to {len(web.deps.config.notify) - 1})")
-    return {"queued": await web.commit(web.store.notify.queue_test, raw, web.now)}
+    """``POST /v1/outpost/notify/test``: a test message to every notification entry, or to the
+    ``[[notify]]`` entry at index ``entry``."""
+    toml = web.deps.config.notify
+    if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool) or not any(e.index == raw for e in toml)):
+        raise invalid("entry", f"must be the index of a [[notify]] entry (0 to {len(toml) - 1})" if toml else
+                      "names no [[notify]] entry (outpost.toml has none)")
+    chosen = None if raw is None else next(e.id for e in toml if e.index == raw)
+    queued = await web.commit(web.store.notify.queue_test, chosen, web.now)
+    if not queued:
+        raise Conflict("no notification entries: add one on Settings or in outpost.toml "
+                       "(docs/operations.md#notifications)")
+    return {"queued": queued}
+
+
+def notify_fields(raw: Any, *, partial: bool) -> dict[str, Any]:
+    """A notification entry from a request: ``url`` (an Apprise URL, checked as Apprise reads it,
+    kept with its masked ``label``), ``kinds``, ``digest``, each checked as outpost.toml's are;
+    every field's error at once."""
+    raw = body_object(raw)
+    _unknown(raw, NOTIFY_KEYS, "a notification entry")
+    errors, fields = FieldErrors(), {}
+    if not partial:
+        raw = {"kinds": list(NOTIFY_DEFAULT_KINDS), "digest": None, **raw}
+    for key in ("url", "kinds", "digest"):
+        if key not in raw or (key == "digest" and raw[key] in (None, "")):
+            if key == "digest" and key in raw:
+                fields["digest"] = None
+            elif key == "url" and not partial:
+                errors.errors.append({"field": "url", "message": "an Apprise URL is required, such as "
+                                                                 "ntfy://ntfy.sh/my-topic"})
+            continue
+        with errors.check():
+            if (problem := NOTIFY_KEYS[key](raw[key])) is not None:
+                raise invalid(key, problem)
+            fields[key] = raw[key].strip() if key == "url" else raw[key]
+    if "url" in fields:
+        with errors.check():
+            if len(fields["url"]) > NOTIFY_URL_MAX:
+                raise invalid("url", f"must be at most {NOTIFY_URL_MAX} characters")
+            if (label := notify_label(fields["url"])) is None:
+                raise invalid("url", "is not a URL Apprise can send to (see https://github.com/caronc/apprise/wiki "
+                                     "for each service's URL)")
+            fields["label"] = label
+    errors.raise_any()
+    return fields
 
 
 @api.post("/v1/outpost/notify/test", auth=Auth.TOKEN, idempotent=True, status=202, nudges=(Actor.NOTIFY,))
 async def api_notify_test(web: Web):
     return await queue_test_notifications(web, (await web.body()).get("entry"))
+
+
+@api.get("/v1/outpost/notify/entries", auth=Auth.TOKEN)
+async def api_notify_entries(web: Web):
+    return {"entries": await web.call(web.store.notify.entry_states)}
+
+
+@api.post("/v1/outpost/notify/entries", auth=Auth.TOKEN, idempotent=True, status=201, nudges=(Actor.NOTIFY,))
+async def api_add_notify_entry(web: Web):
+    f = notify_fields(await web.body(), partial=False)
+    return await web.commit(web.store.notify.add_entry, f["url"], f["label"], f["kinds"], f["digest"], web.now)
+
+
+@api.patch("/v1/outpost/notify/entries/<entry_id>", auth=Auth.TOKEN, idempotent=True, nudges=(Actor.NOTIFY,))
+async def api_update_notify_entry(web: Web, entry_id: str):
+    return await web.commit(web.store.notify.update_entry, entry_id, notify_fields(await web.body(), partial=True),
+                            web.now)
+
+
+@api.delete("/v1/outpost/notify/entries/<entry_id>", auth=Auth.TOKEN, idempotent=True, status=204)
+async def api_remove_notify_entry(web: Web, entry_id: str):
+    await web.commit(web.store.notify.remove_entry, entry_id)
+
+
+@api.post("/v1/outpost/notify/entries/<entry_id>/test", auth=Auth.TOKEN, idempotent=True, status=202,
+          nudges=(Actor.NOTIFY,))
+async def api_test_notify_entry(web: Web, entry_id: str):
+    return {"queued": await web.commit(web.store.notify.queue_test, entry_id, web.now)}
 
 
 @api.get("/v1/outpost/events", auth=Auth.TOKEN)
@@ -13410,8 +13781,10 @@ async def page_edit_schedule(web: Web, schedule_id: str):
     if current["archived"]:
         raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
     edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
-    return await web.page("schedule_form.html", section="schedules",
-                          **form_context(web, form_from_definition(current["definition"]), {}, edit=edit))
+    form = form_from_definition(current["definition"])
+    if (muting := web.args.get("mute")) in MUTABLE_ATTENTION_KINDS:   # an attention item's "Mute these"
+        form[f"mute_{muting}"] = "yes"
+    return await web.page("schedule_form.html", section="schedules", **form_context(web, form, {}, edit=edit))
 
 
 def edit_from(schedule_id: str, form: dict[str, str]) -> dict[str, Any]:
@@ -13463,14 +13836,35 @@ async def page_schedule_control(web: Web, schedule_id: str):
 
 @pages.get("/runs", auth=Auth.SESSION)
 async def page_runs(web: Web):
-    schedule_id = web.args.get("schedule_id") or None
-    status = web.choice_arg("status", RunStatus)
-    page = await web.call(web.store.runs.list_runs, schedule_id, status, 50, web.args.get("before") or None)
+    """Every run, newest first, with the API's filters in the URL (a filtered view is a bookmark);
+    the date boxes read in the viewer's zone, which the page's script puts in ``tz``."""
+    viewer = zone(web.args.get("tz") or "UTC", "tz")
+    found = run_filters(web.args, web.profile_names, viewer)
+    query = {k: web.args.get(k, "") for k in ("schedule_id", "status", "agent", "trigger", "since", "until", "q", "tz")
+             if web.args.get(k)}
+    page = await web.call(web.store.runs.list_runs, found["schedule_id"], found["status"], 50,
+                          web.args.get("before") or None, **{k: v for k, v in found.items()
+                                                             if k not in ("schedule_id", "status")})
     chart = await runs_chart(web, "Runs per day, last 30 days (UTC)", "UTC",
-                             **({"schedule_id": schedule_id} if schedule_id else {}))
+                             **({"schedule_id": found["schedule_id"]} if found["schedule_id"] else {}))
     return await web.page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
-                          schedules=await web.call(web.store.schedules.schedule_zones), schedule_id=schedule_id,
-                          status_filter=status, statuses=[s.value for s in RunStatus], chart=chart)
+                          schedules=await web.call(web.store.schedules.schedule_zones), filters=found, query=query,
+                          schedule_id=found["schedule_id"], status_filter=found["status"],
+                          statuses=[s.value for s in RunStatus], agents=sorted(web.profile_names),
+                          triggers=RUN_TRIGGERS, chart=chart)
+
+
+@pages.post("/runs/bulk", auth=Auth.SESSION)
+async def page_runs_bulk(web: Web):
+    """Cancel or re-run the runs ticked on the Runs page; each one's outcome shows there once."""
+    form = await web.form()
+    action = form.get("action", "")
+    if action not in ("cancel", "rerun"):
+        raise invalid("action", "must be cancel or rerun")
+    answer = await act_on_runs(web, action, selected_ids({"ids": form.getlist("ids")}))
+    back = form.get("back", "")   # the filtered list it was posted from: only ever a query of /runs
+    return await web.see_other(back if re.fullmatch(r"/runs\?[\w.~%&=+:-]*", back) else "/runs",
+                               bulk=answer["results"], bulk_action=action)
 
 
 async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[str, Any] | None:
@@ -13568,6 +13962,21 @@ async def page_run_control(web: Web, run_id: str):
     return await web.see_other(f"/runs/{run_id}?done={notice}")
 
 
+@pages.get("/upcoming", auth=Auth.SESSION)
+async def page_upcoming(web: Web):
+    """The next days' fires of every schedule and routine, by day in the viewer's zone (the page's
+    script asks for it in ``tz``; the host's zone until then)."""
+    viewer = zone(web.args.get("tz") or host_zone().key, "tz")
+    days = web.int_arg("days", 7, 1, 31)
+    fires = (await web.call(web.store.routines.upcoming, web.now, days))["fires"]
+    by_day: dict[str, list[dict[str, Any]]] = {}
+    for fire in fires:
+        at = parse_instant(fire["at"]).astimezone(viewer)
+        by_day.setdefault(f"{at:%A %d %B %Y}", []).append({**fire, "local": f"{at:%H:%M}"})
+    return await web.page("upcoming.html", section="upcoming", live=True, by_day=by_day, days=days,
+                          zone=viewer.key, late=sum(f["state"] == "late" for f in fires), count=len(fires))
+
+
 @pages.get("/attention", auth=Auth.SESSION)
 async def page_attention(web: Web):
     items = await web.call(web.store.list_attention, False)
@@ -13587,12 +13996,14 @@ async def page_attention_ack(web: Web, attention_id: str):
 
 @pages.post("/attention/ack-all", auth=Auth.SESSION)
 async def page_attention_ack_all(web: Web):
-    waiting = [a["run_id"] for a in await web.call(web.store.list_attention, True)
-               if a["kind"] == "needs_you" and a["run_id"]]
-    await web.commit(web.store.ack_all_attention, web.now)
-    for run_id in waiting:
-        await drop_empty_branch(web.deps, run_id)
+    await ack_attention_items(web, None)
     return await web.see_other("/attention?done=acked_all")
+
+
+@pages.post("/attention/ack-selected", auth=Auth.SESSION)
+async def page_attention_ack_selected(web: Web):
+    await ack_attention_items(web, selected_ids({"ids": (await web.form()).getlist("ids")}))
+    return await web.see_other("/attention?done=acked_selected")
 
 
 @pages.get("/proposals", auth=Auth.SESSION)
@@ -13644,18 +14055,62 @@ async def page_decline_proposal(web: Web, proposal_id: str):
 
 @pages.get("/settings", auth=Auth.SESSION)
 async def page_settings(web: Web):
-    return await web.page("settings.html", section="settings",
+    return await settings_page(web)
+
+
+async def settings_page(web: Web, status: int = 200, **form: Any):
+    return await web.page("settings.html", status=status, section="settings",
                           notify=await web.call(web.store.notify.entry_states),
                           channels=await web.call(web.store.channels.states), disk=await disk_use(web.deps),
                           last_pass=await web.call(web.store.housekeeping.last_pass),
-                          keep_days=web.deps.config.keep_days)
+                          keep_days=web.deps.config.keep_days, attention_kinds=ATTENTION_KINDS,
+                          default_kinds=NOTIFY_DEFAULT_KINDS, **form)
 
 
-@pages.post("/settings/notify/test", auth=Auth.SESSION)
+@pages.post("/settings/notify/test", auth=Auth.SESSION, nudges=(Actor.NOTIFY,))
 async def page_notify_test(web: Web):
     entry = (await web.form()).get("entry", "")
-    await queue_test_notifications(web, int(entry) if entry.isdigit() else None)
+    if entry.isdigit():   # an outpost.toml entry by its index, as the API names it
+        await queue_test_notifications(web, int(entry))
+    else:
+        await web.commit(web.store.notify.queue_test, entry or None, web.now)
     return await web.see_other("/settings?done=notify_test")
+
+
+def notify_form_fields(form) -> dict[str, Any]:
+    """Settings' entry form -> the API's fields: kinds ticked, a digest time with its zone."""
+    digest = " ".join(part for part in (form.get("digest_time", "").strip(), form.get("digest_zone", "").strip())
+                      if part)
+    raw = {"kinds": form.getlist("kinds"), "digest": digest or None}
+    if form.get("url", "").strip() or not form.get("entry_id"):   # editing: an empty URL keeps the one stored
+        raw["url"] = form.get("url", "")
+    return raw
+
+
+@pages.post("/settings/notify/entries", auth=Auth.SESSION, nudges=(Actor.NOTIFY,))
+async def page_save_notify_entry(web: Web):
+    """Add an entry, or save one (``entry_id``); a refused form comes back with every error at its field."""
+    form = await web.form()
+    entry_id = form.get("entry_id", "")
+    try:
+        f = notify_fields(notify_form_fields(form), partial=bool(entry_id))
+        if entry_id:
+            await web.commit(web.store.notify.update_entry, entry_id, f, web.now)
+        else:
+            await web.commit(web.store.notify.add_entry, f["url"], f["label"], f["kinds"], f["digest"], web.now)
+    except (ValidationFailed, Conflict) as refused:
+        field_errors = {e["field"]: e["message"] for e in refused.errors} or {"url": refused.detail}
+        return await settings_page(web, 422, notify_form={"entry_id": entry_id, "kinds": form.getlist("kinds"),
+                                                          "digest_time": form.get("digest_time", ""),
+                                                          "digest_zone": form.get("digest_zone", "")},
+                                   notify_errors=field_errors)
+    return await web.see_other("/settings?done=notify_saved#notifications")
+
+
+@pages.post("/settings/notify/entries/<entry_id>/delete", auth=Auth.SESSION)
+async def page_remove_notify_entry(web: Web, entry_id: str):
+    await web.commit(web.store.notify.remove_entry, entry_id)
+    return await web.see_other("/settings?done=notify_removed#notifications")
 
 
 @pages.post("/settings/channels/<name>/test", auth=Auth.SESSION)

@@ -115,8 +115,36 @@
     });
   }
 
+  // --- bulk actions: tick rows, act on the selection (a ticked row stops the live refresh) ----
+  function setupBulk(root) {
+    root.querySelectorAll("form[data-bulk]").forEach((form) => {
+      const boxes = () => [...document.querySelectorAll(`input[name=ids][form="${form.id}"]`)];
+      const all = document.querySelector(`input[data-bulk-all][form="${form.id}"]`);
+      const count = form.querySelector("[data-bulk-count]");
+      const update = () => {
+        const n = boxes().filter((b) => b.checked).length;
+        form.querySelectorAll("[data-bulk-button]").forEach((b) => { b.disabled = n === 0; });
+        if (count) count.textContent = n ? `${n} selected` : count.dataset.idle || count.textContent;
+      };
+      if (count) count.dataset.idle = count.textContent;
+      boxes().forEach((b) => b.addEventListener("change", update));
+      all?.addEventListener("change", () => { boxes().forEach((b) => { b.checked = all.checked; }); update(); });
+      update();
+    });
+  }
+
   // --- small behaviours: confirm before destructive actions, "back" keeps form input -------
   function setupPage(root) {
+    setupBulk(root);
+    const viewerZone = Intl.DateTimeFormat().resolvedOptions().timeZone;
+    // a page grouped by day in a zone asks again in the viewer's when it was drawn in another
+    const byZone = root.querySelector("[data-viewer-page]");
+    if (byZone && viewerZone && byZone.dataset.zone !== viewerZone && !new URLSearchParams(location.search).has("tz")) {
+      const url = new URL(location.href);
+      url.searchParams.set("tz", viewerZone);
+      location.replace(url);
+    }
+    root.querySelectorAll("input[data-viewer-zone]").forEach((i) => { if (!i.value && viewerZone) i.value = viewerZone; });
     renderTimes(root);
     setupTimingPicker(root);
     setupBoard(root);
@@ -133,7 +161,8 @@
   async function refresh(always) {
     const main = document.getElementById("main");
     if (!main || (!main.dataset.live && !always)) return;
-    if (!always && main.querySelector("form[data-dirty], form :focus")) return;   // never wipe what is being typed
+    // never wipe what is being typed or a selection being made
+    if (!always && main.querySelector("form[data-dirty], form :focus, input[name=ids]:checked")) return;
     const reply = await fetch(location.href, { credentials: "same-origin", headers: { Accept: "text/html" } });
     if (!reply.ok || reply.redirected) return;
     const page = new DOMParser().parseFromString(await reply.text(), "text/html");
@@ -170,7 +199,7 @@
     source.onmessage = scheduleRefresh;
     ["schedule.created", "schedule.updated", "schedule.controlled", "occurrence.claimed", "occurrence.skipped",
       "run.queued", "run.started", "run.controlled", "run.resumed", "run.settled", "attention.raised",
-      "attention.acknowledged", "agent.created", "agent.updated", "task.created", "task.updated", "task.moved",
+      "attention.acknowledged", "attention.folded", "agent.created", "agent.updated", "task.created", "task.updated", "task.moved",
       "comment.created", "approval.requested", "approval.resolved", "wakeup.queued", "wakeup.coalesced",
       "wakeup.claimed", "wakeup.ended", "wakeup.retry_scheduled", "office.activity"
     ].forEach((type) => source.addEventListener(type, scheduleRefresh));

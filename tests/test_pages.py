@@ -69,7 +69,7 @@ async def test_the_settings_page_names_the_embedded_repository_while_none_is_set
 
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
-    assert len(PAGES) == 24
+    assert len(PAGES) == 25
 
 
 @pytest.mark.parametrize("rule", PAGES)
@@ -157,7 +157,8 @@ async def test_every_form_answers_303_to_a_get_page_and_a_secret_shows_once(dash
     ids = fill(dashboard.store, repo)
     store = dashboard.store
     deps = dataclasses.replace(dashboard, config=dataclasses.replace(
-        dashboard.config, notify=(outpost.NotifyEntry(0, "json://127.0.0.1:9", "json://127.0.0.1:9"),)))
+        dashboard.config, notify=(outpost.NotifyEntry(0, "json://127.0.0.1:9", "json://127.0.0.1:9", id="toml-0"),)))
+    dashboard.store.notify.configure(deps.config.notify)   # as serve does
     client = outpost.create_app(deps).test_client()
     forms = Forms(client, sign_in_client(client, store, T0))
     sid, run_id, agent_id, task_id, routine_id = (ids[k] for k in ("schedule_id", "run_id", "agent_id", "task_id",
@@ -276,6 +277,18 @@ async def test_every_form_answers_303_to_a_get_page_and_a_secret_shows_once(dash
                             ) == f"/office/routines/{new_routine}?done=trigger_deleted"
     assert await forms.post("/office/routines/<routine_id>/delete",
                             f"/office/routines/{new_routine}/delete") == "/office/routines?done=routine_deleted"
+
+    # Daily use: a selection of runs or attention items; notification entries from Settings.
+    assert await forms.post("/runs/bulk", "/runs/bulk", action="rerun", ids=run_id,
+                            back="/runs?status=succeeded") == "/runs?status=succeeded"
+    assert await forms.post("/attention/ack-selected", "/attention/ack-selected",
+                            ids="att_none") == "/attention?done=acked_selected"
+    assert await forms.post("/settings/notify/entries", "/settings/notify/entries", url="json://127.0.0.1:9/page",
+                            kinds="failed") == "/settings?done=notify_saved#notifications"
+    (added,) = [e for e in call(store, store.notify.entry_states) if e["source"] == "dashboard"]
+    rule = "/settings/notify/entries/<entry_id>/delete"
+    removed = await forms.post(rule, rule.replace("<entry_id>", added["id"]))
+    assert removed == "/settings?done=notify_removed#notifications"
 
     # Sign-in and sign-out.
     assert await forms.post("/signout", "/signout") == "/signin"

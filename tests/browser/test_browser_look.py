@@ -45,7 +45,7 @@ PAGES = {
     "office-run": "/office/runs/{office_run}", "office-activity": "/office/activity",
     "office-routines": "/office/routines", "office-routine": "/office/routines/{routine}",
     "office-settings": "/office/settings", "settings": "/settings", "signin": "signin",
-    "proposals": "/proposals", "proposal": "/proposals/{proposal}",
+    "proposals": "/proposals", "proposal": "/proposals/{proposal}", "upcoming": "/upcoming",
 }
 #: List pages: their times are relative, in <time> elements; none is in a schedule's own zone.
 LIST_PAGES = ["schedules", "runs", "attention", "agents", "office-agents", "office-agent", "office-wakeups",

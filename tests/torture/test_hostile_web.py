@@ -177,7 +177,8 @@ def rule_paths(web: Web) -> list[tuple[str, set[str], str]]:
     values = {"schedule_id": web.sid, "run_id": web.rid, "attention_id": web.aid, "code": "nope",
               "filename": "outpost.css", "agent_id": web.agent_id, "task_id": web.task_id,
               "approval_id": web.approval_id, "routine_id": web.routine_id, "trigger_id": web.trigger_id,
-              "public_id": web.public_id, "name": "demo", "other_id": web.rid, "proposal_id": web.proposal_id}
+              "public_id": web.public_id, "name": "demo", "other_id": web.rid, "proposal_id": web.proposal_id,
+              "entry_id": "ntf_none"}
     routes = []
     for rule in web.app.url_map.iter_rules():
         path = rule.rule
