@@ -13962,6 +13962,27 @@ async def page_run_control(web: Web, run_id: str):
     return await web.see_other(f"/runs/{run_id}?done={notice}")
 
 
+#: A schedule firing more often than this in a day shows as one row of that day ("288 fires").
+UPCOMING_ROWS_EACH = 6
+
+
+def folded_fires(fires: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One day's fires for the page: a frequent schedule's as one row at its first (its count, its
+    last time, late if any is), so every 5 minutes does not bury the daily ones."""
+    mine: dict[str, list[dict[str, Any]]] = {}
+    for fire in fires:
+        mine.setdefault(fire["id"], []).append(fire)
+    rows = []
+    for fire in fires:
+        same = mine[fire["id"]]
+        if len(same) <= UPCOMING_ROWS_EACH:
+            rows.append({**fire, "count": 1})
+        elif fire is same[0]:
+            state = next((s for s in ("late", "paused") if any(f["state"] == s for f in same)), "scheduled")
+            rows.append({**fire, "count": len(same), "last": same[-1]["local"], "state": state})
+    return rows
+
+
 @pages.get("/upcoming", auth=Auth.SESSION)
 async def page_upcoming(web: Web):
     """The next days' fires of every schedule and routine, by day in the viewer's zone (the page's
@@ -13973,8 +13994,9 @@ async def page_upcoming(web: Web):
     for fire in fires:
         at = parse_instant(fire["at"]).astimezone(viewer)
         by_day.setdefault(f"{at:%A %d %B %Y}", []).append({**fire, "local": f"{at:%H:%M}"})
-    return await web.page("upcoming.html", section="upcoming", live=True, by_day=by_day, days=days,
-                          zone=viewer.key, late=sum(f["state"] == "late" for f in fires), count=len(fires))
+    return await web.page("upcoming.html", section="upcoming", live=True, days=days, zone=viewer.key,
+                          by_day={day: folded_fires(day_fires) for day, day_fires in by_day.items()},
+                          late=sum(f["state"] == "late" for f in fires), count=len(fires))
 
 
 @pages.get("/attention", auth=Auth.SESSION)

@@ -143,6 +143,13 @@ async def test_upcoming_has_routine_schedule_triggers_and_its_page_groups_by_day
     tokyo = await (await api.client.get("/upcoming?days=3&tz=Asia/Tokyo")).get_data(as_text=True)
     assert ">23:00<" in tokyo
 
+    # a schedule every 5 minutes is one row a day, not 288: the daily routine stays in sight
+    await api.schedule(name="often", timing={"kind": "cron", "expression": "*/5 * * * *", "timezone": "UTC"})
+    page = await (await api.client.get("/upcoming?days=1&tz=UTC")).get_data(as_text=True)
+    counts = [int(n) for n in re.findall(r'data-fires="(\d+)"', page)]
+    assert sum(counts) == 288 and len(counts) == 2   # today's from now, tomorrow's up to the same hour
+    assert page.count('href="/schedules/') == 2 and "standup" in page
+
 
 # --- attention: folds, mute, selection --------------------------------------------------------------------
 
