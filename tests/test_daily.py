@@ -376,3 +376,38 @@ async def test_the_settings_form_shows_every_error_at_its_field_and_adds_an_entr
     assert entry["kinds"] == ["failed"] and entry["url"].startswith("json://127.0.0.1:9") and entry["digest"] is None
     removed = await api.client.post(f"/settings/notify/entries/{entry['id']}/delete", form={"csrf": csrf})
     assert removed.status_code == 303 and (await api.get("/v1/outpost/notify/entries")).body == {"entries": []}
+
+
+# --- what a hostile caller cannot make these do -----------------------------------------------------------
+
+async def test_a_proposer_key_can_neither_add_a_receiver_nor_act_on_a_selection(api):
+    """A person's own agent holds a proposer key: a notification entry of its choosing would send it
+    every item; a bulk cancel would stop every run. Both need the API token or a session."""
+    key = call(api.store, api.store.access.create_key, "laptop", "proposer", T0)["key"]
+    as_agent = {"Authorization": f"Bearer {key}"}
+    sched = await api.schedule(name="guarded")
+    api.clock.at += timedelta(minutes=1)
+    run_id = (await api.fire(sched["id"]))["run_id"]
+    for path, body in (("/v1/outpost/notify/entries", {"url": "json://attacker.example/x"}),
+                       ("/v1/outpost/runs/cancel", {"ids": [run_id]}), ("/v1/outpost/runs/rerun", {"ids": [run_id]}),
+                       ("/v1/outpost/attention/ack", {"ids": ["att_x"]})):
+        reply = await api.post(path, body, auth=False, headers=as_agent)
+        assert_problem(reply, 403, "forbidden")
+    assert (await api.get(f"/v1/outpost/runs/{run_id}")).body["status"] == "queued"
+    assert call(api.store, api.store.notify.entry_states) == []
+
+
+async def test_search_text_is_data_and_secrets_stay_masked_on_every_page(api):
+    sched = await api.schedule(name="quoted")
+    await fired_and_settled(api, sched, outpost.RunStatus.FAILED, error="it's 100% broken_now")
+    for text in ("' OR 1=1 --", "%' OR '1'='1", "\\", "x" * 500):
+        assert ids(await api.get("/v1/outpost/runs?" + urllib.parse.urlencode({"q": text}))) == []
+    assert len(ids(await api.get("/v1/outpost/runs?" + urllib.parse.urlencode({"q": "100% broken_"})))) == 1
+    added = await api.post("/v1/outpost/notify/entries", {"url": "ntfys://outpost:hunter2pass@ntfy.example.com/topic"})
+    assert added.status == 201 and "hunter2pass" not in added.text
+    sign_in_client(api.client, api.store, T0)
+    settings = await (await api.client.get("/settings")).get_data(as_text=True)
+    assert "ntfy.example.com" in settings and "hunter2pass" not in settings
+    assert "hunter2pass" not in (await api.get("/v1/outpost/notify/entries")).text
+    too_long = await api.post("/v1/outpost/notify/entries", {"url": "json://h/" + "x" * 3000})
+    assert_problem(too_long, 422, "validation_failed", "url")
