@@ -2100,6 +2100,8 @@ class SlotOutcome(enum.StrEnum):
 
 
 CONCURRENCY_POLICIES = ("skip_if_active", "coalesce_if_active", "always_enqueue")
+#: A schedule's states, as the schedules list filters them.
+SCHEDULE_STATES = ("enabled", "paused", "auto_paused", "archived")
 #: Control actions of a schedule that change its state (``fire`` is the other one).
 SCHEDULE_ACTIONS = ("enable", "pause", "resume", "archive", "approve_catch_up", "dismiss_catch_up")
 CATCH_UP_POLICIES = ("enqueue_missed_with_cap", "skip_missed", "ask")
@@ -5849,20 +5851,38 @@ class ScheduleStore(StorePart):
             raise NotFound(f"no schedule with id or name {id_or_name!r}")
         return s.id
 
-    def list_schedules(self, include_archived: bool = False, page: int | None = None) -> list[dict[str, Any]]:
-        """All schedules, oldest first; or one ``page`` of SCHEDULES_PAGE (the dashboard)."""
+    def _listed(self, include_archived: bool, state: str | None):
         query = self.db.Schedule.select()
-        if not include_archived:
+        if state == "archived":
+            return query.filter(lambda s: s.archived)
+        if not include_archived or state:
             query = query.filter(lambda s: not s.archived)
-        query = query.order_by(lambda s: (s.created_at, s.id))
-        rows = query.page(page, SCHEDULES_PAGE) if page else query
+        if state == "enabled":
+            query = query.filter(lambda s: s.enabled)
+        elif state == "paused":
+            query = query.filter(lambda s: not s.enabled and not s.auto_paused)
+        elif state == "auto_paused":
+            query = query.filter(lambda s: s.auto_paused)
+        return query
+
+    def list_schedules(self, include_archived: bool = False, page: int | None = None, *, state: str | None = None,
+                       by_next_fire: bool = False) -> list[dict[str, Any]]:
+        """All schedules (of a SCHEDULE_STATES ``state``), oldest first or soonest next fire first
+        (none last); or one ``page`` of SCHEDULES_PAGE (the dashboard)."""
+        query = self._listed(include_archived, state)
+        if by_next_fire:   # an appliance's schedules are hundreds at most: sorted here, NULLs last on both databases
+            ordered = sorted(query, key=lambda s: (s.next_fire_at is None, s.next_fire_at or s.created_at, s.id))
+            rows = ordered[(page - 1) * SCHEDULES_PAGE:page * SCHEDULES_PAGE] if page else ordered
+        else:
+            query = query.order_by(lambda s: (s.created_at, s.id))
+            rows = query.page(page, SCHEDULES_PAGE) if page else query
         active = dict(self.db.select(   # one query for every schedule's active run, not one each
             f"SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN {ACTIVE_RUN_SQL} "
             "AND schedule IS NOT NULL GROUP BY schedule"))
         return [schedule_view(s, active.get(s.id)) for s in rows]
 
-    def count_schedules(self, include_archived: bool = False) -> int:
-        return orm.count(s for s in self.db.Schedule if include_archived or not s.archived)
+    def count_schedules(self, include_archived: bool = False, state: str | None = None) -> int:
+        return self._listed(include_archived, state).count()
 
     def last_runs(self, schedule_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The newest run of each of these schedules, in one query (an index probe each)."""
@@ -5875,11 +5895,12 @@ class ScheduleStore(StorePart):
         return {sid: {"id": rid, "status": status, "queued_at": rfc3339(sql_instant(queued))}
                 for sid, rid, status, queued in rows}
 
-    def schedules_page(self, include_archived: bool, page: int) -> dict[str, Any]:
+    def schedules_page(self, include_archived: bool, page: int, state: str | None = None,
+                       by_next_fire: bool = False) -> dict[str, Any]:
         """The dashboard's schedules page from one snapshot: a page of schedules, how many
         there are, and the newest run of each schedule shown."""
-        schedules = self.list_schedules(include_archived, page)
-        return {"schedules": schedules, "total": self.count_schedules(include_archived),
+        schedules = self.list_schedules(include_archived, page, state=state, by_next_fire=by_next_fire)
+        return {"schedules": schedules, "total": self.count_schedules(include_archived, state),
                 "last_runs": self.last_runs([s["id"] for s in schedules])}
 
     def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
@@ -12776,7 +12797,9 @@ async def api_create_schedule(web: Web):
 
 @api.get("/v1/outpost/schedules", auth=Auth.TOKEN)
 async def api_list_schedules(web: Web):
-    return {"schedules": await web.call(web.store.schedules.list_schedules, web.flag_arg("include_archived"))}
+    state, sort = web.choice_arg("state", SCHEDULE_STATES), web.choice_arg("sort", ("created", "next_fire"))
+    return {"schedules": await web.call(web.store.schedules.list_schedules, web.flag_arg("include_archived"),
+                                        state=state, by_next_fire=sort == "next_fire")}
 
 
 @api.get("/v1/outpost/schedules/<schedule_id>", auth=Auth.TOKEN, etag=True)
@@ -13701,10 +13724,13 @@ async def page_home(web: Web):
 async def page_schedules(web: Web):
     show_archived = web.args.get("archived") == "1"
     page = parse_count(web.args.get("page")) or 1
-    listed = await web.call(web.store.schedules.schedules_page, show_archived, page)
+    state, sort = web.choice_arg("state", SCHEDULE_STATES), web.choice_arg("sort", ("created", "next_fire"))
+    listed = await web.call(web.store.schedules.schedules_page, show_archived, page, state, sort == "next_fire")
+    query = {k: v for k, v in (("archived", "1" if show_archived else ""), ("state", state), ("sort", sort)) if v}
     return await web.page("schedules.html", section="schedules", live=True, **listed, show_archived=show_archived,
                           page=page, pages=max(1, math.ceil(listed["total"] / SCHEDULES_PAGE)),
-                          per_page=SCHEDULES_PAGE)
+                          per_page=SCHEDULES_PAGE, state_filter=state, sort=sort or "created", query=query,
+                          states=SCHEDULE_STATES)
 
 
 @pages.get("/schedules/new", auth=Auth.SESSION)

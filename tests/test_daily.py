@@ -411,3 +411,33 @@ async def test_search_text_is_data_and_secrets_stay_masked_on_every_page(api):
     assert "hunter2pass" not in (await api.get("/v1/outpost/notify/entries")).text
     too_long = await api.post("/v1/outpost/notify/entries", {"url": "json://h/" + "x" * 3000})
     assert_problem(too_long, 422, "validation_failed", "url")
+
+
+# --- schedules by state and next fire ---------------------------------------------------------------------
+
+async def test_schedules_filter_by_state_and_sort_by_next_fire(api):
+    late = await api.schedule(name="late", timing={"kind": "cron", "expression": "0 23 * * *", "timezone": "UTC"})
+    soon = await api.schedule(name="soon", timing={"kind": "cron", "expression": "*/5 * * * *", "timezone": "UTC"})
+    held = await api.schedule(name="held")
+    assert (await api.control(held["id"], "pause", held["revision"])).status == 200
+    gone = await api.schedule(name="gone")
+    assert (await api.control(gone["id"], "archive", gone["revision"])).status == 200
+    auto = await api.auto_paused()
+
+    def names(reply):
+        assert reply.status == 200, reply.body
+        return [s["name"] for s in reply.body["schedules"]]
+    assert names(await api.get("/v1/outpost/schedules?state=enabled")) == ["late", "soon"]
+    assert names(await api.get("/v1/outpost/schedules?state=paused")) == ["held"]
+    assert names(await api.get("/v1/outpost/schedules?state=auto_paused")) == [auto["name"]]
+    assert names(await api.get("/v1/outpost/schedules?state=archived")) == ["gone"]
+    assert names(await api.get("/v1/outpost/schedules?state=enabled&sort=next_fire")) == ["soon", "late"]
+    assert_problem(await api.get("/v1/outpost/schedules?state=sleeping"), 422, "validation_failed", "state")
+    assert_problem(await api.get("/v1/outpost/schedules?sort=name"), 422, "validation_failed", "sort")
+
+    sign_in_client(api.client, api.store, T0)
+    page = await (await api.client.get("/schedules?state=enabled&sort=next_fire")).get_data(as_text=True)
+    assert page.index(f'href="/schedules/{soon["id"]}"') < page.index(f'href="/schedules/{late["id"]}"')
+    assert f'href="/schedules/{held["id"]}"' not in page
+    archived = await (await api.client.get("/schedules?state=archived")).get_data(as_text=True)
+    assert f'href="/schedules/{gone["id"]}"' in archived
