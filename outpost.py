@@ -11500,6 +11500,33 @@ def wakeup_label(w: dict[str, Any]) -> str:
     return w["status"].capitalize()
 
 
+#: A schedule's policies in the compose form's words: the form's menus and every page that
+#: shows a definition (review, the schedule, a proposal) read them from here.
+POLICY_WORDS = {
+    "concurrency_policy": {"skip_if_active": "skip the new fire", "coalesce_if_active": "fold it into the active run",
+                           "always_enqueue": "queue another run"},
+    "catch_up": {"enqueue_missed_with_cap": "catch up (missed fires fold into runs)",
+                 "skip_missed": "skip what was missed", "ask": "ask me first"},
+    "notify": {"attention": "changes, failures, needs-you", "failures_only": "failures and needs-you only",
+               "always": "every run"},
+}
+#: A webhook trigger's signing modes in the words of the routine forms' menus.
+SIGNING_WORDS = {"hmac_sha256": "signed with HMAC-SHA256 (X-Outpost-Signature)",
+                 "github": "signed as GitHub signs (X-Hub-Signature-256)",
+                 "bearer": "a bearer token (Authorization header)",
+                 "none": "unsigned: anyone with its URL can fire it"}
+
+
+def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | None = None):
+    """A next fire as a list or a page shows it: the instant (``time_tag``) while the schedule
+    is enabled or the routine active, else the state ("paused", "archived", "off"): a paused
+    one's stored next fire is not when it fires."""
+    from markupsafe import Markup
+    if state not in ("enabled", "active"):
+        return Markup('<span class="muted" data-next-fire="{0}">{0}</span>').format(state.replace("_", " "))
+    return time_tag(instant, tz_name)
+
+
 async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
     """Normalize a definition and run the git checks. For an edit (``current`` given) a
     once-instant in the past is refused only when the timing really changed."""
@@ -12099,7 +12126,7 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
     "when": time_tag, "at": time_tag, "duration": run_duration,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
-    "curl_example": curl_example,
+    "curl_example": curl_example, "next_fire": next_fire_tag,
     "usd": format_usd, "counted": lambda n, noun: f"{n} {noun}{'' if n == 1 else 's'}",
     "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
     "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
@@ -12107,6 +12134,7 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
                                                  if v < 1024 ** (i + 1) or unit == "TiB")}
 #: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
+                    "POLICY_WORDS": POLICY_WORDS, "SIGNING_WORDS": SIGNING_WORDS,
                     "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
 
 
