@@ -2094,6 +2094,16 @@ CONCURRENCY_POLICIES = ("skip_if_active", "coalesce_if_active", "always_enqueue"
 SCHEDULE_ACTIONS = ("enable", "pause", "resume", "archive", "approve_catch_up", "dismiss_catch_up")
 CATCH_UP_POLICIES = ("enqueue_missed_with_cap", "skip_missed", "ask")
 NOTIFY_POLICIES = ("attention", "failures_only", "always")
+#: The policies in the compose form's words: its menus, the summary compose answers and every
+#: page that shows a definition (review, the schedule, a proposal) say them so.
+POLICY_WORDS = {
+    "concurrency_policy": {"skip_if_active": "skip the new fire", "coalesce_if_active": "fold it into the active run",
+                           "always_enqueue": "queue another run"},
+    "catch_up": {"enqueue_missed_with_cap": "catch up (missed fires fold into runs)",
+                 "skip_missed": "skip what was missed", "ask": "ask me first"},
+    "notify": {"attention": "changes, failures, needs-you", "failures_only": "failures and needs-you only",
+               "always": "every run"},
+}
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                 "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
 DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
@@ -2749,9 +2759,10 @@ def schedule_summary(d: dict[str, Any], first_fire: datetime | None) -> str:
     unchanged = ("; skips a fire when the commit has not changed since its last successful run"
                  if d.get("skip_if_unchanged") else "")
     asks = "; asks before catching up missed fires" if d["catch_up"]["policy"] == "ask" else ""
+    overlap = POLICY_WORDS["concurrency_policy"][d["concurrency_policy"]]
     return (f"Runs agent '{d['agent']}' {when}{first} on a fresh worktree of {ref}; "
-            f"{d['concurrency_policy'].replace('_', ' ')}, times out after "
-            f"{d['limits']['timeout_seconds']} s, notifies: {d['notify'].replace('_', ' ')}{unchanged}{asks}.")
+            f"while a run is still active, {overlap}; times out after {d['limits']['timeout_seconds']} s; "
+            f"attention: {POLICY_WORDS['notify'][d['notify']]}{unchanged}{asks}.")
 
 
 def merge_changes(current: dict[str, Any], changes: Any) -> dict[str, Any]:
@@ -11500,16 +11511,6 @@ def wakeup_label(w: dict[str, Any]) -> str:
     return w["status"].capitalize()
 
 
-#: A schedule's policies in the compose form's words: the form's menus and every page that
-#: shows a definition (review, the schedule, a proposal) read them from here.
-POLICY_WORDS = {
-    "concurrency_policy": {"skip_if_active": "skip the new fire", "coalesce_if_active": "fold it into the active run",
-                           "always_enqueue": "queue another run"},
-    "catch_up": {"enqueue_missed_with_cap": "catch up (missed fires fold into runs)",
-                 "skip_missed": "skip what was missed", "ask": "ask me first"},
-    "notify": {"attention": "changes, failures, needs-you", "failures_only": "failures and needs-you only",
-               "always": "every run"},
-}
 #: A webhook trigger's signing modes in the words of the routine forms' menus.
 SIGNING_WORDS = {"hmac_sha256": "signed with HMAC-SHA256 (X-Outpost-Signature)",
                  "github": "signed as GitHub signs (X-Hub-Signature-256)",

@@ -1,5 +1,6 @@
-"""The dashboard's words (issue 36, item 7), in process: the review says a schedule's policies in
-the compose form's words, and a paused schedule or routine shows "paused" where its next fire was."""
+"""The dashboard's words (issue 36, item 7), in process: the review (its summary and its facts)
+says a schedule's policies in the compose form's words, and a paused schedule or routine shows
+"paused" where its next fire was."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ async def test_the_review_says_the_policies_in_the_words_of_the_form(dashboard, 
                            repository=str(make_repo(tmp_path / "repo")), timing_kind="cron", expression="0 9 * * *",
                            timezone="UTC", concurrency_policy="coalesce_if_active", catch_up_policy="skip_missed",
                            notify="failures_only", skip_if_unchanged="yes", timeout_seconds="600")
-    assert 'id="review-summary"' in review
+    summary = html.unescape(re.search(r'<p id="review-summary">([^<]+)</p>', review)[1])
+    assert "while a run is still active, fold it into the active run;" in summary, summary
+    assert summary.endswith("attention: failures and needs-you only; skips a fire when the commit has not changed "
+                            "since its last successful run."), summary
     assert fact(review, "concurrency_policy") == options(form, "concurrency_policy")["coalesce_if_active"] \
         == "fold it into the active run"
     assert fact(review, "catch_up") == options(form, "catch_up_policy")["skip_missed"] == "skip what was missed"
