@@ -2113,6 +2113,16 @@ MUTABLE_ATTENTION_KINDS = ("changes_returned", "succeeded", "failed", "missed_fi
 FOLDED_ATTENTION_KINDS = ("changes_returned", "succeeded", "failed", "missed_fire", "agent_error")
 #: The runs a folded item lists, newest first.
 FOLDED_RUNS_MAX = 100
+#: The policies in the compose form's words: its menus, the summary compose answers and every
+#: page that shows a definition (review, the schedule, a proposal) say them so.
+POLICY_WORDS = {
+    "concurrency_policy": {"skip_if_active": "skip the new fire", "coalesce_if_active": "fold it into the active run",
+                           "always_enqueue": "queue another run"},
+    "catch_up": {"enqueue_missed_with_cap": "catch up (missed fires fold into runs)",
+                 "skip_missed": "skip what was missed", "ask": "ask me first"},
+    "notify": {"attention": "changes, failures, needs-you", "failures_only": "failures and needs-you only",
+               "always": "every run"},
+}
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                 "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
 DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
@@ -2817,9 +2827,10 @@ def schedule_summary(d: dict[str, Any], first_fire: datetime | None) -> str:
     unchanged = ("; skips a fire when the commit has not changed since its last successful run"
                  if d.get("skip_if_unchanged") else "")
     asks = "; asks before catching up missed fires" if d["catch_up"]["policy"] == "ask" else ""
+    overlap = POLICY_WORDS["concurrency_policy"][d["concurrency_policy"]]
     return (f"Runs agent '{d['agent']}' {when}{first} on a fresh worktree of {ref}; "
-            f"{d['concurrency_policy'].replace('_', ' ')}, times out after "
-            f"{d['limits']['timeout_seconds']} s, notifies: {d['notify'].replace('_', ' ')}{unchanged}{asks}.")
+            f"while a run is still active, {overlap}; times out after {d['limits']['timeout_seconds']} s; "
+            f"attention: {POLICY_WORDS['notify'][d['notify']]}{unchanged}{asks}.")
 
 
 def merge_changes(current: dict[str, Any], changes: Any) -> dict[str, Any]:
@@ -11784,6 +11795,23 @@ def wakeup_label(w: dict[str, Any]) -> str:
     return w["status"].capitalize()
 
 
+#: A webhook trigger's signing modes in the words of the routine forms' menus.
+SIGNING_WORDS = {"hmac_sha256": "signed with HMAC-SHA256 (X-Outpost-Signature)",
+                 "github": "signed as GitHub signs (X-Hub-Signature-256)",
+                 "bearer": "a bearer token (Authorization header)",
+                 "none": "unsigned: anyone with its URL can fire it"}
+
+
+def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | None = None):
+    """A next fire as a list or a page shows it: the instant (``time_tag``) while the schedule
+    is enabled or the routine active, else the state ("paused", "archived", "off"): a paused
+    one's stored next fire is not when it fires."""
+    from markupsafe import Markup
+    if state not in ("enabled", "active"):
+        return Markup('<span class="muted" data-next-fire="{0}">{0}</span>').format(state.replace("_", " "))
+    return time_tag(instant, tz_name)
+
+
 async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
     """Normalize a definition and run the git checks. For an edit (``current`` given) a
     once-instant in the past is refused only when the timing really changed."""
@@ -12383,18 +12411,19 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
     "local": local_time, "timing_words": describe_timing, "state": schedule_state,
     "when": time_tag, "at": time_tag, "duration": run_duration,
     "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
-    "curl_example": curl_example,
+    "curl_example": curl_example, "next_fire": next_fire_tag,
     "usd": format_usd, "counted": lambda n, noun: f"{n} {noun}{'' if n == 1 else 's'}",
     "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
     "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
                                                  for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
                                                  if v < 1024 ** (i + 1) or unit == "TiB")}
-#: Constants the templates use, so a status set is spelled once.
 #: A folded attention item's "and 12 more runs returned changes", by kind.
 FOLD_WORDS = {"changes_returned": "runs returned changes", "succeeded": "runs succeeded", "failed": "runs failed",
               "missed_fire": "missed fires", "agent_error": "failures"}
+#: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
                     "MUTABLE_ATTENTION_KINDS": MUTABLE_ATTENTION_KINDS, "FOLD_WORDS": FOLD_WORDS,
+                    "POLICY_WORDS": POLICY_WORDS, "SIGNING_WORDS": SIGNING_WORDS,
                     "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
 
 

@@ -133,6 +133,139 @@
     });
   }
 
+  // --- copy buttons: a "Copy" button beside each [data-copy] (an id, a branch, a command, a
+  // webhook URL or its curl example). It copies the attribute's value, else the element's text;
+  // its name says what: data-copy-label, else the fact (<dt>) or the column it sits in. Its
+  // words are CSS content, so the text of the element it sits in stays the value alone. ------
+  function copyStatus() {
+    let live = document.getElementById("copy-status");
+    if (!live) {
+      live = Object.assign(document.createElement("span"), { id: "copy-status", className: "visually-hidden" });
+      live.setAttribute("role", "status");
+      document.body.append(live);
+    }
+    return live;
+  }
+  function copyByHand(text) {
+    // No navigator.clipboard over plain http (a LAN address is no secure context): a selected textarea.
+    const buffer = Object.assign(document.createElement("textarea"), { value: text, className: "copy-buffer" });
+    buffer.setAttribute("readonly", "");
+    buffer.setAttribute("aria-hidden", "true");
+    const before = document.activeElement;
+    document.body.append(buffer);
+    buffer.select();
+    let copied = false;
+    try { copied = document.execCommand("copy"); } catch (_) { copied = false; }
+    buffer.remove();
+    before?.focus?.();
+    return copied;
+  }
+  async function copyText(text) {
+    if (navigator.clipboard && window.isSecureContext) {
+      try { await navigator.clipboard.writeText(text); return true; } catch (_) { /* refused: by hand below */ }
+    }
+    return copyByHand(text);
+  }
+  function copyLabel(el) {
+    if (el.dataset.copyLabel) return el.dataset.copyLabel;
+    const dd = el.closest("dd");
+    const dt = dd?.previousElementSibling;
+    if (dt?.tagName === "DT") return dt.textContent.trim().toLowerCase();
+    const cell = el.closest("td[data-label]");
+    return cell ? cell.dataset.label.toLowerCase() : "text";
+  }
+  function setupCopy(root) {
+    root.querySelectorAll("[data-copy]").forEach((el) => {
+      if (el.dataset.copyReady) return;
+      el.dataset.copyReady = "1";
+      const what = copyLabel(el);
+      const button = Object.assign(document.createElement("button"), { type: "button", className: "copy-btn" });
+      button.setAttribute("aria-label", `Copy ${what}`);
+      button.addEventListener("click", async (e) => {
+        e.preventDefault();
+        const copied = await copyText(el.dataset.copy || el.textContent.trim());
+        button.dataset.copied = copied ? "yes" : "no";
+        copyStatus().textContent = copied ? `Copied ${what}` : `Could not copy ${what}: it is selected, press Ctrl+C`;
+        if (!copied) window.getSelection()?.selectAllChildren(el);
+        clearTimeout(button.copyTimer);
+        button.copyTimer = setTimeout(() => { delete button.dataset.copied; }, 1600);
+      });
+      // beside a word or a block of its own (a link, a code, a pre); inside a cell, a fact or a heading
+      const inline = getComputedStyle(el).display.startsWith("inline");
+      if (inline || el.tagName === "PRE") el.after(button); else el.append(button);
+    });
+  }
+
+  // --- keyboard shortcuts: "/" search, "g" then a letter to go somewhere, "?" lists them. Never
+  // while typing in a field, never with Ctrl, Alt or Cmd (the browser's own shortcuts). ----------
+  const GO = { s: ["/schedules", "Schedules"], r: ["/runs", "Runs"], a: ["/attention", "Attention"],
+    u: ["/upcoming", "Upcoming"], o: ["/office", "Office"] };
+  const SEARCH_HASH = "#search";
+  function focusSearch() {
+    const box = document.querySelector("input[data-search]");
+    if (!box) return false;
+    box.focus();
+    box.select?.();
+    return true;
+  }
+  function shortcutsDialog() {
+    let dialog = document.getElementById("shortcuts");
+    if (dialog) return dialog;
+    dialog = Object.assign(document.createElement("dialog"), { id: "shortcuts", className: "shortcuts" });
+    dialog.setAttribute("aria-labelledby", "shortcuts-title");
+    const rows = [["/", "Search (the Runs page's search when this page has none)"],
+      ...Object.entries(GO).map(([key, [, name]]) => [`g ${key}`, `Go to ${name}`]), ["?", "This list"], ["Esc", "Close it"]];
+    const title = Object.assign(document.createElement("h2"), { id: "shortcuts-title", textContent: "Keyboard shortcuts" });
+    const list = document.createElement("dl");
+    for (const [keys, what] of rows) {
+      const dt = document.createElement("dt");
+      keys.split(" ").forEach((k, i) => {
+        if (i) dt.append(" then ");
+        dt.append(Object.assign(document.createElement("kbd"), { textContent: k }));
+      });
+      list.append(dt, Object.assign(document.createElement("dd"), { textContent: what }));
+    }
+    const note = Object.assign(document.createElement("p"), { className: "small muted",
+      textContent: "They do nothing while you type in a field." });
+    const close = Object.assign(document.createElement("button"), { type: "button", textContent: "Close" });
+    close.addEventListener("click", () => dialog.close());
+    dialog.append(title, list, note, close);
+    document.body.append(dialog);
+    return dialog;
+  }
+  function showShortcuts() {
+    const dialog = shortcutsDialog();
+    if (!dialog.open) dialog.showModal();   // modal: focus moves in, Esc closes it, focus returns
+  }
+  function typing(target) {
+    return target instanceof Element && (target.isContentEditable || target.closest("input, textarea, select"));
+  }
+  function setupShortcuts() {
+    if (!document.getElementById("shortcuts-hint")) return;   // signed out: nowhere to go
+    document.getElementById("shortcuts-hint").addEventListener("click", showShortcuts);
+    if (location.hash === SEARCH_HASH && focusSearch()) history.replaceState(null, "", location.pathname + location.search);
+    let pendingG = 0;
+    document.addEventListener("keydown", (e) => {
+      if (["Shift", "Control", "Alt", "Meta", "AltGraph", "CapsLock"].includes(e.key)) return;   // on the way to a key
+      if (e.defaultPrevented || e.ctrlKey || e.metaKey || e.altKey || e.isComposing || typing(e.target)) return;
+      if (document.getElementById("shortcuts")?.open) return;   // the dialog has the keyboard (Esc, Tab)
+      const gWasPressed = Date.now() - pendingG < 1500;
+      pendingG = 0;
+      if (gWasPressed && Object.hasOwn(GO, e.key)) {
+        e.preventDefault();
+        location.href = GO[e.key][0];
+      } else if (e.key === "g") {
+        pendingG = Date.now();
+      } else if (e.key === "/") {
+        e.preventDefault();
+        if (!focusSearch()) location.href = "/runs" + SEARCH_HASH;
+      } else if (e.key === "?") {
+        e.preventDefault();
+        showShortcuts();
+      }
+    });
+  }
+
   // --- small behaviours: confirm before destructive actions, "back" keeps form input -------
   function setupPage(root) {
     setupBulk(root);
@@ -149,6 +282,7 @@
     setupTimingPicker(root);
     setupBoard(root);
     setupTabs(root);
+    setupCopy(root);
     root.querySelectorAll("form.stack").forEach((f) => f.addEventListener("input", () => { f.dataset.dirty = "1"; }));
     root.querySelectorAll("button[data-confirm]").forEach((b) =>
       b.addEventListener("click", (e) => { if (!window.confirm(b.dataset.confirm)) e.preventDefault(); }));
@@ -253,6 +387,7 @@
     setInterval(() => renderTimes(document), 30000);
     setInterval(() => renderRunning(document), 1000);
     setupNotifications();
+    setupShortcuts();
     connect();
     followLog();
   });
