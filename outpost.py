@@ -168,6 +168,8 @@ CRON_MAX_SLEEP_S = 300.0
 #: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
 #: others only take over its fires when it is gone).
 NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 10, 1.0, 10.0
+#: How often ``outpost runs log --follow`` asks for what is new.
+FOLLOW_POLL_S = 1.0
 #: A fleet: how often a running agent's new log lines go into the database for the other nodes.
 LOG_SHIP_S = 1.0
 #: How long an actor waits before retrying a store that was locked or full.
@@ -241,7 +243,7 @@ EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2,
 #: This Outpost's version (pyproject.toml), as its MCP server names itself.
 OUTPOST_VERSION = "0.1.0"
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 16     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 18     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
@@ -253,6 +255,7 @@ SCHEMA_VERSION = 16     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
                         # 15: proposer keys and proposals (a person's own agent, docs/agent-clis.md);
                         #     who asked for a dispatch (Run.requested_by)
                         # 16: channels (ChannelState, ChannelDelivery, Comment.author)
+                        # 18: a run's timeline (Run.steps)
 #: The runs of a needs_you thread a run page shows before (and after) it, at most.
 THREAD_MAX = 25
 #: The workspace Office resources belong to unless a request names another.
@@ -4274,6 +4277,10 @@ def define_entities(db: orm.Database) -> None:
         queued_at = Required(datetime)
         started_at = Optional(datetime)
         finished_at = Optional(datetime)
+        #: The instants of its launch that no other column holds (``run_steps``): worktree_ready
+        #: and agent_started (written with its pid), first_output, agent_exited, branch_back (with
+        #: its settlement), as RFC 3339 by step name.
+        steps = Optional(orm.Json, nullable=True)
 
     class ProfileState(db.Entity):
         """An agent profile's standing (docs/agent-clis.md): limited until a reset, or paused for a login."""
@@ -4743,6 +4750,9 @@ SCHEMA_SQL = {
         'ALTER TABLE "Comment" ADD COLUMN author TEXT',
         'CREATE UNIQUE INDEX IF NOT EXISTS channel_delivery_once ON "ChannelDelivery"(channel, delivery_id)',
     ],
+    18: [   # a run's timeline: the instants of its launch (GET /v1/outpost/runs/<id> "steps")
+        'ALTER TABLE "Run" ADD COLUMN steps JSON',
+    ],
 }
 
 
@@ -4774,7 +4784,25 @@ def run_view(r) -> dict[str, Any]:
             "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
             "continues": r.continues, "answered_by": r.answered_by, "answer": r.answer, "rerun_of": r.rerun_of,
             "requested_by": r.requested_by,
-            "node": r.node}
+            "node": r.node, "steps": run_steps(aware(r.queued_at), r.steps, aware(r.finished_at))}
+
+
+#: A run's timeline (API.md 15), in the order its steps happen when they all do.
+RUN_STEPS = ("queued", "worktree_ready", "agent_started", "first_output", "agent_exited", "branch_back", "settled")
+
+
+def instant_ms(dt: datetime) -> str:
+    """RFC 3339 UTC to the millisecond, always (a timeline's instants line up)."""
+    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
+
+
+def run_steps(queued_at: datetime, steps: dict[str, str] | None, finished_at: datetime | None) -> list[dict[str, str]]:
+    """The steps that happened, in time order (ties in RUN_STEPS order): queued and settled are the
+    run's own columns, the rest its ``steps``, recorded by its supervisor."""
+    at = {"queued": queued_at, **{k: datetime.fromisoformat(v) for k, v in (steps or {}).items() if k in RUN_STEPS},
+          **({"settled": finished_at} if finished_at else {})}
+    ordered = sorted(at, key=lambda k: (at[k], RUN_STEPS.index(k)))
+    return [{"step": k, "at": instant_ms(at[k])} for k in ordered]
 
 
 def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
@@ -6278,7 +6306,7 @@ class RunStore(StorePart):
         URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
         earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
         fenced = " AND node = $node AND attempt = $attempt" if fence else ""
-        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
+        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL, steps = NULL "
                               f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
                               {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
@@ -6339,21 +6367,27 @@ class RunStore(StorePart):
                 "due_at": aware(r.due_at), "started_at": aware(r.started_at),
                 "handover_branch": self._handover_branch(r, o) if o and o.task_id and r.continues_branch else None}
 
-    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
-        """Record the agent's process, if the run is still this admission's (``fence``: node,
-        attempt); false when it is not (its node was declared lost): the caller ends the process."""
+    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int],
+                     steps: dict[str, str] | None = None) -> bool:
+        """Record the agent's process, and the steps of its launch so far (``run_steps``), if the
+        run is still this admission's (``fence``: node, attempt); false when it is not (its node
+        was declared lost): the caller ends the process."""
         return bool(self.core.returning(
-            'UPDATE "Run" SET pid = $pid, pid_started = $started WHERE id = $run_id AND node = $node '
+            'UPDATE "Run" SET pid = $pid, pid_started = $started, steps = $steps WHERE id = $run_id AND node = $node '
             f"AND attempt = $attempt AND status IN {ACTIVE_RUN_SQL} RETURNING id",
-            {"pid": pid, "started": pid_started, "run_id": run_id, "node": fence[0], "attempt": fence[1]}))
+            {"pid": pid, "started": pid_started, "run_id": run_id, "node": fence[0], "attempt": fence[1],
+             "steps": json.dumps(steps) if steps else None}))
 
     def settle_run(self, run_id: str, outcome: Outcome, now: datetime, *, exit_code: int | None = None,
-                   commits: int = 0, auth_hint: str = "", fence: tuple[str, int] | None = None) -> bool:
-        """Record a run's end once, with its agent report. A cancel asked for wins over how the
-        process ended; a question the agent asked (``POST /api/agent/needs-you``) makes a run that
-        ended on its own ``needs_you``. A limit or a login failure holds the run's profile.
-        ``fence``: the (node, attempt) that admitted the run, as its supervisor knows it; a run
-        admitted again since (its node was declared lost) is no longer that supervisor's to settle."""
+                   commits: int = 0, auth_hint: str = "", fence: tuple[str, int] | None = None,
+                   steps: dict[str, str] | None = None) -> bool:
+        """Record a run's end once, with its agent report and the steps of its launch its
+        supervisor saw (``run_steps``; None keeps those recorded, as after a restart). A cancel
+        asked for wins over how the process ended; a question the agent asked (``POST
+        /api/agent/needs-you``) makes a run that ended on its own ``needs_you``. A limit or a
+        login failure holds the run's profile. ``fence``: the (node, attempt) that admitted the
+        run, as its supervisor knows it; a run admitted again since (its node was declared lost)
+        is no longer that supervisor's to settle."""
         rows = self.db.select('SELECT status, cancel_requested, question, max_cost_usd, schedule, agent, trigger '
                               'FROM "Run" WHERE id = $run_id', {"run_id": run_id})
         if not rows:
@@ -6376,10 +6410,13 @@ class RunStore(StorePart):
         if not self.core.returning(
                 'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
                 'result = $result, agent_report = $report, failure_kind = $kind, cost_usd = $cost, '
-                'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL '
-                'WHERE id = $run_id AND status = $was' + (" AND node = $node AND attempt = $attempt" if fence else "")
+                'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL'
+                + (", steps = $steps" if steps else "")
+                + " WHERE id = $run_id AND status = $was"
+                + (" AND node = $node AND attempt = $attempt" if fence else "")
                 + " RETURNING id",
                 {**({"node": fence[0], "attempt": fence[1]} if fence else {}),
+                 **({"steps": json.dumps(steps)} if steps else {}),
                  "status": str(status), "exit_code": exit_code, "error": error, "commits": commits,
                  "result": None if r.result is None else json.dumps(r.result), "report": json.dumps(report),
                  "kind": r.failure_kind, "cost": r.cost_usd, "question": question or outcome.question,
@@ -9647,6 +9684,14 @@ class LiveRun:
     cancelled: bool = False
     paused: bool = False                 # a pause is recorded: stopped, or stopped the moment it exists
     remaining_s: float | None = None     # of the timeout, while paused
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC)   # the daemon's (Deps.clock.now)
+    #: The instants of its launch seen so far (``run_steps``), written with the next write of the run.
+    steps: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def step(self, name: str) -> None:
+        """Note that ``name`` happened now, the first time only (first_output: of many chunks)."""
+        if name not in self.steps:
+            self.steps[name] = instant_ms(self.clock())
 
     def cancel(self) -> None:
         """End it for a cancel (run control, or its node declared lost): the one place a run
@@ -9824,6 +9869,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
         except OSError as exc:
             raise LaunchError(f"could not start agent command {argv[0]!r}: {exc.strerror or exc}") from None
         live.spawned(proc.pid, timeout_s)
+        live.step("agent_started")
         await on_spawn(proc.pid)
 
         async def feed() -> None:
@@ -9833,11 +9879,13 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
 
         async def pump_stdout() -> None:
             async for chunk in proc.stdout:
+                live.step("first_output")
                 sink.write(chunk)
                 stdout_lines.feed(chunk)
 
         async def pump_stderr() -> None:
             async for chunk in proc.stderr:
+                live.step("first_output")
                 sink.write(chunk)
                 stderr_tail.extend(chunk)
                 del stderr_tail[:-ERROR_TAIL_BYTES]
@@ -9856,6 +9904,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 await terminate_group(proc, grace_s)
             else:
                 kill_group(proc.pid, signal.SIGKILL)   # leftovers of the group (background children)
+            live.step("agent_exited")
         return ProcessResult(proc.returncode, stdout_lines.lines(), stderr_tail.decode(errors="replace"), timed_out)
     finally:
         sink.close()
@@ -10804,7 +10853,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
-    live = LiveRun(run_id, trio.CancelScope())
+    live = LiveRun(run_id, trio.CancelScope(), clock=deps.clock.now)
     deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
         row = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
@@ -10826,6 +10875,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             if profile is None:
                 raise LaunchError(f"agent profile {plan.agent!r} is not configured")
             commit = await prepare_worktree(deps, plan, workspace)
+            live.step("worktree_ready")
             cwd = (workspace / plan.workdir).resolve()
             if not cwd.is_relative_to(workspace.resolve()):   # a symlink in the tree pointing elsewhere
                 raise LaunchError(f"workdir {plan.workdir!r} leads outside the worktree (a symlink); refused")
@@ -10852,7 +10902,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
 
             async def on_spawn(pid: int) -> None:
                 if not await deps.transaction_retrying(deps.store.runs.mark_spawned, run_id, pid,
-                                                       process_start_time(pid), plan.fence):
+                                                       process_start_time(pid), plan.fence, dict(live.steps)):
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
@@ -10876,23 +10926,25 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                 sink = LogSink(deps.log_path(run_id))
                 sink.write(f"[outpost] {reason}\n".encode())
                 sink.close()
-        await finish_run(deps, plan, commit, outcome, exit_code)
+        await finish_run(deps, plan, commit, outcome, exit_code, live.steps)
         settled = True
     finally:
         deps.live.discard(run_id)
         shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
-                await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None)
+                await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None, live.steps)
 
 
-async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None) -> None:
+async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None,
+                     steps: dict[str, str] | None = None) -> None:
     """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
-    worktree, record settlement."""
+    worktree, record settlement. ``steps``: the launch's steps its supervisor saw (``run_steps``),
+    settled with it and branch_back added; None after a restart (those recorded stay)."""
     run_id = plan.run_id
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
-    kept = None
+    kept, back_at = None, None
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "
@@ -10900,6 +10952,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
         await save_leftovers(workspace, run_id, sandbox)
         if workspace.exists() and Path(local).is_dir():
             await bring_back(local, workspace, plan.result_branch, commit, sandbox)
+            back_at = deps.clock.now()
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
@@ -10911,6 +10964,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if commits and is_repository_url(plan.repository):   # docs/fleet.md: the result goes back where it came from
         try:
             await deps.mirrors.push(plan.repository, plan.result_branch)
+            back_at = deps.clock.now()
         except LaunchError as exc:
             unpushed = (f"git push of {plan.result_branch} to {plan.repository} failed: {exc}\n"
                         f"The branch is kept in {local}; push it from there, or fix the access and re-run.")
@@ -10922,10 +10976,13 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if (kept is None and not commits and commit and not plan.continues_branch
             and outcome.status != RunStatus.NEEDS_YOU):
         await drop_branch_of(run_id, local, plan.result_branch, commit)
+    if steps is not None and commits and kept is None and unpushed is None and back_at is not None:
+        steps = {**steps, "branch_back": instant_ms(back_at)}   # where its user fetches it: the mirror, or pushed
     now = deps.clock.now()
     hint = login_hint(plan.profile) if plan.profile else ""
     settled = await deps.transaction_retrying(deps.store.runs.settle_run, run_id, outcome, now, exit_code=exit_code,
-                                              commits=commits, auth_hint=hint, fence=plan.fence if plan.node else None)
+                                              commits=commits, auth_hint=hint, fence=plan.fence if plan.node else None,
+                                              steps=steps)
     if unpushed is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "push_failed",
                                         f"Run {run_id}: its result branch was not pushed", unpushed, now,
@@ -14252,6 +14309,12 @@ class Client:
 
     def call(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
              idempotent: bool = False, raw: bool = False) -> Any:
+        payload, _ = self.exchange(method, path, body, headers=headers, idempotent=idempotent)
+        return payload.decode() if raw else json.loads(payload or b"null")
+
+    def exchange(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
+                 idempotent: bool = False) -> tuple[bytes, Any]:
+        """The answer's body and headers; a refusal or no daemon is a CliError."""
         data = json.dumps(body).encode() if body is not None else None
         hdrs = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json", **(headers or {})}
         if idempotent:
@@ -14259,7 +14322,7 @@ class Client:
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=hdrs)
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
-                payload = resp.read()
+                return resp.read(), resp.headers
         except urllib.error.HTTPError as exc:
             try:
                 problem = json.loads(exc.read())
@@ -14273,7 +14336,6 @@ class Client:
         except (urllib.error.URLError, OSError) as exc:
             raise CliError(f"cannot reach the Outpost daemon at {self.base_url} ({exc}); "
                            "is `outpost serve` running?", EXIT_UNREACHABLE) from None
-        return payload.decode() if raw else json.loads(payload or b"null")
 
 
 def read_definition_file(path: str) -> dict[str, Any]:
@@ -14412,12 +14474,29 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
             return
         for key, value in run.items():
             print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else value}")
+    elif args.action == "log" and args.follow:
+        follow_log(client, args.target)
     elif args.action == "log":
         sys.stdout.write(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True))
     elif args.action == "cancel":
         run = client.call("POST", f"/v1/outpost/runs/{args.target}/control", {"action": "cancel"}, idempotent=True)
         print(json.dumps(run, indent=2) if args.json else f"Run {run['id']} is {run['status']}"
               + (" (cancel requested)" if run["status"] not in SETTLED_RUN_STATUSES else "") + ".")
+
+
+def follow_log(client: Client, run_id: str) -> None:
+    """``outpost runs log ID --follow``: the log so far, then what is new each FOLLOW_POLL_S, until
+    the run settles. The status is read before the log, so the read after it settled is its end."""
+    offset = 0
+    while True:
+        status = client.call("GET", f"/v1/outpost/runs/{run_id}")["status"]
+        text, headers = client.exchange("GET", f"/v1/outpost/runs/{run_id}/log?offset={offset}")
+        sys.stdout.write(text.decode(errors="replace"))
+        sys.stdout.flush()
+        offset = int(headers.get("X-Log-Size") or offset)
+        if status not in ACTIVE_RUN_STATUSES:
+            return
+        time.sleep(FOLLOW_POLL_S)
 
 
 def cli_keys(client: Client, args: argparse.Namespace, folder: Path) -> None:
@@ -15160,6 +15239,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--yes", action="store_true", help="confirm without asking")
         p.add_argument("--all", action="store_true", help="list: include archived")
+        p.add_argument("--follow", action="store_true", help="runs log: stream the live log until the run settles")
         p.add_argument("--schedule", help="runs list: only this schedule id")
         p.add_argument("--status", help="runs list: only this status")
         p.add_argument("--limit", type=int, default=None)
