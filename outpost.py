@@ -7654,6 +7654,16 @@ class OfficeStore(StorePart):
             running.setdefault(task_id, []).append(agent_id)
         return running
 
+    def task_runs_active(self, task_id: str) -> list[dict[str, Any]]:
+        """The runs on a task still going (queued, running, paused), oldest first: the task page's
+        live status."""
+        rows = self.db.select(
+            'SELECT r.id, o.agent_id, r.status, r.queued_at, r.started_at FROM "OfficeRun" o JOIN "Run" r '
+            f"ON r.id = o.run_id WHERE o.task_id = $t AND r.status IN {ACTIVE_RUN_SQL} ORDER BY r.id", {"t": task_id})
+        return [{"id": run_id, "agent_id": agent_id, "status": status, "queued_at": rfc3339(sql_instant(queued)),
+                 "started_at": rfc3339(sql_instant(started)) if started else None}
+                for run_id, agent_id, status, queued, started in rows]
+
     def task_titles(self, task_ids: Iterable[str]) -> dict[str, str]:
         """The titles of these tasks (those that exist), for the tables that name a task."""
         ids, titles = sorted(set(task_ids)), {}
@@ -11395,14 +11405,15 @@ def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
     return name in LOCAL_HOSTS or name in {h.lower() for h in allowed}
 
 
-def local_time(instant: str | datetime | None, tz_name: str = "UTC") -> str:
-    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``."""
+def local_time(instant: str | datetime | None, tz_name: str = "UTC", *, seconds: bool = False) -> str:
+    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``
+    (``09:05:12`` with ``seconds``: a run's own instants, which are seconds apart)."""
     if not instant:
         return "-"
     dt = parse_instant(instant) if isinstance(instant, str) else instant
     local = dt.astimezone(ZoneInfo(tz_name))
     offset = local.strftime("%z")
-    return f"{local:%Y-%m-%d %H:%M} {local.tzname()} ({offset[:3]}:{offset[3:]})"
+    return f"{local:%Y-%m-%d %H:%M{':%S' if seconds else ''}} {local.tzname()} ({offset[:3]}:{offset[3:]})"
 
 
 def schedule_state(s: dict[str, Any]) -> str:
@@ -11790,7 +11801,7 @@ class Web:
             once = self.store.access.take_flash(cookie, path) if viewed else {}
             return self.store.open_attention_count(), self.store.latest_cursor(), once
         counts = await self.call(nav) if signed_in else (0, 0, {})
-        notice = DONE_NOTICES.get(self.args.get("done", ""))
+        notice = DONE_NOTICES.get(context.pop("done", self.args.get("done", "")))   # a page may drop its own
         html = await render_template(template, signed_in=signed_in, csrf=self.csrf, section=section,
                                      live=live, open_attention=counts[0], cursor=counts[1],
                                      isolation=self.deps.isolation,
@@ -12094,7 +12105,7 @@ async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str
     return runs_chart_svg(days, title)
 
 
-def time_tag(instant: str | datetime | None, tz_name: str | None = None):
+def time_tag(instant: str | datetime | None, tz_name: str | None = None, *, seconds: bool = False):
     """An instant as a ``<time>`` element. Without a zone (lists): ``data-rel``, which
     static/outpost.js turns into "3 min ago" with the exact instant in the viewer's zone on
     hover; without JavaScript it reads in UTC. With a zone (a schedule's own page): the
@@ -12109,7 +12120,7 @@ def time_tag(instant: str | datetime | None, tz_name: str | None = None):
             iso, f"{dt:%Y-%m-%d %H:%M:%S} UTC", f"{dt:%Y-%m-%d %H:%M} UTC")
     local = dt.astimezone(ZoneInfo(tz_name))
     return Markup('<time datetime="{}" title="{}">{}</time>').format(
-        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name))
+        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name, seconds=seconds))
 
 
 def words_of_seconds(seconds: float) -> str:
@@ -13540,9 +13551,58 @@ async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[s
     return await trio.to_thread.run_sync(transcript, log_text, fmt)
 
 
+#: A run's steps in the run page's words (RUN_STEPS).
+STEP_WORDS = {"queued": "Queued", "worktree_ready": "Worktree ready", "agent_started": "Agent started",
+              "first_output": "First output", "agent_exited": "Agent exited", "branch_back": "Branch brought back",
+              "settled": "Settled"}
+
+
+def gap_words(seconds: float) -> str:
+    """A step's distance from the one before: tenths under a minute (a worktree is ready in 0.4 s),
+    then as words_of_seconds."""
+    if seconds < 10:
+        return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+    return words_of_seconds(seconds) if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def run_timeline(steps: list[dict[str, str]], tz: str) -> list[dict[str, Any]]:
+    """The run page's timeline: each step in ``tz`` to the millisecond, with the time since the
+    step before and since the run was queued."""
+    rows: list[dict[str, Any]] = []
+    for step in steps:
+        at = parse_instant(step["at"])
+        local = at.astimezone(ZoneInfo(tz))
+        first = parse_instant(steps[0]["at"])
+        rows.append({"step": step["step"], "words": STEP_WORDS.get(step["step"], step["step"]), "at": step["at"],
+                     "shown": f"{local:%H:%M:%S}.{local.microsecond // 1000:03d}",
+                     "since_previous": gap_words((at - parse_instant(rows[-1]["at"])).total_seconds()) if rows else "",
+                     "since_queued": gap_words((at - first).total_seconds())})
+    return rows
+
+
+def run_gaps(run: dict[str, Any]) -> dict[str, str]:
+    """The run page's distances between its instants: due to queued (``late``), queued to started
+    (``waited``)."""
+    def between(a: str | None, b: str | None) -> str:
+        return gap_words((parse_instant(b) - parse_instant(a)).total_seconds()) if a and b else ""
+    return {"late": between(run["due_at"], run["queued_at"]), "waited": between(run["queued_at"], run["started_at"])}
+
+
+def queue_notice(done: str, run: dict[str, Any]) -> str:
+    """A ``?done=`` notice that speaks of the queue shows only while the run is queued (the page
+    refreshes live: the banner goes once it starts)."""
+    return done if done not in ("admitted", "rerun") or run["status"] == RunStatus.QUEUED else ""
+
+
 @pages.get("/runs/<run_id>", auth=Auth.SESSION)
 async def page_run(web: Web, run_id: str):
+    """One page per run. An Office run's also has the Office tabs (its prompt, result JSON and
+    context) and links to its agent, task and wakeup; /office/runs/<id> comes here."""
     run = await web.call(web.store.runs.get_run, run_id)
+    office = None
+    if run["trigger"] == "wakeup":
+        with contextlib.suppress(NotFound):   # a wakeup run is an Office run; its row is its own
+            office = await web.call(web.store.office.office_run, run_id)
     name, tz = (await web.call(web.store.schedules.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
     log_text, log_size = await run_log(web.deps, run_id)
     log_transcript = await run_transcript(web, run, log_text)
@@ -13552,10 +13612,27 @@ async def page_run(web: Web, run_id: str):
         changes = await changes_summary(local, run["resolved_commit"], run["result_branch"])
         files, cut = await branch_diff(local, run["resolved_commit"], run["result_branch"])
     thread = await web.call(web.store.runs.thread, run_id) if run["continues"] or run["answered_by"] else []
-    return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
-                          schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes,
-                          files=files, diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1",
-                          thread=thread)
+    context = dict(run=run, schedule_name=name, log_text=log_text, log_size=log_size, changes=changes, files=files,
+                   diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1", thread=thread,
+                   office=office, done=queue_notice(web.args.get("done", ""), run), gaps=run_gaps(run),
+                   live=run["status"] in ACTIVE_RUN_STATUSES)
+    if office is not None:
+        workspace_tz = (await web.call(web.store.office.office_settings, office["workspace_id"]))["timezone"]
+        return await office_page(web, "run.html", tab="agents", timeline=run_timeline(run["steps"], workspace_tz),
+                                 **context)
+    return await web.page("run.html", section="runs", tz=tz, timeline=run_timeline(run["steps"], tz), **context)
+
+
+@pages.get("/runs/<run_id>/log", auth=Auth.SESSION)
+async def page_run_log(web: Web, run_id: str):
+    """The raw log as a download, under the session cookie (the API's log route is for tokens and
+    for following; this one names the file)."""
+    from quart import Response
+    await web.call(web.store.runs.get_run, run_id)
+    text, _ = await run_log(web.deps, run_id)
+    return Response(text, content_type="text/plain; charset=utf-8",
+                    headers={"Content-Disposition": f'attachment; filename="{run_id}.log"',
+                             "Cache-Control": "no-store"})
 
 
 @pages.post("/runs/<run_id>/rerun", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
@@ -13893,6 +13970,15 @@ async def page_office_agent_wake(web: Web, agent_id: str):
     return await office_form(web, wake, functools.partial(page_office_agent, agent_id=agent_id))
 
 
+def open_blocker_counts(tasks: list[dict[str, Any]], shown: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """How many blockers of each shown task are still open (not Done or Cancelled; ``tasks``: the
+    workspace's, archived ones left out, so an archived blocker blocks nothing, as
+    ``open_blockers`` says). A task that is Done or Cancelled itself is blocked by nothing."""
+    still_open = {t["id"] for t in tasks if t["state"] not in TERMINAL_TASK_STATES}
+    return {t["id"]: n for t in shown.values() if t["state"] not in TERMINAL_TASK_STATES
+            and (n := sum(b in still_open for b in t["blocked_by"] or []))}
+
+
 @pages.get("/office/board", auth=Auth.SESSION)
 async def page_office_board(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                             status: int = 200):
@@ -13903,7 +13989,7 @@ async def page_office_board(web: Web, form: dict[str, str] | None = None, errors
     columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
     return await office_page(web, "office_board.html", tab="board", status=status, tasks=shown, columns=columns,
                              show_routine=show_routine, hidden_routine=hidden, running=running, form=form or {},
-                             errors=errors or {})
+                             errors=errors or {}, open_blockers=open_blocker_counts(tasks, {t["id"]: t for t in shown}))
 
 
 @pages.post("/office/tasks", auth=Auth.SESSION)
@@ -13921,11 +14007,14 @@ async def page_office_task(web: Web, task_id: str, form: dict[str, str] | None =
                            errors: dict[str, str] | None = None, status: int = 200):
     def data():
         return (web.store.office.get_task(task_id), web.store.office.list_tasks(None),
-                web.store.office.list_wakeups(None, None, None, None, 200, task_id))
-    task, tasks, wakeups = await web.call(data)
+                web.store.office.list_wakeups(None, None, None, None, 200, task_id),
+                web.store.office.task_runs_active(task_id))
+    task, tasks, wakeups, active = await web.call(data)
+    waiting = [w for w in wakeups if w["status"] == WakeupStatus.QUEUED]
     return await office_page(web, "office_task.html", tab="board", status=status, task=task, tasks=tasks,
                              titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
-                             form=form or {}, errors=errors or {})
+                             form=form or {}, errors=errors or {}, active_runs=active, waiting_wakeups=waiting,
+                             open_blockers=open_blocker_counts(tasks, {task["id"]: task}))
 
 
 @pages.post("/office/tasks/<task_id>", auth=Auth.SESSION)
@@ -13975,11 +14064,10 @@ async def page_office_wakeups(web: Web):
 
 @pages.get("/office/runs/<run_id>", auth=Auth.SESSION)
 async def page_office_run(web: Web, run_id: str):
-    run = await web.call(web.store.office.office_run, run_id)
-    log_text, log_size = await run_log(web.deps, run_id)
-    return await office_page(web, "office_run.html", tab="agents", live=run["status"] in ACTIVE_RUN_STATUSES,
-                             run=run, log_text=log_text, log_size=log_size,
-                             transcript=await run_transcript(web, run, log_text), raw=web.args.get("raw") == "1")
+    """An Office run's page was its own; it is the run page now (old links still land)."""
+    await web.call(web.store.office.office_run, run_id)
+    query = web.request.query_string.decode()
+    return await web.see_other(f"/runs/{run_id}" + (f"?{query}" if query else ""))
 
 
 @pages.get("/office/activity", auth=Auth.SESSION)

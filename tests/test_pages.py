@@ -69,7 +69,7 @@ async def test_the_settings_page_names_the_embedded_repository_while_none_is_set
 
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
-    assert len(PAGES) == 24
+    assert len(PAGES) == 25
 
 
 @pytest.mark.parametrize("rule", PAGES)
@@ -103,6 +103,13 @@ async def test_a_page_answers_on_a_filled_database(dashboard, tmp_path, rule):
     response = await client.get(path_of(rule, ids), headers={"Accept": "text/html"})
     if rule in ("/", "/office"):
         assert response.status_code == 302
+        return
+    if rule == "/office/runs/<run_id>":   # an Office run's page is the run page
+        assert response.status_code == 303 and response.headers["Location"] == f"/runs/{ids['office_run_id']}"
+        return
+    if rule == "/runs/<run_id>/log":   # the raw log, a download
+        assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+        assert response.headers["Content-Disposition"] == f'attachment; filename="{ids["run_id"]}.log"'
         return
     page = await response.get_data(as_text=True)
     assert response.status_code == 200, (rule, page[:500])

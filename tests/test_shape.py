@@ -133,6 +133,7 @@ ROUTES = [
     ("POST", "/schedules/<schedule_id>/control", "session"),
     ("GET", "/runs", "session"),
     ("GET", "/runs/<run_id>", "session"),
+    ("GET", "/runs/<run_id>/log", "session"),
     ("POST", "/runs/<run_id>/rerun", "session"),
     ("GET", "/runs/<run_id>/compare", "session"),
     ("POST", "/runs/<run_id>/adopt", "session"),

@@ -149,7 +149,7 @@ def test_compose_review_confirm_fire_and_watch_the_run_live(page, server, repo):
     sync_api.expect(page.locator("#run-status")).to_have_text("succeeded", timeout=30_000)
     assert page.evaluate("window.__notReloaded") is True, "the page reloaded instead of updating live"
     assert "working on" in page.inner_text("#run-log")
-    assert page.inner_text("#commit-count") == "1"
+    assert page.inner_text("#commit-count") == "1 commit"
     assert "notes.txt" in page.inner_text("#changes-stat")
     head = git(repo, "rev-parse", "HEAD")
     assert page.inner_text("#resolved-commit") == head
