@@ -11488,6 +11488,7 @@ DONE_NOTICES = {
     "updated": "Schedule updated.", "enable": "Schedule enabled.", "pause": "Schedule paused.",
     "resume": "Schedule resumed: enabled, failure streak cleared.", "archive": "Schedule archived.",
     "admitted": "Fired: this run is queued; it starts when a slot is free and updates live here.",
+    "admitted_started": "Fired: this run has started; it updates live here.",
     "skipped_overlap": "Not fired: a run of this schedule is still active.",
     "cancel": "Cancel requested.", "run_pause": "Run paused: its slot is free.",
     "resume_run": "Resume requested: the run continues when a slot is free.",
@@ -11507,6 +11508,7 @@ DONE_NOTICES = {
     "replied": "Reply sent: this run continues the answered one, and its attention item is closed.",
     "resumed": "Profile resumed: its queued runs may start.",
     "rerun": "Re-run queued: same commit, prompt, profile and model.",
+    "rerun_started": "Re-run started: same commit, prompt, profile and model.",
     "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
     "approve_catch_up_later": "Not started: a run of this schedule is still active. Approve the catch-up again "
                               "when it ends; the plan waits.",
@@ -11704,6 +11706,9 @@ class Web:
         self.csrf: str | None = None
         self.key: str | None = None
         self.proposer: str | None = None   # the name of the proposer key asking (caller "proposer")
+        #: A dashboard page's event cursor, read with its first store call: its live stream
+        #: resumes after it, so an event committed while the page read its data still refreshes it.
+        self.cursor: int | None = None
 
     @property
     def now(self) -> datetime:
@@ -11715,6 +11720,11 @@ class Web:
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One store function in its own transaction."""
+        if self.cursor is None and self.route is not None and self.route.auth is Auth.SESSION:
+            def first():
+                self.cursor = self.store.latest_cursor()
+                return fn(*args, **kwargs)
+            return await self.deps.transaction(first)
         return await self.deps.transaction(fn, *args, **kwargs)
 
     async def commit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -11799,7 +11809,8 @@ class Web:
 
         def nav():
             once = self.store.access.take_flash(cookie, path) if viewed else {}
-            return self.store.open_attention_count(), self.store.latest_cursor(), once
+            cursor = self.store.latest_cursor() if self.cursor is None else self.cursor
+            return self.store.open_attention_count(), cursor, once
         counts = await self.call(nav) if signed_in else (0, 0, {})
         notice = DONE_NOTICES.get(context.pop("done", self.args.get("done", "")))   # a page may drop its own
         html = await render_template(template, signed_in=signed_in, csrf=self.csrf, section=section,
@@ -13583,15 +13594,16 @@ def run_timeline(steps: list[dict[str, str]], tz: str) -> list[dict[str, Any]]:
 def run_gaps(run: dict[str, Any]) -> dict[str, str]:
     """The run page's distances between its instants: due to queued (``late``), queued to started
     (``waited``)."""
-    def between(a: str | None, b: str | None) -> str:
-        return gap_words((parse_instant(b) - parse_instant(a)).total_seconds()) if a and b else ""
+    def between(a: str | None, b: str | None) -> str:   # "" for none (a manual fire is due when queued)
+        seconds = (parse_instant(b) - parse_instant(a)).total_seconds() if a and b else 0
+        return gap_words(seconds) if seconds > 0 else ""
     return {"late": between(run["due_at"], run["queued_at"]), "waited": between(run["queued_at"], run["started_at"])}
 
 
 def queue_notice(done: str, run: dict[str, Any]) -> str:
-    """A ``?done=`` notice that speaks of the queue shows only while the run is queued (the page
-    refreshes live: the banner goes once it starts)."""
-    return done if done not in ("admitted", "rerun") or run["status"] == RunStatus.QUEUED else ""
+    """A ``?done=`` notice that speaks of the queue says so only while the run is queued: the page
+    refreshes live, and once the run has started the notice says that instead."""
+    return done if done not in ("admitted", "rerun") or run["status"] == RunStatus.QUEUED else f"{done}_started"
 
 
 @pages.get("/runs/<run_id>", auth=Auth.SESSION)
