@@ -168,6 +168,8 @@ CRON_MAX_SLEEP_S = 300.0
 #: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
 #: others only take over its fires when it is gone).
 NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 10, 1.0, 10.0
+#: How often ``outpost runs log --follow`` asks for what is new.
+FOLLOW_POLL_S = 1.0
 #: A fleet: how often a running agent's new log lines go into the database for the other nodes.
 LOG_SHIP_S = 1.0
 #: How long an actor waits before retrying a store that was locked or full.
@@ -241,7 +243,7 @@ EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2,
 #: This Outpost's version (pyproject.toml), as its MCP server names itself.
 OUTPOST_VERSION = "0.1.0"
 #: Current schema version of the store (section 5).
-SCHEMA_VERSION = 17     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
+SCHEMA_VERSION = 18     # 2: sign-in sessions and codes; 3: Run(schedule, id) index; 4: Office; 5: routines;
                         # 6: a routine run found by its wakeup; 7: agent CLIs (reports, limits, replies, budgets);
                         # 8: catch-up plans, re-runs, chart indexes; 9: nodes (a fleet, docs/fleet.md);
                         # 10: PostgreSQL numbers events by a sequence (StoreCore._number_events);
@@ -253,6 +255,8 @@ SCHEMA_VERSION = 17     # 2: sign-in sessions and codes; 3: Run(schedule, id) in
                         # 15: proposer keys and proposals (a person's own agent, docs/agent-clis.md);
                         #     who asked for a dispatch (Run.requested_by)
                         # 16: channels (ChannelState, ChannelDelivery, Comment.author)
+                        # 17: attention folds (Attention.times, latest_at, run_ids, agent_id); NotifyTarget
+                        # 18: a run's timeline (Run.steps)
 #: The runs of a needs_you thread a run page shows before (and after) it, at most.
 THREAD_MAX = 25
 #: The workspace Office resources belong to unless a request names another.
@@ -4353,6 +4357,10 @@ def define_entities(db: orm.Database) -> None:
         queued_at = Required(datetime)
         started_at = Optional(datetime)
         finished_at = Optional(datetime)
+        #: The instants of its launch that no other column holds (``run_steps``): worktree_ready
+        #: and agent_started (written with its pid), first_output, agent_exited, branch_back (with
+        #: its settlement), as RFC 3339 by step name.
+        steps = Optional(orm.Json, nullable=True)
 
     class ProfileState(db.Entity):
         """An agent profile's standing (docs/agent-clis.md): limited until a reset, or paused for a login."""
@@ -4843,6 +4851,9 @@ SCHEMA_SQL = {
         'ALTER TABLE "Attention" ADD COLUMN latest_at TIMESTAMP',
         'ALTER TABLE "Attention" ADD COLUMN run_ids JSON',
     ],
+    18: [   # a run's timeline: the instants of its launch (GET /v1/outpost/runs/<id> "steps")
+        'ALTER TABLE "Run" ADD COLUMN steps JSON',
+    ],
 }
 
 
@@ -4874,7 +4885,25 @@ def run_view(r) -> dict[str, Any]:
             "model": r.model or (r.agent_report or {}).get("model"), "question": r.question,
             "continues": r.continues, "answered_by": r.answered_by, "answer": r.answer, "rerun_of": r.rerun_of,
             "requested_by": r.requested_by,
-            "node": r.node}
+            "node": r.node, "steps": run_steps(aware(r.queued_at), r.steps, aware(r.finished_at))}
+
+
+#: A run's timeline (API.md 15), in the order its steps happen when they all do.
+RUN_STEPS = ("queued", "worktree_ready", "agent_started", "first_output", "agent_exited", "branch_back", "settled")
+
+
+def instant_ms(dt: datetime) -> str:
+    """RFC 3339 UTC to the millisecond, always (a timeline's instants line up)."""
+    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="milliseconds") + "Z"
+
+
+def run_steps(queued_at: datetime, steps: dict[str, str] | None, finished_at: datetime | None) -> list[dict[str, str]]:
+    """The steps that happened, in time order (ties in RUN_STEPS order): queued and settled are the
+    run's own columns, the rest its ``steps``, recorded by its supervisor."""
+    at = {"queued": queued_at, **{k: datetime.fromisoformat(v) for k, v in (steps or {}).items() if k in RUN_STEPS},
+          **({"settled": finished_at} if finished_at else {})}
+    ordered = sorted(at, key=lambda k: (at[k], RUN_STEPS.index(k)))
+    return [{"step": k, "at": instant_ms(at[k])} for k in ordered]
 
 
 def profile_state_view(name: str, st, *, running: int, queued: int, last_run_at: datetime | None,
@@ -6438,7 +6467,7 @@ class RunStore(StorePart):
         URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
         earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
         fenced = " AND node = $node AND attempt = $attempt" if fence else ""
-        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL "
+        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL, steps = NULL "
                               f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
                               {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
@@ -6499,21 +6528,27 @@ class RunStore(StorePart):
                 "due_at": aware(r.due_at), "started_at": aware(r.started_at),
                 "handover_branch": self._handover_branch(r, o) if o and o.task_id and r.continues_branch else None}
 
-    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int]) -> bool:
-        """Record the agent's process, if the run is still this admission's (``fence``: node,
-        attempt); false when it is not (its node was declared lost): the caller ends the process."""
+    def mark_spawned(self, run_id: str, pid: int, pid_started: str | None, fence: tuple[str, int],
+                     steps: dict[str, str] | None = None) -> bool:
+        """Record the agent's process, and the steps of its launch so far (``run_steps``), if the
+        run is still this admission's (``fence``: node, attempt); false when it is not (its node
+        was declared lost): the caller ends the process."""
         return bool(self.core.returning(
-            'UPDATE "Run" SET pid = $pid, pid_started = $started WHERE id = $run_id AND node = $node '
+            'UPDATE "Run" SET pid = $pid, pid_started = $started, steps = $steps WHERE id = $run_id AND node = $node '
             f"AND attempt = $attempt AND status IN {ACTIVE_RUN_SQL} RETURNING id",
-            {"pid": pid, "started": pid_started, "run_id": run_id, "node": fence[0], "attempt": fence[1]}))
+            {"pid": pid, "started": pid_started, "run_id": run_id, "node": fence[0], "attempt": fence[1],
+             "steps": json.dumps(steps) if steps else None}))
 
     def settle_run(self, run_id: str, outcome: Outcome, now: datetime, *, exit_code: int | None = None,
-                   commits: int = 0, auth_hint: str = "", fence: tuple[str, int] | None = None) -> bool:
-        """Record a run's end once, with its agent report. A cancel asked for wins over how the
-        process ended; a question the agent asked (``POST /api/agent/needs-you``) makes a run that
-        ended on its own ``needs_you``. A limit or a login failure holds the run's profile.
-        ``fence``: the (node, attempt) that admitted the run, as its supervisor knows it; a run
-        admitted again since (its node was declared lost) is no longer that supervisor's to settle."""
+                   commits: int = 0, auth_hint: str = "", fence: tuple[str, int] | None = None,
+                   steps: dict[str, str] | None = None) -> bool:
+        """Record a run's end once, with its agent report and the steps of its launch its
+        supervisor saw (``run_steps``; None keeps those recorded, as after a restart). A cancel
+        asked for wins over how the process ended; a question the agent asked (``POST
+        /api/agent/needs-you``) makes a run that ended on its own ``needs_you``. A limit or a
+        login failure holds the run's profile. ``fence``: the (node, attempt) that admitted the
+        run, as its supervisor knows it; a run admitted again since (its node was declared lost)
+        is no longer that supervisor's to settle."""
         rows = self.db.select('SELECT status, cancel_requested, question, max_cost_usd, schedule, agent, trigger '
                               'FROM "Run" WHERE id = $run_id', {"run_id": run_id})
         if not rows:
@@ -6536,10 +6571,13 @@ class RunStore(StorePart):
         if not self.core.returning(
                 'UPDATE "Run" SET status = $status, exit_code = $exit_code, error = $error, commits = $commits, '
                 'result = $result, agent_report = $report, failure_kind = $kind, cost_usd = $cost, '
-                'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL '
-                'WHERE id = $run_id AND status = $was' + (" AND node = $node AND attempt = $attempt" if fence else "")
+                'question = $question, over_budget = $over, finished_at = $now, resume_requested_at = NULL'
+                + (", steps = $steps" if steps else "")
+                + " WHERE id = $run_id AND status = $was"
+                + (" AND node = $node AND attempt = $attempt" if fence else "")
                 + " RETURNING id",
                 {**({"node": fence[0], "attempt": fence[1]} if fence else {}),
+                 **({"steps": json.dumps(steps)} if steps else {}),
                  "status": str(status), "exit_code": exit_code, "error": error, "commits": commits,
                  "result": None if r.result is None else json.dumps(r.result), "report": json.dumps(report),
                  "kind": r.failure_kind, "cost": r.cost_usd, "question": question or outcome.question,
@@ -7860,6 +7898,16 @@ class OfficeStore(StorePart):
                 "ORDER BY o.queued_at, o.run_id", {"ws": self.workspace_row(workspace_id).id}):
             running.setdefault(task_id, []).append(agent_id)
         return running
+
+    def task_runs_active(self, task_id: str) -> list[dict[str, Any]]:
+        """The runs on a task still going (queued, running, paused), oldest first: the task page's
+        live status."""
+        rows = self.db.select(
+            'SELECT r.id, o.agent_id, r.status, r.queued_at, r.started_at FROM "OfficeRun" o JOIN "Run" r '
+            f"ON r.id = o.run_id WHERE o.task_id = $t AND r.status IN {ACTIVE_RUN_SQL} ORDER BY r.id", {"t": task_id})
+        return [{"id": run_id, "agent_id": agent_id, "status": status, "queued_at": rfc3339(sql_instant(queued)),
+                 "started_at": rfc3339(sql_instant(started)) if started else None}
+                for run_id, agent_id, status, queued, started in rows]
 
     def task_titles(self, task_ids: Iterable[str]) -> dict[str, str]:
         """The titles of these tasks (those that exist), for the tables that name a task."""
@@ -9905,6 +9953,14 @@ class LiveRun:
     cancelled: bool = False
     paused: bool = False                 # a pause is recorded: stopped, or stopped the moment it exists
     remaining_s: float | None = None     # of the timeout, while paused
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC)   # the daemon's (Deps.clock.now)
+    #: The instants of its launch seen so far (``run_steps``), written with the next write of the run.
+    steps: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def step(self, name: str) -> None:
+        """Note that ``name`` happened now, the first time only (first_output: of many chunks)."""
+        if name not in self.steps:
+            self.steps[name] = instant_ms(self.clock())
 
     def cancel(self) -> None:
         """End it for a cancel (run control, or its node declared lost): the one place a run
@@ -10082,6 +10138,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
         except OSError as exc:
             raise LaunchError(f"could not start agent command {argv[0]!r}: {exc.strerror or exc}") from None
         live.spawned(proc.pid, timeout_s)
+        live.step("agent_started")
         await on_spawn(proc.pid)
 
         async def feed() -> None:
@@ -10091,11 +10148,13 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
 
         async def pump_stdout() -> None:
             async for chunk in proc.stdout:
+                live.step("first_output")
                 sink.write(chunk)
                 stdout_lines.feed(chunk)
 
         async def pump_stderr() -> None:
             async for chunk in proc.stderr:
+                live.step("first_output")
                 sink.write(chunk)
                 stderr_tail.extend(chunk)
                 del stderr_tail[:-ERROR_TAIL_BYTES]
@@ -10114,6 +10173,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                 await terminate_group(proc, grace_s)
             else:
                 kill_group(proc.pid, signal.SIGKILL)   # leftovers of the group (background children)
+            live.step("agent_exited")
         return ProcessResult(proc.returncode, stdout_lines.lines(), stderr_tail.decode(errors="replace"), timed_out)
     finally:
         sink.close()
@@ -11062,7 +11122,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     cancelled (shutdown), the process group is ended and the run recorded ``interrupted``
     before the cancellation goes on."""
     rlog = log.getChild("run")
-    live = LiveRun(run_id, trio.CancelScope())
+    live = LiveRun(run_id, trio.CancelScope(), clock=deps.clock.now)
     deps.live.add(live)   # before the read: a pause recorded from now on reaches it, one before is read
     try:
         row = await deps.transaction_retrying(deps.store.runs.launch_info, run_id)
@@ -11084,6 +11144,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             if profile is None:
                 raise LaunchError(f"agent profile {plan.agent!r} is not configured")
             commit = await prepare_worktree(deps, plan, workspace)
+            live.step("worktree_ready")
             cwd = (workspace / plan.workdir).resolve()
             if not cwd.is_relative_to(workspace.resolve()):   # a symlink in the tree pointing elsewhere
                 raise LaunchError(f"workdir {plan.workdir!r} leads outside the worktree (a symlink); refused")
@@ -11110,7 +11171,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
 
             async def on_spawn(pid: int) -> None:
                 if not await deps.transaction_retrying(deps.store.runs.mark_spawned, run_id, pid,
-                                                       process_start_time(pid), plan.fence):
+                                                       process_start_time(pid), plan.fence, dict(live.steps)):
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
@@ -11134,23 +11195,25 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                 sink = LogSink(deps.log_path(run_id))
                 sink.write(f"[outpost] {reason}\n".encode())
                 sink.close()
-        await finish_run(deps, plan, commit, outcome, exit_code)
+        await finish_run(deps, plan, commit, outcome, exit_code, live.steps)
         settled = True
     finally:
         deps.live.discard(run_id)
         shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
-                await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None)
+                await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None, live.steps)
 
 
-async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None) -> None:
+async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None,
+                     steps: dict[str, str] | None = None) -> None:
     """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
-    worktree, record settlement."""
+    worktree, record settlement. ``steps``: the launch's steps its supervisor saw (``run_steps``),
+    settled with it and branch_back added; None after a restart (those recorded stay)."""
     run_id = plan.run_id
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
-    kept = None
+    kept, back_at = None, None
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "
@@ -11158,6 +11221,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
         await save_leftovers(workspace, run_id, sandbox)
         if workspace.exists() and Path(local).is_dir():
             await bring_back(local, workspace, plan.result_branch, commit, sandbox)
+            back_at = deps.clock.now()
     except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
         log.getChild("run").warning("run %s: %s", run_id, kept)
@@ -11169,6 +11233,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if commits and is_repository_url(plan.repository):   # docs/fleet.md: the result goes back where it came from
         try:
             await deps.mirrors.push(plan.repository, plan.result_branch)
+            back_at = deps.clock.now()
         except LaunchError as exc:
             unpushed = (f"git push of {plan.result_branch} to {plan.repository} failed: {exc}\n"
                         f"The branch is kept in {local}; push it from there, or fix the access and re-run.")
@@ -11180,10 +11245,13 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if (kept is None and not commits and commit and not plan.continues_branch
             and outcome.status != RunStatus.NEEDS_YOU):
         await drop_branch_of(run_id, local, plan.result_branch, commit)
+    if steps is not None and commits and kept is None and unpushed is None and back_at is not None:
+        steps = {**steps, "branch_back": instant_ms(back_at)}   # where its user fetches it: the mirror, or pushed
     now = deps.clock.now()
     hint = login_hint(plan.profile) if plan.profile else ""
     settled = await deps.transaction_retrying(deps.store.runs.settle_run, run_id, outcome, now, exit_code=exit_code,
-                                              commits=commits, auth_hint=hint, fence=plan.fence if plan.node else None)
+                                              commits=commits, auth_hint=hint, fence=plan.fence if plan.node else None,
+                                              steps=steps)
     if unpushed is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "push_failed",
                                         f"Run {run_id}: its result branch was not pushed", unpushed, now,
@@ -11629,14 +11697,15 @@ def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
     return name in LOCAL_HOSTS or name in {h.lower() for h in allowed}
 
 
-def local_time(instant: str | datetime | None, tz_name: str = "UTC") -> str:
-    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``."""
+def local_time(instant: str | datetime | None, tz_name: str = "UTC", *, seconds: bool = False) -> str:
+    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``
+    (``09:05:12`` with ``seconds``: a run's own instants, which are seconds apart)."""
     if not instant:
         return "-"
     dt = parse_instant(instant) if isinstance(instant, str) else instant
     local = dt.astimezone(ZoneInfo(tz_name))
     offset = local.strftime("%z")
-    return f"{local:%Y-%m-%d %H:%M} {local.tzname()} ({offset[:3]}:{offset[3:]})"
+    return f"{local:%Y-%m-%d %H:%M{':%S' if seconds else ''}} {local.tzname()} ({offset[:3]}:{offset[3:]})"
 
 
 def schedule_state(s: dict[str, Any]) -> str:
@@ -11713,6 +11782,7 @@ DONE_NOTICES = {
     "updated": "Schedule updated.", "enable": "Schedule enabled.", "pause": "Schedule paused.",
     "resume": "Schedule resumed: enabled, failure streak cleared.", "archive": "Schedule archived.",
     "admitted": "Fired: this run is queued; it starts when a slot is free and updates live here.",
+    "admitted_started": "Fired: this run has started; it updates live here.",
     "skipped_overlap": "Not fired: a run of this schedule is still active.",
     "cancel": "Cancel requested.", "run_pause": "Run paused: its slot is free.",
     "resume_run": "Resume requested: the run continues when a slot is free.",
@@ -11734,6 +11804,7 @@ DONE_NOTICES = {
     "replied": "Reply sent: this run continues the answered one, and its attention item is closed.",
     "resumed": "Profile resumed: its queued runs may start.",
     "rerun": "Re-run queued: same commit, prompt, profile and model.",
+    "rerun_started": "Re-run started: same commit, prompt, profile and model.",
     "approve_catch_up": "Catch-up approved: one catch-up run is queued.",
     "approve_catch_up_later": "Not started: a run of this schedule is still active. Approve the catch-up again "
                               "when it ends; the plan waits.",
@@ -11948,6 +12019,9 @@ class Web:
         self.csrf: str | None = None
         self.key: str | None = None
         self.proposer: str | None = None   # the name of the proposer key asking (caller "proposer")
+        #: A dashboard page's event cursor, read with its first store call: its live stream
+        #: resumes after it, so an event committed while the page read its data still refreshes it.
+        self.cursor: int | None = None
 
     @property
     def now(self) -> datetime:
@@ -11959,6 +12033,11 @@ class Web:
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One store function in its own transaction."""
+        if self.cursor is None and self.route is not None and self.route.auth is Auth.SESSION:
+            def first():
+                self.cursor = self.store.latest_cursor()
+                return fn(*args, **kwargs)
+            return await self.deps.transaction(first)
         return await self.deps.transaction(fn, *args, **kwargs)
 
     async def commit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -12043,9 +12122,10 @@ class Web:
 
         def nav():
             once = self.store.access.take_flash(cookie, path) if viewed else {}
-            return self.store.open_attention_count(), self.store.latest_cursor(), once
+            cursor = self.store.latest_cursor() if self.cursor is None else self.cursor
+            return self.store.open_attention_count(), cursor, once
         counts = await self.call(nav) if signed_in else (0, 0, {})
-        notice = DONE_NOTICES.get(self.args.get("done", ""))
+        notice = DONE_NOTICES.get(context.pop("done", self.args.get("done", "")))   # a page may drop its own
         html = await render_template(template, signed_in=signed_in, csrf=self.csrf, section=section,
                                      live=live, open_attention=counts[0], cursor=counts[1],
                                      isolation=self.deps.isolation,
@@ -12349,7 +12429,7 @@ async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str
     return runs_chart_svg(days, title)
 
 
-def time_tag(instant: str | datetime | None, tz_name: str | None = None):
+def time_tag(instant: str | datetime | None, tz_name: str | None = None, *, seconds: bool = False):
     """An instant as a ``<time>`` element. Without a zone (lists): ``data-rel``, which
     static/outpost.js turns into "3 min ago" with the exact instant in the viewer's zone on
     hover; without JavaScript it reads in UTC. With a zone (a schedule's own page): the
@@ -12364,7 +12444,7 @@ def time_tag(instant: str | datetime | None, tz_name: str | None = None):
             iso, f"{dt:%Y-%m-%d %H:%M:%S} UTC", f"{dt:%Y-%m-%d %H:%M} UTC")
     local = dt.astimezone(ZoneInfo(tz_name))
     return Markup('<time datetime="{}" title="{}">{}</time>').format(
-        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name))
+        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name, seconds=seconds))
 
 
 def words_of_seconds(seconds: float) -> str:
@@ -13932,9 +14012,59 @@ async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[s
     return await trio.to_thread.run_sync(transcript, log_text, fmt)
 
 
+#: A run's steps in the run page's words (RUN_STEPS).
+STEP_WORDS = {"queued": "Queued", "worktree_ready": "Worktree ready", "agent_started": "Agent started",
+              "first_output": "First output", "agent_exited": "Agent exited", "branch_back": "Branch brought back",
+              "settled": "Settled"}
+
+
+def gap_words(seconds: float) -> str:
+    """A step's distance from the one before: tenths under a minute (a worktree is ready in 0.4 s),
+    then as words_of_seconds."""
+    if seconds < 10:
+        return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+    return words_of_seconds(seconds) if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def run_timeline(steps: list[dict[str, str]], tz: str) -> list[dict[str, Any]]:
+    """The run page's timeline: each step in ``tz`` to the millisecond, with the time since the
+    step before and since the run was queued."""
+    rows: list[dict[str, Any]] = []
+    for step in steps:
+        at = parse_instant(step["at"])
+        local = at.astimezone(ZoneInfo(tz))
+        first = parse_instant(steps[0]["at"])
+        rows.append({"step": step["step"], "words": STEP_WORDS.get(step["step"], step["step"]), "at": step["at"],
+                     "shown": f"{local:%H:%M:%S}.{local.microsecond // 1000:03d}",
+                     "since_previous": gap_words((at - parse_instant(rows[-1]["at"])).total_seconds()) if rows else "",
+                     "since_queued": gap_words((at - first).total_seconds())})
+    return rows
+
+
+def run_gaps(run: dict[str, Any]) -> dict[str, str]:
+    """The run page's distances between its instants: due to queued (``late``), queued to started
+    (``waited``)."""
+    def between(a: str | None, b: str | None) -> str:   # "" for none (a manual fire is due when queued)
+        seconds = (parse_instant(b) - parse_instant(a)).total_seconds() if a and b else 0
+        return gap_words(seconds) if seconds > 0 else ""
+    return {"late": between(run["due_at"], run["queued_at"]), "waited": between(run["queued_at"], run["started_at"])}
+
+
+def queue_notice(done: str, run: dict[str, Any]) -> str:
+    """A ``?done=`` notice that speaks of the queue says so only while the run is queued: the page
+    refreshes live, and once the run has started the notice says that instead."""
+    return done if done not in ("admitted", "rerun") or run["status"] == RunStatus.QUEUED else f"{done}_started"
+
+
 @pages.get("/runs/<run_id>", auth=Auth.SESSION)
 async def page_run(web: Web, run_id: str):
+    """One page per run. An Office run's also has the Office tabs (its prompt, result JSON and
+    context) and links to its agent, task and wakeup; /office/runs/<id> comes here."""
     run = await web.call(web.store.runs.get_run, run_id)
+    office = None
+    if run["trigger"] == "wakeup":
+        with contextlib.suppress(NotFound):   # a wakeup run is an Office run; its row is its own
+            office = await web.call(web.store.office.office_run, run_id)
     name, tz = (await web.call(web.store.schedules.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
     log_text, log_size = await run_log(web.deps, run_id)
     log_transcript = await run_transcript(web, run, log_text)
@@ -13944,10 +14074,27 @@ async def page_run(web: Web, run_id: str):
         changes = await changes_summary(local, run["resolved_commit"], run["result_branch"])
         files, cut = await branch_diff(local, run["resolved_commit"], run["result_branch"])
     thread = await web.call(web.store.runs.thread, run_id) if run["continues"] or run["answered_by"] else []
-    return await web.page("run.html", section="runs", live=run["status"] in ACTIVE_RUN_STATUSES, run=run,
-                          schedule_name=name, tz=tz, log_text=log_text, log_size=log_size, changes=changes,
-                          files=files, diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1",
-                          thread=thread)
+    context = dict(run=run, schedule_name=name, log_text=log_text, log_size=log_size, changes=changes, files=files,
+                   diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1", thread=thread,
+                   office=office, done=queue_notice(web.args.get("done", ""), run), gaps=run_gaps(run),
+                   live=run["status"] in ACTIVE_RUN_STATUSES)
+    if office is not None:
+        workspace_tz = (await web.call(web.store.office.office_settings, office["workspace_id"]))["timezone"]
+        return await office_page(web, "run.html", tab="agents", timeline=run_timeline(run["steps"], workspace_tz),
+                                 **context)
+    return await web.page("run.html", section="runs", tz=tz, timeline=run_timeline(run["steps"], tz), **context)
+
+
+@pages.get("/runs/<run_id>/log", auth=Auth.SESSION)
+async def page_run_log(web: Web, run_id: str):
+    """The raw log as a download, under the session cookie (the API's log route is for tokens and
+    for following; this one names the file)."""
+    from quart import Response
+    await web.call(web.store.runs.get_run, run_id)
+    text, _ = await run_log(web.deps, run_id)
+    return Response(text, content_type="text/plain; charset=utf-8",
+                    headers={"Content-Disposition": f'attachment; filename="{run_id}.log"',
+                             "Cache-Control": "no-store"})
 
 
 @pages.post("/runs/<run_id>/rerun", auth=Auth.SESSION, nudges=(Actor.CLAIM,))
@@ -14368,6 +14515,15 @@ async def page_office_agent_wake(web: Web, agent_id: str):
     return await office_form(web, wake, functools.partial(page_office_agent, agent_id=agent_id))
 
 
+def open_blocker_counts(tasks: list[dict[str, Any]], shown: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """How many blockers of each shown task are still open (not Done or Cancelled; ``tasks``: the
+    workspace's, archived ones left out, so an archived blocker blocks nothing, as
+    ``open_blockers`` says). A task that is Done or Cancelled itself is blocked by nothing."""
+    still_open = {t["id"] for t in tasks if t["state"] not in TERMINAL_TASK_STATES}
+    return {t["id"]: n for t in shown.values() if t["state"] not in TERMINAL_TASK_STATES
+            and (n := sum(b in still_open for b in t["blocked_by"] or []))}
+
+
 @pages.get("/office/board", auth=Auth.SESSION)
 async def page_office_board(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                             status: int = 200):
@@ -14378,7 +14534,7 @@ async def page_office_board(web: Web, form: dict[str, str] | None = None, errors
     columns = {state: [t for t in shown if t["state"] == state] for state in TaskState}
     return await office_page(web, "office_board.html", tab="board", status=status, tasks=shown, columns=columns,
                              show_routine=show_routine, hidden_routine=hidden, running=running, form=form or {},
-                             errors=errors or {})
+                             errors=errors or {}, open_blockers=open_blocker_counts(tasks, {t["id"]: t for t in shown}))
 
 
 @pages.post("/office/tasks", auth=Auth.SESSION)
@@ -14396,11 +14552,14 @@ async def page_office_task(web: Web, task_id: str, form: dict[str, str] | None =
                            errors: dict[str, str] | None = None, status: int = 200):
     def data():
         return (web.store.office.get_task(task_id), web.store.office.list_tasks(None),
-                web.store.office.list_wakeups(None, None, None, None, 200, task_id))
-    task, tasks, wakeups = await web.call(data)
+                web.store.office.list_wakeups(None, None, None, None, 200, task_id),
+                web.store.office.task_runs_active(task_id))
+    task, tasks, wakeups, active = await web.call(data)
+    waiting = [w for w in wakeups if w["status"] == WakeupStatus.QUEUED]
     return await office_page(web, "office_task.html", tab="board", status=status, task=task, tasks=tasks,
                              titles={t["id"]: t for t in tasks}, wakeups=wakeups, hide_agent=False,
-                             form=form or {}, errors=errors or {})
+                             form=form or {}, errors=errors or {}, active_runs=active, waiting_wakeups=waiting,
+                             open_blockers=open_blocker_counts(tasks, {task["id"]: task}))
 
 
 @pages.post("/office/tasks/<task_id>", auth=Auth.SESSION)
@@ -14450,11 +14609,10 @@ async def page_office_wakeups(web: Web):
 
 @pages.get("/office/runs/<run_id>", auth=Auth.SESSION)
 async def page_office_run(web: Web, run_id: str):
-    run = await web.call(web.store.office.office_run, run_id)
-    log_text, log_size = await run_log(web.deps, run_id)
-    return await office_page(web, "office_run.html", tab="agents", live=run["status"] in ACTIVE_RUN_STATUSES,
-                             run=run, log_text=log_text, log_size=log_size,
-                             transcript=await run_transcript(web, run, log_text), raw=web.args.get("raw") == "1")
+    """An Office run's page was its own; it is the run page now (old links still land)."""
+    await web.call(web.store.office.office_run, run_id)
+    query = web.request.query_string.decode()
+    return await web.see_other(f"/runs/{run_id}" + (f"?{query}" if query else ""))
 
 
 @pages.get("/office/activity", auth=Auth.SESSION)
@@ -14784,6 +14942,12 @@ class Client:
 
     def call(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
              idempotent: bool = False, raw: bool = False) -> Any:
+        payload, _ = self.exchange(method, path, body, headers=headers, idempotent=idempotent)
+        return payload.decode() if raw else json.loads(payload or b"null")
+
+    def exchange(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
+                 idempotent: bool = False) -> tuple[bytes, Any]:
+        """The answer's body and headers; a refusal or no daemon is a CliError."""
         data = json.dumps(body).encode() if body is not None else None
         hdrs = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json", **(headers or {})}
         if idempotent:
@@ -14791,7 +14955,7 @@ class Client:
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=hdrs)
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
-                payload = resp.read()
+                return resp.read(), resp.headers
         except urllib.error.HTTPError as exc:
             try:
                 problem = json.loads(exc.read())
@@ -14805,7 +14969,6 @@ class Client:
         except (urllib.error.URLError, OSError) as exc:
             raise CliError(f"cannot reach the Outpost daemon at {self.base_url} ({exc}); "
                            "is `outpost serve` running?", EXIT_UNREACHABLE) from None
-        return payload.decode() if raw else json.loads(payload or b"null")
 
 
 def read_definition_file(path: str) -> dict[str, Any]:
@@ -14944,12 +15107,29 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
             return
         for key, value in run.items():
             print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else value}")
+    elif args.action == "log" and args.follow:
+        follow_log(client, args.target)
     elif args.action == "log":
         sys.stdout.write(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True))
     elif args.action == "cancel":
         run = client.call("POST", f"/v1/outpost/runs/{args.target}/control", {"action": "cancel"}, idempotent=True)
         print(json.dumps(run, indent=2) if args.json else f"Run {run['id']} is {run['status']}"
               + (" (cancel requested)" if run["status"] not in SETTLED_RUN_STATUSES else "") + ".")
+
+
+def follow_log(client: Client, run_id: str) -> None:
+    """``outpost runs log ID --follow``: the log so far, then what is new each FOLLOW_POLL_S, until
+    the run settles. The status is read before the log, so the read after it settled is its end."""
+    offset = 0
+    while True:
+        status = client.call("GET", f"/v1/outpost/runs/{run_id}")["status"]
+        text, headers = client.exchange("GET", f"/v1/outpost/runs/{run_id}/log?offset={offset}")
+        sys.stdout.write(text.decode(errors="replace"))
+        sys.stdout.flush()
+        offset = int(headers.get("X-Log-Size") or offset)
+        if status not in ACTIVE_RUN_STATUSES:
+            return
+        time.sleep(FOLLOW_POLL_S)
 
 
 def cli_keys(client: Client, args: argparse.Namespace, folder: Path) -> None:
@@ -15692,6 +15872,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--yes", action="store_true", help="confirm without asking")
         p.add_argument("--all", action="store_true", help="list: include archived")
+        p.add_argument("--follow", action="store_true", help="runs log: stream the live log until the run settles")
         p.add_argument("--schedule", help="runs list: only this schedule id")
         p.add_argument("--status", help="runs list: only this status")
         p.add_argument("--limit", type=int, default=None)

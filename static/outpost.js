@@ -266,6 +266,60 @@
     });
   }
 
+  // --- a run's log: the search box shows only the lines (and transcript entries) with its words,
+  // the words marked; the query outlives a live refresh. The text as it came is kept per element. --
+  let logQuery = "";
+  const logText = new WeakMap();
+  function rawText(log) {
+    if (!logText.has(log)) logText.set(log, log.textContent);
+    return logText.get(log);
+  }
+  function marked(line, q) {
+    const span = document.createElement("span");
+    span.className = "log-line";
+    const lower = line.toLowerCase();
+    let at = 0;
+    for (let i = lower.indexOf(q); i >= 0; i = lower.indexOf(q, at)) {
+      span.append(line.slice(at, i));
+      const mark = document.createElement("mark");
+      mark.textContent = line.slice(i, i + q.length);
+      span.append(mark);
+      at = i + q.length;
+    }
+    span.append(line.slice(at) + "\n");
+    return span;
+  }
+  function filterLog() {
+    const q = logQuery.trim().toLowerCase();
+    const log = document.getElementById("run-log");
+    const count = document.getElementById("log-matches");
+    if (log) {
+      const text = rawText(log);
+      if (!q) {
+        log.textContent = text;
+      } else {
+        const lines = text.split("\n").filter((line) => line.toLowerCase().includes(q));
+        log.replaceChildren(...lines.map((line) => marked(line, q)));
+        if (count) count.textContent = `${lines.length} matching line${lines.length === 1 ? "" : "s"}`;
+      }
+    }
+    document.querySelectorAll("#run-transcript > li").forEach((entry) =>
+      entry.classList.toggle("hidden", !!q && !entry.textContent.toLowerCase().includes(q)));
+    if (count && !q) count.textContent = "";
+  }
+  function appendLog(log, text) {
+    logText.set(log, rawText(log) + text);
+    if (logQuery.trim()) filterLog();
+    else log.append(text);
+  }
+  function setupLogSearch(root) {
+    const box = root.querySelector("#log-search");
+    if (!box) return;
+    box.value = logQuery;
+    box.addEventListener("input", () => { logQuery = box.value; filterLog(); });
+    if (logQuery) filterLog();
+  }
+
   // --- small behaviours: confirm before destructive actions, "back" keeps form input -------
   function setupPage(root) {
     setupBulk(root);
@@ -279,6 +333,7 @@
     }
     root.querySelectorAll("input[data-viewer-zone]").forEach((i) => { if (!i.value && viewerZone) i.value = viewerZone; });
     renderTimes(root);
+    setupLogSearch(root);
     setupTimingPicker(root);
     setupBoard(root);
     setupTabs(root);
@@ -302,12 +357,15 @@
     const page = new DOMParser().parseFromString(await reply.text(), "text/html");
     const fresh = page.getElementById("main");
     if (!fresh) return;
+    const searching = document.activeElement?.id === "log-search";   // typing in it goes on
     main.innerHTML = fresh.innerHTML;
     main.dataset.live = fresh.dataset.live || "";
     const count = page.getElementById("attention-count");
     const mine = document.getElementById("attention-count");
     if (count && mine) { mine.textContent = count.textContent; mine.className = count.className; }
     setupPage(main);
+    const box = searching && document.getElementById("log-search");
+    if (box) { box.focus(); box.setSelectionRange(box.value.length, box.value.length); }
     followLog();
   }
   function scheduleRefresh() {
@@ -367,7 +425,7 @@
           const current = document.getElementById("run-log");
           if (current === log && text) {
             const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 20;
-            log.textContent += text;
+            appendLog(log, text);
             document.getElementById("log-empty")?.remove();
             if (atBottom) log.scrollTop = log.scrollHeight;
           }

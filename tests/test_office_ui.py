@@ -23,7 +23,7 @@ def dashboard(tmp_path: Path):
 async def page_of(deps: outpost.Deps, path: str, status: int = 200) -> str:
     client = outpost.create_app(deps).test_client()
     sign_in_client(client, deps.store, T0)
-    response = await client.get(path)
+    response = await client.get(path, follow_redirects=True)   # /office/runs/<id>: the run page
     assert response.status_code == status, path
     return await response.get_data(as_text=True)
 
@@ -110,7 +110,7 @@ async def test_the_office_run_page_counts_commits_in_good_english(tmp_path, dash
     def committed():
         dashboard.store.db.Run[run_id].commits = commits
     call(dashboard.store, committed)
-    assert f"({words})</dd>" in await page_of(dashboard, f"/office/runs/{run_id}")
+    assert f'id="commit-count">{words}</dd>' in await page_of(dashboard, f"/office/runs/{run_id}")
 
 
 # --- charts, labels, costs -------------------------------------------------------------------------------

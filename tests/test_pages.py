@@ -104,6 +104,13 @@ async def test_a_page_answers_on_a_filled_database(dashboard, tmp_path, rule):
     if rule in ("/", "/office"):
         assert response.status_code == 302
         return
+    if rule == "/office/runs/<run_id>":   # an Office run's page is the run page
+        assert response.status_code == 303 and response.headers["Location"] == f"/runs/{ids['office_run_id']}"
+        return
+    if rule == "/runs/<run_id>/log":   # the raw log, a download
+        assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+        assert response.headers["Content-Disposition"] == f'attachment; filename="{ids["run_id"]}.log"'
+        return
     page = await response.get_data(as_text=True)
     assert response.status_code == 200, (rule, page[:500])
     for name in ("schedule_id", "run_id", "agent_id", "task_id", "routine_id", "proposal_id"):

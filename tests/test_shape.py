@@ -143,6 +143,7 @@ ROUTES = [
     ("GET", "/runs", "session"),
     ("POST", "/runs/bulk", "session"),
     ("GET", "/runs/<run_id>", "session"),
+    ("GET", "/runs/<run_id>/log", "session"),
     ("POST", "/runs/<run_id>/rerun", "session"),
     ("GET", "/runs/<run_id>/compare", "session"),
     ("POST", "/runs/<run_id>/adopt", "session"),

@@ -498,6 +498,39 @@ def test_settle_run_records_the_first_end_only(tx):
         "failed", 1, "boom", "2026-11-30T08:06:00Z")
 
 
+def test_a_runs_steps_ride_its_spawn_and_its_settlement_in_time_order(tx, store):
+    """API.md 15: the timeline, to the millisecond: queued and settled are the run's own instants;
+    the rest come with the writes a run makes anyway (its pid, its settlement)."""
+    schedule(tx)
+    [run_id] = tx.schedules.claim_due(T0 + 5 * MIN)
+    tx.runs.admit_next(1, T0 + 5 * MIN)
+    ms = outpost.instant_ms
+    at = {"worktree_ready": T0 + 5 * MIN + 0.25 * SEC, "agent_started": T0 + 5 * MIN + 0.5 * SEC}
+    assert tx.runs.mark_spawned(run_id, 4242, "1", (store.node, 1), {k: ms(v) for k, v in at.items()})
+    assert [s["step"] for s in tx.runs.get_run(run_id)["steps"]] == ["queued", "worktree_ready", "agent_started"]
+    at |= {"first_output": T0 + 5 * MIN + 0.5 * SEC + timedelta(milliseconds=7), "agent_exited": T0 + 6 * MIN,
+           "branch_back": T0 + 6 * MIN + 0.125 * SEC}
+    tx.runs.settle_run(run_id, ended(RunStatus.SUCCEEDED), T0 + 6 * MIN + 0.2 * SEC, commits=1,
+                       steps={k: ms(v) for k, v in at.items()})
+    assert tx.runs.get_run(run_id)["steps"] == [
+        {"step": "queued", "at": "2026-11-30T08:05:00.000Z"},
+        {"step": "worktree_ready", "at": "2026-11-30T08:05:00.250Z"},
+        {"step": "agent_started", "at": "2026-11-30T08:05:00.500Z"},
+        {"step": "first_output", "at": "2026-11-30T08:05:00.507Z"},
+        {"step": "agent_exited", "at": "2026-11-30T08:06:00.000Z"},
+        {"step": "branch_back", "at": "2026-11-30T08:06:00.125Z"},
+        {"step": "settled", "at": "2026-11-30T08:06:00.200Z"}]
+
+
+def test_a_run_settled_after_a_restart_keeps_the_steps_recorded_with_its_pid(tx, store):
+    schedule(tx)
+    [run_id] = tx.schedules.claim_due(T0 + 5 * MIN)
+    tx.runs.admit_next(1, T0 + 5 * MIN)
+    tx.runs.mark_spawned(run_id, 4242, "1", (store.node, 1), {"agent_started": "2026-11-30T08:05:01.000Z"})
+    tx.runs.settle_run(run_id, ended(RunStatus.FAILED, error="interrupted"), T0 + 7 * MIN)   # no steps: none seen
+    assert [s["step"] for s in tx.runs.get_run(run_id)["steps"]] == ["queued", "agent_started", "settled"]
+
+
 ###############################################################################
 # Control and manual fire (docs/http-api.md)
 ###############################################################################
