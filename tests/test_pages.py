@@ -69,7 +69,7 @@ async def test_the_settings_page_names_the_embedded_repository_while_none_is_set
 
 def test_every_page_is_in_the_table():
     assert {"/schedules", "/runs/<run_id>", "/office/board", "/office/routines/<routine_id>"} <= set(PAGES)
-    assert len(PAGES) == 25
+    assert len(PAGES) == 26
 
 
 @pytest.mark.parametrize("rule", PAGES)
