@@ -83,6 +83,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import difflib
 import enum
 import fcntl
 import functools
@@ -115,10 +116,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
+import zoneinfo
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import trio
@@ -478,6 +480,54 @@ class CliError(OutpostError):
 
 def invalid(field: str, message: str) -> ValidationFailed:
     return ValidationFailed(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+# --- suggestions: what a refusal offers instead of a near miss ------------------------------------
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the closest of ``known`` to a mistyped ``word``, else ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+#: Zone abbreviations people write, and the IANA name that keeps the daylight-saving rules.
+#: (Some, like CET and EST, are also legacy IANA names and so are accepted as they are.)
+ZONE_NAMES_FOR_ABBREVIATIONS = {
+    "PST": "America/Los_Angeles", "PDT": "America/Los_Angeles", "MST": "America/Denver",
+    "MDT": "America/Denver", "CST": "America/Chicago", "CDT": "America/Chicago", "EST": "America/New_York",
+    "EDT": "America/New_York", "AKST": "America/Anchorage", "HST": "Pacific/Honolulu", "BST": "Europe/London",
+    "CET": "Europe/Berlin", "CEST": "Europe/Berlin", "MET": "Europe/Berlin", "EET": "Europe/Helsinki",
+    "EEST": "Europe/Helsinki", "WET": "Europe/Lisbon", "IST": "Asia/Kolkata", "JST": "Asia/Tokyo",
+    "KST": "Asia/Seoul", "AEST": "Australia/Sydney", "AEDT": "Australia/Sydney", "NZST": "Pacific/Auckland",
+    "Z": "UTC", "ZULU": "UTC"}
+
+
+@functools.cache
+def iana_zones() -> tuple[str, ...]:
+    """Every zone name this machine's tz database holds, sorted."""
+    return tuple(sorted(zoneinfo.available_timezones()))
+
+
+def zone_suggestions(name: str) -> list[str]:
+    """The IANA names closest to a refused zone (``PST``, ``Europe/Berlinn``, ``berlin``): at most three."""
+    if found := ZONE_NAMES_FOR_ABBREVIATIONS.get(name.strip().upper()):
+        return [found]
+    zones = iana_zones()
+    by_lower = {z.lower(): z for z in zones}
+    if name.lower() in by_lower:
+        return [by_lower[name.lower()]]
+    close = [by_lower[z] for z in difflib.get_close_matches(name.lower(), by_lower, n=3, cutoff=0.75)]
+    cities = {z.rsplit("/", 1)[-1].lower().replace("_", " "): z for z in zones if "/" in z}
+    close += [cities[c] for c in difflib.get_close_matches(name.lower().replace("_", " "), cities, n=2, cutoff=0.8)]
+    return list(dict.fromkeys(close))[:3]
+
+
+def zone_problem(name: str) -> str:
+    """Why ``name`` is refused as a zone, with the closest IANA names."""
+    close = zone_suggestions(name)
+    hint = (f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "")
+            if close else "use a name such as Europe/Berlin or America/New_York")
+    return f"{name[:64]!r} is not an IANA timezone name; {hint}"
 
 
 ###############################################################################
@@ -1781,8 +1831,9 @@ def _zone_name(value: Any) -> str | None:
     try:
         ZoneInfo(value)
         return None
-    except (ZoneInfoNotFoundError, ValueError, TypeError):
-        return f"must be an IANA timezone name such as \"America/Chicago\", not {value!r}"
+    except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):   # OSError: "Europe" is a folder of zones
+        return f"must be an IANA timezone name: {zone_problem(value)}" if isinstance(value, str) else (
+            f"must be an IANA timezone name such as \"America/Chicago\", not {value!r}")
 
 
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
@@ -1817,7 +1868,7 @@ def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[
     for key, value in table.items():
         if key not in keys:
             raise ConfigError(f"{path}: {where}.{key} is not a setting Outpost knows "
-                              f"(known: {', '.join(keys)})")
+                              f"(known: {', '.join(keys)}){did_you_mean(key, keys)}")
         if (problem := keys[key](value)) is not None:
             raise ConfigError(f"{path}: {where}.{key} {problem}")
     return table
@@ -1949,7 +2000,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
     for section in raw:
         if section not in ("settings", "agents", "notify", "channels"):
             raise ConfigError(f"{path}: [{section}] is not a section Outpost knows "
-                              "(known: settings, agents, notify, channels)")
+                              "(known: settings, agents, notify, channels)"
+                              f"{did_you_mean(section, ('settings', 'agents', 'notify', 'channels'))}")
     settings = _checked_table(path, "settings", raw.get("settings", {}), SETTINGS_KEYS)
     agents = [demo_profile()]
     profiles = raw.get("agents", {})
@@ -2121,7 +2173,7 @@ def zone(name: Any, field: str = "timing.timezone") -> ZoneInfo:
             raise ValueError(name)
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):   # OSError: "Europe" is a folder of zones
-        raise invalid(field, f"{name[:64]!r} is not an IANA timezone name, e.g. Europe/Berlin") from None
+        raise invalid(field, zone_problem(name)) from None
 
 
 # --- timing: cron / interval / once, with the DST rules -------------------------
@@ -2196,6 +2248,26 @@ def reversed_cron_range(text: str) -> str | None:
     return None
 
 
+def cron_value_problems(text: str) -> list[str]:
+    """Each value of a five-field cron outside its field's range, named by its field ("minute 61 is
+    out of range 0-59"), and each name in a field that takes none: what croniter says only as a
+    bare number."""
+    problems = []
+    for item_field, (name, lo, hi, names) in zip(text.split(" "), CRON_FIELDS, strict=True):
+        top = 7 if name == "day-of-week" else hi   # 7 is Sunday too
+        for item in item_field.split(","):
+            base, _, step = item.partition("/")
+            for value in base.split("-") if base != "*" else ():
+                if value.isdigit() and not lo <= int(value) <= top:
+                    problems.append(f"{name} {value} is out of range {lo}-{hi}")
+                elif value.isalpha() and value.lower() not in names:
+                    takes = f"takes {names[0]}-{names[-1]} or {lo}-{hi}" if names else f"takes numbers {lo}-{hi}"
+                    problems.append(f"{name} {value!r} is not a value of that field (it {takes})")
+            if step.isdigit() and not 1 <= int(step) <= hi - lo + 1:
+                problems.append(f"{name} step /{step} is out of range 1-{hi - lo + 1}")
+    return problems
+
+
 def cron_expression(expr: str) -> str:
     """Normalize a five-field cron or an @alias; raise ValidationFailed otherwise."""
     if not isinstance(expr, str) or not expr.strip():
@@ -2216,6 +2288,8 @@ def cron_expression(expr: str) -> str:
     if len(text.split(" ")) != 5:
         raise invalid("timing.expression", "must have exactly five fields "
                       "(minute hour day-of-month month day-of-week)")
+    if problems := cron_value_problems(text):
+        raise invalid("timing.expression", "; ".join(problems))
     if problem := reversed_cron_range(text):
         raise invalid("timing.expression", problem)
     try:
@@ -2437,6 +2511,27 @@ def timing_warnings(timing: dict[str, Any], now: datetime, requested: Any = None
 
 # --- definitions: validation, normalization, confirmation ------------------------
 
+class FieldErrors:
+    """Validation that goes on past a field's error, so a form shows every error at once:
+    each ``with errors.check():`` block records its ValidationFailed; ``raise_any`` raises
+    them together (the first one's text first, as a single error reads)."""
+
+    def __init__(self):
+        self.errors: list[dict[str, str]] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ValidationFailed as err:
+            self.errors.extend(err.errors or [{"field": "definition", "message": err.detail}])
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise ValidationFailed("; ".join(f"{e['field']}: {e['message']}" for e in self.errors),
+                                   errors=self.errors)
+
+
 def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None, *, single_line: bool = False) -> str:
     value = d.get(key, default)
     if not isinstance(value, str):
@@ -2454,10 +2549,13 @@ def is_control(char: str) -> bool:
     return ord(char) < 32 or 127 <= ord(char) < 160 or char in "\u2028\u2029"
 
 
-def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise invalid(sorted(unknown)[0], f"is not a field of {what}")
+def _unknown(raw: dict, fields: Iterable[str], what: str, prefix: str = "") -> None:
+    """Refuse every field that is not one of ``fields``, each with the known one it is closest to."""
+    errors = FieldErrors()
+    for name in sorted(set(raw) - set(fields), key=str):
+        with errors.check():
+            raise invalid(f"{prefix}{name}", f"is not a field of {what}{did_you_mean(str(name), fields)}")
+    errors.raise_any()
 
 
 #: A repository named by URL (docs/fleet.md): https://, ssh://, file:// or scp-like user@host:path.
@@ -2525,28 +2623,56 @@ def _int(value: Any, field: str, lo: int, hi: int) -> int:
     return value
 
 
+def interval_hint(timing: dict[str, Any]) -> str:
+    """What an interval written as a duration (``every = "6h"``) should say instead: its seconds."""
+    for key in ("every", "interval", "duration", "period"):
+        if isinstance(timing.get(key), str) and (seconds := _duration_s(timing[key])) >= 1:
+            return f": an interval is given in seconds; use seconds = {int(seconds)} ({timing[key]})"
+    return ": an interval is given in seconds (seconds = 3600 is an hour)" if "seconds" not in timing else ""
+
+
 def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[str, Any]:
+    """One timing, every field's error at once (a wrong timezone and a wrong expression together)."""
     if not isinstance(timing, dict):
         raise invalid("timing", 'must be an object with "kind" cron, interval or once')
     kind = timing.get("kind")
-    tz = zone(timing.get("timezone"))
-    allowed = {"cron": {"kind", "expression", "timezone"}, "interval": {"kind", "seconds", "timezone"},
-               "once": {"kind", "at", "timezone"}}
+    errors = FieldErrors()
+    with errors.check():
+        tz = zone(timing.get("timezone"))
+    allowed = {"cron": ("kind", "expression", "timezone"), "interval": ("kind", "seconds", "timezone"),
+               "once": ("kind", "at", "timezone")}
     if not isinstance(kind, str) or kind not in allowed:
-        raise invalid("timing.kind", "must be cron, interval or once")
-    extra = set(timing) - allowed[kind]
-    if extra:
-        raise invalid(f"timing.{sorted(extra)[0]}", f"is not a field of {kind} timing")
+        errors.errors.append({"field": "timing.kind", "message": "must be cron, interval or once"
+                              + (did_you_mean(kind, allowed) if isinstance(kind, str) else "")})
+        errors.raise_any()
+    hint = interval_hint(timing) if kind == "interval" else ""
+    with errors.check():
+        _unknown(timing, allowed[kind], f"{kind} timing{hint}", "timing.")
     if kind == "cron":
-        expr = cron_expression(timing.get("expression"))
+        with errors.check():
+            expr = cron_expression(timing.get("expression"))
+        errors.raise_any()
         normalized = {"kind": "cron", "expression": expr, "timezone": tz.key}
         if not next_fires(normalized, now, 1):
             raise invalid("timing.expression", "never fires")
         return normalized
     if kind == "interval":
-        return {"kind": "interval", "seconds": _int(timing.get("seconds"), "timing.seconds", 10, 31622400),
-                "timezone": tz.key}
-    at = timing.get("at")
+        if "seconds" not in timing and not hint:
+            errors.errors.append({"field": "timing.seconds", "message": "is required: the interval in seconds "
+                                                                        "(3600 is an hour)"})
+        elif "seconds" in timing:
+            with errors.check():
+                seconds = _int(timing.get("seconds"), "timing.seconds", 10, 31622400)
+        errors.raise_any()
+        return {"kind": "interval", "seconds": seconds, "timezone": tz.key}
+    with errors.check():   # read as UTC while the timezone is refused: its own error is still told
+        instant = once_instant(timing.get("at"), tz if not errors.errors else UTC, now, check_past=check_past)
+    errors.raise_any()
+    return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
+
+
+def once_instant(at: Any, tz: ZoneInfo, now: datetime, *, check_past: bool) -> datetime:
+    """A once-timing's ``at``: an ISO 8601 instant, or wall time in ``tz``."""
     if not isinstance(at, str):
         raise invalid("timing.at", "an ISO 8601 date and time is required")
     try:
@@ -2559,28 +2685,7 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
         raise invalid("timing.at", f"must be between 1970 and {MAX_YEAR}") from None
     if check_past and instant <= now:
         raise invalid("timing.at", "is in the past")
-    return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
-
-
-class FieldErrors:
-    """Validation that goes on past a field's error, so a form shows every error at once:
-    each ``with errors.check():`` block records its ValidationFailed; ``raise_any`` raises
-    them together (the first one's text first, as a single error reads)."""
-
-    def __init__(self):
-        self.errors: list[dict[str, str]] = []
-
-    @contextlib.contextmanager
-    def check(self) -> Iterator[None]:
-        try:
-            yield
-        except ValidationFailed as err:
-            self.errors.extend(err.errors or [{"field": "definition", "message": err.detail}])
-
-    def raise_any(self) -> None:
-        if self.errors:
-            raise ValidationFailed("; ".join(f"{e['field']}: {e['message']}" for e in self.errors),
-                                   errors=self.errors)
+    return instant
 
 
 def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
@@ -2591,9 +2696,10 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     if not isinstance(raw, dict):
         raise invalid("definition", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
     d: dict[str, Any] = {}
     errors = FieldErrors()
+    with errors.check():
+        _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
     with errors.check():
         d["name"] = _text(raw, "name", 1, 100, single_line=True).strip()
         if not d["name"]:
@@ -2639,9 +2745,7 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
 
 
 def normalize_limits(limits: dict[str, Any]) -> dict[str, Any]:
-    extra = set(limits) - {"timeout_seconds", "model", "max_cost_usd"}
-    if extra:
-        raise invalid(f"limits.{sorted(extra)[0]}", "is not a field of limits")
+    _unknown(limits, ("timeout_seconds", "model", "max_cost_usd"), "limits", "limits.")
     model = limits.get("model")
     if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= 200):
         raise invalid("limits.model", "must be a string of 1-200 characters or null")
@@ -3636,12 +3740,16 @@ LOOKBACK_HOURS = (1, 720)
 
 def budget_fields(raw: dict, runs_max: int) -> dict[str, Any]:
     """The budget fields of an agent, a project or a workspace (each optional)."""
-    budget = {"budget_runs_per_day": _optional_int(raw, "budget_runs_per_day", 1, runs_max)}
+    budget, errors = {}, FieldErrors()
+    with errors.check():
+        budget["budget_runs_per_day"] = _optional_int(raw, "budget_runs_per_day", 1, runs_max)
     for key in ("budget_usd_per_day", "budget_usd_per_month"):
         value = raw.get(key)
-        if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
-            raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
-        budget[key] = None if value is None else float(value)
+        with errors.check():
+            if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
+                raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
+            budget[key] = None if value is None else float(value)
+    errors.raise_any()
     return budget
 
 
@@ -3707,32 +3815,45 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, AGENT_FIELDS, "an agent")
+    errors = FieldErrors()   # every field's error at once
+    with errors.check():
+        _unknown(raw, AGENT_FIELDS, "an agent")
     if current is not None and "workspace_id" in raw:
-        raise invalid("workspace_id", "an agent cannot move to another workspace")
+        errors.errors.append({"field": "workspace_id", "message": "an agent cannot move to another workspace"})
     merged = {**(current or {}), **raw}
     role_changed = current is not None and raw.get("role", current["role"]) != current["role"]
     if role_changed and "skip_idle_wakeups" not in raw and \
             current["skip_idle_wakeups"] == SKIP_IDLE_DEFAULTS.get(current["role"]):
         merged.pop("skip_idle_wakeups")   # the new role's default, unless the user had chosen otherwise
-    a: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
-    if not a["name"]:
-        raise invalid("name", "must not be blank")
+    a: dict[str, Any] = {}
+    with errors.check():
+        a["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+        if not a["name"]:
+            raise invalid("name", "must not be blank")
     role = merged.get("role", "worker")
     role = "coordinator" if role == "ceo" else role
     if role not in AGENT_ROLES:
-        raise invalid("role", "must be " + ", ".join(AGENT_ROLES) + " (or ceo)")
+        errors.errors.append({"field": "role", "message": "must be " + ", ".join(AGENT_ROLES) + " (or ceo)"})
+        role = "worker"   # for the defaults below; the error stands
     a["role"] = role
-    status = merged.get("status", "idle")
-    if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
-        raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
-    a["status"] = status
-    a["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
-    a["instructions"] = _text(merged, "instructions", 0, MAX_TEXT_CHARS, "") if merged.get("instructions") else None
-    a["max_concurrent_sessions"] = _int(merged.get("max_concurrent_sessions", 1), "max_concurrent_sessions", 1, 16)
-    a["cooldown_sec"] = _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, DAY_S)
-    a["skip_idle_wakeups"] = _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role])
-    a |= budget_fields(merged, 100000)
+    with errors.check():
+        status = merged.get("status", "idle")
+        if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
+            raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
+        a["status"] = status
+    for key, check in (
+            ("executor", lambda: _optional_name(merged, "executor", profiles, "agent profile")),
+            ("instructions", lambda: _text(merged, "instructions", 0, MAX_TEXT_CHARS, "")
+             if merged.get("instructions") else None),
+            ("max_concurrent_sessions", lambda: _int(merged.get("max_concurrent_sessions", 1),
+                                                     "max_concurrent_sessions", 1, 16)),
+            ("cooldown_sec", lambda: _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, DAY_S)),
+            ("skip_idle_wakeups", lambda: _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role]))):
+        with errors.check():
+            a[key] = check()
+    with errors.check():
+        a |= budget_fields(merged, 100000)
+    errors.raise_any()
     return a
 
 
@@ -3741,36 +3862,46 @@ def normalize_task(raw: Any, *, profiles: Iterable[str], current: dict[str, Any]
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, TASK_FIELDS, "a task")
-    if current is not None:
-        for key in ("workspace_id", "state", "parent_id", "workflow"):
-            if key in raw:
-                raise invalid(key, "cannot be changed by an edit" + (" (POST .../move)" if key == "state" else ""))
+    errors = FieldErrors()   # every field's error at once
+    with errors.check():
+        _unknown(raw, TASK_FIELDS, "a task")
+    for key in ("workspace_id", "state", "parent_id", "workflow") if current is not None else ():
+        if key in raw:
+            errors.errors.append({"field": key, "message": "cannot be changed by an edit"
+                                  + (" (POST .../move)" if key == "state" else "")})
     merged = {**(current or {}), **raw}
-    t: dict[str, Any] = {"title": _text(merged, "title", 1, 200, single_line=True).strip()}
-    if not t["title"]:
-        raise invalid("title", "must not be blank")
-    t["description"] = _text(merged, "description", 0, 100_000, "")
+    t: dict[str, Any] = {}
+    with errors.check():
+        t["title"] = _text(merged, "title", 1, 200, single_line=True).strip()
+        if not t["title"]:
+            raise invalid("title", "must not be blank")
+    with errors.check():
+        t["description"] = _text(merged, "description", 0, 100_000, "")
     state = merged.get("state", TaskState.TODO)
     if state not in (TaskState.TODO, TaskState.IN_PROGRESS) and current is None:
-        raise invalid("state", "a new task starts in TODO or IN_PROGRESS")
+        errors.errors.append({"field": "state", "message": "a new task starts in TODO or IN_PROGRESS"})
     t["state"] = state
     for key in ("assignee_agent_id", "parent_id", "project_id"):
         value = merged.get(key)
         if value is not None and (not isinstance(value, str) or not value):
-            raise invalid(key, "must be an id or null")
+            errors.errors.append({"field": key, "message": "must be an id or null"})
         t[key] = value
-    t["blocked_by"] = _ids(merged, "blocked_by")
-    t["reviewers"] = _ids(merged, "reviewers", 10)
-    t["requires_approval"] = _bool(merged, "requires_approval", False)
+    for key, check in (("blocked_by", lambda: _ids(merged, "blocked_by")),
+                       ("reviewers", lambda: _ids(merged, "reviewers", 10)),
+                       ("requires_approval", lambda: _bool(merged, "requires_approval", False))):
+        with errors.check():
+            t[key] = check()
     workflow = merged.get("workflow", "office")
     # an edit keeps a routine's task on the routine workflow (only its fire creates one)
     if workflow not in TASK_WORKFLOWS and not (current is not None and workflow == "routine"):
-        raise invalid("workflow", "must be office or kanban")
+        errors.errors.append({"field": "workflow", "message": "must be office or kanban"})
     t["workflow"] = workflow
-    t["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
+    with errors.check():
+        t["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
     if "archived" in raw:
-        t["archived"] = _bool(raw, "archived", False)
+        with errors.check():
+            t["archived"] = _bool(raw, "archived", False)
+    errors.raise_any()
     return t
 
 
@@ -3779,23 +3910,35 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, SETTINGS_FIELDS, "the workspace settings")
     merged = {**current, **raw}
-    s = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
-    zone(merged.get("timezone", "UTC"), "timezone")
-    s["timezone"] = merged.get("timezone", "UTC")
-    s["repository"] = _repository(merged) if merged.get("repository") is not None else None
-    s["source_ref"] = _source_ref(merged)
-    s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
-    hours = merged.get("recovery_lookback_hours", 24)
-    if isinstance(hours, bool) or not isinstance(hours, int | float) or (isinstance(hours, float)
-                                                                         and not math.isfinite(hours)):
-        raise invalid("recovery_lookback_hours", "must be a number of hours")
-    s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
-    s |= budget_fields(merged, 1_000_000)
-    s["budget_action"] = merged.get("budget_action", "pause")
-    if s["budget_action"] not in BUDGET_ACTIONS:
-        raise invalid("budget_action", "must be pause (the agent is paused) or skip (the wakeup is skipped)")
+    s: dict[str, Any] = {}
+    errors = FieldErrors()   # every field's error at once: the settings form shows them together
+    with errors.check():
+        _unknown(raw, SETTINGS_FIELDS, "the workspace settings")
+    with errors.check():
+        s["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+    with errors.check():
+        zone(merged.get("timezone", "UTC"), "timezone")
+        s["timezone"] = merged.get("timezone", "UTC")
+    with errors.check():
+        s["repository"] = _repository(merged) if merged.get("repository") is not None else None
+    with errors.check():
+        s["source_ref"] = _source_ref(merged)
+    with errors.check():
+        s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
+    with errors.check():
+        hours = merged.get("recovery_lookback_hours", 24)
+        if isinstance(hours, bool) or not isinstance(hours, int | float) or (isinstance(hours, float)
+                                                                             and not math.isfinite(hours)):
+            raise invalid("recovery_lookback_hours", "must be a number of hours")
+        s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
+    with errors.check():
+        s |= budget_fields(merged, 1_000_000)
+    with errors.check():
+        s["budget_action"] = merged.get("budget_action", "pause")
+        if s["budget_action"] not in BUDGET_ACTIONS:
+            raise invalid("budget_action", "must be pause (the agent is paused) or skip (the wakeup is skipped)")
+    errors.raise_any()
     return s
 
 
@@ -3891,20 +4034,24 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, ROUTINE_FIELDS, "a routine")
-    if current is not None:
-        for key in ("workspace_id", "triggers"):
-            if key in raw:
-                raise invalid(key, "cannot be changed by an edit" + (
-                    " (use .../triggers)" if key == "triggers" else ""))
+    errors = FieldErrors()   # every field's error at once
+    with errors.check():
+        _unknown(raw, ROUTINE_FIELDS, "a routine")
+    for key in ("workspace_id", "triggers") if current is not None else ():
+        if key in raw:
+            errors.errors.append({"field": key, "message": "cannot be changed by an edit"
+                                  + (" (use .../triggers)" if key == "triggers" else "")})
     merged = {**(current or {}), **raw}
-    r: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
-    if not r["name"]:
-        raise invalid("name", "must not be blank")
-    r["description"] = _text(merged, "description", 0, 10000, "")
+    r: dict[str, Any] = {}
+    with errors.check():
+        r["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+        if not r["name"]:
+            raise invalid("name", "must not be blank")
+    with errors.check():
+        r["description"] = _text(merged, "description", 0, 10000, "")
     assignee = merged.get("assignee_agent_id")
     if not isinstance(assignee, str) or not assignee:
-        raise invalid("assignee_agent_id", "a routine wakes one agent: name it")
+        errors.errors.append({"field": "assignee_agent_id", "message": "a routine wakes one agent: name it"})
     r["assignee_agent_id"] = assignee
     for key, allowed, default in (("status", ROUTINE_STATUSES, "active"),
                                   ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
@@ -3912,12 +4059,15 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
         value = merged.get(key, default)
         value = ROUTINE_POLICY_ALIASES.get(value, value) if key == "concurrency_policy" else value
         if value not in allowed:
-            raise invalid(key, "must be " + ", ".join(allowed))
+            errors.errors.append({"field": key, "message": "must be " + ", ".join(allowed)})
         r[key] = value
     if current is not None and current["status"] == "archived" and r["status"] != "archived":
-        raise invalid("status", "an archived routine stays archived")
-    r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
-    r["priority"] = _int(merged.get("priority", 0), "priority", -1000, 1000)
+        errors.errors.append({"field": "status", "message": "an archived routine stays archived"})
+    with errors.check():
+        r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
+    with errors.check():
+        r["priority"] = _int(merged.get("priority", 0), "priority", -1000, 1000)
+    errors.raise_any()
     template = merged.get("task_template")
     if template in (None, "", {}):
         template = {}
@@ -3955,10 +4105,12 @@ def normalize_trigger(raw: Any, i: int, now: datetime, default_tz: str) -> dict[
         try:
             timing = normalize_timing({"kind": "cron", "expression": raw.get("cron_expression"),
                                        "timezone": raw.get("timezone") or default_tz}, now, check_past=False)
-        except ValidationFailed as err:
+        except ValidationFailed as err:   # in the trigger's words: both of its errors, when both are wrong
             name = {"timing.expression": "cron_expression", "timing.timezone": "timezone"}
-            raise invalid(f"{field}.{name.get(err.errors[0]['field'], 'cron_expression')}",
-                          err.errors[0]["message"]) from None
+            errors = FieldErrors()
+            errors.errors = [{"field": f"{field}.{name.get(e['field'], 'cron_expression')}", "message": e["message"]}
+                             for e in err.errors]
+            errors.raise_any()
         t |= {"cron_expression": timing["expression"], "timezone": timing["timezone"]}
     elif kind == "webhook":
         mode = raw.get("signing_mode", "hmac_sha256")
@@ -5638,6 +5790,11 @@ class ScheduleStore(StorePart):
     def _schedule_view(self, s) -> dict[str, Any]:
         active = self._active_run(s.id)
         return schedule_view(s, active.id if active else None)
+
+    def check_name_free(self, name: str, except_id: str | None = None) -> None:
+        """Conflict (naming the field) when a schedule that is not archived, other than ``except_id``,
+        has ``name``: create and update refuse it, the compose form tells it before Confirm."""
+        self._check_name_free(name, except_id)
 
     def _check_name_free(self, name: str, except_id: str | None = None) -> None:
         clash = self.db.Schedule.get(lambda s: s.name == name and not s.archived and s.id != except_id)
@@ -9191,7 +9348,24 @@ async def resolve_ref(repository: str, ref: str) -> str:
     except LaunchError:
         if not (Path(repository) / ".git").exists() and not await _is_git_repo(repository):
             raise RepositoryUnavailable(f"{repository} is not a git repository") from None
-        raise RepositoryUnavailable(f"source_ref {ref!r} does not resolve to a commit in {repository}") from None
+        raise RepositoryUnavailable(f"source_ref {ref!r} does not resolve to a commit in {repository}"
+                                    f"{await branches_hint(repository, ref)}") from None
+
+
+#: How many branch names a source_ref that does not resolve lists.
+BRANCHES_LISTED = 10
+
+
+async def branches_hint(repository: str, ref: str) -> str:
+    """What a source_ref that does not resolve could be instead: the repository's branches, or,
+    when it has no commit at all, how to make the first one."""
+    names = (await git(repository, "for-each-ref", f"--count={BRANCHES_LISTED + 1}", "--sort=-committerdate",
+                       "--format=%(refname:short)", "refs/heads/", check=False)).splitlines()
+    if not names:
+        return (f"; the repository has no commit yet: make a first commit (git -C {shlex.quote(repository)} "
+                "commit --allow-empty -m 'first commit'), then use its branch")
+    more = ", ..." if len(names) > BRANCHES_LISTED else ""
+    return f"; its branches: {', '.join(names[:BRANCHES_LISTED])}{more}{did_you_mean(ref, names)}"
 
 
 class CatFile:
@@ -11500,6 +11674,19 @@ def wakeup_label(w: dict[str, Any]) -> str:
     return w["status"].capitalize()
 
 
+def raise_with_missing_repository(err: ValidationFailed, repo: Any) -> NoReturn:
+    """Re-raise a form's refusal with one more error when its local repository is not there: the
+    git check would only tell it once the other fields are right."""
+    errors = FieldErrors()
+    errors.errors = list(err.errors)
+    if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
+            and "repository" not in {e["field"] for e in errors.errors}):
+        errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
+                                                                "on this machine"})
+    errors.raise_any()
+    raise err
+
+
 async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
     """Normalize a definition and run the git checks. For an edit (``current`` given) a
     once-instant in the past is refused only when the timing really changed."""
@@ -11508,15 +11695,7 @@ async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | Non
         definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
                                           check_past=current is None)
     except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
-        repo = raw.get("repository") if isinstance(raw, dict) else None
-        errors = FieldErrors()
-        errors.errors = list(err.errors)
-        if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
-                and "repository" not in {e["field"] for e in errors.errors}):
-            errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
-                                                                    "on this machine"})
-        errors.raise_any()
-        raise
+        raise_with_missing_repository(err, raw.get("repository") if isinstance(raw, dict) else None)
     if current is not None and definition["timing"] != current["timing"]:
         normalize_timing(definition["timing"], now, check_past=True)
     await check_repository(definition, deps)
@@ -12352,7 +12531,10 @@ async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, 
 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
     current = await web.call(web.store.office.office_settings, workspace_id)
-    settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    try:
+        settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
+        raise_with_missing_repository(err, raw.get("repository"))
     if settings["repository"] and (settings["repository"], settings["source_ref"]) != (current["repository"],
                                                                                        current["source_ref"]):
         await check_repository(settings, web.deps)   # refused now, not at the next wake (422 naming the field)
@@ -12361,9 +12543,13 @@ async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any
 
 async def create_routine(web: Web, workspace_id: str | None, raw: dict[str, Any],
                          raw_triggers: Any) -> dict[str, Any]:
-    triggers = await checked_triggers(web.deps, raw_triggers, workspace_id)
-    routine = await web.commit(web.store.routines.create_routine, workspace_id, normalize_routine(raw, current=None),
-                               triggers, web.now)
+    errors = FieldErrors()   # the routine's errors and its triggers' at once
+    with errors.check():
+        fields = normalize_routine(raw, current=None)
+    with errors.check():
+        triggers = await checked_triggers(web.deps, raw_triggers, workspace_id)
+    errors.raise_any()
+    routine = await web.commit(web.store.routines.create_routine, workspace_id, fields, triggers, web.now)
     web.deps.nudge(Actor.CRON)
     return routine
 
@@ -13349,8 +13535,16 @@ async def page_new_schedule(web: Web):
 async def review_page(web: Web, form: dict[str, str], edit: dict[str, Any] | None):
     """The compose step of the dashboard: the normalized definition, its fires and warnings."""
     current = edit["definition"] if edit else None
+    raw, errors = definition_from_form(form), FieldErrors()
+    with errors.check():
+        definition = await checked_definition(web.deps, raw, current)
+    if isinstance(raw["name"], str) and raw["name"].strip() and "name" not in {e["field"] for e in errors.errors}:
+        try:   # a name another schedule has is told now, with the rest, not only at Confirm
+            await web.call(web.store.schedules.check_name_free, raw["name"].strip(), edit["id"] if edit else None)
+        except Conflict as err:
+            errors.errors[:0] = err.errors
     try:
-        definition = await checked_definition(web.deps, definition_from_form(form), current)
+        errors.raise_any()
     except OutpostError as err:
         return await web.page("schedule_form.html", status=422, section="schedules",
                               **form_context(web, form, errors_by_field(err), edit=edit))
@@ -13715,15 +13909,18 @@ def checkbox(form: dict[str, str], name: str) -> bool:
     return form.get(name) in ("1", "on", "true")
 
 
+def form_number(text: str) -> int | str:
+    """A whole number typed in a form, or the text as typed (the validator names its field)."""
+    text = text.strip()
+    return int(text) if re.fullmatch(r"-?[0-9]{1,12}", text) else text
+
+
 def agent_form(form: dict[str, str]) -> dict[str, Any]:
     raw: dict[str, Any] = {k: form[k] for k in ("name", "role", "status", "instructions") if form.get(k)}
     raw["executor"] = form.get("executor") or None
     for key in ("max_concurrent_sessions", "cooldown_sec", "budget_runs_per_day"):
-        if form.get(key, "").strip():
-            value = parse_count(form[key].strip())
-            if value is None:
-                raise invalid(key, "must be a whole number")
-            raw[key] = value
+        if form.get(key, "").strip():   # not a number: as typed, refused with the other fields' errors
+            raw[key] = form_number(form[key])
         elif key == "budget_runs_per_day":
             raw[key] = None
     if form.get("skip_idle_wakeups") in ("yes", "no"):
@@ -13738,8 +13935,8 @@ def dollars_form(form: dict[str, str]) -> dict[str, Any]:
         text = form.get(key, "").strip().lstrip("$").replace(",", "")
         try:
             raw[key] = float(text) if text else None
-        except ValueError:
-            raise invalid(key, "must be an amount of US dollars, such as 5 or 12.50") from None
+        except ValueError:   # as typed: refused with the other fields' errors
+            raw[key] = text
     return raw
 
 
@@ -14039,10 +14236,8 @@ async def page_office_settings_save(web: Web):
         raw["repository"] = form.get("repository", "").strip() or None
         raw["default_executor"] = form.get("default_executor") or None
         for key in ("recovery_lookback_hours", "budget_runs_per_day"):
-            text = form.get(key, "").strip()
-            if text and parse_count(text) is None:
-                raise invalid(key, "must be a whole number")
-            raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
+            text = form.get(key, "").strip()   # not a number: as typed, refused with the other fields' errors
+            raw[key] = form_number(text) if text else (24 if key == "recovery_lookback_hours" else None)
         raw |= dollars_form(form)
         raw["budget_action"] = form.get("budget_action") or "pause"
         await update_settings(web, None, raw)
