@@ -2657,12 +2657,12 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
             raise invalid("timing.expression", "never fires")
         return normalized
     if kind == "interval":
-        if "seconds" not in timing and not hint:
-            errors.errors.append({"field": "timing.seconds", "message": "is required: the interval in seconds "
-                                                                        "(3600 is an hour)"})
-        elif "seconds" in timing:
+        if "seconds" in timing:
             with errors.check():
                 seconds = _int(timing.get("seconds"), "timing.seconds", 10, 31622400)
+        elif not set(timing) - set(allowed[kind]):   # else the unknown field's error says what to write
+            errors.errors.append({"field": "timing.seconds", "message": "is required: the interval in seconds "
+                                                                        "(3600 is an hour)"})
         errors.raise_any()
         return {"kind": "interval", "seconds": seconds, "timezone": tz.key}
     with errors.check():   # read as UTC while the timezone is refused: its own error is still told
@@ -2746,16 +2746,20 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
 
 def normalize_limits(limits: dict[str, Any]) -> dict[str, Any]:
     _unknown(limits, ("timeout_seconds", "model", "max_cost_usd"), "limits", "limits.")
-    model = limits.get("model")
+    model, errors = limits.get("model"), FieldErrors()
     if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= 200):
-        raise invalid("limits.model", "must be a string of 1-200 characters or null")
-    out = {"timeout_seconds": _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S),
-           "model": model}
+        errors.errors.append({"field": "limits.model", "message": "must be a string of 1-200 characters or null"})
+    out = {"model": model}
+    with errors.check():
+        out["timeout_seconds"] = _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S)
     if (cap := limits.get("max_cost_usd")) is not None:   # only when set: older confirmations stay valid
         if _number(cap) is None or not 0.01 <= cap <= 10000:
-            raise invalid("limits.max_cost_usd", "must be a number of US dollars from 0.01 to 10000, or null")
-        out["max_cost_usd"] = float(cap)
-    return out
+            errors.errors.append({"field": "limits.max_cost_usd",
+                                  "message": "must be a number of US dollars from 0.01 to 10000, or null"})
+        else:
+            out["max_cost_usd"] = float(cap)
+    errors.raise_any()
+    return {"timeout_seconds": out.pop("timeout_seconds"), **out}
 
 
 def normalize_catch_up(catch_up: dict[str, Any]) -> dict[str, Any]:
@@ -2892,25 +2896,56 @@ def plan_words(name: str, zone_name: str, plan: dict[str, Any]) -> tuple[str, st
             f"Missed from {window}. Approve one catch-up run, or dismiss them.")
 
 
+#: A slot that did not fire, in words ("its last fire ... was skipped: a run was still active").
+SKIPPED_WORDS = {
+    SlotOutcome.SKIPPED_OVERLAP: "skipped: a run was still active (skip_if_active)",
+    SlotOutcome.COALESCED: "merged into the run that was still active (coalesce_if_active)",
+    SlotOutcome.FOLDED: "missed while Outpost was down, and counted into a catch-up run",
+    SlotOutcome.SKIPPED_MISSED: "missed while Outpost was down, and skipped (skip_missed)",
+    SlotOutcome.PAUSED: "not run: the schedule was paused",
+    SlotOutcome.HELD_RECONFIRM: "held: its agent profile changed since it was confirmed; review and confirm it again",
+    SlotOutcome.SKIPPED_UNCHANGED: "skipped: nothing changed since its last successful run (skip_if_unchanged)",
+    SlotOutcome.PENDING_CATCH_UP: "missed while Outpost was down; a catch-up waits for your decision (ask)"}
+#: What becomes of a fire due while a run is active, by concurrency policy.
+WHILE_ACTIVE_WORDS = {"skip_if_active": "is skipped (skip_if_active)",
+                      "coalesce_if_active": "is merged into it (coalesce_if_active)",
+                      "always_enqueue": "queues another run (always_enqueue)"}
+
+
 def inspect_verdict(report: dict[str, Any]) -> str:
-    """One sentence first for "why didn't it run?", from the six recovery checks (docs/http-api.md)."""
+    """The answer to "why didn't it run?" in plain words, first, from the six recovery checks
+    (docs/http-api.md): what happened last and why, then the next fire; instants in the
+    schedule's zone."""
     checks = {c["check"]: c["data"] for c in report["checks"]}
-    state, active, latest = checks[1], checks[2], checks[3]["runs"][:1]
+    state, active, runs = checks[1], checks[2], checks[3]["runs"]
+    tz = ZoneInfo(state["timing"]["timezone"])
+
+    def at(instant: str) -> str:
+        return f"{parse_instant(instant).astimezone(tz):%Y-%m-%d %H:%M %Z}"
+
+    since = f" since {at(state['paused_since'])}" if state.get("paused_since") else ""
     if state["archived"]:
-        return "Archived: it never fires again."
+        return "It is archived: it never fires again."
     if state["auto_paused"]:
-        return (f"Auto-paused after {checks[5]['failure_streak']} failures in a row: it fires again once a human "
-                "resumes it.")
+        return (f"It is auto-paused{since} after {checks[5]['failure_streak']} failures in a row: it fires again "
+                "once a human resumes it.")
     if not state["enabled"]:
-        return "Paused: it does not fire until it is enabled."
+        return f"It is paused{since}: it does not fire until enabled."
+    upcoming = f" Next fire at {at(state['next_fire_at'])}." if state["next_fire_at"] else " It has no next fire."
     if active["active_run_id"]:
-        return (f"Run {active['active_run_id']} is still active: a fire due meanwhile is skipped or merged by its "
-                "concurrency policy.")
+        policy = WHILE_ACTIVE_WORDS.get(report.get("concurrency_policy", ""), "follows its concurrency policy")
+        return f"It is running now (run {active['active_run_id']}): a fire due meanwhile {policy}.{upcoming}"
+    latest = runs[0] if runs else None
+    skip = active["recent_skips"][0] if active["recent_skips"] else None
+    if skip and (latest is None or parse_instant(skip["due_at"]) > parse_instant(latest["due_at"])):
+        why = SKIPPED_WORDS.get(skip["outcome"], skip["outcome"])
+        return f"Its last fire, due at {at(skip['due_at'])}, was {why}.{upcoming}"
+    if latest:
+        status = latest["status"].replace("_", " ")
+        return f"It ran at {at(latest['due_at'])} (run {latest['run_id']}): {status}.{upcoming}"
     if not state["next_fire_at"]:
         return "It has no next fire (a one-time schedule that already fired)."
-    if latest and latest[0]["status"] == "failed":
-        return f"Its latest run {latest[0]['run_id']} failed; it fires next at {state['next_fire_at']}."
-    return f"Healthy: it fires next at {state['next_fire_at']}."
+    return f"Healthy: it has not fired yet.{upcoming}"
 
 
 # --- naming, prompts, outcomes -------------------------------------------------
@@ -4027,6 +4062,23 @@ def coerce_variable(v: dict[str, Any], value: Any, field: str) -> Any:
     return text
 
 
+def _task_template(template: Any) -> dict[str, str]:
+    """A routine's task template: a title and a description, or {} for a taskless routine."""
+    if template in (None, "", {}):
+        return {}
+    if not isinstance(template, dict):
+        raise invalid("task_template", 'must be {"title", "description"}, or empty for a taskless routine')
+    _unknown(template, ("title", "description"), "a task template", "task_template.")
+    out = {}
+    for key in ("title", "description"):
+        try:
+            if key in template:
+                out[key] = _text(template, key, 0, 100_000 if key == "description" else 200, "")
+        except ValidationFailed as err:   # named as the API takes it, and as the form shows it
+            raise invalid(f"task_template.{key}", err.errors[0]["message"]) from None
+    return out
+
+
 def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dict[str, Any]:
     """A routine's fields with their defaults. Saving a template that uses a new
     ``{{var}}`` declares it (text, no default, not required). Triggers are checked by
@@ -4067,22 +4119,20 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
         r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
     with errors.check():
         r["priority"] = _int(merged.get("priority", 0), "priority", -1000, 1000)
-    errors.raise_any()
-    template = merged.get("task_template")
-    if template in (None, "", {}):
-        template = {}
-    if not isinstance(template, dict):
-        raise invalid("task_template", 'must be {"title", "description"}, or empty for a taskless routine')
-    _unknown(template, ("title", "description"), "a task template")
-    r["task_template"] = {k: _text(template, k, 0, 100_000 if k == "description" else 200, "")
-                          for k in ("title", "description") if k in template} if template else {}
+    with errors.check():
+        r["task_template"] = _task_template(merged.get("task_template"))
     declared = merged.get("variables") or []
     if not isinstance(declared, list) or len(declared) > 50:
-        raise invalid("variables", "must be a list of at most 50 variables")
-    variables = [_variable(v, i) for i, v in enumerate(declared)]
+        errors.errors.append({"field": "variables", "message": "must be a list of at most 50 variables"})
+        declared = []
+    variables = []
+    for i, v in enumerate(declared):
+        with errors.check():
+            variables.append(_variable(v, i))
     names = [v["name"] for v in variables]
     if len(set(names)) != len(names):
-        raise invalid("variables", "declares a name twice")
+        errors.errors.append({"field": "variables", "message": "declares a name twice"})
+    errors.raise_any()
     for name in template_variables(r["description"], r["task_template"].get("title", ""),
                                    r["task_template"].get("description", "")):
         if name not in names:
@@ -6267,6 +6317,7 @@ class ScheduleStore(StorePart):
         latest = runs[0] if runs else None
         auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
             lambda a: orm.desc(a.created_at)).first()
+        paused_since = self._paused_since(s.id) if not s.enabled or s.auto_paused else None
         if latest is None:
             boundary = "no run yet"
         elif latest.status == RunStatus.QUEUED:
@@ -6276,12 +6327,12 @@ class ScheduleStore(StorePart):
         else:
             started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
             boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
-        return {
-            "schedule_id": s.id, "name": s.name,
+        report = {
+            "schedule_id": s.id, "name": s.name, "concurrency_policy": view["concurrency_policy"],
             "checks": [
                 {"check": 1, "title": "definition and next fire",
-                 "data": {k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
-                                               "next_fire_at", "last_fired_at")}},
+                 "data": {**{k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
+                                                  "next_fire_at", "last_fired_at")}, "paused_since": paused_since}},
                 {"check": 2, "title": "active occurrence and recent skips",
                  "data": {"active_run_id": active.id if active else None,
                           "active_occurrence_id": active.occurrence_id if active else None,
@@ -6298,6 +6349,17 @@ class ScheduleStore(StorePart):
                 {"check": 6, "title": "latest event cursor",
                  "data": {"cursor": self.core.latest_cursor()}},
             ]}
+        return {**report, "verdict": inspect_verdict(report)}
+
+    #: How far back in the event log the instant of a pause is looked for.
+    PAUSE_EVENTS_READ = 500
+
+    def _paused_since(self, schedule_id: str) -> str | None:
+        """When the schedule was last paused (by a human or auto-pause), while the event log still has it."""
+        events = self.db.Event.select(lambda e: e.type == "schedule.controlled").order_by(
+            lambda e: orm.desc(e.cursor))[:self.PAUSE_EVENTS_READ]
+        return next((rfc3339(aware(e.at)) for e in events if e.data.get("schedule_id") == schedule_id
+                     and e.data.get("action") in ("pause", "auto_pause")), None)
 
 
 ###############################################################################
@@ -11709,7 +11771,12 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
     if not isinstance(raw, list) or len(raw) > 20:
         raise invalid("triggers", "must be a list of at most 20 triggers")
     tz = (await deps.transaction(deps.store.office.office_settings, workspace_id))["timezone"]
-    return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
+    triggers, errors = [], FieldErrors()   # every trigger's errors at once
+    for i, t in enumerate(raw):
+        with errors.check():
+            triggers.append(normalize_trigger(t, i, deps.clock.now(), tz))
+    errors.raise_any()
+    return triggers
 
 
 @functools.cache
@@ -13595,7 +13662,8 @@ async def page_schedule(web: Web, schedule_id: str):
     tz = schedule["timing"]["timezone"]
     chart = await runs_chart(web, f"Runs of {schedule['name']} per day, last 30 days", tz, schedule_id=schedule_id)
     return await web.page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
-                          runs=runs, checks=report["checks"], tz=tz, chart=chart)
+                          runs=runs, checks=report["checks"], verdict=report["verdict"], tz=tz,
+                          chart=chart)
 
 
 @pages.get("/schedules/<schedule_id>/edit", auth=Auth.SESSION)
@@ -14731,7 +14799,8 @@ def cli_client(data_dir: Path, url: str | None) -> Client:
 
 
 def print_inspect(report: dict[str, Any]) -> None:
-    print(f"Recovery checks for {report['name']} ({report['schedule_id']}):")
+    print(f"{report['name']} ({report['schedule_id']}): {report['verdict']}")
+    print("\nThe recovery checks:")
     for check in report["checks"]:
         print(f"\n{check['check']}. {check['title']}")
         for key, value in check["data"].items():
