@@ -3952,6 +3952,8 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
         _unknown(raw, SETTINGS_FIELDS, "the workspace settings")
     with errors.check():
         s["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+        if not s["name"]:
+            raise invalid("name", "must not be blank")
     with errors.check():
         zone(merged.get("timezone", "UTC"), "timezone")
         s["timezone"] = merged.get("timezone", "UTC")

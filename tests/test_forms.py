@@ -155,8 +155,8 @@ async def test_office_settings_shows_every_error_at_once(dashboard, tmp_path):
         "source_ref": "not starting with '-'", "default_executor": "no agent profile named",
         "recovery_lookback_hours": "number of hours", "budget_runs_per_day": "between 1 and",
         "budget_usd_per_day": "US dollars", "budget_usd_per_month": "from 0.01", "budget_action": "pause"})
-    missing = await submit(client, csrf, "/office/settings", {"name": "n" * 101, "repository": str(tmp_path / "nope")})
-    assert_at_fields(missing, {"name": "1-100 characters", "repository": "is not an existing git repository"})
+    missing = await submit(client, csrf, "/office/settings", {"name": " ", "repository": str(tmp_path / "nope")})
+    assert_at_fields(missing, {"name": "must not be blank", "repository": "is not an existing git repository"})
 
 
 WRONG_ROUTINE = {"name": " ", "description": "d" * 10_001, "assignee_agent_id": "", "concurrency_policy": "twice",
