@@ -484,8 +484,14 @@ def invalid(field: str, message: str) -> ValidationFailed:
 
 # --- suggestions: what a refusal offers instead of a near miss ------------------------------------
 
+#: Longer words than this get no suggestion.
+SUGGEST_MAX_CHARS = 100
+
+
 def did_you_mean(word: str, known: Iterable[str]) -> str:
     """``"; did you mean X?"`` for the closest of ``known`` to a mistyped ``word``, else ``""``."""
+    if len(word) > SUGGEST_MAX_CHARS:   # no typo of a short name; and difflib's time grows with the length
+        return ""
     close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
 
@@ -510,6 +516,8 @@ def iana_zones() -> tuple[str, ...]:
 
 def zone_suggestions(name: str) -> list[str]:
     """The IANA names closest to a refused zone (``PST``, ``Europe/Berlinn``, ``berlin``): at most three."""
+    if len(name) > SUGGEST_MAX_CHARS:
+        return []
     if found := ZONE_NAMES_FOR_ABBREVIATIONS.get(name.strip().upper()):
         return [found]
     zones = iana_zones()

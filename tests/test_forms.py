@@ -342,3 +342,20 @@ async def test_a_skipped_fire_is_the_verdict_when_it_is_the_latest(dashboard, tm
     call(store, store.runs.admit_ready, 2, later)
     call(store, store.runs.settle_run, first, ended(outpost.RunStatus.SUCCEEDED), later, exit_code=0)
     assert "was skipped: a run was still active (skip_if_active). Next fire at " in verdict_of(store, sid)
+
+
+async def test_a_routine_trigger_refused_over_the_api_names_the_trigger_field_with_the_suggestion(api):
+    agent = (await api.post("/api/office/agents", {"name": "Worker", "executor": "demo"})).body
+    reply = await api.post("/api/office/routines", {
+        "name": " ", "assignee_agent_id": agent["id"],
+        "triggers": [{"kind": "schedule", "cron_expression": "0 9 * * *", "timezone": "PST"},
+                     {"kind": "schedule", "cron_expression": "0 24 * * *"}]})
+    errors = errors_of(reply)
+    assert errors == {"name": "must not be blank",
+                      "triggers[0].timezone": "'PST' is not an IANA timezone name; did you mean America/Los_Angeles?",
+                      "triggers[1].cron_expression": "hour 24 is out of range 0-23"}
+
+
+def test_a_huge_zone_or_field_name_is_refused_without_a_suggestion_search():
+    assert outpost.zone_suggestions("Europe/" + "x" * 100_000) == []
+    assert outpost.did_you_mean("b" * 100_000, ["brief"]) == ""
