@@ -6,6 +6,7 @@ for a second submit, and the top of the form lists them all. Then the messages t
 from __future__ import annotations
 
 import html
+import json
 import re
 from pathlib import Path
 
@@ -359,3 +360,31 @@ async def test_a_routine_trigger_refused_over_the_api_names_the_trigger_field_wi
 def test_a_huge_zone_or_field_name_is_refused_without_a_suggestion_search():
     assert outpost.zone_suggestions("Europe/" + "x" * 100_000) == []
     assert outpost.did_you_mean("b" * 100_000, ["brief"]) == ""
+
+
+async def test_the_cli_prints_every_message_of_the_refusal(api, monkeypatch):
+    """``outpost schedules create`` shows what the API answered: each field with its suggestion."""
+    import io
+    import urllib.error
+    raw = api.raw(timing={"kind": "interval", "every": "6h", "timezone": "PST"})
+    answer = await api.compose(raw)
+
+    def refuse(request, timeout):
+        raise urllib.error.HTTPError(request.full_url, answer.status, "Unprocessable", {},
+                                     io.BytesIO(json.dumps(answer.body).encode()))
+    monkeypatch.setattr(outpost.urllib.request, "urlopen", refuse)
+    with pytest.raises(outpost.CliError) as refused:
+        outpost.Client("http://127.0.0.1:9", "t").call("POST", "/v1/outpost/schedules/compose", raw)
+    assert "use seconds = 21600" in str(refused.value) and "did you mean America/Los_Angeles?" in str(refused.value)
+
+
+async def test_run_now_shows_each_missing_variable_at_its_field(dashboard):
+    agent_id = new_agent(dashboard.store, "Worker", T0)
+    routine = call(dashboard.store, dashboard.store.routines.create_routine, None, outpost.normalize_routine({
+        "name": "deploy", "assignee_agent_id": agent_id,
+        "variables": [{"name": "branch", "type": "text", "required": True},
+                      {"name": "target", "type": "select", "options": ["eu", "us"], "required": True}]}), [], T0)
+    client = outpost.create_app(dashboard).test_client()
+    csrf = sign_in_client(client, dashboard.store, T0)
+    page = await submit(client, csrf, f"/office/routines/{routine['id']}/fire", {})
+    assert_at_fields(page, {"var_branch": "is required", "var_target": "is required"})
