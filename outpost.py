@@ -83,6 +83,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import difflib
 import enum
 import fcntl
 import functools
@@ -115,10 +116,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
+import zoneinfo
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import trio
@@ -482,6 +484,62 @@ class CliError(OutpostError):
 
 def invalid(field: str, message: str) -> ValidationFailed:
     return ValidationFailed(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+# --- suggestions: what a refusal offers instead of a near miss ------------------------------------
+
+#: Longer words than this get no suggestion.
+SUGGEST_MAX_CHARS = 100
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the closest of ``known`` to a mistyped ``word``, else ``""``."""
+    if len(word) > SUGGEST_MAX_CHARS:   # no typo of a short name; and difflib's time grows with the length
+        return ""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+#: Zone abbreviations people write, and the IANA name that keeps the daylight-saving rules.
+#: (Some, like CET and EST, are also legacy IANA names and so are accepted as they are.)
+ZONE_NAMES_FOR_ABBREVIATIONS = {
+    "PST": "America/Los_Angeles", "PDT": "America/Los_Angeles", "MST": "America/Denver",
+    "MDT": "America/Denver", "CST": "America/Chicago", "CDT": "America/Chicago", "EST": "America/New_York",
+    "EDT": "America/New_York", "AKST": "America/Anchorage", "HST": "Pacific/Honolulu", "BST": "Europe/London",
+    "CET": "Europe/Berlin", "CEST": "Europe/Berlin", "MET": "Europe/Berlin", "EET": "Europe/Helsinki",
+    "EEST": "Europe/Helsinki", "WET": "Europe/Lisbon", "IST": "Asia/Kolkata", "JST": "Asia/Tokyo",
+    "KST": "Asia/Seoul", "AEST": "Australia/Sydney", "AEDT": "Australia/Sydney", "NZST": "Pacific/Auckland",
+    "Z": "UTC", "ZULU": "UTC"}
+
+
+@functools.cache
+def iana_zones() -> tuple[str, ...]:
+    """Every zone name this machine's tz database holds, sorted."""
+    return tuple(sorted(zoneinfo.available_timezones()))
+
+
+def zone_suggestions(name: str) -> list[str]:
+    """The IANA names closest to a refused zone (``PST``, ``Europe/Berlinn``, ``berlin``): at most three."""
+    if len(name) > SUGGEST_MAX_CHARS:
+        return []
+    if found := ZONE_NAMES_FOR_ABBREVIATIONS.get(name.strip().upper()):
+        return [found]
+    zones = iana_zones()
+    by_lower = {z.lower(): z for z in zones}
+    if name.lower() in by_lower:
+        return [by_lower[name.lower()]]
+    close = [by_lower[z] for z in difflib.get_close_matches(name.lower(), by_lower, n=3, cutoff=0.75)]
+    cities = {z.rsplit("/", 1)[-1].lower().replace("_", " "): z for z in zones if "/" in z}
+    close += [cities[c] for c in difflib.get_close_matches(name.lower().replace("_", " "), cities, n=2, cutoff=0.8)]
+    return list(dict.fromkeys(close))[:3]
+
+
+def zone_problem(name: str) -> str:
+    """Why ``name`` is refused as a zone, with the closest IANA names."""
+    close = zone_suggestions(name)
+    hint = (f"did you mean {close[0]}?" + (f" (also close: {', '.join(close[1:])})" if close[1:] else "")
+            if close else "use a name such as Europe/Berlin or America/New_York")
+    return f"{name[:64]!r} is not an IANA timezone name; {hint}"
 
 
 ###############################################################################
@@ -1792,8 +1850,9 @@ def _zone_name(value: Any) -> str | None:
     try:
         ZoneInfo(value)
         return None
-    except (ZoneInfoNotFoundError, ValueError, TypeError):
-        return f"must be an IANA timezone name such as \"America/Chicago\", not {value!r}"
+    except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):   # OSError: "Europe" is a folder of zones
+        return f"must be an IANA timezone name: {zone_problem(value)}" if isinstance(value, str) else (
+            f"must be an IANA timezone name such as \"America/Chicago\", not {value!r}")
 
 
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
@@ -1828,7 +1887,7 @@ def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[
     for key, value in table.items():
         if key not in keys:
             raise ConfigError(f"{path}: {where}.{key} is not a setting Outpost knows "
-                              f"(known: {', '.join(keys)})")
+                              f"(known: {', '.join(keys)}){did_you_mean(key, keys)}")
         if (problem := keys[key](value)) is not None:
             raise ConfigError(f"{path}: {where}.{key} {problem}")
     return table
@@ -1960,7 +2019,8 @@ def load_config(data_dir: Path, *, host: str | None = None, port: int | None = N
     for section in raw:
         if section not in ("settings", "agents", "notify", "channels"):
             raise ConfigError(f"{path}: [{section}] is not a section Outpost knows "
-                              "(known: settings, agents, notify, channels)")
+                              "(known: settings, agents, notify, channels)"
+                              f"{did_you_mean(section, ('settings', 'agents', 'notify', 'channels'))}")
     settings = _checked_table(path, "settings", raw.get("settings", {}), SETTINGS_KEYS)
     agents = [demo_profile()]
     profiles = raw.get("agents", {})
@@ -2154,7 +2214,7 @@ def zone(name: Any, field: str = "timing.timezone") -> ZoneInfo:
             raise ValueError(name)
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):   # OSError: "Europe" is a folder of zones
-        raise invalid(field, f"{name[:64]!r} is not an IANA timezone name, e.g. Europe/Berlin") from None
+        raise invalid(field, zone_problem(name)) from None
 
 
 # --- timing: cron / interval / once, with the DST rules -------------------------
@@ -2229,6 +2289,26 @@ def reversed_cron_range(text: str) -> str | None:
     return None
 
 
+def cron_value_problems(text: str) -> list[str]:
+    """Each value of a five-field cron outside its field's range, named by its field ("minute 61 is
+    out of range 0-59"), and each name in a field that takes none: what croniter says only as a
+    bare number."""
+    problems = []
+    for item_field, (name, lo, hi, names) in zip(text.split(" "), CRON_FIELDS, strict=True):
+        top = 7 if name == "day-of-week" else hi   # 7 is Sunday too
+        for item in item_field.split(","):
+            base, _, step = item.partition("/")
+            for value in base.split("-") if base != "*" else ():
+                if value.isdigit() and not lo <= int(value) <= top:
+                    problems.append(f"{name} {value} is out of range {lo}-{hi}")
+                elif value.isalpha() and value.lower() not in names:
+                    takes = f"takes {names[0]}-{names[-1]} or {lo}-{hi}" if names else f"takes numbers {lo}-{hi}"
+                    problems.append(f"{name} {value!r} is not a value of that field (it {takes})")
+            if step.isdigit() and not 1 <= int(step) <= hi - lo + 1:
+                problems.append(f"{name} step /{step} is out of range 1-{hi - lo + 1}")
+    return problems
+
+
 def cron_expression(expr: str) -> str:
     """Normalize a five-field cron or an @alias; raise ValidationFailed otherwise."""
     if not isinstance(expr, str) or not expr.strip():
@@ -2249,6 +2329,8 @@ def cron_expression(expr: str) -> str:
     if len(text.split(" ")) != 5:
         raise invalid("timing.expression", "must have exactly five fields "
                       "(minute hour day-of-month month day-of-week)")
+    if problems := cron_value_problems(text):
+        raise invalid("timing.expression", "; ".join(problems))
     if problem := reversed_cron_range(text):
         raise invalid("timing.expression", problem)
     try:
@@ -2493,6 +2575,27 @@ def timing_warnings(timing: dict[str, Any], now: datetime, requested: Any = None
 
 # --- definitions: validation, normalization, confirmation ------------------------
 
+class FieldErrors:
+    """Validation that goes on past a field's error, so a form shows every error at once:
+    each ``with errors.check():`` block records its ValidationFailed; ``raise_any`` raises
+    them together (the first one's text first, as a single error reads)."""
+
+    def __init__(self):
+        self.errors: list[dict[str, str]] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ValidationFailed as err:
+            self.errors.extend(err.errors or [{"field": "definition", "message": err.detail}])
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise ValidationFailed("; ".join(f"{e['field']}: {e['message']}" for e in self.errors),
+                                   errors=self.errors)
+
+
 def _text(d: dict, key: str, lo: int, hi: int, default: str | None = None, *, single_line: bool = False) -> str:
     value = d.get(key, default)
     if not isinstance(value, str):
@@ -2510,10 +2613,13 @@ def is_control(char: str) -> bool:
     return ord(char) < 32 or 127 <= ord(char) < 160 or char in "\u2028\u2029"
 
 
-def _unknown(raw: dict, fields: Iterable[str], what: str) -> None:
-    unknown = set(raw) - set(fields)
-    if unknown:
-        raise invalid(sorted(unknown)[0], f"is not a field of {what}")
+def _unknown(raw: dict, fields: Iterable[str], what: str, prefix: str = "") -> None:
+    """Refuse every field that is not one of ``fields``, each with the known one it is closest to."""
+    errors = FieldErrors()
+    for name in sorted(set(raw) - set(fields), key=str):
+        with errors.check():
+            raise invalid(f"{prefix}{name}", f"is not a field of {what}{did_you_mean(str(name), fields)}")
+    errors.raise_any()
 
 
 #: The longest notification URL the dashboard takes (Apprise URLs with a token are ~200).
@@ -2600,28 +2706,56 @@ def _int(value: Any, field: str, lo: int, hi: int) -> int:
     return value
 
 
+def interval_hint(timing: dict[str, Any]) -> str:
+    """What an interval written as a duration (``every = "6h"``) should say instead: its seconds."""
+    for key in ("every", "interval", "duration", "period"):
+        if isinstance(timing.get(key), str) and (seconds := _duration_s(timing[key])) >= 1:
+            return f": an interval is given in seconds; use seconds = {int(seconds)} ({timing[key]})"
+    return ": an interval is given in seconds (seconds = 3600 is an hour)" if "seconds" not in timing else ""
+
+
 def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[str, Any]:
+    """One timing, every field's error at once (a wrong timezone and a wrong expression together)."""
     if not isinstance(timing, dict):
         raise invalid("timing", 'must be an object with "kind" cron, interval or once')
     kind = timing.get("kind")
-    tz = zone(timing.get("timezone"))
-    allowed = {"cron": {"kind", "expression", "timezone"}, "interval": {"kind", "seconds", "timezone"},
-               "once": {"kind", "at", "timezone"}}
+    errors = FieldErrors()
+    with errors.check():
+        tz = zone(timing.get("timezone"))
+    allowed = {"cron": ("kind", "expression", "timezone"), "interval": ("kind", "seconds", "timezone"),
+               "once": ("kind", "at", "timezone")}
     if not isinstance(kind, str) or kind not in allowed:
-        raise invalid("timing.kind", "must be cron, interval or once")
-    extra = set(timing) - allowed[kind]
-    if extra:
-        raise invalid(f"timing.{sorted(extra)[0]}", f"is not a field of {kind} timing")
+        errors.errors.append({"field": "timing.kind", "message": "must be cron, interval or once"
+                              + (did_you_mean(kind, allowed) if isinstance(kind, str) else "")})
+        errors.raise_any()
+    hint = interval_hint(timing) if kind == "interval" else ""
+    with errors.check():
+        _unknown(timing, allowed[kind], f"{kind} timing{hint}", "timing.")
     if kind == "cron":
-        expr = cron_expression(timing.get("expression"))
+        with errors.check():
+            expr = cron_expression(timing.get("expression"))
+        errors.raise_any()
         normalized = {"kind": "cron", "expression": expr, "timezone": tz.key}
         if not next_fires(normalized, now, 1):
             raise invalid("timing.expression", "never fires")
         return normalized
     if kind == "interval":
-        return {"kind": "interval", "seconds": _int(timing.get("seconds"), "timing.seconds", 10, 31622400),
-                "timezone": tz.key}
-    at = timing.get("at")
+        if "seconds" in timing:
+            with errors.check():
+                seconds = _int(timing.get("seconds"), "timing.seconds", 10, 31622400)
+        elif not set(timing) - set(allowed[kind]):   # else the unknown field's error says what to write
+            errors.errors.append({"field": "timing.seconds", "message": "is required: the interval in seconds "
+                                                                        "(3600 is an hour)"})
+        errors.raise_any()
+        return {"kind": "interval", "seconds": seconds, "timezone": tz.key}
+    with errors.check():   # read as UTC while the timezone is refused: its own error is still told
+        instant = once_instant(timing.get("at"), tz if not errors.errors else UTC, now, check_past=check_past)
+    errors.raise_any()
+    return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
+
+
+def once_instant(at: Any, tz: ZoneInfo, now: datetime, *, check_past: bool) -> datetime:
+    """A once-timing's ``at``: an ISO 8601 instant, or wall time in ``tz``."""
     if not isinstance(at, str):
         raise invalid("timing.at", "an ISO 8601 date and time is required")
     try:
@@ -2634,28 +2768,7 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
         raise invalid("timing.at", f"must be between 1970 and {MAX_YEAR}") from None
     if check_past and instant <= now:
         raise invalid("timing.at", "is in the past")
-    return {"kind": "once", "at": instant.astimezone(tz).isoformat(), "timezone": tz.key}
-
-
-class FieldErrors:
-    """Validation that goes on past a field's error, so a form shows every error at once:
-    each ``with errors.check():`` block records its ValidationFailed; ``raise_any`` raises
-    them together (the first one's text first, as a single error reads)."""
-
-    def __init__(self):
-        self.errors: list[dict[str, str]] = []
-
-    @contextlib.contextmanager
-    def check(self) -> Iterator[None]:
-        try:
-            yield
-        except ValidationFailed as err:
-            self.errors.extend(err.errors or [{"field": "definition", "message": err.detail}])
-
-    def raise_any(self) -> None:
-        if self.errors:
-            raise ValidationFailed("; ".join(f"{e['field']}: {e['message']}" for e in self.errors),
-                                   errors=self.errors)
+    return instant
 
 
 def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
@@ -2666,9 +2779,10 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
     if not isinstance(raw, dict):
         raise invalid("definition", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
     d: dict[str, Any] = {}
     errors = FieldErrors()
+    with errors.check():
+        _unknown(raw, DEFINITION_FIELDS, "a schedule definition")
     with errors.check():
         d["name"] = _text(raw, "name", 1, 100, single_line=True).strip()
         if not d["name"]:
@@ -2721,19 +2835,21 @@ def normalize_definition(raw: Any, now: datetime, *, agents: Iterable[str],
 
 
 def normalize_limits(limits: dict[str, Any]) -> dict[str, Any]:
-    extra = set(limits) - {"timeout_seconds", "model", "max_cost_usd"}
-    if extra:
-        raise invalid(f"limits.{sorted(extra)[0]}", "is not a field of limits")
-    model = limits.get("model")
+    _unknown(limits, ("timeout_seconds", "model", "max_cost_usd"), "limits", "limits.")
+    model, errors = limits.get("model"), FieldErrors()
     if model is not None and (not isinstance(model, str) or not 1 <= len(model) <= 200):
-        raise invalid("limits.model", "must be a string of 1-200 characters or null")
-    out = {"timeout_seconds": _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S),
-           "model": model}
+        errors.errors.append({"field": "limits.model", "message": "must be a string of 1-200 characters or null"})
+    out = {"model": model}
+    with errors.check():
+        out["timeout_seconds"] = _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S)
     if (cap := limits.get("max_cost_usd")) is not None:   # only when set: older confirmations stay valid
         if _number(cap) is None or not 0.01 <= cap <= 10000:
-            raise invalid("limits.max_cost_usd", "must be a number of US dollars from 0.01 to 10000, or null")
-        out["max_cost_usd"] = float(cap)
-    return out
+            errors.errors.append({"field": "limits.max_cost_usd",
+                                  "message": "must be a number of US dollars from 0.01 to 10000, or null"})
+        else:
+            out["max_cost_usd"] = float(cap)
+    errors.raise_any()
+    return {"timeout_seconds": out.pop("timeout_seconds"), **out}
 
 
 def normalize_catch_up(catch_up: dict[str, Any]) -> dict[str, Any]:
@@ -2871,25 +2987,56 @@ def plan_words(name: str, zone_name: str, plan: dict[str, Any]) -> tuple[str, st
             f"Missed from {window}. Approve one catch-up run, or dismiss them.")
 
 
+#: A slot that did not fire, in words ("its last fire ... was skipped: a run was still active").
+SKIPPED_WORDS = {
+    SlotOutcome.SKIPPED_OVERLAP: "skipped: a run was still active (skip_if_active)",
+    SlotOutcome.COALESCED: "merged into the run that was still active (coalesce_if_active)",
+    SlotOutcome.FOLDED: "missed while Outpost was down, and counted into a catch-up run",
+    SlotOutcome.SKIPPED_MISSED: "missed while Outpost was down, and skipped (skip_missed)",
+    SlotOutcome.PAUSED: "not run: the schedule was paused",
+    SlotOutcome.HELD_RECONFIRM: "held: its agent profile changed since it was confirmed; review and confirm it again",
+    SlotOutcome.SKIPPED_UNCHANGED: "skipped: nothing changed since its last successful run (skip_if_unchanged)",
+    SlotOutcome.PENDING_CATCH_UP: "missed while Outpost was down; a catch-up waits for your decision (ask)"}
+#: What becomes of a fire due while a run is active, by concurrency policy.
+WHILE_ACTIVE_WORDS = {"skip_if_active": "is skipped (skip_if_active)",
+                      "coalesce_if_active": "is merged into it (coalesce_if_active)",
+                      "always_enqueue": "queues another run (always_enqueue)"}
+
+
 def inspect_verdict(report: dict[str, Any]) -> str:
-    """One sentence first for "why didn't it run?", from the six recovery checks (docs/http-api.md)."""
+    """The answer to "why didn't it run?" in plain words, first, from the six recovery checks
+    (docs/http-api.md): what happened last and why, then the next fire; instants in the
+    schedule's zone."""
     checks = {c["check"]: c["data"] for c in report["checks"]}
-    state, active, latest = checks[1], checks[2], checks[3]["runs"][:1]
+    state, active, runs = checks[1], checks[2], checks[3]["runs"]
+    tz = ZoneInfo(state["timing"]["timezone"])
+
+    def at(instant: str) -> str:
+        return f"{parse_instant(instant).astimezone(tz):%Y-%m-%d %H:%M %Z}"
+
+    since = f" since {at(state['paused_since'])}" if state.get("paused_since") else ""
     if state["archived"]:
-        return "Archived: it never fires again."
+        return "It is archived: it never fires again."
     if state["auto_paused"]:
-        return (f"Auto-paused after {checks[5]['failure_streak']} failures in a row: it fires again once a human "
-                "resumes it.")
+        return (f"It is auto-paused{since} after {checks[5]['failure_streak']} failures in a row: it fires again "
+                "once a human resumes it.")
     if not state["enabled"]:
-        return "Paused: it does not fire until it is enabled."
+        return f"It is paused{since}: it does not fire until enabled."
+    upcoming = f" Next fire at {at(state['next_fire_at'])}." if state["next_fire_at"] else " It has no next fire."
     if active["active_run_id"]:
-        return (f"Run {active['active_run_id']} is still active: a fire due meanwhile is skipped or merged by its "
-                "concurrency policy.")
+        policy = WHILE_ACTIVE_WORDS.get(report.get("concurrency_policy", ""), "follows its concurrency policy")
+        return f"It is running now (run {active['active_run_id']}): a fire due meanwhile {policy}.{upcoming}"
+    latest = runs[0] if runs else None
+    skip = active["recent_skips"][0] if active["recent_skips"] else None
+    if skip and (latest is None or parse_instant(skip["due_at"]) > parse_instant(latest["due_at"])):
+        why = SKIPPED_WORDS.get(skip["outcome"], skip["outcome"])
+        return f"Its last fire, due at {at(skip['due_at'])}, was {why}.{upcoming}"
+    if latest:
+        status = latest["status"].replace("_", " ")
+        return f"It ran at {at(latest['due_at'])} (run {latest['run_id']}): {status}.{upcoming}"
     if not state["next_fire_at"]:
         return "It has no next fire (a one-time schedule that already fired)."
-    if latest and latest[0]["status"] == "failed":
-        return f"Its latest run {latest[0]['run_id']} failed; it fires next at {state['next_fire_at']}."
-    return f"Healthy: it fires next at {state['next_fire_at']}."
+    return f"Healthy: it has not fired yet.{upcoming}"
 
 
 # --- naming, prompts, outcomes -------------------------------------------------
@@ -3719,12 +3866,16 @@ LOOKBACK_HOURS = (1, 720)
 
 def budget_fields(raw: dict, runs_max: int) -> dict[str, Any]:
     """The budget fields of an agent, a project or a workspace (each optional)."""
-    budget = {"budget_runs_per_day": _optional_int(raw, "budget_runs_per_day", 1, runs_max)}
+    budget, errors = {}, FieldErrors()
+    with errors.check():
+        budget["budget_runs_per_day"] = _optional_int(raw, "budget_runs_per_day", 1, runs_max)
     for key in ("budget_usd_per_day", "budget_usd_per_month"):
         value = raw.get(key)
-        if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
-            raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
-        budget[key] = None if value is None else float(value)
+        with errors.check():
+            if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
+                raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
+            budget[key] = None if value is None else float(value)
+    errors.raise_any()
     return budget
 
 
@@ -3790,32 +3941,45 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, AGENT_FIELDS, "an agent")
+    errors = FieldErrors()   # every field's error at once
+    with errors.check():
+        _unknown(raw, AGENT_FIELDS, "an agent")
     if current is not None and "workspace_id" in raw:
-        raise invalid("workspace_id", "an agent cannot move to another workspace")
+        errors.errors.append({"field": "workspace_id", "message": "an agent cannot move to another workspace"})
     merged = {**(current or {}), **raw}
     role_changed = current is not None and raw.get("role", current["role"]) != current["role"]
     if role_changed and "skip_idle_wakeups" not in raw and \
             current["skip_idle_wakeups"] == SKIP_IDLE_DEFAULTS.get(current["role"]):
         merged.pop("skip_idle_wakeups")   # the new role's default, unless the user had chosen otherwise
-    a: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
-    if not a["name"]:
-        raise invalid("name", "must not be blank")
+    a: dict[str, Any] = {}
+    with errors.check():
+        a["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+        if not a["name"]:
+            raise invalid("name", "must not be blank")
     role = merged.get("role", "worker")
     role = "coordinator" if role == "ceo" else role
     if role not in AGENT_ROLES:
-        raise invalid("role", "must be " + ", ".join(AGENT_ROLES) + " (or ceo)")
+        errors.errors.append({"field": "role", "message": "must be " + ", ".join(AGENT_ROLES) + " (or ceo)"})
+        role = "worker"   # for the defaults below; the error stands
     a["role"] = role
-    status = merged.get("status", "idle")
-    if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
-        raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
-    a["status"] = status
-    a["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
-    a["instructions"] = _text(merged, "instructions", 0, MAX_TEXT_CHARS, "") if merged.get("instructions") else None
-    a["max_concurrent_sessions"] = _int(merged.get("max_concurrent_sessions", 1), "max_concurrent_sessions", 1, 16)
-    a["cooldown_sec"] = _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, DAY_S)
-    a["skip_idle_wakeups"] = _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role])
-    a |= budget_fields(merged, 100000)
+    with errors.check():
+        status = merged.get("status", "idle")
+        if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
+            raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
+        a["status"] = status
+    for key, check in (
+            ("executor", lambda: _optional_name(merged, "executor", profiles, "agent profile")),
+            ("instructions", lambda: _text(merged, "instructions", 0, MAX_TEXT_CHARS, "")
+             if merged.get("instructions") else None),
+            ("max_concurrent_sessions", lambda: _int(merged.get("max_concurrent_sessions", 1),
+                                                     "max_concurrent_sessions", 1, 16)),
+            ("cooldown_sec", lambda: _int(merged.get("cooldown_sec", 10), "cooldown_sec", 0, DAY_S)),
+            ("skip_idle_wakeups", lambda: _bool(merged, "skip_idle_wakeups", SKIP_IDLE_DEFAULTS[role]))):
+        with errors.check():
+            a[key] = check()
+    with errors.check():
+        a |= budget_fields(merged, 100000)
+    errors.raise_any()
     return a
 
 
@@ -3824,36 +3988,46 @@ def normalize_task(raw: Any, *, profiles: Iterable[str], current: dict[str, Any]
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, TASK_FIELDS, "a task")
-    if current is not None:
-        for key in ("workspace_id", "state", "parent_id", "workflow"):
-            if key in raw:
-                raise invalid(key, "cannot be changed by an edit" + (" (POST .../move)" if key == "state" else ""))
+    errors = FieldErrors()   # every field's error at once
+    with errors.check():
+        _unknown(raw, TASK_FIELDS, "a task")
+    for key in ("workspace_id", "state", "parent_id", "workflow") if current is not None else ():
+        if key in raw:
+            errors.errors.append({"field": key, "message": "cannot be changed by an edit"
+                                  + (" (POST .../move)" if key == "state" else "")})
     merged = {**(current or {}), **raw}
-    t: dict[str, Any] = {"title": _text(merged, "title", 1, 200, single_line=True).strip()}
-    if not t["title"]:
-        raise invalid("title", "must not be blank")
-    t["description"] = _text(merged, "description", 0, 100_000, "")
+    t: dict[str, Any] = {}
+    with errors.check():
+        t["title"] = _text(merged, "title", 1, 200, single_line=True).strip()
+        if not t["title"]:
+            raise invalid("title", "must not be blank")
+    with errors.check():
+        t["description"] = _text(merged, "description", 0, 100_000, "")
     state = merged.get("state", TaskState.TODO)
     if state not in (TaskState.TODO, TaskState.IN_PROGRESS) and current is None:
-        raise invalid("state", "a new task starts in TODO or IN_PROGRESS")
+        errors.errors.append({"field": "state", "message": "a new task starts in TODO or IN_PROGRESS"})
     t["state"] = state
     for key in ("assignee_agent_id", "parent_id", "project_id"):
         value = merged.get(key)
         if value is not None and (not isinstance(value, str) or not value):
-            raise invalid(key, "must be an id or null")
+            errors.errors.append({"field": key, "message": "must be an id or null"})
         t[key] = value
-    t["blocked_by"] = _ids(merged, "blocked_by")
-    t["reviewers"] = _ids(merged, "reviewers", 10)
-    t["requires_approval"] = _bool(merged, "requires_approval", False)
+    for key, check in (("blocked_by", lambda: _ids(merged, "blocked_by")),
+                       ("reviewers", lambda: _ids(merged, "reviewers", 10)),
+                       ("requires_approval", lambda: _bool(merged, "requires_approval", False))):
+        with errors.check():
+            t[key] = check()
     workflow = merged.get("workflow", "office")
     # an edit keeps a routine's task on the routine workflow (only its fire creates one)
     if workflow not in TASK_WORKFLOWS and not (current is not None and workflow == "routine"):
-        raise invalid("workflow", "must be office or kanban")
+        errors.errors.append({"field": "workflow", "message": "must be office or kanban"})
     t["workflow"] = workflow
-    t["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
+    with errors.check():
+        t["executor"] = _optional_name(merged, "executor", profiles, "agent profile")
     if "archived" in raw:
-        t["archived"] = _bool(raw, "archived", False)
+        with errors.check():
+            t["archived"] = _bool(raw, "archived", False)
+    errors.raise_any()
     return t
 
 
@@ -3862,23 +4036,37 @@ def normalize_settings(raw: Any, *, profiles: Iterable[str], current: dict[str, 
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, SETTINGS_FIELDS, "the workspace settings")
     merged = {**current, **raw}
-    s = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
-    zone(merged.get("timezone", "UTC"), "timezone")
-    s["timezone"] = merged.get("timezone", "UTC")
-    s["repository"] = _repository(merged) if merged.get("repository") is not None else None
-    s["source_ref"] = _source_ref(merged)
-    s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
-    hours = merged.get("recovery_lookback_hours", 24)
-    if isinstance(hours, bool) or not isinstance(hours, int | float) or (isinstance(hours, float)
-                                                                         and not math.isfinite(hours)):
-        raise invalid("recovery_lookback_hours", "must be a number of hours")
-    s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
-    s |= budget_fields(merged, 1_000_000)
-    s["budget_action"] = merged.get("budget_action", "pause")
-    if s["budget_action"] not in BUDGET_ACTIONS:
-        raise invalid("budget_action", "must be pause (the agent is paused) or skip (the wakeup is skipped)")
+    s: dict[str, Any] = {}
+    errors = FieldErrors()   # every field's error at once: the settings form shows them together
+    with errors.check():
+        _unknown(raw, SETTINGS_FIELDS, "the workspace settings")
+    with errors.check():
+        s["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+        if not s["name"]:
+            raise invalid("name", "must not be blank")
+    with errors.check():
+        zone(merged.get("timezone", "UTC"), "timezone")
+        s["timezone"] = merged.get("timezone", "UTC")
+    with errors.check():
+        s["repository"] = _repository(merged) if merged.get("repository") is not None else None
+    with errors.check():
+        s["source_ref"] = _source_ref(merged)
+    with errors.check():
+        s["default_executor"] = _optional_name(merged, "default_executor", profiles, "agent profile")
+    with errors.check():
+        hours = merged.get("recovery_lookback_hours", 24)
+        if isinstance(hours, bool) or not isinstance(hours, int | float) or (isinstance(hours, float)
+                                                                             and not math.isfinite(hours)):
+            raise invalid("recovery_lookback_hours", "must be a number of hours")
+        s["recovery_lookback_hours"] = int(min(max(hours, LOOKBACK_HOURS[0]), LOOKBACK_HOURS[1]))
+    with errors.check():
+        s |= budget_fields(merged, 1_000_000)
+    with errors.check():
+        s["budget_action"] = merged.get("budget_action", "pause")
+        if s["budget_action"] not in BUDGET_ACTIONS:
+            raise invalid("budget_action", "must be pause (the agent is paused) or skip (the wakeup is skipped)")
+    errors.raise_any()
     return s
 
 
@@ -3967,6 +4155,23 @@ def coerce_variable(v: dict[str, Any], value: Any, field: str) -> Any:
     return text
 
 
+def _task_template(template: Any) -> dict[str, str]:
+    """A routine's task template: a title and a description, or {} for a taskless routine."""
+    if template in (None, "", {}):
+        return {}
+    if not isinstance(template, dict):
+        raise invalid("task_template", 'must be {"title", "description"}, or empty for a taskless routine')
+    _unknown(template, ("title", "description"), "a task template", "task_template.")
+    out = {}
+    for key in ("title", "description"):
+        try:
+            if key in template:
+                out[key] = _text(template, key, 0, 100_000 if key == "description" else 200, "")
+        except ValidationFailed as err:   # named as the API takes it, and as the form shows it
+            raise invalid(f"task_template.{key}", err.errors[0]["message"]) from None
+    return out
+
+
 def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dict[str, Any]:
     """A routine's fields with their defaults. Saving a template that uses a new
     ``{{var}}`` declares it (text, no default, not required). Triggers are checked by
@@ -3974,20 +4179,24 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
     if not isinstance(raw, dict):
         raise invalid("body", "must be a JSON object")
     _check_unicode(raw, "")
-    _unknown(raw, ROUTINE_FIELDS, "a routine")
-    if current is not None:
-        for key in ("workspace_id", "triggers"):
-            if key in raw:
-                raise invalid(key, "cannot be changed by an edit" + (
-                    " (use .../triggers)" if key == "triggers" else ""))
+    errors = FieldErrors()   # every field's error at once
+    with errors.check():
+        _unknown(raw, ROUTINE_FIELDS, "a routine")
+    for key in ("workspace_id", "triggers") if current is not None else ():
+        if key in raw:
+            errors.errors.append({"field": key, "message": "cannot be changed by an edit"
+                                  + (" (use .../triggers)" if key == "triggers" else "")})
     merged = {**(current or {}), **raw}
-    r: dict[str, Any] = {"name": _text(merged, "name", 1, 100, single_line=True).strip()}
-    if not r["name"]:
-        raise invalid("name", "must not be blank")
-    r["description"] = _text(merged, "description", 0, 10000, "")
+    r: dict[str, Any] = {}
+    with errors.check():
+        r["name"] = _text(merged, "name", 1, 100, single_line=True).strip()
+        if not r["name"]:
+            raise invalid("name", "must not be blank")
+    with errors.check():
+        r["description"] = _text(merged, "description", 0, 10000, "")
     assignee = merged.get("assignee_agent_id")
     if not isinstance(assignee, str) or not assignee:
-        raise invalid("assignee_agent_id", "a routine wakes one agent: name it")
+        errors.errors.append({"field": "assignee_agent_id", "message": "a routine wakes one agent: name it"})
     r["assignee_agent_id"] = assignee
     for key, allowed, default in (("status", ROUTINE_STATUSES, "active"),
                                   ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
@@ -3995,27 +4204,28 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
         value = merged.get(key, default)
         value = ROUTINE_POLICY_ALIASES.get(value, value) if key == "concurrency_policy" else value
         if value not in allowed:
-            raise invalid(key, "must be " + ", ".join(allowed))
+            errors.errors.append({"field": key, "message": "must be " + ", ".join(allowed)})
         r[key] = value
     if current is not None and current["status"] == "archived" and r["status"] != "archived":
-        raise invalid("status", "an archived routine stays archived")
-    r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
-    r["priority"] = _int(merged.get("priority", 0), "priority", -1000, 1000)
-    template = merged.get("task_template")
-    if template in (None, "", {}):
-        template = {}
-    if not isinstance(template, dict):
-        raise invalid("task_template", 'must be {"title", "description"}, or empty for a taskless routine')
-    _unknown(template, ("title", "description"), "a task template")
-    r["task_template"] = {k: _text(template, k, 0, 100_000 if k == "description" else 200, "")
-                          for k in ("title", "description") if k in template} if template else {}
+        errors.errors.append({"field": "status", "message": "an archived routine stays archived"})
+    with errors.check():
+        r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
+    with errors.check():
+        r["priority"] = _int(merged.get("priority", 0), "priority", -1000, 1000)
+    with errors.check():
+        r["task_template"] = _task_template(merged.get("task_template"))
     declared = merged.get("variables") or []
     if not isinstance(declared, list) or len(declared) > 50:
-        raise invalid("variables", "must be a list of at most 50 variables")
-    variables = [_variable(v, i) for i, v in enumerate(declared)]
+        errors.errors.append({"field": "variables", "message": "must be a list of at most 50 variables"})
+        declared = []
+    variables = []
+    for i, v in enumerate(declared):
+        with errors.check():
+            variables.append(_variable(v, i))
     names = [v["name"] for v in variables]
     if len(set(names)) != len(names):
-        raise invalid("variables", "declares a name twice")
+        errors.errors.append({"field": "variables", "message": "declares a name twice"})
+    errors.raise_any()
     for name in template_variables(r["description"], r["task_template"].get("title", ""),
                                    r["task_template"].get("description", "")):
         if name not in names:
@@ -4038,10 +4248,12 @@ def normalize_trigger(raw: Any, i: int, now: datetime, default_tz: str) -> dict[
         try:
             timing = normalize_timing({"kind": "cron", "expression": raw.get("cron_expression"),
                                        "timezone": raw.get("timezone") or default_tz}, now, check_past=False)
-        except ValidationFailed as err:
+        except ValidationFailed as err:   # in the trigger's words: both of its errors, when both are wrong
             name = {"timing.expression": "cron_expression", "timing.timezone": "timezone"}
-            raise invalid(f"{field}.{name.get(err.errors[0]['field'], 'cron_expression')}",
-                          err.errors[0]["message"]) from None
+            errors = FieldErrors()
+            errors.errors = [{"field": f"{field}.{name.get(e['field'], 'cron_expression')}", "message": e["message"]}
+                             for e in err.errors]
+            errors.raise_any()
         t |= {"cron_expression": timing["expression"], "timezone": timing["timezone"]}
     elif kind == "webhook":
         mode = raw.get("signing_mode", "hmac_sha256")
@@ -5793,6 +6005,11 @@ class ScheduleStore(StorePart):
         active = self._active_run(s.id)
         return schedule_view(s, active.id if active else None)
 
+    def check_name_free(self, name: str, except_id: str | None = None) -> None:
+        """Conflict (naming the field) when a schedule that is not archived, other than ``except_id``,
+        has ``name``: create and update refuse it, the compose form tells it before Confirm."""
+        self._check_name_free(name, except_id)
+
     def _check_name_free(self, name: str, except_id: str | None = None) -> None:
         clash = self.db.Schedule.get(lambda s: s.name == name and not s.archived and s.id != except_id)
         if clash:
@@ -6299,6 +6516,7 @@ class ScheduleStore(StorePart):
         latest = runs[0] if runs else None
         auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
             lambda a: orm.desc(a.created_at)).first()
+        paused_since = self._paused_since(s.id) if not s.enabled or s.auto_paused else None
         if latest is None:
             boundary = "no run yet"
         elif latest.status == RunStatus.QUEUED:
@@ -6308,12 +6526,12 @@ class ScheduleStore(StorePart):
         else:
             started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
             boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
-        return {
-            "schedule_id": s.id, "name": s.name,
+        report = {
+            "schedule_id": s.id, "name": s.name, "concurrency_policy": view["concurrency_policy"],
             "checks": [
                 {"check": 1, "title": "definition and next fire",
-                 "data": {k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
-                                               "next_fire_at", "last_fired_at")}},
+                 "data": {**{k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
+                                                  "next_fire_at", "last_fired_at")}, "paused_since": paused_since}},
                 {"check": 2, "title": "active occurrence and recent skips",
                  "data": {"active_run_id": active.id if active else None,
                           "active_occurrence_id": active.occurrence_id if active else None,
@@ -6330,6 +6548,17 @@ class ScheduleStore(StorePart):
                 {"check": 6, "title": "latest event cursor",
                  "data": {"cursor": self.core.latest_cursor()}},
             ]}
+        return {**report, "verdict": inspect_verdict(report)}
+
+    #: How far back in the event log the instant of a pause is looked for.
+    PAUSE_EVENTS_READ = 500
+
+    def _paused_since(self, schedule_id: str) -> str | None:
+        """When the schedule was last paused (by a human or auto-pause), while the event log still has it."""
+        events = self.db.Event.select(lambda e: e.type == "schedule.controlled").order_by(
+            lambda e: orm.desc(e.cursor))[:self.PAUSE_EVENTS_READ]
+        return next((rfc3339(aware(e.at)) for e in events if e.data.get("schedule_id") == schedule_id
+                     and e.data.get("action") in ("pause", "auto_pause")), None)
 
 
 ###############################################################################
@@ -9497,7 +9726,24 @@ async def resolve_ref(repository: str, ref: str) -> str:
     except LaunchError:
         if not (Path(repository) / ".git").exists() and not await _is_git_repo(repository):
             raise RepositoryUnavailable(f"{repository} is not a git repository") from None
-        raise RepositoryUnavailable(f"source_ref {ref!r} does not resolve to a commit in {repository}") from None
+        raise RepositoryUnavailable(f"source_ref {ref!r} does not resolve to a commit in {repository}"
+                                    f"{await branches_hint(repository, ref)}") from None
+
+
+#: How many branch names a source_ref that does not resolve lists.
+BRANCHES_LISTED = 10
+
+
+async def branches_hint(repository: str, ref: str) -> str:
+    """What a source_ref that does not resolve could be instead: the repository's branches, or,
+    when it has no commit at all, how to make the first one."""
+    names = (await git(repository, "for-each-ref", f"--count={BRANCHES_LISTED + 1}", "--sort=-committerdate",
+                       "--format=%(refname:short)", "refs/heads/", check=False)).splitlines()
+    if not names:
+        return (f"; the repository has no commit yet: make a first commit (git -C {shlex.quote(repository)} "
+                "commit --allow-empty -m 'first commit'), then use its branch")
+    more = ", ..." if len(names) > BRANCHES_LISTED else ""
+    return f"; its branches: {', '.join(names[:BRANCHES_LISTED])}{more}{did_you_mean(ref, names)}"
 
 
 class CatFile:
@@ -11883,6 +12129,19 @@ def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | Non
     return time_tag(instant, tz_name)
 
 
+def raise_with_missing_repository(err: ValidationFailed, repo: Any) -> NoReturn:
+    """Re-raise a form's refusal with one more error when its local repository is not there: the
+    git check would only tell it once the other fields are right."""
+    errors = FieldErrors()
+    errors.errors = list(err.errors)
+    if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
+            and "repository" not in {e["field"] for e in errors.errors}):
+        errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
+                                                                "on this machine"})
+    errors.raise_any()
+    raise err
+
+
 async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
     """Normalize a definition and run the git checks. For an edit (``current`` given) a
     once-instant in the past is refused only when the timing really changed."""
@@ -11891,15 +12150,7 @@ async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | Non
         definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
                                           check_past=current is None)
     except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
-        repo = raw.get("repository") if isinstance(raw, dict) else None
-        errors = FieldErrors()
-        errors.errors = list(err.errors)
-        if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
-                and "repository" not in {e["field"] for e in errors.errors}):
-            errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
-                                                                    "on this machine"})
-        errors.raise_any()
-        raise
+        raise_with_missing_repository(err, raw.get("repository") if isinstance(raw, dict) else None)
     if current is not None and definition["timing"] != current["timing"]:
         normalize_timing(definition["timing"], now, check_past=True)
     await check_repository(definition, deps)
@@ -11913,7 +12164,12 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
     if not isinstance(raw, list) or len(raw) > 20:
         raise invalid("triggers", "must be a list of at most 20 triggers")
     tz = (await deps.transaction(deps.store.office.office_settings, workspace_id))["timezone"]
-    return [normalize_trigger(t, i, deps.clock.now(), tz) for i, t in enumerate(raw)]
+    triggers, errors = [], FieldErrors()   # every trigger's errors at once
+    for i, t in enumerate(raw):
+        with errors.check():
+            triggers.append(normalize_trigger(t, i, deps.clock.now(), tz))
+    errors.raise_any()
+    return triggers
 
 
 @functools.cache
@@ -12768,7 +13024,10 @@ async def update_task(web: Web, task_id: str, raw: dict[str, Any]) -> dict[str, 
 
 async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any]) -> dict[str, Any]:
     current = await web.call(web.store.office.office_settings, workspace_id)
-    settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    try:
+        settings = normalize_settings(raw, profiles=web.profile_names, current=current)
+    except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
+        raise_with_missing_repository(err, raw.get("repository"))
     if settings["repository"] and (settings["repository"], settings["source_ref"]) != (current["repository"],
                                                                                        current["source_ref"]):
         await check_repository(settings, web.deps)   # refused now, not at the next wake (422 naming the field)
@@ -12777,9 +13036,13 @@ async def update_settings(web: Web, workspace_id: str | None, raw: dict[str, Any
 
 async def create_routine(web: Web, workspace_id: str | None, raw: dict[str, Any],
                          raw_triggers: Any) -> dict[str, Any]:
-    triggers = await checked_triggers(web.deps, raw_triggers, workspace_id)
-    routine = await web.commit(web.store.routines.create_routine, workspace_id, normalize_routine(raw, current=None),
-                               triggers, web.now)
+    errors = FieldErrors()   # the routine's errors and its triggers' at once
+    with errors.check():
+        fields = normalize_routine(raw, current=None)
+    with errors.check():
+        triggers = await checked_triggers(web.deps, raw_triggers, workspace_id)
+    errors.raise_any()
+    routine = await web.commit(web.store.routines.create_routine, workspace_id, fields, triggers, web.now)
     web.deps.nudge(Actor.CRON)
     return routine
 
@@ -13855,8 +14118,16 @@ async def page_new_schedule(web: Web):
 async def review_page(web: Web, form: dict[str, str], edit: dict[str, Any] | None):
     """The compose step of the dashboard: the normalized definition, its fires and warnings."""
     current = edit["definition"] if edit else None
+    raw, errors = definition_from_form(form), FieldErrors()
+    with errors.check():
+        definition = await checked_definition(web.deps, raw, current)
+    if isinstance(raw["name"], str) and raw["name"].strip() and "name" not in {e["field"] for e in errors.errors}:
+        try:   # a name another schedule has is told now, with the rest, not only at Confirm
+            await web.call(web.store.schedules.check_name_free, raw["name"].strip(), edit["id"] if edit else None)
+        except Conflict as err:
+            errors.errors[:0] = err.errors
     try:
-        definition = await checked_definition(web.deps, definition_from_form(form), current)
+        errors.raise_any()
     except OutpostError as err:
         return await web.page("schedule_form.html", status=422, section="schedules",
                               **form_context(web, form, errors_by_field(err), edit=edit))
@@ -13907,7 +14178,8 @@ async def page_schedule(web: Web, schedule_id: str):
     tz = schedule["timing"]["timezone"]
     chart = await runs_chart(web, f"Runs of {schedule['name']} per day, last 30 days", tz, schedule_id=schedule_id)
     return await web.page("schedule.html", section="schedules", live=True, s=schedule, ledger=ledger,
-                          runs=runs, checks=report["checks"], tz=tz, chart=chart)
+                          runs=runs, checks=report["checks"], verdict=report["verdict"], tz=tz,
+                          chart=chart)
 
 
 @pages.get("/schedules/<schedule_id>/edit", auth=Auth.SESSION)
@@ -14394,15 +14666,18 @@ def checkbox(form: dict[str, str], name: str) -> bool:
     return form.get(name) in ("1", "on", "true")
 
 
+def form_number(text: str) -> int | str:
+    """A whole number typed in a form, or the text as typed (the validator names its field)."""
+    text = text.strip()
+    return int(text) if re.fullmatch(r"-?[0-9]{1,12}", text) else text
+
+
 def agent_form(form: dict[str, str]) -> dict[str, Any]:
     raw: dict[str, Any] = {k: form[k] for k in ("name", "role", "status", "instructions") if form.get(k)}
     raw["executor"] = form.get("executor") or None
     for key in ("max_concurrent_sessions", "cooldown_sec", "budget_runs_per_day"):
-        if form.get(key, "").strip():
-            value = parse_count(form[key].strip())
-            if value is None:
-                raise invalid(key, "must be a whole number")
-            raw[key] = value
+        if form.get(key, "").strip():   # not a number: as typed, refused with the other fields' errors
+            raw[key] = form_number(form[key])
         elif key == "budget_runs_per_day":
             raw[key] = None
     if form.get("skip_idle_wakeups") in ("yes", "no"):
@@ -14417,8 +14692,8 @@ def dollars_form(form: dict[str, str]) -> dict[str, Any]:
         text = form.get(key, "").strip().lstrip("$").replace(",", "")
         try:
             raw[key] = float(text) if text else None
-        except ValueError:
-            raise invalid(key, "must be an amount of US dollars, such as 5 or 12.50") from None
+        except ValueError:   # as typed: refused with the other fields' errors
+            raw[key] = text
     return raw
 
 
@@ -14729,10 +15004,8 @@ async def page_office_settings_save(web: Web):
         raw["repository"] = form.get("repository", "").strip() or None
         raw["default_executor"] = form.get("default_executor") or None
         for key in ("recovery_lookback_hours", "budget_runs_per_day"):
-            text = form.get(key, "").strip()
-            if text and parse_count(text) is None:
-                raise invalid(key, "must be a whole number")
-            raw[key] = parse_count(text) if text else (24 if key == "recovery_lookback_hours" else None)
+            text = form.get(key, "").strip()   # not a number: as typed, refused with the other fields' errors
+            raw[key] = form_number(text) if text else (24 if key == "recovery_lookback_hours" else None)
         raw |= dollars_form(form)
         raw["budget_action"] = form.get("budget_action") or "pause"
         await update_settings(web, None, raw)
@@ -15248,7 +15521,8 @@ def cli_client(data_dir: Path, url: str | None) -> Client:
 
 
 def print_inspect(report: dict[str, Any]) -> None:
-    print(f"Recovery checks for {report['name']} ({report['schedule_id']}):")
+    print(f"{report['name']} ({report['schedule_id']}): {report['verdict']}")
+    print("\nThe recovery checks:")
     for check in report["checks"]:
         print(f"\n{check['check']}. {check['title']}")
         for key, value in check["data"].items():

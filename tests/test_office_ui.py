@@ -69,7 +69,7 @@ async def test_the_settings_form_names_a_missing_repository(tmp_path, dashboard)
                                                            "recovery_lookback_hours": "24"})
     assert response.status_code == 422
     page = await response.get_data(as_text=True)
-    error = re.search(r'<label class="has-error">Repository.*?<span class="field-error">(.*?)</span>', page, re.S)
+    error = re.search(r'<label class="has-error">Repository.*?<span class="field-error"[^>]*>(.*?)</span>', page, re.S)
     assert error and "is not an existing git repository" in error[1]
     assert call(dashboard.store, dashboard.store.office.office_settings, None)["repository"] is None
 

@@ -315,10 +315,10 @@ async def test_compose_shows_every_field_error_of_one_submit(dashboard, tmp_path
     assert response.status_code == 422
     shown = set(re.findall(r'data-error-for="([^"]+)"', page))
     assert {"name", "repository", "agent", "limits.timeout_seconds"} <= shown, shown
-    assert shown & {"timing.timezone", "timing.expression"}, shown
+    assert {"timing.timezone", "timing.expression"} <= shown, "a wrong timezone no longer hides a wrong cron"
     with pytest.raises(outpost.ValidationFailed) as refused:   # the API's problem+json carries them all too
         outpost.normalize_definition({"name": "", "brief": "", "repository": "/x", "timing": {}}, T0, agents=["demo"])
-    assert [e["field"] for e in refused.value.errors] == ["name", "brief", "timing.timezone"]
+    assert [e["field"] for e in refused.value.errors] == ["name", "brief", "timing.timezone", "timing.kind"]
     assert refused.value.detail.startswith("name: ")
 
 

@@ -46,6 +46,18 @@ PAGES = {
     "office-routines": "/office/routines", "office-routine": "/office/routines/{routine}",
     "office-settings": "/office/settings", "settings": "/settings", "signin": "signin",
     "proposals": "/proposals", "proposal": "/proposals/{proposal}", "upcoming": "/upcoming",
+    "compose-errors": "compose-errors", "office-settings-errors": "office-settings-errors",
+}
+#: Forms submitted with every field wrong (the browser's own checks off): path, the fields, the submit button.
+FORM_ERRORS = {
+    "compose-errors": ("/schedules/new", {
+        "name": " ", "brief": "", "repository": "relative/path", "source_ref": "-x", "workdir": "../up",
+        "expression": "61 25 * * mon", "timezone": "PST", "timeout_seconds": "0", "catch_up_max": "99"},
+        "#review-button"),
+    "office-settings-errors": ("/office/settings", {
+        "name": " ", "timezone": "Europe/Berlinn", "repository": "relative", "source_ref": "-bad",
+        "recovery_lookback_hours": "1.5", "budget_runs_per_day": "0", "budget_usd_per_month": "0"},
+        "#save-settings"),
 }
 #: List pages: their times are relative, in <time> elements; none is in a schedule's own zone.
 LIST_PAGES = ["schedules", "runs", "attention", "agents", "office-agents", "office-agent", "office-wakeups",
@@ -195,6 +207,18 @@ class Viewer:
             finally:
                 self.context.add_cookies(self.cookies)
             return page
+        if target in FORM_ERRORS:
+            path, fields, button = FORM_ERRORS[target]
+            page.goto(self.server.url + path)
+            page.evaluate("document.querySelectorAll('form').forEach(f => f.noValidate = true)")
+            for name, value in fields.items():
+                page.fill(f"[name={name}]", value)
+            with page.expect_navigation():
+                page.click(button)
+            page.wait_for_selector("#form-error")
+            page.wait_for_load_state("load")
+            self.shot(key)
+            return page
         if target == "review":
             page.goto(self.server.url + f"/schedules/{self.ids['east']}/edit")
             with page.expect_navigation():   # the POST's answer, with its stylesheet applied
@@ -342,6 +366,25 @@ def test_no_page_scrolls_sideways_on_a_phone(phone, key):
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390, f"{key} is {width} px wide at 390"
     assert not page.evaluate(CUT_BOXES), f"{key} cuts content at 390 px"
+
+
+#: Each field the page marks invalid: whether the message that describes it is visible, and how far below
+#: the field's top it starts (px), or null when the field names no message.
+FIELD_MESSAGES = """() => [...document.querySelectorAll('[aria-invalid=true]')].map(field => {
+  const ids = (field.getAttribute('aria-describedby') || '').split(' ').filter(Boolean);
+  const messages = ids.map(id => document.getElementById(id)).filter(Boolean);
+  const top = field.getBoundingClientRect().top;
+  return {name: field.name, visible: messages.length === ids.length && messages.every(m => m.checkVisibility()
+          && m.textContent.trim()), below: messages.length ? messages[0].getBoundingClientRect().top - top : null};
+})"""
+
+
+@pytest.mark.parametrize("key", FORM_ERRORS)
+def test_every_error_of_a_form_is_seen_at_its_field_on_a_phone(phone, key):
+    fields = phone.visit(key).evaluate(FIELD_MESSAGES)
+    assert set(FORM_ERRORS[key][1]) <= {f["name"] for f in fields}, fields
+    for field in fields:
+        assert field["visible"] and 0 <= field["below"] < 120, field
 
 
 def test_tables_become_labelled_cards_on_a_phone(phone):
