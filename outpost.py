@@ -2400,27 +2400,70 @@ def next_fires(timing: dict[str, Any], after: datetime, count: int = 1,
     return [at.astimezone(UTC)] if at > after else []
 
 
-#: The most fires of one schedule or routine trigger the upcoming list shows (a minutely cron has
-#: 10,080 in a week); docs/http-api.md.
-UPCOMING_MAX_EACH = 500
+#: The most fires of one schedule or routine trigger the upcoming list shows: a minutely cron's
+#: week (docs/http-api.md); past it the list names the schedule in ``cut``.
+UPCOMING_MAX_EACH = 10_080
+
+
+def fires_until(timing: dict[str, Any], after: datetime, until: datetime, cap: int, *,
+                anchor: datetime | None = None) -> list[datetime]:
+    """The due instants strictly after ``after`` up to ``until``, at most ``cap``, walked only as
+    far as ``until``: a yearly cron costs one step, not ``cap`` years."""
+    if timing["kind"] == "cron":
+        walk = _cron_walk(timing["expression"], ZoneInfo(timing["timezone"]), after)
+        return list(itertools.islice(itertools.takewhile(lambda at: at <= until, walk), cap))
+    if timing["kind"] == "interval":
+        count = min(cap, int((until - after).total_seconds() // timing["seconds"]) + 1)
+        return [at for at in next_fires(timing, after, max(count, 1), anchor=anchor) if at <= until]
+    return [at for at in next_fires(timing, after, 1) if at <= until]
 
 
 def upcoming_fires(timing: dict[str, Any], next_at: datetime | None, now: datetime, until: datetime, *,
-                   paused: bool, anchor: datetime | None = None) -> list[tuple[datetime, str]]:
+                   paused: bool, anchor: datetime | None = None,
+                   cap: int = UPCOMING_MAX_EACH) -> list[tuple[datetime, str]]:
     """The due instants of one timing up to ``until``, each ``scheduled``, ``late`` (its stored next
     fire passed more than MISFIRE_GRACE_S ago and nobody claimed it: the cron actor is behind or
     down) or ``paused`` (counted on from now: a paused schedule's slots wait unclaimed)."""
     if paused:
-        return [(at, "paused") for at in next_fires(timing, now, UPCOMING_MAX_EACH, anchor=anchor) if at <= until]
+        return [(at, "paused") for at in fires_until(timing, now, until, cap, anchor=anchor)]
     if next_at is None:
         return []   # a once schedule that fired
     fires, grace = [], now - timedelta(seconds=MISFIRE_GRACE_S)
     if next_at < grace:
         fires.append((next_at, "late"))
     after = max(grace, next_at - timedelta(microseconds=1))
-    fires += [(at, "scheduled") for at in next_fires(timing, after, UPCOMING_MAX_EACH - len(fires), anchor=anchor)
-              if at <= until]
+    fires += [(at, "scheduled") for at in fires_until(timing, after, until, cap - len(fires), anchor=anchor)]
     return fires
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FireSource:
+    """A schedule, or a routine's schedule trigger, as the upcoming list reads it."""
+    kind: str                      # schedule | routine
+    id: str
+    name: str
+    timezone: str
+    timing: dict[str, Any]
+    next_at: datetime | None       # its stored next fire
+    paused: bool
+    anchor: datetime | None = None
+
+
+def upcoming_list(sources: Iterable[FireSource], now: datetime, days: int) -> dict[str, Any]:
+    """docs/http-api.md: every fire of ``sources`` in the next ``days`` days in time order (ties by
+    id), and ``cut``: the ids whose fires stopped at UPCOMING_MAX_EACH. Pure: the web layer runs it
+    on a worker thread, away from the store and the event loop."""
+    until, fires, cut = now + timedelta(days=days), [], set()
+    for src in sources:
+        mine = upcoming_fires(src.timing, src.next_at, now, until, paused=src.paused, anchor=src.anchor,
+                              cap=UPCOMING_MAX_EACH + 1)   # one more: whether there were more
+        if len(mine) > UPCOMING_MAX_EACH:
+            cut.add(src.id)
+            del mine[UPCOMING_MAX_EACH:]
+        fires += [{"at": at, "kind": src.kind, "id": src.id, "name": src.name, "timezone": src.timezone,
+                   "state": state} for at, state in mine]
+    fires.sort(key=lambda f: (f["at"], f["id"]))
+    return {"fires": [{**f, "at": rfc3339(f["at"])} for f in fires], "cut": sorted(cut)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -6171,18 +6214,12 @@ class ScheduleStore(StorePart):
                               'FROM "Schedule"')
         return {sid: (name, tz) for sid, name, tz in rows}
 
-    def upcoming(self, now: datetime, until: datetime) -> list[dict[str, Any]]:
-        """Every fire of the schedules that are not archived up to ``until`` (docs/http-api.md)."""
-        fires = []
-        for s in self.db.Schedule.select(lambda s: not s.archived):
-            timing = s.definition["timing"]
-            if timing["kind"] not in ("cron", "interval", "once"):
-                continue
-            for at, state in upcoming_fires(timing, aware(s.next_fire_at), now, until, paused=not s.enabled,
-                                            anchor=aware(s.anchored_at)):
-                fires.append({"at": at, "kind": "schedule", "id": s.id, "name": s.name,
-                              "timezone": timing.get("timezone") or "UTC", "state": state})
-        return fires
+    def fire_sources(self) -> list[FireSource]:
+        """The schedules that are not archived and fire on a timing, for the upcoming list."""
+        return [FireSource("schedule", s.id, s.name, s.definition["timing"].get("timezone") or "UTC",
+                           s.definition["timing"], aware(s.next_fire_at), not s.enabled, aware(s.anchored_at))
+                for s in self.db.Schedule.select(lambda s: not s.archived)
+                if s.definition["timing"]["kind"] in ("cron", "interval", "once")]
 
     def next_due_at(self) -> datetime | None:
         due = orm.min(s.next_fire_at for s in self.db.Schedule if not s.archived)
@@ -9214,21 +9251,14 @@ class RoutineStore(StorePart):
                 fired += 1
         return fired
 
-    def upcoming(self, now: datetime, days: int) -> dict[str, Any]:
-        """docs/http-api.md: every fire of the next ``days`` days across schedules and routines'
-        schedule triggers that are not archived, in time order (ties by id); late ones first."""
-        until = now + timedelta(days=days)
-        fires = self.schedules.upcoming(now, until)
+    def fire_sources(self) -> list[FireSource]:
+        """The schedules and the routines' schedule triggers that are not archived (upcoming_list)."""
         routines = {r.id: r for r in self.db.Routine.select(lambda r: r.status != "archived")}
-        for t in self.db.RoutineTrigger.select(lambda t: t.kind == "schedule"):
-            if (r := routines.get(t.routine_id)) is None:
-                continue
-            for at, state in upcoming_fires(trigger_timing(t.cron_expression, t.timezone), aware(t.next_run_at),
-                                            now, until, paused=r.status != "active" or not t.enabled):
-                fires.append({"at": at, "kind": "routine", "id": r.id, "name": r.name, "timezone": t.timezone,
-                              "state": state})
-        fires.sort(key=lambda f: (f["at"], f["id"]))
-        return {"fires": [{**f, "at": rfc3339(f["at"])} for f in fires]}
+        return self.schedules.fire_sources() + [
+            FireSource("routine", r.id, r.name, t.timezone, trigger_timing(t.cron_expression, t.timezone),
+                       aware(t.next_run_at), r.status != "active" or not t.enabled)
+            for t in self.db.RoutineTrigger.select(lambda t: t.kind == "schedule")
+            if (r := routines.get(t.routine_id)) is not None]
 
     def next_routine_due_at(self) -> datetime | None:
         return aware(orm.min(t.next_run_at for t in self.db.RoutineTrigger if t.kind == "schedule"))
@@ -12759,6 +12789,7 @@ FOLD_WORDS = {"changes_returned": "runs returned changes", "succeeded": "runs su
 #: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
                     "MUTABLE_ATTENTION_KINDS": MUTABLE_ATTENTION_KINDS, "FOLD_WORDS": FOLD_WORDS,
+                    "UPCOMING_MAX_EACH": UPCOMING_MAX_EACH,
                     "POLICY_WORDS": POLICY_WORDS, "SIGNING_WORDS": SIGNING_WORDS,
                     "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
 
@@ -13366,9 +13397,17 @@ async def api_list_attention(web: Web):
     return {"attention": await web.call(web.store.list_attention, state == "open")}
 
 
+async def upcoming(web: Web) -> dict[str, Any]:
+    """The upcoming fires of ``?days=`` (1-31, 7 when empty): the sources read in one store call, the
+    fires counted on a worker thread, so a thousand sparse crons hold neither the store nor the loop."""
+    days = 7 if web.args.get("days", "") == "" else web.int_arg("days", 7, 1, 31)
+    sources = await web.call(web.store.routines.fire_sources)
+    return {**await trio.to_thread.run_sync(upcoming_list, sources, web.now, days), "days": days}
+
+
 @api.get("/v1/outpost/upcoming", auth=Auth.TOKEN)
 async def api_upcoming(web: Web):
-    return await web.call(web.store.routines.upcoming, web.now, web.int_arg("days", 7, 1, 31))
+    return await upcoming(web)
 
 
 @api.post("/v1/outpost/attention/ack", auth=Auth.TOKEN, idempotent=True)
@@ -14462,15 +14501,17 @@ async def page_upcoming(web: Web):
     """The next days' fires of every schedule and routine, by day in the viewer's zone (the page's
     script asks for it in ``tz``; the host's zone until then)."""
     viewer = zone(web.args.get("tz") or host_zone().key, "tz")
-    days = web.int_arg("days", 7, 1, 31)
-    fires = (await web.call(web.store.routines.upcoming, web.now, days))["fires"]
+    listed = await upcoming(web)
+    days, fires = listed["days"], listed["fires"]
     by_day: dict[str, list[dict[str, Any]]] = {}
     for fire in fires:
         at = parse_instant(fire["at"]).astimezone(viewer)
         by_day.setdefault(f"{at:%A %d %B %Y}", []).append({**fire, "local": f"{at:%H:%M}"})
+    names = {f["id"]: f["name"] for f in fires}
     return await web.page("upcoming.html", section="upcoming", live=True, days=days, zone=viewer.key,
                           by_day={day: folded_fires(day_fires) for day, day_fires in by_day.items()},
-                          late=sum(f["state"] == "late" for f in fires), count=len(fires))
+                          late=sum(f["state"] == "late" for f in fires), count=len(fires),
+                          cut=[names[i] for i in listed["cut"] if i in names])
 
 
 @pages.get("/attention", auth=Auth.SESSION)

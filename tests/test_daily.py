@@ -441,3 +441,19 @@ async def test_schedules_filter_by_state_and_sort_by_next_fire(api):
     assert f'href="/schedules/{held["id"]}"' not in page
     archived = await (await api.client.get("/schedules?state=archived")).get_data(as_text=True)
     assert f'href="/schedules/{gone["id"]}"' in archived
+
+
+async def test_upcoming_walks_a_sparse_cron_only_to_the_window_and_says_where_a_busy_one_was_cut(api):
+    yearly = {"kind": "cron", "expression": "0 4 1 1 *", "timezone": "UTC"}
+    assert outpost.fires_until(yearly, T0, T0 + timedelta(days=1), 10_000) == []
+    minutely = {"kind": "cron", "expression": "* * * * *", "timezone": "UTC"}
+    assert len(outpost.fires_until(minutely, T0, T0 + timedelta(days=1), 10_000)) == 1440
+    busy = await api.schedule(name="busy", timing=minutely)
+    week = (await api.get("/v1/outpost/upcoming?days=7")).body
+    assert week["cut"] == [] and len(week["fires"]) == 10_080
+    month = (await api.get("/v1/outpost/upcoming?days=31")).body
+    assert month["cut"] == [busy["id"]] and len(month["fires"]) == outpost.UPCOMING_MAX_EACH
+    assert (await api.get("/v1/outpost/upcoming?days=")).body["days"] == 7   # empty: the default
+    sign_in_client(api.client, api.store, T0)
+    page = await (await api.client.get("/upcoming?days=31&tz=UTC")).get_data(as_text=True)
+    assert 'id="upcoming-cut"' in page and "busy" in page
