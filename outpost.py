@@ -1907,6 +1907,8 @@ def _digest_time(value: Any) -> str | None:
     return _zone_name(m[3]) if m[3] else None
 
 
+#: Apprise's plain webhooks (a POST of JSON, a form, XML): their path is shown masked.
+PATH_SECRET_SCHEMES = ("json", "jsons", "form", "forms", "xml", "xmls")
 NOTIFY_KEYS: dict[str, Callable[[Any], str | None]] = {"url": _text_value, "kinds": _notify_kinds,
                                                         "digest": _digest_time}
 
@@ -1917,7 +1919,14 @@ def notify_label(url: str) -> str | None:
     import apprise  # noqa: PLC0415 - 0.15 s to import: only with [[notify]] entries
 
     target = apprise.Apprise.instantiate(url, suppress_exceptions=True)
-    return target.url(privacy=True).partition("?")[0] if target else None   # without Apprise's default options
+    if not target:
+        return None
+    label = target.url(privacy=True).partition("?")[0]   # without Apprise's default options
+    scheme, _, rest = label.partition("://")
+    host, slash, path = rest.partition("/")
+    # a webhook's path is often its secret (Slack's /services/T.../B.../XXXX); Apprise masks
+    # tokens and passwords, never a plain webhook's path
+    return f"{scheme}://{host}/****" if scheme.lower() in PATH_SECRET_SCHEMES and slash and path else label
 
 
 def _config_tables(path: Path, raw: Any, section: str, keys: dict[str, Callable[[Any], str | None]],

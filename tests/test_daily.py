@@ -409,6 +409,9 @@ async def test_search_text_is_data_and_secrets_stay_masked_on_every_page(api):
     settings = await (await api.client.get("/settings")).get_data(as_text=True)
     assert "ntfy.example.com" in settings and "hunter2pass" not in settings
     assert "hunter2pass" not in (await api.get("/v1/outpost/notify/entries")).text
+    hook = await api.post("/v1/outpost/notify/entries", {"url": "json://hooks.example.com/services/SuperSecretPath9"})
+    assert hook.status == 201 and hook.body["url"] == "json://hooks.example.com/****"
+    assert "SuperSecretPath9" not in (await api.get("/v1/outpost/notify/entries")).text
     too_long = await api.post("/v1/outpost/notify/entries", {"url": "json://h/" + "x" * 3000})
     assert_problem(too_long, 422, "validation_failed", "url")
 

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -143,8 +143,10 @@ def test_a_needs_you_run_reaches_each_entry_once_across_a_restart(tmp_path, serv
     http_receiver.up()
     data = tmp_path / "data"
     data.mkdir()
+    in_three_hours = datetime.now(timezone.utc) + timedelta(hours=3)
     (data / "outpost.toml").write_text(toml_entries(
-        {"url": http_receiver.url("hook")}, {"url": smtp_receiver.url(), "digest": "08:00 Europe/Berlin"},
+        # a digest due in 3 h: its last one was 21 h ago, too late to send now (any time of day the test runs)
+        {"url": http_receiver.url("hook")}, {"url": smtp_receiver.url(), "digest": f"{in_three_hours:%H}:00 UTC"},
         {"url": http_receiver.url("failures"), "kinds": ["failed"]}))
     repo = make_repo(tmp_path / "repo")
     server = server_factory(data_dir=data)
@@ -194,7 +196,9 @@ def test_settings_lists_each_entry_and_its_send_test_button_delivers(tmp_path, s
         browser.get(server.signin_link)
         page = browser.get("/settings")
         assert page.status_code == 200 and 'href="/settings"' in page.text
-        assert f"127.0.0.1:{http_receiver.port}/hook" in page.text and "never" in page.text
+        # the webhook's path may be its secret: masked like the token
+        assert f"json://127.0.0.1:{http_receiver.port}/****" in page.text and "/hook" not in page.text
+        assert "never" in page.text
         csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)[1]
         assert browser.post("/settings/notify/test", data={"entry": "0"}).status_code == 403   # no CSRF token
         sent = browser.post("/settings/notify/test", data={"entry": "0", "csrf": csrf})
