@@ -5467,6 +5467,9 @@ class Dialect:
             cur.execute("PRAGMA synchronous=FULL")   # a committed fire survives power loss
             cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             cur.execute("PRAGMA foreign_keys=ON")
+            # SQLite's LOWER folds ASCII only: text search (Dialect.lower) folds as Python does
+            connection.create_function("outpost_lower", 1, lambda v: v.lower() if isinstance(v, str) else v,
+                                       deterministic=True)
 
         fresh = not Path(database).exists() if str(database) != ":memory:" else True
         if not fresh:
@@ -5507,6 +5510,10 @@ class Dialect:
     def json_elements(self, column: str) -> str:
         """SQL for a JSON array column's elements as rows with a ``value`` column."""
         return f"json_each({column})"
+
+    def lower(self, text: str) -> str:
+        """SQL for ``text`` in lower case, every letter (not ASCII only), as Python's str.lower."""
+        return f"outpost_lower({text})"
 
     def unindexed(self, column: str) -> str:
         """SQL for ``column`` that no index of it serves: SQLite's planner then takes the index
@@ -5628,6 +5635,9 @@ class PostgresDialect(Dialect):
 
     def json_elements(self, column: str) -> str:
         return f"jsonb_array_elements_text({column})"
+
+    def lower(self, text: str) -> str:
+        return f"LOWER({text})"
 
     def unindexed(self, column: str) -> str:
         return column   # PostgreSQL has no unary + on a timestamp, and its planner needs no hint here
@@ -7000,7 +7010,8 @@ class RunStore(StorePart):
         if q:
             params["q"] = "%" + re.sub(r"([\\%_])", r"\\\1", q.lower()) + "%"
             texts = ("s.name", "r.result_branch", "r.error", self.dialect.json_text("r.agent_report", "final_message"))
-            where.append("(" + " OR ".join(f"LOWER(COALESCE({t}, '')) LIKE $q ESCAPE '\\'" for t in texts) + ")")
+            folded = [self.dialect.lower("COALESCE(" + t + ", '')") for t in texts]
+            where.append("(" + " OR ".join(f"{t} LIKE $q ESCAPE '\\'" for t in folded) + ")")
         ids = self.db.select(f'SELECT r.id FROM "Run" r LEFT JOIN "Schedule" s ON s.id = r.schedule '
                              f'WHERE {" AND ".join(where)} ORDER BY r.id DESC LIMIT $n', params)
         runs = {r.id: r for r in self.db.Run.select(lambda r: r.id in ids)} if ids else {}
@@ -11955,7 +11966,9 @@ def run_filters(args, agents: Iterable[str], tz: ZoneInfo = UTC) -> dict[str, An
                              "status": choice_arg(args, "status", RunStatus),
                              "agent": choice_arg(args, "agent", sorted(agents)),
                              "trigger": choice_arg(args, "trigger", RUN_TRIGGERS),
-                             "q": (args.get("q") or "").strip()[:200] or None}
+                             "q": (args.get("q") or "").strip() or None}
+    if found["q"] is not None and (len(found["q"]) > 200 or not found["q"].isprintable()):
+        raise invalid("q", "must be at most 200 printable characters")
     for name in ("since", "until"):
         text = (args.get(name) or "").strip()
         if not text:
@@ -11971,6 +11984,8 @@ def run_filters(args, agents: Iterable[str], tz: ZoneInfo = UTC) -> dict[str, An
         except (ValueError, OverflowError):
             raise invalid(name, "must be an RFC 3339 instant with its offset (2026-12-01T08:00:00Z) "
                                 "or a date (2026-12-01)") from None
+    if found["since"] and found["until"] and found["since"] >= found["until"]:
+        raise invalid("until", "is not after since: no run can match (swap them?)")
     return found
 
 
@@ -14318,7 +14333,7 @@ async def page_runs_bulk(web: Web):
         raise invalid("action", "must be cancel or rerun")
     answer = await act_on_runs(web, action, selected_ids({"ids": form.getlist("ids")}))
     back = form.get("back", "")   # the filtered list it was posted from: only ever a query of /runs
-    return await web.see_other(back if re.fullmatch(r"/runs\?[\w.~%&=+:-]*", back) else "/runs",
+    return await web.see_other(back if re.fullmatch(r"/runs\?[\w.~%&=+:-]*", back, re.ASCII) else "/runs",
                                bulk=answer["results"], bulk_action=action)
 
 

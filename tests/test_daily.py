@@ -399,10 +399,16 @@ async def test_a_proposer_key_can_neither_add_a_receiver_nor_act_on_a_selection(
 
 async def test_search_text_is_data_and_secrets_stay_masked_on_every_page(api):
     sched = await api.schedule(name="quoted")
-    await fired_and_settled(api, sched, outpost.RunStatus.FAILED, error="it's 100% broken_now")
-    for text in ("' OR 1=1 --", "%' OR '1'='1", "\\", "x" * 500):
+    failed = await fired_and_settled(api, sched, outpost.RunStatus.FAILED, error="it's 100% broken_now: ÉCOLE straße")
+    for text in ("' OR 1=1 --", "%' OR '1'='1", "\\"):
         assert ids(await api.get("/v1/outpost/runs?" + urllib.parse.urlencode({"q": text}))) == []
-    assert len(ids(await api.get("/v1/outpost/runs?" + urllib.parse.urlencode({"q": "100% broken_"})))) == 1
+    for text in ("100% broken_", "ÉCOLE", "école", "STRAßE"):   # any case, every letter
+        assert ids(await api.get("/v1/outpost/runs?" + urllib.parse.urlencode({"q": text}))) == [failed], text
+    for text in ("\x00", "a\nb", "x" * 201):   # never silently cut or read as an empty pattern
+        reply = await api.get("/v1/outpost/runs?" + urllib.parse.urlencode({"q": text}))
+        assert_problem(reply, 422, "validation_failed", "q")
+    assert_problem(await api.get("/v1/outpost/runs?since=2026-12-03&until=2026-12-01"), 422, "validation_failed",
+                   "until")
     added = await api.post("/v1/outpost/notify/entries", {"url": "ntfys://outpost:hunter2pass@ntfy.example.com/topic"})
     assert added.status == 201 and "hunter2pass" not in added.text
     sign_in_client(api.client, api.store, T0)
