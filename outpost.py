@@ -2794,7 +2794,10 @@ def normalize_timing(timing: Any, now: datetime, *, check_past: bool) -> dict[st
     if kind == "interval":
         if "seconds" in timing:
             with errors.check():
-                seconds = _int(timing.get("seconds"), "timing.seconds", 10, 31622400)
+                value = timing.get("seconds")
+                if isinstance(value, str) and (written := _duration_s(value)) >= 1:   # "6h": say it in seconds
+                    raise invalid("timing.seconds", f"must be a whole number of seconds: use {int(written)} ({value})")
+                seconds = _int(value, "timing.seconds", 10, 31622400)
         elif not set(timing) - set(allowed[kind]):   # else the unknown field's error says what to write
             errors.errors.append({"field": "timing.seconds", "message": "is required: the interval in seconds "
                                                                         "(3600 is an hour)"})
@@ -2999,6 +3002,8 @@ def schedule_summary(d: dict[str, Any], first_fire: datetime | None) -> str:
     unchanged = ("; skips a fire when the commit has not changed since its last successful run"
                  if d.get("skip_if_unchanged") else "")
     asks = "; asks before catching up missed fires" if d["catch_up"]["policy"] == "ask" else ""
+    if d.get("mute"):
+        asks += "; muted: " + ", ".join(k.replace("_", " ") for k in d["mute"])
     overlap = POLICY_WORDS["concurrency_policy"][d["concurrency_policy"]]
     return (f"Runs agent '{d['agent']}' {when}{first} on a fresh worktree of {ref}; "
             f"while a run is still active, {overlap}; times out after {d['limits']['timeout_seconds']} s; "
@@ -6115,8 +6120,9 @@ class ScheduleStore(StorePart):
         s.revision += 1
         s.updated_at = naive(now)
         self.core.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
-        sid = s.id   # confirmed again: the item that asked for it is done
-        for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
+        sid = s.id   # confirmed again: the item that asked for it is done; so are the open items of a muted kind
+        done_kinds = ["reconfirm", *definition.get("mute", [])]
+        for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind in done_kinds
                                           and a.acknowledged_at is None):
             a.acknowledged_at = naive(now)
             self.core.emit("attention.acknowledged", {"attention_id": a.id}, now)
@@ -11960,32 +11966,36 @@ def choice_arg(args, name: str, choices: Iterable[str]) -> str | None:
 
 def run_filters(args, agents: Iterable[str], tz: ZoneInfo = UTC) -> dict[str, Any]:
     """The runs list's filters from a query string (docs/http-api.md), each checked: a 422 naming
-    the parameter. ``since``/``until`` are RFC 3339 instants, or dates (the dashboard's date boxes)
-    read in ``tz``, ``until`` then through the end of its day."""
-    found: dict[str, Any] = {"schedule_id": args.get("schedule_id") or None,
-                             "status": choice_arg(args, "status", RunStatus),
-                             "agent": choice_arg(args, "agent", sorted(agents)),
-                             "trigger": choice_arg(args, "trigger", RUN_TRIGGERS),
-                             "q": (args.get("q") or "").strip() or None}
-    if found["q"] is not None and (len(found["q"]) > 200 or not found["q"].isprintable()):
-        raise invalid("q", "must be at most 200 printable characters")
+    every parameter that is wrong. ``since``/``until`` are RFC 3339 instants, or dates (the
+    dashboard's date boxes) read in ``tz``, ``until`` then through the end of its day."""
+    errors = FieldErrors()
+    found: dict[str, Any] = dict.fromkeys(("status", "agent", "trigger", "since", "until"))
+    found |= {"schedule_id": args.get("schedule_id") or None, "q": (args.get("q") or "").strip() or None}
+    for name, choices in (("status", RunStatus), ("agent", sorted(agents)), ("trigger", RUN_TRIGGERS)):
+        with errors.check():
+            found[name] = choice_arg(args, name, choices)
+    with errors.check():
+        if found["q"] is not None and (len(found["q"]) > 200 or not found["q"].isprintable()):
+            raise invalid("q", "must be at most 200 printable characters")
     for name in ("since", "until"):
         text = (args.get(name) or "").strip()
-        if not text:
-            found[name] = None
-            continue
-        try:
-            if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
-                midnight = datetime.fromisoformat(text).replace(tzinfo=tz)
-                found[name] = midnight + timedelta(days=1) if name == "until" else midnight
-            else:
-                found[name] = parse_instant(text)
-            found[name] = found[name].astimezone(UTC)   # an instant past year 9999 in UTC fails here, not later
-        except (ValueError, OverflowError):
-            raise invalid(name, "must be an RFC 3339 instant with its offset (2026-12-01T08:00:00Z) "
-                                "or a date (2026-12-01)") from None
-    if found["since"] and found["until"] and found["since"] >= found["until"]:
-        raise invalid("until", "is not after since: no run can match (swap them?)")
+        with errors.check():
+            try:
+                if not text:
+                    continue
+                if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+                    midnight = datetime.fromisoformat(text).replace(tzinfo=tz)
+                    found[name] = midnight + timedelta(days=1) if name == "until" else midnight
+                else:
+                    found[name] = parse_instant(text)
+                found[name] = found[name].astimezone(UTC)   # an instant past year 9999 in UTC fails here, not later
+            except (ValueError, OverflowError):
+                raise invalid(name, "must be an RFC 3339 instant with its offset (2026-12-01T08:00:00Z) "
+                                    "or a date (2026-12-01)") from None
+    with errors.check():
+        if found["since"] and found["until"] and found["since"] >= found["until"]:
+            raise invalid("until", "is not after since: no run can match (swap them?)")
+    errors.raise_any()
     return found
 
 
@@ -12808,8 +12818,9 @@ TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
                                                  for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
                                                  if v < 1024 ** (i + 1) or unit == "TiB")}
 #: A folded attention item's "and 12 more runs returned changes", by kind.
-FOLD_WORDS = {"changes_returned": "runs returned changes", "succeeded": "runs succeeded", "failed": "runs failed",
-              "missed_fire": "missed fires", "agent_error": "failures"}
+FOLD_WORDS = {"changes_returned": ("run returned changes", "runs returned changes"),
+              "succeeded": ("run succeeded", "runs succeeded"), "failed": ("run failed", "runs failed"),
+              "missed_fire": ("missed fire", "missed fires"), "agent_error": ("failure", "failures")}
 #: Constants the templates use, so a status set is spelled once.
 TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
                     "MUTABLE_ATTENTION_KINDS": MUTABLE_ATTENTION_KINDS, "FOLD_WORDS": FOLD_WORDS,
@@ -14252,9 +14263,11 @@ async def page_edit_schedule(web: Web, schedule_id: str):
         raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
     edit = {"id": schedule_id, "revision": current["revision"], "definition": current["definition"]}
     form = form_from_definition(current["definition"])
-    if (muting := web.args.get("mute")) in MUTABLE_ATTENTION_KINDS:   # an attention item's "Mute these"
+    muting = web.args.get("mute")
+    if muting in MUTABLE_ATTENTION_KINDS:   # an attention item's "mute these": the form says what it ticked
         form[f"mute_{muting}"] = "yes"
-    return await web.page("schedule_form.html", section="schedules", **form_context(web, form, {}, edit=edit))
+    return await web.page("schedule_form.html", section="schedules", **form_context(web, form, {}, edit=edit),
+                          muting=muting if muting in MUTABLE_ATTENTION_KINDS else None)
 
 
 def edit_from(schedule_id: str, form: dict[str, str]) -> dict[str, Any]:
@@ -14308,20 +14321,24 @@ async def page_schedule_control(web: Web, schedule_id: str):
 async def page_runs(web: Web):
     """Every run, newest first, with the API's filters in the URL (a filtered view is a bookmark);
     the date boxes read in the viewer's zone, which the page's script puts in ``tz``."""
-    viewer = zone(web.args.get("tz") or "UTC", "tz")
-    found = run_filters(web.args, web.profile_names, viewer)
     query = {k: web.args.get(k, "") for k in ("schedule_id", "status", "agent", "trigger", "since", "until", "q", "tz")
              if web.args.get(k)}
-    page = await web.call(web.store.runs.list_runs, found["schedule_id"], found["status"], 50,
-                          web.args.get("before") or None, **{k: v for k, v in found.items()
-                                                             if k not in ("schedule_id", "status")})
+    try:
+        found = run_filters(web.args, web.profile_names, zone(web.args.get("tz") or "UTC", "tz"))
+        refused: list[dict[str, str]] = []
+        page = await web.call(web.store.runs.list_runs, found["schedule_id"], found["status"], 50,
+                              web.args.get("before") or None, **{k: v for k, v in found.items()
+                                                                 if k not in ("schedule_id", "status")})
+    except ValidationFailed as bad:   # a mistyped bookmark: the page says which filter, with the form to fix it
+        found = dict.fromkeys(("schedule_id", "status", "agent", "trigger", "since", "until", "q"))
+        refused, page = bad.errors or [{"field": "query", "message": bad.detail}], {"runs": [], "next": None}
     chart = await runs_chart(web, "Runs per day, last 30 days (UTC)", "UTC",
                              **({"schedule_id": found["schedule_id"]} if found["schedule_id"] else {}))
     return await web.page("runs.html", section="runs", live=True, runs=page["runs"], next=page["next"],
                           schedules=await web.call(web.store.schedules.schedule_zones), filters=found, query=query,
                           schedule_id=found["schedule_id"], status_filter=found["status"],
                           statuses=[s.value for s in RunStatus], agents=sorted(web.profile_names),
-                          triggers=RUN_TRIGGERS, chart=chart)
+                          triggers=RUN_TRIGGERS, chart=chart, refused=refused, status=422 if refused else 200)
 
 
 @pages.post("/runs/bulk", auth=Auth.SESSION)
@@ -14661,7 +14678,12 @@ async def page_save_notify_entry(web: Web):
             await web.commit(web.store.notify.add_entry, f["url"], f["label"], f["kinds"], f["digest"], web.now)
     except (ValidationFailed, Conflict) as refused:
         field_errors = {e["field"]: e["message"] for e in refused.errors} or {"url": refused.detail}
+        if not form.getlist("kinds"):   # the form's words, not the API's
+            field_errors["kinds"] = "tick at least one kind"
+        if form.get("digest_zone", "").strip() and not form.get("digest_time", "").strip():
+            field_errors["digest"] = "give the time of day too (HH:MM), or leave the zone empty"
         return await settings_page(web, 422, notify_form={"entry_id": entry_id, "kinds": form.getlist("kinds"),
+                                                          "url": "" if entry_id else form.get("url", ""),
                                                           "digest_time": form.get("digest_time", ""),
                                                           "digest_zone": form.get("digest_zone", "")},
                                    notify_errors=field_errors)

@@ -466,3 +466,46 @@ async def test_upcoming_walks_a_sparse_cron_only_to_the_window_and_says_where_a_
     sign_in_client(api.client, api.store, T0)
     page = await (await api.client.get("/upcoming?days=31&tz=UTC")).get_data(as_text=True)
     assert 'id="upcoming-cut"' in page and "busy" in page
+
+
+# --- what a new user hit ----------------------------------------------------------------------------------
+
+async def test_a_refused_entry_form_keeps_what_was_typed_and_speaks_the_forms_words(api):
+    csrf = sign_in_client(api.client, api.store, T0)
+    refused = await post_form(api.client, "/settings/notify/entries", [
+        ("csrf", csrf), ("url", "json://127.0.0.1:9/typed"), ("digest_zone", "Europe/Berlin")])
+    page = await refused.get_data(as_text=True)
+    assert refused.status_code == 422 and 'value="json://127.0.0.1:9/typed"' in page
+    assert "tick at least one kind" in page and "give the time of day too" in page
+
+
+async def test_a_mistyped_runs_bookmark_names_every_bad_filter_on_the_runs_page(api):
+    sign_in_client(api.client, api.store, T0)
+    reply = await api.client.get("/runs?status=bogus&since=notadate")
+    page = await reply.get_data(as_text=True)
+    assert reply.status_code == 422 and 'id="filter-errors"' in page and 'id="run-filters"' in page
+    assert "<strong>status</strong>" in page and "<strong>since</strong>" in page
+    both = await api.get("/v1/outpost/runs?status=bogus&since=notadate")
+    assert {e["field"] for e in both.body["errors"]} == {"status", "since"}
+
+
+async def test_mute_these_says_what_it_ticked_and_confirming_it_clears_the_open_items(api):
+    sched = await api.schedule(name="chatty")
+    for _ in range(2):
+        await fired_and_settled(api, sched, commits=1)
+    (item,) = await open_items(api)
+    sign_in_client(api.client, api.store, T0)
+    form = await (await api.client.get(f"/schedules/{sched['id']}/edit?mute=changes_returned")).get_data(as_text=True)
+    assert 'id="mute-notice"' in form and "changes returned" in form
+    composed = await api.compose({"schedule_id": sched["id"], "mute": ["changes_returned"]})
+    assert "muted: changes returned" in composed.body["summary"]
+    assert (await api.edit(sched["id"], {"mute": ["changes_returned"]}, sched["revision"])).status == 200
+    assert await open_items(api) == []   # the item it was muted from is done
+    page = await (await api.client.get("/attention")).get_data(as_text=True)
+    assert "and 1 more run returned changes" in page   # one more: singular
+
+
+async def test_an_interval_written_as_a_duration_in_seconds_says_its_seconds(api):
+    reply = await api.compose(api.raw(timing={"kind": "interval", "seconds": "6h", "timezone": "UTC"}))
+    assert_problem(reply, 422, "validation_failed", "timing.seconds")
+    assert "use 21600 (6h)" in reply.body["detail"]
