@@ -13432,7 +13432,7 @@ async def api_list_attention(web: Web):
     return {"attention": await web.call(web.store.list_attention, state == "open")}
 
 
-async def upcoming(web: Web) -> dict[str, Any]:
+async def list_upcoming(web: Web) -> dict[str, Any]:
     """The upcoming fires of ``?days=`` (1-31, 7 when empty): the sources read in one store call, the
     fires counted on a worker thread, so a thousand sparse crons hold neither the store nor the loop."""
     days = 7 if web.args.get("days", "") == "" else web.int_arg("days", 7, 1, 31)
@@ -13442,7 +13442,7 @@ async def upcoming(web: Web) -> dict[str, Any]:
 
 @api.get("/v1/outpost/upcoming", auth=Auth.TOKEN)
 async def api_upcoming(web: Web):
-    return await upcoming(web)
+    return await list_upcoming(web)
 
 
 @api.post("/v1/outpost/attention/ack", auth=Auth.TOKEN, idempotent=True)
@@ -14542,7 +14542,7 @@ async def page_upcoming(web: Web):
     """The next days' fires of every schedule and routine, by day in the viewer's zone (the page's
     script asks for it in ``tz``; the host's zone until then)."""
     viewer = zone(web.args.get("tz") or host_zone().key, "tz")
-    listed = await upcoming(web)
+    listed = await list_upcoming(web)
     days, fires = listed["days"], listed["fires"]
     by_day: dict[str, list[dict[str, Any]]] = {}
     for fire in fires:

@@ -359,7 +359,7 @@ async def test_the_settings_form_shows_every_error_at_its_field_and_adds_an_entr
     for field in ("url", "kinds", "digest"):
         assert re.search(rf'aria-describedby=nf-{field}-new[^>]*>|id="nf-{field}-new"', page), field
         assert f'id="nf-{field}-new"' in page
-    assert "not a URL Apprise can send to" in page and "non-empty list" in page and "time of day" in page
+    assert "not a URL Apprise can send to" in page and "tick at least one kind" in page and "time of day" in page
     added = await post_form(api.client, "/settings/notify/entries", [
         ("csrf", csrf), ("url", "json://127.0.0.1:9/x"), ("kinds", "failed"), ("kinds", "needs_you"),
         ("digest_time", "08:00"), ("digest_zone", "Europe/Berlin")])
