@@ -2308,12 +2308,12 @@ def cron_value_problems(text: str) -> list[str]:
         for item in item_field.split(","):
             base, _, step = item.partition("/")
             for value in base.split("-") if base != "*" else ():
-                if value.isdigit() and not lo <= int(value) <= top:
+                if value.isascii() and value.isdigit() and not lo <= int(value) <= top:   # "²" is a digit to isdigit
                     problems.append(f"{name} {value} is out of range {lo}-{hi}")
                 elif value.isalpha() and value.lower() not in names:
                     takes = f"takes {names[0]}-{names[-1]} or {lo}-{hi}" if names else f"takes numbers {lo}-{hi}"
                     problems.append(f"{name} {value!r} is not a value of that field (it {takes})")
-            if step.isdigit() and not 1 <= int(step) <= hi - lo + 1:
+            if step.isascii() and step.isdigit() and not 1 <= int(step) <= hi - lo + 1:
                 problems.append(f"{name} step /{step} is out of range 1-{hi - lo + 1}")
     return problems
 
@@ -4259,8 +4259,9 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
                                   ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
                                   ("catch_up_policy", CATCH_UP_POLICIES, "enqueue_missed_with_cap")):
         value = merged.get(key, default)
-        value = ROUTINE_POLICY_ALIASES.get(value, value) if key == "concurrency_policy" else value
-        if value not in allowed:
+        if key == "concurrency_policy" and isinstance(value, str):   # a list or an object is no alias, just wrong
+            value = ROUTINE_POLICY_ALIASES.get(value, value)
+        if not isinstance(value, str) or value not in allowed:
             errors.errors.append({"field": key, "message": "must be " + ", ".join(allowed)})
         r[key] = value
     if current is not None and current["status"] == "archived" and r["status"] != "archived":

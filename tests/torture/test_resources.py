@@ -82,7 +82,8 @@ def test_a_full_disk_gives_503_corrupts_nothing_and_recovers(small_disk, git_rep
     assert first.status_code == 202
     wait_for(lambda: api.get(f"/v1/outpost/runs/{first.json()['run_id']}").json()["status"] == "succeeded")
     filler = small_disk / "filler"
-    with open(filler, "wb") as f, contextlib.suppress(OSError):
+    # unbuffered: a write the full disk cut short leaves nothing for close() to flush (and fail on)
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
         while True:
             f.write(b"\0" * 65536)
             f.flush()
