@@ -197,9 +197,14 @@ def make_deps(tmp_path: Path, *, allowed_hosts: tuple[str, ...] = (), store: out
 def mock_deps_at(tmp_path: Path, store: outpost.Store, origin: datetime = T0, *,
                  clock: outpost.Clock | None = None) -> outpost.Deps:
     """Deps for actor tests: MockClock time from ``origin`` (or the given clock), store calls
-    inline (no worker thread)."""
+    inline (no worker thread).
+
+    The demo agent's time limit is a day here, not 600 s: under autojump, mock time runs while a
+    test polls for what a real agent process does, as fast as the loop spins, and on a loaded
+    machine 600 mock seconds pass before a slow process start writes its first file."""
+    demo = dataclasses.replace(outpost.demo_profile(), timeout_seconds=outpost.DAY_S)
     return make_deps(tmp_path, store=store, clock=clock if clock is not None else outpost.TrioClock(origin),
-                     token="t", inline_db=True)
+                     token="t", inline_db=True, agents=(demo,))
 
 
 @pytest.fixture
