@@ -10198,24 +10198,39 @@ class LogSink:
     LOG_HEAD_BYTES and the last LOG_TAIL_BYTES with one line saying how much was cut
     (docs/http-api.md): the end of a run (its result, its error) is never the part that is lost.
     While the run goes on the file stops growing at the cap; the tail waits in memory and
-    takes its place when the log is closed."""
+    takes its place when the log is closed.
 
-    def __init__(self, path: Path):
+    Beside it, ``<run>.times`` keeps when its lines began (log_times_path): one "offset second"
+    line each time a line begins in a new second of ``now``, offsets into the log as it is on
+    disk (the cut rewrites them), so a day of output costs at most a line per second."""
+
+    def __init__(self, path: Path, now: Callable[[], datetime]):
         self.path = path
+        self.now = now
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "ab")  # noqa: SIM115 (closed by close(), spans many awaits)
+            self.times = open(log_times_path(path), "ab")  # noqa: SIM115 (the same)
         except OSError as exc:   # the run fails with the reason; the daemon serves on
             raise LaunchError(f"cannot write the run's log {path}: {exc.strerror or exc}") from None
         self.written = self.file.tell()
+        self.seen = self.written   # every byte the run printed, the cut ones too
+        self.line_begins = True
+        self.marks: list[tuple[int, int]] = []
         self.tail = bytearray()
         self.cut = 0
         self.broken = False
 
     def write(self, data: bytes) -> None:
-        if self.broken:
+        if self.broken or not data:
             return
         try:
+            # Where the chunk's first line begins: all its lines arrived at the same moment.
+            first = 0 if self.line_begins else data.find(b"\n") + 1 or len(data)
+            if first < len(data):
+                self.mark(self.seen + first)
+            self.seen += len(data)
+            self.line_begins = data.endswith(b"\n")
             room = max(0, MAX_LOG_BYTES - self.written)
             if room:
                 self.file.write(data[:room])
@@ -10230,6 +10245,13 @@ class LogSink:
             self.broken = True
             log.getChild("run").warning("run log %s: %s; later output dropped", self.path, exc)
 
+    def mark(self, offset: int) -> None:
+        second = int(self.now().timestamp())
+        if not self.marks or self.marks[-1][1] != second:
+            self.marks.append((offset, second))
+            self.times.write(b"%d %d\n" % (offset, second))
+            self.times.flush()
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             if self.tail and not self.broken:
@@ -10240,10 +10262,65 @@ class LogSink:
                     written.seek(start)
                     keep = written.read(self.written - start) + bytes(self.tail)
                 cut = self.written + self.cut + len(self.tail) - LOG_HEAD_BYTES - len(keep)
+                marker = f"\n[... {cut} bytes cut ...]\n".encode()
                 self.file.seek(LOG_HEAD_BYTES)
                 self.file.truncate()
-                self.file.write(f"\n[... {cut} bytes cut ...]\n".encode() + keep)
+                self.file.write(marker + keep)
+                self.times.seek(0)
+                self.times.truncate()
+                self.times.write(b"".join(b"%d %d\n" % m for m in cut_marks(
+                    self.marks, self.seen - len(keep), LOG_HEAD_BYTES + len(marker))))
             self.file.close()
+        with contextlib.suppress(OSError):
+            self.times.close()
+
+
+def cut_marks(marks: list[tuple[int, int]], kept_from: int, kept_at: int) -> list[tuple[int, int]]:
+    """LogSink's line times once its middle is cut: those of the head as they were, the bytes
+    from ``kept_from`` on moved to ``kept_at`` (after the cut's line), the kept part's first
+    line under the time of the last mark before it."""
+    head = [m for m in marks if m[0] < LOG_HEAD_BYTES]
+    before = [m for m in marks if m[0] <= kept_from]
+    kept = [(offset - kept_from + kept_at, second) for offset, second in marks if offset > kept_from]
+    return head + [(kept_at, before[-1][1])] * bool(before) + kept
+
+
+def log_times_path(log_path: Path) -> Path:
+    """Where LogSink keeps when the lines of ``log_path`` began."""
+    return log_path.with_suffix(".times")
+
+
+def read_line_times(log_path: Path) -> list[tuple[int, int]]:
+    """LogSink's marks of ``log_path``: (byte offset, epoch second), oldest first; none without
+    the file (a log written before Outpost kept line times, or shipped from another node)."""
+    try:
+        text = log_times_path(log_path).read_text(errors="replace")
+    except OSError:
+        return []
+    return [(int(m[1]), int(m[2])) for m in re.finditer(r"^(\d+) (\d+)$", text, re.MULTILINE | re.ASCII)]
+
+
+def timed_log(data: bytes, marks: list[tuple[int, int]], tz: str) -> list[tuple[str, str]]:
+    """A log as blocks of the lines that began in the same second, each with that second
+    (``HH:MM:SS`` in ``tz``; "" before the first mark), newlines kept: joined, the log as
+    decoded. Blocks, not lines: a page of a million empty lines stays one span per second."""
+    zone = ZoneInfo(tz)
+    blocks: list[tuple[str, str]] = []
+    offset, at, shown, block = 0, 0, "", []
+    for piece in re.split(b"(?<=\n)", data):
+        if not piece:   # after the last newline
+            continue
+        while at < len(marks) and marks[at][0] <= offset:
+            second = f"{datetime.fromtimestamp(marks[at][1], zone):%H:%M:%S}"
+            if second != shown and block:
+                blocks.append((shown, b"".join(block).decode(errors="replace")))
+                block = []
+            shown, at = second, at + 1
+        block.append(piece)
+        offset += len(piece)
+    if block:
+        blocks.append((shown, b"".join(block).decode(errors="replace")))
+    return blocks
 
 
 @dataclasses.dataclass
@@ -10422,14 +10499,14 @@ async def terminate_group(proc: trio.Process, grace_s: float) -> None:
 
 
 async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin_text: str | None,
-                            timeout_s: float, log_path: Path, live: LiveRun,
+                            timeout_s: float, log_path: Path, now: Callable[[], datetime], live: LiveRun,
                             on_spawn: Callable[[int], Awaitable[None]], grace_s: float = GRACE_S) -> ProcessResult:
     """Start the agent in its own process group, capture its output, enforce the timeout.
 
     Resource handling: the process group is always ended (SIGTERM, then SIGKILL) before
     this returns or raises, cancellation included. Error handling: a launch failure is
     a LaunchError; everything the process does is reported in ProcessResult."""
-    sink = LogSink(log_path)
+    sink = LogSink(log_path, now)
     stdout_lines = OutputLines()
     stderr_tail = bytearray()
     try:
@@ -10957,6 +11034,10 @@ class Deps:
     def log_path(self, run_id: str) -> Path:
         return self.config.data_dir / "runs" / f"{run_id}.log"
 
+    def log_files(self, run_id: str) -> tuple[Path, Path]:
+        """A run's files in runs/: its log and when its lines began (LogSink)."""
+        return self.log_path(run_id), log_times_path(self.log_path(run_id))
+
     def worktree(self, run_id: str, session_branch: str | None = None) -> Path:
         """A run's worktree: its own, or the one stable path of an Office task session (the
         runs of one agent on one task), where a CLI that finds its sessions by directory finds them."""
@@ -11480,7 +11561,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
 
             done = await log_shipped(deps, run_id, functools.partial(
                 run_agent_process, argv, cwd=cwd, env=env, stdin_text=plan.prompt, timeout_s=plan.timeout_seconds,
-                log_path=deps.log_path(run_id), live=live, on_spawn=on_spawn, grace_s=deps.grace_s))
+                log_path=deps.log_path(run_id), now=deps.clock.now, live=live, on_spawn=on_spawn, grace_s=deps.grace_s))
             exit_code = done.exit_code
             reading = profile.kind.read(done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
@@ -11495,7 +11576,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             reason = str(exc) if isinstance(exc, LaunchError) else f"cannot prepare the run's files: {exc}"
             outcome = failed(f"{REPOSITORY_UNAVAILABLE}: {exc}" if unavailable else reason, "launch")
             with contextlib.suppress(LaunchError):
-                sink = LogSink(deps.log_path(run_id))
+                sink = LogSink(deps.log_path(run_id), deps.clock.now)
                 sink.write(f"[outpost] {reason}\n".encode())
                 sink.close()
         await finish_run(deps, plan, commit, outcome, exit_code, live.steps)
@@ -11705,12 +11786,12 @@ async def housekeeping_pass(deps: Deps, keep_days: int, *, dry_run: bool) -> dic
             counts["runs"] += len(batch)
             counts["branches"] += len(merged)
             counts["log_bytes"] += await trio.to_thread.run_sync(functools.partial(
-                file_bytes, [deps.log_path(r["id"]) for r in batch], remove=False))
+                file_bytes, [p for r in batch for p in deps.log_files(r["id"])], remove=False))
             continue
         gone, chunk_bytes = await deps.transaction_retrying(hk.delete_runs, [r["id"] for r in batch], cutoff)
         counts["runs"] += len(gone)
         counts["log_bytes"] += chunk_bytes + await trio.to_thread.run_sync(functools.partial(
-            file_bytes, [deps.log_path(run_id) for run_id in gone], remove=True))
+            file_bytes, [p for run_id in gone for p in deps.log_files(run_id)], remove=True))
         for (local, branch), (tip, runs) in merged.items():
             if runs & set(gone) and await drop_branch(local, branch, tip):
                 counts["branches"] += 1
@@ -14362,6 +14443,23 @@ async def page_runs_bulk(web: Web):
                                bulk=answer["results"], bulk_action=action)
 
 
+async def run_log_blocks(deps: Deps, run_id: str, tz: str) -> tuple[str, int, list[tuple[str, str]]]:
+    """The run page's log read once: its text, its size (where following it live goes on) and its
+    blocks of lines by the second they began in ``tz`` (timed_log). A log only the database keeps (a
+    fleet: another node ran it) shows without times: they stay beside the file on that node."""
+    path = deps.log_path(run_id)
+
+    def read_local() -> tuple[bytes, list[tuple[str, str]]] | None:
+        data = read_log_bytes(path)
+        return None if data is None else (data, timed_log(data, read_line_times(path), tz))
+    if (local := await trio.to_thread.run_sync(read_local)) is not None:
+        data, blocks = local
+    else:
+        data = await deps.transaction(deps.store.runs.stored_log, run_id) if deps.store.dialect.ships_logs else b""
+        blocks = timed_log(data, [], tz)
+    return data.decode(errors="replace"), len(data), blocks
+
+
 async def run_transcript(web: Web, run: dict[str, Any], log_text: str) -> dict[str, Any] | None:
     """A settled run's log as a transcript (its CLI's format: the report's, else its profile's),
     or None (the raw log only). A running run's log stays raw: the page appends to it live."""
@@ -14426,7 +14524,9 @@ async def page_run(web: Web, run_id: str):
         with contextlib.suppress(NotFound):   # a wakeup run is an Office run; its row is its own
             office = await web.call(web.store.office.office_run, run_id)
     name, tz = (await web.call(web.store.schedules.schedule_zones)).get(run["schedule_id"], ("dispatch", "UTC"))
-    log_text, log_size = await run_log(web.deps, run_id)
+    if office is not None:
+        tz = (await web.call(web.store.office.office_settings, office["workspace_id"]))["timezone"]
+    log_text, log_size, log_blocks = await run_log_blocks(web.deps, run_id, tz)
     log_transcript = await run_transcript(web, run, log_text)
     changes, files, cut = "", [], False
     if run["changes"]["commits"] and run["resolved_commit"]:
@@ -14434,14 +14534,13 @@ async def page_run(web: Web, run_id: str):
         changes = await changes_summary(local, run["resolved_commit"], run["result_branch"])
         files, cut = await branch_diff(local, run["resolved_commit"], run["result_branch"])
     thread = await web.call(web.store.runs.thread, run_id) if run["continues"] or run["answered_by"] else []
-    context = dict(run=run, schedule_name=name, log_text=log_text, log_size=log_size, changes=changes, files=files,
+    context = dict(run=run, schedule_name=name, log_text=log_text, log_size=log_size, log_blocks=log_blocks,
+                   log_tz=tz, changes=changes, files=files,
                    diff_cut=cut, transcript=log_transcript, raw=web.args.get("raw") == "1", thread=thread,
                    office=office, done=queue_notice(web.args.get("done", ""), run), gaps=run_gaps(run),
                    live=run["status"] in ACTIVE_RUN_STATUSES)
     if office is not None:
-        workspace_tz = (await web.call(web.store.office.office_settings, office["workspace_id"]))["timezone"]
-        return await office_page(web, "run.html", tab="agents", timeline=run_timeline(run["steps"], workspace_tz),
-                                 **context)
+        return await office_page(web, "run.html", tab="agents", timeline=run_timeline(run["steps"], tz), **context)
     return await web.page("run.html", section="runs", tz=tz, timeline=run_timeline(run["steps"], tz), **context)
 
 

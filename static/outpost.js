@@ -267,26 +267,41 @@
   }
 
   // --- a run's log: the search box shows only the lines (and transcript entries) with its words,
-  // the words marked; the query outlives a live refresh. The text as it came is kept per element. --
+  // the words marked; the query outlives a live refresh. The log is span.log-block elements, the
+  // lines that began in the same second, that second in data-t (CSS draws it in a gutter, outside
+  // the text); its lines, each with its second, are kept per element. ---------------------------
   let logQuery = "";
-  const logText = new WeakMap();
-  function rawText(log) {
-    if (!logText.has(log)) logText.set(log, log.textContent);
-    return logText.get(log);
+  const logLines = new WeakMap();
+  function linesOf(log) {
+    if (!logLines.has(log)) {
+      logLines.set(log, [...log.querySelectorAll(":scope > .log-block")].flatMap((block) =>
+        (block.textContent.match(/[^\n]*\n|[^\n]+$/g) || []).map((text) => ({ t: block.dataset.t || "", text }))));
+    }
+    return logLines.get(log);
   }
-  function marked(line, q) {
+  function blocksOf(lines) {
+    const blocks = [];
+    for (const line of lines) {
+      const last = blocks[blocks.length - 1];
+      if (last && last.t === line.t) last.text += line.text;
+      else blocks.push({ t: line.t, text: line.text });
+    }
+    return blocks;
+  }
+  function blockSpan(block, q) {
     const span = document.createElement("span");
-    span.className = "log-line";
-    const lower = line.toLowerCase();
+    span.className = "log-block";
+    if (block.t) span.dataset.t = block.t;
+    const lower = block.text.toLowerCase();
     let at = 0;
-    for (let i = lower.indexOf(q); i >= 0; i = lower.indexOf(q, at)) {
-      span.append(line.slice(at, i));
+    for (let i = q ? lower.indexOf(q) : -1; i >= 0; i = lower.indexOf(q, at)) {
+      span.append(block.text.slice(at, i));
       const mark = document.createElement("mark");
-      mark.textContent = line.slice(i, i + q.length);
+      mark.textContent = block.text.slice(i, i + q.length);
       span.append(mark);
       at = i + q.length;
     }
-    span.append(line.slice(at) + "\n");
+    span.append(block.text.slice(at));
     return span;
   }
   function filterLog() {
@@ -294,23 +309,44 @@
     const log = document.getElementById("run-log");
     const count = document.getElementById("log-matches");
     if (log) {
-      const text = rawText(log);
-      if (!q) {
-        log.textContent = text;
-      } else {
-        const lines = text.split("\n").filter((line) => line.toLowerCase().includes(q));
-        log.replaceChildren(...lines.map((line) => marked(line, q)));
-        if (count) count.textContent = `${lines.length} matching line${lines.length === 1 ? "" : "s"}`;
-      }
+      const lines = linesOf(log);
+      const shown = q ? lines.filter((line) => line.text.toLowerCase().includes(q)) : blocksOf(lines);
+      log.replaceChildren(...shown.map((block) => blockSpan(block, q)));
+      if (count && q) count.textContent = `${shown.length} matching line${shown.length === 1 ? "" : "s"}`;
     }
     document.querySelectorAll("#run-transcript > li").forEach((entry) =>
       entry.classList.toggle("hidden", !!q && !entry.textContent.toLowerCase().includes(q)));
     if (count && !q) count.textContent = "";
   }
+  // Output that arrives live is stamped when this page receives it (within the second it polls);
+  // the page drawn again once the run settles shows the times the log kept.
+  function clockIn(zone) {
+    try {
+      return new Intl.DateTimeFormat("en-GB", { timeZone: zone, hour: "2-digit", minute: "2-digit",
+        second: "2-digit", hourCycle: "h23" }).format(new Date());
+    } catch (e) {
+      return "";
+    }
+  }
   function appendLog(log, text) {
-    logText.set(log, rawText(log) + text);
-    if (logQuery.trim()) filterLog();
-    else log.append(text);
+    const lines = linesOf(log);
+    const t = clockIn(log.dataset.tz || "UTC");
+    let lastBlock = lines.length;   // where the last block drawn begins: it is drawn again
+    while (lastBlock > 0 && lines[lastBlock - 1].t === lines[lines.length - 1].t) lastBlock -= 1;
+    let rest = text;
+    const last = lines[lines.length - 1];
+    if (last && !last.text.endsWith("\n")) {   // the line it was in the middle of goes on
+      const end = rest.indexOf("\n") + 1 || rest.length;
+      last.text += rest.slice(0, end);
+      rest = rest.slice(end);
+    }
+    for (const piece of rest.match(/[^\n]*\n|[^\n]+$/g) || []) lines.push({ t, text: piece });
+    if (logQuery.trim()) {
+      filterLog();
+      return;
+    }
+    if (last) log.lastElementChild?.remove();
+    log.append(...blocksOf(lines.slice(lastBlock)).map((block) => blockSpan(block, "")));
   }
   function setupLogSearch(root) {
     const box = root.querySelector("#log-search");

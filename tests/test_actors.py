@@ -784,7 +784,7 @@ async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, 
 def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_path):
     """docs/http-api.md: over 1 MiB the log keeps the first 256 KiB and the last 768 KiB with one line
     between them, so a long run's result and error (its end) are never what is lost."""
-    sink = outpost.LogSink(tmp_path / "run.log")
+    sink = outpost.LogSink(tmp_path / "run.log", lambda: T0)
     lines = [f"line {i:07d} {'x' * 40}\n".encode() for i in range(60_000)]   # about 3.2 MB
     for line in lines:
         sink.write(line)
@@ -800,6 +800,69 @@ def test_a_log_over_1_mib_keeps_its_head_and_its_end_with_the_cut_counted(tmp_pa
     assert len(data) <= outpost.MAX_LOG_BYTES + 100
 
 
+class Ticking:
+    """A wall clock a test moves: ``now`` is T0 plus ``seconds``."""
+
+    def __init__(self):
+        self.seconds = 0
+
+    def now(self):
+        return T0 + timedelta(seconds=self.seconds)
+
+
+def lines_with_times(blocks: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """timed_log's blocks as (second, line) pairs."""
+    return [(shown, line) for shown, text in blocks for line in text.splitlines(keepends=True)]
+
+
+def test_each_log_line_keeps_the_second_it_began_through_the_cut(tmp_path):
+    """Issue 36: the run page shows when each line began. A 3 MiB log whose line N is printed at
+    second N // 1000: after the cut, every whole line of its head and its tail still reads its own
+    second, and the kept part's first (partial) line the second it was printed in."""
+    clock = Ticking()
+    sink = outpost.LogSink(tmp_path / "run.log", clock.now)
+    for i in range(60_000):
+        clock.seconds = i // 1000
+        line = f"line {i:07d} {'x' * 40}\n".encode()
+        sink.write(line[:7])   # a line arrives in pieces; it began with the first
+        clock.seconds += 0.4
+        sink.write(line[7:])
+    sink.close()
+    path = tmp_path / "run.log"
+    marks = outpost.read_line_times(path)
+    assert len(marks) < 200, "one mark per second of output, not per line"
+    blocks = outpost.timed_log(path.read_bytes(), marks, "UTC")
+    assert "".join(text for _, text in blocks) == path.read_text()
+    assert len(blocks) == len({shown for shown, _ in blocks}) < 200, "one block per second"
+    lines = lines_with_times(blocks)
+    cut_at = next(n for n, (_, text) in enumerate(lines) if text.startswith("[... "))
+    assert 0 < cut_at < len(lines) - 1000
+    whole = [(shown, text) for n, (shown, text) in enumerate(lines) if n not in (cut_at - 1, cut_at, cut_at + 1)]
+    for shown, text in whole:
+        number = int(text.split()[1])
+        assert shown == f"{T0 + timedelta(seconds=number // 1000):%H:%M:%S}", text
+    partial = lines[cut_at + 1][1]   # the first kept bytes: the end of a line printed before the cut
+    following = int(lines[cut_at + 2][1].split()[1])
+    assert lines[cut_at + 1][0] == f"{T0 + timedelta(seconds=(following - 1) // 1000):%H:%M:%S}", partial
+    assert lines[-1] == ("08:00:59", f"line 0059999 {'x' * 40}\n")
+
+
+def test_a_log_line_time_is_shown_in_the_zone_asked_and_a_log_without_times_has_none(tmp_path):
+    clock = Ticking()
+    sink = outpost.LogSink(tmp_path / "run.log", clock.now)
+    sink.write(b"one\n")
+    clock.seconds = 5
+    sink.write(b"two\r\nthree")   # two lines begin together; a carriage return is no line's end
+    clock.seconds = 9
+    sink.write(b" goes on\n")   # no line begins here
+    sink.close()
+    path = tmp_path / "run.log"
+    assert outpost.timed_log(path.read_bytes(), outpost.read_line_times(path), "Asia/Kolkata") == [
+        ("13:30:00", "one\n"), ("13:30:05", "two\r\nthree goes on\n")]
+    outpost.log_times_path(path).unlink()
+    assert outpost.timed_log(b"no\ntimes", outpost.read_line_times(path), "UTC") == [("", "no\ntimes")]
+
+
 @pytest.mark.parametrize("total", [
     outpost.MAX_LOG_BYTES + 1, 1_228_800, outpost.MAX_LOG_BYTES + outpost.LOG_TAIL_BYTES - 1,
     outpost.MAX_LOG_BYTES + outpost.LOG_TAIL_BYTES, 3 * 1024 * 1024,
@@ -809,7 +872,7 @@ def test_a_log_over_1_mib_keeps_exactly_its_first_256_kib_and_its_last_768_kib(t
     (chunks of 1 byte to 64 KiB), the log is the first 256 KiB, one line counting the bytes
     cut, and the last 768 KiB."""
     written = b"".join(b"%09d\n" % i for i in range(total // 10 + 1))[:total]
-    sink = outpost.LogSink(tmp_path / "run.log")
+    sink = outpost.LogSink(tmp_path / "run.log", lambda: T0)
     sizes, at = itertools.cycle([1, 7, 100, 4096, 65536, 333]), 0
     while at < total:
         step = next(sizes)
@@ -871,7 +934,7 @@ async def test_paused_time_does_not_count_against_the_timeout(autojump_clock, tm
     async def run() -> None:
         ended["result"] = await outpost.run_agent_process(
             ["sleep", "600"], cwd=tmp_path, env=dict(os.environ), stdin_text=None, timeout_s=3,
-            log_path=tmp_path / "run.log", live=live, on_spawn=no_op, grace_s=0.1)
+            log_path=tmp_path / "run.log", now=lambda: T0, live=live, on_spawn=no_op, grace_s=0.1)
         ended["at"] = trio.current_time()
 
     with trio.fail_after(60):

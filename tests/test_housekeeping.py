@@ -141,6 +141,7 @@ async def test_gc_deletes_old_runs_and_merged_branches_and_keeps_what_the_rules_
         await ack_items(api, runs[name]["id"])
     git(git_repo, "merge", "-q", "--ff-only", runs["merged"]["result_branch"])
     assert (tmp_path / "runs" / f"{runs['empty']['id']}.log").is_file()
+    assert (tmp_path / "runs" / f"{runs['empty']['id']}.times").is_file()   # when its lines began
     await trio.sleep(2 * DAY)
 
     dry = await api.post("/v1/outpost/housekeeping", {"keep_days": 1, "dry_run": True})
@@ -161,7 +162,9 @@ async def test_gc_deletes_old_runs_and_merged_branches_and_keeps_what_the_rules_
     for name in ("open", "asked", "latest"):   # open attention, unanswered needs_you, the schedule's latest
         assert (await api.get(f"/v1/outpost/runs/{runs[name]['id']}")).status == 200, name
     assert not (tmp_path / "runs" / f"{runs['empty']['id']}.log").exists()
+    assert not (tmp_path / "runs" / f"{runs['empty']['id']}.times").exists()
     assert (tmp_path / "runs" / f"{runs['open']['id']}.log").is_file()
+    assert (tmp_path / "runs" / f"{runs['open']['id']}.times").is_file()
     assert not branch_exists(git_repo, runs["merged"]["result_branch"])
     assert branch_exists(git_repo, runs["unmerged"]["result_branch"])   # work nobody merged stays
     assert branch_exists(git_repo, runs["open"]["result_branch"])

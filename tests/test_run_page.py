@@ -150,6 +150,41 @@ async def test_the_raw_log_downloads_under_the_session_cookie(tmp_path, dashboar
     assert signed_out.status_code == 302 and signed_out.headers["Location"].startswith("/signin")
 
 
+async def test_each_log_line_shows_when_it_began_in_the_schedules_zone(tmp_path, dashboard):
+    """Issue 36: the log with line timestamps. The time is the span's data-t (CSS draws it), so
+    the log's text, what search and copy see, stays exactly what the agent printed."""
+    store = dashboard.store
+    repo = make_repo(tmp_path / "repo")
+    berlin = {"kind": "cron", "expression": "0 0 1 1 *", "timezone": "Europe/Berlin"}
+    schedule_id = call(store, store.schedules.create_schedule, normalized(repo, timing=berlin), T0)["id"]
+    run_id = call(store, store.schedules.fire_manual, schedule_id, 1, T0)["run_id"]
+    at = [T0]
+    sink = outpost.LogSink(dashboard.log_path(run_id), lambda: at[0])
+    sink.write(b"cloning\n")
+    at[0] = T0 + 65 * SEC
+    sink.write(b"tests <b>passed</b>\ndone")
+    sink.close()
+    page = await page_of(dashboard, f"/runs/{run_id}")
+    log = re.search(r'<pre class="log" id="run-log"[^>]*data-tz="Europe/Berlin"[^>]*>(.*?)</pre>', page, re.S)
+    assert log, "the log says the zone its times are in"
+    assert re.findall(r'<span class="log-block" data-t="([\d:]+)">([^<]*)</span>', log[1]) == [
+        ("09:00:00", "cloning\n"), ("09:01:05", "tests &lt;b&gt;passed&lt;/b&gt;\ndone")]
+    response = await get(dashboard, f"/runs/{run_id}/log")   # the download: the log as printed, no times
+    assert await response.get_data(as_text=True) == "cloning\ntests <b>passed</b>\ndone"
+
+
+async def test_a_log_of_a_million_empty_lines_is_one_block_on_the_page(tmp_path, dashboard):
+    """A hostile agent's output cannot blow the page up: lines of one second are one span."""
+    store = dashboard.store
+    schedule_id = call(store, store.schedules.create_schedule, normalized(make_repo(tmp_path / "repo")), T0)["id"]
+    run_id = call(store, store.schedules.fire_manual, schedule_id, 1, T0)["run_id"]
+    sink = outpost.LogSink(dashboard.log_path(run_id), lambda: T0)
+    sink.write(b"\n" * 1_000_000)
+    sink.close()
+    page = await page_of(dashboard, f"/runs/{run_id}")
+    assert page.count('class="log-block"') == 1 and len(page) < 1_200_000
+
+
 # --- the task page while its agent works -------------------------------------------------------------------
 
 async def test_the_task_page_says_who_works_on_it_with_a_link_to_the_live_log(tmp_path, dashboard):

@@ -67,6 +67,18 @@ def test_a_run_page_shows_its_timeline_and_its_log_can_be_searched_and_downloade
     assert "gamma three" in download.value.path().read_text()
 
     page.goto(f"{server.url}/runs/{run_id}")   # the page down to its timeline (docs/img/run-timeline.png)
+    # Each line shows the second it began (CET, the schedule's zone), drawn before it by CSS and
+    # outside its text: the log's text is the download's, byte for byte.
+    blocks = page.locator("#run-log .log-block").evaluate_all(
+        "spans => spans.map(s => [s.dataset.t, getComputedStyle(s, '::before').content, s.textContent])")
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d", t) and before == f'"{t}"' for t, before, _ in blocks), blocks
+    second = {line: t for t, _, text in blocks for line in text.splitlines()}
+    assert second["alpha one"] != second["gamma three"], "gamma was printed 1.5 s after alpha, in a later second"
+    assert page.locator("#run-log").evaluate("el => el.textContent") == download.value.path().read_text()
+    page.fill("#log-search", "gamma")
+    assert page.locator("#run-log .log-block").evaluate_all("spans => spans.map(s => s.dataset.t)") == [
+        second["gamma three"]]
+    page.fill("#log-search", "")
     bottom = page.locator("#run-timeline").evaluate("el => el.getBoundingClientRect().bottom + window.scrollY")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "run-timeline.png"), full_page=True,
