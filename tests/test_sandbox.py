@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SETTLED, Server, make_repo, wait_for
+from conftest import OUTPOST_PY, SETTLED, Server, make_repo, wait_for
 from conftest import git as git_here
 
 import outpost
@@ -186,6 +186,10 @@ def test_a_hostile_agent_gets_nothing_and_the_daemon_keeps_serving(base, who):
         '[agents.committer]\ncommand = ["sh", "-c", "echo honest > honest.txt && git add honest.txt && '
         'git -c user.name=a -c user.email=a@a commit -q -m honest"]\n')
     runner = as_unprivileged(base) if who == "unprivileged" else ()
+    if runner and subprocess.run([*runner, sys.executable, "-c", f"import runpy; open({str(OUTPOST_PY)!r}).close()"],
+                                 capture_output=True).returncode:
+        pytest.skip(f"an unprivileged user cannot run {OUTPOST_PY} with {sys.executable} (a private folder "
+                    "holds the checkout): clone it where others may read it to run this case")
     canary = f"canary-{uuid.uuid4().hex}"
     server = Server(data, env={"HOME": str(home), "OUTPOST_TEST_CANARY": canary}, runner=runner).start()
     try:
