@@ -10297,7 +10297,9 @@ def read_line_times(log_path: Path) -> list[tuple[int, int]]:
         text = log_times_path(log_path).read_text(errors="replace")
     except OSError:
         return []
-    return [(int(m[1]), int(m[2])) for m in re.finditer(r"^(\d+) (\d+)$", text, re.MULTILINE | re.ASCII)]
+    # Only LogSink writes it, but an agent run without isolation could too: a second past the
+    # year 9999 would make the run page fail, so a second has at most 11 digits (year 5138).
+    return [(int(m[1]), int(m[2])) for m in re.finditer(r"^(\d{1,15}) (\d{1,11})$", text, re.MULTILINE | re.ASCII)]
 
 
 def timed_log(data: bytes, marks: list[tuple[int, int]], tz: str) -> list[tuple[str, str]]:

@@ -859,6 +859,9 @@ def test_a_log_line_time_is_shown_in_the_zone_asked_and_a_log_without_times_has_
     path = tmp_path / "run.log"
     assert outpost.timed_log(path.read_bytes(), outpost.read_line_times(path), "Asia/Kolkata") == [
         ("13:30:00", "one\n"), ("13:30:05", "two\r\nthree goes on\n")]
+    outpost.log_times_path(path).write_text("0 99999999999999999999\n0 253402300800\nx y\n4 1796112000\n")
+    assert outpost.timed_log(b"one\ntwo\n", outpost.read_line_times(path), "UTC") == [
+        ("", "one\n"), ("08:00:00", "two\n")], "a hand-written .times cannot break the page"
     outpost.log_times_path(path).unlink()
     assert outpost.timed_log(b"no\ntimes", outpost.read_line_times(path), "UTC") == [("", "no\ntimes")]
 
