@@ -156,6 +156,8 @@ MAX_BODY_BYTES = 1024 * 1024
 MAX_LOG_BYTES = 1024 * 1024
 LOG_HEAD_BYTES = 256 * 1024
 LOG_TAIL_BYTES = MAX_LOG_BYTES - LOG_HEAD_BYTES
+#: Most of a run's line times read (runs/<id>.times): a day at a line a second, 28 bytes each.
+LINE_TIMES_MAX_BYTES = 28 * 86_400
 #: How long an Idempotency-Key is remembered.
 IDEMPOTENCY_TTL_S = 24 * HOUR_S
 #: An in-flight key older than this belongs to a request that died (its action never committed).
@@ -10293,8 +10295,9 @@ def log_times_path(log_path: Path) -> Path:
 def read_line_times(log_path: Path) -> list[tuple[int, int]]:
     """LogSink's marks of ``log_path``: (byte offset, epoch second), oldest first; none without
     the file (a log written before Outpost kept line times, or shipped from another node)."""
-    try:
-        text = log_times_path(log_path).read_text(errors="replace")
+    try:   # at most a day of marks (a line a second): a bigger file was not written by LogSink
+        with open(log_times_path(log_path), "rb") as f:
+            text = f.read(LINE_TIMES_MAX_BYTES).decode(errors="replace")
     except OSError:
         return []
     # Only LogSink writes it, but an agent run without isolation could too: a second past the
