@@ -11067,13 +11067,18 @@ class Deps:
 # 15. Fleet: repositories other nodes reach, logs kept in the database, the node actor.
 ###############################################################################
 
-async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
-    """read_log of a run: this node's file or, in a fleet, the copy that the node that ran it
-    keeps in the database."""
+async def run_log_bytes(deps: Deps, run_id: str, offset: int = 0) -> bytes:
+    """A run's log from byte ``offset`` on: this node's file or, in a fleet, the copy that the
+    node that ran it keeps in the database."""
     path = deps.log_path(run_id)
     if not deps.store.dialect.ships_logs or path.exists():
-        return await trio.to_thread.run_sync(read_log, path, offset)
-    data = (await deps.transaction(deps.store.runs.stored_log, run_id))[offset:]
+        return await trio.to_thread.run_sync(read_log_bytes, path, offset) or b""
+    return (await deps.transaction(deps.store.runs.stored_log, run_id))[offset:]
+
+
+async def run_log(deps: Deps, run_id: str, offset: int = 0) -> tuple[str, int]:
+    """A run's log as text from byte ``offset`` on, and the offset it reached (run_log_bytes)."""
+    data = await run_log_bytes(deps, run_id, offset)
     return data.decode(errors="replace"), offset + len(data)
 
 
@@ -14452,16 +14457,9 @@ async def run_log_blocks(deps: Deps, run_id: str, tz: str) -> tuple[str, int, li
     """The run page's log read once: its text, its size (where following it live goes on) and its
     blocks of lines by the second they began in ``tz`` (timed_log). A log only the database keeps (a
     fleet: another node ran it) shows without times: they stay beside the file on that node."""
+    data = await run_log_bytes(deps, run_id)
     path = deps.log_path(run_id)
-
-    def read_local() -> tuple[bytes, list[tuple[str, str]]] | None:
-        data = read_log_bytes(path)
-        return None if data is None else (data, timed_log(data, read_line_times(path), tz))
-    if (local := await trio.to_thread.run_sync(read_local)) is not None:
-        data, blocks = local
-    else:
-        data = await deps.transaction(deps.store.runs.stored_log, run_id) if deps.store.dialect.ships_logs else b""
-        blocks = timed_log(data, [], tz)
+    blocks = await trio.to_thread.run_sync(lambda: timed_log(data, read_line_times(path), tz))
     return data.decode(errors="replace"), len(data), blocks
 
 
