@@ -3220,6 +3220,48 @@ def run_timeout_s(limit_s: int, profile: AgentProfile | None) -> int:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class QueuedRun:
+    """What a queued run is made from, whoever queues it: a fire (with its occurrence, due instant
+    and missed count), a dispatch, a re-run, a reply, an Office wakeup's claim. ``label`` names its
+    result branch when it has no schedule (an Office agent's name); a continuation gives the
+    ``result_branch`` it continues (a reply's, an Office task's) with the session it resumes."""
+    agent: str
+    trigger: str
+    prompt: str
+    repository: str
+    workdir: str
+    source_ref: str
+    timeout_seconds: int
+    notify: str
+    model: str | None = None
+    max_cost_usd: float | None = None
+    schedule_id: str | None = None
+    label: str | None = None
+    due_at: datetime | None = None
+    missed_count: int = 0
+    occurrence_id: str | None = None
+    resolved_commit: str | None = None
+    requested_by: str | None = None
+    rerun_of: str | None = None
+    result_branch: str | None = None
+    continues_branch: bool = False
+    continues: str | None = None
+    resume_session_id: str | None = None
+    owner: str | None = None
+    worktree_run: str | None = None
+
+
+def queued_from(definition: dict[str, Any], trigger: str, prompt: str, **fields: Any) -> QueuedRun:
+    """A queued run of a schedule's definition or a dispatch (the same fields: agent, repository,
+    workdir, source_ref, limits, notify)."""
+    limits = definition["limits"]
+    return QueuedRun(agent=definition["agent"], trigger=trigger, prompt=prompt, repository=definition["repository"],
+                     workdir=definition["workdir"], source_ref=definition["source_ref"],
+                     timeout_seconds=limits["timeout_seconds"], model=limits.get("model"),
+                     max_cost_usd=limits.get("max_cost_usd"), notify=definition["notify"], **fields)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RunPlan:
     """One run as its supervisor carries it from worktree to settlement (and recovery settles
     it): made once, from the run's row (``launch_info``) and its profile, then passed to every
@@ -6050,585 +6092,7 @@ class GroupCommit:
 
 
 ###############################################################################
-# 8. Store: schedules and firing (the slot ledger, claims, manual fires, dispatches).
-###############################################################################
-
-class ScheduleStore(StorePart):
-    """Schedules and firing: definitions under revisions, the slot ledger, claiming due
-    occurrences (UNIQUE per schedule and instant), manual fires and one-shot dispatches."""
-
-    def _schedule(self, schedule_id: str):
-        s = self.db.Schedule.get(id=schedule_id)
-        if s is None:
-            raise NotFound(f"no schedule {schedule_id}")
-        return s
-
-    def _active_run(self, schedule_id: str):
-        """The schedule's oldest queued, running or paused run (one index probe), or None.
-        ``queued_at`` unindexed: the probe is run_schedule (schedule, status), never a walk of the
-        schedule's year of runs through run_schedule_queued to skip the sort."""
-        rows = self.db.select(f'SELECT id FROM "Run" WHERE schedule = $sid AND status IN {ACTIVE_RUN_SQL} '
-                              f"ORDER BY {self.dialect.unindexed('queued_at')}, id LIMIT 1", {"sid": schedule_id})
-        return self.db.Run[rows[0]] if rows else None
-
-    def _schedule_view(self, s) -> dict[str, Any]:
-        active = self._active_run(s.id)
-        return schedule_view(s, active.id if active else None)
-
-    def check_name_free(self, name: str, except_id: str | None = None) -> None:
-        """Conflict (naming the field) when a schedule that is not archived, other than ``except_id``,
-        has ``name``: create and update refuse it, the compose form tells it before Confirm."""
-        self._check_name_free(name, except_id)
-
-    def _check_name_free(self, name: str, except_id: str | None = None) -> None:
-        clash = self.db.Schedule.get(lambda s: s.name == name and not s.archived and s.id != except_id)
-        if clash:
-            raise Conflict(f"a schedule named {name!r} already exists ({clash.id})",
-                           errors=[{"field": "name", "message": "already used by another schedule"}])
-
-    def create_schedule(self, definition: dict[str, Any], now: datetime,
-                        profile_digest: str | None = None) -> dict[str, Any]:
-        self._check_name_free(definition["name"])
-        sid = new_id("sch")
-        first = next_fires(definition["timing"], now, 1, anchor=now)
-        s = self.db.Schedule(id=sid, name=definition["name"], definition=definition,
-                             confirmation=confirmation_of(definition), confirmed_at=naive(now),
-                             profile_digest=profile_digest,
-                             next_fire_at=naive(first[0]) if first else None, anchored_at=naive(now),
-                             created_at=naive(now), updated_at=naive(now))
-        self.core.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
-        return self._schedule_view(s)
-
-    def _guard(self, s, revision: int) -> None:
-        if s.archived:
-            raise Archived(f"schedule {s.id} is archived; create a new one instead")
-        check_revision(s.id, s.revision, revision)
-
-    def schedule_definition(self, schedule_id: str) -> dict[str, Any]:
-        s = self._schedule(schedule_id)
-        return {"definition": dict(s.definition), "revision": s.revision, "archived": s.archived}
-
-    def update_schedule(self, schedule_id: str, revision: int, definition: dict[str, Any],
-                        now: datetime, profile_digest: str | None = None) -> dict[str, Any]:
-        s = self._schedule(schedule_id)
-        self._guard(s, revision)
-        self._check_name_free(definition["name"], except_id=s.id)
-        if definition["timing"] != s.definition["timing"]:
-            first = next_fires(definition["timing"], now, 1, anchor=now)
-            s.next_fire_at = naive(first[0]) if first else None
-            s.anchored_at = naive(now)
-        s.name, s.definition = definition["name"], definition
-        s.confirmation, s.confirmed_at = confirmation_of(definition), naive(now)
-        s.profile_digest = profile_digest
-        s.revision += 1
-        s.updated_at = naive(now)
-        self.core.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
-        sid = s.id   # confirmed again: the item that asked for it is done; so are the open items of a muted kind
-        done_kinds = ["reconfirm", *definition.get("mute", [])]
-        for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind in done_kinds
-                                          and a.acknowledged_at is None):
-            a.acknowledged_at = naive(now)
-            self.core.emit("attention.acknowledged", {"attention_id": a.id}, now)
-        return self._schedule_view(s)
-
-    def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
-        """enable | pause | resume | archive | dismiss_catch_up (``fire`` is fire_manual); the
-        schedule's view. approve_catch_up answers as fire does too (``outcome``, ``run_id``)."""
-        s = self._schedule(schedule_id)
-        self._guard(s, revision)
-        if action == "approve_catch_up":
-            outcome, run_id = self.decide_catch_up(s, True, now)
-            if outcome == SlotOutcome.SKIPPED_OVERLAP:   # nothing changed: the plan waits, the revision stays
-                return {**self._schedule_view(s), "outcome": str(outcome), "run_id": None}
-            self._controlled(s, action, now)
-            return {**self._schedule_view(s), "outcome": str(outcome), "run_id": run_id}
-        if action == "enable":
-            if s.auto_paused:
-                raise AutoPaused(f"schedule {s.id} was auto-paused after {s.failure_streak} failures; "
-                                 "inspect its failed runs, then use resume")
-            if not s.enabled:
-                self._settle_paused_slots(s, now)
-            s.enabled = True
-        elif action == "pause":
-            s.enabled = False
-        elif action == "resume":
-            if not s.enabled:
-                self._settle_paused_slots(s, now)
-            s.enabled, s.auto_paused, s.failure_streak = True, False, 0
-        elif action == "dismiss_catch_up":
-            self.decide_catch_up(s, False, now)
-        elif action == "archive":
-            s.archived, s.enabled, s.next_fire_at = True, False, None
-        else:
-            raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
-        self._controlled(s, action, now)
-        return self._schedule_view(s)
-
-    def _controlled(self, s, action: str, now: datetime) -> None:
-        s.revision += 1
-        s.updated_at = naive(now)
-        self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
-
-    def get_schedule(self, schedule_id: str) -> dict[str, Any]:
-        return self._schedule_view(self._schedule(schedule_id))
-
-    def find_schedule_id(self, id_or_name: str) -> str:
-        s = self.db.Schedule.get(id=id_or_name) or self.db.Schedule.select(
-            lambda s: s.name == id_or_name).order_by(lambda s: (s.archived, orm.desc(s.created_at))).first()
-        if s is None:
-            raise NotFound(f"no schedule with id or name {id_or_name!r}")
-        return s.id
-
-    def _listed(self, include_archived: bool, state: str | None):
-        query = self.db.Schedule.select()
-        if state == "archived":
-            return query.filter(lambda s: s.archived)
-        if not include_archived or state:
-            query = query.filter(lambda s: not s.archived)
-        if state == "enabled":
-            query = query.filter(lambda s: s.enabled)
-        elif state == "paused":
-            query = query.filter(lambda s: not s.enabled and not s.auto_paused)
-        elif state == "auto_paused":
-            query = query.filter(lambda s: s.auto_paused)
-        return query
-
-    def list_schedules(self, include_archived: bool = False, page: int | None = None, *, state: str | None = None,
-                       by_next_fire: bool = False) -> list[dict[str, Any]]:
-        """All schedules (of a SCHEDULE_STATES ``state``), oldest first or soonest next fire first
-        (none last); or one ``page`` of SCHEDULES_PAGE (the dashboard)."""
-        query = self._listed(include_archived, state)
-        if by_next_fire:   # an appliance's schedules are hundreds at most: sorted here, NULLs last on both databases
-            ordered = sorted(query, key=lambda s: (s.next_fire_at is None, s.next_fire_at or s.created_at, s.id))
-            rows = ordered[(page - 1) * SCHEDULES_PAGE:page * SCHEDULES_PAGE] if page else ordered
-        else:
-            query = query.order_by(lambda s: (s.created_at, s.id))
-            rows = query.page(page, SCHEDULES_PAGE) if page else query
-        active = dict(self.db.select(   # one query for every schedule's active run, not one each
-            f"SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN {ACTIVE_RUN_SQL} "
-            "AND schedule IS NOT NULL GROUP BY schedule"))
-        return [schedule_view(s, active.get(s.id)) for s in rows]
-
-    def count_schedules(self, include_archived: bool = False, state: str | None = None) -> int:
-        return self._listed(include_archived, state).count()
-
-    def last_runs(self, schedule_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """The newest run of each of these schedules, in one query (an index probe each)."""
-        if not schedule_ids:
-            return {}
-        ids, params = sql_list("s", schedule_ids)
-        rows = self.db.select(
-            'SELECT r.schedule, r.id, r.status, r.queued_at FROM "Schedule" s JOIN "Run" r ON r.id = '
-            f'(SELECT MAX(id) FROM "Run" WHERE schedule = s.id) WHERE s.id IN {ids}', params)
-        return {sid: {"id": rid, "status": status, "queued_at": rfc3339(sql_instant(queued))}
-                for sid, rid, status, queued in rows}
-
-    def schedules_page(self, include_archived: bool, page: int, state: str | None = None,
-                       by_next_fire: bool = False) -> dict[str, Any]:
-        """The dashboard's schedules page from one snapshot: a page of schedules, how many
-        there are, and the newest run of each schedule shown."""
-        schedules = self.list_schedules(include_archived, page, state=state, by_next_fire=by_next_fire)
-        return {"schedules": schedules, "total": self.count_schedules(include_archived, state),
-                "last_runs": self.last_runs([s["id"] for s in schedules])}
-
-    def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
-        self._schedule(schedule_id)
-        query = self.db.Occurrence.select(lambda o: o.schedule.id == schedule_id)
-        return [occurrence_view(o) for o in query.order_by(lambda o: orm.desc(o.due_at))[:limit]]
-
-    def schedule_zones(self) -> dict[str, tuple[str, str]]:
-        """schedule id -> (name, timezone), for pages that list runs of many schedules."""
-        rows = self.db.select(f"SELECT id, name, {self.dialect.json_text('definition', 'timing', 'timezone')} "
-                              'FROM "Schedule"')
-        return {sid: (name, tz) for sid, name, tz in rows}
-
-    def fire_sources(self) -> list[FireSource]:
-        """The schedules that are not archived and fire on a timing, for the upcoming list."""
-        return [FireSource("schedule", s.id, s.name, s.definition["timing"].get("timezone") or "UTC",
-                           s.definition["timing"], aware(s.next_fire_at), not s.enabled, aware(s.anchored_at))
-                for s in self.db.Schedule.select(lambda s: not s.archived)
-                if s.definition["timing"]["kind"] in ("cron", "interval", "once")]
-
-    def next_due_at(self) -> datetime | None:
-        due = orm.min(s.next_fire_at for s in self.db.Schedule if not s.archived)
-        return aware(due)
-
-    def _record_slot(self, s, due_at: datetime, trigger: str, outcome: SlotOutcome, now: datetime,
-                     *, run_id: str | None = None, missed_count: int = 0) -> str | None:
-        """Insert one ledger row; None when the slot was already claimed (a second claimer)."""
-        oid = new_id("occ")
-        rows = self.core.returning(
-            'INSERT INTO "Occurrence" (id, schedule, due_at, trigger, outcome, missed_count, run_id, created_at) '
-            "VALUES ($oid, $sid, $due, $trigger, $outcome, $missed, $run_id, $now) "
-            "ON CONFLICT (schedule, due_at) DO NOTHING RETURNING id",
-            {"oid": oid, "sid": s.id, "due": sql_time(due_at), "trigger": trigger, "outcome": str(outcome),
-             "missed": missed_count, "run_id": run_id, "now": sql_time(now)})
-        return rows[0] if rows else None
-
-    def queue_run(self, *, schedule, agent: str, trigger: str, prompt: str, repository: str,
-                   workdir: str, source_ref: str, limits: dict[str, Any], notify: str, now: datetime,
-                   due_at: datetime | None = None, missed_count: int = 0, occurrence_id: str | None = None,
-                   label: str | None = None, **more: Any) -> str:
-        """A queued run, as one plain INSERT (a fire, a dispatch and a wakeup's claim all make
-        one); ``more``: further columns of the run (a reply's branch, a re-run's commit). Its id."""
-        rid = new_id("out")
-        columns = {"id": rid, "schedule": schedule.id if schedule else None, "occurrence_id": occurrence_id,
-                   "agent": agent, "trigger": trigger, "due_at": sql_time(due_at) if due_at else None,
-                   "missed_count": missed_count, "status": str(RunStatus.QUEUED), "prompt": prompt,
-                   "repository": repository, "workdir": workdir, "source_ref": source_ref,
-                   "timeout_seconds": limits["timeout_seconds"], "model": limits.get("model"),
-                   "max_cost_usd": limits.get("max_cost_usd"), "notify": notify,
-                   "result_branch": result_branch(schedule.name if schedule else label, rid), "commits": 0,
-                   "over_budget": False, "continues_branch": False, "cancel_requested": False, "notified": False,
-                   "attempt": 0, "queued_at": sql_time(now), **more}
-        self.db.execute(f'INSERT INTO "Run" ({", ".join(columns)}) VALUES ({", ".join("$" + c for c in columns)})',
-                        columns)
-        self.core.emit("run.queued", {"run_id": rid, "schedule_id": schedule.id if schedule else None,
-                                 "trigger": trigger}, now)
-        return rid
-
-    def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime, missed_count: int = 0,
-                   since: datetime | None = None, counted_all: bool = True, head: str | None = None,
-                   pending: str | None = None) -> tuple[SlotOutcome, str | None, str | None]:
-        """Apply the overlap rule (and skip_if_unchanged: ``head`` is what source_ref resolves
-        to now, and the commit a run it admits starts from: see RunPlan) to one due slot: returns
-        (outcome, run id, occurrence id). ``pending`` is the ledger row of a slot that waited for
-        a human (catch_up ask): it is decided, not added."""
-        d = s.definition
-        active = self._active_run(s.id)
-        policy = d["concurrency_policy"]
-        if active is not None and policy == "skip_if_active":
-            outcome, run = SlotOutcome.SKIPPED_OVERLAP, active
-        elif active is not None and policy == "coalesce_if_active":
-            outcome, run = SlotOutcome.COALESCED, active
-        elif head is not None and trigger != "manual" and head == self._last_success_commit(s.id):
-            outcome, run = SlotOutcome.SKIPPED_UNCHANGED, None
-        else:
-            outcome, run = SlotOutcome.ADMITTED, None
-        if pending is not None:
-            self.db.execute('UPDATE "Occurrence" SET outcome = $o, trigger = $t, missed_count = $m, run_id = $r '
-                            'WHERE id = $oid', {"o": str(outcome), "t": trigger, "m": missed_count,
-                                                "r": run.id if run else None, "oid": pending})
-            oid = pending
-        else:
-            oid = self._record_slot(s, due_at, trigger, outcome, now, run_id=run.id if run else None,
-                                    missed_count=missed_count)
-        if oid is None:
-            return outcome, None, None
-        if outcome == SlotOutcome.ADMITTED:
-            tz = ZoneInfo(d["timing"]["timezone"])
-            prompt = render_brief(d["brief"], due_at, tz)
-            if trigger == "catch_up":
-                prompt += catch_up_note(missed_count, since or due_at, tz, counted_all=counted_all)
-            run_id = self.queue_run(schedule=s, agent=d["agent"], trigger=trigger, prompt=prompt,
-                                     repository=d["repository"], workdir=d["workdir"], source_ref=d["source_ref"],
-                                     limits=d["limits"], notify=d["notify"], now=now, due_at=due_at,
-                                     missed_count=missed_count, occurrence_id=oid, resolved_commit=head)
-            self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
-            s.last_fired_at = naive(now)
-            self.core.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
-                                             "run_id": run_id, "trigger": trigger}, now)
-            return outcome, run_id, oid
-        if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
-            run.missed_count += 1
-        self.core.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
-                                         "outcome": str(outcome), "active_run_id": run.id if run else None}, now)
-        return outcome, None, oid
-
-    def _last_success_commit(self, schedule_id: str) -> str | None:
-        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid AND status = 'succeeded' "
-                             "ORDER BY finished_at DESC, id DESC LIMIT 1", {"sid": schedule_id})
-        return row[0] if row else None
-
-    def unchanged_checks(self, now: datetime) -> list[tuple[str, str, str]]:
-        """(schedule id, repository, source_ref) of the due schedules that skip_if_unchanged:
-        the cron actor resolves their refs (git) before it claims."""
-        rows = self.db.select(   # the flag is stored only when true: a LIKE keeps the others unread
-            'SELECT id, definition FROM "Schedule" WHERE enabled AND NOT archived AND next_fire_at <= $now '
-            "AND CAST(definition AS TEXT) LIKE '%\"skip_if_unchanged\"%' ORDER BY next_fire_at, id",
-            {"now": sql_time(now)})
-        definitions = [(sid, json.loads(text) if isinstance(text, str) else text) for sid, text in rows]
-        return [(sid, d["repository"], d["source_ref"]) for sid, d in definitions if d.get("skip_if_unchanged")]
-
-    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime, *, first_due: datetime,
-                       counted_all: bool = True) -> None:
-        """catch_up ask: the missed slots wait (ledger ``pending_catch_up``) and one
-        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them.
-        ``missed`` are the slots recorded (the newest of a long gap), ``first_due`` the gap's
-        first slot; ``counted_all`` false: more than ``total`` were missed (counting stopped)."""
-        kind = s.definition["timing"]["kind"]
-        for slot in missed:
-            self._record_slot(s, slot, kind, SlotOutcome.PENDING_CATCH_UP, now)
-        plan = s.pending_catch_up or {}
-        first = plan.get("first_missed_at") or rfc3339(first_due)
-        exact = plan.get("missed_count_exact", True) and counted_all
-        s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
-                              "last_missed_at": rfc3339(missed[-1]), "missed_count_exact": exact}
-        # the item always tells the whole plan: a second outage updates its count and window
-        title, detail = plan_words(s.name, s.definition["timing"]["timezone"], s.pending_catch_up)
-        items = self._open_plan_items(s.id)
-        for item in items:
-            item.title, item.detail = title, detail
-        if not items:
-            self.core.raise_attention("catch_up_plan", title, detail, now, schedule_id=s.id, run_id=None)
-        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
-
-    def _open_plan_items(self, schedule_id: str) -> list[Any]:
-        """The schedule's open ``catch_up_plan`` item (one at most, as raised)."""
-        return list(self.db.Attention.select(lambda a: a.schedule_id == schedule_id and a.kind == "catch_up_plan"
-                                             and a.acknowledged_at is None))
-
-    def decide_catch_up(self, s, approve: bool, now: datetime) -> tuple[SlotOutcome, str | None]:
-        """approve_catch_up (one catch-up run, as enqueue_missed_with_cap with max 1) or
-        dismiss_catch_up (the slots are ``skipped_missed``): the outcome, and the run's id if one
-        was queued. Approved while a run of the schedule is active (its policy not
-        always_enqueue) it is ``skipped_overlap``: the plan and its item stay, the item says so."""
-        plan = s.pending_catch_up
-        if not plan:
-            raise Conflict(f"schedule {s.id} has no pending catch-up to decide")
-        sid = s.id
-        active = self._active_run(sid)
-        if approve and active is not None and s.definition["concurrency_policy"] != "always_enqueue":
-            _, detail = plan_words(s.name, s.definition["timing"]["timezone"], plan)
-            for item in self._open_plan_items(sid):
-                item.detail = (f"Run {active.id} of this schedule is still active, so the catch-up did not "
-                               f"start: approve again when it ends. {detail}")
-            return SlotOutcome.SKIPPED_OVERLAP, None
-        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
-                    .order_by(lambda o: o.due_at))
-        s.pending_catch_up = None
-        for item in self._open_plan_items(sid):
-            item.acknowledged_at = naive(now)
-        if not approve or not rows:
-            for o in rows:
-                o.outcome = str(SlotOutcome.SKIPPED_MISSED)
-            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
-                                             "count": plan["missed_count"]}, now)
-            return SlotOutcome.SKIPPED_MISSED, None
-        last = rows[-1]
-        _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
-                                       since=parse_instant(plan["first_missed_at"]), pending=last.id,
-                                       counted_all=plan.get("missed_count_exact", True))
-        for o in rows[:-1]:
-            o.outcome, o.run_id = str(SlotOutcome.FOLDED), run_id
-        return SlotOutcome.ADMITTED, run_id
-
-    def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
-        for slot in slots:
-            self._record_slot(s, slot, s.definition["timing"]["kind"], SlotOutcome.PAUSED, now)
-        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
-
-    def _settle_paused_slots(self, s, now: datetime) -> None:
-        """Before a paused schedule is enabled: its slots that came due are ``paused``, not missed."""
-        if s.next_fire_at is None or aware(s.next_fire_at) > now:
-            return
-        timing, anchor = s.definition["timing"], aware(s.anchored_at)
-        due = due_slots(timing, aware(s.next_fire_at), now, anchor=anchor)
-        later = next_fires(timing, due.recent[-1], 1, anchor=anchor) if due.recent else []
-        s.next_fire_at = naive(later[0]) if later else None
-        self._record_paused(s, due.recent, due.count, now)
-
-    def _held_for_reconfirm(self, s, digests: dict[str, str] | None, now: datetime) -> bool:
-        """docs/agent-clis.md: the profile changed since the schedule was confirmed, so nothing runs
-        under authority nobody confirmed; one ``reconfirm`` item asks a human (once per
-        confirmation). A schedule confirmed before digests were kept adopts its profile's now."""
-        if digests is None:
-            return False
-        current = digests.get(s.definition["agent"])
-        if s.profile_digest is None:
-            s.profile_digest = current
-            return False
-        if current == s.profile_digest:
-            return False
-        confirmed = s.confirmed_at
-        sid = s.id
-        if not self.db.Attention.exists(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
-                                        and a.created_at >= confirmed):
-            agent = s.definition["agent"]
-            change = "was removed from outpost.toml" if current is None else "changed in outpost.toml"
-            self.core.raise_attention("reconfirm", f"Schedule '{s.name}' is held: agent profile {agent} {change}",
-                                 "Its fires are held (held_reconfirm) until a human reviews the schedule and "
-                                 "confirms it again (Edit, review, confirm; or compose + PATCH with the same "
-                                 "definition).", now, schedule_id=s.id, run_id=None)
-        return True
-
-    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S, digests: dict[str, str] | None = None,
-                  heads: dict[str, str] | None = None, up_since: datetime | None = None,
-                  until: datetime | None = None) -> list[str]:
-        """Claim every due slot of every schedule in one transaction; return the queued run ids.
-
-        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``, and
-        so was every slot due before ``up_since`` (the daemon was down) but the newest;
-        a paused schedule's slots are recorded as ``paused``, and those of a schedule whose
-        profile changed since it was confirmed ``held_reconfirm``. ``heads`` (schedule id ->
-        commit) serve skip_if_unchanged. A slot missed while the daemon was up (due after
-        ``up_since``: a stalled store, a clock step) raises the dead-man's ``missed_fire`` item.
-        The next fire advances in the same transaction, and the ledger's UNIQUE (schedule,
-        due_at) stops a second claimer. ``until``: claim only slots due by then (those whose
-        ``heads`` were resolved); later ones wait for the next claim."""
-        queued: list[str] = []
-        cutoff = min(until, now) if until is not None else now
-        due = self.db.Schedule.select(lambda s: not s.archived and s.next_fire_at is not None
-                                      and s.next_fire_at <= naive(cutoff))
-        for s in due.order_by(lambda s: s.next_fire_at):
-            timing = s.definition["timing"]
-            anchor = aware(s.anchored_at)
-            first_due = aware(s.next_fire_at)
-            due = due_slots(timing, first_due, cutoff, anchor=anchor)
-            total, slots = due.count, due.recent
-            later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
-            s.next_fire_at = naive(later[0]) if later else None
-            kind = timing["kind"]
-            if not s.enabled:
-                self._record_paused(s, slots, total, now)
-                continue
-            if self._held_for_reconfirm(s, digests, now):
-                for slot in slots:
-                    self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
-                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
-                                                 "count": total}, now)
-                continue
-            missed = [t for t in slots if (now - t).total_seconds() > grace_s]
-            if up_since is not None:   # back from downtime: only its newest slot can be on time
-                missed += list(itertools.takewhile(lambda t: t < up_since, slots[len(missed):-1]))
-            current = slots[len(missed):]
-            policy = s.definition["catch_up"]["policy"]
-            if up_since is not None and (while_up := [t for t in missed if t >= up_since]):
-                self._missed_fire(s, while_up, now)
-            if missed and policy == "enqueue_missed_with_cap":
-                missed, current = slots, []   # the slot just due joins the catch-up: one run, not two
-            missed_total = total - len(current)   # slots older than the recorded ones were missed too
-            head = (heads or {}).get(s.id)
-            if missed and policy == "ask":
-                self._plan_catch_up(s, missed, missed_total, now, first_due=first_due, counted_all=due.counted_all)
-            elif missed and policy == "skip_missed":
-                for slot in missed:
-                    self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
-                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
-                                                 "count": missed_total}, now)
-            elif missed:
-                cap = s.definition["catch_up"]["max"]
-                fired, folded = missed[-cap:], missed[:-cap]
-                outcome, run_id, _ = self._fire_slot(s, fired[0], "catch_up", now,
-                                                     missed_count=missed_total - len(fired) + 1, since=first_due,
-                                                     counted_all=due.counted_all, head=head)
-                for slot in folded:
-                    self._record_slot(s, slot, kind, SlotOutcome.FOLDED, now, run_id=run_id)
-                queued += [run_id] if run_id else []
-                for slot in fired[1:]:
-                    _, run_id, _ = self._fire_slot(s, slot, "catch_up", now, missed_count=1, since=slot, head=head)
-                    queued += [run_id] if run_id else []
-            for slot in current:
-                _, run_id, _ = self._fire_slot(s, slot, kind, now, head=head)
-                queued += [run_id] if run_id else []
-        return queued
-
-    def _missed_fire(self, s, late: list[datetime], now: datetime) -> None:
-        """The dead-man alert: slots that came due while the daemon was up and were not claimed
-        within MISFIRE_GRACE_S (a stalled actor or store, a clock step): one item per claim
-        (folded into the open one), unless the schedule mutes it."""
-        if "missed_fire" in s.definition.get("mute", []):
-            return
-        tz = ZoneInfo(s.definition["timing"]["timezone"])
-        lateness = int((now - late[0]).total_seconds())
-        more = f" and {len(late) - 1} more" if len(late) > 1 else ""
-        self.core.raise_attention("missed_fire", f"Schedule '{s.name}' missed its fire at "
-                                            f"{late[0].astimezone(tz):%Y-%m-%d %H:%M %Z}{more}",
-                             f"Claimed {lateness} s late while Outpost was running (a stalled scheduler or "
-                             f"database, or a clock step); catch_up {s.definition['catch_up']['policy']} applied.",
-                             now, schedule_id=s.id, run_id=None)
-
-    def fire_manual(self, schedule_id: str, revision: int, now: datetime,
-                    digests: dict[str, str] | None = None) -> dict[str, Any]:
-        s = self._schedule(schedule_id)
-        self._guard(s, revision)
-        if self._held_for_reconfirm(s, digests, now):
-            raise Conflict(f"schedule {s.id} is held: its agent profile {s.definition['agent']} changed since it "
-                           "was confirmed; review and confirm it again before it runs")
-        due = now
-        while self.db.Occurrence.get(schedule=s, due_at=naive(due)):   # never two fires at one instant
-            due += timedelta(milliseconds=1)
-        outcome, run_id, oid = self._fire_slot(s, due, "manual", now)
-        if outcome == SlotOutcome.ADMITTED:
-            return {"occurrence_id": oid, "outcome": "admitted", "run_id": run_id}
-        active = self._active_run(s.id)   # a manual fire never queues behind active work
-        return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
-
-    def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None,
-                        requested_by: str | None = None) -> dict[str, Any]:
-        """A one-shot run; ``requested_by``: the proposer key that asked for it."""
-        return {"run_id": self.queue_run(schedule=None, agent=payload["agent"], trigger="dispatch",
-                                          prompt=payload["brief"], repository=payload["repository"],
-                                          workdir=payload["workdir"], source_ref=payload["source_ref"],
-                                          limits=payload["limits"], notify=payload["notify"], now=now,
-                                          resolved_commit=commit, requested_by=requested_by)}
-
-    def snapshot(self) -> dict[str, Any]:
-        active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
-            lambda r: (r.queued_at, r.id))
-        return {"cursor": self.core.latest_cursor(), "schedules": self.list_schedules(),
-                "active_runs": [run_view(r) for r in active],
-                "open_attention": self.core.list_attention(open_only=True)}
-
-    def inspect(self, schedule_id: str) -> dict[str, Any]:
-        """The six recovery checks, in order (docs/http-api.md)."""
-        s = self._schedule(schedule_id)
-        view = self._schedule_view(s)
-        active = self._active_run(s.id)
-        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
-            lambda o: orm.desc(o.due_at))[:10]
-        runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
-        latest = runs[0] if runs else None
-        auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
-            lambda a: orm.desc(a.created_at)).first()
-        paused_since = self._paused_since(s.id) if not s.enabled or s.auto_paused else None
-        if latest is None:
-            boundary = "no run yet"
-        elif latest.status == RunStatus.QUEUED:
-            boundary = "queued: admitted but not started (it will start, also after a restart)"
-        elif latest.status in (RunStatus.RUNNING, RunStatus.PAUSED):
-            boundary = f"started at {rfc3339(aware(latest.started_at))}, not settled ({latest.status})"
-        else:
-            started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
-            boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
-        report = {
-            "schedule_id": s.id, "name": s.name, "concurrency_policy": view["concurrency_policy"],
-            "checks": [
-                {"check": 1, "title": "definition and next fire",
-                 "data": {**{k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
-                                                  "next_fire_at", "last_fired_at")}, "paused_since": paused_since}},
-                {"check": 2, "title": "active occurrence and recent skips",
-                 "data": {"active_run_id": active.id if active else None,
-                          "active_occurrence_id": active.occurrence_id if active else None,
-                          "recent_skips": [occurrence_view(o) for o in skips]}},
-                {"check": 3, "title": "recent runs",
-                 "data": {"runs": [{"run_id": r.id, "status": r.status, "due_at": rfc3339(aware(r.due_at)),
-                                    "resolved_commit": r.resolved_commit} for r in runs]}},
-                {"check": 4, "title": "attempt boundary of the latest run",
-                 "data": {"run_id": latest.id if latest else None, "boundary": boundary}},
-                {"check": 5, "title": "failure streak and auto-pause",
-                 "data": {"failure_streak": s.failure_streak, "auto_paused": s.auto_paused,
-                          "auto_pause_attention_id": auto_item.id if auto_item else None,
-                          "acknowledged": bool(auto_item and auto_item.acknowledged_at)}},
-                {"check": 6, "title": "latest event cursor",
-                 "data": {"cursor": self.core.latest_cursor()}},
-            ]}
-        return {**report, "verdict": inspect_verdict(report)}
-
-    #: How far back in the event log the instant of a pause is looked for.
-    PAUSE_EVENTS_READ = 500
-
-    def _paused_since(self, schedule_id: str) -> str | None:
-        """When the schedule was last paused (by a human or auto-pause), while the event log still has it."""
-        events = self.db.Event.select(lambda e: e.type == "schedule.controlled").order_by(
-            lambda e: orm.desc(e.cursor))[:self.PAUSE_EVENTS_READ]
-        return next((rfc3339(aware(e.at)) for e in events if e.data.get("schedule_id") == schedule_id
-                     and e.data.get("action") in ("pause", "auto_pause")), None)
-
-
-###############################################################################
-# 9. Store: runs and admission, the nodes of a fleet, access (keys, sessions), the
-#    notification outbox.
+# 8. Store: runs and admission (every run queued, FIFO admission, settlement, control).
 ###############################################################################
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -6648,15 +6112,42 @@ class SettledRun:
 
 
 class RunStore(StorePart):
-    """Runs and admission: FIFO admission into max_running slots by conditional UPDATE,
-    launch and settlement, run control, and the failure streak and attention that settlement raises.
+    """Runs and admission: every run queued (``queue_run``: fires, dispatches, re-runs, replies,
+    Office wakeups), FIFO admission into max_running slots by conditional UPDATE, launch and
+    settlement, run control, and the attention a settled run raises.
     Settlement calls each of ``settled_hooks`` in its transaction: the Office pipeline registers
     the settlement of a run's wakeup there."""
 
-    def __init__(self, core: StoreCore, schedules: ScheduleStore):
+    def __init__(self, core: StoreCore):
         super().__init__(core)
-        self.schedules = schedules
         self.settled_hooks: list[Callable[[SettledRun, RunStatus, datetime], None]] = []
+
+    def queue_run(self, run: QueuedRun, now: datetime) -> str:
+        """A queued run, as one plain INSERT (every run is made here); its id."""
+        rid = new_id("out")
+        columns = {"id": rid, "schedule": run.schedule_id, "occurrence_id": run.occurrence_id, "agent": run.agent,
+                   "trigger": run.trigger, "due_at": sql_time(run.due_at) if run.due_at else None,
+                   "missed_count": run.missed_count, "status": str(RunStatus.QUEUED), "prompt": run.prompt,
+                   "repository": run.repository, "workdir": run.workdir, "source_ref": run.source_ref,
+                   "resolved_commit": run.resolved_commit, "timeout_seconds": run.timeout_seconds,
+                   "model": run.model, "max_cost_usd": run.max_cost_usd, "notify": run.notify,
+                   "result_branch": run.result_branch or result_branch(run.label, rid), "commits": 0,
+                   "over_budget": False, "continues_branch": run.continues_branch, "cancel_requested": False,
+                   "notified": False, "attempt": 0, "queued_at": sql_time(now), "requested_by": run.requested_by,
+                   "rerun_of": run.rerun_of, "continues": run.continues, "resume_session_id": run.resume_session_id,
+                   "owner": run.owner, "worktree_run": run.worktree_run}
+        self.db.execute(f'INSERT INTO "Run" ({", ".join(columns)}) VALUES ({", ".join("$" + c for c in columns)})',
+                        columns)
+        self.core.emit("run.queued", {"run_id": rid, "schedule_id": run.schedule_id, "trigger": run.trigger}, now)
+        return rid
+
+    def _follow_up(self, r, trigger: str, prompt: str, source_ref: str, **fields: Any) -> QueuedRun:
+        """A new run of what run ``r`` ran (a re-run, a reply): its agent, repository and limits."""
+        return QueuedRun(agent=r.agent, trigger=trigger, prompt=prompt, repository=r.repository, workdir=r.workdir,
+                         source_ref=source_ref, timeout_seconds=r.timeout_seconds, model=r.model,
+                         max_cost_usd=r.max_cost_usd, notify=r.notify,
+                         schedule_id=r.schedule.id if r.schedule else None,
+                         label=r.schedule.name if r.schedule else None, **fields)
 
     def unresolved_runs(self, run_ids: list[str]) -> list[tuple[str, str, str]]:
         """New runs whose commit is not recorded yet (one that continues a branch takes the
@@ -7037,11 +6528,8 @@ class RunStore(StorePart):
             raise Conflict(f"run {run_id} never resolved a commit (it failed before it started): fire again instead")
         if r.trigger == "wakeup":
             raise Conflict(f"run {run_id} is an Office run; wake its agent instead")
-        return {"run_id": self.schedules.queue_run(schedule=r.schedule, agent=r.agent, trigger="rerun", prompt=r.prompt,
-                                          repository=r.repository, workdir=r.workdir, source_ref=r.source_ref,
-                                          limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
-                                                  "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
-                                          resolved_commit=r.resolved_commit, rerun_of=r.id)}
+        again = self._follow_up(r, "rerun", r.prompt, r.source_ref, resolved_commit=r.resolved_commit, rerun_of=r.id)
+        return {"run_id": self.queue_run(again, now)}
 
     def run_facts(self, run_id: str) -> dict[str, Any]:
         """A run as a comparison needs it: its view plus its prompt."""
@@ -7125,15 +6613,10 @@ class RunStore(StorePart):
         # A branch that carries no work (docs/operations.md: it may have been deleted) is made again from the
         # answered run's commit; one with work is continued from its head.
         carries_work = bool(r.commits or r.continues_branch or not r.resolved_commit)
-        start = {} if carries_work else {"resolved_commit": r.resolved_commit}
-        reply = self.schedules.queue_run(schedule=r.schedule, agent=r.agent, trigger="reply",
-                                         prompt=prompt[:MAX_PROMPT_CHARS],
-                                repository=r.repository, workdir=r.workdir, source_ref=r.result_branch,
-                                limits={"timeout_seconds": r.timeout_seconds, "model": r.model,
-                                        "max_cost_usd": r.max_cost_usd}, notify=r.notify, now=now,
-                                result_branch=r.result_branch, continues_branch=carries_work, continues=r.id,
-                                resume_session_id=session, owner=r.owner, worktree_run=r.worktree_run or r.id,
-                                **start)
+        reply = self.queue_run(self._follow_up(
+            r, "reply", prompt[:MAX_PROMPT_CHARS], r.result_branch, result_branch=r.result_branch,
+            continues_branch=carries_work, continues=r.id, resume_session_id=session, owner=r.owner,
+            worktree_run=r.worktree_run or r.id, resolved_commit=None if carries_work else r.resolved_commit), now)
         r.answered_by, r.answer = reply, message
         self.core.emit("run.answered", {"run_id": r.id, "reply_run_id": reply}, now)
         for item in self.db.Attention.select(lambda a: a.run_id == run_id and a.kind == "needs_you"
@@ -7220,11 +6703,12 @@ class RunStore(StorePart):
         return self.db.select(f'SELECT id FROM "Run" WHERE NOT notified AND status || \'\' IN {states} ORDER BY id',
                               params)
 
-    def notify_run(self, run_id: str, now: datetime) -> None:
-        """Apply a settled run once: failure streak, auto-pause, attention items."""
+    def raise_run_attention(self, run_id: str, now: datetime):
+        """A settled run's attention items, raised once (the schedules part's ``notify_run`` then
+        counts its failure streak): the run, or None when it was applied already or has not settled."""
         r = self.db.Run[run_id]
         if r.notified or r.status not in SETTLED_RUN_STATUSES:
-            return
+            return None
         r.notified = True
         status = RunStatus(r.status)
         s = r.schedule
@@ -7241,8 +6725,572 @@ class RunStore(StorePart):
             detail = details[kind]
             self.core.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
                                  schedule_id=s.id if s else None, run_id=r.id, agent_id=agent.id if agent else None)
+        return r
+
+
+###############################################################################
+# 9. Store: schedules and firing (the slot ledger, claims, manual fires, dispatches, the
+#    failure streak and auto-pause).
+###############################################################################
+
+class ScheduleStore(StorePart):
+    """Schedules and firing: definitions under revisions, the slot ledger, claiming due
+    occurrences (UNIQUE per schedule and instant), manual fires and one-shot dispatches (each
+    run queued through the runs part), and a schedule's failure streak and auto-pause."""
+
+    def __init__(self, core: StoreCore, runs: RunStore):
+        super().__init__(core)
+        self.runs = runs
+
+    def _schedule(self, schedule_id: str):
+        s = self.db.Schedule.get(id=schedule_id)
         if s is None:
+            raise NotFound(f"no schedule {schedule_id}")
+        return s
+
+    def _active_run(self, schedule_id: str):
+        """The schedule's oldest queued, running or paused run (one index probe), or None.
+        ``queued_at`` unindexed: the probe is run_schedule (schedule, status), never a walk of the
+        schedule's year of runs through run_schedule_queued to skip the sort."""
+        rows = self.db.select(f'SELECT id FROM "Run" WHERE schedule = $sid AND status IN {ACTIVE_RUN_SQL} '
+                              f"ORDER BY {self.dialect.unindexed('queued_at')}, id LIMIT 1", {"sid": schedule_id})
+        return self.db.Run[rows[0]] if rows else None
+
+    def _schedule_view(self, s) -> dict[str, Any]:
+        active = self._active_run(s.id)
+        return schedule_view(s, active.id if active else None)
+
+    def check_name_free(self, name: str, except_id: str | None = None) -> None:
+        """Conflict (naming the field) when a schedule that is not archived, other than ``except_id``,
+        has ``name``: create and update refuse it, the compose form tells it before Confirm."""
+        self._check_name_free(name, except_id)
+
+    def _check_name_free(self, name: str, except_id: str | None = None) -> None:
+        clash = self.db.Schedule.get(lambda s: s.name == name and not s.archived and s.id != except_id)
+        if clash:
+            raise Conflict(f"a schedule named {name!r} already exists ({clash.id})",
+                           errors=[{"field": "name", "message": "already used by another schedule"}])
+
+    def create_schedule(self, definition: dict[str, Any], now: datetime,
+                        profile_digest: str | None = None) -> dict[str, Any]:
+        self._check_name_free(definition["name"])
+        sid = new_id("sch")
+        first = next_fires(definition["timing"], now, 1, anchor=now)
+        s = self.db.Schedule(id=sid, name=definition["name"], definition=definition,
+                             confirmation=confirmation_of(definition), confirmed_at=naive(now),
+                             profile_digest=profile_digest,
+                             next_fire_at=naive(first[0]) if first else None, anchored_at=naive(now),
+                             created_at=naive(now), updated_at=naive(now))
+        self.core.emit("schedule.created", {"schedule_id": sid, "revision": 1}, now)
+        return self._schedule_view(s)
+
+    def _guard(self, s, revision: int) -> None:
+        if s.archived:
+            raise Archived(f"schedule {s.id} is archived; create a new one instead")
+        check_revision(s.id, s.revision, revision)
+
+    def schedule_definition(self, schedule_id: str) -> dict[str, Any]:
+        s = self._schedule(schedule_id)
+        return {"definition": dict(s.definition), "revision": s.revision, "archived": s.archived}
+
+    def update_schedule(self, schedule_id: str, revision: int, definition: dict[str, Any],
+                        now: datetime, profile_digest: str | None = None) -> dict[str, Any]:
+        s = self._schedule(schedule_id)
+        self._guard(s, revision)
+        self._check_name_free(definition["name"], except_id=s.id)
+        if definition["timing"] != s.definition["timing"]:
+            first = next_fires(definition["timing"], now, 1, anchor=now)
+            s.next_fire_at = naive(first[0]) if first else None
+            s.anchored_at = naive(now)
+        s.name, s.definition = definition["name"], definition
+        s.confirmation, s.confirmed_at = confirmation_of(definition), naive(now)
+        s.profile_digest = profile_digest
+        s.revision += 1
+        s.updated_at = naive(now)
+        self.core.emit("schedule.updated", {"schedule_id": s.id, "revision": s.revision}, now)
+        sid = s.id   # confirmed again: the item that asked for it is done; so are the open items of a muted kind
+        done_kinds = ["reconfirm", *definition.get("mute", [])]
+        for a in self.db.Attention.select(lambda a: a.schedule_id == sid and a.kind in done_kinds
+                                          and a.acknowledged_at is None):
+            a.acknowledged_at = naive(now)
+            self.core.emit("attention.acknowledged", {"attention_id": a.id}, now)
+        return self._schedule_view(s)
+
+    def control_schedule(self, schedule_id: str, revision: int, action: str, now: datetime) -> dict[str, Any]:
+        """enable | pause | resume | archive | dismiss_catch_up (``fire`` is fire_manual); the
+        schedule's view. approve_catch_up answers as fire does too (``outcome``, ``run_id``)."""
+        s = self._schedule(schedule_id)
+        self._guard(s, revision)
+        if action == "approve_catch_up":
+            outcome, run_id = self.decide_catch_up(s, True, now)
+            if outcome == SlotOutcome.SKIPPED_OVERLAP:   # nothing changed: the plan waits, the revision stays
+                return {**self._schedule_view(s), "outcome": str(outcome), "run_id": None}
+            self._controlled(s, action, now)
+            return {**self._schedule_view(s), "outcome": str(outcome), "run_id": run_id}
+        if action == "enable":
+            if s.auto_paused:
+                raise AutoPaused(f"schedule {s.id} was auto-paused after {s.failure_streak} failures; "
+                                 "inspect its failed runs, then use resume")
+            if not s.enabled:
+                self._settle_paused_slots(s, now)
+            s.enabled = True
+        elif action == "pause":
+            s.enabled = False
+        elif action == "resume":
+            if not s.enabled:
+                self._settle_paused_slots(s, now)
+            s.enabled, s.auto_paused, s.failure_streak = True, False, 0
+        elif action == "dismiss_catch_up":
+            self.decide_catch_up(s, False, now)
+        elif action == "archive":
+            s.archived, s.enabled, s.next_fire_at = True, False, None
+        else:
+            raise invalid("action", "must be " + ", ".join(SCHEDULE_ACTIONS) + " or fire")
+        self._controlled(s, action, now)
+        return self._schedule_view(s)
+
+    def _controlled(self, s, action: str, now: datetime) -> None:
+        s.revision += 1
+        s.updated_at = naive(now)
+        self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": action, "revision": s.revision}, now)
+
+    def get_schedule(self, schedule_id: str) -> dict[str, Any]:
+        return self._schedule_view(self._schedule(schedule_id))
+
+    def find_schedule_id(self, id_or_name: str) -> str:
+        s = self.db.Schedule.get(id=id_or_name) or self.db.Schedule.select(
+            lambda s: s.name == id_or_name).order_by(lambda s: (s.archived, orm.desc(s.created_at))).first()
+        if s is None:
+            raise NotFound(f"no schedule with id or name {id_or_name!r}")
+        return s.id
+
+    def _listed(self, include_archived: bool, state: str | None):
+        query = self.db.Schedule.select()
+        if state == "archived":
+            return query.filter(lambda s: s.archived)
+        if not include_archived or state:
+            query = query.filter(lambda s: not s.archived)
+        if state == "enabled":
+            query = query.filter(lambda s: s.enabled)
+        elif state == "paused":
+            query = query.filter(lambda s: not s.enabled and not s.auto_paused)
+        elif state == "auto_paused":
+            query = query.filter(lambda s: s.auto_paused)
+        return query
+
+    def list_schedules(self, include_archived: bool = False, page: int | None = None, *, state: str | None = None,
+                       by_next_fire: bool = False) -> list[dict[str, Any]]:
+        """All schedules (of a SCHEDULE_STATES ``state``), oldest first or soonest next fire first
+        (none last); or one ``page`` of SCHEDULES_PAGE (the dashboard)."""
+        query = self._listed(include_archived, state)
+        if by_next_fire:   # an appliance's schedules are hundreds at most: sorted here, NULLs last on both databases
+            ordered = sorted(query, key=lambda s: (s.next_fire_at is None, s.next_fire_at or s.created_at, s.id))
+            rows = ordered[(page - 1) * SCHEDULES_PAGE:page * SCHEDULES_PAGE] if page else ordered
+        else:
+            query = query.order_by(lambda s: (s.created_at, s.id))
+            rows = query.page(page, SCHEDULES_PAGE) if page else query
+        active = dict(self.db.select(   # one query for every schedule's active run, not one each
+            f"SELECT schedule, MIN(id) FROM \"Run\" WHERE status IN {ACTIVE_RUN_SQL} "
+            "AND schedule IS NOT NULL GROUP BY schedule"))
+        return [schedule_view(s, active.get(s.id)) for s in rows]
+
+    def count_schedules(self, include_archived: bool = False, state: str | None = None) -> int:
+        return self._listed(include_archived, state).count()
+
+    def last_runs(self, schedule_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The newest run of each of these schedules, in one query (an index probe each)."""
+        if not schedule_ids:
+            return {}
+        ids, params = sql_list("s", schedule_ids)
+        rows = self.db.select(
+            'SELECT r.schedule, r.id, r.status, r.queued_at FROM "Schedule" s JOIN "Run" r ON r.id = '
+            f'(SELECT MAX(id) FROM "Run" WHERE schedule = s.id) WHERE s.id IN {ids}', params)
+        return {sid: {"id": rid, "status": status, "queued_at": rfc3339(sql_instant(queued))}
+                for sid, rid, status, queued in rows}
+
+    def schedules_page(self, include_archived: bool, page: int, state: str | None = None,
+                       by_next_fire: bool = False) -> dict[str, Any]:
+        """The dashboard's schedules page from one snapshot: a page of schedules, how many
+        there are, and the newest run of each schedule shown."""
+        schedules = self.list_schedules(include_archived, page, state=state, by_next_fire=by_next_fire)
+        return {"schedules": schedules, "total": self.count_schedules(include_archived, state),
+                "last_runs": self.last_runs([s["id"] for s in schedules])}
+
+    def occurrences(self, schedule_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        self._schedule(schedule_id)
+        query = self.db.Occurrence.select(lambda o: o.schedule.id == schedule_id)
+        return [occurrence_view(o) for o in query.order_by(lambda o: orm.desc(o.due_at))[:limit]]
+
+    def schedule_zones(self) -> dict[str, tuple[str, str]]:
+        """schedule id -> (name, timezone), for pages that list runs of many schedules."""
+        rows = self.db.select(f"SELECT id, name, {self.dialect.json_text('definition', 'timing', 'timezone')} "
+                              'FROM "Schedule"')
+        return {sid: (name, tz) for sid, name, tz in rows}
+
+    def fire_sources(self) -> list[FireSource]:
+        """The schedules that are not archived and fire on a timing, for the upcoming list."""
+        return [FireSource("schedule", s.id, s.name, s.definition["timing"].get("timezone") or "UTC",
+                           s.definition["timing"], aware(s.next_fire_at), not s.enabled, aware(s.anchored_at))
+                for s in self.db.Schedule.select(lambda s: not s.archived)
+                if s.definition["timing"]["kind"] in ("cron", "interval", "once")]
+
+    def next_due_at(self) -> datetime | None:
+        due = orm.min(s.next_fire_at for s in self.db.Schedule if not s.archived)
+        return aware(due)
+
+    def _record_slot(self, s, due_at: datetime, trigger: str, outcome: SlotOutcome, now: datetime,
+                     *, run_id: str | None = None, missed_count: int = 0) -> str | None:
+        """Insert one ledger row; None when the slot was already claimed (a second claimer)."""
+        oid = new_id("occ")
+        rows = self.core.returning(
+            'INSERT INTO "Occurrence" (id, schedule, due_at, trigger, outcome, missed_count, run_id, created_at) '
+            "VALUES ($oid, $sid, $due, $trigger, $outcome, $missed, $run_id, $now) "
+            "ON CONFLICT (schedule, due_at) DO NOTHING RETURNING id",
+            {"oid": oid, "sid": s.id, "due": sql_time(due_at), "trigger": trigger, "outcome": str(outcome),
+             "missed": missed_count, "run_id": run_id, "now": sql_time(now)})
+        return rows[0] if rows else None
+
+    def _fire_slot(self, s, due_at: datetime, trigger: str, now: datetime, missed_count: int = 0,
+                   since: datetime | None = None, counted_all: bool = True, head: str | None = None,
+                   pending: str | None = None) -> tuple[SlotOutcome, str | None, str | None]:
+        """Apply the overlap rule (and skip_if_unchanged: ``head`` is what source_ref resolves
+        to now, and the commit a run it admits starts from: see RunPlan) to one due slot: returns
+        (outcome, run id, occurrence id). ``pending`` is the ledger row of a slot that waited for
+        a human (catch_up ask): it is decided, not added."""
+        d = s.definition
+        active = self._active_run(s.id)
+        policy = d["concurrency_policy"]
+        if active is not None and policy == "skip_if_active":
+            outcome, run = SlotOutcome.SKIPPED_OVERLAP, active
+        elif active is not None and policy == "coalesce_if_active":
+            outcome, run = SlotOutcome.COALESCED, active
+        elif head is not None and trigger != "manual" and head == self._last_success_commit(s.id):
+            outcome, run = SlotOutcome.SKIPPED_UNCHANGED, None
+        else:
+            outcome, run = SlotOutcome.ADMITTED, None
+        if pending is not None:
+            self.db.execute('UPDATE "Occurrence" SET outcome = $o, trigger = $t, missed_count = $m, run_id = $r '
+                            'WHERE id = $oid', {"o": str(outcome), "t": trigger, "m": missed_count,
+                                                "r": run.id if run else None, "oid": pending})
+            oid = pending
+        else:
+            oid = self._record_slot(s, due_at, trigger, outcome, now, run_id=run.id if run else None,
+                                    missed_count=missed_count)
+        if oid is None:
+            return outcome, None, None
+        if outcome == SlotOutcome.ADMITTED:
+            tz = ZoneInfo(d["timing"]["timezone"])
+            prompt = render_brief(d["brief"], due_at, tz)
+            if trigger == "catch_up":
+                prompt += catch_up_note(missed_count, since or due_at, tz, counted_all=counted_all)
+            run_id = self.runs.queue_run(queued_from(d, trigger, prompt, schedule_id=s.id, label=s.name,
+                                                     due_at=due_at, missed_count=missed_count, occurrence_id=oid,
+                                                     resolved_commit=head), now)
+            self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
+            s.last_fired_at = naive(now)
+            self.core.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
+                                             "run_id": run_id, "trigger": trigger}, now)
+            return outcome, run_id, oid
+        if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
+            run.missed_count += 1
+        self.core.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
+                                         "outcome": str(outcome), "active_run_id": run.id if run else None}, now)
+        return outcome, None, oid
+
+    def _last_success_commit(self, schedule_id: str) -> str | None:
+        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid AND status = 'succeeded' "
+                             "ORDER BY finished_at DESC, id DESC LIMIT 1", {"sid": schedule_id})
+        return row[0] if row else None
+
+    def unchanged_checks(self, now: datetime) -> list[tuple[str, str, str]]:
+        """(schedule id, repository, source_ref) of the due schedules that skip_if_unchanged:
+        the cron actor resolves their refs (git) before it claims."""
+        rows = self.db.select(   # the flag is stored only when true: a LIKE keeps the others unread
+            'SELECT id, definition FROM "Schedule" WHERE enabled AND NOT archived AND next_fire_at <= $now '
+            "AND CAST(definition AS TEXT) LIKE '%\"skip_if_unchanged\"%' ORDER BY next_fire_at, id",
+            {"now": sql_time(now)})
+        definitions = [(sid, json.loads(text) if isinstance(text, str) else text) for sid, text in rows]
+        return [(sid, d["repository"], d["source_ref"]) for sid, d in definitions if d.get("skip_if_unchanged")]
+
+    def _plan_catch_up(self, s, missed: list[datetime], total: int, now: datetime, *, first_due: datetime,
+                       counted_all: bool = True) -> None:
+        """catch_up ask: the missed slots wait (ledger ``pending_catch_up``) and one
+        ``catch_up_plan`` item asks a human to approve one catch-up run or dismiss them.
+        ``missed`` are the slots recorded (the newest of a long gap), ``first_due`` the gap's
+        first slot; ``counted_all`` false: more than ``total`` were missed (counting stopped)."""
+        kind = s.definition["timing"]["kind"]
+        for slot in missed:
+            self._record_slot(s, slot, kind, SlotOutcome.PENDING_CATCH_UP, now)
+        plan = s.pending_catch_up or {}
+        first = plan.get("first_missed_at") or rfc3339(first_due)
+        exact = plan.get("missed_count_exact", True) and counted_all
+        s.pending_catch_up = {"missed_count": plan.get("missed_count", 0) + total, "first_missed_at": first,
+                              "last_missed_at": rfc3339(missed[-1]), "missed_count_exact": exact}
+        # the item always tells the whole plan: a second outage updates its count and window
+        title, detail = plan_words(s.name, s.definition["timing"]["timezone"], s.pending_catch_up)
+        items = self._open_plan_items(s.id)
+        for item in items:
+            item.title, item.detail = title, detail
+        if not items:
+            self.core.raise_attention("catch_up_plan", title, detail, now, schedule_id=s.id, run_id=None)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
+
+    def _open_plan_items(self, schedule_id: str) -> list[Any]:
+        """The schedule's open ``catch_up_plan`` item (one at most, as raised)."""
+        return list(self.db.Attention.select(lambda a: a.schedule_id == schedule_id and a.kind == "catch_up_plan"
+                                             and a.acknowledged_at is None))
+
+    def decide_catch_up(self, s, approve: bool, now: datetime) -> tuple[SlotOutcome, str | None]:
+        """approve_catch_up (one catch-up run, as enqueue_missed_with_cap with max 1) or
+        dismiss_catch_up (the slots are ``skipped_missed``): the outcome, and the run's id if one
+        was queued. Approved while a run of the schedule is active (its policy not
+        always_enqueue) it is ``skipped_overlap``: the plan and its item stay, the item says so."""
+        plan = s.pending_catch_up
+        if not plan:
+            raise Conflict(f"schedule {s.id} has no pending catch-up to decide")
+        sid = s.id
+        active = self._active_run(sid)
+        if approve and active is not None and s.definition["concurrency_policy"] != "always_enqueue":
+            _, detail = plan_words(s.name, s.definition["timing"]["timezone"], plan)
+            for item in self._open_plan_items(sid):
+                item.detail = (f"Run {active.id} of this schedule is still active, so the catch-up did not "
+                               f"start: approve again when it ends. {detail}")
+            return SlotOutcome.SKIPPED_OVERLAP, None
+        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
+                    .order_by(lambda o: o.due_at))
+        s.pending_catch_up = None
+        for item in self._open_plan_items(sid):
+            item.acknowledged_at = naive(now)
+        if not approve or not rows:
+            for o in rows:
+                o.outcome = str(SlotOutcome.SKIPPED_MISSED)
+            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                                             "count": plan["missed_count"]}, now)
+            return SlotOutcome.SKIPPED_MISSED, None
+        last = rows[-1]
+        _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
+                                       since=parse_instant(plan["first_missed_at"]), pending=last.id,
+                                       counted_all=plan.get("missed_count_exact", True))
+        for o in rows[:-1]:
+            o.outcome, o.run_id = str(SlotOutcome.FOLDED), run_id
+        return SlotOutcome.ADMITTED, run_id
+
+    def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
+        for slot in slots:
+            self._record_slot(s, slot, s.definition["timing"]["kind"], SlotOutcome.PAUSED, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
+
+    def _settle_paused_slots(self, s, now: datetime) -> None:
+        """Before a paused schedule is enabled: its slots that came due are ``paused``, not missed."""
+        if s.next_fire_at is None or aware(s.next_fire_at) > now:
             return
+        timing, anchor = s.definition["timing"], aware(s.anchored_at)
+        due = due_slots(timing, aware(s.next_fire_at), now, anchor=anchor)
+        later = next_fires(timing, due.recent[-1], 1, anchor=anchor) if due.recent else []
+        s.next_fire_at = naive(later[0]) if later else None
+        self._record_paused(s, due.recent, due.count, now)
+
+    def _held_for_reconfirm(self, s, digests: dict[str, str] | None, now: datetime) -> bool:
+        """docs/agent-clis.md: the profile changed since the schedule was confirmed, so nothing runs
+        under authority nobody confirmed; one ``reconfirm`` item asks a human (once per
+        confirmation). A schedule confirmed before digests were kept adopts its profile's now."""
+        if digests is None:
+            return False
+        current = digests.get(s.definition["agent"])
+        if s.profile_digest is None:
+            s.profile_digest = current
+            return False
+        if current == s.profile_digest:
+            return False
+        confirmed = s.confirmed_at
+        sid = s.id
+        if not self.db.Attention.exists(lambda a: a.schedule_id == sid and a.kind == "reconfirm"
+                                        and a.created_at >= confirmed):
+            agent = s.definition["agent"]
+            change = "was removed from outpost.toml" if current is None else "changed in outpost.toml"
+            self.core.raise_attention("reconfirm", f"Schedule '{s.name}' is held: agent profile {agent} {change}",
+                                 "Its fires are held (held_reconfirm) until a human reviews the schedule and "
+                                 "confirms it again (Edit, review, confirm; or compose + PATCH with the same "
+                                 "definition).", now, schedule_id=s.id, run_id=None)
+        return True
+
+    def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S, digests: dict[str, str] | None = None,
+                  heads: dict[str, str] | None = None, up_since: datetime | None = None,
+                  until: datetime | None = None) -> list[str]:
+        """Claim every due slot of every schedule in one transaction; return the queued run ids.
+
+        A slot more than ``grace_s`` late was missed (downtime) and follows ``catch_up``, and
+        so was every slot due before ``up_since`` (the daemon was down) but the newest;
+        a paused schedule's slots are recorded as ``paused``, and those of a schedule whose
+        profile changed since it was confirmed ``held_reconfirm``. ``heads`` (schedule id ->
+        commit) serve skip_if_unchanged. A slot missed while the daemon was up (due after
+        ``up_since``: a stalled store, a clock step) raises the dead-man's ``missed_fire`` item.
+        The next fire advances in the same transaction, and the ledger's UNIQUE (schedule,
+        due_at) stops a second claimer. ``until``: claim only slots due by then (those whose
+        ``heads`` were resolved); later ones wait for the next claim."""
+        queued: list[str] = []
+        cutoff = min(until, now) if until is not None else now
+        due = self.db.Schedule.select(lambda s: not s.archived and s.next_fire_at is not None
+                                      and s.next_fire_at <= naive(cutoff))
+        for s in due.order_by(lambda s: s.next_fire_at):
+            timing = s.definition["timing"]
+            anchor = aware(s.anchored_at)
+            first_due = aware(s.next_fire_at)
+            due = due_slots(timing, first_due, cutoff, anchor=anchor)
+            total, slots = due.count, due.recent
+            later = next_fires(timing, slots[-1], 1, anchor=anchor) if slots else []
+            s.next_fire_at = naive(later[0]) if later else None
+            kind = timing["kind"]
+            if not s.enabled:
+                self._record_paused(s, slots, total, now)
+                continue
+            if self._held_for_reconfirm(s, digests, now):
+                for slot in slots:
+                    self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
+                                                 "count": total}, now)
+                continue
+            missed = [t for t in slots if (now - t).total_seconds() > grace_s]
+            if up_since is not None:   # back from downtime: only its newest slot can be on time
+                missed += list(itertools.takewhile(lambda t: t < up_since, slots[len(missed):-1]))
+            current = slots[len(missed):]
+            policy = s.definition["catch_up"]["policy"]
+            if up_since is not None and (while_up := [t for t in missed if t >= up_since]):
+                self._missed_fire(s, while_up, now)
+            if missed and policy == "enqueue_missed_with_cap":
+                missed, current = slots, []   # the slot just due joins the catch-up: one run, not two
+            missed_total = total - len(current)   # slots older than the recorded ones were missed too
+            head = (heads or {}).get(s.id)
+            if missed and policy == "ask":
+                self._plan_catch_up(s, missed, missed_total, now, first_due=first_due, counted_all=due.counted_all)
+            elif missed and policy == "skip_missed":
+                for slot in missed:
+                    self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                                                 "count": missed_total}, now)
+            elif missed:
+                cap = s.definition["catch_up"]["max"]
+                fired, folded = missed[-cap:], missed[:-cap]
+                outcome, run_id, _ = self._fire_slot(s, fired[0], "catch_up", now,
+                                                     missed_count=missed_total - len(fired) + 1, since=first_due,
+                                                     counted_all=due.counted_all, head=head)
+                for slot in folded:
+                    self._record_slot(s, slot, kind, SlotOutcome.FOLDED, now, run_id=run_id)
+                queued += [run_id] if run_id else []
+                for slot in fired[1:]:
+                    _, run_id, _ = self._fire_slot(s, slot, "catch_up", now, missed_count=1, since=slot, head=head)
+                    queued += [run_id] if run_id else []
+            for slot in current:
+                _, run_id, _ = self._fire_slot(s, slot, kind, now, head=head)
+                queued += [run_id] if run_id else []
+        return queued
+
+    def _missed_fire(self, s, late: list[datetime], now: datetime) -> None:
+        """The dead-man alert: slots that came due while the daemon was up and were not claimed
+        within MISFIRE_GRACE_S (a stalled actor or store, a clock step): one item per claim
+        (folded into the open one), unless the schedule mutes it."""
+        if "missed_fire" in s.definition.get("mute", []):
+            return
+        tz = ZoneInfo(s.definition["timing"]["timezone"])
+        lateness = int((now - late[0]).total_seconds())
+        more = f" and {len(late) - 1} more" if len(late) > 1 else ""
+        self.core.raise_attention("missed_fire", f"Schedule '{s.name}' missed its fire at "
+                                            f"{late[0].astimezone(tz):%Y-%m-%d %H:%M %Z}{more}",
+                             f"Claimed {lateness} s late while Outpost was running (a stalled scheduler or "
+                             f"database, or a clock step); catch_up {s.definition['catch_up']['policy']} applied.",
+                             now, schedule_id=s.id, run_id=None)
+
+    def fire_manual(self, schedule_id: str, revision: int, now: datetime,
+                    digests: dict[str, str] | None = None) -> dict[str, Any]:
+        s = self._schedule(schedule_id)
+        self._guard(s, revision)
+        if self._held_for_reconfirm(s, digests, now):
+            raise Conflict(f"schedule {s.id} is held: its agent profile {s.definition['agent']} changed since it "
+                           "was confirmed; review and confirm it again before it runs")
+        due = now
+        while self.db.Occurrence.get(schedule=s, due_at=naive(due)):   # never two fires at one instant
+            due += timedelta(milliseconds=1)
+        outcome, run_id, oid = self._fire_slot(s, due, "manual", now)
+        if outcome == SlotOutcome.ADMITTED:
+            return {"occurrence_id": oid, "outcome": "admitted", "run_id": run_id}
+        active = self._active_run(s.id)   # a manual fire never queues behind active work
+        return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
+
+    def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None,
+                        requested_by: str | None = None) -> dict[str, Any]:
+        """A one-shot run; ``requested_by``: the proposer key that asked for it."""
+        run = queued_from(payload, "dispatch", payload["brief"], resolved_commit=commit, requested_by=requested_by)
+        return {"run_id": self.runs.queue_run(run, now)}
+
+    def snapshot(self) -> dict[str, Any]:
+        active = self.db.Run.select(lambda r: r.status in ACTIVE_RUN_STATUSES).order_by(
+            lambda r: (r.queued_at, r.id))
+        return {"cursor": self.core.latest_cursor(), "schedules": self.list_schedules(),
+                "active_runs": [run_view(r) for r in active],
+                "open_attention": self.core.list_attention(open_only=True)}
+
+    def inspect(self, schedule_id: str) -> dict[str, Any]:
+        """The six recovery checks, in order (docs/http-api.md)."""
+        s = self._schedule(schedule_id)
+        view = self._schedule_view(s)
+        active = self._active_run(s.id)
+        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
+            lambda o: orm.desc(o.due_at))[:10]
+        runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
+        latest = runs[0] if runs else None
+        auto_item = self.db.Attention.select(lambda a: a.schedule_id == s.id and a.kind == "auto_pause").order_by(
+            lambda a: orm.desc(a.created_at)).first()
+        paused_since = self._paused_since(s.id) if not s.enabled or s.auto_paused else None
+        if latest is None:
+            boundary = "no run yet"
+        elif latest.status == RunStatus.QUEUED:
+            boundary = "queued: admitted but not started (it will start, also after a restart)"
+        elif latest.status in (RunStatus.RUNNING, RunStatus.PAUSED):
+            boundary = f"started at {rfc3339(aware(latest.started_at))}, not settled ({latest.status})"
+        else:
+            started = f"started at {rfc3339(aware(latest.started_at))}" if latest.started_at else "never started"
+            boundary = f"{started}, settled {latest.status} at {rfc3339(aware(latest.finished_at))}"
+        report = {
+            "schedule_id": s.id, "name": s.name, "concurrency_policy": view["concurrency_policy"],
+            "checks": [
+                {"check": 1, "title": "definition and next fire",
+                 "data": {**{k: view[k] for k in ("revision", "enabled", "archived", "auto_paused", "timing",
+                                                  "next_fire_at", "last_fired_at")}, "paused_since": paused_since}},
+                {"check": 2, "title": "active occurrence and recent skips",
+                 "data": {"active_run_id": active.id if active else None,
+                          "active_occurrence_id": active.occurrence_id if active else None,
+                          "recent_skips": [occurrence_view(o) for o in skips]}},
+                {"check": 3, "title": "recent runs",
+                 "data": {"runs": [{"run_id": r.id, "status": r.status, "due_at": rfc3339(aware(r.due_at)),
+                                    "resolved_commit": r.resolved_commit} for r in runs]}},
+                {"check": 4, "title": "attempt boundary of the latest run",
+                 "data": {"run_id": latest.id if latest else None, "boundary": boundary}},
+                {"check": 5, "title": "failure streak and auto-pause",
+                 "data": {"failure_streak": s.failure_streak, "auto_paused": s.auto_paused,
+                          "auto_pause_attention_id": auto_item.id if auto_item else None,
+                          "acknowledged": bool(auto_item and auto_item.acknowledged_at)}},
+                {"check": 6, "title": "latest event cursor",
+                 "data": {"cursor": self.core.latest_cursor()}},
+            ]}
+        return {**report, "verdict": inspect_verdict(report)}
+
+    #: How far back in the event log the instant of a pause is looked for.
+    PAUSE_EVENTS_READ = 500
+
+    def _paused_since(self, schedule_id: str) -> str | None:
+        """When the schedule was last paused (by a human or auto-pause), while the event log still has it."""
+        events = self.db.Event.select(lambda e: e.type == "schedule.controlled").order_by(
+            lambda e: orm.desc(e.cursor))[:self.PAUSE_EVENTS_READ]
+        return next((rfc3339(aware(e.at)) for e in events if e.data.get("schedule_id") == schedule_id
+                     and e.data.get("action") in ("pause", "auto_pause")), None)
+
+    def notify_run(self, run_id: str, now: datetime) -> None:
+        """Apply a settled run once: its attention items (the runs part), then its schedule's failure
+        streak, and auto-pause after AUTO_PAUSE_STREAK failures in a row."""
+        r = self.runs.raise_run_attention(run_id, now)
+        if r is None or r.schedule is None:
+            return
+        s, status = r.schedule, RunStatus(r.status)
         s.failure_streak = next_failure_streak(s.failure_streak, status, r.failure_kind, r.error)
         if s.failure_streak >= AUTO_PAUSE_STREAK and not s.auto_paused and not s.archived:
             s.enabled, s.auto_paused = False, True
@@ -7255,6 +7303,10 @@ class RunStore(StorePart):
             self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
                                               "revision": s.revision}, now)
 
+
+###############################################################################
+# 10. Store: the nodes of a fleet, access (keys, sessions), the notification outbox.
+###############################################################################
 
 class NodeStore(StorePart):
     """The nodes of a fleet (one on SQLite): a node's unique name, its heartbeat and
@@ -7733,7 +7785,7 @@ class NotifyStore(StorePart):
 
 
 ###############################################################################
-# 10. Store: the Office queue: wakeups, Office resources, the dispatch pipeline.
+# 11. Store: the Office queue: wakeups, Office resources, the dispatch pipeline.
 ###############################################################################
 
 class WakeupStore(StorePart):
@@ -8516,10 +8568,9 @@ class PipelineStore(StorePart):
     the settlement of a run's wakeup (registered with the runs' ``settled_hooks``) with its
     continuation summary."""
 
-    def __init__(self, core: StoreCore, schedules: ScheduleStore, runs: RunStore, wakeups: WakeupStore,
-                 office: OfficeStore):
+    def __init__(self, core: StoreCore, runs: RunStore, wakeups: WakeupStore, office: OfficeStore):
         super().__init__(core)
-        self.schedules, self.wakeups, self.office = schedules, wakeups, office
+        self.runs, self.wakeups, self.office = runs, wakeups, office
         runs.settled_hooks.append(self.settle_wakeup_run)
 
     def _checkout(self, task_id: str, agent_id: str, now: datetime) -> bool:
@@ -8744,11 +8795,10 @@ class PipelineStore(StorePart):
         # docs/agent-clis.md: one worktree path and branch per (agent, task), continued run after run
         session_run = ({"result_branch": office_branch(w.task_id, agent.name), "continues_branch": True,
                         "resume_session_id": session.session_id if resumed else None} if w.task_id else {})
-        run_id = self.schedules.queue_run(schedule=None, agent=executor, trigger="wakeup", prompt=prompt,
-                                 repository=repository, workdir=".", source_ref=ws.source_ref, notify="wakeup",
-                                 now=now, label=agent.name,
-                                 limits={"timeout_seconds": profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S,
-                                         "model": None}, **session_run)
+        run_id = self.runs.queue_run(QueuedRun(
+            agent=executor, trigger="wakeup", prompt=prompt, repository=repository, workdir=".",
+            source_ref=ws.source_ref, notify="wakeup", label=agent.name,
+            timeout_seconds=profile.timeout_seconds or OFFICE_RUN_TIMEOUT_S, **session_run), now)
         self.db.OfficeRun(run_id=run_id, wakeup_id=w.id, agent_id=agent.id, workspace_id=w.workspace_id,
                           task_id=w.task_id, assembled_prompt=prompt, summary_injected=summary,
                           context_snapshot=w.context_snapshot, resumed=resumed,
@@ -8951,7 +9001,7 @@ class PipelineStore(StorePart):
 
 
 ###############################################################################
-# 11. Store: routines and recovery, housekeeping, and the Store made of its parts.
+# 12. Store: routines and recovery, housekeeping, and the Store made of its parts.
 ###############################################################################
 
 class RoutineStore(StorePart):
@@ -9653,25 +9703,25 @@ class Store(StoreCore):
     """The store: the core session with its parts, each a set of synchronous functions run in
     one ``db_session`` through ``transaction`` (``Deps.transaction`` from trio), returning plain
     dicts, never entities. A part holds the parts below it that it calls, never one above:
-    schedules <- runs <- nodes; access; notify; wakeups <- office <- pipeline <- routines <- channels."""
+    runs <- schedules; runs <- nodes; access; notify; wakeups <- office <- pipeline <- routines <- channels."""
 
     def __init__(self, database: Path | str, **kwargs: Any):
         super().__init__(database, **kwargs)
-        self.schedules = ScheduleStore(self)
-        self.runs = RunStore(self, self.schedules)
+        self.runs = RunStore(self)
+        self.schedules = ScheduleStore(self, self.runs)
         self.nodes = NodeStore(self, self.runs)
         self.access = AccessStore(self)
         self.notify = NotifyStore(self)
         self.wakeups = WakeupStore(self)
         self.office = OfficeStore(self, self.runs, self.wakeups)
-        self.pipeline = PipelineStore(self, self.schedules, self.runs, self.wakeups, self.office)
+        self.pipeline = PipelineStore(self, self.runs, self.wakeups, self.office)
         self.routines = RoutineStore(self, self.schedules, self.wakeups, self.office, self.pipeline)
         self.housekeeping = HousekeepingStore(self, self.access)
         self.channels = ChannelStore(self, self.office, self.notify, self.routines)
 
 
 ###############################################################################
-# 12. Git and worktrees: the sandbox, refs and mirrors, a run's private clone.
+# 13. Git and worktrees: the sandbox, refs and mirrors, a run's private clone.
 ###############################################################################
 
 def create_new(path: Path, data: bytes) -> None:
@@ -10151,7 +10201,7 @@ def ensure_embedded_repository(path: Path) -> None:
 
 
 ###############################################################################
-# 13. Running an agent: its process group, output capture, logs, the demo agent.
+# 14. Running an agent: its process group, output capture, logs, the demo agent.
 ###############################################################################
 
 def process_stat(pid: int) -> list[str] | None:
@@ -10707,7 +10757,7 @@ async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | 
 
 
 ###############################################################################
-# 14. Wiring: clocks, channels, the Deps every actor and handler gets.
+# 15. Wiring: clocks, channels, the Deps every actor and handler gets.
 ###############################################################################
 
 class Clock:
@@ -11064,7 +11114,7 @@ class Deps:
 
 
 ###############################################################################
-# 15. Fleet: repositories other nodes reach, logs kept in the database, the node actor.
+# 16. Fleet: repositories other nodes reach, logs kept in the database, the node actor.
 ###############################################################################
 
 async def run_log_bytes(deps: Deps, run_id: str, offset: int = 0) -> bytes:
@@ -11192,7 +11242,7 @@ def acquire_node_name(store: Store) -> None:
 
 
 ###############################################################################
-# 16. Actors: cron, claim (+ run supervisor), recovery, notification, outbox, housekeeping.
+# 17. Actors: cron, claim (+ run supervisor), recovery, notification, outbox, housekeeping.
 ###############################################################################
 
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
@@ -11854,7 +11904,7 @@ async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) 
             # Every settled run not yet applied, not only the one announced: a message
             # dropped on a full channel, or lost in a crash, costs latency, never an item.
             for run_id in await deps.transaction_retrying(deps.store.runs.unnotified_runs):
-                await deps.transaction_retrying(deps.store.runs.notify_run, run_id, deps.clock.now())
+                await deps.transaction_retrying(deps.store.schedules.notify_run, run_id, deps.clock.now())
                 deps.nudge(Actor.CRON)   # an auto-pause changes what the cron actor waits for
             with trio.move_on_after(NOTIFY_SWEEP_S):
                 try:
@@ -12018,7 +12068,7 @@ async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
 
 
 ###############################################################################
-# 17. Web: the JSON API, server-sent events and the dashboard.
+# 18. Web: the JSON API, server-sent events and the dashboard.
 ###############################################################################
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -15211,7 +15261,7 @@ async def page_office_settings_save(web: Web):
 
 
 ###############################################################################
-# 18. Supervisor: systemd, logging, serve.
+# 19. Supervisor: systemd, logging, serve.
 ###############################################################################
 
 def sd_notify(state: str) -> bool:
@@ -15400,7 +15450,7 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 ###############################################################################
-# 19. CLI and main(): the commands that talk to a running daemon, doctor, migrate, backup.
+# 20. CLI and main(): the commands that talk to a running daemon, doctor, migrate, backup.
 ###############################################################################
 
 class Client:

@@ -402,7 +402,7 @@ class Api:
         """What the claim and notification actors would record for a finished run."""
         await self.deps.transaction(self.store.runs.settle_run, run_id, *ended_with(status, kw, self.clock.now()),
                                     self.clock.now(), **kw)
-        await self.deps.transaction(self.store.runs.notify_run, run_id, self.clock.now())
+        await self.deps.transaction(self.store.schedules.notify_run, run_id, self.clock.now())
 
     async def auto_paused(self) -> dict:
         """A schedule whose three manual runs failed: auto-paused (docs/schedules.md)."""

@@ -26,7 +26,7 @@ async def run_to_end(deps: outpost.Deps, run_id: str) -> dict:
                            in ("succeeded", "failed", "needs_you", "cancelled") and r)
         await until(lambda: deps.live.get(run_id) is None)   # its supervisor has finished (the branch)
         nursery.cancel_scope.cancel()
-    call(deps.store, deps.store.runs.notify_run, run_id, deps.clock.now())
+    call(deps.store, deps.store.schedules.notify_run, run_id, deps.clock.now())
     return view
 
 
@@ -204,9 +204,9 @@ async def test_the_database_gives_its_space_back_after_a_big_delete(autojump_clo
 
     def many_old_runs(n: int) -> None:
         for i in range(n):
-            store.schedules.queue_run(schedule=None, agent="demo", trigger="dispatch", prompt=f"{i} " + "x" * 8000,
-                                      repository=str(tmp_path), workdir=".", source_ref="HEAD", notify="never",
-                                      limits={"timeout_seconds": 60}, now=T0)
+            store.runs.queue_run(outpost.QueuedRun(agent="demo", trigger="dispatch", prompt=f"{i} " + "x" * 8000,
+                                                   repository=str(tmp_path), workdir=".", source_ref="HEAD",
+                                                   notify="never", timeout_seconds=60), T0)
         store.db.execute("UPDATE \"Run\" SET status = 'succeeded', finished_at = $t", {"t": outpost.sql_time(T0)})
     call(store, many_old_runs, 1000)
     before = (tmp_path / "big.sqlite3").stat().st_size

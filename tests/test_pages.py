@@ -34,7 +34,7 @@ def fill(store: outpost.Store, repo: Path) -> dict[str, str]:
     run_id = call(store, store.schedules.fire_manual, schedule_id, 1, T0)["run_id"]
     call(store, store.runs.admit_ready, 2, T0)
     call(store, store.runs.settle_run, run_id, ended(outpost.RunStatus.FAILED, error="boom"), T0, exit_code=1)
-    call(store, store.runs.notify_run, run_id, T0)
+    call(store, store.schedules.notify_run, run_id, T0)
     agent_id = new_agent(store, "Worker", T0)
     task_id = new_task(store, "Write notes", T0, assignee_agent_id=agent_id)
     (office_run_id,), _ = call(store, store.pipeline.dispatch_wakeups, T0, {"demo": outpost.demo_profile()})
@@ -195,7 +195,7 @@ async def test_every_form_answers_303_to_a_get_page_and_a_secret_shows_once(dash
     call(store, store.runs.admit_ready, 2, T0)
     call(store, store.runs.ask_human, asking, "Which branch?", T0)
     call(store, store.runs.settle_run, asking, ended(outpost.RunStatus.NEEDS_YOU), T0, exit_code=0)
-    call(store, store.runs.notify_run, asking, T0)
+    call(store, store.schedules.notify_run, asking, T0)
     open_before = call(store, store.open_attention_count)
     replied = await forms.post("/runs/<run_id>/reply", f"/runs/{asking}/reply", message="Use main", workspace="team")
     reply_run = re.fullmatch(r"/runs/(\w+)\?done=replied", replied)[1]

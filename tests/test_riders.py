@@ -251,7 +251,7 @@ def test_a_needs_you_item_dismissed_unanswered_waits_for_nobody(office):
     tid = fire(office, r["id"], at(0))["linked_task_id"]
     (run_id,) = dispatch(office, at(1))
     settle(office, run_id, "needs_you", at(2), result={"status": "needs_you", "question": "Which branch?"})
-    call(office, office.runs.notify_run, run_id, at(2))
+    call(office, office.schedules.notify_run, run_id, at(2))
     item = only([a for a in call(office, office.list_attention, True) if a["kind"] == "needs_you"])
     call(office, office.ack_attention, item["id"], at(3))
     x = fire(office, r["id"], at(HOUR))

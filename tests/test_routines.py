@@ -497,7 +497,7 @@ def test_a_heavy_routine_fire_into_a_task_waiting_for_you_is_counted_on_its_item
     tid = fire(office, r["id"], at(0))["linked_task_id"]
     (run_id,) = dispatch(office, at(1))
     settle(office, run_id, "needs_you", at(2), result={"status": "needs_you", "question": "Which branch?"})
-    call(office, office.runs.notify_run, run_id, at(2))
+    call(office, office.schedules.notify_run, run_id, at(2))
     for i in range(3):
         x = fire(office, r["id"], at(HOUR * (i + 1)))
         assert (x["status"], x["wakeup_id"]) == ("coalesced", None)

@@ -18,10 +18,10 @@ MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 700
 MAX_METHODS = 80
 #: The sections of outpost.py, one per concern, in reading order (each uses only names defined above).
 SECTIONS = ["Imports and constants.", "Errors", "Agent CLIs", "Configuration", "Schedules and runs, the domain",
-            "Office, the domain", "Store", "Store", "Store", "Store", "Store", "Git and worktrees", "Running an agent",
-            "Wiring", "Fleet", "Actors", "Web", "Supervisor", "CLI and main()"]
+            "Office, the domain", "Store", "Store", "Store", "Store", "Store", "Store", "Git and worktrees",
+            "Running an agent", "Wiring", "Fleet", "Actors", "Web", "Supervisor", "CLI and main()"]
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
-STORE_PARTS = ["ScheduleStore", "RunStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
+STORE_PARTS = ["RunStore", "ScheduleStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
                "PipelineStore", "RoutineStore", "HousekeepingStore", "ChannelStore"]
 PART_ATTRIBUTES = {"schedules": "ScheduleStore", "runs": "RunStore", "nodes": "NodeStore", "access": "AccessStore",
                    "notify": "NotifyStore",

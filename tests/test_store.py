@@ -100,7 +100,7 @@ def run_due_slot(tx: Tx, now, status: RunStatus, *, commits: int = 0, error: str
     exit_code = 1 if status == RunStatus.FAILED else 0
     assert tx.runs.settle_run(run_id, ended(status, error=error, result=result), now, exit_code=exit_code,
                               commits=commits)
-    tx.runs.notify_run(run_id, now)
+    tx.schedules.notify_run(run_id, now)
     return run_id
 
 
@@ -414,7 +414,7 @@ def test_three_failures_in_a_row_auto_pause_with_exactly_one_attention_item(tx):
     last = None
     for i in range(3):
         last = run_due_slot(tx, T0 + (i + 1) * 5 * MIN, RunStatus.FAILED, error="tests failed")
-    tx.runs.notify_run(last, T0 + 16 * MIN)
+    tx.schedules.notify_run(last, T0 + 16 * MIN)
     view = tx.schedules.get_schedule(s["id"])
     assert (view["enabled"], view["auto_paused"], view["failure_streak"]) == (False, True, 3)
     items = tx.list_attention(False)
@@ -438,7 +438,7 @@ def test_a_run_failing_after_the_auto_pause_raises_no_second_auto_pause_item(tx)
     assert len(queued) == 4
     for run_id in queued:
         tx.runs.settle_run(run_id, ended(RunStatus.FAILED, error="boom"), T0 + 21 * MIN, exit_code=1)
-        tx.runs.notify_run(run_id, T0 + 21 * MIN)
+        tx.schedules.notify_run(run_id, T0 + 21 * MIN)
     assert tx.schedules.get_schedule(s["id"])["failure_streak"] == 4
     items = tx.list_attention(False)
     assert Counter(a["kind"] for a in items) == {"failed": 1, "auto_pause": 1}
@@ -476,12 +476,12 @@ def test_notify_run_applies_a_settled_run_exactly_once(tx):
     s = schedule(tx)
     [run_id] = tx.schedules.claim_due(T0 + 5 * MIN)
     tx.runs.admit_next(1, T0 + 5 * MIN)
-    tx.runs.notify_run(run_id, T0 + 5 * MIN)                                # not settled yet: nothing to apply
+    tx.schedules.notify_run(run_id, T0 + 5 * MIN)                                # not settled yet: nothing to apply
     assert tx.list_attention(False) == [] and tx.runs.unnotified_runs() == []
     tx.runs.settle_run(run_id, ended(RunStatus.FAILED, error="boom"), T0 + 6 * MIN, exit_code=1)
     assert tx.runs.unnotified_runs() == [run_id]
     for _ in range(3):
-        tx.runs.notify_run(run_id, T0 + 6 * MIN)
+        tx.schedules.notify_run(run_id, T0 + 6 * MIN)
     assert tx.runs.unnotified_runs() == []
     assert [a["kind"] for a in tx.list_attention(False)] == ["failed"]
     assert tx.schedules.get_schedule(s["id"])["failure_streak"] == 1

@@ -105,7 +105,7 @@ class Adv:
         rid = self.fire(sid)
         now = datetime.now(UTC)
         self.db(self.store.runs.settle_run, rid, ended(outpost.RunStatus.FAILED, error="boom"), now, exit_code=1)
-        self.db(self.store.runs.notify_run, rid, now)
+        self.db(self.store.schedules.notify_run, rid, now)
         attention = [a for a in self.db(self.store.list_attention, True) if a["run_id"] == rid]
         return sid, rid, attention[0]["id"]
 

@@ -139,7 +139,7 @@ def web(tmp_path_factory):
     env.db(env.store.runs.settle_run, env.rid, ended(outpost.RunStatus.FAILED, error=f"boom {XSS}",
                                                 result={"status": "failed", "summary": XSS, "question": XSS}),
            now, exit_code=1)
-    env.db(env.store.runs.notify_run, env.rid, now)
+    env.db(env.store.schedules.notify_run, env.rid, now)
     env.deps.log_path(env.rid).parent.mkdir(parents=True, exist_ok=True)
     env.deps.log_path(env.rid).write_text(f"agent said {XSS}\n")
     dispatched = env.api("POST", "/v1/outpost/dispatches", {"brief": f"{XSS}\n@print hi", "repository": str(env.repo)})
