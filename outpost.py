@@ -12068,7 +12068,8 @@ async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
 
 
 ###############################################################################
-# 18. Web: the JSON API, server-sent events and the dashboard.
+# 18. Web: requests: the route tables, the request a handler sees, authentication,
+#     idempotency, errors and security headers.
 ###############################################################################
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -12149,85 +12150,6 @@ def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
     return name in LOCAL_HOSTS or name in {h.lower() for h in allowed}
 
 
-def local_time(instant: str | datetime | None, tz_name: str = "UTC", *, seconds: bool = False) -> str:
-    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``
-    (``09:05:12`` with ``seconds``: a run's own instants, which are seconds apart)."""
-    if not instant:
-        return "-"
-    dt = parse_instant(instant) if isinstance(instant, str) else instant
-    local = dt.astimezone(ZoneInfo(tz_name))
-    offset = local.strftime("%z")
-    return f"{local:%Y-%m-%d %H:%M{':%S' if seconds else ''}} {local.tzname()} ({offset[:3]}:{offset[3:]})"
-
-
-def schedule_state(s: dict[str, Any]) -> str:
-    if s["archived"]:
-        return "archived"
-    if s["auto_paused"]:
-        return "auto-paused"
-    return "enabled" if s["enabled"] else "paused"
-
-
-def definition_from_form(form: dict[str, str]) -> dict[str, Any]:
-    """The dashboard's compose form -> a raw definition (validation is normalize_definition's)."""
-    def number(name: str, default: str = "") -> Any:
-        text = (form.get(name) or default).strip()
-        return int(text) if re.fullmatch(r"-?\d{1,12}", text) else text
-
-    kind = form.get("timing_kind", "cron")
-    timing: dict[str, Any] = {"kind": kind, "timezone": form.get("timezone", "").strip()}
-    if kind == "cron":
-        timing["expression"] = form.get("expression", "")
-    elif kind == "interval":
-        amount, unit = number("interval_amount"), INTERVAL_UNITS.get(form.get("interval_unit", ""), 1)
-        timing["seconds"] = amount * unit if isinstance(amount, int) else amount
-    else:
-        timing["at"] = form.get("at", "")
-    catch_up: dict[str, Any] = {"policy": form.get("catch_up_policy", "enqueue_missed_with_cap")}
-    if catch_up["policy"] == "enqueue_missed_with_cap":
-        catch_up["max"] = number("catch_up_max", "1")
-    return {
-        "name": form.get("name", ""), "brief": form.get("brief", "").replace("\r\n", "\n"),
-        "repository": form.get("repository", "").strip(), "workdir": form.get("workdir", "").strip() or ".",
-        "source_ref": form.get("source_ref", "").strip() or "HEAD", "agent": form.get("agent", "demo"),
-        "timing": timing,
-        "limits": {"timeout_seconds": number("timeout_seconds", "3600"), "model": form.get("model") or None},
-        "notify": form.get("notify", "attention"),
-        "concurrency_policy": form.get("concurrency_policy", "skip_if_active"),
-        "catch_up": catch_up, "skip_if_unchanged": form.get("skip_if_unchanged") == "yes",
-        "mute": [k for k in MUTABLE_ATTENTION_KINDS if form.get(f"mute_{k}") == "yes"]}
-
-
-def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
-    """A stored definition -> the compose form's fields (for edit)."""
-    t = d["timing"]
-    form = {k: str(d[k]) for k in ("name", "brief", "repository", "workdir", "source_ref", "agent", "notify",
-                                    "concurrency_policy")}
-    form |= {"timing_kind": t["kind"], "timezone": t["timezone"], "expression": t.get("expression", ""),
-             "timeout_seconds": str(d["limits"]["timeout_seconds"]), "model": d["limits"]["model"] or "",
-             "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1)),
-             "skip_if_unchanged": "yes" if d.get("skip_if_unchanged") else ""}
-    form |= {f"mute_{k}": "yes" for k in d.get("mute", [])}
-    if t["kind"] == "interval":
-        unit = next(u for u, n in reversed(INTERVAL_UNITS.items()) if t["seconds"] % n == 0)
-        form |= {"interval_amount": str(t["seconds"] // INTERVAL_UNITS[unit]), "interval_unit": unit}
-    if t["kind"] == "once":
-        form["at"] = parse_instant(t["at"]).astimezone(ZoneInfo(t["timezone"])).strftime("%Y-%m-%dT%H:%M")
-    return form
-
-
-INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
-#: What a person's own agent may propose (docs/agent-clis.md), and the fields of each.
-PROPOSAL_KINDS = ("create", "change", "control")
-PROPOSAL_STATES = ("pending", "confirmed", "declined", "stale")
-#: Who a proposal made without a key is by (``Web.caller``): a key may not take these names.
-HUMAN_CALLERS = ("api", "dashboard")
-PROPOSAL_FIELDS = {"create": ("definition",), "change": ("schedule_id", "changes"),
-                   "control": ("schedule_id", "action")}
-#: A control action in the words of a proposal's review.
-CONTROL_WORDS = {"enable": "Enable", "pause": "Pause", "resume": "Resume (enable, clear the failure streak of)",
-                 "archive": "Archive (for good)", "approve_catch_up": "Approve the catch-up of",
-                 "dismiss_catch_up": "Dismiss the catch-up of", "fire": "Fire now"}
 #: Short notices a redirect can ask the next page to show (``?done=``).
 DONE_NOTICES = {
     "created": "Schedule created. It fires on its timing; use Fire now to run it at once.",
@@ -12266,126 +12188,10 @@ DONE_NOTICES = {
     "notify_test": "Test message queued: it arrives in a few seconds (see each entry's last delivery below).",
     "channel_test": "Test message queued for the channel: it arrives in a few seconds (see its last out below).",
 }
-#: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
-CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
-                 "retry_task_cancelled": "Cancelled - task cancelled",
-                 "retry_stale_assignee": "Cancelled - retry stale", "task_not_found": "Cancelled - task not found",
-                 "review_participant_changed": "Cancelled - reviewer changed"}
-
-
-async def install_heartbeat(deps: Deps, agent_id: str) -> None:
-    """A new coordinator gets the "Coordinator heartbeat" routine, in its own transaction: if
-    that fails the agent stays created and its page shows the no-scheduled-wake-ups banner."""
-    try:
-        await deps.transaction(deps.store.routines.install_heartbeat, agent_id, deps.clock.now())
-        deps.nudge(Actor.CRON)
-    except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
-        log.getChild("office").warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
-
-
-def curl_example(url: str, mode: str) -> str:
-    """A copyable curl command that fires a webhook trigger with a valid signature."""
-    body = '{"branch": "main"}'
-    if mode == "none":
-        return f"curl -X POST {url} -H 'Content-Type: application/json' -d '{body}'"
-    if mode == "bearer":
-        return (f"curl -X POST {url} -H \"Authorization: Bearer $SECRET\" -H 'Content-Type: application/json' "
-                f"-d '{body}'")
-    if mode == "github":
-        return (f"BODY='{body}'; SIG=$(printf %s \"$BODY\" | openssl dgst -sha256 -hmac \"$SECRET\" | sed 's/^.* //')\n"
-                f"curl -X POST {url} -H \"X-Hub-Signature-256: sha256=$SIG\" -H \"X-GitHub-Delivery: $(uuidgen)\" "
-                f"-H 'Content-Type: application/json' -d \"$BODY\"")
-    return (f"BODY='{body}'; T=$(date +%s); SIG=$(printf %s \"$T.$BODY\" | openssl dgst -sha256 -hmac \"$SECRET\" "
-            f"| sed 's/^.* //')\ncurl -X POST {url} -H \"X-Outpost-Signature: t=$T,v1=$SIG\" "
-            f"-H 'Content-Type: application/json' -d \"$BODY\"")
-
-
-def wakeup_label(w: dict[str, Any]) -> str:
-    if w["status"] == "cancelled":
-        return CANCEL_LABELS.get(w["cancel_reason"], "Cancelled")
-    if w["status"] == "queued" and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
-        return "Waiting for its repository"
-    if w["status"] == "queued" and w["scheduled_retry_at"]:
-        return f"Retry {w['retry_count']}/{MAX_RETRY_COUNT} scheduled"
-    if w["status"] == "queued" and w["wake_at"]:
-        return "Waiting to wake"
-    if w["status"] == "coalesced":
-        return f"Merged into {w['coalesced_into'][-6:]}"
-    if w["status"] == "finished" and not w["run_id"]:
-        return "Finished, no run"   # idle-skipped or its routine paused: the note says which
-    if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
-        return "Recovered"
-    return w["status"].capitalize()
-
-
-#: A webhook trigger's signing modes in the words of the routine forms' menus.
-SIGNING_WORDS = {"hmac_sha256": "signed with HMAC-SHA256 (X-Outpost-Signature)",
-                 "github": "signed as GitHub signs (X-Hub-Signature-256)",
-                 "bearer": "a bearer token (Authorization header)",
-                 "none": "unsigned: anyone with its URL can fire it"}
-
-
-def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | None = None):
-    """A next fire as a list or a page shows it: the instant (``time_tag``) while the schedule
-    is enabled or the routine active, else the state ("paused", "archived", "off"): a paused
-    one's stored next fire is not when it fires."""
-    from markupsafe import Markup
-    if state not in ("enabled", "active"):
-        return Markup('<span class="muted" data-next-fire="{0}">{0}</span>').format(state.replace("_", " "))
-    return time_tag(instant, tz_name)
-
-
-def raise_with_missing_repository(err: ValidationFailed, repo: Any) -> NoReturn:
-    """Re-raise a form's refusal with one more error when its local repository is not there: the
-    git check would only tell it once the other fields are right."""
-    errors = FieldErrors()
-    errors.errors = list(err.errors)
-    if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
-            and "repository" not in {e["field"] for e in errors.errors}):
-        errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
-                                                                "on this machine"})
-    errors.raise_any()
-    raise err
-
-
-async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Normalize a definition and run the git checks. For an edit (``current`` given) a
-    once-instant in the past is refused only when the timing really changed."""
-    now = deps.clock.now()
-    try:
-        definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
-                                          check_past=current is None)
-    except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
-        raise_with_missing_repository(err, raw.get("repository") if isinstance(raw, dict) else None)
-    if current is not None and definition["timing"] != current["timing"]:
-        normalize_timing(definition["timing"], now, check_past=True)
-    await check_repository(definition, deps)
-    return definition
-
-
-async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> list[dict[str, Any]]:
-    """A routine's triggers, validated; a schedule trigger without a timezone takes the workspace's."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list) or len(raw) > 20:
-        raise invalid("triggers", "must be a list of at most 20 triggers")
-    tz = (await deps.transaction(deps.store.office.office_settings, workspace_id))["timezone"]
-    triggers, errors = [], FieldErrors()   # every trigger's errors at once
-    for i, t in enumerate(raw):
-        with errors.check():
-            triggers.append(normalize_trigger(t, i, deps.clock.now(), tz))
-    errors.raise_any()
-    return triggers
-
-
-@functools.cache
-def zone_names() -> list[str]:
-    """The IANA zones the dashboard's pickers offer."""
-    import zoneinfo
-    return sorted(z for z in zoneinfo.available_timezones() if "/" in z or z == "UTC")
 
 
 # --- route tables ---------------------------------------------------------------------------------
+
 #
 # Every route is a module-level handler declared in one of the tables below with its method, rule
 # and auth; ``create_app`` only installs the tables. List them all with
@@ -12464,7 +12270,7 @@ def route_list() -> list[str]:
     return [f"{r.method:6} {r.rule} {r.auth} ({t.surface})" for t in ROUTE_TABLES for r in t.routes]
 
 
-# --- the request a handler sees ----------------------------------------------------------------------
+# --- the request a handler sees -------------------------------------------------------------------
 
 class Web:
     """One request as its handler sees it: the deps, the Quart request, who is asking
@@ -12834,168 +12640,82 @@ async def security_headers(response):
     return response
 
 
-#: The outcomes a chart stacks, bottom to top, with their words.
-CHART_OUTCOMES = (("succeeded", "succeeded"), ("failed", "failed"), ("needs_you", "needs you"),
-                  ("skipped", "skipped"))
+###############################################################################
+# 19. Web: actions shared by the JSON API and the dashboard, one function each: the
+#     checked definition and triggers, fires, proposals, the runs chart.
+###############################################################################
+
+# --- the checked definition and triggers ----------------------------------------------------------
+
+def raise_with_missing_repository(err: ValidationFailed, repo: Any) -> NoReturn:
+    """Re-raise a form's refusal with one more error when its local repository is not there: the
+    git check would only tell it once the other fields are right."""
+    errors = FieldErrors()
+    errors.errors = list(err.errors)
+    if (isinstance(repo, str) and os.path.isabs(repo) and not is_repository_url(repo) and not Path(repo).is_dir()
+            and "repository" not in {e["field"] for e in errors.errors}):
+        errors.errors.append({"field": "repository", "message": f"{repo} is not an existing git repository "
+                                                                "on this machine"})
+    errors.raise_any()
+    raise err
 
 
-#: What a chart with no runs in its days says instead of an empty plot.
-CHART_EMPTY = f"No runs in the last {CHART_DAYS} days"
+async def checked_definition(deps: Deps, raw: Any, current: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Normalize a definition and run the git checks. For an edit (``current`` given) a
+    once-instant in the past is refused only when the timing really changed."""
+    now = deps.clock.now()
+    try:
+        definition = normalize_definition(raw, now, agents=[a.name for a in deps.config.agents],
+                                          check_past=current is None)
+    except ValidationFailed as err:   # with the other fields' errors: a local repository that is not there
+        raise_with_missing_repository(err, raw.get("repository") if isinstance(raw, dict) else None)
+    if current is not None and definition["timing"] != current["timing"]:
+        normalize_timing(definition["timing"], now, check_past=True)
+    await check_repository(definition, deps)
+    return definition
 
 
-def _svg_text(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> list[dict[str, Any]]:
+    """A routine's triggers, validated; a schedule trigger without a timezone takes the workspace's."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > 20:
+        raise invalid("triggers", "must be a list of at most 20 triggers")
+    tz = (await deps.transaction(deps.store.office.office_settings, workspace_id))["timezone"]
+    triggers, errors = [], FieldErrors()   # every trigger's errors at once
+    for i, t in enumerate(raw):
+        with errors.check():
+            triggers.append(normalize_trigger(t, i, deps.clock.now(), tz))
+    errors.raise_any()
+    return triggers
 
 
-def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
-    """Runs per day by outcome (stacked bars) and cost per day (a second row when any run cost
-    something), as inline SVG: classes for colours (the stylesheet's, light and dark), a
-    <title> per bar for readers and tooltips, no script."""
-    width, bar_h, gap = 24 * len(days), 110, 4
-    if not any(d[k] for d in days for k, _ in CHART_OUTCOMES):   # an empty plot would say nothing
-        return (f'<svg class="chart chart-empty" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} 40" '
-                f'role="img" aria-label="{_svg_text(title)}: {CHART_EMPTY}"><title>{_svg_text(title)}</title>'
-                f'<text class="axis" x="{width // 2}" y="24" text-anchor="middle">{CHART_EMPTY}</text></svg>')
-    peak = max((sum(d[k] for k, _ in CHART_OUTCOMES) for d in days), default=0) or 1
-    costs = [d["cost"] for d in days]
-    cost_peak = max(costs, default=0.0)
-    height = bar_h + (70 if cost_peak else 0) + 24
-    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
-             f'aria-label="{_svg_text(title)}"><title>{_svg_text(title)}</title>']
-    for i, d in enumerate(days):
-        x, y = i * 24 + gap // 2, bar_h
-        words = ", ".join(f"{d[k]} {w}" for k, w in CHART_OUTCOMES if d[k]) or "no runs"
-        cost = f", {format_usd(d['cost'])}" if d["cost"] else ""
-        parts.append(f'<g class="day" data-day="{d["day"]}"><title>{d["day"]}: {words}{cost}</title>')
-        for key, _ in CHART_OUTCOMES:
-            if d[key]:
-                h = max(2, round(d[key] / peak * (bar_h - 10)))
-                y -= h
-                parts.append(f'<rect class="bar bar-{key}" data-count="{d[key]}" x="{x}" y="{y}" width="{24 - gap}" '
-                             f'height="{h}"/>')
-        if cost_peak:
-            h = max(1, round(d["cost"] / cost_peak * 56)) if d["cost"] else 0
-            parts.append(f'<rect class="bar bar-cost" x="{x}" y="{bar_h + 64 - h}" width="{24 - gap}" height="{h}"/>')
-        parts.append("</g>")
-    label_y = height - 6
-    parts.append(f'<text class="axis" x="0" y="{label_y}">{days[0]["day"][5:]}</text>'
-                 f'<text class="axis" x="{width}" y="{label_y}" text-anchor="end">{days[-1]["day"][5:]}</text>')
-    if cost_peak:
-        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak {format_usd(cost_peak)})</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+# --- actions --------------------------------------------------------------------------------------
+
+#: What a person's own agent may propose (docs/agent-clis.md), and the fields of each.
+PROPOSAL_KINDS = ("create", "change", "control")
+PROPOSAL_STATES = ("pending", "confirmed", "declined", "stale")
+#: Who a proposal made without a key is by (``Web.caller``): a key may not take these names.
+HUMAN_CALLERS = ("api", "dashboard")
+PROPOSAL_FIELDS = {"create": ("definition",), "change": ("schedule_id", "changes"),
+                   "control": ("schedule_id", "action")}
 
 
-async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str:
-    days = await web.call(web.store.runs.daily_runs, web.now, zone(tz, "tz"), CHART_DAYS, **scope)
-    return runs_chart_svg(days, title)
+async def install_heartbeat(deps: Deps, agent_id: str) -> None:
+    """A new coordinator gets the "Coordinator heartbeat" routine, in its own transaction: if
+    that fails the agent stays created and its page shows the no-scheduled-wake-ups banner."""
+    try:
+        await deps.transaction(deps.store.routines.install_heartbeat, agent_id, deps.clock.now())
+        deps.nudge(Actor.CRON)
+    except Exception:   # noqa: BLE001 - logged and warned, never fatal to the agent
+        log.getChild("office").warning("could not install the coordinator heartbeat for %s", agent_id, exc_info=True)
 
 
-def time_tag(instant: str | datetime | None, tz_name: str | None = None, *, seconds: bool = False):
-    """An instant as a ``<time>`` element. Without a zone (lists): ``data-rel``, which
-    static/outpost.js turns into "3 min ago" with the exact instant in the viewer's zone on
-    hover; without JavaScript it reads in UTC. With a zone (a schedule's own page): the
-    instant in that zone, the exact second and the zone's name on hover."""
-    from markupsafe import Markup
-    if not instant:
-        return "-"
-    dt = (parse_instant(instant) if isinstance(instant, str) else instant).astimezone(UTC)
-    iso = f"{dt:%Y-%m-%dT%H:%M:%SZ}"
-    if tz_name is None:
-        return Markup('<time datetime="{}" title="{}" data-rel>{}</time>').format(
-            iso, f"{dt:%Y-%m-%d %H:%M:%S} UTC", f"{dt:%Y-%m-%d %H:%M} UTC")
-    local = dt.astimezone(ZoneInfo(tz_name))
-    return Markup('<time datetime="{}" title="{}">{}</time>').format(
-        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name, seconds=seconds))
+#: A control action in the words of a proposal's review.
+CONTROL_WORDS = {"enable": "Enable", "pause": "Pause", "resume": "Resume (enable, clear the failure streak of)",
+                 "archive": "Archive (for good)", "approve_catch_up": "Approve the catch-up of",
+                 "dismiss_catch_up": "Dismiss the catch-up of", "fire": "Fire now"}
 
-
-def words_of_seconds(seconds: float) -> str:
-    """A duration as the dashboard shows it: ``45 s``, ``1 m 12 s``, ``3 h 5 m``, ``2 d 4 h``
-    (static/outpost.js has the same rule for a run still going)."""
-    s = int(seconds)
-    if s < 1:
-        return "< 1 s"
-    for unit, size, small, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
-        if s >= size:
-            rest = (s % size) // small_size
-            return f"{s // size} {unit}" + (f" {rest} {small}" if rest else "")
-    return f"{s} s"
-
-
-def run_duration(run: dict[str, Any]):
-    """How long a run took (started to finished); one still going counts on in the page."""
-    from markupsafe import Markup
-    def instant(value: str | datetime) -> datetime:
-        return parse_instant(value) if isinstance(value, str) else value
-    if not run.get("started_at"):
-        return "-"
-    started = instant(run["started_at"])
-    if run.get("finished_at"):
-        return words_of_seconds((instant(run["finished_at"]) - started).total_seconds())
-    so_far = words_of_seconds((datetime.now(UTC) - started).total_seconds())
-    return Markup('<span data-since="{}">{}</span>').format(f"{started.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}", so_far)
-
-
-#: Filters the templates use.
-def format_usd(value: float | None) -> str:
-    """A cost: cents from $1 on; under $1 three significant digits ($0.0123, $0.50), as runs of
-    a cent or less are common and "$0.01" would hide a tenfold difference."""
-    if value is None:
-        return "-"
-    if value == 0 or abs(value) >= 1:
-        return f"${value:,.2f}"
-    decimals = min(8, max(2, 2 - math.floor(math.log10(abs(value)))))
-    whole, fraction = f"{value:.{decimals}f}".split(".")
-    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
-
-
-TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
-    "local": local_time, "timing_words": describe_timing, "state": schedule_state,
-    "when": time_tag, "at": time_tag, "duration": run_duration,
-    "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
-    "curl_example": curl_example, "next_fire": next_fire_tag,
-    "usd": format_usd, "counted": lambda n, noun: f"{n} {noun}{'' if n == 1 else 's'}",
-    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
-    "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
-                                                 for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
-                                                 if v < 1024 ** (i + 1) or unit == "TiB")}
-#: A folded attention item's "and 12 more runs returned changes", by kind.
-FOLD_WORDS = {"changes_returned": ("run returned changes", "runs returned changes"),
-              "succeeded": ("run succeeded", "runs succeeded"), "failed": ("run failed", "runs failed"),
-              "missed_fire": ("missed fire", "missed fires"), "agent_error": ("failure", "failures")}
-#: Constants the templates use, so a status set is spelled once.
-TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
-                    "MUTABLE_ATTENTION_KINDS": MUTABLE_ATTENTION_KINDS, "FOLD_WORDS": FOLD_WORDS,
-                    "UPCOMING_MAX_EACH": UPCOMING_MAX_EACH,
-                    "POLICY_WORDS": POLICY_WORDS, "SIGNING_WORDS": SIGNING_WORDS,
-                    "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
-
-
-def create_app(deps: Deps):
-    """The Quart-Trio application: installs the route tables through ``endpoint``."""
-    from quart import g, request
-    from quart_trio import QuartTrio
-
-    app = QuartTrio("outpost", template_folder=str(Path(__file__).parent / "templates"),
-                    static_folder=str(Path(__file__).parent / "static"))
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    app.jinja_env.filters.update(TEMPLATE_FILTERS)
-    app.jinja_env.globals.update(TEMPLATE_GLOBALS)
-    app.before_request(functools.partial(screen_request, deps))
-    app.after_request(security_headers)
-    app.after_request(read_body_to_end)
-
-    async def error_boundary(err: Exception):
-        return await answer_error(getattr(g, "web", None) or Web(deps, request, None), err)
-    app.register_error_handler(Exception, error_boundary)
-    for table in ROUTE_TABLES:
-        for route in table.routes:
-            app.add_url_rule(route.rule, f"{table.surface}.{route.handler.__name__}", endpoint(deps, table, route),
-                             methods=[route.method])
-    return app
-
-
-# --- actions: one function each, shared by the API and the dashboard -------------------------------
 
 async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, Any]:
     """A manual occurrence (docs/http-api.md ``fire``): committed, then its commit resolved and admission woken."""
@@ -13278,7 +12998,92 @@ async def fire_routine(web: Web, routine_id: str, variables: Any) -> dict[str, A
     return await web.commit(web.store.routines.fire_routine, routine_id, None, "manual", variables, web.now)
 
 
-# --- JSON API: /v1/outpost/ (docs/http-api.md) ---------------------------------------------------------
+def composed(definition: dict[str, Any], now: datetime, raw_timing: Any, after: datetime | None = None,
+             count: int = 5) -> dict[str, Any]:
+    """What a human reads before confirming (docs/http-api.md compose): the definition, a
+    sentence, the next fires, the warnings and the digest a confirmation signs."""
+    fires = next_fires(definition["timing"], after or now, count, anchor=now)
+    return {"definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
+            "next_fires": [rfc3339(f) for f in fires], "confirmation": confirmation_of(definition),
+            "warnings": timing_warnings(definition["timing"], now, raw_timing)}
+
+
+# --- the runs chart (SVG) -------------------------------------------------------------------------
+
+#: The outcomes a chart stacks, bottom to top, with their words.
+CHART_OUTCOMES = (("succeeded", "succeeded"), ("failed", "failed"), ("needs_you", "needs you"),
+                  ("skipped", "skipped"))
+#: What a chart with no runs in its days says instead of an empty plot.
+CHART_EMPTY = f"No runs in the last {CHART_DAYS} days"
+
+
+def _svg_text(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def runs_chart_svg(days: list[dict[str, Any]], title: str) -> str:
+    """Runs per day by outcome (stacked bars) and cost per day (a second row when any run cost
+    something), as inline SVG: classes for colours (the stylesheet's, light and dark), a
+    <title> per bar for readers and tooltips, no script."""
+    width, bar_h, gap = 24 * len(days), 110, 4
+    if not any(d[k] for d in days for k, _ in CHART_OUTCOMES):   # an empty plot would say nothing
+        return (f'<svg class="chart chart-empty" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} 40" '
+                f'role="img" aria-label="{_svg_text(title)}: {CHART_EMPTY}"><title>{_svg_text(title)}</title>'
+                f'<text class="axis" x="{width // 2}" y="24" text-anchor="middle">{CHART_EMPTY}</text></svg>')
+    peak = max((sum(d[k] for k, _ in CHART_OUTCOMES) for d in days), default=0) or 1
+    costs = [d["cost"] for d in days]
+    cost_peak = max(costs, default=0.0)
+    height = bar_h + (70 if cost_peak else 0) + 24
+    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="{_svg_text(title)}"><title>{_svg_text(title)}</title>']
+    for i, d in enumerate(days):
+        x, y = i * 24 + gap // 2, bar_h
+        words = ", ".join(f"{d[k]} {w}" for k, w in CHART_OUTCOMES if d[k]) or "no runs"
+        cost = f", {format_usd(d['cost'])}" if d["cost"] else ""
+        parts.append(f'<g class="day" data-day="{d["day"]}"><title>{d["day"]}: {words}{cost}</title>')
+        for key, _ in CHART_OUTCOMES:
+            if d[key]:
+                h = max(2, round(d[key] / peak * (bar_h - 10)))
+                y -= h
+                parts.append(f'<rect class="bar bar-{key}" data-count="{d[key]}" x="{x}" y="{y}" width="{24 - gap}" '
+                             f'height="{h}"/>')
+        if cost_peak:
+            h = max(1, round(d["cost"] / cost_peak * 56)) if d["cost"] else 0
+            parts.append(f'<rect class="bar bar-cost" x="{x}" y="{bar_h + 64 - h}" width="{24 - gap}" height="{h}"/>')
+        parts.append("</g>")
+    label_y = height - 6
+    parts.append(f'<text class="axis" x="0" y="{label_y}">{days[0]["day"][5:]}</text>'
+                 f'<text class="axis" x="{width}" y="{label_y}" text-anchor="end">{days[-1]["day"][5:]}</text>')
+    if cost_peak:
+        parts.append(f'<text class="axis" x="0" y="{bar_h + 12}">cost per day (peak {format_usd(cost_peak)})</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+async def runs_chart(web: Web, title: str, tz: str = "UTC", **scope: str) -> str:
+    days = await web.call(web.store.runs.daily_runs, web.now, zone(tz, "tz"), CHART_DAYS, **scope)
+    return runs_chart_svg(days, title)
+
+
+#: Filters the templates use.
+def format_usd(value: float | None) -> str:
+    """A cost: cents from $1 on; under $1 three significant digits ($0.0123, $0.50), as runs of
+    a cent or less are common and "$0.01" would hide a tenfold difference."""
+    if value is None:
+        return "-"
+    if value == 0 or abs(value) >= 1:
+        return f"${value:,.2f}"
+    decimals = min(8, max(2, 2 - math.floor(math.log10(abs(value)))))
+    whole, fraction = f"{value:.{decimals}f}".split(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
+###############################################################################
+# 20. Web: the JSON API: /v1/outpost/, the Office API, webhooks, channels, the agent API,
+#     the event stream.
+###############################################################################
+
+# --- JSON API: /v1/outpost/ (docs/http-api.md) ----------------------------------------------------
 
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
@@ -13354,16 +13159,6 @@ async def api_compose(web: Web):
         except OverflowError:
             raise invalid("from", f"must be between 1970 and {MAX_YEAR}") from None
     return composed(definition, now, raw.get("timing"), after, web.int_arg("count", 5, 1, 100))
-
-
-def composed(definition: dict[str, Any], now: datetime, raw_timing: Any, after: datetime | None = None,
-             count: int = 5) -> dict[str, Any]:
-    """What a human reads before confirming (docs/http-api.md compose): the definition, a
-    sentence, the next fires, the warnings and the digest a confirmation signs."""
-    fires = next_fires(definition["timing"], after or now, count, anchor=now)
-    return {"definition": definition, "summary": schedule_summary(definition, fires[0] if fires else None),
-            "next_fires": [rfc3339(f) for f in fires], "confirmation": confirmation_of(definition),
-            "warnings": timing_warnings(definition["timing"], now, raw_timing)}
 
 
 @api.post("/v1/outpost/schedules", auth=Auth.TOKEN, idempotent=True, status=201, etag=True, nudges=(Actor.CRON,))
@@ -13756,7 +13551,7 @@ async def api_snapshot(web: Web):
     return await web.call(web.store.schedules.snapshot)
 
 
-# --- Office API: /api/office/ (docs/office.md) -----------------------------------------------------------
+# --- Office API: /api/office/ (docs/office.md) ----------------------------------------------------
 
 @office_api.get("/api/office/workspaces", auth=Auth.TOKEN)
 async def office_workspaces(web: Web):
@@ -13961,7 +13756,7 @@ async def office_rotate_secret(web: Web, routine_id: str, trigger_id: str):
     return await web.commit(web.store.routines.rotate_secret, routine_id, trigger_id, web.now)
 
 
-# --- webhooks: /api/routine-triggers/ (docs/office.md) --------------------------------------------------
+# --- webhooks: /api/routine-triggers/ (docs/office.md) --------------------------------------------
 
 @hooks.post("/api/routine-triggers/<public_id>/fire", auth=Auth.SIGNATURE)
 async def hook_fire(web: Web, public_id: str):
@@ -14006,7 +13801,7 @@ async def hook_fire(web: Web, public_id: str):
     return json_response({"routine_run_id": run["id"], "status": run["status"]}, 202)
 
 
-# --- channels: /api/channels/ (docs/office.md "Channels") ------------------------------------------------
+# --- channels: /api/channels/ (docs/office.md "Channels") -----------------------------------------
 
 def channel_of(web: Web, kind: str, name: str) -> ChannelEntry:
     entry = next((e for e in web.deps.config.channels if e.name == name and e.kind == kind), None)
@@ -14093,7 +13888,7 @@ async def office_channel_test(web: Web, name: str):
     return {"id": await web.commit(web.store.channels.queue_test, name, web.now)}
 
 
-# --- agent API: /api/agent/ (a running Office agent, with its run token) -----------------------------
+# --- agent API: /api/agent/ (a running Office agent, with its run token) --------------------------
 
 def own_task(web: Web, raw: dict[str, Any]) -> str:
     task_id = raw.get("task_id") or web.agent["task_id"]
@@ -14238,7 +14033,215 @@ async def agent_self_wake(web: Web):
     return await web.commit(wake)
 
 
-# --- dashboard: sign-in --------------------------------------------------------------------------------
+###############################################################################
+# 21. Web: the dashboard: form and view helpers, template filters, every page, and
+#     create_app.
+###############################################################################
+
+# --- dashboard: template filters and view helpers -------------------------------------------------
+
+def local_time(instant: str | datetime | None, tz_name: str = "UTC", *, seconds: bool = False) -> str:
+    """An instant in a schedule's timezone with its offset: ``2026-11-30 09:05 CET (+01:00)``
+    (``09:05:12`` with ``seconds``: a run's own instants, which are seconds apart)."""
+    if not instant:
+        return "-"
+    dt = parse_instant(instant) if isinstance(instant, str) else instant
+    local = dt.astimezone(ZoneInfo(tz_name))
+    offset = local.strftime("%z")
+    return f"{local:%Y-%m-%d %H:%M{':%S' if seconds else ''}} {local.tzname()} ({offset[:3]}:{offset[3:]})"
+
+
+def schedule_state(s: dict[str, Any]) -> str:
+    if s["archived"]:
+        return "archived"
+    if s["auto_paused"]:
+        return "auto-paused"
+    return "enabled" if s["enabled"] else "paused"
+
+
+def definition_from_form(form: dict[str, str]) -> dict[str, Any]:
+    """The dashboard's compose form -> a raw definition (validation is normalize_definition's)."""
+    def number(name: str, default: str = "") -> Any:
+        text = (form.get(name) or default).strip()
+        return int(text) if re.fullmatch(r"-?\d{1,12}", text) else text
+
+    kind = form.get("timing_kind", "cron")
+    timing: dict[str, Any] = {"kind": kind, "timezone": form.get("timezone", "").strip()}
+    if kind == "cron":
+        timing["expression"] = form.get("expression", "")
+    elif kind == "interval":
+        amount, unit = number("interval_amount"), INTERVAL_UNITS.get(form.get("interval_unit", ""), 1)
+        timing["seconds"] = amount * unit if isinstance(amount, int) else amount
+    else:
+        timing["at"] = form.get("at", "")
+    catch_up: dict[str, Any] = {"policy": form.get("catch_up_policy", "enqueue_missed_with_cap")}
+    if catch_up["policy"] == "enqueue_missed_with_cap":
+        catch_up["max"] = number("catch_up_max", "1")
+    return {
+        "name": form.get("name", ""), "brief": form.get("brief", "").replace("\r\n", "\n"),
+        "repository": form.get("repository", "").strip(), "workdir": form.get("workdir", "").strip() or ".",
+        "source_ref": form.get("source_ref", "").strip() or "HEAD", "agent": form.get("agent", "demo"),
+        "timing": timing,
+        "limits": {"timeout_seconds": number("timeout_seconds", "3600"), "model": form.get("model") or None},
+        "notify": form.get("notify", "attention"),
+        "concurrency_policy": form.get("concurrency_policy", "skip_if_active"),
+        "catch_up": catch_up, "skip_if_unchanged": form.get("skip_if_unchanged") == "yes",
+        "mute": [k for k in MUTABLE_ATTENTION_KINDS if form.get(f"mute_{k}") == "yes"]}
+
+
+def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
+    """A stored definition -> the compose form's fields (for edit)."""
+    t = d["timing"]
+    form = {k: str(d[k]) for k in ("name", "brief", "repository", "workdir", "source_ref", "agent", "notify",
+                                    "concurrency_policy")}
+    form |= {"timing_kind": t["kind"], "timezone": t["timezone"], "expression": t.get("expression", ""),
+             "timeout_seconds": str(d["limits"]["timeout_seconds"]), "model": d["limits"]["model"] or "",
+             "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1)),
+             "skip_if_unchanged": "yes" if d.get("skip_if_unchanged") else ""}
+    form |= {f"mute_{k}": "yes" for k in d.get("mute", [])}
+    if t["kind"] == "interval":
+        unit = next(u for u, n in reversed(INTERVAL_UNITS.items()) if t["seconds"] % n == 0)
+        form |= {"interval_amount": str(t["seconds"] // INTERVAL_UNITS[unit]), "interval_unit": unit}
+    if t["kind"] == "once":
+        form["at"] = parse_instant(t["at"]).astimezone(ZoneInfo(t["timezone"])).strftime("%Y-%m-%dT%H:%M")
+    return form
+
+
+INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
+#: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
+CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
+                 "retry_task_cancelled": "Cancelled - task cancelled",
+                 "retry_stale_assignee": "Cancelled - retry stale", "task_not_found": "Cancelled - task not found",
+                 "review_participant_changed": "Cancelled - reviewer changed"}
+
+
+def curl_example(url: str, mode: str) -> str:
+    """A copyable curl command that fires a webhook trigger with a valid signature."""
+    body = '{"branch": "main"}'
+    if mode == "none":
+        return f"curl -X POST {url} -H 'Content-Type: application/json' -d '{body}'"
+    if mode == "bearer":
+        return (f"curl -X POST {url} -H \"Authorization: Bearer $SECRET\" -H 'Content-Type: application/json' "
+                f"-d '{body}'")
+    if mode == "github":
+        return (f"BODY='{body}'; SIG=$(printf %s \"$BODY\" | openssl dgst -sha256 -hmac \"$SECRET\" | sed 's/^.* //')\n"
+                f"curl -X POST {url} -H \"X-Hub-Signature-256: sha256=$SIG\" -H \"X-GitHub-Delivery: $(uuidgen)\" "
+                f"-H 'Content-Type: application/json' -d \"$BODY\"")
+    return (f"BODY='{body}'; T=$(date +%s); SIG=$(printf %s \"$T.$BODY\" | openssl dgst -sha256 -hmac \"$SECRET\" "
+            f"| sed 's/^.* //')\ncurl -X POST {url} -H \"X-Outpost-Signature: t=$T,v1=$SIG\" "
+            f"-H 'Content-Type: application/json' -d \"$BODY\"")
+
+
+def wakeup_label(w: dict[str, Any]) -> str:
+    if w["status"] == "cancelled":
+        return CANCEL_LABELS.get(w["cancel_reason"], "Cancelled")
+    if w["status"] == "queued" and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
+        return "Waiting for its repository"
+    if w["status"] == "queued" and w["scheduled_retry_at"]:
+        return f"Retry {w['retry_count']}/{MAX_RETRY_COUNT} scheduled"
+    if w["status"] == "queued" and w["wake_at"]:
+        return "Waiting to wake"
+    if w["status"] == "coalesced":
+        return f"Merged into {w['coalesced_into'][-6:]}"
+    if w["status"] == "finished" and not w["run_id"]:
+        return "Finished, no run"   # idle-skipped or its routine paused: the note says which
+    if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
+        return "Recovered"
+    return w["status"].capitalize()
+
+
+#: A webhook trigger's signing modes in the words of the routine forms' menus.
+SIGNING_WORDS = {"hmac_sha256": "signed with HMAC-SHA256 (X-Outpost-Signature)",
+                 "github": "signed as GitHub signs (X-Hub-Signature-256)",
+                 "bearer": "a bearer token (Authorization header)",
+                 "none": "unsigned: anyone with its URL can fire it"}
+
+
+def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | None = None):
+    """A next fire as a list or a page shows it: the instant (``time_tag``) while the schedule
+    is enabled or the routine active, else the state ("paused", "archived", "off"): a paused
+    one's stored next fire is not when it fires."""
+    from markupsafe import Markup
+    if state not in ("enabled", "active"):
+        return Markup('<span class="muted" data-next-fire="{0}">{0}</span>').format(state.replace("_", " "))
+    return time_tag(instant, tz_name)
+
+
+@functools.cache
+def zone_names() -> list[str]:
+    """The IANA zones the dashboard's pickers offer."""
+    import zoneinfo
+    return sorted(z for z in zoneinfo.available_timezones() if "/" in z or z == "UTC")
+
+
+def time_tag(instant: str | datetime | None, tz_name: str | None = None, *, seconds: bool = False):
+    """An instant as a ``<time>`` element. Without a zone (lists): ``data-rel``, which
+    static/outpost.js turns into "3 min ago" with the exact instant in the viewer's zone on
+    hover; without JavaScript it reads in UTC. With a zone (a schedule's own page): the
+    instant in that zone, the exact second and the zone's name on hover."""
+    from markupsafe import Markup
+    if not instant:
+        return "-"
+    dt = (parse_instant(instant) if isinstance(instant, str) else instant).astimezone(UTC)
+    iso = f"{dt:%Y-%m-%dT%H:%M:%SZ}"
+    if tz_name is None:
+        return Markup('<time datetime="{}" title="{}" data-rel>{}</time>').format(
+            iso, f"{dt:%Y-%m-%d %H:%M:%S} UTC", f"{dt:%Y-%m-%d %H:%M} UTC")
+    local = dt.astimezone(ZoneInfo(tz_name))
+    return Markup('<time datetime="{}" title="{}">{}</time>').format(
+        iso, f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({tz_name})", local_time(dt, tz_name, seconds=seconds))
+
+
+def words_of_seconds(seconds: float) -> str:
+    """A duration as the dashboard shows it: ``45 s``, ``1 m 12 s``, ``3 h 5 m``, ``2 d 4 h``
+    (static/outpost.js has the same rule for a run still going)."""
+    s = int(seconds)
+    if s < 1:
+        return "< 1 s"
+    for unit, size, small, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= size:
+            rest = (s % size) // small_size
+            return f"{s // size} {unit}" + (f" {rest} {small}" if rest else "")
+    return f"{s} s"
+
+
+def run_duration(run: dict[str, Any]):
+    """How long a run took (started to finished); one still going counts on in the page."""
+    from markupsafe import Markup
+    def instant(value: str | datetime) -> datetime:
+        return parse_instant(value) if isinstance(value, str) else value
+    if not run.get("started_at"):
+        return "-"
+    started = instant(run["started_at"])
+    if run.get("finished_at"):
+        return words_of_seconds((instant(run["finished_at"]) - started).total_seconds())
+    so_far = words_of_seconds((datetime.now(UTC) - started).total_seconds())
+    return Markup('<span data-since="{}">{}</span>').format(f"{started.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}", so_far)
+
+
+TEMPLATE_FILTERS: dict[str, Callable[..., Any]] = {
+    "local": local_time, "timing_words": describe_timing, "state": schedule_state,
+    "when": time_tag, "at": time_tag, "duration": run_duration,
+    "pretty": lambda v: json.dumps(v, indent=2, ensure_ascii=False), "wakeup_label": wakeup_label,
+    "curl_example": curl_example, "next_fire": next_fire_tag,
+    "usd": format_usd, "counted": lambda n, noun: f"{n} {noun}{'' if n == 1 else 's'}",
+    "tokens": lambda v: "-" if v is None else f"{v / 1000:,.1f}k" if v >= 1000 else str(v),
+    "size": lambda v: "-" if v is None else next(f"{v / 1024 ** i:,.1f} {unit}" if i else f"{v:,} {unit}"
+                                                 for i, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB"))
+                                                 if v < 1024 ** (i + 1) or unit == "TiB")}
+#: A folded attention item's "and 12 more runs returned changes", by kind.
+FOLD_WORDS = {"changes_returned": ("run returned changes", "runs returned changes"),
+              "succeeded": ("run succeeded", "runs succeeded"), "failed": ("run failed", "runs failed"),
+              "missed_fire": ("missed fire", "missed fires"), "agent_error": ("failure", "failures")}
+#: Constants the templates use, so a status set is spelled once.
+TEMPLATE_GLOBALS = {"ACTIVE_RUN_STATUSES": ACTIVE_RUN_STATUSES, "TERMINAL_TASK_STATES": TERMINAL_TASK_STATES,
+                    "MUTABLE_ATTENTION_KINDS": MUTABLE_ATTENTION_KINDS, "FOLD_WORDS": FOLD_WORDS,
+                    "UPCOMING_MAX_EACH": UPCOMING_MAX_EACH,
+                    "POLICY_WORDS": POLICY_WORDS, "SIGNING_WORDS": SIGNING_WORDS,
+                    "NO_REPORT": {**{f: None for f in REPORT_FIELDS}, "limit": None, "failure_kind": None}}
+
+
+# --- dashboard: sign-in ---------------------------------------------------------------------------
 
 def same_origin_path(target: str) -> str:
     """Where signing in may send the browser: ``target`` when it is a path of this origin, else
@@ -14291,7 +14294,7 @@ async def page_signout(web: Web):
     return response
 
 
-# --- dashboard: schedules -----------------------------------------------------------------------------
+# --- dashboard: schedules -------------------------------------------------------------------------
 
 def errors_by_field(err: OutpostError) -> dict[str, str]:
     return {e["field"]: e["message"] for e in err.errors} or {"form": err.detail}
@@ -14464,7 +14467,7 @@ async def page_schedule_control(web: Web, schedule_id: str):
     return await web.see_other(f"/schedules/{schedule_id}?done={done}")
 
 
-# --- dashboard: runs and attention ------------------------------------------------------------------------
+# --- dashboard: runs and attention ----------------------------------------------------------------
 
 @pages.get("/runs", auth=Auth.SESSION)
 async def page_runs(web: Web):
@@ -14863,7 +14866,7 @@ async def page_channel_test(web: Web, name: str):
     return await web.see_other("/settings?done=channel_test")
 
 
-# --- dashboard: Office ------------------------------------------------------------------------------------
+# --- dashboard: Office ----------------------------------------------------------------------------
 
 def mentioned_task_ids(value: Any, depth: int = 4) -> set[str]:
     """The ``task_id`` and ``linked_task_id`` of the rows a page's context lists (a routine's runs
@@ -15260,8 +15263,34 @@ async def page_office_settings_save(web: Web):
     return await office_form(web, save, page_office_settings)
 
 
+# --- the app: every table installed ---------------------------------------------------------------
+
+def create_app(deps: Deps):
+    """The Quart-Trio application: installs the route tables through ``endpoint``."""
+    from quart import g, request
+    from quart_trio import QuartTrio
+
+    app = QuartTrio("outpost", template_folder=str(Path(__file__).parent / "templates"),
+                    static_folder=str(Path(__file__).parent / "static"))
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.jinja_env.filters.update(TEMPLATE_FILTERS)
+    app.jinja_env.globals.update(TEMPLATE_GLOBALS)
+    app.before_request(functools.partial(screen_request, deps))
+    app.after_request(security_headers)
+    app.after_request(read_body_to_end)
+
+    async def error_boundary(err: Exception):
+        return await answer_error(getattr(g, "web", None) or Web(deps, request, None), err)
+    app.register_error_handler(Exception, error_boundary)
+    for table in ROUTE_TABLES:
+        for route in table.routes:
+            app.add_url_rule(route.rule, f"{table.surface}.{route.handler.__name__}", endpoint(deps, table, route),
+                             methods=[route.method])
+    return app
+
+
 ###############################################################################
-# 19. Supervisor: systemd, logging, serve.
+# 22. Supervisor: systemd, logging, serve.
 ###############################################################################
 
 def sd_notify(state: str) -> bool:
@@ -15450,7 +15479,7 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 ###############################################################################
-# 20. CLI and main(): the commands that talk to a running daemon, doctor, migrate, backup.
+# 23. CLI and main(): the commands that talk to a running daemon, doctor, migrate, backup.
 ###############################################################################
 
 class Client:

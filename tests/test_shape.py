@@ -19,7 +19,8 @@ MAX_METHODS = 80
 #: The sections of outpost.py, one per concern, in reading order (each uses only names defined above).
 SECTIONS = ["Imports and constants.", "Errors", "Agent CLIs", "Configuration", "Schedules and runs, the domain",
             "Office, the domain", "Store", "Store", "Store", "Store", "Store", "Store", "Git and worktrees",
-            "Running an agent", "Wiring", "Fleet", "Actors", "Web", "Supervisor", "CLI and main()"]
+            "Running an agent", "Wiring", "Fleet", "Actors", "Web", "Web", "Web", "Web", "Supervisor",
+            "CLI and main()"]
 #: The store's parts, bottom to top, and the attribute of ``Store`` (and of the parts above) that holds each.
 STORE_PARTS = ["RunStore", "ScheduleStore", "NodeStore", "AccessStore", "NotifyStore", "WakeupStore", "OfficeStore",
                "PipelineStore", "RoutineStore", "HousekeepingStore", "ChannelStore"]
