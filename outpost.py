@@ -12717,6 +12717,28 @@ CONTROL_WORDS = {"enable": "Enable", "pause": "Pause", "resume": "Resume (enable
                  "dismiss_catch_up": "Dismiss the catch-up of", "fire": "Fire now"}
 
 
+async def create_schedule(web: Web, raw: Any, confirmation: Any) -> dict[str, Any]:
+    """A new schedule (``POST /v1/outpost/schedules``, docs/http-api.md): its definition checked
+    (git included) and confirmed against what its review showed, then committed. The API's POST
+    and the dashboard's Confirm both call it."""
+    definition = await checked_definition(web.deps, raw)
+    check_confirmation(definition, confirmation)
+    return await web.commit(web.store.schedules.create_schedule, definition, web.now,
+                            web.deps.profile_digests.get(definition["agent"]))
+
+
+async def update_schedule(web: Web, schedule_id: str, revision: int, raw: Any, base: dict[str, Any],
+                          confirmation: Any) -> dict[str, Any]:
+    """An edit (``PATCH /v1/outpost/schedules/<id>``, docs/http-api.md): the whole new definition,
+    checked against ``base`` (the one the edit started from: a once-instant in the past is refused
+    only if the timing changed) and confirmed, then committed under ``revision``. The API's PATCH
+    and the dashboard's Confirm both call it."""
+    definition = await checked_definition(web.deps, raw, base)
+    check_confirmation(definition, confirmation)
+    return await web.commit(web.store.schedules.update_schedule, schedule_id, revision, definition, web.now,
+                            web.deps.profile_digests.get(definition["agent"]))
+
+
 async def fire_schedule(web: Web, schedule_id: str, revision: int) -> dict[str, Any]:
     """A manual occurrence (docs/http-api.md ``fire``): committed, then its commit resolved and admission woken."""
     fired = await web.commit(web.store.schedules.fire_manual, schedule_id, revision, web.now, web.deps.profile_digests)
@@ -13164,10 +13186,7 @@ async def api_compose(web: Web):
 @api.post("/v1/outpost/schedules", auth=Auth.TOKEN, idempotent=True, status=201, etag=True, nudges=(Actor.CRON,))
 async def api_create_schedule(web: Web):
     raw = await web.body()
-    definition = await checked_definition(web.deps, raw.get("definition"))
-    check_confirmation(definition, raw.get("confirmation"))
-    return await web.commit(web.store.schedules.create_schedule, definition, web.now,
-                            web.deps.profile_digests.get(definition["agent"]))
+    return await create_schedule(web, raw.get("definition"), raw.get("confirmation"))
 
 
 @api.get("/v1/outpost/schedules", auth=Auth.TOKEN)
@@ -13191,11 +13210,8 @@ async def api_patch_schedule(web: Web, schedule_id: str):
     if current["archived"]:
         raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
     check_revision(schedule_id, current["revision"], revision)   # a concurrent edit: 412, not a mismatch
-    definition = await checked_definition(web.deps, merge_changes(current["definition"], raw.get("changes")),
-                                          current["definition"])
-    check_confirmation(definition, raw.get("confirmation"))
-    return await web.commit(web.store.schedules.update_schedule, schedule_id, revision, definition, web.now,
-                            web.deps.profile_digests.get(definition["agent"]))
+    return await update_schedule(web, schedule_id, revision, merge_changes(current["definition"], raw.get("changes")),
+                                 current["definition"], raw.get("confirmation"))
 
 
 @api.post("/v1/outpost/schedules/<schedule_id>/control", auth=Auth.TOKEN, idempotent=True, etag=True)
@@ -14372,26 +14388,23 @@ async def page_review_new(web: Web):
     return await review_page(web, dict((await web.form()).items()), None)
 
 
-async def confirmed_definition(web: Web, form: dict[str, str], current: dict[str, Any] | None) -> dict[str, Any]:
+def reviewed_definition(form: dict[str, str]) -> Any:
+    """The definition the review step showed, carried by its Confirm form."""
     try:
-        raw = json.loads(form.get("definition", ""))
+        return json.loads(form.get("definition", ""))
     except ValueError:
         raise invalid("definition", "the reviewed definition is missing; compose it again") from None
-    definition = await checked_definition(web.deps, raw, current)
-    check_confirmation(definition, form.get("confirmation"))
-    return definition
 
 
 @pages.post("/schedules", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_confirm_new(web: Web):
     form = dict((await web.form()).items())
-    definition = await confirmed_definition(web, form, None)
+    reviewed = reviewed_definition(form)
     try:
-        created = await web.commit(web.store.schedules.create_schedule, definition, web.now,
-                                   web.deps.profile_digests.get(definition["agent"]))
+        created = await create_schedule(web, reviewed, form.get("confirmation"))
     except Conflict as err:
         return await web.page("schedule_form.html", status=409, section="schedules",
-                              **form_context(web, form_from_definition(definition), errors_by_field(err), edit=None))
+                              **form_context(web, form_from_definition(reviewed), errors_by_field(err), edit=None))
     return await web.see_other(f"/schedules/{created['id']}?done=created")
 
 
@@ -14441,15 +14454,15 @@ async def page_review_edit(web: Web, schedule_id: str):
 async def page_confirm_edit(web: Web, schedule_id: str):
     form = dict((await web.form()).items())
     edit = edit_from(schedule_id, form)
-    definition = await confirmed_definition(web, form, edit["definition"])
+    reviewed = reviewed_definition(form)
     try:
-        await web.commit(web.store.schedules.update_schedule, schedule_id, edit["revision"], definition, web.now,
-                         web.deps.profile_digests.get(definition["agent"]))
+        await update_schedule(web, schedule_id, edit["revision"], reviewed, edit["definition"],
+                              form.get("confirmation"))
     except RevisionMismatch:
         current = await web.call(web.store.schedules.get_schedule, schedule_id)
-        diff = [{"field": f, "base": edit["definition"].get(f), "now": current.get(f), "yours": definition.get(f)}
+        diff = [{"field": f, "base": edit["definition"].get(f), "now": current.get(f), "yours": reviewed.get(f)}
                 for f in sorted(DEFINITION_FIELDS)   # skip_if_unchanged is only there when true
-                if edit["definition"].get(f) != current.get(f) or definition.get(f) != current.get(f)]
+                if edit["definition"].get(f) != current.get(f) or reviewed.get(f) != current.get(f)]
         return await web.page("schedule_stale.html", status=412, section="schedules", s=current, edit=edit,
                               diff=diff)
     return await web.see_other(f"/schedules/{schedule_id}?done=updated")

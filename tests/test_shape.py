@@ -369,3 +369,18 @@ def test_each_preset_holds_its_reader_and_nothing_else_names_a_cli():
     named = [n.lineno for n in ast.walk(TREE) if isinstance(n, ast.Constant) and n.value in outpost.PRESETS
              and n.value != "generic" and not clis[0] <= n.lineno < clis[1]]
     assert named == []
+
+
+def test_a_schedule_is_created_and_edited_by_one_action_each():
+    """The JSON API and the dashboard create and edit a schedule through one action each
+    (``create_schedule``, ``update_schedule``): its checks and confirmation are written once.
+    Confirming a proposal commits the same store calls inside its own transaction."""
+    callers = {}
+    for node in TREE.body:
+        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            for n in ast.walk(node):
+                if (isinstance(n, ast.Attribute) and n.attr in ("create_schedule", "update_schedule")
+                        and isinstance(n.value, ast.Attribute) and n.value.attr == "schedules"):
+                    callers.setdefault(n.attr, set()).add(node.name)
+    assert callers == {"create_schedule": {"create_schedule", "confirm_proposal"},
+                       "update_schedule": {"update_schedule", "confirm_proposal"}}
