@@ -5397,6 +5397,7 @@ def _forget_loaded(db: orm.Database) -> None:
     old = orm.core.local.db2cache.get(db)
     if old is None:   # the call read and wrote nothing
         return
+    old.flush()   # what was written through Pony objects goes to the database, not away with them
     new = orm.core.SessionCache(db)
     new.connection, new.in_transaction, new.immediate = old.connection, old.in_transaction, old.immediate
     new.db_session, new.saved_fk_state = old.db_session, old.saved_fk_state

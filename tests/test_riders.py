@@ -82,6 +82,23 @@ def test_a_rider_of_a_run_cancelled_before_it_started_is_queued_again(office):
     assert wakeup(office, rider)["status"] == "claimed"
 
 
+def test_a_wakeup_whose_run_a_reassignment_cancels_before_it_starts_ends_with_its_run(office):
+    """The task of a paused agent's claimed wakeup is given to another agent before its run starts:
+    the run is cancelled in the same transaction, and the wakeup ends with it (the interleavings
+    below found its end lost: written to Pony objects that the run's plain-SQL settlement then
+    dropped unsaved, it stayed ``claimed`` for ever)."""
+    lead = new_agent(office, "Lead", cooldown_sec=0)
+    task_id = new_task(office, "Fix the build", at(0), assignee_agent_id=lead)
+    (run_id,) = dispatch(office, at(1))
+    (first,) = [w for w in wakeups(office) if w["run_id"] == run_id]
+    edit_agent(office, lead, at(1.5), status="paused")
+    edit_task(office, task_id, at(2), assignee_agent_id=new_agent(office, "Other", cooldown_sec=0))
+    assert call(office, office.runs.get_run, run_id)["status"] == "cancelled"
+    w = wakeup(office, first["id"])
+    assert (w["status"], w["note"]) == ("finished", "its run was cancelled")
+    assert not [w for w in wakeups(office) if w["status"] == "claimed"]
+
+
 def test_a_rider_of_a_failed_run_whose_retry_ends_task_terminal_is_queued_again(office):
     """Case 2: the run fails, the carrier's epic is moved to DONE: its retry ends task_terminal
     and the rider runs."""
