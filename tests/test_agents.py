@@ -543,13 +543,6 @@ def fake_deps(tmp_path: Path, store: outpost.Store, *profiles: outpost.AgentProf
     return make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True, agents=agents)
 
 
-@pytest.fixture
-def store(tmp_path):
-    store = outpost.Store(tmp_path / "agents.sqlite3")
-    yield store
-    store.close()
-
-
 def claude(**fields) -> outpost.AgentProfile:
     return preset_profile("claude-code", **fields) if not fields else dataclasses.replace(
         preset_profile("claude-code"), **fields)

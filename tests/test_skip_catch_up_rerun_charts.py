@@ -8,19 +8,25 @@ from datetime import timedelta
 
 import pytest
 import trio
-from conftest import T0, Api, SteppedClock, call, git, make_deps, normalized, only, settle, sign_in_client, until
+from conftest import (
+    T0,
+    Api,
+    SteppedClock,
+    call,
+    git,
+    make_deps,
+    new_store,
+    normalized,
+    only,
+    settle,
+    sign_in_client,
+    until,
+)
 
 import outpost
 
 MIN = timedelta(minutes=1)
 EVERY_10_MIN = {"kind": "interval", "seconds": 600, "timezone": "UTC"}
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = outpost.Store(tmp_path / "beyond.sqlite3")
-    yield store
-    store.close()
 
 
 def ledger(store, schedule_id: str) -> list[str]:
@@ -62,7 +68,7 @@ def test_only_a_success_counts_as_the_last_commit(store, git_repo):
 async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path, git_repo):
     """What the cron actor does before each claim: git resolves the source_ref of every due
     schedule that skips when unchanged (and only of those), outside the claim's transaction."""
-    store = outpost.Store(tmp_path / "cron.sqlite3")
+    store = new_store(tmp_path, "cron.sqlite3")
     deps = make_deps(tmp_path, store=store, token="t", inline_db=True)
     sched = call(store, store.schedules.create_schedule, normalized(git_repo, name="skips", timing=EVERY_10_MIN,
                                                           skip_if_unchanged=True), T0)
@@ -81,7 +87,7 @@ async def test_the_refs_of_due_schedules_are_resolved_before_the_claim(tmp_path,
 async def test_a_fire_that_skips_when_unchanged_resolves_its_ref_once(tmp_path, git_repo, monkeypatch):
     """Issue 26: the commit the cron actor resolved to decide the skip is the one the run starts
     from; fire step 2 does not resolve the ref again (nor does the worktree step: it is recorded)."""
-    store = outpost.Store(tmp_path / "once.sqlite3")
+    store = new_store(tmp_path, "once.sqlite3")
     deps = make_deps(tmp_path, store=store, token="t", inline_db=True)
     sched = call(store, store.schedules.create_schedule,
                  normalized(git_repo, timing=EVERY_10_MIN, skip_if_unchanged=True), T0)
@@ -107,7 +113,7 @@ async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_
     with no read in between. A commit that lands while it sleeps still counts: the ref is
     resolved at the instant, not before. (The ref's commit is a fake here: a real git process
     under MockClock lets the clock jump while it runs.)"""
-    store = outpost.Store(tmp_path / "prepared.sqlite3")
+    store = new_store(tmp_path, "prepared.sqlite3")
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True)
     sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=EVERY_10_MIN,
                                                                     skip_if_unchanged=True), T0)
@@ -301,7 +307,7 @@ async def test_after_a_restart_the_slots_of_the_downtime_follow_catch_up_not_ove
     async def resolve_ref(repository: str, ref: str) -> str:   # no git subprocess under MockClock
         return head
     monkeypatch.setattr(outpost, "resolve_ref", resolve_ref)
-    store = outpost.Store(tmp_path / "restart.sqlite3")
+    store = new_store(tmp_path, "restart.sqlite3")
     every_10_s = {"kind": "interval", "seconds": 10, "timezone": "UTC"}
     sched = call(store, store.schedules.create_schedule, normalized(git_repo, timing=every_10_s,
                                                                     catch_up={"policy": policy},
@@ -358,7 +364,7 @@ async def test_a_stalled_store_raises_one_missed_fire_and_healthz_says_503_until
 
 
 async def test_a_clock_step_raises_a_missed_fire_but_downtime_does_not(autojump_clock, tmp_path, git_repo):
-    store = outpost.Store(tmp_path / "step.sqlite3")
+    store = new_store(tmp_path, "step.sqlite3")
     clock = SteppedClock(T0)
     deps = make_deps(tmp_path, store=store, clock=clock, token="t", inline_db=True)
     down = call(store, store.schedules.create_schedule, normalized(git_repo, name="down", timing=EVERY_10_MIN),
@@ -446,7 +452,7 @@ async def run_to_end(deps, run_id: str) -> dict:
 
 async def test_a_rerun_repeats_commit_prompt_and_profile_and_compare_shows_the_diff(autojump_clock, tmp_path,
                                                                                   git_repo):
-    store = outpost.Store(tmp_path / "rerun.sqlite3")
+    store = new_store(tmp_path, "rerun.sqlite3")
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(T0), inline_db=True)
     api = Api(deps, git_repo)
     first = (await api.post("/v1/outpost/dispatches", {"brief": "@commit notes.txt hello", "repository": str(git_repo),
