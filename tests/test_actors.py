@@ -276,7 +276,7 @@ class CountingStore(outpost.Store):
 
     def __init__(self, database, **kwargs):
         super().__init__(database, **kwargs)
-        self.schedules = CountingSchedules(self)
+        self.schedules = CountingSchedules(self, self.runs)
 
     @property
     def claims(self) -> int:
