@@ -17,12 +17,12 @@ Usage::
     outpost serve --database postgresql://outpost@db/outpost   # one node of a fleet
     outpost migrate --to postgresql://outpost@db/outpost       # an appliance's history into it
 
-The process (section 9 builds it)::
+The process (``serve``, in the supervisor section, builds it)::
 
     main()
      └─ root nursery
          ├─ signal watcher      SIGTERM/SIGINT -> shutdown (a second signal: at once)
-         ├─ web                 hypercorn + quart-trio: JSON API, SSE, dashboard (section 8)
+         ├─ web                 hypercorn + quart-trio: JSON API, SSE, dashboard (the web sections)
          ├─ cron actor          sleeps until the next due instant, claims occurrences
          ├─ claim actor         FIFO admission (max_running) -> run supervisors
          │   └─ runs nursery    worktree, agent subprocess, timeout, settlement
@@ -40,15 +40,17 @@ while the actors wait it out.
 Where to look:
 
 - every route: ``print(*route_list(), sep="\\n")``; the tables are ``api``, ``office_api``,
-  ``agent_api``, ``hooks`` and ``pages`` in the web section, each route a module-level handler
-  declaring its auth; ``create_app`` only installs them;
+  ``agent_api``, ``hooks`` and ``pages`` (web: requests), each route a module-level handler
+  declaring its auth (web: the JSON API, web: the dashboard); ``create_app`` only installs them;
+  the API and the dashboard change things through one function per action (web: actions);
 - every actor: ``grep -n '^async def .*_actor' outpost.py``; ``serve`` (the supervisor section)
   starts them in order: recovery, web, then notification, outbox, cron, claim (and in a fleet the
   node actor);
 - the store: ``Store`` is ``StoreCore`` (the session: transactions, events, attention) with its
-  parts, ``grep -n '^class .*Store' outpost.py``: ``store.schedules``, ``store.runs``,
+  parts, ``grep -n '^class .*Store' outpost.py``: ``store.runs``, ``store.schedules``,
   ``store.nodes``, ``store.access``, ``store.notify``, ``store.wakeups``, ``store.office``,
-  ``store.pipeline``, ``store.routines``; each holds the parts below it that it calls. What
+  ``store.pipeline``, ``store.routines``, ``store.housekeeping``, ``store.channels``; each holds
+  the parts below it that it calls (every run is queued by ``store.runs.queue_run``). What
   differs between SQLite and PostgreSQL is ``store.dialect`` (``Dialect``, ``PostgresDialect``);
 - an agent CLI: its ``Preset`` in ``PRESETS`` (the Agent CLIs section), and how it is told of
   Outpost's own MCP server (``claude_tools``, ``codex_tools``, ``gemini_tools``);
@@ -60,16 +62,19 @@ Where to look:
 
 Sections of this file, one per concern (``grep -n '^# [0-9]*\\. ' outpost.py``):
 
-    1. imports and constants          11. store: routines, the Store of parts
-    2. errors (one family)            12. git and worktrees
-    3. agent CLIs                     13. running an agent
-    4. configuration                  14. wiring (clocks, channels, Deps)
-    5. schedules and runs, the domain 15. fleet
-    6. Office, the domain             16. actors
-    7. store: database and session    17. web
-    8. store: schedules               18. supervisor
-    9. store: runs, nodes, access     19. CLI and main()
-   10. store: the Office queue
+    1. imports and constants          13. git and worktrees
+    2. errors (one family)            14. running an agent
+    3. agent CLIs                     15. wiring (clocks, channels, Deps)
+    4. configuration                  16. fleet
+    5. schedules and runs, the domain 17. actors
+    6. Office, the domain             18. web: requests (routes, auth, errors)
+    7. store: database and session    19. web: actions (API and dashboard)
+    8. store: runs                    20. web: the JSON API
+    9. store: schedules               21. web: the dashboard, create_app
+   10. store: nodes, access, notify   22. supervisor
+   11. store: the Office queue        23. CLI and main()
+   12. store: routines, housekeeping,
+       channels, the Store of parts
 """
 
 

@@ -384,3 +384,14 @@ def test_a_schedule_is_created_and_edited_by_one_action_each():
                     callers.setdefault(n.attr, set()).add(node.name)
     assert callers == {"create_schedule": {"create_schedule", "confirm_proposal"},
                        "update_schedule": {"update_schedule", "confirm_proposal"}}
+
+
+def test_the_docstring_map_and_the_development_docs_list_every_section():
+    """The module docstring's map of sections and docs/development.md's table number the same
+    sections as the banners, so neither goes stale when a section is split or added."""
+    numbers = list(range(1, len(SECTIONS) + 1))
+    docstring = ast.get_docstring(TREE)
+    listed = sorted(int(n) for n in re.findall(r"\b(\d+)\. [a-zA-Z]", docstring.split("Sections of this file")[1]))
+    assert listed == numbers
+    development = (Path(outpost.__file__).parent / "docs" / "development.md").read_text()
+    assert [int(n) for n in re.findall(r"^\| (\d+)\. ", development, re.M)] == numbers

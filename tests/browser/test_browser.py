@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,13 +14,9 @@ from conftest import Server, git, make_repo
 
 import outpost
 
-CHROMIUM = os.environ.get("OUTPOST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install -e '.[test]')")
-if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-    pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run installs it)",
-                allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 
@@ -36,28 +31,6 @@ def server(tmp_path_factory):
     server = Server(tmp_path_factory.mktemp("browser-data") / "data").start()
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                          "--disable-component-update", "--no-first-run", "--disable-sync"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser, server):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(15_000)
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    yield page
-    context.close()
-    assert not errors, f"JavaScript errors: {errors}"
 
 
 def shot(page, name: str) -> None:

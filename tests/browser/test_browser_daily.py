@@ -1,6 +1,6 @@
 """The dashboard for every day (issue 36), in Chromium against the real server: keyboard
 shortcuts, copy buttons, the board's words on a phone, Office Settings on a 390 px phone, the
-webhook's curl example with its once-shown secret. Reuses test_browser's server and browser."""
+webhook's curl example with its once-shown secret. Reuses test_browser's server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_browser import browser, page, repo, server, settled, shot, sign_in, sync_api  # noqa: F401 - fixtures
+from test_browser import repo, server, settled, shot, sign_in, sync_api  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 

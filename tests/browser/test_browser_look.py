@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import uuid
 from pathlib import Path
 
@@ -21,15 +20,11 @@ from conftest import Server, make_repo, wait_for
 
 import outpost
 
-CHROMIUM = os.environ.get("OUTPOST_CHROMIUM", "/usr/bin/chromium")
 AXE = Path(os.environ.get("OUTPOST_AXE_CORE") or Path.home() / ".cache/outpost/axe-core")
 AXE_JS = AXE if AXE.is_file() else AXE / "node_modules/axe-core/axe.min.js"
 SHOTS = os.environ.get("OUTPOST_LOOK_SHOTS")
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install -e '.[test]')")
-if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-    pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run installs it)",
-                allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 
@@ -158,16 +153,6 @@ def ids(server, tmp_path_factory) -> dict[str, str]:
     return {"east": east, "proposal": proposal, "committed": committed["id"], "again": again["id"],
             "failed": failed["id"], "asked": asked["id"], "agent": agent, "task": task, "routine": routine,
             "office_run": office_run}
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                          "--disable-component-update", "--no-first-run", "--disable-sync"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

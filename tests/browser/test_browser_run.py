@@ -10,8 +10,8 @@ import uuid
 import test_browser
 from test_browser import ARTIFACTS, shot, sign_in
 
-#: test_browser's fixtures (Chromium, a signed-out page, the server, a repository), for this module too.
-browser, page, server, repo = test_browser.browser, test_browser.page, test_browser.server, test_browser.repo
+#: test_browser's fixtures (the server, a repository), for this module too.
+server, repo = test_browser.server, test_browser.repo
 
 
 def keyed() -> dict[str, str]:
