@@ -11010,10 +11010,11 @@ class Metrics:
 @dataclasses.dataclass(frozen=True)
 class Deps:
     """What the actors and the web share, fixed once built: config, clock, store access, and
-    the channels between the actors (made here, in one place): the nudges to the cron and
-    claim actors, settled runs to the notification actor, committed events to the SSE
-    streams. ``live`` is the registry of running processes. ``api_url`` is where agents
-    reach the API: ``serve`` derives the actors' Deps with it once the web server is bound."""
+    the channels between the actors, made and owned here, the one way an actor gets its own
+    (each receives through a clone it closes on the way out): the nudges to the cron, claim and
+    outbox actors, settled runs to the notification actor, committed events to the SSE streams.
+    ``live`` is the registry of running processes. ``api_url`` is where agents reach the API:
+    ``serve`` derives the actors' Deps with it once the web server is bound."""
     config: Config
     store: Store
     clock: Clock
@@ -11289,8 +11290,8 @@ async def unchanged_heads(deps: Deps, now: datetime,
     return heads
 
 
-async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
-    """In: nudges (a schedule or routine changed). Out: queued runs and routine wakeups,
+async def cron_actor(deps: Deps) -> None:
+    """In: nudges (``deps.cron_wake``: a schedule or routine changed). Out: queued runs and routine wakeups,
     announced to the claim actor. One timing engine for both: sleeps until the earliest
     next fire of a schedule or a routine's schedule trigger (no polling tick), then claims
     every due slot of each kind in one transaction. Ends when cancelled. Errors: a store error ends the process."""
@@ -11300,7 +11301,8 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
     # Then the due instant costs no read before the claim, and the claim takes only the slots due
     # by that instant (a later one waits for the next pass, which reads its checks first).
     checks, prepared_for = None, None
-    async with trio.open_nursery() as resolving:   # git runs beside the clock, never in the way of the next fire
+    # git runs beside the clock, never in the way of the next fire
+    async with deps.cron_wake.rx.clone() as wake_in, trio.open_nursery() as resolving:
         while True:
             deps.cron_watch.busy("cron", deps.clock.now())
             if prepared_for is not None and deps.clock.now() - prepared_for > timedelta(seconds=CRON_ON_TIME_S):
@@ -11335,13 +11337,14 @@ async def cron_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
                 checks, prepared_for = None, None   # nudged: a schedule changed; read them again
 
 
-async def claim_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
-    """In: nudges (work may be ready or a slot was freed). Out: one RunSettled per run.
+async def claim_actor(deps: Deps) -> None:
+    """In: nudges (``deps.claim_wake``: work may be ready or a slot was freed). Out: one
+    RunSettled per run (``deps.settled``).
     Owns: the runs nursery. Each pass first dispatches the Office wakeups that may be
     claimed (their runs join the queue), then admits FIFO as many runs as there are free
     slots of max_running, in one transaction. Sleeps until nudged or until a retry, self-wake or cooldown comes due.
     Ends when cancelled; run supervisors then end their processes and record it."""
-    async with trio.open_nursery() as runs:
+    async with deps.claim_wake.rx.clone() as wake_in, trio.open_nursery() as runs:
         while True:
             deps.cron_watch.busy("claim", deps.clock.now())
             await dispatch_wakeups(deps)
@@ -11901,11 +11904,11 @@ async def housekeeping_actor(deps: Deps) -> None:
         await trio.sleep(HOUSEKEEPING_EVERY_S)
 
 
-async def notification_actor(deps: Deps, settled_in: trio.MemoryReceiveChannel) -> None:
-    """In: RunSettled. Out: failure streak, auto-pause and attention items (in the store).
+async def notification_actor(deps: Deps) -> None:
+    """In: RunSettled (``deps.settled``). Out: failure streak, auto-pause and attention items (in the store).
     Applies every settled run exactly once (the run's ``notified`` flag), including runs
     that settled before a crash. Ends when its channel closes or it is cancelled."""
-    async with settled_in:
+    async with deps.settled.rx.clone() as settled_in:
         while True:
             # Every settled run not yet applied, not only the one announced: a message
             # dropped on a full channel, or lost in a crash, costs latency, never an item.
@@ -12038,13 +12041,13 @@ async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, Notify
                      row["kind"], entry.name, entry.label, row["attempts"], error)
 
 
-async def outbox_actor(deps: Deps, wake_in: trio.MemoryReceiveChannel) -> None:
-    """In: nudges (an outbox row was committed). Out: the outbox's messages, sent one at a time
+async def outbox_actor(deps: Deps) -> None:
+    """In: nudges (``deps.notify_wake``: an outbox row was committed). Out: the outbox's messages, sent one at a time
     through Apprise in a worker thread, so no other actor ever waits for a receiver. Queues each
     entry's daily digest when due. The rows are the truth: it wakes for the next retry (read from
     the store) and every OUTBOX_SWEEP_S, so a restart or a lost nudge delays, never loses. The
     entries are read at each look: one added on Settings counts from its commit."""
-    async with wake_in:
+    async with deps.notify_wake.rx.clone() as wake_in:
         while True:
             now = deps.clock.now()
             senders = await deps.transaction_retrying(deps.store.notify.senders)
@@ -15418,10 +15421,10 @@ async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATU
         await nursery.start(recovery_actor, deps)
         binds = await nursery.start(web_server)
         actors = dataclasses.replace(deps, api_url=binds[0] if binds else f"http://{deps.config.host}:{deps.config.port}")
-        nursery.start_soon(notification_actor, actors, deps.settled.rx)
-        nursery.start_soon(cron_actor, actors, deps.cron_wake.rx)
-        nursery.start_soon(claim_actor, actors, deps.claim_wake.rx)
-        nursery.start_soon(outbox_actor, actors, deps.notify_wake.rx)
+        nursery.start_soon(notification_actor, actors)
+        nursery.start_soon(cron_actor, actors)
+        nursery.start_soon(claim_actor, actors)
+        nursery.start_soon(outbox_actor, actors)
         nursery.start_soon(housekeeping_actor, actors)
         if deps.store.dialect.fleet:
             nursery.start_soon(node_actor, actors, shutdown)

@@ -92,7 +92,7 @@ async def test_cron_fires_each_five_minutes_over_a_day(autojump_clock, mock_deps
     store = mock_deps.store
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     with trio.fail_after(DAY + HOUR):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(DAY + 1)
     slots = ledger(store, sid)
     assert [o["due_at"] for o in slots] == [at(T0 + timedelta(minutes=5 * k)) for k in range(1, 289)]
@@ -115,7 +115,7 @@ async def test_cron_always_enqueue_queues_one_run_per_slot(autojump_clock, mock_
     sid = call(store, store.schedules.create_schedule, normalized(git_repo, concurrency_policy="always_enqueue"),
                T0)["id"]
     with trio.fail_after(DAY + HOUR):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(DAY + 1)
     slots = ledger(store, sid)
     runs = runs_of(store, sid)
@@ -132,7 +132,7 @@ async def test_cron_interval_fires_at_anchor_plus_k_seconds(autojump_clock, mock
     raw = normalized(git_repo, timing={"kind": "interval", "seconds": 4000, "timezone": "UTC"},
                      concurrency_policy="always_enqueue")
     with trio.fail_after(DAY + HOUR):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep((anchor - T0).total_seconds())
             sid = call(store, store.schedules.create_schedule, raw, mock_deps.clock.now())["id"]
             mock_deps.cron_wake.poke()
@@ -150,7 +150,7 @@ async def test_cron_once_fires_exactly_once(autojump_clock, mock_deps, git_repo,
     sid = call(store, store.schedules.create_schedule, raw, T0)["id"]
     assert call(store, store.schedules.get_schedule, sid)["next_fire_at"] == "2026-11-30T09:30:00Z"
     with trio.fail_after(3 * DAY):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(2 * DAY)
     slots = ledger(store, sid)
     assert [(o["due_at"], o["recorded_at"], o["trigger"], o["outcome"]) for o in slots] == [
@@ -173,7 +173,7 @@ async def test_a_slow_git_does_not_hold_back_the_next_fire(autojump_clock, mock_
         git_repo, name=name, timing={"kind": "once", "at": due[:-1], "timezone": "UTC"}), T0)["id"]
         for name, due in dues.items()}
     with trio.fail_after(DAY):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(2 * HOUR)
     for name, sid in ids.items():
         assert [(o["due_at"], o["recorded_at"]) for o in ledger(store, sid)] == [(dues[name], dues[name])]
@@ -195,7 +195,7 @@ async def test_cron_berlin_daily_across_dst(autojump_clock, tmp_path, store, git
                      timing={"kind": "cron", "expression": "30 2 * * *", "timezone": "Europe/Berlin"})
     sid = call(store, store.schedules.create_schedule, raw, origin)["id"]
     with trio.fail_after(4 * DAY):
-        async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, deps):
             await trio.sleep(3 * DAY - 1)
     slots = ledger(store, sid)
     assert [o["due_at"] for o in slots] == expected
@@ -213,7 +213,7 @@ async def test_cron_paused_schedule_records_paused_slots(autojump_clock, mock_de
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     call(store, store.schedules.control_schedule, sid, 1, "pause", T0)
     with trio.fail_after(2 * DAY):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(HOUR + 1)
             paused = ledger(store, sid)
             assert [o["due_at"] for o in paused] == [at(T0 + timedelta(minutes=5 * k)) for k in range(1, 13)]
@@ -234,7 +234,7 @@ async def test_cron_nudge_picks_up_an_earlier_next_fire(autojump_clock, mock_dep
     call(store, store.schedules.create_schedule, normalized(
         git_repo, name="far", timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)
     with trio.fail_after(DAY):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(10)
             soon = normalized(git_repo, now=mock_deps.clock.now(), name="soon",
                               timing={"kind": "once", "at": "2026-11-30T08:01:00Z", "timezone": "UTC"})
@@ -251,7 +251,7 @@ async def test_cron_without_nudge_notices_a_new_schedule_only_at_its_longest_sle
     call(store, store.schedules.create_schedule, normalized(
         git_repo, name="far", timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)
     with trio.fail_after(DAY):
-        async with actor_running(outpost.cron_actor, mock_deps, mock_deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, mock_deps):
             await trio.sleep(10)
             soon = normalized(git_repo, now=mock_deps.clock.now(), name="soon",
                               timing={"kind": "once", "at": "2026-11-30T08:01:00Z", "timezone": "UTC"})
@@ -290,7 +290,7 @@ async def test_cron_idle_actor_does_not_poll(autojump_clock, tmp_path, git_repo)
         sid = call(store, store.schedules.create_schedule, normalized(
             git_repo, timing={"kind": "once", "at": "2026-12-10T08:00:00Z", "timezone": "UTC"}), T0)["id"]
         with trio.fail_after(DAY):
-            async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+            async with actor_running(outpost.cron_actor, deps):
                 await trio.sleep(HOUR)
         assert 1 <= store.claims <= HOUR / outpost.CRON_MAX_SLEEP_S + 2
         assert ledger(store, sid) == []
@@ -309,7 +309,7 @@ async def test_scheduler_down_three_hours_catches_up_once(autojump_clock, tmp_pa
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     deps = mock_deps_at(tmp_path, store, T0 + timedelta(hours=3, seconds=late_s))
     with trio.fail_after(DAY):
-        async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, deps):
             await trio.sleep(1)
     runs = runs_of(store, sid)
     assert len(runs) == 1, "never a storm"
@@ -330,7 +330,7 @@ async def test_scheduler_down_three_hours_skip_missed(autojump_clock, tmp_path, 
     back = T0 + timedelta(hours=3, seconds=30)
     deps = mock_deps_at(tmp_path, store, back)
     with trio.fail_after(DAY):
-        async with actor_running(outpost.cron_actor, deps, deps.cron_wake.rx):
+        async with actor_running(outpost.cron_actor, deps):
             await trio.sleep(1)
             # The next regular slot (11:05) fires as usual.
             await trio.sleep(5 * MINUTE)
@@ -373,10 +373,10 @@ def attention(store: outpost.Store) -> list[dict]:
 async def test_notification_raises_attention_per_outcome(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
-    tx, rx = trio.open_memory_channel(10)
+    tx = mock_deps.settled.tx
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            nursery.start_soon(outpost.notification_actor, mock_deps)
             async with tx:
                 now = mock_deps.clock.now()
                 quiet = settle_fired_run(store, sid, "succeeded", now)
@@ -411,11 +411,11 @@ async def test_notification_raises_attention_per_outcome(autojump_clock, mock_de
 async def test_notification_success_resets_the_failure_streak(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
-    tx, rx = trio.open_memory_channel(10)
+    tx = mock_deps.settled.tx
     streaks = []
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery, tx:
-            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            nursery.start_soon(outpost.notification_actor, mock_deps)
             for status in ("failed", "failed", "succeeded", "failed"):
                 await tx.send(outpost.RunSettled(settle_fired_run(store, sid, status, mock_deps.clock.now())))
                 await trio.sleep(1)
@@ -427,10 +427,10 @@ async def test_notification_success_resets_the_failure_streak(autojump_clock, mo
 async def test_notification_three_failures_auto_pause_once(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
-    tx, rx = trio.open_memory_channel(10)
+    tx = mock_deps.settled.tx
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery, tx:
-            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            nursery.start_soon(outpost.notification_actor, mock_deps)
             for n in range(1, 5):
                 await tx.send(outpost.RunSettled(settle_fired_run(store, sid, "failed", mock_deps.clock.now(),
                                                                   error=f"failure {n}")))
@@ -455,10 +455,10 @@ async def test_notification_applies_runs_settled_before_a_crash_at_start(autojum
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
     # Settled by a process that died before its notification actor saw them.
     before = [settle_fired_run(store, sid, "failed", T0 + timedelta(seconds=n), error=f"lost {n}") for n in range(3)]
-    tx, rx = trio.open_memory_channel(10)
+    tx = mock_deps.settled.tx
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery, tx:
-            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            nursery.start_soon(outpost.notification_actor, mock_deps)
             await trio.sleep(1)
             items = attention(store)
             (failed,) = [a for a in items if a["kind"] == "failed"]   # folded, each run counted once
@@ -476,10 +476,10 @@ async def test_notification_applies_runs_settled_before_a_crash_at_start(autojum
 async def test_notification_sweep_applies_a_run_whose_message_was_lost(autojump_clock, mock_deps, git_repo):
     store = mock_deps.store
     sid = call(store, store.schedules.create_schedule, normalized(git_repo), T0)["id"]
-    tx, rx = trio.open_memory_channel(10)
+    tx = mock_deps.settled.tx
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery, tx:
-            nursery.start_soon(outpost.notification_actor, mock_deps, rx)
+            nursery.start_soon(outpost.notification_actor, mock_deps)
             await trio.sleep(1)
             lost = settle_fired_run(store, sid, "failed", mock_deps.clock.now(), error="no message")
             await trio.sleep(outpost.NOTIFY_SWEEP_S + 1)
@@ -550,7 +550,7 @@ async def test_claim_max_running_one_runs_fifo_one_after_the_other(real_deps, gi
     with trio.fail_after(30):
         first = await queue_dispatch(deps, git_repo, "@sleep 0.5\n@print first")
         second = await queue_dispatch(deps, git_repo, "@print second")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             a = await until_status(deps, first)
             b = await until_status(deps, second)
     assert a["status"] == b["status"] == "succeeded"
@@ -563,7 +563,7 @@ async def test_run_commits_and_leftovers_return_on_the_result_branch(real_deps, 
     head = git(git_repo, "rev-parse", "HEAD")
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "@commit notes.txt hi\n@edit extra.txt x")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             run = await until_status(deps, run_id)
     assert run["status"] == "succeeded", run
     assert run["resolved_commit"] == head
@@ -594,7 +594,7 @@ async def test_leftover_edits_are_saved_under_a_users_signing_config_and_failing
     deps = real_deps()
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "@edit notes.txt kept")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             run = await until_status(deps, run_id)
     assert run["status"] == "succeeded" and run["changes"]["commits"] == 1, run
     assert git(git_repo, "show", f"{run['result_branch']}:notes.txt") == "kept"
@@ -611,7 +611,7 @@ async def test_a_leftover_save_that_fails_keeps_the_worktree_and_fails_the_run(t
                      agents=(outpost.demo_profile(), LOCKS_THE_INDEX))
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "edit and lock", agent="locker")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             run = await until_status(deps, run_id)
     worktree = deps.worktree(run_id)
     assert run["status"] == "failed", run
@@ -628,7 +628,7 @@ async def test_run_fail_needs_you_and_workdir(real_deps, git_repo):
         asked = await queue_dispatch(deps, git_repo, "@needs-you Which DB?")
         in_sub = await queue_dispatch(deps, git_repo, "@edit here.txt y", workdir="sub")
         no_dir = await queue_dispatch(deps, git_repo, "@print never", workdir="nope/deeper")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             runs = {rid: await until_status(deps, rid) for rid in (failed, asked, in_sub, no_dir)}
     assert runs[failed]["status"] == "failed" and "boom" in runs[failed]["error"]
     assert runs[failed]["exit_code"] == 1
@@ -648,7 +648,7 @@ async def test_run_timeout_fails_and_ends_the_process(real_deps, git_repo):
     deps = real_deps()
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "@sleep 30", limits={"timeout_seconds": 1})
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             started = time.monotonic()
             run = await until_status(deps, run_id)
             elapsed = time.monotonic() - started
@@ -665,7 +665,7 @@ async def test_run_cancel_ends_a_running_run_and_a_queued_one_never_starts(real_
     with trio.fail_after(30):
         running = await queue_dispatch(deps, git_repo, "@sleep 30")
         waiting = await queue_dispatch(deps, git_repo, "@print never")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             await until(lambda: deps.live.has_process(running))
             pid = deps.live.get(running).pid
             cancelled_queued = await deps.transaction(store.runs.control_run, waiting, "cancel", deps.clock.now())
@@ -689,7 +689,7 @@ async def test_profile_timeout_caps_the_run_limit(real_deps, git_repo, tmp_path,
     deps = outpost.Deps(config=config, store=store, clock=outpost.WallClock(), token="t", grace_s=1.0)
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "@sleep 30", limits={"timeout_seconds": 3600})
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             run = await until_status(deps, run_id)
     assert run["status"] == "failed" and run["error"].startswith("timeout")
 
@@ -699,7 +699,7 @@ async def test_run_missing_agent_command_fails_and_the_actor_keeps_going(real_de
     with trio.fail_after(30):
         broken = await queue_dispatch(deps, git_repo, "@print hi", agent="missing")
         later = await queue_dispatch(deps, git_repo, "@print still here")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             bad = await until_status(deps, broken)
             good = await until_status(deps, later)
     assert bad["status"] == "failed"
@@ -716,7 +716,7 @@ async def test_run_repository_deleted_after_queueing(real_deps, git_repo, tmp_pa
         unresolved = await queue_dispatch(deps, doomed, "@print hi", resolve=False)
         resolved = await queue_dispatch(deps, doomed, "@print hi")
         shutil.rmtree(doomed)
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             first = await until_status(deps, unresolved)
             second = await until_status(deps, resolved)
     assert first["status"] == "failed" and "does not exist" in first["error"]
@@ -732,7 +732,7 @@ async def test_run_source_ref_deleted_after_queueing(real_deps, git_repo):
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "@print hi", resolve=False, source_ref="feature")
         git(git_repo, "branch", "-D", "feature")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             run = await until_status(deps, run_id)
     assert run["status"] == "failed"
     assert "feature" in run["error"] and "does not resolve" in run["error"]
@@ -744,7 +744,7 @@ async def test_cancelling_the_actor_interrupts_the_run_and_keeps_its_edits(real_
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "@edit wip.txt half done\n@sleep 30")
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, deps)
             await until(lambda: (deps.worktree(run_id) / "wip.txt").exists())
             pid = deps.live.get(run_id).pid
             assert pid and group_alive(pid)
@@ -766,7 +766,7 @@ async def test_agent_environment_has_run_id_and_no_secrets(real_deps, git_repo, 
     with trio.fail_after(30):
         plain = await queue_dispatch(deps, git_repo, "dump", agent="envdump")
         leaky = await queue_dispatch(deps, git_repo, "dump", agent="leaky")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             runs = [await until_status(deps, rid) for rid in (plain, leaky)]
     for run in runs:
         assert run["status"] == "succeeded", run
@@ -907,7 +907,7 @@ async def test_an_isolated_agent_cannot_read_the_api_token_or_the_database(tmp_p
                      isolation=outpost.agent_isolation("auto"))
     with trio.fail_after(30):
         run_id = await queue_dispatch(deps, git_repo, "look around", agent="prying")
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             run = await until_status(deps, run_id)
     assert run["status"] == "succeeded" and run["changes"]["commits"] == 1, run
     loot = git(git_repo, "show", f"{run['result_branch']}:loot.txt")
@@ -960,7 +960,7 @@ async def test_run_pause_releases_the_slot_and_resume_waits_for_one(real_deps, g
     with trio.fail_after(30):
         paused = await queue_dispatch(deps, git_repo, "@sleep 3\n@print resumed")
         other = await queue_dispatch(deps, git_repo, "@sleep 60\n@print other")   # holds the slot until cancelled
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             await until(lambda: deps.live.has_process(paused))
             await deps.transaction(store.runs.control_run, paused, "pause", deps.clock.now())
             deps.live.get(paused).pause()
@@ -1019,7 +1019,7 @@ async def test_run_paused_while_its_worktree_is_prepared_starts_stopped_and_free
         held = await queue_dispatch(deps, git_repo, "@print resumed")
         other = await queue_dispatch(deps, git_repo, "@print other")
         release = mirrors.hold = trio.Event()
-        async with actor_running(outpost.claim_actor, deps, deps.claim_wake.rx):
+        async with actor_running(outpost.claim_actor, deps):
             await mirrors.holding.wait()   # admitted, its worktree not made yet
             assert (await api.get(f"/v1/outpost/runs/{held}")).body["status"] == "running"
             paused = await api.post(f"/v1/outpost/runs/{held}/control", {"action": "pause"})

@@ -577,8 +577,8 @@ async def ended_as(deps: outpost.Deps, run_id: str, status: str) -> dict:
 
 
 async def actors(deps: outpost.Deps, nursery) -> None:
-    nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
-    nursery.start_soon(outpost.notification_actor, deps, deps.settled.rx)
+    nursery.start_soon(outpost.claim_actor, deps)
+    nursery.start_soon(outpost.notification_actor, deps)
 
 
 async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak_stands(

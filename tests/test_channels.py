@@ -303,7 +303,7 @@ async def test_a_reply_while_slack_is_down_is_delivered_once_late(tmp_path, auto
     deps = outpost.Deps(config=config, store=store, clock=outpost.TrioClock(T0), token="t", inline_db=True,
                         api_url="http://127.0.0.1:8321")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outpost.outbox_actor, deps, deps.notify_wake.rx)
+        nursery.start_soon(outpost.outbox_actor, deps)
         failed = await trio.to_thread.run_sync(lambda: wait_for(lambda: channel_of(watcher, "ops")["last_error"]))
         assert "503" in failed and stub.posted("/slack/chat.postMessage") == [{"channel": "C111",
                                                                                  "text": "Cut 1.4: done."}]

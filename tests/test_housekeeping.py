@@ -20,7 +20,7 @@ async def run_to_end(deps: outpost.Deps, run_id: str) -> dict:
     """The claim actor runs ``run_id`` to its settlement; its attention is raised as the
     notification actor would."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+        nursery.start_soon(outpost.claim_actor, deps)
         deps.claim_wake.poke()
         view = await until(lambda: (r := call(deps.store, deps.store.runs.get_run, run_id))["status"]
                            in ("succeeded", "failed", "needs_you", "cancelled") and r)

@@ -263,7 +263,7 @@ async def test_a_receiver_that_is_down_gets_the_item_once_late_across_a_restart(
     raise_needs_you(actor_deps(tmp_path, store, entries, clock).store, T0)
     async with trio.open_nursery() as nursery:
         deps = actor_deps(tmp_path, store, entries, clock)
-        nursery.start_soon(outpost.outbox_actor, deps, deps.notify_wake.rx)
+        nursery.start_soon(outpost.outbox_actor, deps)
         (failed,) = await until_real(lambda: [r for r in rows(watcher) if r["last_error"]])
         assert failed["status"] == "queued" and failed["attempts"] == 1 and http_receiver.posts == []
         assert outpost.parse_instant(failed["next_at"]) == T0 + timedelta(seconds=60)
@@ -274,7 +274,7 @@ async def test_a_receiver_that_is_down_gets_the_item_once_late_across_a_restart(
     http_receiver.up()
     async with trio.open_nursery() as nursery:
         deps = actor_deps(tmp_path, store, entries, clock)
-        nursery.start_soon(outpost.outbox_actor, deps, deps.notify_wake.rx)
+        nursery.start_soon(outpost.outbox_actor, deps)
         await trio.sleep(0)
         assert http_receiver.posts == [] and rows(watcher)[0]["status"] == "queued"   # not before its retry
         autojump_clock.jump(60)
@@ -299,7 +299,7 @@ async def test_a_receiver_down_for_a_day_is_retried_with_backoff_then_given_up(t
     deps = actor_deps(tmp_path, store, entries, outpost.TrioClock(T0))
     raise_needs_you(store, T0)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outpost.outbox_actor, deps, deps.notify_wake.rx)
+        nursery.start_soon(outpost.outbox_actor, deps)
         await until_real(lambda: rows(watcher)[0]["status"] == "given_up")
         nursery.cancel_scope.cancel()
     (row,) = rows(store)

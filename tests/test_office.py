@@ -1659,7 +1659,7 @@ async def test_actor_task_assigned_runs_end_to_end_and_resumes_its_session(autoj
     w = only(wakeups(store, worker))
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, deps)
             await until(lambda: wakeup(store, w["id"])["status"] == "finished")
             run1 = office_run(store, wakeup(store, w["id"])["run_id"])
             assert run1["status"] == "succeeded", run1
@@ -1694,7 +1694,7 @@ async def test_actor_comment_waits_for_running_session_then_runs(autojump_clock,
     first = only(wakeups(store, worker))
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, deps)
             run_id = await until(lambda: wakeup(store, first["id"])["run_id"])
             await until(lambda: call(store, store.runs.launch_info, run_id)["pid"])
             call(store, store.office.add_comment, tid, "@print saw-the-comment", deps.clock.now())
@@ -1725,7 +1725,7 @@ async def test_actor_reassigned_mid_run_the_new_agent_continues_the_task_branch_
                    description="@commit a.txt first\n@edit b.txt draft\n@sleep 600")
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, deps)
             run_a = await until(lambda: only(wakeups(store, ada))["run_id"])
             branch_a = outpost.office_branch(tid, "Ada")
             await until(lambda: (deps.worktree(run_a, branch_a) / "b.txt").exists())   # Ada is at work
@@ -1756,7 +1756,7 @@ async def test_actor_rate_limited_run_is_retried_at_the_parsed_reset(autojump_cl
     w = only(wakeups(store, worker))
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, deps)
             first = await until(lambda: (x := wakeup(store, w["id"]))["retry_count"] == 1 and x)
             second = await until(lambda: (x := wakeup(store, w["id"]))["retry_count"] == 2 and x)
             nursery.cancel_scope.cancel()

@@ -218,7 +218,7 @@ async def test_the_claim_actor_waits_out_the_window_and_makes_one_run_of_a_burst
     children = [new_task(store, f"Part {i}", clock.now(), parent_id=e) for i, e in enumerate(epics)]
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, mock_deps, mock_deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, mock_deps)
             await until(lambda: all(w["status"] == "finished" for w in wakeups(store, lead)))
             first_done = clock.now()
             for child in children:

@@ -109,12 +109,7 @@ async def run_actors(deps: outpost.Deps, until: datetime, *actors) -> None:
     """Run the given actors (default: the cron actor) from the clock's now until ``until``."""
     async with trio.open_nursery() as nursery:
         for actor in actors or (outpost.cron_actor,):
-            if actor is outpost.cron_actor:
-                nursery.start_soon(actor, deps, deps.cron_wake.rx)
-            elif actor is outpost.claim_actor:
-                nursery.start_soon(actor, deps, deps.claim_wake.rx)
-            else:
-                nursery.start_soon(actor, deps)
+            nursery.start_soon(actor, deps)
         await trio.sleep(max(0.0, (until - deps.clock.now()).total_seconds()))
         nursery.cancel_scope.cancel()
 
@@ -309,7 +304,7 @@ async def test_heavy_routine_daily_dep_update_creates_task_at_0900_utc(autojump_
                     triggers=[{"kind": "schedule", "cron_expression": "0 9 * * *", "timezone": "UTC"}])
     assert r["triggers"][0]["next_run_at"] == "2026-11-30T09:00:00Z"
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+        nursery.start_soon(outpost.cron_actor, deps)
         await trio.sleep(HOUR - 1)                                      # 08:59:59
         assert tasks(store) == [] and routine_runs(store, r["id"]) == [] and wakeups(store) == []
         await trio.sleep(2)                                             # 09:00:01
@@ -1088,8 +1083,8 @@ async def test_coordinator_heartbeat_tick_wakes_coordinator_with_continuation_su
 
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
+            nursery.start_soon(outpost.claim_actor, deps)
             await trio.sleep(5 * MINUTE - 1)
             assert wakeups(store, lead) == []
             first = await one_session(1)
@@ -1121,7 +1116,7 @@ async def test_deleted_heartbeat_never_wakes_coordinator(autojump_clock, mock_de
     (hb,) = call(store, store.routines.list_routines, None)
     assert call(store, store.routines.scheduled_wakeups, lead) == 1
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+        nursery.start_soon(outpost.cron_actor, deps)
         await trio.sleep(3 * MINUTE)
         call(store, store.routines.delete_routine, hb["id"], deps.clock.now())     # the user deletes it at 08:03
         deps.cron_wake.poke()
@@ -1398,7 +1393,7 @@ async def test_one_cron_actor_serves_schedules_and_routines(autojump_clock, mock
     assert r["triggers"][0]["next_run_at"] == sched["next_fire_at"] == "2026-11-30T08:05:00Z"
     with trio.fail_after(HOUR):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             # (each schedule run's commit is resolved with git, in real time: poll, do not jump)
             await until(lambda: len(call(store, store.schedules.occurrences, sched["id"])) == 2
                         and len(routine_runs(store, r["id"])) == 2, poll_s=1.0)

@@ -459,7 +459,7 @@ async def test_a_planted_fsmonitor_that_never_answers_cannot_hold_the_settlement
     run_id = (await deps.transaction(store.schedules.create_dispatch, payload, deps.clock.now()))["run_id"]
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+            nursery.start_soon(outpost.claim_actor, deps)
             deps.claim_wake.poke()
             while (run := await deps.transaction(store.runs.get_run, run_id))["status"] not in SETTLED:
                 await trio.sleep(0.1)

@@ -395,3 +395,20 @@ def test_the_docstring_map_and_the_development_docs_list_every_section():
     assert listed == numbers
     development = (Path(outpost.__file__).parent / "docs" / "development.md").read_text()
     assert [int(n) for n in re.findall(r"^\| (\d+)\. ", development, re.M)] == numbers
+
+
+def test_actors_get_their_channels_one_way():
+    """Deps makes and owns the channels between the actors; an actor takes none as an argument
+    and receives only through a handle it opened with ``async with`` (a clone it closes on its
+    way out), as trio's memory channels are meant to be held."""
+    actors = [n for n in TREE.body if isinstance(n, ast.AsyncFunctionDef) and n.name.endswith("_actor")]
+    assert len(actors) >= 6
+    for node in actors:
+        annotations = [ast.unparse(a.annotation) for a in node.args.args if a.annotation]
+        assert not [a for a in annotations if "Channel" in a], node.name
+        receivers = {n.func.value.id for n in ast.walk(node) if isinstance(n, ast.Call)
+                     and isinstance(n.func, ast.Attribute) and n.func.attr == "receive"
+                     and isinstance(n.func.value, ast.Name)}
+        opened = {item.optional_vars.id for n in ast.walk(node) if isinstance(n, ast.AsyncWith)
+                  for item in n.items if isinstance(item.optional_vars, ast.Name)}
+        assert receivers <= opened, node.name

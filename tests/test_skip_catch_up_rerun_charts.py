@@ -135,7 +135,7 @@ async def test_the_cron_actor_reads_the_checks_while_asleep_and_the_due_instant_
     monkeypatch.setattr(store, "transaction", recording)
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(10 * 60 + 1)    # 08:10: the first run of this schedule
             (run,) = call(store, store.runs.list_runs, sched["id"], None, 10, None)["runs"]
             settle(store, run["id"], "succeeded", deps.clock.now())
@@ -316,7 +316,7 @@ async def test_after_a_restart_the_slots_of_the_downtime_follow_catch_up_not_ove
     deps = make_deps(tmp_path, store=store, clock=outpost.TrioClock(back), token="t", inline_db=True)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(1)
             nursery.cancel_scope.cancel()
     slots = list(reversed(call(store, store.schedules.occurrences, sched["id"], 1000)))
@@ -345,7 +345,7 @@ async def test_a_stalled_store_raises_one_missed_fire_and_healthz_says_503_until
     outside = sqlite3.connect(path, isolation_level=None)
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(9 * 60)
             assert (await healthz(deps))[0] == 200
             outside.execute("BEGIN IMMEDIATE")   # another process holds the write lock
@@ -371,7 +371,7 @@ async def test_a_clock_step_raises_a_missed_fire_but_downtime_does_not(autojump_
                 T0 - 60 * MIN)
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(60)   # the first pass caught up the downtime's slots: no alarm
             assert [a["kind"] for a in call(store, store.list_attention, True)] == []
             stepped = call(store, store.schedules.create_schedule, normalized(git_repo, name="stepped",
@@ -410,7 +410,7 @@ async def test_healthz_says_503_when_the_cron_actor_is_stuck_on_a_held_store_bef
     outside.execute("BEGIN IMMEDIATE")   # another process holds the write lock before the actors start
     with trio.fail_after(3600):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(30)
             assert (await healthz(deps))[0] == 200, "30 s in one step is not yet stuck"
             await trio.sleep(2 * 60)   # 08:11:30: the 08:10 fire is 90 s overdue, unknown to the actor
@@ -442,7 +442,7 @@ def test_a_claim_actor_stuck_in_one_step_is_not_healthy():
 
 async def run_to_end(deps, run_id: str) -> dict:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+        nursery.start_soon(outpost.claim_actor, deps)
         deps.claim_wake.poke()
         view = await until(lambda: (r := call(deps.store, deps.store.runs.get_run, run_id))["status"]
                            in ("succeeded", "failed") and r)

@@ -341,7 +341,7 @@ def outpost_fire_lag(tmp: Path, repo: Path, total: int, due_n: int, window: floa
 
     async def main() -> None:   # refs resident, as under `outpost serve`
         async with deps.refs.resident(), trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             deadline = trio.current_time() + lead + window + 5.0
             while trio.current_time() < deadline and sum(len(r) for _, r in store.claims) < due_n:
                 await trio.sleep(0.05)
@@ -489,8 +489,8 @@ def bench_due_to_start(q: bool, work: Path) -> list[dict[str, Any]]:
 
         async def main(deps: outpost.Deps = deps) -> None:   # refs resident, as under `outpost serve`
             async with deps.refs.resident(), trio.open_nursery() as nursery:
-                nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
-                nursery.start_soon(outpost.claim_actor, deps, deps.claim_wake.rx)
+                nursery.start_soon(outpost.cron_actor, deps)
+                nursery.start_soon(outpost.claim_actor, deps)
                 deadline = trio.current_time() + 1.0 + 2 * n * gap + 20
                 while trio.current_time() < deadline:
                     await trio.sleep(0.1)
@@ -1008,7 +1008,7 @@ def cron_cpu(db: Path, seconds: float) -> float:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(seconds)
             nursery.cancel_scope.cancel()
     trio.run(main)

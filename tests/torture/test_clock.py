@@ -26,7 +26,7 @@ async def test_clock_steps_back_an_hour_and_forward_a_day(autojump_clock, tmp_pa
 
     with trio.fail_after(10 * 86400):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(outpost.cron_actor, deps, deps.cron_wake.rx)
+            nursery.start_soon(outpost.cron_actor, deps)
             await trio.sleep(3600 + 30)
             assert len(ledger()) == 12                       # 08:05 .. 09:00
 
