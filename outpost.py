@@ -2138,6 +2138,11 @@ def daemon_url(data_dir: Path, url: str | None) -> str:
 #    naming and outcomes. Pure: no I/O, no trio, no clock reads.
 ###############################################################################
 
+def sql_tuple(values: Iterable[str]) -> str:
+    """``('a', 'b')``: the values of a raw SQL ``IN``, written into its text (our own constants, never input)."""
+    return "(" + ", ".join(f"'{value}'" for value in values) + ")"
+
+
 class RunStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -2156,7 +2161,7 @@ SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_Y
 #: A schedule whose run is in one of these states is "active" for the overlap rules.
 ACTIVE_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
 #: The same, for raw SQL: ``status IN (...)``.
-ACTIVE_RUN_SQL = "('queued', 'running', 'paused')"
+ACTIVE_RUN_SQL = sql_tuple(ACTIVE_RUN_STATUSES)
 #: The error of a run whose daemon stopped or died under it (not the agent's failure).
 INTERRUPTED = "interrupted"
 
@@ -3503,6 +3508,11 @@ class WakeupStatus(enum.StrEnum):
     CANCELLED = "cancelled"    # stale: see CancelReason
 
 
+#: A wakeup in one of these has not ended (claimed: its run is queued, running or paused); the others have.
+OPEN_WAKEUP_STATUSES = (WakeupStatus.QUEUED, WakeupStatus.CLAIMED)
+ENDED_WAKEUP_STATUSES = tuple(s for s in WakeupStatus if s not in OPEN_WAKEUP_STATUSES)
+
+
 class CancelReason(enum.StrEnum):
     TASK_NOT_FOUND = "task_not_found"
     ASSIGNEE_CHANGED = "assignee_changed"
@@ -3522,7 +3532,7 @@ class TaskState(enum.StrEnum):
 
 TERMINAL_TASK_STATES = (TaskState.DONE, TaskState.CANCELLED)
 #: The same, for raw SQL: ``state NOT IN (...)``.
-TERMINAL_TASK_SQL = "('DONE', 'CANCELLED')"
+TERMINAL_TASK_SQL = sql_tuple(TERMINAL_TASK_STATES)
 #: Tasks that give an agent something to do (the idle skip counts these).
 ACTIONABLE_TASK_STATES = (TaskState.TODO, TaskState.IN_PROGRESS)
 AGENT_ROLES = ("coordinator", "worker", "specialist", "assistant")
@@ -3538,7 +3548,7 @@ REVIEW_REASON = "review_requested"
 MENTION_REASON = "mentioned"
 #: The wakes of an agent that takes part in a task it is not assigned: no checkout, no handover.
 PARTICIPANT_REASONS = (REVIEW_REASON, MENTION_REASON)
-PARTICIPANT_SQL = "(" + ", ".join(f"'{reason}'" for reason in PARTICIPANT_REASONS) + ")"   # for raw SQL
+PARTICIPANT_SQL = sql_tuple(PARTICIPANT_REASONS)   # for raw SQL
 
 
 def same_part_sql(reason: str | None) -> str:
@@ -3709,7 +3719,7 @@ def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) 
 #: wakeups come in bursts (one cascade of tasks finishing) and are not claimed before their
 #: window has passed (API.md 7.3), so the burst becomes one run.
 WINDOW_ACROSS_TASKS = (WakeupSource.TASK_CHILDREN_COMPLETED,)
-WINDOW_HELD_SQL = "(" + ", ".join(f"'{s}'" for s in WINDOW_ACROSS_TASKS) + ")"
+WINDOW_HELD_SQL = sql_tuple(WINDOW_ACROSS_TASKS)
 #: Merged wakeups a context snapshot keeps in full; older ones are only counted.
 SNAPSHOT_KEEP = 20
 
@@ -3834,11 +3844,13 @@ SUMMARY_BLOCKERS = 15
 #: The heading of the prompt section that names an agent's Outpost tools.
 ACTING_WITH_TOOLS = "## Acting on Outpost (your tools)"
 WAKE_WORDS = {
-    "routine": "a routine fired", "comment": "a new comment on your task", "agent_error": "an agent's work failed",
-    "self": "you asked to be woken", "user": "the user woke you", "task_assigned": "a task was assigned to you",
-    "task_blockers_resolved": "the blockers of your task are done",
-    "task_children_completed": "every subtask of your task is finished",
-    "approval_resolved": "an approval you asked for was resolved", "budget_alert": "an agent is near its budget",
+    WakeupSource.ROUTINE: "a routine fired", WakeupSource.COMMENT: "a new comment on your task",
+    WakeupSource.AGENT_ERROR: "an agent's work failed", WakeupSource.SELF: "you asked to be woken",
+    WakeupSource.USER: "the user woke you", WakeupSource.TASK_ASSIGNED: "a task was assigned to you",
+    WakeupSource.TASK_BLOCKERS_RESOLVED: "the blockers of your task are done",
+    WakeupSource.TASK_CHILDREN_COMPLETED: "every subtask of your task is finished",
+    WakeupSource.APPROVAL_RESOLVED: "an approval you asked for was resolved",
+    WakeupSource.BUDGET_ALERT: "an agent is near its budget",
 }
 
 
@@ -6180,24 +6192,24 @@ class RunStore(StorePart):
         runs of a repository path this node cannot reach (``unreachable``) wait for another node."""
         mine, everyone = self.db.select(
             f"SELECT COALESCE(SUM(CASE WHEN {self.dialect.own_rows} THEN 1 ELSE 0 END), 0), COUNT(*) "
-            "FROM \"Run\" WHERE status = 'running'", {"me": self.core.node})[0]
+            f"FROM \"Run\" WHERE status = '{RunStatus.RUNNING}'", {"me": self.core.node})[0]
         free = min(max_running - mine, limit if limit is not None else max_running,
                    fleet_max - everyone if fleet_max is not None else max_running)
         if free <= 0:
             return []
         resumed = self.core.returning(
-            'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
-            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
+            f'UPDATE "Run" SET status = \'{RunStatus.RUNNING}\', resume_requested_at = NULL WHERE id IN '
+            f'(SELECT id FROM "Run" WHERE status = \'{RunStatus.PAUSED}\' AND resume_requested_at IS NOT NULL '
             f"AND {self.dialect.own_rows}"
-            " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id",
+            f" ORDER BY resume_requested_at LIMIT $free) AND status || '' = '{RunStatus.PAUSED}' RETURNING id",
             {"free": free, "me": self.core.node})
         for run_id in resumed:
             self.core.emit("run.resumed", {"run_id": run_id}, now)
         chosen = self._choose_queued(free - len(resumed), now, caps or {}, sorted(unreachable))
         ids, params = sql_list("id", chosen)
         started = self.core.returning(
-            f"UPDATE \"Run\" SET status = 'running', started_at = $now, node = $me, attempt = attempt + 1 "
-            f"WHERE id IN {ids} AND status || '' = 'queued' RETURNING id",
+            f"UPDATE \"Run\" SET status = '{RunStatus.RUNNING}', started_at = $now, node = $me, attempt = attempt + 1 "
+            f"WHERE id IN {ids} AND status || '' = '{RunStatus.QUEUED}' RETURNING id",
             {"now": sql_time(now), "me": self.core.node, **params}) if chosen else []
         for run_id in sorted(started):   # run ids are ULIDs: queue order
             self.core.emit("run.started", {"run_id": run_id}, now)
@@ -6208,13 +6220,14 @@ class RunStore(StorePart):
         repository this node reaches."""
         elsewhere, elsewhere_params = sql_list("u", unreachable) if unreachable else ("", {})
         held = set(self.held_profiles(now))
-        counts = dict(self.db.select('SELECT agent, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY agent'))
+        counts = dict(self.db.select(f'SELECT agent, COUNT(*) FROM "Run" WHERE status = \'{RunStatus.RUNNING}\' '
+                                     'GROUP BY agent'))
         held |= {name for name, cap in caps.items() if counts.get(name, 0) >= cap}
         chosen: list[str] = []
         while len(chosen) < free:   # each pass chooses a run or holds a profile: it ends
             (held_in, held_params), (chosen_in, chosen_params) = sql_list("h", sorted(held)), sql_list("c", chosen)
             rows = self.db.select(
-                'SELECT id, agent FROM "Run" WHERE status = \'queued\''
+                f'SELECT id, agent FROM "Run" WHERE status = \'{RunStatus.QUEUED}\''
                 + (f" AND agent NOT IN {held_in}" if held else "") + (f" AND id NOT IN {chosen_in}" if chosen else "")
                 + (f" AND repository NOT IN {elsewhere}" if unreachable else "")
                 + " ORDER BY queued_at, id LIMIT $n",
@@ -6239,7 +6252,8 @@ class RunStore(StorePart):
     def next_limit_end(self, now: datetime) -> datetime | None:
         """When the first limit of a profile with queued runs ends (admission looks again then)."""
         at = self.db.select('SELECT MIN(p.limited_until) FROM "ProfileState" p WHERE p.limited_until > $now '
-                            'AND EXISTS (SELECT 1 FROM "Run" r WHERE r.agent = p.name AND r.status = \'queued\')',
+                            'AND EXISTS (SELECT 1 FROM "Run" r WHERE r.agent = p.name '
+                            f'AND r.status = \'{RunStatus.QUEUED}\')',
                             {"now": sql_time(now)})[0]
         return sql_instant(at) if at else None
 
@@ -6252,15 +6266,17 @@ class RunStore(StorePart):
         URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
         earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
         fenced = " AND node = $node AND attempt = $attempt" if fence else ""
-        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL, steps = NULL "
-                              f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
+        if not self.core.returning(f"UPDATE \"Run\" SET status = '{RunStatus.QUEUED}', started_at = NULL, node = NULL, "
+                              f"steps = NULL WHERE id = $r AND status = '{RunStatus.RUNNING}' AND pid IS NULL{fenced} "
+                              "RETURNING id",
                               {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
         self.core.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
         return True
 
     def queued_repositories(self) -> list[str]:
-        return self.db.select('SELECT DISTINCT repository FROM "Run" WHERE status = \'queued\' ORDER BY repository')
+        return self.db.select(f'SELECT DISTINCT repository FROM "Run" WHERE status = \'{RunStatus.QUEUED}\' '
+                              'ORDER BY repository')
 
     def cancels_requested(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
@@ -6270,7 +6286,7 @@ class RunStore(StorePart):
     def pauses_recorded(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those paused (possibly through another node)."""
         ids, params = sql_list("r", run_ids)
-        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND status = \'paused\'', params)
+        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND status = \'{RunStatus.PAUSED}\'', params)
 
     def append_log(self, run_id: str, at_byte: int, data: bytes) -> None:
         self.db.LogChunk(run_id=run_id, at_byte=at_byte, data=data)
@@ -6455,14 +6471,15 @@ class RunStore(StorePart):
     def profile_states(self, names: list[str], now: datetime) -> list[dict[str, Any]]:
         """Every profile's standing: running and queued runs, limit, login pause, cost in 24 h."""
         counts = {(agent, status): n for agent, status, n in self.db.select(
-            'SELECT agent, status, COUNT(*) FROM "Run" WHERE status IN (\'running\', \'queued\') '
-            'GROUP BY agent, status')}
+            'SELECT agent, status, COUNT(*) FROM "Run" '
+            f"WHERE status IN {sql_tuple((RunStatus.RUNNING, RunStatus.QUEUED))} GROUP BY agent, status")}
         since = sql_time(now - timedelta(days=1))
         cost = dict(self.db.select('SELECT agent, SUM(cost_usd) FROM "Run" WHERE cost_usd IS NOT NULL '
                                    'AND finished_at >= $since GROUP BY agent', {"since": since}))
         last = dict(self.db.select('SELECT agent, MAX(started_at) FROM "Run" GROUP BY agent'))
-        return [profile_state_view(name, self.db.ProfileState.get(name=name), running=counts.get((name, "running"), 0),
-                                   queued=counts.get((name, "queued"), 0),
+        return [profile_state_view(name, self.db.ProfileState.get(name=name),
+                                   running=counts.get((name, RunStatus.RUNNING), 0),
+                                   queued=counts.get((name, RunStatus.QUEUED), 0),
                                    last_run_at=sql_instant(last[name]) if last.get(name) else None,
                                    cost_usd_24h=cost.get(name) or 0.0, now=now) for name in names]
 
@@ -6473,7 +6490,7 @@ class RunStore(StorePart):
             f'SELECT agent, {version} FROM "Run" r WHERE finished_at = '
             f'(SELECT MAX(finished_at) FROM "Run" WHERE agent = r.agent AND {version} IS NOT NULL)'))
 
-    def own_runs_in(self, statuses: Iterable[str]) -> list[str]:
+    def own_runs_in(self, statuses: Iterable[RunStatus]) -> list[str]:
         """This node's runs (and those no node admitted) in these states."""
         states, params = sql_list("s", statuses)
         return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND {self.dialect.own_rows} '
@@ -6557,7 +6574,8 @@ class RunStore(StorePart):
                               f"WHERE {where} GROUP BY 1, 2", params)
         if office_agent_id:   # a day's skips: wakeups skipped (budget, checkout), or ledger slots skipped
             skips = self.db.select(f"SELECT {minute('finished_at')}, COUNT(*) FROM \"Wakeup\" WHERE agent_id = $aid "
-                                   "AND status = 'skipped' AND finished_at >= $since GROUP BY 1", params)
+                                   f"AND status = '{WakeupStatus.SKIPPED}' AND finished_at >= $since GROUP BY 1",
+                                   params)
         else:
             skips = self.db.select(f"SELECT {minute('due_at')}, COUNT(*) FROM \"Occurrence\" "
                                    "WHERE substr(outcome, 1, 7) = 'skipped' AND due_at >= $since"
@@ -6570,7 +6588,7 @@ class RunStore(StorePart):
                              .astimezone(tz).date())
         for at, status, count, cost in rows:
             if at and (day := day_of(at)) is not None:
-                if status in ("succeeded", "failed", "needs_you"):
+                if status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU):
                     day[status] += count
                 day["cost"] += cost or 0.0
         for at, count in skips:
@@ -6998,8 +7016,9 @@ class ScheduleStore(StorePart):
         return outcome, None, oid
 
     def _last_success_commit(self, schedule_id: str) -> str | None:
-        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid AND status = 'succeeded' "
-                             "ORDER BY finished_at DESC, id DESC LIMIT 1", {"sid": schedule_id})
+        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid "
+                             f"AND status = '{RunStatus.SUCCEEDED}' ORDER BY finished_at DESC, id DESC LIMIT 1",
+                             {"sid": schedule_id})
         return row[0] if row else None
 
     def unchanged_checks(self, now: datetime) -> list[tuple[str, str, str]]:
@@ -7033,7 +7052,8 @@ class ScheduleStore(StorePart):
             item.title, item.detail = title, detail
         if not items:
             self.core.raise_attention("catch_up_plan", title, detail, now, schedule_id=s.id, run_id=None)
-        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.PENDING_CATCH_UP,
+                                              "count": total}, now)
 
     def _open_plan_items(self, schedule_id: str) -> list[Any]:
         """The schedule's open ``catch_up_plan`` item (one at most, as raised)."""
@@ -7056,7 +7076,8 @@ class ScheduleStore(StorePart):
                 item.detail = (f"Run {active.id} of this schedule is still active, so the catch-up did not "
                                f"start: approve again when it ends. {detail}")
             return SlotOutcome.SKIPPED_OVERLAP, None
-        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
+        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid
+                                              and o.outcome == SlotOutcome.PENDING_CATCH_UP)
                     .order_by(lambda o: o.due_at))
         s.pending_catch_up = None
         for item in self._open_plan_items(sid):
@@ -7064,7 +7085,7 @@ class ScheduleStore(StorePart):
         if not approve or not rows:
             for o in rows:
                 o.outcome = str(SlotOutcome.SKIPPED_MISSED)
-            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.SKIPPED_MISSED,
                                              "count": plan["missed_count"]}, now)
             return SlotOutcome.SKIPPED_MISSED, None
         last = rows[-1]
@@ -7078,7 +7099,7 @@ class ScheduleStore(StorePart):
     def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
         for slot in slots:
             self._record_slot(s, slot, s.definition["timing"]["kind"], SlotOutcome.PAUSED, now)
-        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.PAUSED, "count": total}, now)
 
     def _settle_paused_slots(self, s, now: datetime) -> None:
         """Before a paused schedule is enabled: its slots that came due are ``paused``, not missed."""
@@ -7147,7 +7168,7 @@ class ScheduleStore(StorePart):
             if self._held_for_reconfirm(s, digests, now):
                 for slot in slots:
                     self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
-                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.HELD_RECONFIRM,
                                                  "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
@@ -7166,7 +7187,7 @@ class ScheduleStore(StorePart):
             elif missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
-                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.SKIPPED_MISSED,
                                                  "count": missed_total}, now)
             elif missed:
                 cap = s.definition["catch_up"]["max"]
@@ -7212,9 +7233,9 @@ class ScheduleStore(StorePart):
             due += timedelta(milliseconds=1)
         outcome, run_id, oid = self._fire_slot(s, due, "manual", now)
         if outcome == SlotOutcome.ADMITTED:
-            return {"occurrence_id": oid, "outcome": "admitted", "run_id": run_id}
+            return {"occurrence_id": oid, "outcome": SlotOutcome.ADMITTED, "run_id": run_id}
         active = self._active_run(s.id)   # a manual fire never queues behind active work
-        return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
+        return {"occurrence_id": oid, "outcome": SlotOutcome.SKIPPED_OVERLAP, "run_id": active.id if active else None}
 
     def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None,
                         requested_by: str | None = None) -> dict[str, Any]:
@@ -7234,7 +7255,7 @@ class ScheduleStore(StorePart):
         s = self._schedule(schedule_id)
         view = self._schedule_view(s)
         active = self._active_run(s.id)
-        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
+        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != SlotOutcome.ADMITTED).order_by(
             lambda o: orm.desc(o.due_at))[:10]
         runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
         latest = runs[0] if runs else None
@@ -7380,7 +7401,7 @@ class NodeStore(StorePart):
         log.getChild("fleet").warning("node(s) lost: %s", ", ".join(lost))
         settled = []
         for name in lost:
-            unstarted = self.db.select("SELECT id FROM \"Run\" WHERE node = $n AND status = 'running' "
+            unstarted = self.db.select(f"SELECT id FROM \"Run\" WHERE node = $n AND status = '{RunStatus.RUNNING}' "
                                        "AND pid IS NULL ORDER BY id", {"n": name})
             requeued = [r for r in unstarted if self.runs.requeue_unstarted(r, now,
                                                                             "its node was lost before it started")]
@@ -7388,7 +7409,7 @@ class NodeStore(StorePart):
             mine, orphans = [], []
             for run_id, attempt, pid, pid_started in self.db.select(
                     "SELECT id, attempt, pid, pid_started FROM \"Run\" WHERE node = $n "
-                    "AND status IN ('running', 'paused') ORDER BY id", {"n": name}):
+                    f"AND status IN {sql_tuple((RunStatus.RUNNING, RunStatus.PAUSED))} ORDER BY id", {"n": name}):
                 if self.runs.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(name, attempt)):
                     mine.append(run_id)
                     orphans.append([run_id, pid, pid_started])
@@ -7406,7 +7427,8 @@ class NodeStore(StorePart):
                                    {"me": self.core.node}))
 
     def list_nodes(self) -> list[dict[str, Any]]:
-        running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
+        running = dict(self.db.select(f'SELECT node, COUNT(*) FROM "Run" WHERE status = \'{RunStatus.RUNNING}\' '
+                                      'GROUP BY node'))
         return [{"name": n.name, "started_at": rfc3339(aware(n.started_at)),
                  "heartbeat_at": rfc3339(aware(n.heartbeat_at)), "running": running.get(n.name, 0),
                  "max_running": n.max_running, "status": n.status}
@@ -7810,11 +7832,12 @@ class WakeupStore(StorePart):
             else scope
         rows = self.db.select(
             f'SELECT id FROM (SELECT 0 AS rank, w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
-            f"WHERE w.agent_id = $a AND {scope} AND w.status = 'claimed' AND r.status = 'queued' "
+            f"WHERE w.agent_id = $a AND {scope} AND w.status = '{WakeupStatus.CLAIMED}' "
+            f"AND r.status = '{RunStatus.QUEUED}' "
             f'UNION ALL SELECT 0, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
-            f"AND w.status = 'queued' AND w.scheduled_retry_at > $now "
+            f"AND w.status = '{WakeupStatus.QUEUED}' AND w.scheduled_retry_at > $now "
             f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {window} '
-            f"AND w.status = 'queued' AND w.source = $s AND w.requested_at >= $since "
+            f"AND w.status = '{WakeupStatus.QUEUED}' AND w.source = $s AND w.requested_at >= $since "
             f"AND w.scheduled_retry_at IS NULL AND w.wake_at IS NULL) x ORDER BY rank, requested_at, id LIMIT 1",
             {"a": agent_id, "t": task_id, "s": source, "now": sql_time(now),
              "since": sql_time(now - timedelta(seconds=COALESCING_WINDOW_S))})
@@ -7824,11 +7847,11 @@ class WakeupStore(StorePart):
         """Merge ``w`` into ``target``: its payload, and those of the requests merged into it
         before (they come along), join the context the agent will read. They take the target's
         run only if that run is the one to come (not a retry's failed run)."""
-        run_id = target.run_id if target.status == "claimed" else None
+        run_id = target.run_id if target.status == WakeupStatus.CLAIMED else None
         wakeup_id = w.id
         riders = list(self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id).order_by(
             lambda q: (q.requested_at, q.id)))
-        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, run_id, naive(now)
+        w.status, w.coalesced_into, w.run_id, w.finished_at = WakeupStatus.COALESCED, target.id, run_id, naive(now)
         for q in [w, *riders]:
             q.coalesced_into, q.run_id = target.id, run_id
             target.context_snapshot = merge_context(target.context_snapshot, q.source, q.reason, q.payload,
@@ -7853,16 +7876,17 @@ class WakeupStore(StorePart):
         wakeup_id = w.id
         agent = self.db.Agent.get(id=w.agent_id)
         requeued: list[Any] = []
-        for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.status == "coalesced").order_by(
+        for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id
+                                       and q.status == WakeupStatus.COALESCED).order_by(
                 lambda q: (q.requested_at, q.id)):
             routine = self.db.Routine.get(id=q.payload.get("routine_id")) if q.source == WakeupSource.ROUTINE else None
             if agent is None:
-                self.end_wakeup(q, "finished", now, note="agent deleted: no session", fire="skipped")
+                self.end_wakeup(q, WakeupStatus.FINISHED, now, note="agent deleted: no session", fire="skipped")
             elif q.task_id and (reason := stale_reason(self.task_facts(q.task_id, q.workspace_id), q.agent_id,
                                                        q.reason)):
-                self.end_wakeup(q, "cancelled", now, cancel_reason=str(reason))
+                self.end_wakeup(q, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
             elif q.source == WakeupSource.ROUTINE and (routine is None or routine.status != "active"):
-                self.end_wakeup(q, "finished", now, fire="skipped",
+                self.end_wakeup(q, WakeupStatus.FINISHED, now, fire="skipped",
                                 note=f"its routine is {routine.status if routine else 'deleted'}: no session")
             else:
                 requeued.append(q)
@@ -7873,7 +7897,7 @@ class WakeupStore(StorePart):
         for q in requeued:
             q.coalesced_into, q.run_id = (None if q is first else first.id), None
             snapshot = merge_context(snapshot, q.source, q.reason, q.payload, aware(q.requested_at))
-        first.status, first.finished_at, first.coalesced_count = "queued", None, len(requeued)
+        first.status, first.finished_at, first.coalesced_count = WakeupStatus.QUEUED, None, len(requeued)
         first.context_snapshot = snapshot
         w.coalesced_count -= len(requeued)
         self.core.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
@@ -7903,7 +7927,7 @@ class WakeupStore(StorePart):
         self.db.execute(
             'INSERT INTO "Wakeup" (id, workspace_id, agent_id, source, reason, payload, task_id, status, '
             'coalesced_count, idempotency_key, retry_count, wake_at, context_snapshot, requested_at) VALUES '
-            "($w, $ws, $a, $s, $reason, $payload, $t, 'queued', 1, $k, 0, $wake_at, $context, $now)",
+            f"($w, $ws, $a, $s, $reason, $payload, $t, '{WakeupStatus.QUEUED}', 1, $k, 0, $wake_at, $context, $now)",
             {"w": wakeup_id, "ws": workspace_id, "a": agent_id, "s": str(source), "reason": reason,
              "payload": json.dumps(payload), "t": task_id, "k": key,
              "wake_at": sql_time(wake_at) if wake_at else None, "now": sql_time(now),
@@ -7923,7 +7947,7 @@ class WakeupStore(StorePart):
         if t is not None and t.checkout_agent_id is not None and agent_id in (None, t.checkout_agent_id):
             t.checkout_agent_id, t.checkout_at = None, None
 
-    def end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
+    def end_wakeup(self, w, status: WakeupStatus, now: datetime, note: str | None = None,
                     cancel_reason: str | None = None, *, fire: str | None = None, carried: bool = False) -> None:
         """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
         ended without a session); by default skipped or failed as the wakeup, else unchanged.
@@ -7953,7 +7977,7 @@ class WakeupStore(StorePart):
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
         log.getChild("office").info("wakeup %s cancelled: %s (task %s, agent %s)", w.id, reason, w.task_id, w.agent_id)
         self.release_checkout(w.task_id, w.agent_id)
-        self.end_wakeup(w, "cancelled", now, cancel_reason=str(reason))
+        self.end_wakeup(w, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
         data = {"reason": str(reason)} if code == "wakeup_stale_cancelled" else {"reason": str(reason),
                                                                                   "old_agent": w.agent_id}
         self.core._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
@@ -8013,7 +8037,7 @@ class WakeupStore(StorePart):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
                                     and a.id != except_id)
 
-    def wakeups_by_agent(self, status: str) -> dict[str, int]:
+    def wakeups_by_agent(self, status: WakeupStatus) -> dict[str, int]:
         """How many wakeups in ``status`` each agent has (claimed ones are its sessions)."""
         return dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = $s GROUP BY agent_id',
                                    {"s": status}))
@@ -8059,7 +8083,8 @@ class OfficeStore(StorePart):
     def repository_waiting(self, workspace_id: str | None) -> str | None:
         """Why the workspace's wakeups wait for their repository (a queued wakeup's last_error),
         or None: nothing waits, so Office runs (the banner of the Office pages)."""
-        rows = self.db.select('SELECT last_error FROM "Wakeup" WHERE workspace_id = $ws AND status = \'queued\' '
+        rows = self.db.select('SELECT last_error FROM "Wakeup" WHERE workspace_id = $ws '
+                              f"AND status = '{WakeupStatus.QUEUED}' "
                               "AND last_error LIKE $waiting ORDER BY requested_at, id LIMIT 1",
                               {"ws": self.workspace_row(workspace_id).id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
         return rows[0] if rows else None
@@ -8077,7 +8102,7 @@ class OfficeStore(StorePart):
         ws.set(**settings)
         workspace_id = ws.id   # wakeups waiting for a repository look again at once
         self.db.execute('UPDATE "Wakeup" SET scheduled_retry_at = NULL WHERE workspace_id = $ws '
-                        "AND status = 'queued' AND last_error LIKE $waiting",
+                        f"AND status = '{WakeupStatus.QUEUED}' AND last_error LIKE $waiting",
                         {"ws": workspace_id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
         return workspace_view(ws)
 
@@ -8150,8 +8175,8 @@ class OfficeStore(StorePart):
 
     def active_sessions(self, agent_id: str) -> int:
         """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
-        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND status = \'claimed\'',
-                              {"a": agent_id})[0]
+        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a '
+                              f"AND status = '{WakeupStatus.CLAIMED}'", {"a": agent_id})[0]
 
     def _task(self, task_id: str, workspace_id: str | None = None):
         t = self.db.Task.get(id=task_id)
@@ -8214,11 +8239,11 @@ class OfficeStore(StorePart):
             if previous:
                 task_id = t.id
                 for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
-                                               and w.status == "queued" and w.retry_count > 0):
+                                               and w.status == WakeupStatus.QUEUED and w.retry_count > 0):
                     self.wakeups.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
                 stopping = self.db.select(
                     'SELECT w.run_id FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
-                    f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason NOT IN {PARTICIPANT_SQL} "
+                    f"AND w.task_id = $t AND w.status = '{WakeupStatus.CLAIMED}' AND w.reason NOT IN {PARTICIPANT_SQL} "
                     f"AND r.status IN {ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id})
                 if not stopping:
                     self.wakeups.release_checkout(t.id, previous)
@@ -8241,7 +8266,7 @@ class OfficeStore(StorePart):
         running: dict[str, list[str]] = {}
         for task_id, agent_id in self.db.select(
                 'SELECT o.task_id, o.agent_id FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
-                "WHERE o.workspace_id = $ws AND o.task_id IS NOT NULL AND r.status = 'running' "
+                f"WHERE o.workspace_id = $ws AND o.task_id IS NOT NULL AND r.status = '{RunStatus.RUNNING}' "
                 "ORDER BY o.queued_at, o.run_id", {"ws": self.workspace_row(workspace_id).id}):
             running.setdefault(task_id, []).append(agent_id)
         return running
@@ -8461,7 +8486,8 @@ class OfficeStore(StorePart):
                 self.move_task(t.id, TaskState.DONE, now)
             else:
                 t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
-                self.core.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
+                self.core.emit("task.moved", {"task_id": t.id, "from": TaskState.IN_REVIEW,
+                                              "to": TaskState.IN_PROGRESS}, now)
         if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
             self.wakeups.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
                                 {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
@@ -8547,15 +8573,17 @@ class OfficeStore(StorePart):
         self-wake coming due, a coalescing window closing, or a busy agent's cooldown ending."""
         due, window = sql_time(now), timedelta(seconds=COALESCING_WINDOW_S)
         times = [sql_instant(t) for t in self.db.select(
-            'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'queued\' AND scheduled_retry_at > $due '
-            'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'queued\' AND wake_at > $due',
+            f'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'{WakeupStatus.QUEUED}\' '
+            'AND scheduled_retry_at > $due '
+            f'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'{WakeupStatus.QUEUED}\' AND wake_at > $due',
             {"due": due}) if t]
         times += [sql_instant(t) + window for t in self.db.select(
-            f'SELECT MIN(requested_at) FROM "Wakeup" WHERE status = \'queued\' AND source IN {WINDOW_HELD_SQL} '
-            'AND requested_at > $since', {"since": sql_time(now - window)}) if t]
+            f'SELECT MIN(requested_at) FROM "Wakeup" WHERE status = \'{WakeupStatus.QUEUED}\' '
+            f'AND source IN {WINDOW_HELD_SQL} AND requested_at > $since', {"since": sql_time(now - window)}) if t]
         for last, cooldown in self.db.select(
                 'SELECT a.last_wakeup_finished_at, a.cooldown_sec FROM "Agent" a WHERE a.last_wakeup_finished_at '
-                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id AND w.status = \'queued\')'):
+                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
+                f'AND w.status = \'{WakeupStatus.QUEUED}\')'):
             ends = sql_instant(last) + timedelta(seconds=cooldown)
             if ends > now:
                 times.append(ends)
@@ -8640,7 +8668,8 @@ class PipelineStore(StorePart):
         dispatcher or crash the daemon again at every start. Returns its id."""
         for wakeup_id in self._claimable_wakeups(now, 1):
             w = self.db.Wakeup[wakeup_id]
-            self.wakeups.end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
+            self.wakeups.end_wakeup(w, WakeupStatus.FAILED, now,
+                                    note=f"internal error while dispatching: {error}"[:500])
             self.core.raise_attention("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched",
                                       error[:500], now, schedule_id=None, run_id=None, agent_id=w.agent_id)
             return wakeup_id
@@ -8654,14 +8683,15 @@ class PipelineStore(StorePart):
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
             'SELECT a.id, a.status, a.last_wakeup_finished_at, a.cooldown_sec, a.max_concurrent_sessions '
             'FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
-            "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
+            f"AND w.status = '{WakeupStatus.QUEUED}' "
+            "AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
-        active = self.wakeups.wakeups_by_agent("claimed")
+        active = self.wakeups.wakeups_by_agent(WakeupStatus.CLAIMED)
         held = (f'SELECT 1 FROM "Task" t WHERE t.id = w.task_id AND t.state NOT IN {TERMINAL_TASK_SQL} '
                 f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.dialect.json_elements('t.blocked_by')} j "
                 f'JOIN "Task" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} AND b.archived_at IS NULL)')
         locked = ('SELECT 1 FROM "Task" t JOIN "Wakeup" h ON h.task_id = t.id AND h.agent_id = t.checkout_agent_id '
-                  "WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = 'claimed'")
+                  f"WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = '{WakeupStatus.CLAIMED}'")
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
             if status in ("paused", "stopped"):
@@ -8672,11 +8702,12 @@ class PipelineStore(StorePart):
             if room <= 0:
                 continue
             candidates += self.db.select(
-                'SELECT requested_at, id FROM "Wakeup" w WHERE agent_id = $agent AND status = \'queued\' '
+                'SELECT requested_at, id FROM "Wakeup" w WHERE agent_id = $agent '
+                f"AND status = '{WakeupStatus.QUEUED}' "
                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
-                f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
+                f"AND NOT (w.source = '{WakeupSource.TASK_ASSIGNED}' AND EXISTS ({held})) "   # held by open blockers
                 f"AND NOT (w.reason NOT IN {PARTICIPANT_SQL} AND EXISTS ({locked})) "   # another's session
                 f"AND NOT (w.source IN {WINDOW_HELD_SQL} AND w.requested_at > $window) "   # its window is open
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room,
@@ -8692,12 +8723,12 @@ class PipelineStore(StorePart):
         agent = self.db.Agent.get(id=w.agent_id)
         # 2. Guard: agent status, before the claim (the spec's claim query takes only idle and
         # working agents): a paused or stopped agent's wakeups stay queued until it is resumed.
-        if w.status != "queued" or (agent is not None and agent.status in ("paused", "stopped")):
+        if w.status != WakeupStatus.QUEUED or (agent is not None and agent.status in ("paused", "stopped")):
             return PipelineOutcome(claimed=False)
         # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
-        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.CLAIMED, naive(now), None
         if agent is None:
-            self.wakeups.end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="agent deleted: no session", fire="skipped")
             return PipelineOutcome(claimed=True)
         task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, w.reason)):
@@ -8707,7 +8738,7 @@ class PipelineStore(StorePart):
             routine_id = w.payload.get("routine_id")
             r = self.db.Routine.get(id=routine_id)
             if r is None or r.status != "active":   # what merged into it from elsewhere still runs
-                self.wakeups.end_wakeup(w, "finished", now,
+                self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now,
                                         note=f"its routine is {r.status if r else 'deleted'}: no session",
                                  fire="skipped")
                 return PipelineOutcome(claimed=True)
@@ -8718,7 +8749,7 @@ class PipelineStore(StorePart):
         # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
         if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
                 and (waiting := self.wakeups.open_blockers(task["blocked_by"]))):
-            w.status, w.claimed_at, w.note = "queued", None, f"{HELD_NOTE}: " + ", ".join(waiting)
+            w.status, w.claimed_at, w.note = WakeupStatus.QUEUED, None, f"{HELD_NOTE}: " + ", ".join(waiting)
             return PipelineOutcome(claimed=False)
         if (w.note or "").startswith(HELD_NOTE):
             w.note = None
@@ -8731,14 +8762,15 @@ class PipelineStore(StorePart):
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
                 # Only the routine's own part is skipped: a user, self or event wake that merged
                 # into it (into its pending retry) is queued again and runs.
-                self.wakeups.end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
+                self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="no actionable tasks (idle skip)",
+                                        fire="skipped")
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
         # 5. Checkout (a reviewer or a mentioned agent reads the task; only the one working it takes the lock).
         if w.task_id and w.reason not in PARTICIPANT_REASONS and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
-            self.wakeups.end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
+            self.wakeups.end_wakeup(w, WakeupStatus.SKIPPED, now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
         # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.
         ws = self.db.Workspace[w.workspace_id]
@@ -8754,8 +8786,8 @@ class PipelineStore(StorePart):
         others = [self.db.Wakeup[other] for other in self.db.select(
             'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
             + ("task_id = $t" if w.task_id else "task_id IS NULL") + f" AND {same_part_sql(w.reason)}"
-            + (" AND source <> 'task_assigned'" if still_blocked else "")   # a held assignment keeps waiting
-            + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
+            + (f" AND source <> '{WakeupSource.TASK_ASSIGNED}'" if still_blocked else "")   # a held assignment waits
+            + f" AND status = '{WakeupStatus.QUEUED}' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
             {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
         if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
             self.wakeups.release_checkout(w.task_id, agent.id)
@@ -8811,7 +8843,7 @@ class PipelineStore(StorePart):
         """Step 6 of process_wakeup when over budget: the wakeup is skipped, and the agent paused
         unless the workspace says skip."""
         self.wakeups.release_checkout(w.task_id, agent.id)
-        self.wakeups.end_wakeup(w, "skipped", now, note=blocked)
+        self.wakeups.end_wakeup(w, WakeupStatus.SKIPPED, now, note=blocked)
         if ws.budget_action == "skip":
             self.core._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                            wakeup_id=w.id, detail=blocked)
@@ -8836,7 +8868,7 @@ class PipelineStore(StorePart):
         if plan.retry_at is None:
             self._escalate_failure(w, error, now)
             return
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, naive(plan.retry_at)
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, naive(plan.retry_at)
         log.getChild("office").info("wakeup %s retry %d at %s source=%s%s", w.id, plan.retry_count,
                                     rfc3339(plan.retry_at), plan.source,
                                     f" parsed_reset_at={rfc3339(plan.retry_at)}" if plan.source ==
@@ -8850,7 +8882,7 @@ class PipelineStore(StorePart):
         claimed again at once (spec: claimed wakeups are re-claimed on restart), with no
         retry counted: restarts during a long session never escalate it."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
         self.core.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
 
@@ -8859,7 +8891,7 @@ class PipelineStore(StorePart):
         is not a retry (the agent did nothing wrong) and starts once the repository is usable."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
         error = reason if reason.startswith(REPOSITORY_UNAVAILABLE) else f"{REPOSITORY_UNAVAILABLE}: {reason}"
-        w.status, w.claimed_at, w.last_error = "queued", None, error[:ERROR_TAIL_BYTES]
+        w.status, w.claimed_at, w.last_error = WakeupStatus.QUEUED, None, error[:ERROR_TAIL_BYTES]
         w.scheduled_retry_at = naive(now + timedelta(seconds=REPOSITORY_RECHECK_S))
         w.note = "waiting for its repository"
         self.core.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
@@ -8869,7 +8901,7 @@ class PipelineStore(StorePart):
         counted. The wakeup is claimed again; its new run waits in the queue until the profile is
         resumed."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = f"its agent profile {profile} {why}; its run waits until the profile is resumed"
         self.core.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
 
@@ -8879,7 +8911,7 @@ class PipelineStore(StorePart):
         self.wakeups.release_checkout(w.task_id, w.agent_id)
         self.db.execute('DELETE FROM "AgentSession" WHERE agent_id = $a AND task_id = $t',
                         {"a": o.agent_id, "t": o.task_id})
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = f"its stored session {o.session_id} was gone; runs once fresh"
         self.core._activity("session_dropped", w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id,
                        wakeup_id=w.id, session_id=o.session_id)
@@ -8887,7 +8919,7 @@ class PipelineStore(StorePart):
     def _escalate_failure(self, w, error: str, now: datetime) -> None:
         """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
         the workspace's coordinators get an agent_error wakeup."""
-        self.wakeups.end_wakeup(w, "failed", now, note=f"failed {w.retry_count} times; escalated")
+        self.wakeups.end_wakeup(w, WakeupStatus.FAILED, now, note=f"failed {w.retry_count} times; escalated")
         agent = self.db.Agent.get(id=w.agent_id)
         name = agent.name if agent else w.agent_id
         self.core.raise_attention("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})",
@@ -8910,13 +8942,13 @@ class PipelineStore(StorePart):
         is retried), the lock is released, the session and the summary are kept."""
         o = self.db.OfficeRun.get(run_id=r.id)
         w = self.db.Wakeup.get(id=o.wakeup_id) if o is not None else None
-        if w is None or w.status != "claimed" or w.run_id != r.id:
+        if w is None or w.status != WakeupStatus.CLAIMED or w.run_id != r.id:
             return
         agent = self.db.Agent.get(id=o.agent_id)
         self.wakeups.release_checkout(o.task_id, o.agent_id)
         result = r.result if isinstance(r.result, dict) else {}
         if status in (RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU):
-            self.wakeups.end_wakeup(w, "finished", now, carried=True)
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, carried=True)
             session_id = (r.agent_report or {}).get("session_id")
             if o.task_id and isinstance(session_id, str) and 0 < len(session_id) <= 200:
                 o.session_id = session_id
@@ -8935,7 +8967,7 @@ class PipelineStore(StorePart):
             if t is not None and t.workflow == "routine" and status == RunStatus.SUCCEEDED:
                 self.office.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
         elif status == RunStatus.CANCELLED:
-            self.wakeups.end_wakeup(w, "finished", now, note="its run was cancelled")
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="its run was cancelled")
         elif r.error == INTERRUPTED:
             self._requeue_interrupted(w, now)
         elif o.resumed and is_unknown_session(r.error or ""):
@@ -8964,16 +8996,16 @@ class PipelineStore(StorePart):
         builder failure the last good summary stays."""
         row = self.db.ContinuationSummary.get(agent_id=o.agent_id, scope=scope)
         stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
-            "SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'IN_PROGRESS' THEN 1 ELSE 0 END), 0), "
-            "COALESCE(SUM(CASE WHEN state = 'IN_REVIEW' THEN 1 ELSE 0 END), 0) "
+            f"SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = '{TaskState.IN_PROGRESS}' THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN state = '{TaskState.IN_REVIEW}' THEN 1 ELSE 0 END), 0) "
             f"FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN {TERMINAL_TASK_SQL} "
             "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
         since = sql_time(now - timedelta(days=1))
         stats["failed_runs"] = self.db.select(
             'SELECT COUNT(*) FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.workspace_id = $ws '
-            "AND o.queued_at >= $since AND r.status = 'failed'", {"ws": o.workspace_id, "since": since})[0]
+            f"AND o.queued_at >= $since AND r.status = '{RunStatus.FAILED}'", {"ws": o.workspace_id, "since": since})[0]
         stats["escalations"] = self.db.select(   # wakeups of this workspace that failed for good
-            'SELECT COUNT(*) FROM "Wakeup" WHERE workspace_id = $ws AND status = \'failed\' '
+            f'SELECT COUNT(*) FROM "Wakeup" WHERE workspace_id = $ws AND status = \'{WakeupStatus.FAILED}\' '
             "AND finished_at >= $since", {"ws": o.workspace_id, "since": since})[0]
         # Open tasks waiting on an open blocker: one query, only what the summary shows, however
         # many tasks the workspace has (this runs inside the settlement's write transaction).
@@ -9163,7 +9195,7 @@ class RoutineStore(StorePart):
             elif x.wakeup_id:
                 w = self.db.Wakeup.get(id=x.wakeup_id)
                 target = self.db.Wakeup.get(id=w.coalesced_into) if w is not None and w.coalesced_into else w
-                if target is not None and target.status in ("queued", "claimed"):
+                if target is not None and target.status in OPEN_WAKEUP_STATUSES:
                     return x
         return None
 
@@ -9173,7 +9205,8 @@ class RoutineStore(StorePart):
         wakeup works no task), or its latest run waits for a human with its item open."""
         t = self.db.Task[task_id]
         if self.db.select('SELECT 1 FROM "Wakeup" WHERE task_id = $t AND agent_id = $a '
-                          f"AND status IN ('queued', 'claimed') AND reason NOT IN {PARTICIPANT_SQL} LIMIT 1",
+                          f"AND status IN {sql_tuple(OPEN_WAKEUP_STATUSES)} AND reason NOT IN {PARTICIPANT_SQL} "
+                          "LIMIT 1",
                           {"t": task_id, "a": t.assignee_agent_id}):
             return True
         return self._waiting_item(task_id) is not None
@@ -9410,11 +9443,11 @@ class RoutineStore(StorePart):
                 continue
             since = sql_time(now - timedelta(hours=ws.recovery_lookback_hours))
             candidates = self.db.select(
-                'SELECT t.id FROM "Task" t WHERE t.workspace_id = $ws AND t.state = \'TODO\' '
+                f'SELECT t.id FROM "Task" t WHERE t.workspace_id = $ws AND t.state = \'{TaskState.TODO}\' '
                 "AND t.assignee_agent_id IS NOT NULL AND (t.workflow != 'kanban' OR t.project_id IS NOT NULL) "
                 "AND t.archived_at IS NULL AND t.created_at >= $since AND NOT EXISTS ("
                 '  SELECT 1 FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.task_id = t.id '
-                "  AND r.status IN ('queued', 'running', 'paused', 'succeeded', 'needs_you')) "
+                f"  AND r.status IN {sql_tuple((*ACTIVE_RUN_STATUSES, RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU))}) "
                 "ORDER BY t.created_at", {"ws": ws.id, "since": since})
             dispatched = 0
             for task_id in candidates:
@@ -9422,8 +9455,8 @@ class RoutineStore(StorePart):
                 agent = self.db.Agent.get(id=t.assignee_agent_id)
                 if agent is None or agent.status in ("paused", "stopped"):
                     continue
-                if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t AND status IN '
-                                  "('queued', 'claimed')", {"t": task_id})[0]:
+                if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t '
+                                  f"AND status IN {sql_tuple(OPEN_WAKEUP_STATUSES)}", {"t": task_id})[0]:
                     continue
                 project = self.db.Project.get(id=t.project_id) if t.project_id else None
                 if self.pipeline.budget_exceeded(agent, ws, project, now):
@@ -9454,10 +9487,10 @@ class HousekeepingStore(StorePart):
         """SQL: run ``r`` (an alias of "Run") goes in a pass with ``$cutoff``. ``status || ''``
         keeps SQLite walking the primary key from ``$after`` rather than every settled run of a
         year through a status index (tests/bench, the year row)."""
-        return (f"{r}.status || '' IN ('succeeded', 'failed', 'needs_you', 'cancelled') "
+        return (f"{r}.status || '' IN {sql_tuple(SETTLED_RUN_STATUSES)} "
                 f"AND {r}.finished_at < $cutoff "
                 f'AND NOT EXISTS (SELECT 1 FROM "Attention" a WHERE a.run_id = {r}.id AND a.acknowledged_at IS NULL) '
-                f"AND NOT ({r}.status = 'needs_you' AND {r}.answered_by IS NULL) "
+                f"AND NOT ({r}.status = '{RunStatus.NEEDS_YOU}' AND {r}.answered_by IS NULL) "
                 f'AND ({r}.schedule IS NULL '
                 f'OR {r}.id <> (SELECT MAX(n.id) FROM "Run" n WHERE n.schedule = {r}.schedule)) '
                 f'AND NOT EXISTS (SELECT 1 FROM "AgentSession" s WHERE s.run_id = {r}.id)')
@@ -9539,12 +9572,12 @@ class HousekeepingStore(StorePart):
                     '"Occurrence".schedule ORDER BY o.due_at DESC LIMIT 1 OFFSET $keep_offset) '
                     f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)})")
         if what == "wakeups":
-            return ("Wakeup", "id", "status IN ('finished', 'failed', 'cancelled', 'skipped', 'coalesced') "
+            return ("Wakeup", "id", f"status IN {sql_tuple(ENDED_WAKEUP_STATUSES)} "
                                     "AND COALESCE(finished_at, requested_at) < $cutoff "
                                     f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)}) "
                                     # a merged one rides a wakeup still to run: it is not history yet
                                     'AND NOT EXISTS (SELECT 1 FROM "Wakeup" c WHERE c.id = "Wakeup".coalesced_into '
-                                    "AND c.status IN ('queued', 'claimed'))")
+                                    f"AND c.status IN {sql_tuple(OPEN_WAKEUP_STATUSES)})")
         if what == "notifications":   # the outbox's sent and given-up messages (a queued one waits)
             return "Notification", "id", "status IN ('delivered', 'given_up') AND created_at < $cutoff"
         return "WebhookRefusal", "id", "created_at < $cutoff"
@@ -10724,7 +10757,8 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
                                cwd=cwd, check=True)
             summary.append(f"{'committed' if verb == 'commit' else 'edited'} {path}")
         elif verb == "needs-you":
-            print(json.dumps({"status": "needs_you", "question": rest, "session_id": session_id}), file=out, flush=True)
+            print(json.dumps({"status": RunStatus.NEEDS_YOU, "question": rest, "session_id": session_id}), file=out,
+                  flush=True)
             return 0
         elif verb == "result":
             try:
@@ -10738,7 +10772,7 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
             else:
                 demo_office_call(f"/api/agent/tasks/{task_id}/move", {"state": rest.strip()})
             summary.append(f"{verb} {rest.strip()[:60]}")
-    print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do",
+    print(json.dumps({"status": RunStatus.SUCCEEDED, "summary": "; ".join(summary) or "nothing to do",
                       "session_id": session_id}), file=out, flush=True)
     return 0
 
@@ -10873,7 +10907,7 @@ DISK_SIZES_TTL_S = 60.0
 #: The run statuses outpost_runs_total counts: a run once settled stays so, so each series only grows.
 COUNTED_RUN_STATUSES = tuple(str(s) for s in SETTLED_RUN_STATUSES)
 #: The wakeup statuses outpost_wakeups_total counts: ended ones (queued and claimed ones move on).
-COUNTED_WAKEUP_STATUSES = ("coalesced", "skipped", "finished", "failed", "cancelled")
+COUNTED_WAKEUP_STATUSES = tuple(str(s) for s in ENDED_WAKEUP_STATUSES)
 
 
 def disk_usage(data_dir: Path, database: Path | None) -> dict[str, int]:
@@ -10937,8 +10971,8 @@ class StoreCollector:
             if status in COUNTED_RUN_STATUSES:
                 runs.add_metric([status, agent, trigger], n)
         yield runs
-        yield GaugeMetricFamily("outpost_runs_running", "Runs running now.", value=active["running"])
-        yield GaugeMetricFamily("outpost_runs_queued", "Runs waiting for a slot.", value=active["queued"])
+        yield GaugeMetricFamily("outpost_runs_running", "Runs running now.", value=active[RunStatus.RUNNING])
+        yield GaugeMetricFamily("outpost_runs_queued", "Runs waiting for a slot.", value=active[RunStatus.QUEUED])
         usd = CounterMetricFamily("outpost_agent_cost_usd", "Cost the agents reported, in USD.", labels=["agent"])
         for agent, total in sorted(cost.items()):
             usd.add_metric([agent], total)
@@ -11264,7 +11298,7 @@ async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
 
 async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
     """A manual fire was committed: resolve the new run's commit and wake admission."""
-    if fired["outcome"] == "admitted":
+    if fired["outcome"] == SlotOutcome.ADMITTED:
         await resolve_and_admit(deps, [fired["run_id"]])
 
 
@@ -11741,7 +11775,8 @@ async def recover_at_boot(deps: Deps) -> None:
     for run_id, pid, started in await deps.transaction_retrying(deps.store.nodes.register_node,
                                                                 deps.config.max_running):
         await end_survivor(deps, run_id, pid, started)   # settled by another node: not ours to settle
-    for run_id in await deps.transaction_retrying(deps.store.runs.own_runs_in, ["running", "paused"]):
+    for run_id in await deps.transaction_retrying(deps.store.runs.own_runs_in,
+                                                  [RunStatus.RUNNING, RunStatus.PAUSED]):
         plan = run_plan(deps, await deps.transaction_retrying(deps.store.runs.launch_info, run_id))
         await end_survivor(deps, run_id, plan.pid, plan.pid_started)
         await finish_run(deps, plan, plan.resolved_commit, failed(INTERRUPTED, "interrupted"), None)
@@ -14125,10 +14160,12 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
 
 INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
-CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
-                 "retry_task_cancelled": "Cancelled - task cancelled",
-                 "retry_stale_assignee": "Cancelled - retry stale", "task_not_found": "Cancelled - task not found",
-                 "review_participant_changed": "Cancelled - reviewer changed"}
+CANCEL_LABELS = {CancelReason.ASSIGNEE_CHANGED: "Cancelled - assignee changed",
+                 CancelReason.TASK_TERMINAL: "Cancelled - task completed",
+                 CancelReason.RETRY_TASK_CANCELLED: "Cancelled - task cancelled",
+                 CancelReason.RETRY_STALE_ASSIGNEE: "Cancelled - retry stale",
+                 CancelReason.TASK_NOT_FOUND: "Cancelled - task not found",
+                 CancelReason.REVIEW_PARTICIPANT_CHANGED: "Cancelled - reviewer changed"}
 
 
 def curl_example(url: str, mode: str) -> str:
@@ -14149,19 +14186,19 @@ def curl_example(url: str, mode: str) -> str:
 
 
 def wakeup_label(w: dict[str, Any]) -> str:
-    if w["status"] == "cancelled":
+    if w["status"] == WakeupStatus.CANCELLED:
         return CANCEL_LABELS.get(w["cancel_reason"], "Cancelled")
-    if w["status"] == "queued" and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
+    if w["status"] == WakeupStatus.QUEUED and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
         return "Waiting for its repository"
-    if w["status"] == "queued" and w["scheduled_retry_at"]:
+    if w["status"] == WakeupStatus.QUEUED and w["scheduled_retry_at"]:
         return f"Retry {w['retry_count']}/{MAX_RETRY_COUNT} scheduled"
-    if w["status"] == "queued" and w["wake_at"]:
+    if w["status"] == WakeupStatus.QUEUED and w["wake_at"]:
         return "Waiting to wake"
-    if w["status"] == "coalesced":
+    if w["status"] == WakeupStatus.COALESCED:
         return f"Merged into {w['coalesced_into'][-6:]}"
-    if w["status"] == "finished" and not w["run_id"]:
+    if w["status"] == WakeupStatus.FINISHED and not w["run_id"]:
         return "Finished, no run"   # idle-skipped or its routine paused: the note says which
-    if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
+    if w["reason"] == "recovery" and w["status"] in (WakeupStatus.CLAIMED, WakeupStatus.FINISHED):
         return "Recovered"
     return w["status"].capitalize()
 
@@ -14473,7 +14510,7 @@ async def page_schedule_control(web: Web, schedule_id: str):
     form = await web.form()
     action = form.get("action", "")
     result = await control_schedule(web, schedule_id, form_revision(form), action)
-    if action == "fire" and result["outcome"] == "admitted":   # Fire now: on to the new run, live
+    if action == "fire" and result["outcome"] == SlotOutcome.ADMITTED:   # Fire now: on to the new run, live
         return await web.see_other(f"/runs/{result['run_id']}?done=admitted")
     later = action == "approve_catch_up" and result["outcome"] == SlotOutcome.SKIPPED_OVERLAP
     done = result["outcome"] if action == "fire" else "approve_catch_up_later" if later else action
@@ -15008,8 +15045,8 @@ async def page_office(web: Web):
 async def page_office_agents(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                              status: int = 200):
     def data():
-        return (web.store.office.list_agents(None), web.store.wakeups.wakeups_by_agent("claimed"),
-                web.store.wakeups.wakeups_by_agent("queued"))
+        return (web.store.office.list_agents(None), web.store.wakeups.wakeups_by_agent(WakeupStatus.CLAIMED),
+                web.store.wakeups.wakeups_by_agent(WakeupStatus.QUEUED))
     agents, active, queued = await web.call(data)
     return await office_page(web, "office_agents.html", tab="agents", status=status, agents=agents, active=active,
                              queued=queued, form=form or {}, errors=errors or {})
