@@ -162,6 +162,13 @@ LINE_TIMES_MAX_BYTES = 28 * 86_400
 IDEMPOTENCY_TTL_S = 24 * HOUR_S
 #: An in-flight key older than this belongs to a request that died (its action never committed).
 IN_FLIGHT_STALE_S = 60
+
+
+class IdempotencyState(enum.StrEnum):
+    IN_FLIGHT = "in_flight"   # its request is being handled: a repeat is refused
+    DONE = "done"             # answered: a repeat gets the same answer
+
+
 #: A due slot later than this when the cron actor reaches it counts as missed (downtime).
 MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
@@ -172,6 +179,13 @@ CRON_MAX_SLEEP_S = 300.0
 #: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
 #: others only take over its fires when it is gone).
 NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 10, 1.0, 10.0
+
+
+class NodeStatus(enum.StrEnum):
+    UP = "up"
+    LOST = "lost"   # silent for NODE_LOST_S: another node settled its runs
+
+
 #: How often ``outpost runs log --follow`` asks for what is new.
 FOLLOW_POLL_S = 1.0
 #: A fleet: how often a running agent's new log lines go into the database for the other nodes.
@@ -323,6 +337,15 @@ NOTIFY_SEND_TIMEOUT_S = 60
 #: was lost): it is tried again. The one case that may deliver a message twice (a receiver that
 #: took it in the instant before the crash).
 NOTIFY_SENDING_STALE_S = 5 * MINUTE_S
+
+
+class NotificationStatus(enum.StrEnum):
+    QUEUED = "queued"         # waiting for its next_at: the first try, or the next after a failure
+    SENDING = "sending"       # one process is sending it (due again once NOTIFY_SENDING_STALE_S old)
+    DELIVERED = "delivered"
+    GIVEN_UP = "given_up"     # still undelivered NOTIFY_GIVE_UP_S after it was queued
+
+
 #: How often the outbox actor looks for work without a nudge (another node's items, a lost nudge).
 OUTBOX_SWEEP_S = MINUTE_S
 #: A daily digest missed while the daemon was down goes out late up to this long after its time.
@@ -2203,6 +2226,16 @@ POLICY_WORDS = {
     "notify": {"attention": "changes, failures, needs-you", "failures_only": "failures and needs-you only",
                "always": "every run"},
 }
+
+
+class ProposalState(enum.StrEnum):
+    """A schedule change a proposer key asked for (docs/agent-clis.md), as a human decided it."""
+    PENDING = "pending"
+    CONFIRMED = "confirmed"
+    DECLINED = "declined"
+    STALE = "stale"   # undecided for PROPOSAL_TTL_S, or its schedule moved on before it was confirmed
+
+
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                 "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
 DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
@@ -3536,7 +3569,22 @@ TERMINAL_TASK_SQL = sql_tuple(TERMINAL_TASK_STATES)
 #: Tasks that give an agent something to do (the idle skip counts these).
 ACTIONABLE_TASK_STATES = (TaskState.TODO, TaskState.IN_PROGRESS)
 AGENT_ROLES = ("coordinator", "worker", "specialist", "assistant")
-AGENT_STATUSES = ("idle", "working", "paused", "stopped")
+
+
+class AgentStatus(enum.StrEnum):
+    IDLE = "idle"
+    WORKING = "working"   # set by Outpost while it has sessions; a person sets the others
+    PAUSED = "paused"     # claims nothing (a budget pauses it too): its wakeups wait until it is idle again
+    STOPPED = "stopped"   # claims nothing, as paused
+
+
+class ApprovalStatus(enum.StrEnum):
+    """A human's decision on an approval an agent asked for."""
+    PENDING = "pending"
+    APPROVED = "approved"   # an In Review task moves to Done
+    REJECTED = "rejected"   # an In Review task goes back to In Progress
+
+
 #: Coordinators wake to coordinate, not to work a task, so their idle wakes are never skipped.
 SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, "assistant": True}
 #: Workflows of a task: only office (and routine) tasks wake agents; kanban tasks are the user's own.
@@ -4076,8 +4124,9 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
         role = "worker"   # for the defaults below; the error stands
     a["role"] = role
     with errors.check():
-        status = merged.get("status", "idle")
-        if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
+        status = merged.get("status", AgentStatus.IDLE)
+        if status not in tuple(AgentStatus) or (status == AgentStatus.WORKING
+                                                 and raw.get("status") == AgentStatus.WORKING):
             raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
         a["status"] = status
     for key, check in (
@@ -4190,7 +4239,21 @@ def summary_scope(payload: dict[str, Any]) -> str:
 
 # --- Office routines: templates, variables, triggers, webhook signatures ----------------------
 
-ROUTINE_STATUSES = ("active", "paused", "archived")
+class RoutineStatus(enum.StrEnum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    ARCHIVED = "archived"   # for good: it never fires, nor becomes active again
+
+
+class RoutineRunStatus(enum.StrEnum):
+    """What became of one firing of a routine (a routine run: its history)."""
+    RECEIVED = "received"
+    TASK_CREATED = "task_created"   # dispatched: its task created (heavy), or its wakeup queued (lightweight)
+    SKIPPED = "skipped"             # skip_if_active, or its wakeup came to nothing
+    COALESCED = "coalesced"         # coalesce_if_active: merged into the routine's active run
+    FAILED = "failed"               # with its error
+
+
 TRIGGER_KINDS = ("schedule", "webhook", "manual")
 SIGNING_MODES = ("none", "bearer", "hmac_sha256", "github")
 VARIABLE_TYPES = ("text", "number", "boolean", "select")
@@ -4311,7 +4374,7 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
     if not isinstance(assignee, str) or not assignee:
         errors.errors.append({"field": "assignee_agent_id", "message": "a routine wakes one agent: name it"})
     r["assignee_agent_id"] = assignee
-    for key, allowed, default in (("status", ROUTINE_STATUSES, "active"),
+    for key, allowed, default in (("status", tuple(RoutineStatus), RoutineStatus.ACTIVE),
                                   ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
                                   ("catch_up_policy", CATCH_UP_POLICIES, "enqueue_missed_with_cap")):
         value = merged.get(key, default)
@@ -4320,7 +4383,7 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
         if not isinstance(value, str) or value not in allowed:
             errors.errors.append({"field": key, "message": "must be " + ", ".join(allowed)})
         r[key] = value
-    if current is not None and current["status"] == "archived" and r["status"] != "archived":
+    if current is not None and current["status"] == RoutineStatus.ARCHIVED and r["status"] != RoutineStatus.ARCHIVED:
         errors.errors.append({"field": "status", "message": "an archived routine stays archived"})
     with errors.check():
         r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
@@ -5259,10 +5322,11 @@ def attention_view(a) -> dict[str, Any]:
 
 def proposal_view(p, now: datetime) -> dict[str, Any]:
     """A proposal as the API shows it; a pending one older than PROPOSAL_TTL_S reads ``stale``."""
-    expired = p.state == "pending" and aware(p.created_at) <= now - timedelta(seconds=PROPOSAL_TTL_S)
-    return {"id": p.id, "kind": p.kind, "state": "stale" if expired else p.state, "schedule_id": p.schedule_id,
-            **p.body, "base_revision": p.base_revision, "review": p.review, "proposed_by": p.proposed_by,
-            "created_at": rfc3339(aware(p.created_at)), "decided_at": rfc3339(aware(p.decided_at)), "note": p.note}
+    expired = p.state == ProposalState.PENDING and aware(p.created_at) <= now - timedelta(seconds=PROPOSAL_TTL_S)
+    return {"id": p.id, "kind": p.kind, "state": ProposalState.STALE if expired else p.state,
+            "schedule_id": p.schedule_id, **p.body, "base_revision": p.base_revision, "review": p.review,
+            "proposed_by": p.proposed_by, "created_at": rfc3339(aware(p.created_at)),
+            "decided_at": rfc3339(aware(p.decided_at)), "note": p.note}
 
 
 def agent_view(a) -> dict[str, Any]:
@@ -7348,10 +7412,11 @@ class NodeStore(StorePart):
         orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
         if not self.core.returning(
                 'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
-                f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, $max, 'up', $me) "
+                f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, $max, '{NodeStatus.UP}', $me) "
                 "ON CONFLICT (name) DO UPDATE SET "
                 "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
-                "max_running = excluded.max_running, status = 'up', orphans = NULL, process = excluded.process"
+                f"max_running = excluded.max_running, status = '{NodeStatus.UP}', orphans = NULL, "
+                "process = excluded.process"
                 + self.dialect.node_takeover
                 + " RETURNING name", {"name": self.core.node, "max": max_running, "me": self.core.process}):
             raise NodeNameTaken(f"node name {self.core.node!r} is held by another process now")
@@ -7362,14 +7427,15 @@ class NodeStore(StorePart):
         take each other's runs for their own. Claims it for this process, unless another process
         holds it and its heartbeat is under NODE_LOST_S old (and it is not ``replacing``, one the
         caller saw end): then returns that process and changes nothing."""
-        held = self.db.select("SELECT process FROM \"Node\" WHERE name = $name AND status = 'up' AND process <> $me "
+        held = self.db.select(f"SELECT process FROM \"Node\" WHERE name = $name AND status = '{NodeStatus.UP}' "
+                              "AND process <> $me "
                               f"AND heartbeat_at >= {self.dialect.db_now(-NODE_LOST_S)}",
                               {"name": self.core.node, "me": self.core.process})
         if held and held[0] != replacing:
             return held[0]
         self.db.execute(
             'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
-            f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, 0, 'up', $me) "
+            f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, 0, '{NodeStatus.UP}', $me) "
             "ON CONFLICT (name) DO UPDATE SET "
             "heartbeat_at = excluded.heartbeat_at, process = excluded.process", {"name": self.core.node,
                                                                                  "me": self.core.process})
@@ -7384,7 +7450,7 @@ class NodeStore(StorePart):
         """On the database's clock. False once a survivor has declared this node lost (the runs
         it was running are settled and no longer its own), or another process holds its name."""
         return bool(self.core.returning(f'UPDATE "Node" SET heartbeat_at = {self.dialect.db_now()} WHERE name = $name '
-                                   "AND status = 'up' AND process = $me RETURNING name",
+                                   f"AND status = '{NodeStatus.UP}' AND process = $me RETURNING name",
                                    {"name": self.core.node, "me": self.core.process}))
 
     def settle_lost_nodes(self, now: datetime) -> list[str]:
@@ -7393,7 +7459,8 @@ class NodeStore(StorePart):
         Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
         never started again (docs/fleet.md): nothing here can reach their processes. Returns the
         runs it settled."""
-        lost = self.core.returning(f"UPDATE \"Node\" SET status = 'lost' WHERE status = 'up' AND name <> $me "
+        lost = self.core.returning(f"UPDATE \"Node\" SET status = '{NodeStatus.LOST}' WHERE status = '{NodeStatus.UP}' "
+                                   "AND name <> $me "
                                    f"AND heartbeat_at < {self.dialect.db_now(-NODE_LOST_S)} RETURNING name",
                                    {"me": self.core.node})
         if not lost:
@@ -7405,7 +7472,8 @@ class NodeStore(StorePart):
                                        "AND pid IS NULL ORDER BY id", {"n": name})
             requeued = [r for r in unstarted if self.runs.requeue_unstarted(r, now,
                                                                             "its node was lost before it started")]
-            self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node = $n", {"n": name})
+            self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = '{IdempotencyState.IN_FLIGHT}' "
+                            "AND node = $n", {"n": name})
             mine, orphans = [], []
             for run_id, attempt, pid, pid_started in self.db.select(
                     "SELECT id, attempt, pid, pid_started FROM \"Run\" WHERE node = $n "
@@ -7422,7 +7490,7 @@ class NodeStore(StorePart):
 
     def other_nodes_up(self) -> bool:
         """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
-        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = 'up' AND name <> $me "
+        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = '{NodeStatus.UP}' AND name <> $me "
                                    f"AND heartbeat_at >= {self.dialect.db_now(-NODE_LOST_S)} LIMIT 1",
                                    {"me": self.core.node}))
 
@@ -7445,7 +7513,8 @@ class AccessStore(StorePart):
         self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
                         {"key": key, "h": horizon})
         rows = self.core.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, node, created_at) '
-                              "VALUES ($key, $fp, 'in_flight', $node, $now) ON CONFLICT (key) DO NOTHING RETURNING key",
+                              f"VALUES ($key, $fp, '{IdempotencyState.IN_FLIGHT}', $node, $now) "
+                              "ON CONFLICT (key) DO NOTHING RETURNING key",
                               {"key": key, "fp": fingerprint, "node": self.core.node, "now": sql_time(now)})
         if rows:
             return None
@@ -7453,7 +7522,7 @@ class AccessStore(StorePart):
         if rec.fingerprint != fingerprint:
             raise IdempotencyKeyReused("this Idempotency-Key was used for a different request "
                                        "(method, path or body); use a new key")
-        if rec.state != "done":
+        if rec.state != IdempotencyState.DONE:
             if aware(rec.created_at) > now - timedelta(seconds=IN_FLIGHT_STALE_S):
                 raise Conflict("a request with this Idempotency-Key is still in flight")
             rec.created_at = naive(now)   # its request died without an answer (it changed nothing): retry
@@ -7461,11 +7530,12 @@ class AccessStore(StorePart):
         return rec.status, rec.body
 
     def finish_idempotent(self, key: str, status: int, body: Any) -> None:
-        self.db.execute('UPDATE "IdempotencyRecord" SET state = \'done\', status = $status, body = $body '
-                        'WHERE key = $key', {"status": status, "body": json.dumps(body), "key": key})
+        self.db.execute(f'UPDATE "IdempotencyRecord" SET state = \'{IdempotencyState.DONE}\', status = $status, '
+                        'body = $body WHERE key = $key', {"status": status, "body": json.dumps(body), "key": key})
 
     def abandon_idempotent(self, key: str) -> None:
-        self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key AND state = 'in_flight'", {"key": key})
+        self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key "
+                        f"AND state = '{IdempotencyState.IN_FLIGHT}'", {"key": key})
 
     def create_session(self, now: datetime) -> tuple[str, str]:
         """A new signed-in browser: (cookie value, CSRF token)."""
@@ -7551,7 +7621,7 @@ class AccessStore(StorePart):
                   "control": review.get("summary")}[kind] + " Review it, then confirm or decline."
         attention = self.core.raise_attention("proposal", f"{proposed_by} proposes {what}", detail, now,
                                               schedule_id=schedule_id, run_id=None, link=f"/proposals/{pid}")
-        p = self.db.Proposal(id=pid, kind=kind, state="pending", schedule_id=schedule_id, body=body,
+        p = self.db.Proposal(id=pid, kind=kind, state=ProposalState.PENDING, schedule_id=schedule_id, body=body,
                              base_revision=base_revision, review=review, proposed_by=proposed_by,
                              attention_id=attention, created_at=naive(now))
         self.core.emit("proposal.created", {"proposal_id": pid, "kind": kind, "schedule_id": schedule_id}, now)
@@ -7569,7 +7639,7 @@ class AccessStore(StorePart):
         views = (proposal_view(p, now) for p in query)
         return list(itertools.islice((v for v in views if state in (None, v["state"])), limit))
 
-    def decide_proposal(self, proposal_id: str, state: str, note: str | None, now: datetime,
+    def decide_proposal(self, proposal_id: str, state: ProposalState, note: str | None, now: datetime,
                         schedule_id: str | None = None) -> dict[str, Any]:
         """Settle a pending proposal once (a conditional UPDATE: two confirms cannot both apply it)
         and close its item."""
@@ -7577,10 +7647,11 @@ class AccessStore(StorePart):
         if p is None:
             raise NotFound(f"no proposal {proposal_id}")
         current = proposal_view(p, now)
-        if current["state"] != "pending" and state != "stale":
+        if current["state"] != ProposalState.PENDING and state != ProposalState.STALE:
             raise Conflict(f"proposal {proposal_id} is {current['state']}; only a pending proposal can be decided")
         changed = self.db.execute('UPDATE "Proposal" SET state = $state, note = $note, decided_at = $now, '
-                                  "schedule_id = COALESCE($sid, schedule_id) WHERE id = $id AND state = 'pending'",
+                                  "schedule_id = COALESCE($sid, schedule_id) "
+                                  f"WHERE id = $id AND state = '{ProposalState.PENDING}'",
                                   {"state": state, "note": note, "now": sql_time(now), "sid": schedule_id,
                                    "id": proposal_id}).rowcount
         if not changed:
@@ -7594,7 +7665,7 @@ class AccessStore(StorePart):
     def forget_in_flight(self) -> int:
         """At boot: an in-flight key of this node belongs to its previous process, which died
         before committing its action (another node's are its own, still in flight)."""
-        return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' "
+        return self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = '{IdempotencyState.IN_FLIGHT}' "
                                f"AND {self.dialect.own_rows}", {"me": self.core.node}).rowcount
 
     def purge_expired(self, now: datetime) -> int:
@@ -7678,7 +7749,8 @@ class NotifyStore(StorePart):
     def _queue(self, entry: NotifyEntry | ChannelEntry, item: str | None, kind: str, title: str, body: str | None,
                link: str | None, now: datetime) -> int:
         row = self.db.Notification(entry=entry.key, item=item, kind=kind, title=title[:500], body=body,
-                                   link=link, status="queued", next_at=naive(now), created_at=naive(now))
+                                   link=link, status=NotificationStatus.QUEUED, next_at=naive(now),
+                                   created_at=naive(now))
         self.core.after_commit(self._mark_queued)
         orm.flush()
         return row.id
@@ -7738,12 +7810,14 @@ class NotifyStore(StorePart):
             return None
         keys, params = sql_list("k", self._keys())
         params |= {"now": sql_time(now), "stale": sql_time(now - timedelta(seconds=NOTIFY_SENDING_STALE_S))}
-        due = self.db.select(f'SELECT id FROM "Notification" WHERE entry IN {keys} AND ((status = \'queued\' '
-                             "AND next_at <= $now) OR (status = 'sending' AND sending_at <= $stale)) "
+        due = self.db.select(f'SELECT id FROM "Notification" WHERE entry IN {keys} '
+                             f"AND ((status = '{NotificationStatus.QUEUED}' AND next_at <= $now) "
+                             f"OR (status = '{NotificationStatus.SENDING}' AND sending_at <= $stale)) "
                              "ORDER BY next_at, id LIMIT 1", params)
         if not due or not self.core.returning(
-                "UPDATE \"Notification\" SET status = 'sending', sending_at = $now, attempts = attempts + 1 "
-                "WHERE id = $id AND (status = 'queued' OR (status = 'sending' AND sending_at <= $stale)) "
+                f"UPDATE \"Notification\" SET status = '{NotificationStatus.SENDING}', sending_at = $now, "
+                f"attempts = attempts + 1 WHERE id = $id AND (status = '{NotificationStatus.QUEUED}' "
+                f"OR (status = '{NotificationStatus.SENDING}' AND sending_at <= $stale)) "
                 "RETURNING id", {"id": due[0], "now": params["now"], "stale": params["stale"]}):
             return None
         n = self.db.Notification[due[0]]
@@ -7754,13 +7828,13 @@ class NotifyStore(StorePart):
         """After a send: delivered, or queued again with backoff, or given up once a day old."""
         n = self.db.Notification[notification_id]
         if error is None:
-            n.status, n.delivered_at = "delivered", naive(now)
+            n.status, n.delivered_at = NotificationStatus.DELIVERED, naive(now)
             return n.status
         n.last_error = error[:1000]
         if now - aware(n.created_at) >= timedelta(seconds=NOTIFY_GIVE_UP_S):
-            n.status = "given_up"
+            n.status = NotificationStatus.GIVEN_UP
         else:
-            n.status = "queued"
+            n.status = NotificationStatus.QUEUED
             n.next_at = naive(now + timedelta(seconds=notify_backoff_s(n.attempts)))
         return n.status
 
@@ -7769,10 +7843,10 @@ class NotifyStore(StorePart):
         if not self._keys():
             return None
         keys, params = sql_list("k", self._keys())
-        row = self.db.select(f"SELECT MIN(next_at) FROM \"Notification\" WHERE entry IN {keys} AND status = 'queued'",
-                             params)
+        row = self.db.select(f"SELECT MIN(next_at) FROM \"Notification\" WHERE entry IN {keys} "
+                             f"AND status = '{NotificationStatus.QUEUED}'", params)
         sending = self.db.select(f"SELECT MIN(sending_at) FROM \"Notification\" WHERE entry IN {keys} "
-                                 "AND status = 'sending'", params)
+                                 f"AND status = '{NotificationStatus.SENDING}'", params)
         times = [sql_instant(row[0])] if row and row[0] else []
         if sending and sending[0]:
             times.append(sql_instant(sending[0]) + timedelta(seconds=NOTIFY_SENDING_STALE_S))
@@ -7786,8 +7860,9 @@ class NotifyStore(StorePart):
 
     def _entry_state(self, key: str) -> dict[str, Any]:
         delivered, pending, given_up = self.db.select(
-            "SELECT MAX(delivered_at), COALESCE(SUM(CASE WHEN status IN ('queued', 'sending') THEN 1 ELSE 0 END), 0), "
-            "COALESCE(SUM(CASE WHEN status = 'given_up' THEN 1 ELSE 0 END), 0) "
+            "SELECT MAX(delivered_at), COALESCE(SUM(CASE WHEN status IN "
+            f"{sql_tuple((NotificationStatus.QUEUED, NotificationStatus.SENDING))} THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN status = '{NotificationStatus.GIVEN_UP}' THEN 1 ELSE 0 END), 0) "
             'FROM "Notification" WHERE entry = $key',
             {"key": key})[0]
         error = self.db.select('SELECT last_error FROM "Notification" WHERE entry = $key AND last_error IS NOT NULL '
@@ -7881,12 +7956,13 @@ class WakeupStore(StorePart):
                 lambda q: (q.requested_at, q.id)):
             routine = self.db.Routine.get(id=q.payload.get("routine_id")) if q.source == WakeupSource.ROUTINE else None
             if agent is None:
-                self.end_wakeup(q, WakeupStatus.FINISHED, now, note="agent deleted: no session", fire="skipped")
+                self.end_wakeup(q, WakeupStatus.FINISHED, now, note="agent deleted: no session",
+                                fire=RoutineRunStatus.SKIPPED)
             elif q.task_id and (reason := stale_reason(self.task_facts(q.task_id, q.workspace_id), q.agent_id,
                                                        q.reason)):
                 self.end_wakeup(q, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
-            elif q.source == WakeupSource.ROUTINE and (routine is None or routine.status != "active"):
-                self.end_wakeup(q, WakeupStatus.FINISHED, now, fire="skipped",
+            elif q.source == WakeupSource.ROUTINE and (routine is None or routine.status != RoutineStatus.ACTIVE):
+                self.end_wakeup(q, WakeupStatus.FINISHED, now, fire=RoutineRunStatus.SKIPPED,
                                 note=f"its routine is {routine.status if routine else 'deleted'}: no session")
             else:
                 requeued.append(q)
@@ -7948,7 +8024,8 @@ class WakeupStore(StorePart):
             t.checkout_agent_id, t.checkout_at = None, None
 
     def end_wakeup(self, w, status: WakeupStatus, now: datetime, note: str | None = None,
-                    cancel_reason: str | None = None, *, fire: str | None = None, carried: bool = False) -> None:
+                    cancel_reason: str | None = None, *, fire: RoutineRunStatus | None = None,
+                    carried: bool = False) -> None:
         """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
         ended without a session); by default skipped or failed as the wakeup, else unchanged.
         ``carried``: its run ended well, and the requests merged into it with it; otherwise
@@ -7958,20 +8035,21 @@ class WakeupStore(StorePart):
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.core.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
-        fire = fire or {"skipped": "skipped", "failed": "failed", "cancelled": "failed"}.get(status)
+        fire = fire or {WakeupStatus.SKIPPED: RoutineRunStatus.SKIPPED, WakeupStatus.FAILED: RoutineRunStatus.FAILED,
+                        WakeupStatus.CANCELLED: RoutineRunStatus.FAILED}.get(status)
         if fire and (w.source == WakeupSource.ROUTINE or w.coalesced_count > 1):   # it carries merged requests
             self._end_routine_runs(w, fire, note or cancel_reason, now)
 
-    def _end_routine_runs(self, w, status: str, why: str | None, now: datetime) -> None:
+    def _end_routine_runs(self, w, status: RoutineRunStatus, why: str | None, now: datetime) -> None:
         """The lightweight routine runs a wakeup carried (its own, or those merged into it) that
         came to nothing: a spec status (skipped or failed, with why), with completed_at. One
         whose wakeup ran stays task_created."""
         wakeup_id = w.id
         carried = [wakeup_id, *self.db.select('SELECT id FROM "Wakeup" WHERE coalesced_into = $w', {"w": wakeup_id})]
         for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.linked_task_id is None
-                                           and x.status in ("received", "task_created")):
+                                           and x.status in (RoutineRunStatus.RECEIVED, RoutineRunStatus.TASK_CREATED)):
             x.status, x.completed_at = status, naive(now)
-            x.error = why if status == "failed" else None
+            x.error = why if status == RoutineRunStatus.FAILED else None
 
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
@@ -8157,10 +8235,11 @@ class OfficeStore(StorePart):
     def update_agent(self, agent_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
         a = self.agent_row(agent_id)
         self._check_agent_name(a.workspace_id, fields["name"], a.id)
-        if fields["status"] == "working" or (fields["status"] == "idle" and a.status == "working"):
+        if fields["status"] == AgentStatus.WORKING or (fields["status"] == AgentStatus.IDLE
+                                                       and a.status == AgentStatus.WORKING):
             fields = {**fields, "status": a.status}   # working and idle follow the agent's sessions
-        elif fields["status"] == "idle" and self.active_sessions(a.id):
-            fields = {**fields, "status": "working"}
+        elif fields["status"] == AgentStatus.IDLE and self.active_sessions(a.id):
+            fields = {**fields, "status": AgentStatus.WORKING}
         a.set(updated_at=naive(now), **fields)
         self.core.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
         return agent_view(a)
@@ -8444,7 +8523,8 @@ class OfficeStore(StorePart):
 
     def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
         a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
-                             requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
+                             requested_by_agent_id=agent_id, note=note, status=ApprovalStatus.PENDING,
+                             created_at=naive(now))
         self.core.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None,
                                   run_id=None)
         self.core.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
@@ -8471,18 +8551,18 @@ class OfficeStore(StorePart):
     def resolve_approval(self, approval_id: str, status: str, decision_note: str, now: datetime) -> dict[str, Any]:
         """The user decides: approved moves an In Review task to Done (its dependents wake);
         rejected sends it back to In Progress. The requesting agent gets approval_resolved."""
-        if status not in ("approved", "rejected"):
+        if status not in (ApprovalStatus.APPROVED, ApprovalStatus.REJECTED):
             raise invalid("status", "must be approved or rejected")
         a = self.db.Approval.get(id=approval_id)
         if a is None:
             raise NotFound(f"no approval {approval_id}")
-        if a.status != "pending":
+        if a.status != ApprovalStatus.PENDING:
             raise Conflict(f"approval {a.id} was already {a.status}")
         a.status, a.decision_note, a.resolved_at = status, decision_note, naive(now)
         self.core.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
         t = self.db.Task.get(id=a.task_id)
         if t is not None and t.state == TaskState.IN_REVIEW:
-            if status == "approved":
+            if status == ApprovalStatus.APPROVED:
                 self.move_task(t.id, TaskState.DONE, now)
             else:
                 t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
@@ -8694,7 +8774,7 @@ class PipelineStore(StorePart):
                   f"WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = '{WakeupStatus.CLAIMED}'")
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
-            if status in ("paused", "stopped"):
+            if status in (AgentStatus.PAUSED, AgentStatus.STOPPED):
                 continue   # its wakeups wait for it to be resumed
             if last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
                 continue
@@ -8723,12 +8803,14 @@ class PipelineStore(StorePart):
         agent = self.db.Agent.get(id=w.agent_id)
         # 2. Guard: agent status, before the claim (the spec's claim query takes only idle and
         # working agents): a paused or stopped agent's wakeups stay queued until it is resumed.
-        if w.status != WakeupStatus.QUEUED or (agent is not None and agent.status in ("paused", "stopped")):
+        if w.status != WakeupStatus.QUEUED or (agent is not None
+                                               and agent.status in (AgentStatus.PAUSED, AgentStatus.STOPPED)):
             return PipelineOutcome(claimed=False)
         # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
         w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.CLAIMED, naive(now), None
         if agent is None:
-            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="agent deleted: no session", fire="skipped")
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="agent deleted: no session",
+                                    fire=RoutineRunStatus.SKIPPED)
             return PipelineOutcome(claimed=True)
         task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, w.reason)):
@@ -8737,10 +8819,10 @@ class PipelineStore(StorePart):
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
             routine_id = w.payload.get("routine_id")
             r = self.db.Routine.get(id=routine_id)
-            if r is None or r.status != "active":   # what merged into it from elsewhere still runs
+            if r is None or r.status != RoutineStatus.ACTIVE:   # what merged into it from elsewhere still runs
                 self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now,
                                         note=f"its routine is {r.status if r else 'deleted'}: no session",
-                                 fire="skipped")
+                                        fire=RoutineRunStatus.SKIPPED)
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, w.reason)):
@@ -8763,7 +8845,7 @@ class PipelineStore(StorePart):
                 # Only the routine's own part is skipped: a user, self or event wake that merged
                 # into it (into its pending retry) is queued again and runs.
                 self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="no actionable tasks (idle skip)",
-                                        fire="skipped")
+                                        fire=RoutineRunStatus.SKIPPED)
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
@@ -8809,7 +8891,7 @@ class PipelineStore(StorePart):
             self._wait_for_repository(w, "the workspace has no repository: set one in Office settings", now)
             return PipelineOutcome(claimed=True)
         run_id = self._queue_wakeup_run(w, agent, ws, task, profiles[executor], executor, repository, now)
-        agent.status = "working"
+        agent.status = AgentStatus.WORKING
         self._budget_alert(agent, ws, now)
         self.core.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
         return PipelineOutcome(claimed=True, run_id=run_id)
@@ -8848,7 +8930,7 @@ class PipelineStore(StorePart):
             self.core._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                            wakeup_id=w.id, detail=blocked)
             return
-        agent.status, agent.updated_at = "paused", naive(now)
+        agent.status, agent.updated_at = AgentStatus.PAUSED, naive(now)
         self.core._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                        wakeup_id=w.id, detail=blocked)
         self.core.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
@@ -8986,8 +9068,8 @@ class PipelineStore(StorePart):
                                        not_before=None if r.limit_named_reset else until)
         if agent is not None:
             agent.last_wakeup_finished_at = naive(now)
-            if agent.status == "working" and not self.office.active_sessions(agent.id):
-                agent.status = "idle"
+            if agent.status == AgentStatus.WORKING and not self.office.active_sessions(agent.id):
+                agent.status = AgentStatus.IDLE
             if r.cost_usd:   # the cost it reported may take the agent past 80% of a dollar budget
                 self._budget_alert(agent, self.db.Workspace[o.workspace_id], now)
 
@@ -9163,8 +9245,8 @@ class RoutineStore(StorePart):
     def scheduled_wakeups(self, agent_id: str) -> int:
         """Enabled schedule triggers of active routines that wake this agent (the coordinator banner)."""
         return self.db.select('SELECT COUNT(*) FROM "RoutineTrigger" t JOIN "Routine" r ON r.id = t.routine_id '
-                              "WHERE r.assignee_agent_id = $a AND r.status = 'active' AND t.kind = 'schedule' "
-                              "AND t.enabled", {"a": agent_id})[0]
+                              f"WHERE r.assignee_agent_id = $a AND r.status = '{RoutineStatus.ACTIVE}' "
+                              "AND t.kind = 'schedule' AND t.enabled", {"a": agent_id})[0]
 
     def install_heartbeat(self, agent_id: str, now: datetime) -> dict[str, Any]:
         """The pre-installed coordinator routine, exactly as the spec lists it; an ordinary
@@ -9174,7 +9256,7 @@ class RoutineStore(StorePart):
         fields = {"name": "Coordinator heartbeat",
                   "description": "Wakes the coordinator every 5 minutes to check workspace activity, react to errors "
                                  "and budget signals, and decide what to do next.",
-                  "assignee_agent_id": a.id, "status": "active", "concurrency_policy": "coalesce_if_active",
+                  "assignee_agent_id": a.id, "status": RoutineStatus.ACTIVE, "concurrency_policy": "coalesce_if_active",
                   "catch_up_policy": "enqueue_missed_with_cap", "catch_up_max": 25, "priority": 0,
                   "task_template": {}, "variables": []}
         trigger = {"kind": "schedule", "cron_expression": "*/5 * * * *", "timezone": ws.timezone or "UTC",
@@ -9186,8 +9268,8 @@ class RoutineStore(StorePart):
         wakeup (lightweight) is not over: what the concurrency policy is about."""
         routine_id = r.id
         for x in self.db.RoutineRun.select(lambda x: x.routine_id == routine_id and x.status in (
-                "received", "task_created") and x.dispatch_fingerprint == fingerprint).order_by(
-                lambda x: orm.desc(x.started_at))[:20]:
+                RoutineRunStatus.RECEIVED, RoutineRunStatus.TASK_CREATED)
+                and x.dispatch_fingerprint == fingerprint).order_by(lambda x: orm.desc(x.started_at))[:20]:
             if x.linked_task_id:
                 t = self.db.Task.get(id=x.linked_task_id)
                 if t is not None and t.state not in TERMINAL_TASK_STATES and t.archived_at is None:
@@ -9231,7 +9313,7 @@ class RoutineStore(StorePart):
         since = self.db.Run[run_id].finished_at or self.db.Run[run_id].queued_at
         active_id = active.id
         fired = orm.count(x for x in self.db.RoutineRun if x.coalesced_into_run_id == active_id
-                          and x.status == "coalesced" and x.started_at >= since)
+                          and x.status == RoutineRunStatus.COALESCED and x.started_at >= since)
         item.detail = f"{self.db.Run[run_id].question or ''}\n\n{routine_waiting_note(fired)}".strip()
 
     def fire_routine(self, routine_id: str, trigger_id: str | None, source: str, provided: dict[str, Any],
@@ -9242,7 +9324,7 @@ class RoutineStore(StorePart):
         (lightweight). Recorded as a routine run either way. ``counted_all`` false: the missed
         ticks were counted up to a cap, and ``missed_ticks`` is a lower bound ("more than")."""
         r = self._routine(routine_id)
-        if r.status != "active":
+        if r.status != RoutineStatus.ACTIVE:
             raise Conflict(f"routine {r.id} is {r.status}; a {r.status} routine never fires")
         ws = self.office.workspace_row(r.workspace_id)
         tz = ZoneInfo(ws.timezone)
@@ -9265,7 +9347,7 @@ class RoutineStore(StorePart):
             manual = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id and t.kind == "manual")
             trigger_id = next((t.id for t in manual.order_by(lambda t: t.id)), None)
         x = self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id or "manual", source=source,
-                               status="received", due_at=naive(due_at), missed_ticks=missed_ticks,
+                               status=RoutineRunStatus.RECEIVED, due_at=naive(due_at), missed_ticks=missed_ticks,
                                trigger_payload=provided_values, dispatch_fingerprint=fingerprint,
                                started_at=naive(now))
         if trigger_id and (t := self.db.RoutineTrigger.get(id=trigger_id)) is not None:
@@ -9281,15 +9363,17 @@ class RoutineStore(StorePart):
                 r.workspace_id, task.assignee_agent_id or r.assignee_agent_id, WakeupSource.ROUTINE, payload, now,
                 reason=f"routine {r.name} fired again; its task is still open",
                 idempotency_key=routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None)
-            x.status, x.linked_task_id, x.completed_at = "task_created", task.id, naive(now)
+            x.status, x.linked_task_id, x.completed_at = RoutineRunStatus.TASK_CREATED, task.id, naive(now)
         elif active is not None and active.id != x.id:
-            x.status = "skipped" if r.concurrency_policy == "skip_if_active" else "coalesced"
-            x.coalesced_into_run_id = active.id if x.status == "coalesced" else None
+            x.status = (RoutineRunStatus.SKIPPED if r.concurrency_policy == "skip_if_active"
+                        else RoutineRunStatus.COALESCED)
+            x.coalesced_into_run_id = active.id if x.status == RoutineRunStatus.COALESCED else None
             x.completed_at = naive(now)
             if active.linked_task_id:
                 self._count_on_waiting_item(active, now)
         elif agent is None or agent.workspace_id != r.workspace_id:
-            x.status, x.error, x.completed_at = "failed", "the routine's assignee no longer exists", naive(now)
+            x.status, x.error, x.completed_at = (RoutineRunStatus.FAILED, "the routine's assignee no longer exists",
+                                                 naive(now))
         elif template:
             if missed_note:
                 description += f"\n\n(Outpost: {missed_note}.)"
@@ -9297,7 +9381,7 @@ class RoutineStore(StorePart):
                 "title": title, "description": description, "state": str(TaskState.IN_PROGRESS),
                 "assignee_agent_id": agent.id, "parent_id": None, "project_id": None, "blocked_by": [],
                 "reviewers": [], "requires_approval": False, "workflow": "routine", "executor": None}, now)
-            x.status, x.linked_task_id, x.completed_at = "task_created", task["id"], naive(now)
+            x.status, x.linked_task_id, x.completed_at = RoutineRunStatus.TASK_CREATED, task["id"], naive(now)
         else:
             payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks}   # with {{date}}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
@@ -9305,14 +9389,15 @@ class RoutineStore(StorePart):
                                               reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
                                               idempotency_key=key)
             # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
-            x.status, x.completed_at = "task_created", naive(now)
+            x.status, x.completed_at = RoutineRunStatus.TASK_CREATED, naive(now)
         self.core.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
         return routine_run_view(x)
 
     def _record_failed_fire(self, r, trigger_id: str, due_at: datetime, error: str, now: datetime) -> None:
-        self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron", status="failed",
-                           due_at=naive(due_at), error=error[:ERROR_TAIL_BYTES], started_at=naive(now),
+        self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron",
+                           status=RoutineRunStatus.FAILED, due_at=naive(due_at), error=error[:ERROR_TAIL_BYTES],
+                           started_at=naive(now),
                            dispatch_fingerprint=dispatch_fingerprint(r.id, "", "", r.assignee_agent_id),
                            completed_at=naive(now))
 
@@ -9348,7 +9433,7 @@ class RoutineStore(StorePart):
             later = next_fires(timing, slots[-1], 1) if slots else []
             t.next_run_at = naive(later[0]) if later else None
             r = self.db.Routine.get(id=t.routine_id)
-            if r is None or r.status != "active" or not t.enabled:
+            if r is None or r.status != RoutineStatus.ACTIVE or not t.enabled:
                 continue
             plan, dropped = catch_up_plan(r.catch_up_policy, r.catch_up_max, slots, total)
             for i, slot in enumerate(plan):
@@ -9365,10 +9450,10 @@ class RoutineStore(StorePart):
 
     def fire_sources(self) -> list[FireSource]:
         """The schedules and the routines' schedule triggers that are not archived (upcoming_list)."""
-        routines = {r.id: r for r in self.db.Routine.select(lambda r: r.status != "archived")}
+        routines = {r.id: r for r in self.db.Routine.select(lambda r: r.status != RoutineStatus.ARCHIVED)}
         return self.schedules.fire_sources() + [
             FireSource("routine", r.id, r.name, t.timezone, trigger_timing(t.cron_expression, t.timezone),
-                       aware(t.next_run_at), r.status != "active" or not t.enabled)
+                       aware(t.next_run_at), r.status != RoutineStatus.ACTIVE or not t.enabled)
             for t in self.db.RoutineTrigger.select(lambda t: t.kind == "schedule")
             if (r := routines.get(t.routine_id)) is not None]
 
@@ -9397,7 +9482,7 @@ class RoutineStore(StorePart):
         if previous and previous_until and sql_instant(previous_until) > now:
             secrets_.append(previous)
         return {"trigger_id": trigger_id, "routine_id": routine_id, "signing_mode": signing_mode, "secrets": secrets_,
-                "enabled": bool(enabled), "routine_status": status or "archived"}
+                "enabled": bool(enabled), "routine_status": status or RoutineStatus.ARCHIVED}
 
     def refuse_webhook(self, trigger_id: str, reason: str, source_address: str | None, size: int,
                        now: datetime) -> None:
@@ -9453,7 +9538,7 @@ class RoutineStore(StorePart):
             for task_id in candidates:
                 t = self.db.Task[task_id]
                 agent = self.db.Agent.get(id=t.assignee_agent_id)
-                if agent is None or agent.status in ("paused", "stopped"):
+                if agent is None or agent.status in (AgentStatus.PAUSED, AgentStatus.STOPPED):
                     continue
                 if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t '
                                   f"AND status IN {sql_tuple(OPEN_WAKEUP_STATUSES)}", {"t": task_id})[0]:
@@ -9579,7 +9664,8 @@ class HousekeepingStore(StorePart):
                                     'AND NOT EXISTS (SELECT 1 FROM "Wakeup" c WHERE c.id = "Wakeup".coalesced_into '
                                     f"AND c.status IN {sql_tuple(OPEN_WAKEUP_STATUSES)})")
         if what == "notifications":   # the outbox's sent and given-up messages (a queued one waits)
-            return "Notification", "id", "status IN ('delivered', 'given_up') AND created_at < $cutoff"
+            ended = sql_tuple((NotificationStatus.DELIVERED, NotificationStatus.GIVEN_UP))
+            return "Notification", "id", f"status IN {ended} AND created_at < $cutoff"
         return "WebhookRefusal", "id", "created_at < $cutoff"
 
     def _history_params(self, cutoff: datetime) -> dict[str, Any]:
@@ -10997,7 +11083,7 @@ class StoreCollector:
             up = GaugeMetricFamily("outpost_node_up", "1 for a node of the fleet whose heartbeat is fresh.",
                                    labels=["node"])
             for node in reading.nodes:
-                up.add_metric([node["name"]], 1 if node["status"] == "up" else 0)
+                up.add_metric([node["name"]], 1 if node["status"] == NodeStatus.UP else 0)
             yield up
 
 
@@ -12057,9 +12143,9 @@ async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, Notify
         await deps.transaction_retrying(deps.store.channels.sent, entry.name, error, deps.clock.now())
         nlog.info("channel %s message %d: %s", entry.name, row["id"], error or "sent")
         return
-    if status == "delivered":
+    if status == NotificationStatus.DELIVERED:
         nlog.info("notification %d (%s) delivered to %s %s", row["id"], row["kind"], entry.name, entry.label)
-    elif status == "given_up":
+    elif status == NotificationStatus.GIVEN_UP:
         nlog.error("notification %d (%s) to %s %s given up after %d attempts: %s", row["id"], row["kind"],
                    entry.name, entry.label, row["attempts"], error)
     else:
@@ -12729,7 +12815,6 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
 
 #: What a person's own agent may propose (docs/agent-clis.md), and the fields of each.
 PROPOSAL_KINDS = ("create", "change", "control")
-PROPOSAL_STATES = ("pending", "confirmed", "declined", "stale")
 #: Who a proposal made without a key is by (``Web.caller``): a key may not take these names.
 HUMAN_CALLERS = ("api", "dashboard")
 PROPOSAL_FIELDS = {"create": ("definition",), "change": ("schedule_id", "changes"),
@@ -12886,7 +12971,7 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
     made from (412 if the schedule moved meanwhile, and the proposal is then stale), in one
     transaction with the proposal's decision."""
     p, now = await web.call(web.store.access.get_proposal, proposal_id, web.now), web.now
-    if p["state"] != "pending":
+    if p["state"] != ProposalState.PENDING:
         raise Conflict(f"proposal {proposal_id} is {p['state']}; only a pending proposal can be confirmed")
     digests, decide = web.deps.profile_digests, web.store.access.decide_proposal
     if p["kind"] == "create":
@@ -12894,14 +12979,14 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
 
         def apply():
             schedule = web.store.schedules.create_schedule(definition, now, digests.get(definition["agent"]))
-            return decide(proposal_id, "confirmed", None, now, schedule["id"])
+            return decide(proposal_id, ProposalState.CONFIRMED, None, now, schedule["id"])
         return await web.commit(apply)
     current = await web.call(web.store.schedules.schedule_definition, p["schedule_id"])
     if current["revision"] != p["base_revision"] or current["archived"]:
         why = ("the schedule was archived" if current["archived"] else
                f"the schedule changed (it is at revision {current['revision']} now, this was made from "
                f"revision {p['base_revision']})")
-        await web.call(decide, proposal_id, "stale", f"{why} after this was proposed", now)
+        await web.call(decide, proposal_id, ProposalState.STALE, f"{why} after this was proposed", now)
         check_revision(p["schedule_id"], current["revision"], p["base_revision"])
         raise Archived(f"schedule {p['schedule_id']} is archived")
     if p["kind"] == "change":
@@ -12911,7 +12996,7 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
         def apply():
             web.store.schedules.update_schedule(p["schedule_id"], p["base_revision"], definition, now,
                                                 digests.get(definition["agent"]))
-            return decide(proposal_id, "confirmed", None, now)
+            return decide(proposal_id, ProposalState.CONFIRMED, None, now)
         return await web.commit(apply)
     fired = {}
 
@@ -12920,7 +13005,7 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
             fired.update(web.store.schedules.fire_manual(p["schedule_id"], p["base_revision"], now, digests))
         else:
             web.store.schedules.control_schedule(p["schedule_id"], p["base_revision"], p["action"], now)
-        return decide(proposal_id, "confirmed", None, now)
+        return decide(proposal_id, ProposalState.CONFIRMED, None, now)
     decided = await web.commit(apply)
     if fired:
         await after_fire(web.deps, fired)
@@ -12930,8 +13015,8 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
 async def decline_proposal(web: Web, proposal_id: str, note: Any) -> dict[str, Any]:
     if note is not None and (not isinstance(note, str) or len(note) > MAX_TEXT_CHARS):
         raise invalid("note", f"must be text of at most {MAX_TEXT_CHARS} characters")
-    return await web.commit(web.store.access.decide_proposal, proposal_id, "declined", (note or "").strip() or None,
-                            web.now)
+    return await web.commit(web.store.access.decide_proposal, proposal_id, ProposalState.DECLINED,
+                            (note or "").strip() or None, web.now)
 
 
 async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
@@ -13356,7 +13441,7 @@ async def api_dispatch(web: Web):
 
 @api.get("/v1/outpost/proposals", auth=Auth.TOKEN)
 async def api_list_proposals(web: Web):
-    state = web.choice_arg("state", PROPOSAL_STATES)
+    state = web.choice_arg("state", ProposalState)
     return {"proposals": await web.call(web.store.access.list_proposals, state, web.now,
                                         web.int_arg("limit", 100, 1, 500))}
 
@@ -13709,7 +13794,7 @@ async def office_comment(web: Web, task_id: str):
 
 @office_api.get("/api/office/approvals", auth=Auth.TOKEN)
 async def office_approvals(web: Web):
-    status = web.choice_arg("status", ("pending", "approved", "rejected"))
+    status = web.choice_arg("status", ApprovalStatus)
     return {"approvals": await web.call(web.store.office.list_approvals, web.workspace_arg(), status)}
 
 
@@ -13826,8 +13911,8 @@ async def hook_fire(web: Web, public_id: str):
                            {k.lower(): v for k, v in request.headers.items()}, body, now)
     if not check.ok:
         return await refuse(WebhookRefused(f"webhook refused: {check.reason}"), check.reason)
-    if target["routine_status"] != "active" or not target["enabled"]:
-        state = "disabled" if target["routine_status"] == "active" else target["routine_status"]
+    if target["routine_status"] != RoutineStatus.ACTIVE or not target["enabled"]:
+        state = "disabled" if target["routine_status"] == RoutineStatus.ACTIVE else target["routine_status"]
         return await refuse(Conflict(f"this trigger's routine is {state}; it does not fire"), f"routine {state}")
     try:
         provided = body_object(json.loads(body) if body.strip() else {})
@@ -14215,7 +14300,7 @@ def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | Non
     is enabled or the routine active, else the state ("paused", "archived", "off"): a paused
     one's stored next fire is not when it fires."""
     from markupsafe import Markup
-    if state not in ("enabled", "active"):
+    if state not in ("enabled", RoutineStatus.ACTIVE):
         return Markup('<span class="muted" data-next-fire="{0}">{0}</span>').format(state.replace("_", " "))
     return time_tag(instant, tz_name)
 
@@ -14773,7 +14858,7 @@ async def page_attention(web: Web):
     items = await web.call(web.store.list_attention, False)
     open_items = [a for a in items if not a["acknowledged_at"]]
     done_items = [a for a in items if a["acknowledged_at"]][:50]
-    pending = await web.call(web.store.access.list_proposals, "pending", web.now)
+    pending = await web.call(web.store.access.list_proposals, ProposalState.PENDING, web.now)
     return await web.page("attention.html", section="attention", live=True, open_items=open_items,
                           done_items=done_items, schedules=await web.call(web.store.schedules.schedule_zones),
                           pending_proposals=len(pending))
@@ -14810,7 +14895,7 @@ async def proposal_page(web: Web, proposal_id: str, *, status: int = 200, error:
     it was made from), and Confirm / Decline while it is pending."""
     proposal = await web.call(web.store.access.get_proposal, proposal_id, web.now)
     moved = None   # a pending change or action whose schedule moved on: it can no longer be confirmed
-    if proposal["state"] == "pending" and proposal["schedule_id"]:
+    if proposal["state"] == ProposalState.PENDING and proposal["schedule_id"]:
         current = await web.call(web.store.schedules.schedule_definition, proposal["schedule_id"])
         moved = current if current["revision"] != proposal["base_revision"] or current["archived"] else None
     return await web.page("proposal.html", status=status, section="attention", p=proposal, error=error, moved=moved,
@@ -15230,7 +15315,7 @@ async def page_office_routine(web: Web, routine_id: str, form: Any = None, error
 async def page_office_routine_save(web: Web, routine_id: str):
     async def save(form):
         raw, _ = routine_form(form)
-        raw["status"] = form.get("status", "active")
+        raw["status"] = form.get("status", RoutineStatus.ACTIVE)
         await update_routine(web, routine_id, raw)
         return f"/office/routines/{routine_id}?done=routine_updated"
     return await office_form(web, save, functools.partial(page_office_routine, routine_id=routine_id))
@@ -15255,8 +15340,8 @@ async def page_office_routine_fire(web: Web, routine_id: str):
     async def fire(form):
         variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
         run = await fire_routine(web, routine_id, variables)
-        done = ("received" if run["status"] == "task_created" and not run["linked_task_id"] else
-                "woke_task" if run["status"] == "task_created" and run["wakeup_id"] else run["status"])
+        done = ("received" if run["status"] == RoutineRunStatus.TASK_CREATED and not run["linked_task_id"] else
+                "woke_task" if run["status"] == RoutineRunStatus.TASK_CREATED and run["wakeup_id"] else run["status"])
         return f"/office/routines/{routine_id}?done=fired_{done}"
     return await office_form(web, fire, functools.partial(page_office_routine, routine_id=routine_id))
 
@@ -15797,7 +15882,7 @@ def cli_proposals(client: Client, args: argparse.Namespace) -> None:
         p = client.call("POST", path + "/decline", {"note": args.note}, idempotent=True)
     if args.action != "show":
         print(json.dumps(p, indent=2) if args.json else f"{p['id']}: {p['state']}"
-              + (f", schedule {p['schedule_id']}" if p["state"] == "confirmed" and p["schedule_id"] else "")
+              + (f", schedule {p['schedule_id']}" if p["state"] == ProposalState.CONFIRMED and p["schedule_id"] else "")
               + (f", with the note: {p['note']}" if p["note"] else ""))
 
 
