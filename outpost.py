@@ -167,6 +167,13 @@ LINE_TIMES_MAX_BYTES = 28 * 86_400
 IDEMPOTENCY_TTL_S = 24 * HOUR_S
 #: An in-flight key older than this belongs to a request that died (its action never committed).
 IN_FLIGHT_STALE_S = 60
+
+
+class IdempotencyState(enum.StrEnum):
+    IN_FLIGHT = "in_flight"   # its request is being handled: a repeat is refused
+    DONE = "done"             # answered: a repeat gets the same answer
+
+
 #: A due slot later than this when the cron actor reaches it counts as missed (downtime).
 MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
@@ -177,6 +184,13 @@ CRON_MAX_SLEEP_S = 300.0
 #: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
 #: others only take over its fires when it is gone).
 NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 10, 1.0, 10.0
+
+
+class NodeStatus(enum.StrEnum):
+    UP = "up"
+    LOST = "lost"   # silent for NODE_LOST_S: another node settled its runs
+
+
 #: How often ``outpost runs log --follow`` asks for what is new.
 FOLLOW_POLL_S = 1.0
 #: A fleet: how often a running agent's new log lines go into the database for the other nodes.
@@ -328,6 +342,15 @@ NOTIFY_SEND_TIMEOUT_S = 60
 #: was lost): it is tried again. The one case that may deliver a message twice (a receiver that
 #: took it in the instant before the crash).
 NOTIFY_SENDING_STALE_S = 5 * MINUTE_S
+
+
+class NotificationStatus(enum.StrEnum):
+    QUEUED = "queued"         # waiting for its next_at: the first try, or the next after a failure
+    SENDING = "sending"       # one process is sending it (due again once NOTIFY_SENDING_STALE_S old)
+    DELIVERED = "delivered"
+    GIVEN_UP = "given_up"     # still undelivered NOTIFY_GIVE_UP_S after it was queued
+
+
 #: How often the outbox actor looks for work without a nudge (another node's items, a lost nudge).
 OUTBOX_SWEEP_S = MINUTE_S
 #: A daily digest missed while the daemon was down goes out late up to this long after its time.
@@ -2143,6 +2166,11 @@ def daemon_url(data_dir: Path, url: str | None) -> str:
 #    naming and outcomes. Pure: no I/O, no trio, no clock reads.
 ###############################################################################
 
+def sql_tuple(values: Iterable[str]) -> str:
+    """``('a', 'b')``: the values of a raw SQL ``IN``, written into its text (our own constants, never input)."""
+    return "(" + ", ".join(f"'{value}'" for value in values) + ")"
+
+
 class RunStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
@@ -2161,7 +2189,7 @@ SETTLED_RUN_STATUSES = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_Y
 #: A schedule whose run is in one of these states is "active" for the overlap rules.
 ACTIVE_RUN_STATUSES = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSED)
 #: The same, for raw SQL: ``status IN (...)``.
-ACTIVE_RUN_SQL = "('queued', 'running', 'paused')"
+ACTIVE_RUN_SQL = sql_tuple(ACTIVE_RUN_STATUSES)
 #: The error of a run whose daemon stopped or died under it (not the agent's failure).
 INTERRUPTED = "interrupted"
 
@@ -2203,6 +2231,16 @@ POLICY_WORDS = {
     "notify": {"attention": "changes, failures, needs-you", "failures_only": "failures and needs-you only",
                "always": "every run"},
 }
+
+
+class ProposalState(enum.StrEnum):
+    """A schedule change a proposer key asked for (docs/agent-clis.md), as a human decided it."""
+    PENDING = "pending"
+    CONFIRMED = "confirmed"
+    DECLINED = "declined"
+    STALE = "stale"   # undecided for PROPOSAL_TTL_S, or its schedule moved on before it was confirmed
+
+
 CRON_ALIASES = {"@hourly": "0 * * * *", "@daily": "0 0 * * *", "@weekly": "0 0 * * 0",
                 "@monthly": "0 0 1 * *", "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *"}
 DEFINITION_FIELDS = ("name", "brief", "repository", "workdir", "source_ref", "agent", "timing",
@@ -3508,6 +3546,11 @@ class WakeupStatus(enum.StrEnum):
     CANCELLED = "cancelled"    # stale: see CancelReason
 
 
+#: A wakeup in one of these has not ended (claimed: its run is queued, running or paused); the others have.
+OPEN_WAKEUP_STATUSES = (WakeupStatus.QUEUED, WakeupStatus.CLAIMED)
+ENDED_WAKEUP_STATUSES = tuple(s for s in WakeupStatus if s not in OPEN_WAKEUP_STATUSES)
+
+
 class CancelReason(enum.StrEnum):
     TASK_NOT_FOUND = "task_not_found"
     ASSIGNEE_CHANGED = "assignee_changed"
@@ -3527,11 +3570,26 @@ class TaskState(enum.StrEnum):
 
 TERMINAL_TASK_STATES = (TaskState.DONE, TaskState.CANCELLED)
 #: The same, for raw SQL: ``state NOT IN (...)``.
-TERMINAL_TASK_SQL = "('DONE', 'CANCELLED')"
+TERMINAL_TASK_SQL = sql_tuple(TERMINAL_TASK_STATES)
 #: Tasks that give an agent something to do (the idle skip counts these).
 ACTIONABLE_TASK_STATES = (TaskState.TODO, TaskState.IN_PROGRESS)
 AGENT_ROLES = ("coordinator", "worker", "specialist", "assistant")
-AGENT_STATUSES = ("idle", "working", "paused", "stopped")
+
+
+class AgentStatus(enum.StrEnum):
+    IDLE = "idle"
+    WORKING = "working"   # set by Outpost while it has sessions; a person sets the others
+    PAUSED = "paused"     # claims nothing (a budget pauses it too): its wakeups wait until it is idle again
+    STOPPED = "stopped"   # claims nothing, as paused
+
+
+class ApprovalStatus(enum.StrEnum):
+    """A human's decision on an approval an agent asked for."""
+    PENDING = "pending"
+    APPROVED = "approved"   # an In Review task moves to Done
+    REJECTED = "rejected"   # an In Review task goes back to In Progress
+
+
 #: Coordinators wake to coordinate, not to work a task, so their idle wakes are never skipped.
 SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, "assistant": True}
 #: Workflows of a task: only office (and routine) tasks wake agents; kanban tasks are the user's own.
@@ -3543,7 +3601,7 @@ REVIEW_REASON = "review_requested"
 MENTION_REASON = "mentioned"
 #: The wakes of an agent that takes part in a task it is not assigned: no checkout, no handover.
 PARTICIPANT_REASONS = (REVIEW_REASON, MENTION_REASON)
-PARTICIPANT_SQL = "(" + ", ".join(f"'{reason}'" for reason in PARTICIPANT_REASONS) + ")"   # for raw SQL
+PARTICIPANT_SQL = sql_tuple(PARTICIPANT_REASONS)   # for raw SQL
 
 
 def same_part_sql(reason: str | None) -> str:
@@ -3714,7 +3772,7 @@ def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) 
 #: wakeups come in bursts (one cascade of tasks finishing) and are not claimed before their
 #: window has passed (API.md 7.3), so the burst becomes one run.
 WINDOW_ACROSS_TASKS = (WakeupSource.TASK_CHILDREN_COMPLETED,)
-WINDOW_HELD_SQL = "(" + ", ".join(f"'{s}'" for s in WINDOW_ACROSS_TASKS) + ")"
+WINDOW_HELD_SQL = sql_tuple(WINDOW_ACROSS_TASKS)
 #: Merged wakeups a context snapshot keeps in full; older ones are only counted.
 SNAPSHOT_KEEP = 20
 
@@ -3839,11 +3897,13 @@ SUMMARY_BLOCKERS = 15
 #: The heading of the prompt section that names an agent's Outpost tools.
 ACTING_WITH_TOOLS = "## Acting on Outpost (your tools)"
 WAKE_WORDS = {
-    "routine": "a routine fired", "comment": "a new comment on your task", "agent_error": "an agent's work failed",
-    "self": "you asked to be woken", "user": "the user woke you", "task_assigned": "a task was assigned to you",
-    "task_blockers_resolved": "the blockers of your task are done",
-    "task_children_completed": "every subtask of your task is finished",
-    "approval_resolved": "an approval you asked for was resolved", "budget_alert": "an agent is near its budget",
+    WakeupSource.ROUTINE: "a routine fired", WakeupSource.COMMENT: "a new comment on your task",
+    WakeupSource.AGENT_ERROR: "an agent's work failed", WakeupSource.SELF: "you asked to be woken",
+    WakeupSource.USER: "the user woke you", WakeupSource.TASK_ASSIGNED: "a task was assigned to you",
+    WakeupSource.TASK_BLOCKERS_RESOLVED: "the blockers of your task are done",
+    WakeupSource.TASK_CHILDREN_COMPLETED: "every subtask of your task is finished",
+    WakeupSource.APPROVAL_RESOLVED: "an approval you asked for was resolved",
+    WakeupSource.BUDGET_ALERT: "an agent is near its budget",
 }
 
 
@@ -4069,8 +4129,9 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
         role = "worker"   # for the defaults below; the error stands
     a["role"] = role
     with errors.check():
-        status = merged.get("status", "idle")
-        if status not in AGENT_STATUSES or (status == "working" and raw.get("status") == "working"):
+        status = merged.get("status", AgentStatus.IDLE)
+        if status not in tuple(AgentStatus) or (status == AgentStatus.WORKING
+                                                 and raw.get("status") == AgentStatus.WORKING):
             raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
         a["status"] = status
     for key, check in (
@@ -4183,7 +4244,21 @@ def summary_scope(payload: dict[str, Any]) -> str:
 
 # --- Office routines: templates, variables, triggers, webhook signatures ----------------------
 
-ROUTINE_STATUSES = ("active", "paused", "archived")
+class RoutineStatus(enum.StrEnum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    ARCHIVED = "archived"   # for good: it never fires, nor becomes active again
+
+
+class RoutineRunStatus(enum.StrEnum):
+    """What became of one firing of a routine (a routine run: its history)."""
+    RECEIVED = "received"
+    TASK_CREATED = "task_created"   # dispatched: its task created (heavy), or its wakeup queued (lightweight)
+    SKIPPED = "skipped"             # skip_if_active, or its wakeup came to nothing
+    COALESCED = "coalesced"         # coalesce_if_active: merged into the routine's active run
+    FAILED = "failed"               # with its error
+
+
 TRIGGER_KINDS = ("schedule", "webhook", "manual")
 SIGNING_MODES = ("none", "bearer", "hmac_sha256", "github")
 VARIABLE_TYPES = ("text", "number", "boolean", "select")
@@ -4304,7 +4379,7 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
     if not isinstance(assignee, str) or not assignee:
         errors.errors.append({"field": "assignee_agent_id", "message": "a routine wakes one agent: name it"})
     r["assignee_agent_id"] = assignee
-    for key, allowed, default in (("status", ROUTINE_STATUSES, "active"),
+    for key, allowed, default in (("status", tuple(RoutineStatus), RoutineStatus.ACTIVE),
                                   ("concurrency_policy", CONCURRENCY_POLICIES, "coalesce_if_active"),
                                   ("catch_up_policy", CATCH_UP_POLICIES, "enqueue_missed_with_cap")):
         value = merged.get(key, default)
@@ -4313,7 +4388,7 @@ def normalize_routine(raw: Any, *, current: dict[str, Any] | None = None) -> dic
         if not isinstance(value, str) or value not in allowed:
             errors.errors.append({"field": key, "message": "must be " + ", ".join(allowed)})
         r[key] = value
-    if current is not None and current["status"] == "archived" and r["status"] != "archived":
+    if current is not None and current["status"] == RoutineStatus.ARCHIVED and r["status"] != RoutineStatus.ARCHIVED:
         errors.errors.append({"field": "status", "message": "an archived routine stays archived"})
     with errors.check():
         r["catch_up_max"] = _int(merged.get("catch_up_max", 25), "catch_up_max", 1, 1000)
@@ -5252,10 +5327,11 @@ def attention_view(a) -> dict[str, Any]:
 
 def proposal_view(p, now: datetime) -> dict[str, Any]:
     """A proposal as the API shows it; a pending one older than PROPOSAL_TTL_S reads ``stale``."""
-    expired = p.state == "pending" and aware(p.created_at) <= now - timedelta(seconds=PROPOSAL_TTL_S)
-    return {"id": p.id, "kind": p.kind, "state": "stale" if expired else p.state, "schedule_id": p.schedule_id,
-            **p.body, "base_revision": p.base_revision, "review": p.review, "proposed_by": p.proposed_by,
-            "created_at": rfc3339(aware(p.created_at)), "decided_at": rfc3339(aware(p.decided_at)), "note": p.note}
+    expired = p.state == ProposalState.PENDING and aware(p.created_at) <= now - timedelta(seconds=PROPOSAL_TTL_S)
+    return {"id": p.id, "kind": p.kind, "state": ProposalState.STALE if expired else p.state,
+            "schedule_id": p.schedule_id, **p.body, "base_revision": p.base_revision, "review": p.review,
+            "proposed_by": p.proposed_by, "created_at": rfc3339(aware(p.created_at)),
+            "decided_at": rfc3339(aware(p.decided_at)), "note": p.note}
 
 
 def agent_view(a) -> dict[str, Any]:
@@ -6186,24 +6262,24 @@ class RunStore(StorePart):
         runs of a repository path this node cannot reach (``unreachable``) wait for another node."""
         mine, everyone = self.db.select(
             f"SELECT COALESCE(SUM(CASE WHEN {self.dialect.own_rows} THEN 1 ELSE 0 END), 0), COUNT(*) "
-            "FROM \"Run\" WHERE status = 'running'", {"me": self.core.node})[0]
+            f"FROM \"Run\" WHERE status = '{RunStatus.RUNNING}'", {"me": self.core.node})[0]
         free = min(max_running - mine, limit if limit is not None else max_running,
                    fleet_max - everyone if fleet_max is not None else max_running)
         if free <= 0:
             return []
         resumed = self.core.returning(
-            'UPDATE "Run" SET status = \'running\', resume_requested_at = NULL WHERE id IN '
-            '(SELECT id FROM "Run" WHERE status = \'paused\' AND resume_requested_at IS NOT NULL '
+            f'UPDATE "Run" SET status = \'{RunStatus.RUNNING}\', resume_requested_at = NULL WHERE id IN '
+            f'(SELECT id FROM "Run" WHERE status = \'{RunStatus.PAUSED}\' AND resume_requested_at IS NOT NULL '
             f"AND {self.dialect.own_rows}"
-            " ORDER BY resume_requested_at LIMIT $free) AND status || '' = 'paused' RETURNING id",
+            f" ORDER BY resume_requested_at LIMIT $free) AND status || '' = '{RunStatus.PAUSED}' RETURNING id",
             {"free": free, "me": self.core.node})
         for run_id in resumed:
             self.core.emit("run.resumed", {"run_id": run_id}, now)
         chosen = self._choose_queued(free - len(resumed), now, caps or {}, sorted(unreachable))
         ids, params = sql_list("id", chosen)
         started = self.core.returning(
-            f"UPDATE \"Run\" SET status = 'running', started_at = $now, node = $me, attempt = attempt + 1 "
-            f"WHERE id IN {ids} AND status || '' = 'queued' RETURNING id",
+            f"UPDATE \"Run\" SET status = '{RunStatus.RUNNING}', started_at = $now, node = $me, attempt = attempt + 1 "
+            f"WHERE id IN {ids} AND status || '' = '{RunStatus.QUEUED}' RETURNING id",
             {"now": sql_time(now), "me": self.core.node, **params}) if chosen else []
         for run_id in sorted(started):   # run ids are ULIDs: queue order
             self.core.emit("run.started", {"run_id": run_id}, now)
@@ -6214,13 +6290,14 @@ class RunStore(StorePart):
         repository this node reaches."""
         elsewhere, elsewhere_params = sql_list("u", unreachable) if unreachable else ("", {})
         held = set(self.held_profiles(now))
-        counts = dict(self.db.select('SELECT agent, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY agent'))
+        counts = dict(self.db.select(f'SELECT agent, COUNT(*) FROM "Run" WHERE status = \'{RunStatus.RUNNING}\' '
+                                     'GROUP BY agent'))
         held |= {name for name, cap in caps.items() if counts.get(name, 0) >= cap}
         chosen: list[str] = []
         while len(chosen) < free:   # each pass chooses a run or holds a profile: it ends
             (held_in, held_params), (chosen_in, chosen_params) = sql_list("h", sorted(held)), sql_list("c", chosen)
             rows = self.db.select(
-                'SELECT id, agent FROM "Run" WHERE status = \'queued\''
+                f'SELECT id, agent FROM "Run" WHERE status = \'{RunStatus.QUEUED}\''
                 + (f" AND agent NOT IN {held_in}" if held else "") + (f" AND id NOT IN {chosen_in}" if chosen else "")
                 + (f" AND repository NOT IN {elsewhere}" if unreachable else "")
                 + " ORDER BY queued_at, id LIMIT $n",
@@ -6245,7 +6322,8 @@ class RunStore(StorePart):
     def next_limit_end(self, now: datetime) -> datetime | None:
         """When the first limit of a profile with queued runs ends (admission looks again then)."""
         at = self.db.select('SELECT MIN(p.limited_until) FROM "ProfileState" p WHERE p.limited_until > $now '
-                            'AND EXISTS (SELECT 1 FROM "Run" r WHERE r.agent = p.name AND r.status = \'queued\')',
+                            'AND EXISTS (SELECT 1 FROM "Run" r WHERE r.agent = p.name '
+                            f'AND r.status = \'{RunStatus.QUEUED}\')',
                             {"now": sql_time(now)})[0]
         return sql_instant(at) if at else None
 
@@ -6258,15 +6336,17 @@ class RunStore(StorePart):
         URL): nothing ran, so it waits for a slot again; a later admission's attempt fences the
         earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
         fenced = " AND node = $node AND attempt = $attempt" if fence else ""
-        if not self.core.returning("UPDATE \"Run\" SET status = 'queued', started_at = NULL, node = NULL, steps = NULL "
-                              f"WHERE id = $r AND status = 'running' AND pid IS NULL{fenced} RETURNING id",
+        if not self.core.returning(f"UPDATE \"Run\" SET status = '{RunStatus.QUEUED}', started_at = NULL, node = NULL, "
+                              f"steps = NULL WHERE id = $r AND status = '{RunStatus.RUNNING}' AND pid IS NULL{fenced} "
+                              "RETURNING id",
                               {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
         self.core.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
         return True
 
     def queued_repositories(self) -> list[str]:
-        return self.db.select('SELECT DISTINCT repository FROM "Run" WHERE status = \'queued\' ORDER BY repository')
+        return self.db.select(f'SELECT DISTINCT repository FROM "Run" WHERE status = \'{RunStatus.QUEUED}\' '
+                              'ORDER BY repository')
 
     def cancels_requested(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those whose cancel was asked (possibly through another node)."""
@@ -6276,7 +6356,7 @@ class RunStore(StorePart):
     def pauses_recorded(self, run_ids: list[str]) -> list[str]:
         """Of these live runs, those paused (possibly through another node)."""
         ids, params = sql_list("r", run_ids)
-        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND status = \'paused\'', params)
+        return self.db.select(f'SELECT id FROM "Run" WHERE id IN {ids} AND status = \'{RunStatus.PAUSED}\'', params)
 
     def append_log(self, run_id: str, at_byte: int, data: bytes) -> None:
         self.db.LogChunk(run_id=run_id, at_byte=at_byte, data=data)
@@ -6461,14 +6541,15 @@ class RunStore(StorePart):
     def profile_states(self, names: list[str], now: datetime) -> list[dict[str, Any]]:
         """Every profile's standing: running and queued runs, limit, login pause, cost in 24 h."""
         counts = {(agent, status): n for agent, status, n in self.db.select(
-            'SELECT agent, status, COUNT(*) FROM "Run" WHERE status IN (\'running\', \'queued\') '
-            'GROUP BY agent, status')}
+            'SELECT agent, status, COUNT(*) FROM "Run" '
+            f"WHERE status IN {sql_tuple((RunStatus.RUNNING, RunStatus.QUEUED))} GROUP BY agent, status")}
         since = sql_time(now - timedelta(days=1))
         cost = dict(self.db.select('SELECT agent, SUM(cost_usd) FROM "Run" WHERE cost_usd IS NOT NULL '
                                    'AND finished_at >= $since GROUP BY agent', {"since": since}))
         last = dict(self.db.select('SELECT agent, MAX(started_at) FROM "Run" GROUP BY agent'))
-        return [profile_state_view(name, self.db.ProfileState.get(name=name), running=counts.get((name, "running"), 0),
-                                   queued=counts.get((name, "queued"), 0),
+        return [profile_state_view(name, self.db.ProfileState.get(name=name),
+                                   running=counts.get((name, RunStatus.RUNNING), 0),
+                                   queued=counts.get((name, RunStatus.QUEUED), 0),
                                    last_run_at=sql_instant(last[name]) if last.get(name) else None,
                                    cost_usd_24h=cost.get(name) or 0.0, now=now) for name in names]
 
@@ -6479,7 +6560,7 @@ class RunStore(StorePart):
             f'SELECT agent, {version} FROM "Run" r WHERE finished_at = '
             f'(SELECT MAX(finished_at) FROM "Run" WHERE agent = r.agent AND {version} IS NOT NULL)'))
 
-    def own_runs_in(self, statuses: Iterable[str]) -> list[str]:
+    def own_runs_in(self, statuses: Iterable[RunStatus]) -> list[str]:
         """This node's runs (and those no node admitted) in these states."""
         states, params = sql_list("s", statuses)
         return self.db.select(f'SELECT id FROM "Run" WHERE status IN {states} AND {self.dialect.own_rows} '
@@ -6563,7 +6644,8 @@ class RunStore(StorePart):
                               f"WHERE {where} GROUP BY 1, 2", params)
         if office_agent_id:   # a day's skips: wakeups skipped (budget, checkout), or ledger slots skipped
             skips = self.db.select(f"SELECT {minute('finished_at')}, COUNT(*) FROM \"Wakeup\" WHERE agent_id = $aid "
-                                   "AND status = 'skipped' AND finished_at >= $since GROUP BY 1", params)
+                                   f"AND status = '{WakeupStatus.SKIPPED}' AND finished_at >= $since GROUP BY 1",
+                                   params)
         else:
             skips = self.db.select(f"SELECT {minute('due_at')}, COUNT(*) FROM \"Occurrence\" "
                                    "WHERE substr(outcome, 1, 7) = 'skipped' AND due_at >= $since"
@@ -6576,7 +6658,7 @@ class RunStore(StorePart):
                              .astimezone(tz).date())
         for at, status, count, cost in rows:
             if at and (day := day_of(at)) is not None:
-                if status in ("succeeded", "failed", "needs_you"):
+                if status in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.NEEDS_YOU):
                     day[status] += count
                 day["cost"] += cost or 0.0
         for at, count in skips:
@@ -7004,8 +7086,9 @@ class ScheduleStore(StorePart):
         return outcome, None, oid
 
     def _last_success_commit(self, schedule_id: str) -> str | None:
-        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid AND status = 'succeeded' "
-                             "ORDER BY finished_at DESC, id DESC LIMIT 1", {"sid": schedule_id})
+        row = self.db.select("SELECT resolved_commit FROM \"Run\" WHERE schedule = $sid "
+                             f"AND status = '{RunStatus.SUCCEEDED}' ORDER BY finished_at DESC, id DESC LIMIT 1",
+                             {"sid": schedule_id})
         return row[0] if row else None
 
     def unchanged_checks(self, now: datetime) -> list[tuple[str, str, str]]:
@@ -7039,7 +7122,8 @@ class ScheduleStore(StorePart):
             item.title, item.detail = title, detail
         if not items:
             self.core.raise_attention("catch_up_plan", title, detail, now, schedule_id=s.id, run_id=None)
-        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "pending_catch_up", "count": total}, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.PENDING_CATCH_UP,
+                                              "count": total}, now)
 
     def _open_plan_items(self, schedule_id: str) -> list[Any]:
         """The schedule's open ``catch_up_plan`` item (one at most, as raised)."""
@@ -7062,7 +7146,8 @@ class ScheduleStore(StorePart):
                 item.detail = (f"Run {active.id} of this schedule is still active, so the catch-up did not "
                                f"start: approve again when it ends. {detail}")
             return SlotOutcome.SKIPPED_OVERLAP, None
-        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid and o.outcome == "pending_catch_up")
+        rows = list(self.db.Occurrence.select(lambda o: o.schedule.id == sid
+                                              and o.outcome == SlotOutcome.PENDING_CATCH_UP)
                     .order_by(lambda o: o.due_at))
         s.pending_catch_up = None
         for item in self._open_plan_items(sid):
@@ -7070,7 +7155,7 @@ class ScheduleStore(StorePart):
         if not approve or not rows:
             for o in rows:
                 o.outcome = str(SlotOutcome.SKIPPED_MISSED)
-            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+            self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.SKIPPED_MISSED,
                                              "count": plan["missed_count"]}, now)
             return SlotOutcome.SKIPPED_MISSED, None
         last = rows[-1]
@@ -7084,7 +7169,7 @@ class ScheduleStore(StorePart):
     def _record_paused(self, s, slots: list[datetime], total: int, now: datetime) -> None:
         for slot in slots:
             self._record_slot(s, slot, s.definition["timing"]["kind"], SlotOutcome.PAUSED, now)
-        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "paused", "count": total}, now)
+        self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.PAUSED, "count": total}, now)
 
     def _settle_paused_slots(self, s, now: datetime) -> None:
         """Before a paused schedule is enabled: its slots that came due are ``paused``, not missed."""
@@ -7153,7 +7238,7 @@ class ScheduleStore(StorePart):
             if self._held_for_reconfirm(s, digests, now):
                 for slot in slots:
                     self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
-                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "held_reconfirm",
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.HELD_RECONFIRM,
                                                  "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
@@ -7172,7 +7257,7 @@ class ScheduleStore(StorePart):
             elif missed and policy == "skip_missed":
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
-                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": "skipped_missed",
+                self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.SKIPPED_MISSED,
                                                  "count": missed_total}, now)
             elif missed:
                 cap = s.definition["catch_up"]["max"]
@@ -7218,9 +7303,9 @@ class ScheduleStore(StorePart):
             due += timedelta(milliseconds=1)
         outcome, run_id, oid = self._fire_slot(s, due, "manual", now)
         if outcome == SlotOutcome.ADMITTED:
-            return {"occurrence_id": oid, "outcome": "admitted", "run_id": run_id}
+            return {"occurrence_id": oid, "outcome": SlotOutcome.ADMITTED, "run_id": run_id}
         active = self._active_run(s.id)   # a manual fire never queues behind active work
-        return {"occurrence_id": oid, "outcome": "skipped_overlap", "run_id": active.id if active else None}
+        return {"occurrence_id": oid, "outcome": SlotOutcome.SKIPPED_OVERLAP, "run_id": active.id if active else None}
 
     def create_dispatch(self, payload: dict[str, Any], now: datetime, commit: str | None = None,
                         requested_by: str | None = None) -> dict[str, Any]:
@@ -7240,7 +7325,7 @@ class ScheduleStore(StorePart):
         s = self._schedule(schedule_id)
         view = self._schedule_view(s)
         active = self._active_run(s.id)
-        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != "admitted").order_by(
+        skips = self.db.Occurrence.select(lambda o: o.schedule == s and o.outcome != SlotOutcome.ADMITTED).order_by(
             lambda o: orm.desc(o.due_at))[:10]
         runs = self.db.Run.select(lambda r: r.schedule == s).order_by(lambda r: orm.desc(r.queued_at))[:5]
         latest = runs[0] if runs else None
@@ -7333,10 +7418,11 @@ class NodeStore(StorePart):
         orphans = [tuple(agent) for agent in json.loads(previous[0])] if previous and previous[0] else []
         if not self.core.returning(
                 'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
-                f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, $max, 'up', $me) "
+                f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, $max, '{NodeStatus.UP}', $me) "
                 "ON CONFLICT (name) DO UPDATE SET "
                 "started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, "
-                "max_running = excluded.max_running, status = 'up', orphans = NULL, process = excluded.process"
+                f"max_running = excluded.max_running, status = '{NodeStatus.UP}', orphans = NULL, "
+                "process = excluded.process"
                 + self.dialect.node_takeover
                 + " RETURNING name", {"name": self.core.node, "max": max_running, "me": self.core.process}):
             raise NodeNameTaken(f"node name {self.core.node!r} is held by another process now")
@@ -7347,14 +7433,15 @@ class NodeStore(StorePart):
         take each other's runs for their own. Claims it for this process, unless another process
         holds it and its heartbeat is under NODE_LOST_S old (and it is not ``replacing``, one the
         caller saw end): then returns that process and changes nothing."""
-        held = self.db.select("SELECT process FROM \"Node\" WHERE name = $name AND status = 'up' AND process <> $me "
+        held = self.db.select(f"SELECT process FROM \"Node\" WHERE name = $name AND status = '{NodeStatus.UP}' "
+                              "AND process <> $me "
                               f"AND heartbeat_at >= {self.dialect.db_now(-NODE_LOST_S)}",
                               {"name": self.core.node, "me": self.core.process})
         if held and held[0] != replacing:
             return held[0]
         self.db.execute(
             'INSERT INTO "Node" (name, started_at, heartbeat_at, max_running, status, process) '
-            f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, 0, 'up', $me) "
+            f"VALUES ($name, {self.dialect.db_now()}, {self.dialect.db_now()}, 0, '{NodeStatus.UP}', $me) "
             "ON CONFLICT (name) DO UPDATE SET "
             "heartbeat_at = excluded.heartbeat_at, process = excluded.process", {"name": self.core.node,
                                                                                  "me": self.core.process})
@@ -7369,7 +7456,7 @@ class NodeStore(StorePart):
         """On the database's clock. False once a survivor has declared this node lost (the runs
         it was running are settled and no longer its own), or another process holds its name."""
         return bool(self.core.returning(f'UPDATE "Node" SET heartbeat_at = {self.dialect.db_now()} WHERE name = $name '
-                                   "AND status = 'up' AND process = $me RETURNING name",
+                                   f"AND status = '{NodeStatus.UP}' AND process = $me RETURNING name",
                                    {"name": self.core.node, "me": self.core.process}))
 
     def settle_lost_nodes(self, now: datetime) -> list[str]:
@@ -7378,7 +7465,8 @@ class NodeStore(StorePart):
         Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
         never started again (docs/fleet.md): nothing here can reach their processes. Returns the
         runs it settled."""
-        lost = self.core.returning(f"UPDATE \"Node\" SET status = 'lost' WHERE status = 'up' AND name <> $me "
+        lost = self.core.returning(f"UPDATE \"Node\" SET status = '{NodeStatus.LOST}' WHERE status = '{NodeStatus.UP}' "
+                                   "AND name <> $me "
                                    f"AND heartbeat_at < {self.dialect.db_now(-NODE_LOST_S)} RETURNING name",
                                    {"me": self.core.node})
         if not lost:
@@ -7386,15 +7474,16 @@ class NodeStore(StorePart):
         log.getChild("fleet").warning("node(s) lost: %s", ", ".join(lost))
         settled = []
         for name in lost:
-            unstarted = self.db.select("SELECT id FROM \"Run\" WHERE node = $n AND status = 'running' "
+            unstarted = self.db.select(f"SELECT id FROM \"Run\" WHERE node = $n AND status = '{RunStatus.RUNNING}' "
                                        "AND pid IS NULL ORDER BY id", {"n": name})
             requeued = [r for r in unstarted if self.runs.requeue_unstarted(r, now,
                                                                             "its node was lost before it started")]
-            self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' AND node = $n", {"n": name})
+            self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = '{IdempotencyState.IN_FLIGHT}' "
+                            "AND node = $n", {"n": name})
             mine, orphans = [], []
             for run_id, attempt, pid, pid_started in self.db.select(
                     "SELECT id, attempt, pid, pid_started FROM \"Run\" WHERE node = $n "
-                    "AND status IN ('running', 'paused') ORDER BY id", {"n": name}):
+                    f"AND status IN {sql_tuple((RunStatus.RUNNING, RunStatus.PAUSED))} ORDER BY id", {"n": name}):
                 if self.runs.settle_run(run_id, failed(INTERRUPTED, "interrupted"), now, fence=(name, attempt)):
                     mine.append(run_id)
                     orphans.append([run_id, pid, pid_started])
@@ -7407,12 +7496,13 @@ class NodeStore(StorePart):
 
     def other_nodes_up(self) -> bool:
         """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
-        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = 'up' AND name <> $me "
+        return bool(self.db.select(f"SELECT name FROM \"Node\" WHERE status = '{NodeStatus.UP}' AND name <> $me "
                                    f"AND heartbeat_at >= {self.dialect.db_now(-NODE_LOST_S)} LIMIT 1",
                                    {"me": self.core.node}))
 
     def list_nodes(self) -> list[dict[str, Any]]:
-        running = dict(self.db.select('SELECT node, COUNT(*) FROM "Run" WHERE status = \'running\' GROUP BY node'))
+        running = dict(self.db.select(f'SELECT node, COUNT(*) FROM "Run" WHERE status = \'{RunStatus.RUNNING}\' '
+                                      'GROUP BY node'))
         return [{"name": n.name, "started_at": rfc3339(aware(n.started_at)),
                  "heartbeat_at": rfc3339(aware(n.heartbeat_at)), "running": running.get(n.name, 0),
                  "max_running": n.max_running, "status": n.status}
@@ -7429,7 +7519,8 @@ class AccessStore(StorePart):
         self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
                         {"key": key, "h": horizon})
         rows = self.core.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, node, created_at) '
-                              "VALUES ($key, $fp, 'in_flight', $node, $now) ON CONFLICT (key) DO NOTHING RETURNING key",
+                              f"VALUES ($key, $fp, '{IdempotencyState.IN_FLIGHT}', $node, $now) "
+                              "ON CONFLICT (key) DO NOTHING RETURNING key",
                               {"key": key, "fp": fingerprint, "node": self.core.node, "now": sql_time(now)})
         if rows:
             return None
@@ -7437,7 +7528,7 @@ class AccessStore(StorePart):
         if rec.fingerprint != fingerprint:
             raise IdempotencyKeyReused("this Idempotency-Key was used for a different request "
                                        "(method, path or body); use a new key")
-        if rec.state != "done":
+        if rec.state != IdempotencyState.DONE:
             if aware(rec.created_at) > now - timedelta(seconds=IN_FLIGHT_STALE_S):
                 raise Conflict("a request with this Idempotency-Key is still in flight")
             rec.created_at = naive(now)   # its request died without an answer (it changed nothing): retry
@@ -7445,11 +7536,12 @@ class AccessStore(StorePart):
         return rec.status, rec.body
 
     def finish_idempotent(self, key: str, status: int, body: Any) -> None:
-        self.db.execute('UPDATE "IdempotencyRecord" SET state = \'done\', status = $status, body = $body '
-                        'WHERE key = $key', {"status": status, "body": json.dumps(body), "key": key})
+        self.db.execute(f'UPDATE "IdempotencyRecord" SET state = \'{IdempotencyState.DONE}\', status = $status, '
+                        'body = $body WHERE key = $key', {"status": status, "body": json.dumps(body), "key": key})
 
     def abandon_idempotent(self, key: str) -> None:
-        self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key AND state = 'in_flight'", {"key": key})
+        self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE key = $key "
+                        f"AND state = '{IdempotencyState.IN_FLIGHT}'", {"key": key})
 
     def create_session(self, now: datetime) -> tuple[str, str]:
         """A new signed-in browser: (cookie value, CSRF token)."""
@@ -7535,7 +7627,7 @@ class AccessStore(StorePart):
                   "control": review.get("summary")}[kind] + " Review it, then confirm or decline."
         attention = self.core.raise_attention("proposal", f"{proposed_by} proposes {what}", detail, now,
                                               schedule_id=schedule_id, run_id=None, link=f"/proposals/{pid}")
-        p = self.db.Proposal(id=pid, kind=kind, state="pending", schedule_id=schedule_id, body=body,
+        p = self.db.Proposal(id=pid, kind=kind, state=ProposalState.PENDING, schedule_id=schedule_id, body=body,
                              base_revision=base_revision, review=review, proposed_by=proposed_by,
                              attention_id=attention, created_at=naive(now))
         self.core.emit("proposal.created", {"proposal_id": pid, "kind": kind, "schedule_id": schedule_id}, now)
@@ -7553,7 +7645,7 @@ class AccessStore(StorePart):
         views = (proposal_view(p, now) for p in query)
         return list(itertools.islice((v for v in views if state in (None, v["state"])), limit))
 
-    def decide_proposal(self, proposal_id: str, state: str, note: str | None, now: datetime,
+    def decide_proposal(self, proposal_id: str, state: ProposalState, note: str | None, now: datetime,
                         schedule_id: str | None = None) -> dict[str, Any]:
         """Settle a pending proposal once (a conditional UPDATE: two confirms cannot both apply it)
         and close its item."""
@@ -7561,10 +7653,11 @@ class AccessStore(StorePart):
         if p is None:
             raise NotFound(f"no proposal {proposal_id}")
         current = proposal_view(p, now)
-        if current["state"] != "pending" and state != "stale":
+        if current["state"] != ProposalState.PENDING and state != ProposalState.STALE:
             raise Conflict(f"proposal {proposal_id} is {current['state']}; only a pending proposal can be decided")
         changed = self.db.execute('UPDATE "Proposal" SET state = $state, note = $note, decided_at = $now, '
-                                  "schedule_id = COALESCE($sid, schedule_id) WHERE id = $id AND state = 'pending'",
+                                  "schedule_id = COALESCE($sid, schedule_id) "
+                                  f"WHERE id = $id AND state = '{ProposalState.PENDING}'",
                                   {"state": state, "note": note, "now": sql_time(now), "sid": schedule_id,
                                    "id": proposal_id}).rowcount
         if not changed:
@@ -7578,7 +7671,7 @@ class AccessStore(StorePart):
     def forget_in_flight(self) -> int:
         """At boot: an in-flight key of this node belongs to its previous process, which died
         before committing its action (another node's are its own, still in flight)."""
-        return self.db.execute("DELETE FROM \"IdempotencyRecord\" WHERE state = 'in_flight' "
+        return self.db.execute(f"DELETE FROM \"IdempotencyRecord\" WHERE state = '{IdempotencyState.IN_FLIGHT}' "
                                f"AND {self.dialect.own_rows}", {"me": self.core.node}).rowcount
 
     def purge_expired(self, now: datetime) -> int:
@@ -7662,7 +7755,8 @@ class NotifyStore(StorePart):
     def _queue(self, entry: NotifyEntry | ChannelEntry, item: str | None, kind: str, title: str, body: str | None,
                link: str | None, now: datetime) -> int:
         row = self.db.Notification(entry=entry.key, item=item, kind=kind, title=title[:500], body=body,
-                                   link=link, status="queued", next_at=naive(now), created_at=naive(now))
+                                   link=link, status=NotificationStatus.QUEUED, next_at=naive(now),
+                                   created_at=naive(now))
         self.core.after_commit(self._mark_queued)
         orm.flush()
         return row.id
@@ -7722,12 +7816,14 @@ class NotifyStore(StorePart):
             return None
         keys, params = sql_list("k", self._keys())
         params |= {"now": sql_time(now), "stale": sql_time(now - timedelta(seconds=NOTIFY_SENDING_STALE_S))}
-        due = self.db.select(f'SELECT id FROM "Notification" WHERE entry IN {keys} AND ((status = \'queued\' '
-                             "AND next_at <= $now) OR (status = 'sending' AND sending_at <= $stale)) "
+        due = self.db.select(f'SELECT id FROM "Notification" WHERE entry IN {keys} '
+                             f"AND ((status = '{NotificationStatus.QUEUED}' AND next_at <= $now) "
+                             f"OR (status = '{NotificationStatus.SENDING}' AND sending_at <= $stale)) "
                              "ORDER BY next_at, id LIMIT 1", params)
         if not due or not self.core.returning(
-                "UPDATE \"Notification\" SET status = 'sending', sending_at = $now, attempts = attempts + 1 "
-                "WHERE id = $id AND (status = 'queued' OR (status = 'sending' AND sending_at <= $stale)) "
+                f"UPDATE \"Notification\" SET status = '{NotificationStatus.SENDING}', sending_at = $now, "
+                f"attempts = attempts + 1 WHERE id = $id AND (status = '{NotificationStatus.QUEUED}' "
+                f"OR (status = '{NotificationStatus.SENDING}' AND sending_at <= $stale)) "
                 "RETURNING id", {"id": due[0], "now": params["now"], "stale": params["stale"]}):
             return None
         n = self.db.Notification[due[0]]
@@ -7738,13 +7834,13 @@ class NotifyStore(StorePart):
         """After a send: delivered, or queued again with backoff, or given up once a day old."""
         n = self.db.Notification[notification_id]
         if error is None:
-            n.status, n.delivered_at = "delivered", naive(now)
+            n.status, n.delivered_at = NotificationStatus.DELIVERED, naive(now)
             return n.status
         n.last_error = error[:1000]
         if now - aware(n.created_at) >= timedelta(seconds=NOTIFY_GIVE_UP_S):
-            n.status = "given_up"
+            n.status = NotificationStatus.GIVEN_UP
         else:
-            n.status = "queued"
+            n.status = NotificationStatus.QUEUED
             n.next_at = naive(now + timedelta(seconds=notify_backoff_s(n.attempts)))
         return n.status
 
@@ -7753,10 +7849,10 @@ class NotifyStore(StorePart):
         if not self._keys():
             return None
         keys, params = sql_list("k", self._keys())
-        row = self.db.select(f"SELECT MIN(next_at) FROM \"Notification\" WHERE entry IN {keys} AND status = 'queued'",
-                             params)
+        row = self.db.select(f"SELECT MIN(next_at) FROM \"Notification\" WHERE entry IN {keys} "
+                             f"AND status = '{NotificationStatus.QUEUED}'", params)
         sending = self.db.select(f"SELECT MIN(sending_at) FROM \"Notification\" WHERE entry IN {keys} "
-                                 "AND status = 'sending'", params)
+                                 f"AND status = '{NotificationStatus.SENDING}'", params)
         times = [sql_instant(row[0])] if row and row[0] else []
         if sending and sending[0]:
             times.append(sql_instant(sending[0]) + timedelta(seconds=NOTIFY_SENDING_STALE_S))
@@ -7770,8 +7866,9 @@ class NotifyStore(StorePart):
 
     def _entry_state(self, key: str) -> dict[str, Any]:
         delivered, pending, given_up = self.db.select(
-            "SELECT MAX(delivered_at), COALESCE(SUM(CASE WHEN status IN ('queued', 'sending') THEN 1 ELSE 0 END), 0), "
-            "COALESCE(SUM(CASE WHEN status = 'given_up' THEN 1 ELSE 0 END), 0) "
+            "SELECT MAX(delivered_at), COALESCE(SUM(CASE WHEN status IN "
+            f"{sql_tuple((NotificationStatus.QUEUED, NotificationStatus.SENDING))} THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN status = '{NotificationStatus.GIVEN_UP}' THEN 1 ELSE 0 END), 0) "
             'FROM "Notification" WHERE entry = $key',
             {"key": key})[0]
         error = self.db.select('SELECT last_error FROM "Notification" WHERE entry = $key AND last_error IS NOT NULL '
@@ -7816,11 +7913,12 @@ class WakeupStore(StorePart):
             else scope
         rows = self.db.select(
             f'SELECT id FROM (SELECT 0 AS rank, w.id, w.requested_at FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id '
-            f"WHERE w.agent_id = $a AND {scope} AND w.status = 'claimed' AND r.status = 'queued' "
+            f"WHERE w.agent_id = $a AND {scope} AND w.status = '{WakeupStatus.CLAIMED}' "
+            f"AND r.status = '{RunStatus.QUEUED}' "
             f'UNION ALL SELECT 0, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {scope} '
-            f"AND w.status = 'queued' AND w.scheduled_retry_at > $now "
+            f"AND w.status = '{WakeupStatus.QUEUED}' AND w.scheduled_retry_at > $now "
             f'UNION ALL SELECT 1, w.id, w.requested_at FROM "Wakeup" w WHERE w.agent_id = $a AND {window} '
-            f"AND w.status = 'queued' AND w.source = $s AND w.requested_at >= $since "
+            f"AND w.status = '{WakeupStatus.QUEUED}' AND w.source = $s AND w.requested_at >= $since "
             f"AND w.scheduled_retry_at IS NULL AND w.wake_at IS NULL) x ORDER BY rank, requested_at, id LIMIT 1",
             {"a": agent_id, "t": task_id, "s": source, "now": sql_time(now),
              "since": sql_time(now - timedelta(seconds=COALESCING_WINDOW_S))})
@@ -7830,11 +7928,11 @@ class WakeupStore(StorePart):
         """Merge ``w`` into ``target``: its payload, and those of the requests merged into it
         before (they come along), join the context the agent will read. They take the target's
         run only if that run is the one to come (not a retry's failed run)."""
-        run_id = target.run_id if target.status == "claimed" else None
+        run_id = target.run_id if target.status == WakeupStatus.CLAIMED else None
         wakeup_id = w.id
         riders = list(self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id).order_by(
             lambda q: (q.requested_at, q.id)))
-        w.status, w.coalesced_into, w.run_id, w.finished_at = "coalesced", target.id, run_id, naive(now)
+        w.status, w.coalesced_into, w.run_id, w.finished_at = WakeupStatus.COALESCED, target.id, run_id, naive(now)
         for q in [w, *riders]:
             q.coalesced_into, q.run_id = target.id, run_id
             target.context_snapshot = merge_context(target.context_snapshot, q.source, q.reason, q.payload,
@@ -7859,16 +7957,18 @@ class WakeupStore(StorePart):
         wakeup_id = w.id
         agent = self.db.Agent.get(id=w.agent_id)
         requeued: list[Any] = []
-        for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.status == "coalesced").order_by(
+        for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id
+                                       and q.status == WakeupStatus.COALESCED).order_by(
                 lambda q: (q.requested_at, q.id)):
             routine = self.db.Routine.get(id=q.payload.get("routine_id")) if q.source == WakeupSource.ROUTINE else None
             if agent is None:
-                self.end_wakeup(q, "finished", now, note="agent deleted: no session", fire="skipped")
+                self.end_wakeup(q, WakeupStatus.FINISHED, now, note="agent deleted: no session",
+                                fire=RoutineRunStatus.SKIPPED)
             elif q.task_id and (reason := stale_reason(self.task_facts(q.task_id, q.workspace_id), q.agent_id,
                                                        q.reason)):
-                self.end_wakeup(q, "cancelled", now, cancel_reason=str(reason))
-            elif q.source == WakeupSource.ROUTINE and (routine is None or routine.status != "active"):
-                self.end_wakeup(q, "finished", now, fire="skipped",
+                self.end_wakeup(q, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
+            elif q.source == WakeupSource.ROUTINE and (routine is None or routine.status != RoutineStatus.ACTIVE):
+                self.end_wakeup(q, WakeupStatus.FINISHED, now, fire=RoutineRunStatus.SKIPPED,
                                 note=f"its routine is {routine.status if routine else 'deleted'}: no session")
             else:
                 requeued.append(q)
@@ -7879,7 +7979,7 @@ class WakeupStore(StorePart):
         for q in requeued:
             q.coalesced_into, q.run_id = (None if q is first else first.id), None
             snapshot = merge_context(snapshot, q.source, q.reason, q.payload, aware(q.requested_at))
-        first.status, first.finished_at, first.coalesced_count = "queued", None, len(requeued)
+        first.status, first.finished_at, first.coalesced_count = WakeupStatus.QUEUED, None, len(requeued)
         first.context_snapshot = snapshot
         w.coalesced_count -= len(requeued)
         self.core.emit("wakeup.queued", {"wakeup_id": first.id, "agent_id": first.agent_id, "source": first.source,
@@ -7909,7 +8009,7 @@ class WakeupStore(StorePart):
         self.db.execute(
             'INSERT INTO "Wakeup" (id, workspace_id, agent_id, source, reason, payload, task_id, status, '
             'coalesced_count, idempotency_key, retry_count, wake_at, context_snapshot, requested_at) VALUES '
-            "($w, $ws, $a, $s, $reason, $payload, $t, 'queued', 1, $k, 0, $wake_at, $context, $now)",
+            f"($w, $ws, $a, $s, $reason, $payload, $t, '{WakeupStatus.QUEUED}', 1, $k, 0, $wake_at, $context, $now)",
             {"w": wakeup_id, "ws": workspace_id, "a": agent_id, "s": str(source), "reason": reason,
              "payload": json.dumps(payload), "t": task_id, "k": key,
              "wake_at": sql_time(wake_at) if wake_at else None, "now": sql_time(now),
@@ -7929,8 +8029,9 @@ class WakeupStore(StorePart):
         if t is not None and t.checkout_agent_id is not None and agent_id in (None, t.checkout_agent_id):
             t.checkout_agent_id, t.checkout_at = None, None
 
-    def end_wakeup(self, w, status: str, now: datetime, note: str | None = None,
-                    cancel_reason: str | None = None, *, fire: str | None = None, carried: bool = False) -> None:
+    def end_wakeup(self, w, status: WakeupStatus, now: datetime, note: str | None = None,
+                    cancel_reason: str | None = None, *, fire: RoutineRunStatus | None = None,
+                    carried: bool = False) -> None:
         """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
         ended without a session); by default skipped or failed as the wakeup, else unchanged.
         ``carried``: its run ended well, and the requests merged into it with it; otherwise
@@ -7940,26 +8041,27 @@ class WakeupStore(StorePart):
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.core.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
                                    "cancel_reason": cancel_reason}, now)
-        fire = fire or {"skipped": "skipped", "failed": "failed", "cancelled": "failed"}.get(status)
+        fire = fire or {WakeupStatus.SKIPPED: RoutineRunStatus.SKIPPED, WakeupStatus.FAILED: RoutineRunStatus.FAILED,
+                        WakeupStatus.CANCELLED: RoutineRunStatus.FAILED}.get(status)
         if fire and (w.source == WakeupSource.ROUTINE or w.coalesced_count > 1):   # it carries merged requests
             self._end_routine_runs(w, fire, note or cancel_reason, now)
 
-    def _end_routine_runs(self, w, status: str, why: str | None, now: datetime) -> None:
+    def _end_routine_runs(self, w, status: RoutineRunStatus, why: str | None, now: datetime) -> None:
         """The lightweight routine runs a wakeup carried (its own, or those merged into it) that
         came to nothing: a spec status (skipped or failed, with why), with completed_at. One
         whose wakeup ran stays task_created."""
         wakeup_id = w.id
         carried = [wakeup_id, *self.db.select('SELECT id FROM "Wakeup" WHERE coalesced_into = $w', {"w": wakeup_id})]
         for x in self.db.RoutineRun.select(lambda x: x.wakeup_id in carried and x.linked_task_id is None
-                                           and x.status in ("received", "task_created")):
+                                           and x.status in (RoutineRunStatus.RECEIVED, RoutineRunStatus.TASK_CREATED)):
             x.status, x.completed_at = status, naive(now)
-            x.error = why if status == "failed" else None
+            x.error = why if status == RoutineRunStatus.FAILED else None
 
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
         """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
         log.getChild("office").info("wakeup %s cancelled: %s (task %s, agent %s)", w.id, reason, w.task_id, w.agent_id)
         self.release_checkout(w.task_id, w.agent_id)
-        self.end_wakeup(w, "cancelled", now, cancel_reason=str(reason))
+        self.end_wakeup(w, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
         data = {"reason": str(reason)} if code == "wakeup_stale_cancelled" else {"reason": str(reason),
                                                                                   "old_agent": w.agent_id}
         self.core._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
@@ -8019,7 +8121,7 @@ class WakeupStore(StorePart):
         return self.db.Agent.select(lambda a: a.workspace_id == workspace_id and a.role == "coordinator"
                                     and a.id != except_id)
 
-    def wakeups_by_agent(self, status: str) -> dict[str, int]:
+    def wakeups_by_agent(self, status: WakeupStatus) -> dict[str, int]:
         """How many wakeups in ``status`` each agent has (claimed ones are its sessions)."""
         return dict(self.db.select('SELECT agent_id, COUNT(*) FROM "Wakeup" WHERE status = $s GROUP BY agent_id',
                                    {"s": status}))
@@ -8065,7 +8167,8 @@ class OfficeStore(StorePart):
     def repository_waiting(self, workspace_id: str | None) -> str | None:
         """Why the workspace's wakeups wait for their repository (a queued wakeup's last_error),
         or None: nothing waits, so Office runs (the banner of the Office pages)."""
-        rows = self.db.select('SELECT last_error FROM "Wakeup" WHERE workspace_id = $ws AND status = \'queued\' '
+        rows = self.db.select('SELECT last_error FROM "Wakeup" WHERE workspace_id = $ws '
+                              f"AND status = '{WakeupStatus.QUEUED}' "
                               "AND last_error LIKE $waiting ORDER BY requested_at, id LIMIT 1",
                               {"ws": self.workspace_row(workspace_id).id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
         return rows[0] if rows else None
@@ -8083,7 +8186,7 @@ class OfficeStore(StorePart):
         ws.set(**settings)
         workspace_id = ws.id   # wakeups waiting for a repository look again at once
         self.db.execute('UPDATE "Wakeup" SET scheduled_retry_at = NULL WHERE workspace_id = $ws '
-                        "AND status = 'queued' AND last_error LIKE $waiting",
+                        f"AND status = '{WakeupStatus.QUEUED}' AND last_error LIKE $waiting",
                         {"ws": workspace_id, "waiting": REPOSITORY_UNAVAILABLE + "%"})
         return workspace_view(ws)
 
@@ -8138,10 +8241,11 @@ class OfficeStore(StorePart):
     def update_agent(self, agent_id: str, fields: dict[str, Any], now: datetime) -> dict[str, Any]:
         a = self.agent_row(agent_id)
         self._check_agent_name(a.workspace_id, fields["name"], a.id)
-        if fields["status"] == "working" or (fields["status"] == "idle" and a.status == "working"):
+        if fields["status"] == AgentStatus.WORKING or (fields["status"] == AgentStatus.IDLE
+                                                       and a.status == AgentStatus.WORKING):
             fields = {**fields, "status": a.status}   # working and idle follow the agent's sessions
-        elif fields["status"] == "idle" and self.active_sessions(a.id):
-            fields = {**fields, "status": "working"}
+        elif fields["status"] == AgentStatus.IDLE and self.active_sessions(a.id):
+            fields = {**fields, "status": AgentStatus.WORKING}
         a.set(updated_at=naive(now), **fields)
         self.core.emit("agent.updated", {"agent_id": a.id, "status": a.status}, now)
         return agent_view(a)
@@ -8156,8 +8260,8 @@ class OfficeStore(StorePart):
 
     def active_sessions(self, agent_id: str) -> int:
         """Sessions of an agent: its claimed wakeups (each holds one queued, running or paused run)."""
-        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND status = \'claimed\'',
-                              {"a": agent_id})[0]
+        return self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a '
+                              f"AND status = '{WakeupStatus.CLAIMED}'", {"a": agent_id})[0]
 
     def _task(self, task_id: str, workspace_id: str | None = None):
         t = self.db.Task.get(id=task_id)
@@ -8220,11 +8324,11 @@ class OfficeStore(StorePart):
             if previous:
                 task_id = t.id
                 for w in self.db.Wakeup.select(lambda w: w.agent_id == previous and w.task_id == task_id
-                                               and w.status == "queued" and w.retry_count > 0):
+                                               and w.status == WakeupStatus.QUEUED and w.retry_count > 0):
                     self.wakeups.cancel_stale(w, CancelReason.RETRY_STALE_ASSIGNEE, now, code="wakeup_retry_cancelled")
                 stopping = self.db.select(
                     'SELECT w.run_id FROM "Wakeup" w JOIN "Run" r ON r.id = w.run_id WHERE w.agent_id = $a '
-                    f"AND w.task_id = $t AND w.status = 'claimed' AND w.reason NOT IN {PARTICIPANT_SQL} "
+                    f"AND w.task_id = $t AND w.status = '{WakeupStatus.CLAIMED}' AND w.reason NOT IN {PARTICIPANT_SQL} "
                     f"AND r.status IN {ACTIVE_RUN_SQL} ORDER BY w.run_id", {"a": previous, "t": t.id})
                 if not stopping:
                     self.wakeups.release_checkout(t.id, previous)
@@ -8247,7 +8351,7 @@ class OfficeStore(StorePart):
         running: dict[str, list[str]] = {}
         for task_id, agent_id in self.db.select(
                 'SELECT o.task_id, o.agent_id FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id '
-                "WHERE o.workspace_id = $ws AND o.task_id IS NOT NULL AND r.status = 'running' "
+                f"WHERE o.workspace_id = $ws AND o.task_id IS NOT NULL AND r.status = '{RunStatus.RUNNING}' "
                 "ORDER BY o.queued_at, o.run_id", {"ws": self.workspace_row(workspace_id).id}):
             running.setdefault(task_id, []).append(agent_id)
         return running
@@ -8425,7 +8529,8 @@ class OfficeStore(StorePart):
 
     def _request_approval(self, t, agent_id: str | None, note: str, now: datetime):
         a = self.db.Approval(id=new_id("apr"), workspace_id=t.workspace_id, task_id=t.id,
-                             requested_by_agent_id=agent_id, note=note, status="pending", created_at=naive(now))
+                             requested_by_agent_id=agent_id, note=note, status=ApprovalStatus.PENDING,
+                             created_at=naive(now))
         self.core.raise_attention("approval", f"Approval asked: {t.title}", note or None, now, schedule_id=None,
                                   run_id=None)
         self.core.emit("approval.requested", {"approval_id": a.id, "task_id": t.id}, now)
@@ -8452,22 +8557,23 @@ class OfficeStore(StorePart):
     def resolve_approval(self, approval_id: str, status: str, decision_note: str, now: datetime) -> dict[str, Any]:
         """The user decides: approved moves an In Review task to Done (its dependents wake);
         rejected sends it back to In Progress. The requesting agent gets approval_resolved."""
-        if status not in ("approved", "rejected"):
+        if status not in (ApprovalStatus.APPROVED, ApprovalStatus.REJECTED):
             raise invalid("status", "must be approved or rejected")
         a = self.db.Approval.get(id=approval_id)
         if a is None:
             raise NotFound(f"no approval {approval_id}")
-        if a.status != "pending":
+        if a.status != ApprovalStatus.PENDING:
             raise Conflict(f"approval {a.id} was already {a.status}")
         a.status, a.decision_note, a.resolved_at = status, decision_note, naive(now)
         self.core.emit("approval.resolved", {"approval_id": a.id, "status": status}, now)
         t = self.db.Task.get(id=a.task_id)
         if t is not None and t.state == TaskState.IN_REVIEW:
-            if status == "approved":
+            if status == ApprovalStatus.APPROVED:
                 self.move_task(t.id, TaskState.DONE, now)
             else:
                 t.state, t.updated_at = str(TaskState.IN_PROGRESS), naive(now)
-                self.core.emit("task.moved", {"task_id": t.id, "from": "IN_REVIEW", "to": "IN_PROGRESS"}, now)
+                self.core.emit("task.moved", {"task_id": t.id, "from": TaskState.IN_REVIEW,
+                                              "to": TaskState.IN_PROGRESS}, now)
         if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
             self.wakeups.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
                                 {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
@@ -8553,15 +8659,17 @@ class OfficeStore(StorePart):
         self-wake coming due, a coalescing window closing, or a busy agent's cooldown ending."""
         due, window = sql_time(now), timedelta(seconds=COALESCING_WINDOW_S)
         times = [sql_instant(t) for t in self.db.select(
-            'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'queued\' AND scheduled_retry_at > $due '
-            'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'queued\' AND wake_at > $due',
+            f'SELECT MIN(scheduled_retry_at) FROM "Wakeup" WHERE status = \'{WakeupStatus.QUEUED}\' '
+            'AND scheduled_retry_at > $due '
+            f'UNION ALL SELECT MIN(wake_at) FROM "Wakeup" WHERE status = \'{WakeupStatus.QUEUED}\' AND wake_at > $due',
             {"due": due}) if t]
         times += [sql_instant(t) + window for t in self.db.select(
-            f'SELECT MIN(requested_at) FROM "Wakeup" WHERE status = \'queued\' AND source IN {WINDOW_HELD_SQL} '
-            'AND requested_at > $since', {"since": sql_time(now - window)}) if t]
+            f'SELECT MIN(requested_at) FROM "Wakeup" WHERE status = \'{WakeupStatus.QUEUED}\' '
+            f'AND source IN {WINDOW_HELD_SQL} AND requested_at > $since', {"since": sql_time(now - window)}) if t]
         for last, cooldown in self.db.select(
                 'SELECT a.last_wakeup_finished_at, a.cooldown_sec FROM "Agent" a WHERE a.last_wakeup_finished_at '
-                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id AND w.status = \'queued\')'):
+                'IS NOT NULL AND EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
+                f'AND w.status = \'{WakeupStatus.QUEUED}\')'):
             ends = sql_instant(last) + timedelta(seconds=cooldown)
             if ends > now:
                 times.append(ends)
@@ -8646,7 +8754,8 @@ class PipelineStore(StorePart):
         dispatcher or crash the daemon again at every start. Returns its id."""
         for wakeup_id in self._claimable_wakeups(now, 1):
             w = self.db.Wakeup[wakeup_id]
-            self.wakeups.end_wakeup(w, "failed", now, note=f"internal error while dispatching: {error}"[:500])
+            self.wakeups.end_wakeup(w, WakeupStatus.FAILED, now,
+                                    note=f"internal error while dispatching: {error}"[:500])
             self.core.raise_attention("agent_error", f"A wakeup of agent {w.agent_id} could not be dispatched",
                                       error[:500], now, schedule_id=None, run_id=None, agent_id=w.agent_id)
             return wakeup_id
@@ -8660,17 +8769,18 @@ class PipelineStore(StorePart):
         waiting = self.db.select(   # per agent an index probe, not a scan of every queued wakeup
             'SELECT a.id, a.status, a.last_wakeup_finished_at, a.cooldown_sec, a.max_concurrent_sessions '
             'FROM "Agent" a WHERE EXISTS (SELECT 1 FROM "Wakeup" w WHERE w.agent_id = a.id '
-            "AND w.status = 'queued' AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
+            f"AND w.status = '{WakeupStatus.QUEUED}' "
+            "AND (w.scheduled_retry_at IS NULL OR w.scheduled_retry_at <= $due) "
             "AND (w.wake_at IS NULL OR w.wake_at <= $due))", {"due": due})
-        active = self.wakeups.wakeups_by_agent("claimed")
+        active = self.wakeups.wakeups_by_agent(WakeupStatus.CLAIMED)
         held = (f'SELECT 1 FROM "Task" t WHERE t.id = w.task_id AND t.state NOT IN {TERMINAL_TASK_SQL} '
                 f"AND t.archived_at IS NULL AND EXISTS (SELECT 1 FROM {self.dialect.json_elements('t.blocked_by')} j "
                 f'JOIN "Task" b ON b.id = j.value WHERE b.state NOT IN {TERMINAL_TASK_SQL} AND b.archived_at IS NULL)')
         locked = ('SELECT 1 FROM "Task" t JOIN "Wakeup" h ON h.task_id = t.id AND h.agent_id = t.checkout_agent_id '
-                  "WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = 'claimed'")
+                  f"WHERE t.id = w.task_id AND t.checkout_agent_id <> $agent AND h.status = '{WakeupStatus.CLAIMED}'")
         candidates: list[tuple[Any, str]] = []
         for agent_id, status, last_finished, cooldown_sec, max_sessions in waiting:
-            if status in ("paused", "stopped"):
+            if status in (AgentStatus.PAUSED, AgentStatus.STOPPED):
                 continue   # its wakeups wait for it to be resumed
             if last_finished is not None and sql_instant(last_finished) + timedelta(seconds=cooldown_sec) > now:
                 continue
@@ -8678,11 +8788,12 @@ class PipelineStore(StorePart):
             if room <= 0:
                 continue
             candidates += self.db.select(
-                'SELECT requested_at, id FROM "Wakeup" w WHERE agent_id = $agent AND status = \'queued\' '
+                'SELECT requested_at, id FROM "Wakeup" w WHERE agent_id = $agent '
+                f"AND status = '{WakeupStatus.QUEUED}' "
                 'AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= $due) '
                 'AND (wake_at IS NULL OR wake_at <= $due) AND NOT EXISTS (SELECT 1 FROM "Task" t '
                 'WHERE t.id = w.task_id AND t.checkout_agent_id = $agent) '   # its own session on the task
-                f"AND NOT (w.source = 'task_assigned' AND EXISTS ({held})) "   # held by open blockers
+                f"AND NOT (w.source = '{WakeupSource.TASK_ASSIGNED}' AND EXISTS ({held})) "   # held by open blockers
                 f"AND NOT (w.reason NOT IN {PARTICIPANT_SQL} AND EXISTS ({locked})) "   # another's session
                 f"AND NOT (w.source IN {WINDOW_HELD_SQL} AND w.requested_at > $window) "   # its window is open
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room,
@@ -8698,12 +8809,14 @@ class PipelineStore(StorePart):
         agent = self.db.Agent.get(id=w.agent_id)
         # 2. Guard: agent status, before the claim (the spec's claim query takes only idle and
         # working agents): a paused or stopped agent's wakeups stay queued until it is resumed.
-        if w.status != "queued" or (agent is not None and agent.status in ("paused", "stopped")):
+        if w.status != WakeupStatus.QUEUED or (agent is not None
+                                               and agent.status in (AgentStatus.PAUSED, AgentStatus.STOPPED)):
             return PipelineOutcome(claimed=False)
         # 1. Claim: queued -> claimed; Pony's optimistic check makes it UPDATE ... WHERE status = 'queued'.
-        w.status, w.claimed_at, w.scheduled_retry_at = "claimed", naive(now), None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.CLAIMED, naive(now), None
         if agent is None:
-            self.wakeups.end_wakeup(w, "finished", now, note="agent deleted: no session", fire="skipped")
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="agent deleted: no session",
+                                    fire=RoutineRunStatus.SKIPPED)
             return PipelineOutcome(claimed=True)
         task = self.wakeups.task_facts(w.task_id, w.workspace_id) if w.task_id else None
         if w.retry_count and w.task_id and (reason := retry_stale_reason(task, w.agent_id, w.reason)):
@@ -8712,10 +8825,10 @@ class PipelineStore(StorePart):
         if w.source == WakeupSource.ROUTINE:   # a routine deleted, paused or archived since it fired
             routine_id = w.payload.get("routine_id")
             r = self.db.Routine.get(id=routine_id)
-            if r is None or r.status != "active":   # what merged into it from elsewhere still runs
-                self.wakeups.end_wakeup(w, "finished", now,
+            if r is None or r.status != RoutineStatus.ACTIVE:   # what merged into it from elsewhere still runs
+                self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now,
                                         note=f"its routine is {r.status if r else 'deleted'}: no session",
-                                 fire="skipped")
+                                        fire=RoutineRunStatus.SKIPPED)
                 return PipelineOutcome(claimed=True)
         # 3. Staleness check.
         if w.task_id and (reason := stale_reason(task, w.agent_id, w.reason)):
@@ -8724,7 +8837,7 @@ class PipelineStore(StorePart):
         # Held while blocked (the claim query leaves it queued): it runs once no blocker is open.
         if (w.source == WakeupSource.TASK_ASSIGNED and task and task["blocked_by"]
                 and (waiting := self.wakeups.open_blockers(task["blocked_by"]))):
-            w.status, w.claimed_at, w.note = "queued", None, f"{HELD_NOTE}: " + ", ".join(waiting)
+            w.status, w.claimed_at, w.note = WakeupStatus.QUEUED, None, f"{HELD_NOTE}: " + ", ".join(waiting)
             return PipelineOutcome(claimed=False)
         if (w.note or "").startswith(HELD_NOTE):
             w.note = None
@@ -8737,14 +8850,15 @@ class PipelineStore(StorePart):
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
                 # Only the routine's own part is skipped: a user, self or event wake that merged
                 # into it (into its pending retry) is queued again and runs.
-                self.wakeups.end_wakeup(w, "finished", now, note="no actionable tasks (idle skip)", fire="skipped")
+                self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="no actionable tasks (idle skip)",
+                                        fire=RoutineRunStatus.SKIPPED)
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
                                reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
         # 5. Checkout (a reviewer or a mentioned agent reads the task; only the one working it takes the lock).
         if w.task_id and w.reason not in PARTICIPANT_REASONS and not self._checkout(w.task_id, agent.id, now):
             holder = self.db.Task[w.task_id].checkout_agent_id
-            self.wakeups.end_wakeup(w, "skipped", now, note=f"task is checked out by agent {holder}")
+            self.wakeups.end_wakeup(w, WakeupStatus.SKIPPED, now, note=f"task is checked out by agent {holder}")
             return PipelineOutcome(claimed=True)
         # 6. Budget pre-check: the workspace's action_on_exceed pauses the agent, or skips the wakeup.
         ws = self.db.Workspace[w.workspace_id]
@@ -8760,8 +8874,8 @@ class PipelineStore(StorePart):
         others = [self.db.Wakeup[other] for other in self.db.select(
             'SELECT id FROM "Wakeup" w WHERE agent_id = $a AND '
             + ("task_id = $t" if w.task_id else "task_id IS NULL") + f" AND {same_part_sql(w.reason)}"
-            + (" AND source <> 'task_assigned'" if still_blocked else "")   # a held assignment keeps waiting
-            + " AND status = 'queued' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
+            + (f" AND source <> '{WakeupSource.TASK_ASSIGNED}'" if still_blocked else "")   # a held assignment waits
+            + f" AND status = '{WakeupStatus.QUEUED}' AND wake_at IS NULL AND id <> $w ORDER BY requested_at, id",
             {"a": agent.id, "t": w.task_id, "w": wakeup_id})]
         if waiting := [q for q in others if q.scheduled_retry_at is not None and aware(q.scheduled_retry_at) > now]:
             self.wakeups.release_checkout(w.task_id, agent.id)
@@ -8783,7 +8897,7 @@ class PipelineStore(StorePart):
             self._wait_for_repository(w, "the workspace has no repository: set one in Office settings", now)
             return PipelineOutcome(claimed=True)
         run_id = self._queue_wakeup_run(w, agent, ws, task, profiles[executor], executor, repository, now)
-        agent.status = "working"
+        agent.status = AgentStatus.WORKING
         self._budget_alert(agent, ws, now)
         self.core.emit("wakeup.claimed", {"wakeup_id": w.id, "agent_id": agent.id, "run_id": run_id}, now)
         return PipelineOutcome(claimed=True, run_id=run_id)
@@ -8817,12 +8931,12 @@ class PipelineStore(StorePart):
         """Step 6 of process_wakeup when over budget: the wakeup is skipped, and the agent paused
         unless the workspace says skip."""
         self.wakeups.release_checkout(w.task_id, agent.id)
-        self.wakeups.end_wakeup(w, "skipped", now, note=blocked)
+        self.wakeups.end_wakeup(w, WakeupStatus.SKIPPED, now, note=blocked)
         if ws.budget_action == "skip":
             self.core._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                            wakeup_id=w.id, detail=blocked)
             return
-        agent.status, agent.updated_at = "paused", naive(now)
+        agent.status, agent.updated_at = AgentStatus.PAUSED, naive(now)
         self.core._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
                        wakeup_id=w.id, detail=blocked)
         self.core.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
@@ -8842,7 +8956,7 @@ class PipelineStore(StorePart):
         if plan.retry_at is None:
             self._escalate_failure(w, error, now)
             return
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, naive(plan.retry_at)
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, naive(plan.retry_at)
         log.getChild("office").info("wakeup %s retry %d at %s source=%s%s", w.id, plan.retry_count,
                                     rfc3339(plan.retry_at), plan.source,
                                     f" parsed_reset_at={rfc3339(plan.retry_at)}" if plan.source ==
@@ -8856,7 +8970,7 @@ class PipelineStore(StorePart):
         claimed again at once (spec: claimed wakeups are re-claimed on restart), with no
         retry counted: restarts during a long session never escalate it."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = "its run was interrupted by a shutdown or crash; claimed again"
         self.core.emit("wakeup.requeued", {"wakeup_id": w.id, "retry_count": w.retry_count}, now)
 
@@ -8865,7 +8979,7 @@ class PipelineStore(StorePart):
         is not a retry (the agent did nothing wrong) and starts once the repository is usable."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
         error = reason if reason.startswith(REPOSITORY_UNAVAILABLE) else f"{REPOSITORY_UNAVAILABLE}: {reason}"
-        w.status, w.claimed_at, w.last_error = "queued", None, error[:ERROR_TAIL_BYTES]
+        w.status, w.claimed_at, w.last_error = WakeupStatus.QUEUED, None, error[:ERROR_TAIL_BYTES]
         w.scheduled_retry_at = naive(now + timedelta(seconds=REPOSITORY_RECHECK_S))
         w.note = "waiting for its repository"
         self.core.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.last_error}, now)
@@ -8875,7 +8989,7 @@ class PipelineStore(StorePart):
         counted. The wakeup is claimed again; its new run waits in the queue until the profile is
         resumed."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = f"its agent profile {profile} {why}; its run waits until the profile is resumed"
         self.core.emit("wakeup.waiting", {"wakeup_id": w.id, "reason": w.note}, now)
 
@@ -8885,7 +8999,7 @@ class PipelineStore(StorePart):
         self.wakeups.release_checkout(w.task_id, w.agent_id)
         self.db.execute('DELETE FROM "AgentSession" WHERE agent_id = $a AND task_id = $t',
                         {"a": o.agent_id, "t": o.task_id})
-        w.status, w.claimed_at, w.scheduled_retry_at = "queued", None, None
+        w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = f"its stored session {o.session_id} was gone; runs once fresh"
         self.core._activity("session_dropped", w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id,
                        wakeup_id=w.id, session_id=o.session_id)
@@ -8893,7 +9007,7 @@ class PipelineStore(StorePart):
     def _escalate_failure(self, w, error: str, now: datetime) -> None:
         """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
         the workspace's coordinators get an agent_error wakeup."""
-        self.wakeups.end_wakeup(w, "failed", now, note=f"failed {w.retry_count} times; escalated")
+        self.wakeups.end_wakeup(w, WakeupStatus.FAILED, now, note=f"failed {w.retry_count} times; escalated")
         agent = self.db.Agent.get(id=w.agent_id)
         name = agent.name if agent else w.agent_id
         self.core.raise_attention("agent_error", f"Agent {name} failed {w.retry_count} times ({w.source})",
@@ -8916,13 +9030,13 @@ class PipelineStore(StorePart):
         is retried), the lock is released, the session and the summary are kept."""
         o = self.db.OfficeRun.get(run_id=r.id)
         w = self.db.Wakeup.get(id=o.wakeup_id) if o is not None else None
-        if w is None or w.status != "claimed" or w.run_id != r.id:
+        if w is None or w.status != WakeupStatus.CLAIMED or w.run_id != r.id:
             return
         agent = self.db.Agent.get(id=o.agent_id)
         self.wakeups.release_checkout(o.task_id, o.agent_id)
         result = r.result if isinstance(r.result, dict) else {}
         if status in (RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU):
-            self.wakeups.end_wakeup(w, "finished", now, carried=True)
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, carried=True)
             session_id = (r.agent_report or {}).get("session_id")
             if o.task_id and isinstance(session_id, str) and 0 < len(session_id) <= 200:
                 o.session_id = session_id
@@ -8941,7 +9055,7 @@ class PipelineStore(StorePart):
             if t is not None and t.workflow == "routine" and status == RunStatus.SUCCEEDED:
                 self.office.move_task(t.id, TaskState.DONE, now)   # the routine workflow completes itself
         elif status == RunStatus.CANCELLED:
-            self.wakeups.end_wakeup(w, "finished", now, note="its run was cancelled")
+            self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="its run was cancelled")
         elif r.error == INTERRUPTED:
             self._requeue_interrupted(w, now)
         elif o.resumed and is_unknown_session(r.error or ""):
@@ -8960,8 +9074,8 @@ class PipelineStore(StorePart):
                                        not_before=None if r.limit_named_reset else until)
         if agent is not None:
             agent.last_wakeup_finished_at = naive(now)
-            if agent.status == "working" and not self.office.active_sessions(agent.id):
-                agent.status = "idle"
+            if agent.status == AgentStatus.WORKING and not self.office.active_sessions(agent.id):
+                agent.status = AgentStatus.IDLE
             if r.cost_usd:   # the cost it reported may take the agent past 80% of a dollar budget
                 self._budget_alert(agent, self.db.Workspace[o.workspace_id], now)
 
@@ -8970,16 +9084,16 @@ class PipelineStore(StorePart):
         builder failure the last good summary stays."""
         row = self.db.ContinuationSummary.get(agent_id=o.agent_id, scope=scope)
         stats = dict(zip(("open_tasks", "in_progress", "in_review"), self.db.select(
-            "SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'IN_PROGRESS' THEN 1 ELSE 0 END), 0), "
-            "COALESCE(SUM(CASE WHEN state = 'IN_REVIEW' THEN 1 ELSE 0 END), 0) "
+            f"SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = '{TaskState.IN_PROGRESS}' THEN 1 ELSE 0 END), 0), "
+            f"COALESCE(SUM(CASE WHEN state = '{TaskState.IN_REVIEW}' THEN 1 ELSE 0 END), 0) "
             f"FROM \"Task\" WHERE workspace_id = $ws AND state NOT IN {TERMINAL_TASK_SQL} "
             "AND archived_at IS NULL", {"ws": o.workspace_id})[0], strict=True))
         since = sql_time(now - timedelta(days=1))
         stats["failed_runs"] = self.db.select(
             'SELECT COUNT(*) FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.workspace_id = $ws '
-            "AND o.queued_at >= $since AND r.status = 'failed'", {"ws": o.workspace_id, "since": since})[0]
+            f"AND o.queued_at >= $since AND r.status = '{RunStatus.FAILED}'", {"ws": o.workspace_id, "since": since})[0]
         stats["escalations"] = self.db.select(   # wakeups of this workspace that failed for good
-            'SELECT COUNT(*) FROM "Wakeup" WHERE workspace_id = $ws AND status = \'failed\' '
+            f'SELECT COUNT(*) FROM "Wakeup" WHERE workspace_id = $ws AND status = \'{WakeupStatus.FAILED}\' '
             "AND finished_at >= $since", {"ws": o.workspace_id, "since": since})[0]
         # Open tasks waiting on an open blocker: one query, only what the summary shows, however
         # many tasks the workspace has (this runs inside the settlement's write transaction).
@@ -9137,8 +9251,8 @@ class RoutineStore(StorePart):
     def scheduled_wakeups(self, agent_id: str) -> int:
         """Enabled schedule triggers of active routines that wake this agent (the coordinator banner)."""
         return self.db.select('SELECT COUNT(*) FROM "RoutineTrigger" t JOIN "Routine" r ON r.id = t.routine_id '
-                              "WHERE r.assignee_agent_id = $a AND r.status = 'active' AND t.kind = 'schedule' "
-                              "AND t.enabled", {"a": agent_id})[0]
+                              f"WHERE r.assignee_agent_id = $a AND r.status = '{RoutineStatus.ACTIVE}' "
+                              "AND t.kind = 'schedule' AND t.enabled", {"a": agent_id})[0]
 
     def install_heartbeat(self, agent_id: str, now: datetime) -> dict[str, Any]:
         """The pre-installed coordinator routine, exactly as the spec lists it; an ordinary
@@ -9148,7 +9262,7 @@ class RoutineStore(StorePart):
         fields = {"name": "Coordinator heartbeat",
                   "description": "Wakes the coordinator every 5 minutes to check workspace activity, react to errors "
                                  "and budget signals, and decide what to do next.",
-                  "assignee_agent_id": a.id, "status": "active", "concurrency_policy": "coalesce_if_active",
+                  "assignee_agent_id": a.id, "status": RoutineStatus.ACTIVE, "concurrency_policy": "coalesce_if_active",
                   "catch_up_policy": "enqueue_missed_with_cap", "catch_up_max": 25, "priority": 0,
                   "task_template": {}, "variables": []}
         trigger = {"kind": "schedule", "cron_expression": "*/5 * * * *", "timezone": ws.timezone or "UTC",
@@ -9160,8 +9274,8 @@ class RoutineStore(StorePart):
         wakeup (lightweight) is not over: what the concurrency policy is about."""
         routine_id = r.id
         for x in self.db.RoutineRun.select(lambda x: x.routine_id == routine_id and x.status in (
-                "received", "task_created") and x.dispatch_fingerprint == fingerprint).order_by(
-                lambda x: orm.desc(x.started_at))[:20]:
+                RoutineRunStatus.RECEIVED, RoutineRunStatus.TASK_CREATED)
+                and x.dispatch_fingerprint == fingerprint).order_by(lambda x: orm.desc(x.started_at))[:20]:
             if x.linked_task_id:
                 t = self.db.Task.get(id=x.linked_task_id)
                 if t is not None and t.state not in TERMINAL_TASK_STATES and t.archived_at is None:
@@ -9169,7 +9283,7 @@ class RoutineStore(StorePart):
             elif x.wakeup_id:
                 w = self.db.Wakeup.get(id=x.wakeup_id)
                 target = self.db.Wakeup.get(id=w.coalesced_into) if w is not None and w.coalesced_into else w
-                if target is not None and target.status in ("queued", "claimed"):
+                if target is not None and target.status in OPEN_WAKEUP_STATUSES:
                     return x
         return None
 
@@ -9179,7 +9293,8 @@ class RoutineStore(StorePart):
         wakeup works no task), or its latest run waits for a human with its item open."""
         t = self.db.Task[task_id]
         if self.db.select('SELECT 1 FROM "Wakeup" WHERE task_id = $t AND agent_id = $a '
-                          f"AND status IN ('queued', 'claimed') AND reason NOT IN {PARTICIPANT_SQL} LIMIT 1",
+                          f"AND status IN {sql_tuple(OPEN_WAKEUP_STATUSES)} AND reason NOT IN {PARTICIPANT_SQL} "
+                          "LIMIT 1",
                           {"t": task_id, "a": t.assignee_agent_id}):
             return True
         return self._waiting_item(task_id) is not None
@@ -9204,7 +9319,7 @@ class RoutineStore(StorePart):
         since = self.db.Run[run_id].finished_at or self.db.Run[run_id].queued_at
         active_id = active.id
         fired = orm.count(x for x in self.db.RoutineRun if x.coalesced_into_run_id == active_id
-                          and x.status == "coalesced" and x.started_at >= since)
+                          and x.status == RoutineRunStatus.COALESCED and x.started_at >= since)
         item.detail = f"{self.db.Run[run_id].question or ''}\n\n{routine_waiting_note(fired)}".strip()
 
     def fire_routine(self, routine_id: str, trigger_id: str | None, source: str, provided: dict[str, Any],
@@ -9215,7 +9330,7 @@ class RoutineStore(StorePart):
         (lightweight). Recorded as a routine run either way. ``counted_all`` false: the missed
         ticks were counted up to a cap, and ``missed_ticks`` is a lower bound ("more than")."""
         r = self._routine(routine_id)
-        if r.status != "active":
+        if r.status != RoutineStatus.ACTIVE:
             raise Conflict(f"routine {r.id} is {r.status}; a {r.status} routine never fires")
         ws = self.office.workspace_row(r.workspace_id)
         tz = ZoneInfo(ws.timezone)
@@ -9238,7 +9353,7 @@ class RoutineStore(StorePart):
             manual = self.db.RoutineTrigger.select(lambda t: t.routine_id == routine_id and t.kind == "manual")
             trigger_id = next((t.id for t in manual.order_by(lambda t: t.id)), None)
         x = self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id or "manual", source=source,
-                               status="received", due_at=naive(due_at), missed_ticks=missed_ticks,
+                               status=RoutineRunStatus.RECEIVED, due_at=naive(due_at), missed_ticks=missed_ticks,
                                trigger_payload=provided_values, dispatch_fingerprint=fingerprint,
                                started_at=naive(now))
         if trigger_id and (t := self.db.RoutineTrigger.get(id=trigger_id)) is not None:
@@ -9254,15 +9369,17 @@ class RoutineStore(StorePart):
                 r.workspace_id, task.assignee_agent_id or r.assignee_agent_id, WakeupSource.ROUTINE, payload, now,
                 reason=f"routine {r.name} fired again; its task is still open",
                 idempotency_key=routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None)
-            x.status, x.linked_task_id, x.completed_at = "task_created", task.id, naive(now)
+            x.status, x.linked_task_id, x.completed_at = RoutineRunStatus.TASK_CREATED, task.id, naive(now)
         elif active is not None and active.id != x.id:
-            x.status = "skipped" if r.concurrency_policy == "skip_if_active" else "coalesced"
-            x.coalesced_into_run_id = active.id if x.status == "coalesced" else None
+            x.status = (RoutineRunStatus.SKIPPED if r.concurrency_policy == "skip_if_active"
+                        else RoutineRunStatus.COALESCED)
+            x.coalesced_into_run_id = active.id if x.status == RoutineRunStatus.COALESCED else None
             x.completed_at = naive(now)
             if active.linked_task_id:
                 self._count_on_waiting_item(active, now)
         elif agent is None or agent.workspace_id != r.workspace_id:
-            x.status, x.error, x.completed_at = "failed", "the routine's assignee no longer exists", naive(now)
+            x.status, x.error, x.completed_at = (RoutineRunStatus.FAILED, "the routine's assignee no longer exists",
+                                                 naive(now))
         elif template:
             if missed_note:
                 description += f"\n\n(Outpost: {missed_note}.)"
@@ -9270,7 +9387,7 @@ class RoutineStore(StorePart):
                 "title": title, "description": description, "state": str(TaskState.IN_PROGRESS),
                 "assignee_agent_id": agent.id, "parent_id": None, "project_id": None, "blocked_by": [],
                 "reviewers": [], "requires_approval": False, "workflow": "routine", "executor": None}, now)
-            x.status, x.linked_task_id, x.completed_at = "task_created", task["id"], naive(now)
+            x.status, x.linked_task_id, x.completed_at = RoutineRunStatus.TASK_CREATED, task["id"], naive(now)
         else:
             payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks}   # with {{date}}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
@@ -9278,14 +9395,15 @@ class RoutineStore(StorePart):
                                               reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
                                               idempotency_key=key)
             # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
-            x.status, x.completed_at = "task_created", naive(now)
+            x.status, x.completed_at = RoutineRunStatus.TASK_CREATED, naive(now)
         self.core.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                     "status": x.status}, now)
         return routine_run_view(x)
 
     def _record_failed_fire(self, r, trigger_id: str, due_at: datetime, error: str, now: datetime) -> None:
-        self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron", status="failed",
-                           due_at=naive(due_at), error=error[:ERROR_TAIL_BYTES], started_at=naive(now),
+        self.db.RoutineRun(id=new_id("rrn"), routine_id=r.id, trigger_id=trigger_id, source="cron",
+                           status=RoutineRunStatus.FAILED, due_at=naive(due_at), error=error[:ERROR_TAIL_BYTES],
+                           started_at=naive(now),
                            dispatch_fingerprint=dispatch_fingerprint(r.id, "", "", r.assignee_agent_id),
                            completed_at=naive(now))
 
@@ -9321,7 +9439,7 @@ class RoutineStore(StorePart):
             later = next_fires(timing, slots[-1], 1) if slots else []
             t.next_run_at = naive(later[0]) if later else None
             r = self.db.Routine.get(id=t.routine_id)
-            if r is None or r.status != "active" or not t.enabled:
+            if r is None or r.status != RoutineStatus.ACTIVE or not t.enabled:
                 continue
             plan, dropped = catch_up_plan(r.catch_up_policy, r.catch_up_max, slots, total)
             for i, slot in enumerate(plan):
@@ -9338,10 +9456,10 @@ class RoutineStore(StorePart):
 
     def fire_sources(self) -> list[FireSource]:
         """The schedules and the routines' schedule triggers that are not archived (upcoming_list)."""
-        routines = {r.id: r for r in self.db.Routine.select(lambda r: r.status != "archived")}
+        routines = {r.id: r for r in self.db.Routine.select(lambda r: r.status != RoutineStatus.ARCHIVED)}
         return self.schedules.fire_sources() + [
             FireSource("routine", r.id, r.name, t.timezone, trigger_timing(t.cron_expression, t.timezone),
-                       aware(t.next_run_at), r.status != "active" or not t.enabled)
+                       aware(t.next_run_at), r.status != RoutineStatus.ACTIVE or not t.enabled)
             for t in self.db.RoutineTrigger.select(lambda t: t.kind == "schedule")
             if (r := routines.get(t.routine_id)) is not None]
 
@@ -9370,7 +9488,7 @@ class RoutineStore(StorePart):
         if previous and previous_until and sql_instant(previous_until) > now:
             secrets_.append(previous)
         return {"trigger_id": trigger_id, "routine_id": routine_id, "signing_mode": signing_mode, "secrets": secrets_,
-                "enabled": bool(enabled), "routine_status": status or "archived"}
+                "enabled": bool(enabled), "routine_status": status or RoutineStatus.ARCHIVED}
 
     def refuse_webhook(self, trigger_id: str, reason: str, source_address: str | None, size: int,
                        now: datetime) -> None:
@@ -9416,20 +9534,20 @@ class RoutineStore(StorePart):
                 continue
             since = sql_time(now - timedelta(hours=ws.recovery_lookback_hours))
             candidates = self.db.select(
-                'SELECT t.id FROM "Task" t WHERE t.workspace_id = $ws AND t.state = \'TODO\' '
+                f'SELECT t.id FROM "Task" t WHERE t.workspace_id = $ws AND t.state = \'{TaskState.TODO}\' '
                 "AND t.assignee_agent_id IS NOT NULL AND (t.workflow != 'kanban' OR t.project_id IS NOT NULL) "
                 "AND t.archived_at IS NULL AND t.created_at >= $since AND NOT EXISTS ("
                 '  SELECT 1 FROM "OfficeRun" o JOIN "Run" r ON r.id = o.run_id WHERE o.task_id = t.id '
-                "  AND r.status IN ('queued', 'running', 'paused', 'succeeded', 'needs_you')) "
+                f"  AND r.status IN {sql_tuple((*ACTIVE_RUN_STATUSES, RunStatus.SUCCEEDED, RunStatus.NEEDS_YOU))}) "
                 "ORDER BY t.created_at", {"ws": ws.id, "since": since})
             dispatched = 0
             for task_id in candidates:
                 t = self.db.Task[task_id]
                 agent = self.db.Agent.get(id=t.assignee_agent_id)
-                if agent is None or agent.status in ("paused", "stopped"):
+                if agent is None or agent.status in (AgentStatus.PAUSED, AgentStatus.STOPPED):
                     continue
-                if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t AND status IN '
-                                  "('queued', 'claimed')", {"t": task_id})[0]:
+                if self.db.select('SELECT COUNT(*) FROM "Wakeup" WHERE task_id = $t '
+                                  f"AND status IN {sql_tuple(OPEN_WAKEUP_STATUSES)}", {"t": task_id})[0]:
                     continue
                 project = self.db.Project.get(id=t.project_id) if t.project_id else None
                 if self.pipeline.budget_exceeded(agent, ws, project, now):
@@ -9460,10 +9578,10 @@ class HousekeepingStore(StorePart):
         """SQL: run ``r`` (an alias of "Run") goes in a pass with ``$cutoff``. ``status || ''``
         keeps SQLite walking the primary key from ``$after`` rather than every settled run of a
         year through a status index (tests/bench, the year row)."""
-        return (f"{r}.status || '' IN ('succeeded', 'failed', 'needs_you', 'cancelled') "
+        return (f"{r}.status || '' IN {sql_tuple(SETTLED_RUN_STATUSES)} "
                 f"AND {r}.finished_at < $cutoff "
                 f'AND NOT EXISTS (SELECT 1 FROM "Attention" a WHERE a.run_id = {r}.id AND a.acknowledged_at IS NULL) '
-                f"AND NOT ({r}.status = 'needs_you' AND {r}.answered_by IS NULL) "
+                f"AND NOT ({r}.status = '{RunStatus.NEEDS_YOU}' AND {r}.answered_by IS NULL) "
                 f'AND ({r}.schedule IS NULL '
                 f'OR {r}.id <> (SELECT MAX(n.id) FROM "Run" n WHERE n.schedule = {r}.schedule)) '
                 f'AND NOT EXISTS (SELECT 1 FROM "AgentSession" s WHERE s.run_id = {r}.id)')
@@ -9545,14 +9663,15 @@ class HousekeepingStore(StorePart):
                     '"Occurrence".schedule ORDER BY o.due_at DESC LIMIT 1 OFFSET $keep_offset) '
                     f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)})")
         if what == "wakeups":
-            return ("Wakeup", "id", "status IN ('finished', 'failed', 'cancelled', 'skipped', 'coalesced') "
+            return ("Wakeup", "id", f"status IN {sql_tuple(ENDED_WAKEUP_STATUSES)} "
                                     "AND COALESCE(finished_at, requested_at) < $cutoff "
                                     f"AND (run_id IS NULL OR NOT {self._kept('run_id', dry_run)}) "
                                     # a merged one rides a wakeup still to run: it is not history yet
                                     'AND NOT EXISTS (SELECT 1 FROM "Wakeup" c WHERE c.id = "Wakeup".coalesced_into '
-                                    "AND c.status IN ('queued', 'claimed'))")
+                                    f"AND c.status IN {sql_tuple(OPEN_WAKEUP_STATUSES)})")
         if what == "notifications":   # the outbox's sent and given-up messages (a queued one waits)
-            return "Notification", "id", "status IN ('delivered', 'given_up') AND created_at < $cutoff"
+            ended = sql_tuple((NotificationStatus.DELIVERED, NotificationStatus.GIVEN_UP))
+            return "Notification", "id", f"status IN {ended} AND created_at < $cutoff"
         return "WebhookRefusal", "id", "created_at < $cutoff"
 
     def _history_params(self, cutoff: datetime) -> dict[str, Any]:
@@ -10730,7 +10849,8 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
                                cwd=cwd, check=True)
             summary.append(f"{'committed' if verb == 'commit' else 'edited'} {path}")
         elif verb == "needs-you":
-            print(json.dumps({"status": "needs_you", "question": rest, "session_id": session_id}), file=out, flush=True)
+            print(json.dumps({"status": RunStatus.NEEDS_YOU, "question": rest, "session_id": session_id}), file=out,
+                  flush=True)
             return 0
         elif verb == "result":
             try:
@@ -10744,7 +10864,7 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
             else:
                 demo_office_call(f"/api/agent/tasks/{task_id}/move", {"state": rest.strip()})
             summary.append(f"{verb} {rest.strip()[:60]}")
-    print(json.dumps({"status": "succeeded", "summary": "; ".join(summary) or "nothing to do",
+    print(json.dumps({"status": RunStatus.SUCCEEDED, "summary": "; ".join(summary) or "nothing to do",
                       "session_id": session_id}), file=out, flush=True)
     return 0
 
@@ -10879,7 +10999,7 @@ DISK_SIZES_TTL_S = 60.0
 #: The run statuses outpost_runs_total counts: a run once settled stays so, so each series only grows.
 COUNTED_RUN_STATUSES = tuple(str(s) for s in SETTLED_RUN_STATUSES)
 #: The wakeup statuses outpost_wakeups_total counts: ended ones (queued and claimed ones move on).
-COUNTED_WAKEUP_STATUSES = ("coalesced", "skipped", "finished", "failed", "cancelled")
+COUNTED_WAKEUP_STATUSES = tuple(str(s) for s in ENDED_WAKEUP_STATUSES)
 
 
 def disk_usage(data_dir: Path, database: Path | None) -> dict[str, int]:
@@ -10943,8 +11063,8 @@ class StoreCollector:
             if status in COUNTED_RUN_STATUSES:
                 runs.add_metric([status, agent, trigger], n)
         yield runs
-        yield GaugeMetricFamily("outpost_runs_running", "Runs running now.", value=active["running"])
-        yield GaugeMetricFamily("outpost_runs_queued", "Runs waiting for a slot.", value=active["queued"])
+        yield GaugeMetricFamily("outpost_runs_running", "Runs running now.", value=active[RunStatus.RUNNING])
+        yield GaugeMetricFamily("outpost_runs_queued", "Runs waiting for a slot.", value=active[RunStatus.QUEUED])
         usd = CounterMetricFamily("outpost_agent_cost_usd", "Cost the agents reported, in USD.", labels=["agent"])
         for agent, total in sorted(cost.items()):
             usd.add_metric([agent], total)
@@ -10969,7 +11089,7 @@ class StoreCollector:
             up = GaugeMetricFamily("outpost_node_up", "1 for a node of the fleet whose heartbeat is fresh.",
                                    labels=["node"])
             for node in reading.nodes:
-                up.add_metric([node["name"]], 1 if node["status"] == "up" else 0)
+                up.add_metric([node["name"]], 1 if node["status"] == NodeStatus.UP else 0)
             yield up
 
 
@@ -11271,7 +11391,7 @@ async def resolve_and_admit(deps: Deps, run_ids: list[str]) -> None:
 
 async def after_fire(deps: Deps, fired: dict[str, Any]) -> None:
     """A manual fire was committed: resolve the new run's commit and wake admission."""
-    if fired["outcome"] == "admitted":
+    if fired["outcome"] == SlotOutcome.ADMITTED:
         await resolve_and_admit(deps, [fired["run_id"]])
 
 
@@ -11750,7 +11870,8 @@ async def recover_at_boot(deps: Deps) -> None:
     for run_id, pid, started in await deps.transaction_retrying(deps.store.nodes.register_node,
                                                                 deps.config.max_running):
         await end_survivor(deps, run_id, pid, started)   # settled by another node: not ours to settle
-    for run_id in await deps.transaction_retrying(deps.store.runs.own_runs_in, ["running", "paused"]):
+    for run_id in await deps.transaction_retrying(deps.store.runs.own_runs_in,
+                                                  [RunStatus.RUNNING, RunStatus.PAUSED]):
         plan = run_plan(deps, await deps.transaction_retrying(deps.store.runs.launch_info, run_id))
         await end_survivor(deps, run_id, plan.pid, plan.pid_started)
         await finish_run(deps, plan, plan.resolved_commit, failed(INTERRUPTED, "interrupted"), None)
@@ -12031,9 +12152,9 @@ async def deliver_one(deps: Deps, row: dict[str, Any], entries: dict[str, Notify
         await deps.transaction_retrying(deps.store.channels.sent, entry.name, error, deps.clock.now())
         nlog.info("channel %s message %d: %s", entry.name, row["id"], error or "sent")
         return
-    if status == "delivered":
+    if status == NotificationStatus.DELIVERED:
         nlog.info("notification %d (%s) delivered to %s %s", row["id"], row["kind"], entry.name, entry.label)
-    elif status == "given_up":
+    elif status == NotificationStatus.GIVEN_UP:
         nlog.error("notification %d (%s) to %s %s given up after %d attempts: %s", row["id"], row["kind"],
                    entry.name, entry.label, row["attempts"], error)
     else:
@@ -12703,7 +12824,6 @@ async def checked_triggers(deps: Deps, raw: Any, workspace_id: str | None) -> li
 
 #: What a person's own agent may propose (docs/agent-clis.md), and the fields of each.
 PROPOSAL_KINDS = ("create", "change", "control")
-PROPOSAL_STATES = ("pending", "confirmed", "declined", "stale")
 #: Who a proposal made without a key is by (``Web.caller``): a key may not take these names.
 HUMAN_CALLERS = ("api", "dashboard")
 PROPOSAL_FIELDS = {"create": ("definition",), "change": ("schedule_id", "changes"),
@@ -12860,7 +12980,7 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
     made from (412 if the schedule moved meanwhile, and the proposal is then stale), in one
     transaction with the proposal's decision."""
     p, now = await web.call(web.store.access.get_proposal, proposal_id, web.now), web.now
-    if p["state"] != "pending":
+    if p["state"] != ProposalState.PENDING:
         raise Conflict(f"proposal {proposal_id} is {p['state']}; only a pending proposal can be confirmed")
     digests, decide = web.deps.profile_digests, web.store.access.decide_proposal
     if p["kind"] == "create":
@@ -12868,14 +12988,14 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
 
         def apply():
             schedule = web.store.schedules.create_schedule(definition, now, digests.get(definition["agent"]))
-            return decide(proposal_id, "confirmed", None, now, schedule["id"])
+            return decide(proposal_id, ProposalState.CONFIRMED, None, now, schedule["id"])
         return await web.commit(apply)
     current = await web.call(web.store.schedules.schedule_definition, p["schedule_id"])
     if current["revision"] != p["base_revision"] or current["archived"]:
         why = ("the schedule was archived" if current["archived"] else
                f"the schedule changed (it is at revision {current['revision']} now, this was made from "
                f"revision {p['base_revision']})")
-        await web.call(decide, proposal_id, "stale", f"{why} after this was proposed", now)
+        await web.call(decide, proposal_id, ProposalState.STALE, f"{why} after this was proposed", now)
         check_revision(p["schedule_id"], current["revision"], p["base_revision"])
         raise Archived(f"schedule {p['schedule_id']} is archived")
     if p["kind"] == "change":
@@ -12885,7 +13005,7 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
         def apply():
             web.store.schedules.update_schedule(p["schedule_id"], p["base_revision"], definition, now,
                                                 digests.get(definition["agent"]))
-            return decide(proposal_id, "confirmed", None, now)
+            return decide(proposal_id, ProposalState.CONFIRMED, None, now)
         return await web.commit(apply)
     fired = {}
 
@@ -12894,7 +13014,7 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
             fired.update(web.store.schedules.fire_manual(p["schedule_id"], p["base_revision"], now, digests))
         else:
             web.store.schedules.control_schedule(p["schedule_id"], p["base_revision"], p["action"], now)
-        return decide(proposal_id, "confirmed", None, now)
+        return decide(proposal_id, ProposalState.CONFIRMED, None, now)
     decided = await web.commit(apply)
     if fired:
         await after_fire(web.deps, fired)
@@ -12904,8 +13024,8 @@ async def confirm_proposal(web: Web, proposal_id: str) -> dict[str, Any]:
 async def decline_proposal(web: Web, proposal_id: str, note: Any) -> dict[str, Any]:
     if note is not None and (not isinstance(note, str) or len(note) > MAX_TEXT_CHARS):
         raise invalid("note", f"must be text of at most {MAX_TEXT_CHARS} characters")
-    return await web.commit(web.store.access.decide_proposal, proposal_id, "declined", (note or "").strip() or None,
-                            web.now)
+    return await web.commit(web.store.access.decide_proposal, proposal_id, ProposalState.DECLINED,
+                            (note or "").strip() or None, web.now)
 
 
 async def ack_attention(web: Web, attention_id: str) -> dict[str, Any]:
@@ -13330,7 +13450,7 @@ async def api_dispatch(web: Web):
 
 @api.get("/v1/outpost/proposals", auth=Auth.TOKEN)
 async def api_list_proposals(web: Web):
-    state = web.choice_arg("state", PROPOSAL_STATES)
+    state = web.choice_arg("state", ProposalState)
     return {"proposals": await web.call(web.store.access.list_proposals, state, web.now,
                                         web.int_arg("limit", 100, 1, 500))}
 
@@ -13683,7 +13803,7 @@ async def office_comment(web: Web, task_id: str):
 
 @office_api.get("/api/office/approvals", auth=Auth.TOKEN)
 async def office_approvals(web: Web):
-    status = web.choice_arg("status", ("pending", "approved", "rejected"))
+    status = web.choice_arg("status", ApprovalStatus)
     return {"approvals": await web.call(web.store.office.list_approvals, web.workspace_arg(), status)}
 
 
@@ -13800,8 +13920,8 @@ async def hook_fire(web: Web, public_id: str):
                            {k.lower(): v for k, v in request.headers.items()}, body, now)
     if not check.ok:
         return await refuse(WebhookRefused(f"webhook refused: {check.reason}"), check.reason)
-    if target["routine_status"] != "active" or not target["enabled"]:
-        state = "disabled" if target["routine_status"] == "active" else target["routine_status"]
+    if target["routine_status"] != RoutineStatus.ACTIVE or not target["enabled"]:
+        state = "disabled" if target["routine_status"] == RoutineStatus.ACTIVE else target["routine_status"]
         return await refuse(Conflict(f"this trigger's routine is {state}; it does not fire"), f"routine {state}")
     try:
         provided = body_object(json.loads(body) if body.strip() else {})
@@ -14134,10 +14254,12 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
 
 INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
 #: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
-CANCEL_LABELS = {"assignee_changed": "Cancelled - assignee changed", "task_terminal": "Cancelled - task completed",
-                 "retry_task_cancelled": "Cancelled - task cancelled",
-                 "retry_stale_assignee": "Cancelled - retry stale", "task_not_found": "Cancelled - task not found",
-                 "review_participant_changed": "Cancelled - reviewer changed"}
+CANCEL_LABELS = {CancelReason.ASSIGNEE_CHANGED: "Cancelled - assignee changed",
+                 CancelReason.TASK_TERMINAL: "Cancelled - task completed",
+                 CancelReason.RETRY_TASK_CANCELLED: "Cancelled - task cancelled",
+                 CancelReason.RETRY_STALE_ASSIGNEE: "Cancelled - retry stale",
+                 CancelReason.TASK_NOT_FOUND: "Cancelled - task not found",
+                 CancelReason.REVIEW_PARTICIPANT_CHANGED: "Cancelled - reviewer changed"}
 
 
 def curl_example(url: str, mode: str) -> str:
@@ -14158,19 +14280,19 @@ def curl_example(url: str, mode: str) -> str:
 
 
 def wakeup_label(w: dict[str, Any]) -> str:
-    if w["status"] == "cancelled":
+    if w["status"] == WakeupStatus.CANCELLED:
         return CANCEL_LABELS.get(w["cancel_reason"], "Cancelled")
-    if w["status"] == "queued" and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
+    if w["status"] == WakeupStatus.QUEUED and (w["last_error"] or "").startswith(REPOSITORY_UNAVAILABLE):
         return "Waiting for its repository"
-    if w["status"] == "queued" and w["scheduled_retry_at"]:
+    if w["status"] == WakeupStatus.QUEUED and w["scheduled_retry_at"]:
         return f"Retry {w['retry_count']}/{MAX_RETRY_COUNT} scheduled"
-    if w["status"] == "queued" and w["wake_at"]:
+    if w["status"] == WakeupStatus.QUEUED and w["wake_at"]:
         return "Waiting to wake"
-    if w["status"] == "coalesced":
+    if w["status"] == WakeupStatus.COALESCED:
         return f"Merged into {w['coalesced_into'][-6:]}"
-    if w["status"] == "finished" and not w["run_id"]:
+    if w["status"] == WakeupStatus.FINISHED and not w["run_id"]:
         return "Finished, no run"   # idle-skipped or its routine paused: the note says which
-    if w["reason"] == "recovery" and w["status"] in ("claimed", "finished"):
+    if w["reason"] == "recovery" and w["status"] in (WakeupStatus.CLAIMED, WakeupStatus.FINISHED):
         return "Recovered"
     return w["status"].capitalize()
 
@@ -14187,7 +14309,7 @@ def next_fire_tag(instant: str | datetime | None, state: str, tz_name: str | Non
     is enabled or the routine active, else the state ("paused", "archived", "off"): a paused
     one's stored next fire is not when it fires."""
     from markupsafe import Markup
-    if state not in ("enabled", "active"):
+    if state not in ("enabled", RoutineStatus.ACTIVE):
         return Markup('<span class="muted" data-next-fire="{0}">{0}</span>').format(state.replace("_", " "))
     return time_tag(instant, tz_name)
 
@@ -14482,7 +14604,7 @@ async def page_schedule_control(web: Web, schedule_id: str):
     form = await web.form()
     action = form.get("action", "")
     result = await control_schedule(web, schedule_id, form_revision(form), action)
-    if action == "fire" and result["outcome"] == "admitted":   # Fire now: on to the new run, live
+    if action == "fire" and result["outcome"] == SlotOutcome.ADMITTED:   # Fire now: on to the new run, live
         return await web.see_other(f"/runs/{result['run_id']}?done=admitted")
     later = action == "approve_catch_up" and result["outcome"] == SlotOutcome.SKIPPED_OVERLAP
     done = result["outcome"] if action == "fire" else "approve_catch_up_later" if later else action
@@ -14745,7 +14867,7 @@ async def page_attention(web: Web):
     items = await web.call(web.store.list_attention, False)
     open_items = [a for a in items if not a["acknowledged_at"]]
     done_items = [a for a in items if a["acknowledged_at"]][:50]
-    pending = await web.call(web.store.access.list_proposals, "pending", web.now)
+    pending = await web.call(web.store.access.list_proposals, ProposalState.PENDING, web.now)
     return await web.page("attention.html", section="attention", live=True, open_items=open_items,
                           done_items=done_items, schedules=await web.call(web.store.schedules.schedule_zones),
                           pending_proposals=len(pending))
@@ -14782,7 +14904,7 @@ async def proposal_page(web: Web, proposal_id: str, *, status: int = 200, error:
     it was made from), and Confirm / Decline while it is pending."""
     proposal = await web.call(web.store.access.get_proposal, proposal_id, web.now)
     moved = None   # a pending change or action whose schedule moved on: it can no longer be confirmed
-    if proposal["state"] == "pending" and proposal["schedule_id"]:
+    if proposal["state"] == ProposalState.PENDING and proposal["schedule_id"]:
         current = await web.call(web.store.schedules.schedule_definition, proposal["schedule_id"])
         moved = current if current["revision"] != proposal["base_revision"] or current["archived"] else None
     return await web.page("proposal.html", status=status, section="attention", p=proposal, error=error, moved=moved,
@@ -15017,8 +15139,8 @@ async def page_office(web: Web):
 async def page_office_agents(web: Web, form: dict[str, str] | None = None, errors: dict[str, str] | None = None,
                              status: int = 200):
     def data():
-        return (web.store.office.list_agents(None), web.store.wakeups.wakeups_by_agent("claimed"),
-                web.store.wakeups.wakeups_by_agent("queued"))
+        return (web.store.office.list_agents(None), web.store.wakeups.wakeups_by_agent(WakeupStatus.CLAIMED),
+                web.store.wakeups.wakeups_by_agent(WakeupStatus.QUEUED))
     agents, active, queued = await web.call(data)
     return await office_page(web, "office_agents.html", tab="agents", status=status, agents=agents, active=active,
                              queued=queued, form=form or {}, errors=errors or {})
@@ -15202,7 +15324,7 @@ async def page_office_routine(web: Web, routine_id: str, form: Any = None, error
 async def page_office_routine_save(web: Web, routine_id: str):
     async def save(form):
         raw, _ = routine_form(form)
-        raw["status"] = form.get("status", "active")
+        raw["status"] = form.get("status", RoutineStatus.ACTIVE)
         await update_routine(web, routine_id, raw)
         return f"/office/routines/{routine_id}?done=routine_updated"
     return await office_form(web, save, functools.partial(page_office_routine, routine_id=routine_id))
@@ -15227,8 +15349,8 @@ async def page_office_routine_fire(web: Web, routine_id: str):
     async def fire(form):
         variables = {k[4:]: v for k, v in form.items() if k.startswith("var_") and v != ""}
         run = await fire_routine(web, routine_id, variables)
-        done = ("received" if run["status"] == "task_created" and not run["linked_task_id"] else
-                "woke_task" if run["status"] == "task_created" and run["wakeup_id"] else run["status"])
+        done = ("received" if run["status"] == RoutineRunStatus.TASK_CREATED and not run["linked_task_id"] else
+                "woke_task" if run["status"] == RoutineRunStatus.TASK_CREATED and run["wakeup_id"] else run["status"])
         return f"/office/routines/{routine_id}?done=fired_{done}"
     return await office_form(web, fire, functools.partial(page_office_routine, routine_id=routine_id))
 
@@ -15769,7 +15891,7 @@ def cli_proposals(client: Client, args: argparse.Namespace) -> None:
         p = client.call("POST", path + "/decline", {"note": args.note}, idempotent=True)
     if args.action != "show":
         print(json.dumps(p, indent=2) if args.json else f"{p['id']}: {p['state']}"
-              + (f", schedule {p['schedule_id']}" if p["state"] == "confirmed" and p["schedule_id"] else "")
+              + (f", schedule {p['schedule_id']}" if p["state"] == ProposalState.CONFIRMED and p["schedule_id"] else "")
               + (f", with the note: {p['note']}" if p["note"] else ""))
 
 
