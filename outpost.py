@@ -642,7 +642,7 @@ _WALL = r"(\d{1,2})(?::(\d{2}))?\s*([ap]\.?m\.?)?"
 _ZONE = r"((?:GMT|UTC)[+-]\d{1,2}(?::?\d{2})?|[A-Za-z_]+/[A-Za-z_]+(?:/[A-Za-z_]+)?|[A-Z]{1,5})"
 _MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
 MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
-                                       "nov", "dec"), 1)}
+                                      "nov", "dec"), 1)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1194,7 +1194,7 @@ def _dotenv(path: Path) -> dict[str, str]:
     """The ``KEY=value`` lines of a .env file (the ones Gemini CLI loads)."""
     with contextlib.suppress(OSError, UnicodeDecodeError):
         return {m[1]: m[2].strip().strip("'\"") for m in re.finditer(r"^\s*(?:export\s+)?([A-Z][A-Z0-9_]*)\s*=\s*(.*)$",
-                                                                   path.read_text(), re.MULTILINE)}
+                                                                     path.read_text(), re.MULTILINE)}
     return {}
 
 
@@ -1451,7 +1451,7 @@ def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
         for entry in found:
             last = entries[-1] if entries else None
             if last and entry["kind"] == "output" == last["kind"] or (entry.get("delta") and last
-                                                                    and last.get("delta")):
+                                                                      and last.get("delta")):
                 joined = clip(last["text"] + ("\n" if entry["kind"] == "output" else "") + entry["text"],
                               TRANSCRIPT_MESSAGE_CHARS)   # output lines, or an assistant's deltas: one entry
                 used += len(joined) - len(last["text"])
@@ -1940,7 +1940,7 @@ def _digest_time(value: Any) -> str | None:
 #: Apprise's plain webhooks (a POST of JSON, a form, XML): their path is shown masked.
 PATH_SECRET_SCHEMES = ("json", "jsons", "form", "forms", "xml", "xmls")
 NOTIFY_KEYS: dict[str, Callable[[Any], str | None]] = {"url": _text_value, "kinds": _notify_kinds,
-                                                        "digest": _digest_time}
+                                                       "digest": _digest_time}
 
 
 def notify_label(url: str) -> str | None:
@@ -4131,7 +4131,7 @@ def normalize_agent(raw: Any, *, profiles: Iterable[str], current: dict[str, Any
     with errors.check():
         status = merged.get("status", AgentStatus.IDLE)
         if status not in tuple(AgentStatus) or (status == AgentStatus.WORKING
-                                                 and raw.get("status") == AgentStatus.WORKING):
+                                                and raw.get("status") == AgentStatus.WORKING):
             raise invalid("status", "must be idle, paused or stopped (working is set by Outpost)")
         a["status"] = status
     for key, check in (
@@ -6027,8 +6027,8 @@ class StoreCore:
         orm.flush()
 
     def raise_attention(self, kind: str, title: str, detail: str | None, now: datetime, *,
-               schedule_id: str | None, run_id: str | None, link: str | None = None,
-               agent_id: str | None = None) -> str:
+                        schedule_id: str | None, run_id: str | None, link: str | None = None,
+                        agent_id: str | None = None) -> str:
         """A new item, or, for a kind that folds, the open one of its schedule (or Office agent)
         counting it: newest title, detail and run first; no second notification. PostgreSQL's
         SERIALIZABLE makes two nodes folding at once run one of them again."""
@@ -6337,9 +6337,9 @@ class RunStore(StorePart):
         earlier one's writes (``fence``: only if it is still that (node, attempt)'s)."""
         fenced = " AND node = $node AND attempt = $attempt" if fence else ""
         if not self.core.returning(f"UPDATE \"Run\" SET status = '{RunStatus.QUEUED}', started_at = NULL, node = NULL, "
-                              f"steps = NULL WHERE id = $r AND status = '{RunStatus.RUNNING}' AND pid IS NULL{fenced} "
-                              "RETURNING id",
-                              {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
+                                   f"steps = NULL WHERE id = $r AND status = '{RunStatus.RUNNING}' AND pid IS NULL"
+                                   f"{fenced} RETURNING id",
+                                   {"r": run_id, **({"node": fence[0], "attempt": fence[1]} if fence else {})}):
             return False
         self.core.emit("run.requeued", {"run_id": run_id, "reason": reason}, now)
         return True
@@ -6456,7 +6456,7 @@ class RunStore(StorePart):
                  "run_id": run_id, "was": was}):
             return False
         self.core.emit("run.settled", {"run_id": run_id, "schedule_id": schedule_id, "status": str(status),
-                                  "error": error, "failure_kind": r.failure_kind}, now)
+                                       "error": error, "failure_kind": r.failure_kind}, now)
         self._hold_profile(r, outcome, now, auth_hint)
         for settled in self.settled_hooks:
             settled(r, status, now)
@@ -6494,10 +6494,10 @@ class RunStore(StorePart):
             if st.paused_reason is None:
                 st.paused_reason, st.updated_at = f"spend limit: {outcome.limit.message[:300]}", naive(now)
                 self.core.raise_attention("agent_limited", f"Agent profile {r.agent} hit a spend limit; its runs wait",
-                                     f"{outcome.limit.message}\nWho can raise it: {outcome.limit.raised_by}. "
-                                     f"Then resume the profile on the Agents page, or POST /v1/outpost/agents/"
-                                     f'{r.agent}/control {{"action": "resume"}}.', now,
-                                     schedule_id=r.schedule_id, run_id=r.id)
+                                          f"{outcome.limit.message}\nWho can raise it: {outcome.limit.raised_by}. "
+                                          f"Then resume the profile on the Agents page, or POST /v1/outpost/agents/"
+                                          f'{r.agent}/control {{"action": "resume"}}.', now,
+                                          schedule_id=r.schedule_id, run_id=r.id)
                 self.core.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
         elif kind == "limit" and outcome.limit is not None:
             st = self._profile_state(r.agent, now)
@@ -6509,17 +6509,17 @@ class RunStore(StorePart):
             if new_window:
                 words = outcome.limit.kind.replace("_", " ")
                 self.core.raise_attention("agent_limited", f"Agent profile {r.agent} hit a {words}",
-                                     f"{outcome.limit.message}\nIts queued runs wait until "
-                                     f"{rfc3339(aware(st.limited_until))}; other profiles' runs go on.", now,
-                                     schedule_id=r.schedule_id, run_id=r.id)
+                                          f"{outcome.limit.message}\nIts queued runs wait until "
+                                          f"{rfc3339(aware(st.limited_until))}; other profiles' runs go on.", now,
+                                          schedule_id=r.schedule_id, run_id=r.id)
             self.core.emit("agent.limited", {"agent": r.agent, "limited_until": rfc3339(aware(st.limited_until))}, now)
         elif kind == "auth":
             st = self._profile_state(r.agent, now)
             if st.paused_reason is None:
                 st.paused_reason, st.updated_at = f"login needed: {(r.error or '')[:300]}", naive(now)
                 self.core.raise_attention("agent_auth", f"Agent profile {r.agent} is not logged in; its runs wait",
-                                     f"{r.error}\n{auth_hint}".strip(), now,
-                                     schedule_id=r.schedule_id, run_id=r.id)
+                                          f"{r.error}\n{auth_hint}".strip(), now,
+                                          schedule_id=r.schedule_id, run_id=r.id)
                 self.core.emit("agent.paused", {"agent": r.agent, "reason": st.paused_reason}, now)
         elif r.status == RunStatus.SUCCEEDED:
             st = self.db.ProfileState.get(name=r.agent)
@@ -6812,7 +6812,8 @@ class RunStore(StorePart):
         for kind in (k for k in attention_kinds(r.notify, status, r.commits, r.failure_kind) if k not in muted):
             detail = details[kind]
             self.core.raise_attention(kind, titles[kind], detail if isinstance(detail, str) else None, now,
-                                 schedule_id=s.id if s else None, run_id=r.id, agent_id=agent.id if agent else None)
+                                      schedule_id=s.id if s else None, run_id=r.id,
+                                      agent_id=agent.id if agent else None)
         return r
 
 
@@ -7077,12 +7078,12 @@ class ScheduleStore(StorePart):
             self.db.execute('UPDATE "Occurrence" SET run_id = $rid WHERE id = $oid', {"rid": run_id, "oid": oid})
             s.last_fired_at = naive(now)
             self.core.emit("occurrence.claimed", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
-                                             "run_id": run_id, "trigger": trigger}, now)
+                                                  "run_id": run_id, "trigger": trigger}, now)
             return outcome, run_id, oid
         if outcome == SlotOutcome.COALESCED and run.status == RunStatus.QUEUED:
             run.missed_count += 1
         self.core.emit("occurrence.skipped", {"occurrence_id": oid, "schedule_id": s.id, "due_at": rfc3339(due_at),
-                                         "outcome": str(outcome), "active_run_id": run.id if run else None}, now)
+                                              "outcome": str(outcome), "active_run_id": run.id if run else None}, now)
         return outcome, None, oid
 
     def _last_success_commit(self, schedule_id: str) -> str | None:
@@ -7156,7 +7157,7 @@ class ScheduleStore(StorePart):
             for o in rows:
                 o.outcome = str(SlotOutcome.SKIPPED_MISSED)
             self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.SKIPPED_MISSED,
-                                             "count": plan["missed_count"]}, now)
+                                                  "count": plan["missed_count"]}, now)
             return SlotOutcome.SKIPPED_MISSED, None
         last = rows[-1]
         _, run_id, _ = self._fire_slot(s, aware(last.due_at), "catch_up", now, missed_count=plan["missed_count"],
@@ -7200,9 +7201,9 @@ class ScheduleStore(StorePart):
             agent = s.definition["agent"]
             change = "was removed from outpost.toml" if current is None else "changed in outpost.toml"
             self.core.raise_attention("reconfirm", f"Schedule '{s.name}' is held: agent profile {agent} {change}",
-                                 "Its fires are held (held_reconfirm) until a human reviews the schedule and "
-                                 "confirms it again (Edit, review, confirm; or compose + PATCH with the same "
-                                 "definition).", now, schedule_id=s.id, run_id=None)
+                                      "Its fires are held (held_reconfirm) until a human reviews the schedule and "
+                                      "confirms it again (Edit, review, confirm; or compose + PATCH with the same "
+                                      "definition).", now, schedule_id=s.id, run_id=None)
         return True
 
     def claim_due(self, now: datetime, grace_s: float = MISFIRE_GRACE_S, digests: dict[str, str] | None = None,
@@ -7239,7 +7240,7 @@ class ScheduleStore(StorePart):
                 for slot in slots:
                     self._record_slot(s, slot, kind, SlotOutcome.HELD_RECONFIRM, now)
                 self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.HELD_RECONFIRM,
-                                                 "count": total}, now)
+                                                      "count": total}, now)
                 continue
             missed = [t for t in slots if (now - t).total_seconds() > grace_s]
             if up_since is not None:   # back from downtime: only its newest slot can be on time
@@ -7258,7 +7259,7 @@ class ScheduleStore(StorePart):
                 for slot in missed:
                     self._record_slot(s, slot, kind, SlotOutcome.SKIPPED_MISSED, now)
                 self.core.emit("occurrence.skipped", {"schedule_id": s.id, "outcome": SlotOutcome.SKIPPED_MISSED,
-                                                 "count": missed_total}, now)
+                                                      "count": missed_total}, now)
             elif missed:
                 cap = s.definition["catch_up"]["max"]
                 fired, folded = missed[-cap:], missed[:-cap]
@@ -7286,10 +7287,10 @@ class ScheduleStore(StorePart):
         lateness = int((now - late[0]).total_seconds())
         more = f" and {len(late) - 1} more" if len(late) > 1 else ""
         self.core.raise_attention("missed_fire", f"Schedule '{s.name}' missed its fire at "
-                                            f"{late[0].astimezone(tz):%Y-%m-%d %H:%M %Z}{more}",
-                             f"Claimed {lateness} s late while Outpost was running (a stalled scheduler or "
-                             f"database, or a clock step); catch_up {s.definition['catch_up']['policy']} applied.",
-                             now, schedule_id=s.id, run_id=None)
+                                  f"{late[0].astimezone(tz):%Y-%m-%d %H:%M %Z}{more}",
+                                  f"Claimed {lateness} s late while Outpost was running (a stalled scheduler or "
+                                  f"database, or a clock step); catch_up {s.definition['catch_up']['policy']} applied.",
+                                  now, schedule_id=s.id, run_id=None)
 
     def fire_manual(self, schedule_id: str, revision: int, now: datetime,
                     digests: dict[str, str] | None = None) -> dict[str, Any]:
@@ -7388,11 +7389,11 @@ class ScheduleStore(StorePart):
             s.revision += 1
             s.updated_at = naive(now)
             self.core.raise_attention("auto_pause",
-                                 f"Schedule '{s.name}' was paused after {s.failure_streak} failures in a row",
-                                 "Inspect its failed runs, fix the definition or repository, then resume it.", now,
-                                 schedule_id=s.id, run_id=r.id)
+                                      f"Schedule '{s.name}' was paused after {s.failure_streak} failures in a row",
+                                      "Inspect its failed runs, fix the definition or repository, then resume it.", now,
+                                      schedule_id=s.id, run_id=r.id)
             self.core.emit("schedule.controlled", {"schedule_id": s.id, "action": "auto_pause",
-                                              "revision": s.revision}, now)
+                                                   "revision": s.revision}, now)
 
 
 ###############################################################################
@@ -7456,8 +7457,8 @@ class NodeStore(StorePart):
         """On the database's clock. False once a survivor has declared this node lost (the runs
         it was running are settled and no longer its own), or another process holds its name."""
         return bool(self.core.returning(f'UPDATE "Node" SET heartbeat_at = {self.dialect.db_now()} WHERE name = $name '
-                                   f"AND status = '{NodeStatus.UP}' AND process = $me RETURNING name",
-                                   {"name": self.core.node, "me": self.core.process}))
+                                        f"AND status = '{NodeStatus.UP}' AND process = $me RETURNING name",
+                                        {"name": self.core.node, "me": self.core.process}))
 
     def settle_lost_nodes(self, now: datetime) -> list[str]:
         """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
@@ -7519,9 +7520,9 @@ class AccessStore(StorePart):
         self.db.execute('DELETE FROM "IdempotencyRecord" WHERE key = $key AND created_at < $h',
                         {"key": key, "h": horizon})
         rows = self.core.returning('INSERT INTO "IdempotencyRecord" (key, fingerprint, state, node, created_at) '
-                              f"VALUES ($key, $fp, '{IdempotencyState.IN_FLIGHT}', $node, $now) "
-                              "ON CONFLICT (key) DO NOTHING RETURNING key",
-                              {"key": key, "fp": fingerprint, "node": self.core.node, "now": sql_time(now)})
+                                   f"VALUES ($key, $fp, '{IdempotencyState.IN_FLIGHT}', $node, $now) "
+                                   "ON CONFLICT (key) DO NOTHING RETURNING key",
+                                   {"key": key, "fp": fingerprint, "node": self.core.node, "now": sql_time(now)})
         if rows:
             return None
         rec = self.db.IdempotencyRecord[key]
@@ -7942,8 +7943,8 @@ class WakeupStore(StorePart):
         if run_id and (o := self.db.OfficeRun.get(run_id=run_id)) is not None:
             o.context_snapshot = target.context_snapshot
             o.assembled_prompt = self.office_prompt(self.db.Agent[o.agent_id], target, resumed=o.resumed,
-                                                     summary=o.summary_injected,
-                                                     tools=ACTING_WITH_TOOLS in (o.assembled_prompt or ""))
+                                                    summary=o.summary_injected,
+                                                    tools=ACTING_WITH_TOOLS in (o.assembled_prompt or ""))
             self.db.Run[o.run_id].prompt = o.assembled_prompt
         self.core.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
 
@@ -8030,8 +8031,8 @@ class WakeupStore(StorePart):
             t.checkout_agent_id, t.checkout_at = None, None
 
     def end_wakeup(self, w, status: WakeupStatus, now: datetime, note: str | None = None,
-                    cancel_reason: str | None = None, *, fire: RoutineRunStatus | None = None,
-                    carried: bool = False) -> None:
+                   cancel_reason: str | None = None, *, fire: RoutineRunStatus | None = None,
+                   carried: bool = False) -> None:
         """``fire``: what the lightweight routine fires it carries became (``skipped`` when it
         ended without a session); by default skipped or failed as the wakeup, else unchanged.
         ``carried``: its run ended well, and the requests merged into it with it; otherwise
@@ -8040,7 +8041,7 @@ class WakeupStore(StorePart):
             self.release_riders(w, now)
         w.status, w.note, w.cancel_reason, w.finished_at = status, note, cancel_reason, naive(now)
         self.core.emit("wakeup.ended", {"wakeup_id": w.id, "agent_id": w.agent_id, "status": status,
-                                   "cancel_reason": cancel_reason}, now)
+                                        "cancel_reason": cancel_reason}, now)
         fire = fire or {WakeupStatus.SKIPPED: RoutineRunStatus.SKIPPED, WakeupStatus.FAILED: RoutineRunStatus.FAILED,
                         WakeupStatus.CANCELLED: RoutineRunStatus.FAILED}.get(status)
         if fire and (w.source == WakeupSource.ROUTINE or w.coalesced_count > 1):   # it carries merged requests
@@ -8063,7 +8064,7 @@ class WakeupStore(StorePart):
         self.release_checkout(w.task_id, w.agent_id)
         self.end_wakeup(w, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
         data = {"reason": str(reason)} if code == "wakeup_stale_cancelled" else {"reason": str(reason),
-                                                                                  "old_agent": w.agent_id}
+                                                                                 "old_agent": w.agent_id}
         self.core._activity(code, w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id, wakeup_id=w.id, **data)
 
     def open_blockers(self, blocker_ids: list[str]) -> list[str]:
@@ -8409,7 +8410,7 @@ class OfficeStore(StorePart):
         if (t.assignee_agent_id and t.archived_at is None and t.state not in TERMINAL_TASK_STATES
                 and is_office_task(t.workflow, t.project_id)):
             self.wakeups.enqueue_wakeup(t.workspace_id, t.assignee_agent_id, source, payload, now, reason=reason,
-                                idempotency_key=idempotency_key)
+                                        idempotency_key=idempotency_key)
 
     def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
                   workspace_id: str | None = None) -> dict[str, Any]:
@@ -8441,8 +8442,8 @@ class OfficeStore(StorePart):
             for reviewer in t.reviewers or []:
                 if self.db.Agent.get(id=reviewer, workspace_id=t.workspace_id):
                     self.wakeups.enqueue_wakeup(t.workspace_id, reviewer, WakeupSource.TASK_ASSIGNED, {"task_id": t.id},
-                                        now, reason=REVIEW_REASON,   # each review round wakes the reviewer
-                                        idempotency_key=f"review:{t.id}:{reviewer}:{now.timestamp():.3f}")
+                                                now, reason=REVIEW_REASON,   # each review round wakes the reviewer
+                                                idempotency_key=f"review:{t.id}:{reviewer}:{now.timestamp():.3f}")
         elif state in TERMINAL_TASK_STATES:
             self.wakeups.release_checkout(t.id, None)
             self._resolve_dependents(t, now)
@@ -8576,7 +8577,7 @@ class OfficeStore(StorePart):
                                               "to": TaskState.IN_PROGRESS}, now)
         if a.requested_by_agent_id and self.db.Agent.get(id=a.requested_by_agent_id):
             self.wakeups.enqueue_wakeup(a.workspace_id, a.requested_by_agent_id, WakeupSource.APPROVAL_RESOLVED,
-                                {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
+                                        {"approval_id": a.id, "status": status, "decision_note": decision_note}, now)
         return approval_view(a)
 
     def wake_agent(self, agent_id: str, source: WakeupSource, payload: dict[str, Any], now: datetime, *,
@@ -8587,7 +8588,7 @@ class OfficeStore(StorePart):
         if workspace_id is not None and a.workspace_id != workspace_id:
             raise NotFound(f"no agent {agent_id}")
         return wakeup_view(self.db.Wakeup[self.wakeups.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
-                                                              reason=reason, wake_at=wake_at)])
+                                                                      reason=reason, wake_at=wake_at)])
 
     def list_wakeups(self, workspace_id: str | None, agent_id: str | None = None, status: str | None = None,
                      source: str | None = None, limit: int = 100, task_id: str | None = None) -> list[dict[str, Any]]:
@@ -8734,8 +8735,8 @@ class PipelineStore(StorePart):
             stamp = now.astimezone(tz).strftime("%Y-%m-%d" if window == "day" else "%Y-%m")
             for c in self.wakeups.coordinators(agent.workspace_id, agent.id):
                 self.wakeups.enqueue_wakeup(agent.workspace_id, c.id, WakeupSource.BUDGET_ALERT,
-                                    {"agent_instance_id": agent.id, "budget_pct": round(100 * share)}, now,
-                                    idempotency_key=f"budget_alert:{agent.id}:{c.id}:{stamp}")
+                                            {"agent_instance_id": agent.id, "budget_pct": round(100 * share)}, now,
+                                            idempotency_key=f"budget_alert:{agent.id}:{c.id}:{stamp}")
 
     def dispatch_wakeups(self, now: datetime, profiles: dict[str, AgentProfile],
                          limit: int = DISPATCH_BATCH) -> tuple[list[str], int]:
@@ -8797,7 +8798,7 @@ class PipelineStore(StorePart):
                 f"AND NOT (w.reason NOT IN {PARTICIPANT_SQL} AND EXISTS ({locked})) "   # another's session
                 f"AND NOT (w.source IN {WINDOW_HELD_SQL} AND w.requested_at > $window) "   # its window is open
                 'ORDER BY requested_at, id LIMIT $room', {"agent": agent_id, "due": due, "room": room,
-                                                         "window": window})
+                                                          "window": window})
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> PipelineOutcome:
@@ -8853,7 +8854,7 @@ class PipelineStore(StorePart):
                 self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="no actionable tasks (idle skip)",
                                         fire=RoutineRunStatus.SKIPPED)
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,
-                               reason="no_actionable_tasks")
+                                    reason="no_actionable_tasks")
                 return PipelineOutcome(claimed=True)
         # 5. Checkout (a reviewer or a mentioned agent reads the task; only the one working it takes the lock).
         if w.task_id and w.reason not in PARTICIPANT_REASONS and not self._checkout(w.task_id, agent.id, now):
@@ -8934,14 +8935,14 @@ class PipelineStore(StorePart):
         self.wakeups.end_wakeup(w, WakeupStatus.SKIPPED, now, note=blocked)
         if ws.budget_action == "skip":
             self.core._activity("wakeup_budget_skipped", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
-                           wakeup_id=w.id, detail=blocked)
+                                wakeup_id=w.id, detail=blocked)
             return
         agent.status, agent.updated_at = AgentStatus.PAUSED, naive(now)
         self.core._activity("wakeup_budget_blocked", w.workspace_id, now, agent_id=agent.id, task_id=w.task_id,
-                       wakeup_id=w.id, detail=blocked)
+                            wakeup_id=w.id, detail=blocked)
         self.core.raise_attention("budget_blocked", f"Agent {agent.name} was paused: {blocked}",
-                             "Raise the budget or wait, then set the agent back to idle.", now,
-                             schedule_id=None, run_id=None)
+                                  "Raise the budget or wait, then set the agent back to idle.", now,
+                                  schedule_id=None, run_id=None)
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
                               limited_until: datetime | None = None, not_before: datetime | None = None) -> None:
@@ -8962,7 +8963,8 @@ class PipelineStore(StorePart):
                                     f" parsed_reset_at={rfc3339(plan.retry_at)}" if plan.source ==
                                     "rate_limit_parsed" else "")
         self.core.emit("wakeup.retry_scheduled", {"wakeup_id": w.id, "retry_count": w.retry_count,
-                                             "scheduled_retry_at": rfc3339(plan.retry_at), "source": plan.source}, now)
+                                                  "scheduled_retry_at": rfc3339(plan.retry_at),
+                                                  "source": plan.source}, now)
 
     def _requeue_interrupted(self, w, now: datetime) -> None:
         """The daemon stopped or died under a running session: not the agent's failure (as
@@ -9002,7 +9004,7 @@ class PipelineStore(StorePart):
         w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
         w.note = f"its stored session {o.session_id} was gone; runs once fresh"
         self.core._activity("session_dropped", w.workspace_id, now, agent_id=w.agent_id, task_id=w.task_id,
-                       wakeup_id=w.id, session_id=o.session_id)
+                            wakeup_id=w.id, session_id=o.session_id)
 
     def _escalate_failure(self, w, error: str, now: datetime) -> None:
         """Retries exhausted: the wakeup fails, an agent_error attention item is raised and
@@ -9015,9 +9017,9 @@ class PipelineStore(StorePart):
                                   agent_id=w.agent_id)
         for c in self.wakeups.coordinators(w.workspace_id, w.agent_id):
             self.wakeups.enqueue_wakeup(w.workspace_id, c.id, WakeupSource.AGENT_ERROR,
-                                {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
-                                 "error": error[:ERROR_TAIL_BYTES]}, now,
-                                idempotency_key=f"agent_error:{w.run_id or w.id}:{c.id}")   # no run: the wakeup
+                                        {"agent_profile_id": w.agent_id, "run_id": w.run_id or "",
+                                         "error": error[:ERROR_TAIL_BYTES]}, now,
+                                        idempotency_key=f"agent_error:{w.run_id or w.id}:{c.id}")   # no run: the wakeup
 
     def settle_wakeup_run(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
         """A run was settled (a hook of the runs part, in its transaction): a wakeup's run settles
@@ -9391,13 +9393,13 @@ class RoutineStore(StorePart):
         else:
             payload = {"routine_id": r.id, "variables": values, "missed_ticks": missed_ticks}   # with {{date}}
             key = routine_idempotency_key(r.id, trigger_id, due_at) if due_at and trigger_id else None
+            reason = f"routine {r.name}" + (f"; {missed_note}" if missed_note else "")
             x.wakeup_id = self.wakeups.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
-                                              reason=f"routine {r.name}" + (f"; {missed_note}" if missed_note else ""),
-                                              idempotency_key=key)
+                                                      reason=reason, idempotency_key=key)
             # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
             x.status, x.completed_at = RoutineRunStatus.TASK_CREATED, naive(now)
         self.core.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
-                                    "status": x.status}, now)
+                                         "status": x.status}, now)
         return routine_run_view(x)
 
     def _record_failed_fire(self, r, trigger_id: str, due_at: datetime, error: str, now: datetime) -> None:
@@ -9555,8 +9557,8 @@ class RoutineStore(StorePart):
                 if self.wakeups.open_blockers(t.blocked_by or []):
                     continue   # task_blockers_resolved wakes it when its blockers are done
                 self.wakeups.enqueue_wakeup(ws.id, agent.id, WakeupSource.TASK_ASSIGNED, {"task_id": t.id}, now,
-                                    reason="recovery", idempotency_key=f"recovery:{t.id}:{agent.id}:"
-                                                                       f"{int(now.timestamp()) // HOUR_S}")
+                                            reason="recovery", idempotency_key=f"recovery:{t.id}:{agent.id}:"
+                                            f"{int(now.timestamp()) // HOUR_S}")
                 self.core._activity("recovery_dispatch", ws.id, now, agent_id=agent.id, task_id=t.id)
                 dispatched += 1
             self.core._activity("recovery_sweep_complete", ws.id, now, dispatched_count=dispatched)
@@ -10780,7 +10782,7 @@ async def branch_diff(repository: str, base: str, branch: str) -> tuple[list[Fil
         m = re.match(r"diff --git a/(.*?) b/(.*)$", part.splitlines()[0])
         lines = part.splitlines()
         files.append(FileDiff(m[2] if m else lines[0][11:], sum(1 for ln in lines if ln.startswith("+")
-                                                               and not ln.startswith("+++")),
+                                                                and not ln.startswith("+++")),
                               sum(1 for ln in lines if ln.startswith("-") and not ln.startswith("---")), part))
     return files, cut
 
@@ -11503,10 +11505,10 @@ async def dispatch_wakeups(deps: Deps) -> None:
             try:   # one at a time: the batch that failed, without the wakeup that makes it fail
                 queued, processed = await deps.transaction_retrying(deps.store.pipeline.dispatch_wakeups,
                                                                     deps.clock.now(),
-                                                           deps.profiles, 1)
+                                                                    deps.profiles, 1)
             except Exception:   # noqa: BLE001
                 failed = await deps.transaction_retrying(deps.store.pipeline.fail_first_claimable, deps.clock.now(),
-                                                f"{type(exc).__name__}: {exc}")
+                                                         f"{type(exc).__name__}: {exc}")
                 log.getChild("office").error("wakeup %s failed: it could not be dispatched", failed)
                 queued, processed = [], 1
         if queued:
@@ -14238,7 +14240,7 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
     """A stored definition -> the compose form's fields (for edit)."""
     t = d["timing"]
     form = {k: str(d[k]) for k in ("name", "brief", "repository", "workdir", "source_ref", "agent", "notify",
-                                    "concurrency_policy")}
+                                   "concurrency_policy")}
     form |= {"timing_kind": t["kind"], "timezone": t["timezone"], "expression": t.get("expression", ""),
              "timeout_seconds": str(d["limits"]["timeout_seconds"]), "model": d["limits"]["model"] or "",
              "catch_up_policy": d["catch_up"]["policy"], "catch_up_max": str(d["catch_up"].get("max", 1)),
@@ -15335,7 +15337,7 @@ async def page_office_routine_status(web: Web, routine_id: str):
     form = await web.form()
     await update_routine(web, routine_id, {"status": form.get("status", "")})
     return await web.see_other(form.get("next") if form.get("next") == "/office/routines" else
-                    f"/office/routines/{routine_id}?done=routine_updated")
+                               f"/office/routines/{routine_id}?done=routine_updated")
 
 
 @pages.post("/office/routines/<routine_id>/delete", auth=Auth.SESSION, nudges=(Actor.CRON,))
@@ -16393,7 +16395,7 @@ class AgentTools:
                               {"kind": "change", "schedule_id": self._schedule(schedule_id), "changes": changes})
 
     def propose_control(self, schedule_id: str, action: Literal["enable", "pause", "resume", "archive", "fire",
-                                                                 "approve_catch_up", "dismiss_catch_up"]) -> str:
+                                                                "approve_catch_up", "dismiss_catch_up"]) -> str:
         """Propose an action on a schedule (its id or name); a human confirms it."""
         return self._proposal("POST", "/v1/outpost/proposals",
                               {"kind": "control", "schedule_id": self._schedule(schedule_id), "action": action})

@@ -524,3 +524,11 @@ def test_the_status_guard_finds_a_bare_literal_in_python_and_in_sql():
     planted = SOURCE.replace("w.last_error = WakeupStatus.QUEUED", 'w.last_error = "queued"')
     planted = planted.replace("SET status = '{NodeStatus.LOST}'", "SET status = 'lost'")
     assert [value for _, value in bare_status_literals(planted)] == ["lost", "queued"]
+
+
+def test_continuation_lines_line_up():
+    """A continuation line starts under what it continues (pycodestyle's E127 and E128, which
+    ruff does not check): a refactor that renames a call leaves its arguments where they were."""
+    import pycodestyle
+    report = pycodestyle.Checker(outpost.__file__, select=["E127", "E128"], max_line_length=120, quiet=True)
+    assert report.check_all() == 0
