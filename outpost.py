@@ -57,7 +57,7 @@ Where to look:
 - the tools agents act with: ``AgentTools`` and ``cli_mcp`` (the CLI section) over the agent API
   (``agent_api``) and, for a person's own agent, proposer keys and proposals (``propose``,
   ``confirm_proposal``; ``check_proposer`` says what a key may do);
-- a behaviour of the spec: search for its name (``skip_if_active``, ``task_blockers_resolved``,
+- a behaviour of the docs: search for its name (``skip_if_active``, ``task_blockers_resolved``,
   ``retry_stale_assignee``).
 
 Sections of this file, one per concern (``grep -n '^# [0-9]*\\. ' outpost.py``):
@@ -292,7 +292,7 @@ REPOSITORY_RECHECK_S = 30
 #: The start of the error of a run whose node could not fetch its repository URL (docs/fleet.md).
 UNREACHABLE_ERROR = f"{REPOSITORY_UNAVAILABLE}: cannot fetch "
 #: Wakeups of one agent, source and scope (WINDOW_ACROSS_TASKS: any task) this close together
-#: become one (spec: coalescing window).
+#: become one (docs/office.md, "Coalescing, three layers").
 COALESCING_WINDOW_S = 5
 #: Wakeups the dispatcher takes through the pipeline in one transaction.
 DISPATCH_BATCH = 200
@@ -321,7 +321,7 @@ ATTENTION_KINDS = ("needs_you", "failed", "changes_returned", "succeeded", "auto
                    "catch_up_plan", "reconfirm", "agent_limited", "agent_auth", "approval", "agent_error",
                    "budget_blocked", "proposal")
 #: The kinds a ``[[notify]]`` entry sends unless it names its own (docs/operations.md).
-#: Channels (shared/API.md 14): the kinds, the services' API roots (settings slack_api_url and
+#: Channels (docs/office.md, "Channels"): the kinds, the services' API roots (settings slack_api_url and
 #: telegram_api_url point them at local stubs in tests), Slack's replay window for a signed
 #: request, how long a delivered event id is remembered, and each service's longest message.
 CHANNEL_KINDS = ("slack", "telegram")
@@ -579,7 +579,7 @@ def zone_problem(name: str) -> str:
 
 # --- agent CLIs ------------------------------------------------------------------------------
 # Everything Outpost knows of each agent CLI (docs/agent-clis.md), in one place: the limits and login
-# failures a CLI's words name (8.3, 8.4), the readers of their output (8.2), the login checks of
+# failures a CLI's words name, the readers of their output (docs/agent-clis.md), the login checks of
 # ``outpost doctor``, and one Preset per CLI that holds its command lines, its reader, whether it
 # always ends with a terminal event, its login rules and its doctor check. A run's executor and
 # ``outpost doctor`` ask a profile's preset (``profile.kind``), never a table keyed by its name.
@@ -594,7 +594,7 @@ def rfc3339(dt: datetime | None) -> str | None:
     return dt.replace(tzinfo=None).isoformat(timespec=spec) + "Z"
 
 
-# Limits and login failures, in whatever words a CLI prints them (docs/agent-clis.md, 8.4).
+# Limits and login failures, in whatever words a CLI prints them (docs/agent-clis.md, "Limits and login failures").
 
 #: Words that mark a limit in an error text or the tail of stderr (case-insensitive, whole words:
 #: a stack trace's ``RetryableQuotaError`` is no limit).
@@ -619,7 +619,7 @@ PROVIDER_DOWN = re.compile(
 #: reset, the profile is paused until a human raises it and resumes the profile (docs/agent-clis.md).
 SPEND_LIMIT = re.compile(r"spend (?:limit|cap)|credit balance is too low|billing_error|insufficient_quota|"
                          r"check your plan and billing|out of (?:usage )?credits|add funds")
-#: Waits of a limit that names no reset, each +-25% (the spec's retry ladder).
+#: Waits of a limit that names no reset, each +-25% (the wakeup retries' ladder, docs/office.md "Retries").
 LIMIT_LADDER_S = (120, 600, 1800, 7200)
 LIMIT_JITTER = 0.25
 #: A profile stays limited this long past the reset its CLI named.
@@ -1750,7 +1750,7 @@ class NotifyEntry:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChannelEntry:
-    """One ``[[channels]]`` entry (shared/API.md 14): a Slack channel or a Telegram chat that
+    """One ``[[channels]]`` entry (docs/office.md, "Channels"): a Slack channel or a Telegram chat that
     feeds one Office task. Its secrets are read here (``env:NAME`` from the environment) and
     shown nowhere."""
     name: str
@@ -3313,10 +3313,10 @@ class RunPlan:
 
     - ``resolved_commit`` is the commit its fire recorded, so the ref is resolved once per fire:
       a skip_if_unchanged fire records the commit the cron actor resolved to decide the skip (in
-      the claim's own transaction), any other fire resolves it in fire step 2 (resolve_new_runs),
+      the claim's own transaction), any other fire resolves it right after its claim (resolve_new_runs),
       a dispatch when it is checked. The worktree step resolves ``source_ref`` only when nothing
       was recorded: the ref did not resolve then (it fails the run with git's words) or the run
-      was admitted before step 2 ended (the first commit recorded wins). A run that continues a
+      was admitted before that ended (the first commit recorded wins). A run that continues a
       branch starts from that branch's head instead.
     - ``timeout_seconds`` is the limit it runs under, decided once by run_timeout_s.
     - ``model`` is the run's, else its profile's; ``session_id`` the CLI session it resumes
@@ -3452,7 +3452,7 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
 def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: str | None = None) -> list[str]:
     """Attention items one settled run raises under a notify policy (docs/schedules.md). A limit or a
     login failure raises its profile's own item instead (docs/agent-clis.md); a run interrupted by
-    a shutdown, a crash or a lost node raises none (API.md 2)."""
+    a shutdown, a crash or a lost node raises none: it was not the agent's doing."""
     if status == RunStatus.FAILED:
         # an Office failure is retried, then escalated; a run the daemon's stop ended was no failure
         return [] if notify == "wakeup" or failure_kind in ("limit", "auth", "interrupted") else ["failed"]
@@ -3596,7 +3596,7 @@ SKIP_IDLE_DEFAULTS = {"coordinator": False, "worker": True, "specialist": True, 
 TASK_WORKFLOWS = ("office", "kanban")
 #: Wakeup reason of a reviewer woken by a move to In Review (its staleness follows the reviewers).
 REVIEW_REASON = "review_requested"
-#: Wakeup reason of an agent a comment mentions (shared/API.md 7.3): it is woken on the task, as a
+#: Wakeup reason of an agent a comment mentions (docs/office.md, "Mentions"): it is woken on the task, as a
 #: reviewer is, without taking it over (its staleness: only the task ending).
 MENTION_REASON = "mentioned"
 #: The wakes of an agent that takes part in a task it is not assigned: no checkout, no handover.
@@ -3741,7 +3741,8 @@ def payload_task_id(payload: dict[str, Any]) -> str | None:
 
 
 def wakeup_idempotency_key(source: str, payload: dict[str, Any], agent_id: str) -> str | None:
-    """Source-level dedup keys (spec "Coalescing", layer 1). None: every request counts."""
+    """Source-level dedup keys (docs/office.md "Coalescing, three layers": the first). None:
+    every request counts."""
     match source:
         case WakeupSource.COMMENT:
             return f"comment:{payload['comment_id']}"
@@ -3765,12 +3766,12 @@ def routine_idempotency_key(routine_id: str, trigger_id: str, due_at: datetime) 
     return f"routine:{routine_id}:{trigger_id}:{int(due_at.timestamp()) // 60}"
 
 
-#: Sources whose coalescing window spans the agent's tasks (spec: the same agent and source
+#: Sources whose coalescing window spans the agent's tasks (docs/office.md: the same agent and source
 #: within 5 s merge: five subtasks finishing give one task_children_completed). The other
 #: task-bound sources hand an agent one task's work, run in that task's session, branch and
 #: lock: their window keeps to the task, so no task is left without a run of its own. Their
 #: wakeups come in bursts (one cascade of tasks finishing) and are not claimed before their
-#: window has passed (API.md 7.3), so the burst becomes one run.
+#: window has passed, so the burst becomes one run.
 WINDOW_ACROSS_TASKS = (WakeupSource.TASK_CHILDREN_COMPLETED,)
 WINDOW_HELD_SQL = sql_tuple(WINDOW_ACROSS_TASKS)
 #: Merged wakeups a context snapshot keeps in full; older ones are only counted.
@@ -3844,7 +3845,7 @@ def resolve_executor(task_override: str | None, agent_preference: str | None, pr
 
 # --- Office: failures, retries and rate limits ----------------------------------------------
 
-#: Backoff of a failed wakeup's retries (spec: 2m, 10m, 30m, 2h), each +-25% jitter.
+#: Backoff of a failed wakeup's retries (docs/office.md "Retries": 2m, 10m, 30m, 2h), each +-25% jitter.
 RETRY_BACKOFF_S = (120, 600, 1800, 7200)
 RETRY_JITTER = 0.25
 #: Failed attempts retried before a wakeup is escalated to the coordinator.
@@ -3871,8 +3872,8 @@ class RetryPlan:
 def plan_retry(retry_count: int, now: datetime, jitter: float, limited_until: datetime | None = None,
                not_before: datetime | None = None) -> RetryPlan:
     """handle_wakeup_failure's decision. ``jitter`` is a random number in [-1, 1]; a run that
-    hit a limit with a parsed reset is retried when its profile's limit ends (the spec's
-    rate-limit path); any other failure, a limit that named no reset included, falls through
+    hit a limit with a parsed reset is retried when its profile's limit ends (the
+    rate-limit path of docs/office.md "Retries"); any other failure, a limit that named no reset included, falls through
     to the backoff of its retry count, not before ``not_before``. So does a reset that had
     already passed (the profile is then held only LIMIT_BUFFER_S): waiting for it again and
     again would burn the retries in minutes."""
@@ -4018,7 +4019,7 @@ def build_summary(previous: str, result: dict[str, Any] | None, stats: dict[str,
 #: A budget of a workspace, a project or an agent: runs in 24 h, US dollars in 24 h and in the
 #: calendar month (in the workspace's timezone). None: no budget.
 BUDGET_FIELDS = ("budget_runs_per_day", "budget_usd_per_day", "budget_usd_per_month")
-#: What a wakeup does when a budget is used up (the spec's action_on_exceed).
+#: What a wakeup does when a budget is used up (action_on_exceed, docs/office.md "Budgets").
 BUDGET_ACTIONS = ("pause", "skip")
 AGENT_FIELDS = ("workspace_id", "name", "role", "status", "executor", "instructions", "max_concurrent_sessions",
                 "cooldown_sec", "skip_idle_wakeups", *BUDGET_FIELDS)
@@ -4026,7 +4027,7 @@ TASK_FIELDS = ("workspace_id", "title", "description", "state", "assignee_agent_
                "requires_approval", "reviewers", "project_id", "workflow", "executor", "archived")
 SETTINGS_FIELDS = ("name", "timezone", "repository", "source_ref", "default_executor",
                    "recovery_lookback_hours", *BUDGET_FIELDS, "budget_action")
-#: recovery_lookback_hours is clamped into this range on write (spec: 1-720).
+#: recovery_lookback_hours is clamped into this range on write (1-720 hours, docs/office.md "The recovery sweep").
 LOOKBACK_HOURS = (1, 720)
 
 
@@ -4263,7 +4264,7 @@ TRIGGER_KINDS = ("schedule", "webhook", "manual")
 SIGNING_MODES = ("none", "bearer", "hmac_sha256", "github")
 VARIABLE_TYPES = ("text", "number", "boolean", "select")
 BUILTIN_VARIABLES = ("date", "datetime")
-#: The spec's names of routine policies, stored as Outpost's (shared/API.md 7.3).
+#: Other names of routine policies a client may send, stored as Outpost's (docs/office.md "Routines").
 ROUTINE_POLICY_ALIASES = {"always_create": "always_enqueue"}
 ROUTINE_FIELDS = ("workspace_id", "name", "description", "assignee_agent_id", "status", "concurrency_policy",
                   "catch_up_policy", "catch_up_max", "priority", "task_template", "variables", "triggers")
@@ -4556,7 +4557,7 @@ def catch_up_plan(policy: str, cap: int, slots: list[datetime], total: int) -> t
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChannelMessage:
-    """One person's message from a channel (shared/API.md 14), as it becomes a comment: the
+    """One person's message from a channel (docs/office.md, "Channels"), as it becomes a comment: the
     service's id of the delivery (deduplicated), the sender, and the text."""
     delivery_id: str
     sender: str            # Slack: the user id (its display name is looked up); Telegram: the name
@@ -4896,7 +4897,7 @@ def define_entities(db: orm.Database) -> None:
         task_id = Required(str, index=True)
         author_agent_id = Optional(str, nullable=True)     # None: the user
         body = Required(str)
-        mentions = Optional(orm.Json, nullable=True)       # [{"name", "agent_id" | None}] (7.3)
+        mentions = Optional(orm.Json, nullable=True)       # [{"name", "agent_id" | None}] (docs/office.md)
         author = Optional(str, nullable=True)              # a person's name on a channel (Slack, Telegram)
         created_at = Required(datetime)
 
@@ -5031,7 +5032,7 @@ def define_entities(db: orm.Database) -> None:
         completed_at = Optional(datetime)
 
     class ChannelState(db.Entity):
-        """A ``[[channels]]`` entry as it stands (shared/API.md 14): the task it feeds, and the
+        """A ``[[channels]]`` entry as it stands (docs/office.md, "Channels"): the task it feeds, and the
         last message in and out."""
         name = PrimaryKey(str)
         kind = Required(str)
@@ -5282,7 +5283,7 @@ def run_view(r) -> dict[str, Any]:
             "node": r.node, "steps": run_steps(aware(r.queued_at), r.steps, aware(r.finished_at))}
 
 
-#: A run's timeline (API.md 15), in the order its steps happen when they all do.
+#: A run's timeline (docs/schedules.md, "The run page"), in the order its steps happen when they all do.
 RUN_STEPS = ("queued", "worktree_ready", "agent_started", "first_output", "agent_exited", "branch_back", "settled")
 
 
@@ -7949,7 +7950,8 @@ class WakeupStore(StorePart):
         self.core.emit("wakeup.coalesced", {"wakeup_id": w.id, "into": target.id, "agent_id": w.agent_id}, now)
 
     def release_riders(self, w, now: datetime) -> list[str]:
-        """``w`` ends without a run that carried it to a successful end (API.md 7.3): every
+        """``w`` ends without a run that carried it to a successful end (docs/office.md, "Every merged
+        wakeup reaches a run"): every
         request merged into it whose own reason still holds (its agent there, its task still this
         agent's to act on, its routine active) is queued again, keeping its source and payload (the
         oldest on its own, the others merged into it: they came together); the others end with
@@ -7990,7 +7992,7 @@ class WakeupStore(StorePart):
     def enqueue_wakeup(self, workspace_id: str, agent_id: str, source: WakeupSource, payload: dict[str, Any],
                        now: datetime, *, reason: str | None = None, wake_at: datetime | None = None,
                        idempotency_key: str | None = None) -> str:
-        """Insert a wakeup request (spec: Enqueue) and return its id. A key seen in the last 24 h
+        """Insert a wakeup request and return its id. A key seen in the last 24 h
         returns the earlier request and inserts nothing; a request for an agent whose run of the
         same scope has not started merges into it; otherwise it is queued. Plain SQL: an
         assignment burst enqueues many."""
@@ -8049,7 +8051,7 @@ class WakeupStore(StorePart):
 
     def _end_routine_runs(self, w, status: RoutineRunStatus, why: str | None, now: datetime) -> None:
         """The lightweight routine runs a wakeup carried (its own, or those merged into it) that
-        came to nothing: a spec status (skipped or failed, with why), with completed_at. One
+        came to nothing: skipped or failed, with why, with completed_at. One
         whose wakeup ran stays task_created."""
         wakeup_id = w.id
         carried = [wakeup_id, *self.db.select('SELECT id FROM "Wakeup" WHERE coalesced_into = $w', {"w": wakeup_id})]
@@ -8059,7 +8061,8 @@ class WakeupStore(StorePart):
             x.error = why if status == RoutineRunStatus.FAILED else None
 
     def cancel_stale(self, w, reason: CancelReason, now: datetime, code: str = "wakeup_stale_cancelled") -> None:
-        """Spec CancelStale: cancelled (never retried), locks released, activity logged."""
+        """A stale wakeup (docs/office.md, "The wakeup lifecycle"): cancelled (never retried), locks
+        released, activity logged."""
         log.getChild("office").info("wakeup %s cancelled: %s (task %s, agent %s)", w.id, reason, w.task_id, w.agent_id)
         self.release_checkout(w.task_id, w.agent_id)
         self.end_wakeup(w, WakeupStatus.CANCELLED, now, cancel_reason=str(reason))
@@ -8414,7 +8417,8 @@ class OfficeStore(StorePart):
 
     def move_task(self, task_id: str, state: str, now: datetime, by_agent: str | None = None,
                   workspace_id: str | None = None) -> dict[str, Any]:
-        """The board's drag and drop (and an agent's move), with the spec's four move rules."""
+        """The board's drag and drop (and an agent's move), with its rules (docs/office.md): a
+        requires_approval task an agent moves to Done waits In Review for its approval."""
         if not isinstance(state, str) or state not in set(TaskState):
             raise invalid("state", "must be " + ", ".join(TaskState))
         t = self._task(task_id, workspace_id)
@@ -8482,7 +8486,7 @@ class OfficeStore(StorePart):
     def add_comment(self, task_id: str, body: str, now: datetime, author_agent_id: str | None = None,
                     workspace_id: str | None = None, *, author: str | None = None) -> dict[str, Any]:
         """A comment wakes the task's assignee unless the assignee wrote it, and each agent it
-        mentions (``@Name``, ``@"Release Bot"``) but its author and the assignee (shared/API.md 7.3).
+        mentions (``@Name``, ``@"Release Bot"``) but its author and the assignee (docs/office.md, "Mentions").
         ``author``: a person's name on a channel. The ``comment_hooks`` see it last (a channel
         task's agent's comment is posted back)."""
         t = self._task(task_id, workspace_id)
@@ -8678,7 +8682,7 @@ class OfficeStore(StorePart):
 
 
 class PipelineStore(StorePart):
-    """The dispatch pipeline (Office): claimable wakeups through the spec's checks
+    """The dispatch pipeline (docs/office.md, "The wakeup lifecycle"): claimable wakeups through its checks
     (staleness, capacity, cooldown, checkout, budget, idle skip) into runs; retries, escalation, and
     the settlement of a run's wakeup (registered with the runs' ``settled_hooks``) with its
     continuation summary."""
@@ -8802,14 +8806,14 @@ class PipelineStore(StorePart):
         return [wakeup_id for _, wakeup_id in sorted(candidates)[:limit]]
 
     def process_wakeup(self, wakeup_id: str, now: datetime, profiles: dict[str, AgentProfile]) -> PipelineOutcome:
-        """The twelve-step pipeline up to launch (spec processWakeup); launch and finish are the
+        """The dispatch pipeline up to launch (docs/office.md, "The wakeup lifecycle"); launch and finish are the
         run supervisor's and ``settle_run``'s. Returns whether it was claimed here
         and the run it queued (none when the wakeup ended without one)."""
         olog = log.getChild("office")
         w = self.db.Wakeup[wakeup_id]
         agent = self.db.Agent.get(id=w.agent_id)
-        # 2. Guard: agent status, before the claim (the spec's claim query takes only idle and
-        # working agents): a paused or stopped agent's wakeups stay queued until it is resumed.
+        # 2. Guard: agent status, before the claim (only an idle or working agent's wakeups are
+        # claimed): a paused or stopped agent's wakeups stay queued until it is resumed.
         if w.status != WakeupStatus.QUEUED or (agent is not None
                                                and agent.status in (AgentStatus.PAUSED, AgentStatus.STOPPED)):
             return PipelineOutcome(claimed=False)
@@ -8905,7 +8909,7 @@ class PipelineStore(StorePart):
 
     def _queue_wakeup_run(self, w, agent, ws, task: dict | None, profile: AgentProfile, executor: str,
                           repository: str, now: datetime) -> str:
-        """Steps 9-10 of process_wakeup: the run, one per claimed wakeup, on the shared FIFO
+        """The last steps of process_wakeup: the run, one per claimed wakeup, on the shared FIFO
         admission queue, with its prompt and session; the wakeups merged into it point at it."""
         session = self.db.AgentSession.get(agent_id=agent.id, task_id=w.task_id) if w.task_id else None
         resumed = bool(session and profile.resume)
@@ -8929,7 +8933,7 @@ class PipelineStore(StorePart):
         return run_id
 
     def _budget_block(self, w, agent, ws, blocked: str, now: datetime) -> None:
-        """Step 6 of process_wakeup when over budget: the wakeup is skipped, and the agent paused
+        """The budget pre-check of process_wakeup, over budget: the wakeup is skipped, and the agent paused
         unless the workspace says skip."""
         self.wakeups.release_checkout(w.task_id, agent.id)
         self.wakeups.end_wakeup(w, WakeupStatus.SKIPPED, now, note=blocked)
@@ -8946,7 +8950,7 @@ class PipelineStore(StorePart):
 
     def handle_wakeup_failure(self, w, error: str, now: datetime, jitter: float | None = None,
                               limited_until: datetime | None = None, not_before: datetime | None = None) -> None:
-        """Spec HandleWakeupFailure: at the end of its profile's limit (a parsed reset + 30 s),
+        """A failed wakeup (docs/office.md "Retries"): at the end of its profile's limit (a parsed reset + 30 s),
         else the backoff table of its retry count (never before ``not_before``: its profile is
         held that long by a limit that named no reset); after MAX_RETRY_COUNT retries,
         escalateFailure."""
@@ -8969,7 +8973,7 @@ class PipelineStore(StorePart):
     def _requeue_interrupted(self, w, now: datetime) -> None:
         """The daemon stopped or died under a running session: not the agent's failure (as
         ``interrupted`` never counts toward a schedule's failure streak), so the wakeup is
-        claimed again at once (spec: claimed wakeups are re-claimed on restart), with no
+        claimed again at once (docs/office.md "Restarts"), with no
         retry counted: restarts during a long session never escalate it."""
         self.wakeups.release_checkout(w.task_id, w.agent_id)
         w.status, w.claimed_at, w.scheduled_retry_at = WakeupStatus.QUEUED, None, None
@@ -9028,7 +9032,7 @@ class PipelineStore(StorePart):
             self._settle_office_run(r, status, now)
 
     def _settle_office_run(self, r: SettledRun, status: RunStatus, now: datetime) -> None:
-        """Pipeline step 12, in the run's settlement transaction: the wakeup finishes (or
+        """The pipeline's last step, in the run's settlement transaction: the wakeup finishes (or
         is retried), the lock is released, the session and the summary are kept."""
         o = self.db.OfficeRun.get(run_id=r.id)
         w = self.db.Wakeup.get(id=o.wakeup_id) if o is not None else None
@@ -9257,7 +9261,7 @@ class RoutineStore(StorePart):
                               "AND t.kind = 'schedule' AND t.enabled", {"a": agent_id})[0]
 
     def install_heartbeat(self, agent_id: str, now: datetime) -> dict[str, Any]:
-        """The pre-installed coordinator routine, exactly as the spec lists it; an ordinary
+        """The pre-installed coordinator routine (docs/office.md "Coordinator heartbeat"); an ordinary
         routine the user may edit, pause or delete."""
         a = self.office.agent_row(agent_id)
         ws = self.office.workspace_row(a.workspace_id)
@@ -9396,7 +9400,7 @@ class RoutineStore(StorePart):
             reason = f"routine {r.name}" + (f"; {missed_note}" if missed_note else "")
             x.wakeup_id = self.wakeups.enqueue_wakeup(r.workspace_id, agent.id, WakeupSource.ROUTINE, payload, now,
                                                       reason=reason, idempotency_key=key)
-            # Dispatched, as a heavy fire's task: the spec's task_created, with no task linked.
+            # Dispatched, as a heavy fire's task: task_created, with no task linked.
             x.status, x.completed_at = RoutineRunStatus.TASK_CREATED, naive(now)
         self.core.emit("routine.fired", {"routine_id": r.id, "routine_run_id": x.id, "source": source,
                                          "status": x.status}, now)
@@ -9715,7 +9719,7 @@ class HousekeepingStore(StorePart):
 
 
 class ChannelStore(StorePart):
-    """Channels (shared/API.md 14): a Slack channel or a Telegram chat that feeds one Office task.
+    """Channels (docs/office.md, "Channels"): a Slack channel or a Telegram chat that feeds one Office task.
     A person's message there becomes a comment on the task (which wakes its agent, and whoever
     it mentions); the agent's own comments there go back out through the outbox."""
 
@@ -10129,7 +10133,7 @@ async def _is_git_repo(path: str) -> bool:
 
 async def check_repository(definition: dict[str, Any], deps: Deps) -> str:
     """The validation rules that need git: repository exists (a URL: it is fetched), source_ref
-    resolves now. Returns the commit it resolves to (a dispatch records it: fire step 2)."""
+    resolves now. Returns the commit it resolves to (a dispatch records it, as a fire does)."""
     repo = definition["repository"]
     if is_repository_url(repo):
         try:
@@ -11375,9 +11379,9 @@ def acquire_node_name(store: Store) -> None:
 ###############################################################################
 
 async def resolve_new_runs(deps: Deps, run_ids: list[str]) -> None:
-    """Fire step 2: record the exact commit each new run will use (one whose fire resolved it
-    already, skip_if_unchanged's, has it). A ref that does not resolve is left for the
-    supervisor, which fails the run with the reason."""
+    """Right after a claim (docs/schedules.md, "Fire lifecycle"): record the exact commit each new
+    run will use (one whose fire resolved it already, skip_if_unchanged's, has it). A ref that
+    does not resolve is left for the supervisor, which fails the run with the reason."""
     with contextlib.suppress(StoreUnavailable):   # the supervisor resolves what is left
         for run_id, repository, ref in await deps.transaction(deps.store.runs.unresolved_runs, run_ids):
             with contextlib.suppress(LaunchError):
@@ -11782,9 +11786,10 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
 
 async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Outcome, exit_code: int | None,
                      steps: dict[str, str] | None = None) -> None:
-    """Fire step 5: keep leftovers, bring the result branch back, count commits, drop the
-    worktree, record settlement. ``steps``: the launch's steps its supervisor saw (``run_steps``),
-    settled with it and branch_back added; None after a restart (those recorded stay)."""
+    """A run's end (docs/schedules.md, "Fire lifecycle"): keep leftovers, bring the result branch
+    back, count commits, drop the worktree, record settlement. ``steps``: the launch's steps its
+    supervisor saw (``run_steps``), settled with it and branch_back added; None after a restart
+    (those recorded stay)."""
     run_id = plan.run_id
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
@@ -14255,7 +14260,7 @@ def form_from_definition(d: dict[str, Any]) -> dict[str, str]:
 
 
 INTERVAL_UNITS = {"seconds": 1, "minutes": MINUTE_S, "hours": HOUR_S, "days": DAY_S}
-#: The wakeup list's badge for a wakeup that ended without its run (spec: "Frontend UI").
+#: The wakeup list's badge for a wakeup that ended without its run (docs/office.md, "The wakeup lifecycle").
 CANCEL_LABELS = {CancelReason.ASSIGNEE_CHANGED: "Cancelled - assignee changed",
                  CancelReason.TASK_TERMINAL: "Cancelled - task completed",
                  CancelReason.RETRY_TASK_CANCELLED: "Cancelled - task cancelled",
@@ -15477,7 +15482,7 @@ async def watchdog_actor() -> None:
         await trio.sleep(interval)
 
 
-#: The lock ``serve`` holds for its life: one daemon per data dir (shared/API.md 2).
+#: The lock ``serve`` holds for its life: one daemon per data dir (docs/configuration.md).
 SERVE_LOCK = "serve.lock"
 
 

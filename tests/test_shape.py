@@ -532,3 +532,16 @@ def test_continuation_lines_line_up():
     import pycodestyle
     report = pycodestyle.Checker(outpost.__file__, select=["E127", "E128"], max_line_length=120, quiet=True)
     assert report.check_all() == 0
+
+
+def test_comments_cite_what_the_repository_holds():
+    """A comment or docstring cites docs/ (or says it in words), never the specifications the
+    code was written from, which are not in the repository: "spec processWakeup", "fire step 2",
+    "shared/API.md 7.3" send a reader nowhere."""
+    cited = re.compile(r"\bspec\b(?!=)|\bspec's|shared/API\.md|\bAPI\.md \d|\b(?:fire |pipeline )?steps? \d+\b(?!\.)",
+                       re.I)
+    comments = [(i + 1, line) for i, line in enumerate(SOURCE.split("\n")) if line.lstrip().startswith("#")]
+    docstrings = [(n.body[0].lineno, n.body[0].value.value) for n in ast.walk(TREE)
+                  if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)]
+    assert [(line, text[:80]) for line, text in comments + docstrings if cited.search(text)] == []
