@@ -9,12 +9,15 @@ import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import chromium
 import pytest
 from conftest import Server, git, make_repo
 
 import outpost
 
 ARTIFACTS = Path(__file__).parent.parent / "artifacts"
+#: Chromium and a signed-out page (tests/browser/chromium.py), fixtures of this module.
+browser, page = chromium.browser, chromium.page
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install -e '.[test]')")
 

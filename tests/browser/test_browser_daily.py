@@ -8,6 +8,7 @@ import os
 import uuid
 from pathlib import Path
 
+import chromium
 import pytest
 from test_browser import repo, server, settled, shot, sign_in, sync_api  # noqa: F401 - fixtures
 
@@ -17,6 +18,8 @@ AXE = Path(os.environ.get("OUTPOST_AXE_CORE") or Path.home() / ".cache/outpost/a
 AXE_JS = AXE if AXE.is_file() else AXE / "node_modules/axe-core/axe.min.js"
 #: What a phone is to Chromium here: 390 px wide, touch, no hover.
 PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 1, "is_mobile": True, "has_touch": True}
+#: Chromium and a signed-out page (tests/browser/chromium.py), fixtures of this module.
+browser, page = chromium.browser, chromium.page
 
 
 def keyed() -> dict:

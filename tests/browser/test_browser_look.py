@@ -14,6 +14,7 @@ import re
 import uuid
 from pathlib import Path
 
+import chromium
 import httpx
 import pytest
 from conftest import Server, make_repo, wait_for
@@ -23,6 +24,8 @@ import outpost
 AXE = Path(os.environ.get("OUTPOST_AXE_CORE") or Path.home() / ".cache/outpost/axe-core")
 AXE_JS = AXE if AXE.is_file() else AXE / "node_modules/axe-core/axe.min.js"
 SHOTS = os.environ.get("OUTPOST_LOOK_SHOTS")
+#: Chromium (tests/browser/chromium.py), a fixture of this module.
+browser = chromium.browser
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install -e '.[test]')")
 

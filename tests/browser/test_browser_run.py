@@ -7,11 +7,12 @@ from __future__ import annotations
 import re
 import uuid
 
+import chromium
 import test_browser
 from test_browser import ARTIFACTS, shot, sign_in
 
-#: test_browser's fixtures (the server, a repository), for this module too.
-server, repo = test_browser.server, test_browser.repo
+#: Chromium and a signed-out page (tests/browser/chromium.py), test_browser's server and repository.
+browser, page, server, repo = chromium.browser, chromium.page, test_browser.server, test_browser.repo
 
 
 def keyed() -> dict[str, str]:

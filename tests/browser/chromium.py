@@ -1,6 +1,6 @@
-"""What the browser tests share: Debian's Chromium, launched once for the session through
-Playwright, and a page of its own for each test. Without Playwright or Chromium they skip,
-saying why."""
+"""What the browser tests share, imported by each module (a conftest.py here would take the
+name ``conftest`` from tests/conftest.py): Debian's Chromium launched through Playwright, and a
+page of its own for each test. Without Playwright or Chromium they skip, saying why."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--no-first-run", "--disable-sync"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="Playwright is not installed (pip install -e '.[test]')")
