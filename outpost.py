@@ -3130,9 +3130,13 @@ def inspect_verdict(report: dict[str, Any]) -> str:
         return f"It is running now (run {active['active_run_id']}): a fire due meanwhile {policy}.{upcoming}"
     latest = runs[0] if runs else None
     skip = active["recent_skips"][0] if active["recent_skips"] else None
-    if skip and (latest is None or parse_instant(skip["due_at"]) > parse_instant(latest["due_at"])):
+    fired_at = latest["due_at"] if latest else None   # a re-run or a reply has no due instant
+    if skip and (latest is None or fired_at and parse_instant(skip["due_at"]) > parse_instant(fired_at)):
         why = SKIPPED_WORDS.get(skip["outcome"], skip["outcome"])
         return f"Its last fire, due at {at(skip['due_at'])}, was {why}.{upcoming}"
+    if latest and latest["due_at"] is None:   # a re-run or a reply: asked for by a person, due at no instant
+        status = latest["status"].replace("_", " ")
+        return f"Its latest run (run {latest['run_id']}) was a re-run or a reply, not a fire: {status}.{upcoming}"
     if latest:
         status = latest["status"].replace("_", " ")
         return f"It ran at {at(latest['due_at'])} (run {latest['run_id']}): {status}.{upcoming}"

@@ -345,6 +345,26 @@ async def test_a_skipped_fire_is_the_verdict_when_it_is_the_latest(dashboard, tm
     assert "was skipped: a run was still active (skip_if_active). Next fire at " in verdict_of(store, sid)
 
 
+async def test_a_settled_rerun_is_the_verdict_and_the_schedule_page_still_opens(dashboard, tmp_path):
+    """A re-run (or a reply) has no due instant: the verdict says what it was, and the schedule's
+    page answers 200 (a new user found it 500 once the re-run settled)."""
+    store = dashboard.store
+    sid = call(store, store.schedules.create_schedule, normalized(make_repo(tmp_path / "repo")), T0)["id"]
+    first = call(store, store.schedules.fire_manual, sid, 1, T0)["run_id"]
+    call(store, store.runs.admit_ready, 2, T0)
+    call(store, store.runs.set_resolved_commit, first, "0" * 40)
+    call(store, store.runs.settle_run, first, ended(outpost.RunStatus.SUCCEEDED), T0, exit_code=0)
+    later = T0 + outpost.timedelta(minutes=5)
+    again = call(store, store.runs.rerun, first, later)["run_id"]
+    call(store, store.runs.admit_ready, 2, later)
+    call(store, store.runs.settle_run, again, ended(outpost.RunStatus.FAILED), later, exit_code=1)
+    assert verdict_of(store, sid).startswith(f"Its latest run (run {again}) was a re-run or a reply, not a fire: "
+                                             "failed. Next fire at ")
+    client = outpost.create_app(dashboard).test_client()
+    sign_in_client(client, store, T0)
+    assert (await client.get(f"/schedules/{sid}", headers={"Accept": "text/html"})).status_code == 200
+
+
 async def test_a_routine_trigger_refused_over_the_api_names_the_trigger_field_with_the_suggestion(api):
     agent = (await api.post("/api/office/agents", {"name": "Worker", "executor": "demo"})).body
     reply = await api.post("/api/office/routines", {
