@@ -1,10 +1,12 @@
 """Guards that keep outpost.py navigable: every route declared once in a table with its auth,
 handlers at module level, short functions and classes, sections and store layers that only
-reach downward. A failure here names the place that broke the shape."""
+reach downward, statuses written as their enums' members. A failure here names the place that
+broke the shape."""
 
 from __future__ import annotations
 
 import ast
+import enum
 import re
 from pathlib import Path
 
@@ -384,3 +386,114 @@ def test_a_schedule_is_created_and_edited_by_one_action_each():
                     callers.setdefault(n.attr, set()).add(node.name)
     assert callers == {"create_schedule": {"create_schedule", "confirm_proposal"},
                        "update_schedule": {"update_schedule", "confirm_proposal"}}
+
+
+#: The status sets of outpost.py by the name of what holds one of their values: an attribute, a
+#: key, a variable or a parameter called so, or ending so (``routine_status``).
+STATUS_SETS = {"status": ("RunStatus", "WakeupStatus", "AgentStatus", "RoutineStatus", "RoutineRunStatus",
+                          "ApprovalStatus", "NodeStatus", "NotificationStatus"),
+               "state": ("TaskState", "ProposalState", "IdempotencyState"), "outcome": ("SlotOutcome",),
+               "source": ("WakeupSource",), "cancel_reason": ("CancelReason",)}
+#: Raw SQL comparing a status column with quoted values: ``status = 'queued'``, ``w.status IN ('a', 'b')``.
+SQL_STATUS = re.compile(r"\b(" + "|".join(STATUS_SETS) + r")(?:\s*\|\|\s*'')?\s*(?:=|<>|!=|\bNOT IN\b|\bIN\b)\s*"
+                        r"(\(\s*'[^)]*\)|'\w+')")
+
+
+def status_set(name: str) -> str | None:
+    return next((key for key in STATUS_SETS if name == key or name.endswith("_" + key)), None)
+
+
+def holder(node: ast.AST) -> str | None:
+    """The status set of what ``node`` names: ``w.status``, ``status``, ``row["status"]``, ``raw.get("status")``."""
+    if isinstance(node, ast.Attribute):
+        return status_set(node.attr)
+    if isinstance(node, ast.Name):
+        return status_set(node.id)
+    key = node.slice if isinstance(node, ast.Subscript) else node.args[0] if (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+        and node.args) else None
+    return status_set(key.value) if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
+
+
+def literals(node: ast.AST) -> list[ast.Constant]:
+    """The strings a value is made of: itself, a tuple's items, both sides of ``a if c else b`` or ``a or b``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node]
+    parts = (node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else
+             [node.body, node.orelse] if isinstance(node, ast.IfExp) else
+             node.values if isinstance(node, ast.BoolOp) else [])
+    return [c for part in parts for c in literals(part)]
+
+
+def status_positions(tree: ast.Module):
+    """(status set or None, value) for every value Python code puts where a status goes: compared
+    with one, assigned to one (tuple targets too), a keyword, a dict entry, a ``.get`` default, a
+    parameter's default, or the argument of a parameter called so."""
+    params: dict[str, list[list[str]]] = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = fn.args.posonlyargs + fn.args.args
+            names = [a.arg for a in args]
+            params.setdefault(fn.name, []).append(names[1:] if names[:1] in (["self"], ["cls"]) else names)
+            defaults = [*zip(args[len(args) - len(fn.args.defaults):], fn.args.defaults, strict=True),
+                        *zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=True)]
+            yield from ((status_set(a.arg), d) for a, d in defaults if d is not None)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare):
+            sides = [n.left, *n.comparators]
+            yield from ((key, side) for key in {holder(s) for s in sides} for side in sides)
+        elif isinstance(n, ast.Assign | ast.AnnAssign) and n.value is not None:
+            for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                paired = (isinstance(target, ast.Tuple) and isinstance(n.value, ast.Tuple)
+                          and len(target.elts) == len(n.value.elts))
+                yield from ((holder(t), v) for t, v in (zip(target.elts, n.value.elts, strict=True) if paired
+                                                        else [(target, n.value)]))
+        elif isinstance(n, ast.keyword) and n.arg:
+            yield status_set(n.arg), n.value
+        elif isinstance(n, ast.Dict):
+            yield from ((status_set(k.value), v) for k, v in zip(n.keys, n.values, strict=True)
+                        if isinstance(k, ast.Constant) and isinstance(k.value, str))
+        elif isinstance(n, ast.Call):
+            if len(n.args) == 2:
+                yield holder(n), n.args[1]   # raw.get("status", "idle")
+            called = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+            yield from ((status_set(p), arg) for names in params.get(called, [])
+                        for p, arg in zip(names, n.args, strict=False))
+
+
+def bare_status_literals(source: str) -> list[tuple[int, str]]:
+    """(line, value) of each status value ``source`` spells as a bare string where a status goes,
+    in Python or in raw SQL; the enum classes that define the values, and docstrings, aside."""
+    tree = ast.parse(source)
+    values = {key: {m.value for name in names for m in getattr(outpost, name)} for key, names in STATUS_SETS.items()}
+    skip = {id(x) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+            and any(getattr(base, "attr", None) == "StrEnum" for base in n.bases) for x in ast.walk(n)}
+    skip |= {id(n.body[0].value) for n in ast.walk(tree)
+             if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+             and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    banners = [i + 1 for i, line in enumerate(source.split("\n")) if re.match(r"^# \d+\. ", line)]
+    clis = range(banners[SECTIONS.index("Agent CLIs")], banners[SECTIONS.index("Agent CLIs") + 1])
+    python = {(c.lineno, c.col_offset, c.value) for key, value in status_positions(tree) if key
+              for c in literals(value) if c.value in values[key] and id(c) not in skip}
+    sql = [(n.lineno, n.col_offset, value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
+           and isinstance(n.value, str) and id(n) not in skip
+           for m in SQL_STATUS.finditer(n.value) for value in re.findall(r"'(\w+)'", m[2]) if value in values[m[1]]]
+    return sorted((line, value) for line, _, value in [*python, *sql] if line not in clis)
+
+
+def test_statuses_are_written_as_their_enum_members():
+    """A status is its enum's member (``WakeupStatus.QUEUED``; in raw SQL ``'{WakeupStatus.QUEUED}'``),
+    never a bare string that a typo breaks silently: wherever Python compares, assigns, passes or
+    stores one, and wherever raw SQL compares a status column. The Agent CLIs section, above the
+    enums, reads the CLIs' own output. Every status enum is listed here."""
+    assert bare_status_literals(SOURCE) == []
+    enums = {name for name, value in vars(outpost).items() if isinstance(value, type)
+             and issubclass(value, enum.StrEnum) and name.endswith(("Status", "State", "Outcome"))}
+    assert enums <= {name for names in STATUS_SETS.values() for name in names}
+
+
+def test_the_status_guard_finds_a_bare_literal_in_python_and_in_sql():
+    """The guard itself: a literal planted in a tuple assignment and one in raw SQL are both found."""
+    planted = SOURCE.replace("w.last_error = WakeupStatus.QUEUED", 'w.last_error = "queued"')
+    planted = planted.replace("SET status = '{NodeStatus.LOST}'", "SET status = 'lost'")
+    assert [value for _, value in bare_status_literals(planted)] == ["lost", "queued"]
