@@ -521,6 +521,7 @@ def test_statuses_are_written_as_their_enum_members():
 
 
 def test_the_status_guard_finds_a_bare_literal_in_python_and_in_sql():
+    """The guard itself: a literal planted in a tuple assignment and one in raw SQL are both found."""
     planted = SOURCE.replace("w.last_error = WakeupStatus.QUEUED", 'w.last_error = "queued"')
     planted = planted.replace("SET status = '{NodeStatus.LOST}'", "SET status = 'lost'")
     assert [value for _, value in bare_status_literals(planted)] == ["lost", "queued"]
