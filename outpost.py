@@ -12867,13 +12867,19 @@ async def create_schedule(web: Web, raw: Any, confirmation: Any) -> dict[str, An
                             web.deps.profile_digests.get(definition["agent"]))
 
 
-async def update_schedule(web: Web, schedule_id: str, revision: int, raw: Any, base: dict[str, Any],
+async def update_schedule(web: Web, schedule_id: str, revision: int, edit: Callable[[dict[str, Any]], Any],
                           confirmation: Any) -> dict[str, Any]:
-    """An edit (``PATCH /v1/outpost/schedules/<id>``, docs/http-api.md): the whole new definition,
-    checked against ``base`` (the one the edit started from: a once-instant in the past is refused
-    only if the timing changed) and confirmed, then committed under ``revision``. The API's PATCH
-    and the dashboard's Confirm both call it."""
-    definition = await checked_definition(web.deps, raw, base)
+    """An edit (``PATCH /v1/outpost/schedules/<id>``, docs/http-api.md): refused for an archived
+    schedule, and for a revision that is not the current one before anything else is judged (412).
+    ``edit`` makes the whole new definition from the stored one (the API merges its changes in, the
+    dashboard's Confirm gives what its review showed), checked against the stored one (a
+    once-instant in the past is refused only if the timing changed) and confirmed, then committed
+    under ``revision``. The API's PATCH and the dashboard's Confirm both call it."""
+    current = await web.call(web.store.schedules.schedule_definition, schedule_id)
+    if current["archived"]:
+        raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
+    check_revision(schedule_id, current["revision"], revision)   # a concurrent edit: 412, not a mismatch
+    definition = await checked_definition(web.deps, edit(current["definition"]), current["definition"])
     check_confirmation(definition, confirmation)
     return await web.commit(web.store.schedules.update_schedule, schedule_id, revision, definition, web.now,
                             web.deps.profile_digests.get(definition["agent"]))
@@ -13346,12 +13352,8 @@ async def api_get_schedule(web: Web, schedule_id: str):
 async def api_patch_schedule(web: Web, schedule_id: str):
     revision = parse_if_match(web.request.headers.get("If-Match"))
     raw = await web.body()
-    current = await web.call(web.store.schedules.schedule_definition, schedule_id)
-    if current["archived"]:
-        raise Archived(f"schedule {schedule_id} is archived; create a new one instead")
-    check_revision(schedule_id, current["revision"], revision)   # a concurrent edit: 412, not a mismatch
-    return await update_schedule(web, schedule_id, revision, merge_changes(current["definition"], raw.get("changes")),
-                                 current["definition"], raw.get("confirmation"))
+    return await update_schedule(web, schedule_id, revision, lambda current: merge_changes(current, raw.get("changes")),
+                                 raw.get("confirmation"))
 
 
 @api.post("/v1/outpost/schedules/<schedule_id>/control", auth=Auth.TOKEN, idempotent=True, etag=True)
@@ -14538,6 +14540,12 @@ def reviewed_definition(form: dict[str, str]) -> Any:
         raise invalid("definition", "the reviewed definition is missing; compose it again") from None
 
 
+def in_full(web: Web, reviewed: Any) -> dict[str, Any]:
+    """A reviewed definition with every field, as its check filled it in, for a form or a diff
+    drawn after the action refused it (a forged form need not carry them all)."""
+    return normalize_definition(reviewed, web.now, agents=web.profile_names, check_past=False)
+
+
 @pages.post("/schedules", auth=Auth.SESSION, nudges=(Actor.CRON,))
 async def page_confirm_new(web: Web):
     form = dict((await web.form()).items())
@@ -14546,7 +14554,8 @@ async def page_confirm_new(web: Web):
         created = await create_schedule(web, reviewed, form.get("confirmation"))
     except Conflict as err:
         return await web.page("schedule_form.html", status=409, section="schedules",
-                              **form_context(web, form_from_definition(reviewed), errors_by_field(err), edit=None))
+                              **form_context(web, form_from_definition(in_full(web, reviewed)), errors_by_field(err),
+                                             edit=None))
     return await web.see_other(f"/schedules/{created['id']}?done=created")
 
 
@@ -14582,7 +14591,9 @@ def edit_from(schedule_id: str, form: dict[str, str]) -> dict[str, Any]:
         base = json.loads(form.get("base", ""))
         revision = int(form.get("revision", ""))
     except ValueError:
-        raise invalid("revision", "the edit form is incomplete; open Edit again") from None
+        base = None
+    if not isinstance(base, dict) or not isinstance(base.get("timing"), dict):
+        raise invalid("revision", "the edit form is incomplete; open Edit again")
     return {"id": schedule_id, "revision": revision, "definition": base}
 
 
@@ -14598,13 +14609,12 @@ async def page_confirm_edit(web: Web, schedule_id: str):
     edit = edit_from(schedule_id, form)
     reviewed = reviewed_definition(form)
     try:
-        await update_schedule(web, schedule_id, edit["revision"], reviewed, edit["definition"],
-                              form.get("confirmation"))
+        await update_schedule(web, schedule_id, edit["revision"], lambda _stored: reviewed, form.get("confirmation"))
     except RevisionMismatch:
-        current = await web.call(web.store.schedules.get_schedule, schedule_id)
-        diff = [{"field": f, "base": edit["definition"].get(f), "now": current.get(f), "yours": reviewed.get(f)}
+        current, yours = await web.call(web.store.schedules.get_schedule, schedule_id), in_full(web, reviewed)
+        diff = [{"field": f, "base": edit["definition"].get(f), "now": current.get(f), "yours": yours.get(f)}
                 for f in sorted(DEFINITION_FIELDS)   # skip_if_unchanged is only there when true
-                if edit["definition"].get(f) != current.get(f) or reviewed.get(f) != current.get(f)]
+                if edit["definition"].get(f) != current.get(f) or yours.get(f) != current.get(f)]
         return await web.page("schedule_stale.html", status=412, section="schedules", s=current, edit=edit,
                               diff=diff)
     return await web.see_other(f"/schedules/{schedule_id}?done=updated")

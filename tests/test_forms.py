@@ -11,7 +11,20 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import PROBLEM, T0, Api, call, ended, git, make_deps, make_repo, new_agent, normalized, sign_in_client
+from conftest import (
+    PROBLEM,
+    T0,
+    Api,
+    call,
+    definition,
+    ended,
+    git,
+    make_deps,
+    make_repo,
+    new_agent,
+    normalized,
+    sign_in_client,
+)
 
 import outpost
 
@@ -408,3 +421,72 @@ async def test_run_now_shows_each_missing_variable_at_its_field(dashboard):
     csrf = sign_in_client(client, dashboard.store, T0)
     page = await submit(client, csrf, f"/office/routines/{routine['id']}/fire", {})
     assert_at_fields(page, {"var_branch": "is required", "var_target": "is required"})
+
+
+# --- the dashboard's Confirm forms, as a forged form could post them --------------------------------
+
+async def confirm_form(dashboard, tmp_path, name: str = "taken"):
+    """A signed-in client, its CSRF token, the repository and a schedule named ``name``."""
+    repo = make_repo(tmp_path / "repo")
+    store = dashboard.store
+    sid = call(store, store.schedules.create_schedule, normalized(repo, name=name), T0)["id"]
+    client = outpost.create_app(dashboard).test_client()
+    return client, sign_in_client(client, store, T0), repo, sid
+
+
+async def test_a_taken_name_at_confirm_gives_the_form_again_even_for_a_definition_with_fields_left_out(
+        dashboard, tmp_path):
+    """A Confirm form whose definition leaves fields to their defaults (not the review's own) and
+    whose name is taken: 409 and the form again, filled in, never a 500 (an adversary found it)."""
+    client, csrf, repo, _ = await confirm_form(dashboard, tmp_path)
+    raw = definition(repo, name="  taken ")
+    confirmation = outpost.confirmation_of(outpost.normalize_definition(raw, T0, agents=["demo"]))
+    reply = await client.post("/schedules", form={"csrf": csrf, "definition": json.dumps(raw),
+                                                  "confirmation": confirmation}, headers={"Accept": "text/html"})
+    page = await reply.get_data(as_text=True)
+    assert reply.status_code == 409, page[:300]
+    assert 'value="taken"' in page and "already used by another schedule" in page
+
+
+async def test_a_stale_confirm_shows_only_what_the_edit_changed(dashboard, tmp_path):
+    """Two edits from one revision: the second's page lists the fields it changed, its own
+    definition filled in as its check would (not every defaulted field as changed to nothing)."""
+    client, csrf, repo, sid = await confirm_form(dashboard, tmp_path, "first")
+    store = dashboard.store
+    base = call(store, store.schedules.schedule_definition, sid)["definition"]
+    call(store, store.schedules.update_schedule, sid, 1, {**base, "name": "second"}, T0)
+    raw = definition(repo, name="third")
+    confirmation = outpost.confirmation_of(outpost.normalize_definition(raw, T0, agents=["demo"]))
+    reply = await client.post(f"/schedules/{sid}", form={
+        "csrf": csrf, "revision": "1", "base": json.dumps(base), "definition": json.dumps(raw),
+        "confirmation": confirmation}, headers={"Accept": "text/html"})
+    page = await reply.get_data(as_text=True)
+    assert reply.status_code == 412
+    rows = re.findall(r'<tr[^>]*>\s*<t[hd][^>]*>\s*(?:<code>)?([a-z_]+)', page[page.index("<table"):])
+    assert rows == ["name"], rows
+
+
+async def test_a_dashboard_edit_cannot_store_a_past_instant_by_forging_its_base(dashboard, tmp_path):
+    """The Confirm form's ``base`` is only what the edit started from: the past-instant rule is
+    judged against the stored definition, as on the API (a once-instant in the past: 422)."""
+    client, csrf, repo, sid = await confirm_form(dashboard, tmp_path, "soon")
+    past = {"kind": "once", "at": "2000-01-01T00:00:00Z", "timezone": "UTC"}
+    forged = {**call(dashboard.store, dashboard.store.schedules.schedule_definition, sid)["definition"],
+              "timing": past}
+    raw = outpost.normalize_definition(forged, T0, agents=["demo"], check_past=False)
+    reply = await client.post(f"/schedules/{sid}", form={
+        "csrf": csrf, "revision": "1", "base": json.dumps(raw), "definition": json.dumps(raw),
+        "confirmation": outpost.confirmation_of(raw)}, headers={"Accept": "text/html"})
+    assert reply.status_code == 422
+    stored = call(dashboard.store, dashboard.store.schedules.schedule_definition, sid)
+    assert stored["revision"] == 1 and stored["definition"]["timing"]["kind"] != "once"
+
+
+@pytest.mark.parametrize("base", ["[]", '"x"', "1", "{}", '{"name": []}', "[1, 2]"])
+async def test_an_edit_form_whose_base_is_no_definition_is_422_naming_it(dashboard, tmp_path, base):
+    client, csrf, repo, sid = await confirm_form(dashboard, tmp_path, "kept")
+    for path in (f"/schedules/{sid}/review", f"/schedules/{sid}"):
+        reply = await client.post(path, form={"csrf": csrf, "revision": "1", "base": base, "definition": "{}"},
+                                  headers={"Accept": "text/html"})
+        assert reply.status_code == 422, (path, base)
+        assert "the edit form is incomplete; open Edit again" in await reply.get_data(as_text=True)
