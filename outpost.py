@@ -2622,11 +2622,11 @@ def dst_warnings(timing: dict[str, Any], now: datetime) -> list[str]:
         verb = ("does not exist" if len(walls) == 1 else "do not exist") if gap else (
             "occurs twice" if len(walls) == 1 else "occur twice")
         if gap and real_time:
-            outcome = "this hourly schedule follows real time and skips the missing hour"
+            outcome = "firing every hour or more often, it follows real time and skips the missing hour"
         elif gap:
             outcome = f"that day it fires once, at {_hhmm(after)}"
         elif real_time:
-            outcome = "this hourly schedule follows real time and fires in both copies"
+            outcome = "firing every hour or more often, it follows real time and fires in both copies"
         else:
             outcome = "it fires once, at the first"
         warnings.append(f"{when} {verb} in {name} (clocks change); {outcome}.")
@@ -15615,7 +15615,7 @@ async def run_until_signal(deps: Deps) -> None:
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
                 print(f"Agents: {deps.isolation.message}", flush=True)
                 if os.geteuid() == 0:
-                    print("Running as root: a dedicated user is safer (see README, Security): an agent's "
+                    print("Running as root: a dedicated user is safer (see docs/security.md): an agent's "
                           "sandbox is all that stands between it and the whole machine", flush=True)
             outer.cancel_scope.cancel()   # serve() has returned: stop watching signals
     forget_address(deps.config.data_dir)
@@ -15799,14 +15799,16 @@ def resolve_schedule(client: Client, id_or_name: str) -> str:
 
 def cli_runs(client: Client, args: argparse.Namespace) -> None:
     if args.action == "list":
-        query = urllib.parse.urlencode({k: v for k, v in (("schedule_id", args.schedule), ("status", args.status),
+        schedule_id = resolve_schedule(client, args.schedule) if args.schedule else None
+        query = urllib.parse.urlencode({k: v for k, v in (("schedule_id", schedule_id), ("status", args.status),
                                                           ("limit", args.limit)) if v})
         page = client.call("GET", f"/v1/outpost/runs?{query}")
         if args.json:
             print(json.dumps(page, indent=2))
             return
         if not page["runs"]:
-            print("No runs yet. Fire a schedule with `outpost schedules fire NAME`.")
+            print("No runs match." if args.schedule or args.status else
+                  "No runs yet. Fire a schedule with `outpost schedules fire NAME`.")
             return
         print_table([[r["id"], r["status"], r["trigger"], r["queued_at"], str(r["changes"]["commits"]),
                       (r["error"] or "")[:50]] for r in page["runs"]],
@@ -16588,7 +16590,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--yes", action="store_true", help="confirm without asking")
         p.add_argument("--all", action="store_true", help="list: include archived")
         p.add_argument("--follow", action="store_true", help="runs log: stream the live log until the run settles")
-        p.add_argument("--schedule", help="runs list: only this schedule id")
+        p.add_argument("--schedule", help="runs list: only this schedule (id or name)")
         p.add_argument("--status", help="runs list: only this status")
         p.add_argument("--limit", type=int, default=None)
     return parser

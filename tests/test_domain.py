@@ -288,6 +288,14 @@ def test_dst_warnings_name_the_day_the_wall_time_and_what_happens(timing, expect
         assert all(p in sentence for p in parts), sentence
 
 
+def test_a_dst_warning_does_not_call_a_five_minute_schedule_hourly():
+    """A new user read "this hourly schedule" for */5 * * * *: the words fit every cron that
+    follows real time, however often it fires."""
+    (gap, repeat) = outpost.timing_warnings(cron("*/5 * * * *", BERLIN), NOW)
+    assert "hourly" not in gap + repeat
+    assert "every hour or more often" in gap and "skips the missing hour" in gap
+
+
 @pytest.mark.parametrize(("at", "expected"), [
     ("2027-03-28T02:30", ["2027-03-28 02:30", "does not exist", BERLIN, "fires once, at 03:00"]),
     ("2027-10-31T02:30", ["2027-10-31 02:30", "occurs twice", BERLIN, "fires once, at the first"]),

@@ -452,6 +452,10 @@ def test_cli_against_the_real_daemon(server_factory, git_repo, tmp_path):
     runs = cli(data, "runs", "list", port=port)
     assert runs.returncode == 0 and run_id in runs.stdout and "succeeded" in runs.stdout
     assert [r["id"] for r in json.loads(cli(data, "runs", "list", "--json", port=port).stdout)["runs"]] == [run_id]
+    by_name = cli(data, "runs", "list", "--schedule", "cli-toml", port=port)   # a name, as everywhere else
+    assert by_name.returncode == 0 and run_id in by_name.stdout, by_name.stderr
+    unfired = cli(data, "runs", "list", "--schedule", "cli-json", port=port)
+    assert unfired.returncode == 0 and unfired.stdout.strip() == "No runs match.", unfired.stdout
     shown_run = cli(data, "runs", "show", run_id, port=port)
     assert shown_run.returncode == 0 and "succeeded" in shown_run.stdout
     assert json.loads(cli(data, "runs", "show", run_id, "--json", port=port).stdout)["status"] == "succeeded"
