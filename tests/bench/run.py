@@ -583,9 +583,10 @@ async def httpx_get_rate(url: str, n: int, concurrency: int) -> float:
 def webhook_routine(srv: Server, repo: Path) -> tuple[str, str]:
     """Through the Office API: the workspace's repository, an agent (the demo executor), a
     lightweight routine (no task template: a fire is a routine run + a taskless wakeup) with
-    ``always_enqueue`` and one hmac_sha256 webhook trigger. The agent is paused only after the
-    routine exists: each wakeup is then ended by the dispatcher's agent-status guard (no session,
-    no agent process), so the fires are measured, not agents. Returns (fire path, secret)."""
+    ``always_enqueue`` and one hmac_sha256 webhook trigger. The agent is not paused (a paused
+    agent's wakeups wait for it, queued): the dispatcher claims the first wakeup into a run that
+    queues behind the held slot and merges the later ones into it, so no agent process competes
+    with the fires. Returns (fire path, secret)."""
     import httpx
     with httpx.Client(base_url=srv.url, headers=srv.headers(), timeout=30) as c:
         c.patch("/api/office/settings", json={"repository": str(repo)}).raise_for_status()
@@ -598,7 +599,6 @@ def webhook_routine(srv: Server, repo: Path) -> tuple[str, str]:
             "triggers": [{"kind": "webhook", "signing_mode": "hmac_sha256"}]})
         routine.raise_for_status()
         trigger = routine.json()["triggers"][0]
-        c.patch(f"/api/office/agents/{agent_id}", json={"status": "paused"}).raise_for_status()
     return trigger["fire_path"], trigger["secret"]
 
 
@@ -647,7 +647,7 @@ def bench_intake(q: bool, work: Path) -> list[dict[str, Any]]:
             if set(st) != {202}:
                 raise RuntimeError(f"webhook fires answered {st}")
             hooks.append(n / wel)
-            wait_until(lambda: not queued_wakeups(srv), 30, 0.05)   # the next dispatch rep meets an idle dispatcher
+            wait_until(lambda: not queued_wakeups(srv), 60, 0.05)   # the next dispatch rep meets an idle dispatcher
             hel, st = asyncio.run(http_load(srv.port, "GET", "/healthz", {}, [b""] * (3 * n), conc, f"h{rep}"))
             health.append(3 * n / hel)
             log(f"intake rep {rep}: {n} dispatches in {el:.2f} s = {rates[-1]:.0f}/s; {n} webhook fires in "
@@ -682,9 +682,10 @@ def bench_intake(q: bool, work: Path) -> list[dict[str, Any]]:
                  f"with t=now, so none is a replay) to a lightweight routine (no task template, always_enqueue, "
                  f"one declared variable) on the same server, right after each dispatch rep; all 202, each "
                  f"counted back as a RoutineRun (source webhook, with its wakeup), no refusal recorded. The "
-                 f"routine's agent (demo executor) was paused after the routine was created, so the dispatcher "
-                 f"ends its wakeups by the agent-status guard (the next rep waits until none is queued) and no "
-                 f"agent process competes with the intake; wakeups by status at the end: {wakeups}. "
+                 f"routine's agent (demo executor) is idle: the dispatcher claims a wakeup into a run that "
+                 f"queues behind the held slot and merges the others into it (the next rep waits until none "
+                 f"is queued), so no agent process competes with the intake; wakeups by status at the end: "
+                 f"{wakeups}. "
                  f"ratio {w / h:.2f}x; {w / v:.2f}x the dispatch rate. {ceiling}"),
     ]
 
