@@ -584,9 +584,9 @@ def webhook_routine(srv: Server, repo: Path) -> tuple[str, str]:
     """Through the Office API: the workspace's repository, an agent (the demo executor), a
     lightweight routine (no task template: a fire is a routine run + a taskless wakeup) with
     ``always_enqueue`` and one hmac_sha256 webhook trigger. The agent is not paused (a paused
-    agent's wakeups wait for it, queued): the dispatcher claims the first wakeup into a run that
-    queues behind the held slot and merges the later ones into it, so no agent process competes
-    with the fires. Returns (fire path, secret)."""
+    agent's wakeups wait for it, queued, so the row once waited for ever): a worker with no open
+    task, it has each wakeup ended by the dispatcher's idle skip (no run, no agent process), so the
+    fires are measured, not agents. Returns (fire path, secret)."""
     import httpx
     with httpx.Client(base_url=srv.url, headers=srv.headers(), timeout=30) as c:
         c.patch("/api/office/settings", json={"repository": str(repo)}).raise_for_status()
@@ -682,10 +682,9 @@ def bench_intake(q: bool, work: Path) -> list[dict[str, Any]]:
                  f"with t=now, so none is a replay) to a lightweight routine (no task template, always_enqueue, "
                  f"one declared variable) on the same server, right after each dispatch rep; all 202, each "
                  f"counted back as a RoutineRun (source webhook, with its wakeup), no refusal recorded. The "
-                 f"routine's agent (demo executor) is idle: the dispatcher claims a wakeup into a run that "
-                 f"queues behind the held slot and merges the others into it (the next rep waits until none "
-                 f"is queued), so no agent process competes with the intake; wakeups by status at the end: "
-                 f"{wakeups}. "
+                 f"routine's agent (demo executor, a worker with no open task) is idle: the dispatcher ends "
+                 f"each wakeup by its idle skip (the next rep waits until none is queued), so no agent process "
+                 f"competes with the intake; wakeups by status at the end: {wakeups}. "
                  f"ratio {w / h:.2f}x; {w / v:.2f}x the dispatch rate. {ceiling}"),
     ]
 
