@@ -3134,12 +3134,11 @@ def inspect_verdict(report: dict[str, Any]) -> str:
     if skip and (latest is None or fired_at and parse_instant(skip["due_at"]) > parse_instant(fired_at)):
         why = SKIPPED_WORDS.get(skip["outcome"], skip["outcome"])
         return f"Its last fire, due at {at(skip['due_at'])}, was {why}.{upcoming}"
-    if latest and latest["due_at"] is None:   # a re-run or a reply: asked for by a person, due at no instant
-        status = latest["status"].replace("_", " ")
-        return f"Its latest run (run {latest['run_id']}) was a re-run or a reply, not a fire: {status}.{upcoming}"
     if latest:
         status = latest["status"].replace("_", " ")
-        return f"It ran at {at(latest['due_at'])} (run {latest['run_id']}): {status}.{upcoming}"
+        if fired_at is None:   # a re-run or a reply: asked for by a person, due at no instant
+            return f"Its latest run (run {latest['run_id']}) was a re-run or a reply, not a fire: {status}.{upcoming}"
+        return f"It ran at {at(fired_at)} (run {latest['run_id']}): {status}.{upcoming}"
     if not state["next_fire_at"]:
         return "It has no next fire (a one-time schedule that already fired)."
     return f"Healthy: it has not fired yet.{upcoming}"
