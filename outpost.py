@@ -11301,13 +11301,14 @@ async def ship_log(deps: Deps, run_id: str) -> None:
 async def unreachable_repositories(deps: Deps) -> list[str]:
     """docs/fleet.md: the local paths of queued runs this node cannot reach, and the URLs it could not
     fetch a moment ago (``Mirrors.leave_to_others``); their runs wait for a node that can. Paths
-    are asked off the event loop: a shared mount that hangs must not stop it."""
+    are asked off the event loop and the thread left behind on cancel: a shared mount that hangs
+    must stop neither the loop nor the node's shutdown."""
     def missing(paths: list[str]) -> list[str]:
         return [p for p in paths if not Path(p).is_dir()]
     queued = await deps.transaction_retrying(deps.store.runs.queued_repositories)
     paths = [r for r in queued if not is_repository_url(r)]
     urls = deps.mirrors.unreachable(r for r in queued if is_repository_url(r))   # a fetch of them failed here
-    return (await trio.to_thread.run_sync(missing, paths) if paths else []) + urls
+    return (await trio.to_thread.run_sync(missing, paths, abandon_on_cancel=True) if paths else []) + urls
 
 
 async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreachable) -> bool:

@@ -511,6 +511,33 @@ def test_a_node_leaves_runs_of_a_repository_it_cannot_reach_to_the_others(nodes,
     assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW)] == [first]   # FIFO for the node that reaches it
 
 
+async def test_a_node_stops_at_once_while_a_repository_s_shared_mount_hangs(nodes, git_repo, tmp_path, monkeypatch):
+    """docs/fleet.md: whether a run's repository path is reachable is asked off the event loop; a
+    mount that hangs there must not hold up the node's shutdown either."""
+    a, _ = nodes
+    mount = make_repo(tmp_path / "on-a-hung-mount")
+    queue(a, mount, 1)
+    asked, release = threading.Event(), threading.Event()
+    is_dir = Path.is_dir
+
+    def hanging_is_dir(path: Path) -> bool:
+        if path == mount:
+            asked.set()
+            release.wait(60)
+        return is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", hanging_is_dir)
+    deps = make_deps(tmp_path / "a", store=a, clock=outpost.WallClock(), inline_db=True)
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(outpost.claim_actor, deps)
+                await trio.to_thread.run_sync(asked.wait)
+                nursery.cancel_scope.cancel()   # the claim actor is asking the hung mount now
+    finally:
+        release.set()
+
+
 def test_a_cancel_sent_to_another_node_ends_the_agent_where_it_runs(tmp_path, database, git_repo, server_factory):
     ledger = tmp_path / "ledger"
     a = Node(tmp_path, "a", database, ledger, max_running=1, sleep_s=60).start(server_factory)
