@@ -250,17 +250,35 @@ GIT_IDENTITY = ("-c", "user.name=Outpost", "-c", "user.email=outpost@localhost",
 #: Every git command Outpost runs obeys no hook: a user's hooks are for the user's own commits, and
 #: one that an agent planted must never run with the daemon's rights (docs/security.md).
 GIT_NO_HOOKS = ("-c", "core.hooksPath=/dev/null")
-#: What of the service user's HOME an isolated agent may write: the agent CLIs' own state folders
-#: (logins, sessions). The rest of HOME (~/.gitconfig, ~/.ssh, shell profiles)
-#: stays read-only: Outpost's own git and ssh read it outside the sandbox. Claude Code replaces
-#: ~/.claude.json by a rename in HOME itself, so inside it keeps that file in ~/.claude
+#: What of the service user's HOME an isolated agent may write: its own CLI's state folder (logins,
+#: sessions; ``Preset.home_state``); the other CLIs' folders are hidden, so a run of one profile
+#: can neither read nor replace another CLI's login. The rest of HOME (~/.gitconfig, shell
+#: profiles) stays read-only: Outpost's own git and ssh read it outside the sandbox. Claude Code
+#: replaces ~/.claude.json by a rename in HOME itself, so inside it keeps that file in ~/.claude
 #: (CLAUDE_CONFIG_DIR), as Codex and Gemini keep theirs in their folders.
 AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
-#: Of those, what stays read-only inside (made empty when missing): the files that name commands
-#: a CLI runs (hooks, MCP servers, notify) and its standing instructions. An agent must not leave
-#: a command for the next run, or for the user's own CLI outside, to run.
-AGENT_HOME_SETTINGS = {".claude/settings.json": "{}\n", ".codex/config.toml": "", ".gemini/settings.json": "{}\n",
-                       ".claude/CLAUDE.md": None, ".codex/AGENTS.md": None, ".gemini/GEMINI.md": None}
+#: Of those, what stays read-only inside, made empty when missing (None: a folder): what names
+#: commands a CLI runs (hooks, MCP servers, notify, plugins, extensions, custom commands) and its
+#: standing instructions, each CLI's own docs' list (docs/security.md). An agent must not leave a
+#: command or an instruction for the next run, or for the user's own CLI outside.
+AGENT_HOME_SETTINGS = {
+    ".claude/settings.json": "{}\n", ".claude/CLAUDE.md": "", ".claude/commands": None, ".claude/agents": None,
+    ".claude/skills": None, ".claude/plugins": None, ".claude/output-styles": None,
+    ".codex/config.toml": "", ".codex/AGENTS.md": "", ".codex/AGENTS.override.md": "", ".codex/prompts": None,
+    ".codex/skills": None, ".codex/agents": None,
+    ".gemini/settings.json": "{}\n", ".gemini/GEMINI.md": "", ".gemini/.env": "", ".gemini/commands": None,
+    ".gemini/extensions": None}
+#: Credentials in HOME no agent needs, hidden from every sandbox (folders become empty, files
+#: empty): the keys and tokens that reach the user's other machines and accounts. Outpost's own
+#: git and ssh use them outside the sandbox; an agent's commit is never signed with them.
+HOME_SECRETS = (".ssh", ".gnupg", ".git-credentials", ".config/git/credentials", ".netrc", ".pgpass", ".aws",
+                ".azure", ".config/gcloud", ".config/gh", ".docker", ".kube", ".npmrc", ".pypirc", ".claude.json")
+#: The system's secrets, hidden too: they matter when the daemon runs as root, which owns them.
+SYSTEM_SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssh", "/etc/sudoers",
+                  "/etc/sudoers.d", "/root/.ssh")
+#: Parts of the fresh /proc that write to the host's kernel (a fresh /proc leaves them writable for
+#: uid 0, and core_pattern runs a program as root outside any sandbox): read-only inside.
+PROC_HOST_KNOBS = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
 #: Exit statuses of the CLI (docs/cli.md lists them).
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_TOKEN, EXIT_DECLINED = 1, 2, 3, 4, 5
 #: This Outpost's version (pyproject.toml), as its MCP server names itself.
@@ -1576,6 +1594,8 @@ class Preset:
     #: How its command line gets Outpost's MCP tools (None: the CLI has no such wiring; its
     #: agent is told the HTTP API and the run token).
     tools: Callable[[list[str], ToolServer], ToolWiring] | None = None
+    #: Its state folder in HOME (of AGENT_HOME_STATE), the one its sandbox shows (None: none).
+    home_state: str | None = None
 
     def read(self, lines: list[str]) -> Reading:
         """What the CLI said about its run, from the lines it printed."""
@@ -1627,7 +1647,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         budget_flag="--max-budget-usd",
         version=("claude", "--version"),
         login_env=("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN"), login_files=(".claude/.credentials.json",),
-        logins=claude_logins, tools=claude_tools,
+        logins=claude_logins, tools=claude_tools, home_state=".claude",
         login="run `claude`, then /login (or `claude setup-token`, or give ANTHROPIC_API_KEY through pass_env)"),
     Preset(
         "codex",
@@ -1637,6 +1657,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         reader=read_codex, ends_with_result=True, transcriber=_codex_entries, model_flag="--model",
         version=("codex", "--version"),
         login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",), logins=codex_logins, tools=codex_tools,
+        home_state=".codex",
         login="run `codex login` (or `printenv OPENAI_API_KEY | codex login --with-api-key`), or give "
               "CODEX_API_KEY through pass_env (codex exec ignores OPENAI_API_KEY)"),
     Preset(
@@ -1647,7 +1668,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         reader=read_gemini, ends_with_result=True, transcriber=_gemini_entries, model_flag="--model",
         env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")), version=("gemini", "--version"),
         login_env=("GEMINI_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA"),
-        login_files=(".gemini/oauth_creds.json",), logins=gemini_logins, tools=gemini_tools,
+        login_files=(".gemini/oauth_creds.json",), logins=gemini_logins, tools=gemini_tools, home_state=".gemini",
         login="run `gemini` once and choose a login (or give GEMINI_API_KEY through pass_env)"),
     Preset(
         "aider",
@@ -1656,7 +1677,8 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         reader=read_aider, model_flag="--model", version=("aider", "--version"),
         env=(("COLUMNS", "1000"), ("BROWSER", "true")),
         login_env=("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "DEEPSEEK_API_KEY", "OPENROUTER_API_KEY"),
-        login="give the model provider's API key (ANTHROPIC_API_KEY, OPENAI_API_KEY, ...) through pass_env"),
+        login="give the model provider's API key (ANTHROPIC_API_KEY, OPENAI_API_KEY, ...) through pass_env",
+        home_state=".aider"),
     Preset("generic", command=(), reader=read_generic),
 )}
 
@@ -9858,6 +9880,14 @@ class Store(StoreCore):
 # 13. Git and worktrees: the sandbox, refs and mirrors, a run's private clone.
 ###############################################################################
 
+def present(path: Path) -> bool:
+    """Whether ``path`` is there, False too where this user may not look (another's HOME)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def create_new(path: Path, data: bytes) -> None:
     """``path`` with ``data``, only where nothing is yet: never through a link an agent left there
     (it would make the daemon write wherever the link points), never over a file."""
@@ -9887,31 +9917,44 @@ class Sandbox:
     repository: Path     # the user's repository (or its mirror), whose objects the worktree borrows
     private: Path        # the run's prompt file
     home: Path | None
+    home_state: tuple[str, ...] = ()   # of AGENT_HOME_STATE, the folders of the run's own CLI
 
     def argv(self, argv: list[str], cwd: Path | None = None) -> list[str]:
-        hidden = (Path("/tmp"), self.data_dir.resolve())
+        emptied = (Path("/tmp"), Path("/run"))   # host sockets live there (D-Bus, Docker, agents')
+        hidden = (*emptied, self.data_dir.resolve())
 
         def shown(path: Path, how: str) -> list[str]:
             path = path.resolve()
             return [how, str(path), str(path)]
 
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--proc", "/proc",
-                "--unshare-ipc", "--tmpfs", "/tmp"]
-        # Under the private /tmp, what the command needs stays visible, read-only: HOME, the
-        # folders of PATH and of the command, and Outpost itself (the demo agent).
+                *(a for knob in PROC_HOST_KNOBS for a in ("--ro-bind-try", knob, knob)),
+                "--unshare-ipc", "--unshare-uts", "--new-session",   # no terminal of the daemon's to write to
+                *(a for folder in emptied for a in ("--tmpfs", str(folder)))]
+        # Under the emptied folders, what the command needs stays visible, read-only: HOME, the
+        # folders of PATH and of the command, Outpost itself (the demo agent), and the resolver's
+        # file (/etc/resolv.conf is often a link into /run).
         needed = [self.home, Path(sys.prefix), Path(__file__).parent, Path(shutil.which(argv[0]) or argv[0]).parent,
-                  *(Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p)]
+                  *(Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p),
+                  Path("/etc/resolv.conf").resolve().parent]
         for path in dict.fromkeys(p.resolve() for p in needed if p is not None):
-            if path.is_relative_to(hidden[0]) and path != hidden[0] and path.is_dir():
+            if any(path.is_relative_to(e) and path != e for e in emptied) and path.is_dir():
                 args += shown(path, "--ro-bind")
         if self.home is not None:
             for name in AGENT_HOME_STATE:
-                if (self.home / name).exists():
-                    args += shown(self.home / name, "--bind")
+                folder = self.home / name
+                if name in self.home_state and present(folder):
+                    args += shown(folder, "--bind")
+                elif present(folder):   # another CLI's login and sessions
+                    args += ["--tmpfs", str(folder.resolve())]
             for name in AGENT_HOME_SETTINGS:
-                if (self.home / name).exists():
+                if name.partition("/")[0] in self.home_state and present(self.home / name):
                     args += shown(self.home / name, "--ro-bind")
-        args += ["--tmpfs", str(hidden[1])]
+        secrets = [*(self.home / name for name in HOME_SECRETS if self.home is not None), *map(Path, SYSTEM_SECRETS)]
+        for path in filter(present, secrets):   # a folder made empty, a file made /dev/null
+            where = str(path.resolve())
+            args += ["--tmpfs", where] if path.is_dir() else ["--ro-bind", "/dev/null", where]
+        args += ["--tmpfs", str(hidden[-1])]
         if any(self.repository.resolve().is_relative_to(h) for h in hidden):
             args += shown(self.repository, "--ro-bind")
         args += [*shown(self.worktree, "--bind"), "--ro-bind-try", str(self.private), str(self.private)]
@@ -9924,11 +9967,16 @@ class Sandbox:
         Claude Code's ~/.claude.json copied once to where it keeps it inside."""
         if self.home is None or not self.home.is_dir():
             return
-        for name in AGENT_HOME_STATE:
+        for name in self.home_state:
             with contextlib.suppress(OSError):
                 (self.home / name).mkdir(mode=0o700, exist_ok=True)
         for name, empty in AGENT_HOME_SETTINGS.items():
-            if empty is not None:
+            if name.partition("/")[0] not in self.home_state:
+                continue
+            if empty is None:
+                with contextlib.suppress(OSError):
+                    (self.home / name).mkdir(mode=0o700, exist_ok=True)
+            else:
                 create_new(self.home / name, empty.encode())
         if (self.home / ".claude.json").is_file():
             with contextlib.suppress(OSError):
@@ -9940,6 +9988,44 @@ class Sandbox:
         return {k: parent[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TZ") if k in parent} | {"TMPDIR": "/tmp"}
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from its third field (the state) on, or None: no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def run_members(leader: int) -> list[int]:
+    """A run's processes: its leader, the process group it heads and, when the leader is a
+    sandbox's bubblewrap, every process of the sandbox's PID namespace, also one that left the
+    group (a setsid, the sandbox's own new session): a pause, a cancel or a time limit reaches
+    all of them, and none outlives its run."""
+    stats = {int(e.name): stat for e in os.scandir("/proc") if e.name.isdigit() and (stat := process_stat(int(e.name)))}
+    ours = pid_namespace(os.getpid())
+    sandboxes = {ns for pid, stat in stats.items() if stat[1] == str(leader)
+                 and (ns := pid_namespace(pid)) is not None and ns != ours}
+    return [pid for pid, stat in stats.items()
+            if pid == leader or stat[2] == str(leader) or (sandboxes and pid_namespace(pid) in sandboxes)]
+
+
+def signal_run(leader: int, sig: int) -> bool:
+    """``sig`` to every process of the run (run_members); whether any was there to get it."""
+    sent = False
+    for pid in run_members(leader):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            sent = True
+    return sent
+
+
 async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox | None = None) -> str:
     """Run git with an argument list (never a shell), hooks off; stdout, or LaunchError with
     stderr. In ``sandbox``: on a path an agent has written (docs/security.md)."""
@@ -9949,7 +10035,7 @@ async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox
     try:
         with trio.fail_after(SANDBOXED_GIT_S if sandbox is not None else math.inf):
             done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"",
-                                          env=env)
+                                          env=env, deliver_cancel=end_sandbox if sandbox is not None else None)
     except OSError as exc:
         raise LaunchError(f"could not run git: {exc}") from None
     except trio.TooSlowError:
@@ -9958,6 +10044,12 @@ async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox
     if check and done.returncode != 0:
         raise LaunchError(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
     return done.stdout.decode(errors="replace").strip()
+
+
+async def end_sandbox(process: trio.Process) -> None:
+    """A sandboxed git cancelled (its time limit): all of its sandbox ends with it, also what it
+    started there that left its group (a planted fsmonitor's daemon)."""
+    signal_run(process.pid, signal.SIGKILL)
 
 
 async def resolve_ref(repository: str, ref: str) -> str:
@@ -10338,14 +10430,6 @@ def ensure_embedded_repository(path: Path) -> None:
 # 14. Running an agent: its process group, output capture, logs, the demo agent.
 ###############################################################################
 
-def process_stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat from its third field (the state) on, or None: no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def process_start_time(pid: int) -> str | None:
     """Field 22 of /proc/<pid>/stat: with the pid, names one process across pid reuse."""
     stat = process_stat(pid)
@@ -10369,14 +10453,6 @@ def process_alive_here(process: str) -> bool | None:
         return None
     stat = process_stat(int(theirs[4]))
     return bool(stat) and stat[0] not in "ZX" and stat[19] == theirs[6]   # killed, not yet reaped: ended
-
-
-def kill_group(pid: int, sig: int) -> bool:
-    try:
-        os.killpg(pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
 
 
 class LogSink:
@@ -10543,13 +10619,13 @@ class LiveRun:
         return self.scope.cancelled_caught and not self.cancelled
 
     def pause(self) -> None:
-        """SIGSTOP the process group and stop its timeout: paused time is not run time. Before
+        """SIGSTOP the run's processes and stop its timeout: paused time is not run time. Before
         its process exists (the worktree is being prepared), the pause waits for it (``spawned``)."""
         if self.paused:
             return
         self.paused = True
         if self.pid:
-            kill_group(self.pid, signal.SIGSTOP)
+            signal_run(self.pid, signal.SIGSTOP)
             self.remaining_s = self.scope.deadline - trio.current_time()
             self.scope.deadline = math.inf
 
@@ -10560,13 +10636,13 @@ class LiveRun:
         if self.pid and self.remaining_s is not None:
             self.scope.deadline = trio.current_time() + self.remaining_s
             self.remaining_s = None
-            kill_group(self.pid, signal.SIGCONT)
+            signal_run(self.pid, signal.SIGCONT)
 
     def spawned(self, pid: int, timeout_s: float) -> None:
         """The process exists: its timeout starts, or, paused before, it is stopped at once (docs/http-api.md)."""
         self.pid = pid
         if self.paused:
-            kill_group(pid, signal.SIGSTOP)
+            signal_run(pid, signal.SIGSTOP)
             self.remaining_s, self.scope.deadline = timeout_s, math.inf
         else:
             self.scope.deadline = trio.current_time() + timeout_s
@@ -10656,34 +10732,24 @@ class ProcessResult:
     timed_out: bool
 
 
-def group_members(pgid: int) -> list[int]:
-    """The processes of a process group (those of a sandbox's PID namespace included)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        stat = process_stat(int(entry.name)) if entry.name.isdigit() else None
-        if stat and stat[2] == str(pgid):
-            members.append(int(entry.name))
-    return members
-
-
 async def terminate_group(proc: trio.Process, grace_s: float) -> None:
-    """SIGTERM the process group, SIGKILL it after the grace. The grace is the group's, not
-    only the leader's. The leader of an isolated agent is bubblewrap, which would die at SIGTERM
-    at once while the agent inside goes on: it is spared the SIGTERM and ends with the agent, so
-    the run's exit status is the agent's. Shielded: runs during shutdown."""
+    """SIGTERM the run's processes (run_members), SIGKILL them after the grace. The grace is all
+    of theirs, not only the leader's. The leader of an isolated agent is bubblewrap, which would
+    die at SIGTERM at once while the agent inside goes on: it is spared the SIGTERM and ends with
+    the agent, so the run's exit status is the agent's. Shielded: runs during shutdown."""
     with trio.CancelScope(shield=True):
         sandboxed = proc.args[0] == "bwrap"
-        for pid in group_members(proc.pid):
+        for pid in run_members(proc.pid):
             if pid != proc.pid or not sandboxed:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGTERM)
-        kill_group(proc.pid, signal.SIGCONT)   # a stopped (paused) process must wake to die
+        signal_run(proc.pid, signal.SIGCONT)   # a stopped (paused) process must wake to die
         with trio.move_on_after(grace_s):
             await proc.wait()
-            while kill_group(proc.pid, 0):   # signal 0: is anyone of the group left?
+            while signal_run(proc.pid, 0):   # signal 0: is anyone of the run left?
                 await trio.sleep(0.05)
             return
-        kill_group(proc.pid, signal.SIGKILL)
+        signal_run(proc.pid, signal.SIGKILL)
         await proc.wait()
 
 
@@ -10741,7 +10807,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
             if proc.returncode is None:
                 await terminate_group(proc, grace_s)
             else:
-                kill_group(proc.pid, signal.SIGKILL)   # leftovers of the group (background children)
+                signal_run(proc.pid, signal.SIGKILL)   # leftovers of the run (background children)
             live.step("agent_exited")
         return ProcessResult(proc.returncode, stdout_lines.lines(), stderr_tail.decode(errors="replace"), timed_out)
     finally:
@@ -10879,16 +10945,16 @@ def demo_agent(prompt: str, cwd: Path, out=sys.stdout, err=sys.stderr, session_i
 
 
 async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | None) -> None:
-    """An agent that outlived its daemon: its process group is ended, if that pid is still the
-    same process (a pid alone may have been reused)."""
+    """An agent that outlived its daemon: its processes (run_members) are ended, if that pid is
+    still the same process (a pid alone may have been reused)."""
     if pid and started and process_start_time(pid) == started:
-        log.getChild("recovery").warning("run %s: ending its surviving process group %d", run_id, pid)
-        kill_group(pid, signal.SIGTERM)
-        kill_group(pid, signal.SIGCONT)
+        log.getChild("recovery").warning("run %s: ending its surviving processes (leader %d)", run_id, pid)
+        signal_run(pid, signal.SIGTERM)
+        signal_run(pid, signal.SIGCONT)
         with trio.move_on_after(deps.grace_s):
             while process_start_time(pid) == started:
                 await trio.sleep(0.05)
-        kill_group(pid, signal.SIGKILL)
+        signal_run(pid, signal.SIGKILL)
 
 
 ###############################################################################
@@ -11627,8 +11693,9 @@ def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     if not deps.isolation.active:
         return None
     home = os.environ.get("HOME")
+    state = plan.profile.kind.home_state if plan.profile is not None else None
     return Sandbox(deps.config.data_dir, run_workspace(deps, plan), Path(deps.mirrors.path(plan.repository)),
-                   deps.private_dir(plan.run_id), Path(home) if home else None)
+                   deps.private_dir(plan.run_id), Path(home) if home else None, (state,) if state else ())
 
 
 async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:
