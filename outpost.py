@@ -273,6 +273,9 @@ AGENT_HOME_SETTINGS = {
 #: git and ssh use them outside the sandbox; an agent's commit is never signed with them.
 HOME_SECRETS = (".ssh", ".gnupg", ".git-credentials", ".config/git/credentials", ".netrc", ".pgpass", ".aws",
                 ".azure", ".config/gcloud", ".config/gh", ".docker", ".kube", ".npmrc", ".pypirc", ".claude.json")
+#: A sandbox's /tmp, in MiB, unless its profile says (``tmp_mb``): a tmpfs is memory, and an agent
+#: that fills it must meet "no space left" long before the machine runs out of memory.
+SANDBOX_TMP_MB = 1024
 #: The system's secrets, hidden too: they matter when the daemon runs as root, which owns them.
 SYSTEM_SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssh", "/etc/sudoers",
                   "/etc/sudoers.d", "/root/.ssh")
@@ -1695,7 +1698,7 @@ class AgentProfile:
     items may hold {model}, {run_id}, {prompt_file} and (resume) {session_id}; the prompt goes on
     stdin. ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says;
     ``max_running`` caps this profile's runs at once; ``timezone`` reads reset times its CLI
-    prints without a zone."""
+    prints without a zone; ``tmp_mb`` sizes its sandbox's /tmp."""
     name: str
     command: tuple[str, ...]
     timeout_seconds: int | None = None
@@ -1706,6 +1709,7 @@ class AgentProfile:
     model: str | None = None
     max_running: int | None = None
     timezone: str | None = None
+    tmp_mb: int = SANDBOX_TMP_MB
 
     @property
     def kind(self) -> Preset:
@@ -1910,7 +1914,7 @@ def _zone_name(value: Any) -> str | None:
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
     "preset": _one_of(*PRESETS), "command": _strings(empty=False), "resume": _strings(empty=True),
     "timeout_seconds": _whole(1, DAY_S), "env": _string_table, "pass_env": _strings(empty=True),
-    "model": _text_value, "max_running": _whole(1, 1000), "timezone": _zone_name}
+    "model": _text_value, "max_running": _whole(1, 1000), "timezone": _zone_name, "tmp_mb": _whole(16, 1 << 20)}
 
 
 def agent_profile(path: Path, name: str, spec: dict[str, Any]) -> AgentProfile:
@@ -1930,7 +1934,7 @@ def agent_profile(path: Path, name: str, spec: dict[str, Any]) -> AgentProfile:
                         tuple(spec.get("pass_env", DEFAULT_PASS_ENV)),
                         tuple(spec.get("resume", preset.resume if "command" not in spec else ())),
                         spec.get("preset", "generic"), spec.get("model"), spec.get("max_running"),
-                        spec.get("timezone"))
+                        spec.get("timezone"), spec.get("tmp_mb", SANDBOX_TMP_MB))
 
 
 def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[[Any], str | None]]) -> dict:
@@ -9918,6 +9922,7 @@ class Sandbox:
     private: Path        # the run's prompt file
     home: Path | None
     home_state: tuple[str, ...] = ()   # of AGENT_HOME_STATE, the folders of the run's own CLI
+    tmp_mb: int = SANDBOX_TMP_MB        # its /tmp's size: memory, as /tmp is a tmpfs
 
     def argv(self, argv: list[str], cwd: Path | None = None) -> list[str]:
         emptied = (Path("/tmp"), Path("/run"))   # host sockets live there (D-Bus, Docker, agents')
@@ -9930,7 +9935,7 @@ class Sandbox:
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--proc", "/proc",
                 *(a for knob in PROC_HOST_KNOBS for a in ("--ro-bind-try", knob, knob)),
                 "--unshare-ipc", "--unshare-uts", "--new-session",   # no terminal of the daemon's to write to
-                *(a for folder in emptied for a in ("--tmpfs", str(folder)))]
+                "--size", str(self.tmp_mb << 20), "--tmpfs", "/tmp", "--tmpfs", "/run"]
         # Under the emptied folders, what the command needs stays visible, read-only: HOME, the
         # folders of PATH and of the command, Outpost itself (the demo agent), and the resolver's
         # file (/etc/resolv.conf is often a link into /run).
@@ -11695,7 +11700,8 @@ def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     home = os.environ.get("HOME")
     state = plan.profile.kind.home_state if plan.profile is not None else None
     return Sandbox(deps.config.data_dir, run_workspace(deps, plan), Path(deps.mirrors.path(plan.repository)),
-                   deps.private_dir(plan.run_id), Path(home) if home else None, (state,) if state else ())
+                   deps.private_dir(plan.run_id), Path(home) if home else None, (state,) if state else (),
+                   plan.profile.tmp_mb if plan.profile is not None else SANDBOX_TMP_MB)
 
 
 async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:

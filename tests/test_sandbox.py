@@ -537,6 +537,28 @@ def test_a_paused_sandboxed_run_stops_also_what_left_its_process_group(base):
             os.kill(int(pid), 9)
 
 
+def test_a_sandbox_s_tmp_holds_no_more_than_its_profile_s_tmp_mb(base):
+    """docs/configuration.md, tmp_mb: /tmp inside is memory; an agent that fills it meets "no space
+    left" at its profile's size, and its run goes on to say so."""
+    data = base / "data"
+    data.mkdir()
+    repo = make_repo(base / "repo")
+    script = ("head -c 40000000 /dev/zero > /tmp/fill 2> err.txt; echo exit $? >> err.txt; "
+              "ls -l /tmp/fill | cut -d' ' -f5 > size.txt; git add err.txt size.txt; "
+              "git -c user.name=a -c user.email=a@a commit -q -m filled")
+    (data / "outpost.toml").write_text(f'[agents.filler]\ncommand = ["sh", "-c", {json.dumps(script)}]\ntmp_mb = 16\n')
+    server = Server(data, env={"HOME": str(base)}).start()
+    try:
+        with server.client() as client:
+            run = settled(client, post(client, "/v1/outpost/dispatches",
+                                       {"brief": "fill", "repository": str(repo), "agent": "filler"}).json()["run_id"])
+        assert run["status"] == "succeeded", run["error"]
+        assert "No space left" in git(repo, "show", f"{run['result_branch']}:err.txt")
+        assert int(git(repo, "show", f"{run['result_branch']}:size.txt")) <= 16 << 20
+    finally:
+        server.stop()
+
+
 def test_the_users_own_git_setup_keeps_working(base):
     """An honest user's repository: a hook for their own commits, commit signing, and a clean/smudge
     filter in the global config, as git-lfs installs one. An agent that commits normally succeeds;
