@@ -319,6 +319,9 @@ COALESCING_WINDOW_S = 5
 DISPATCH_BATCH = 200
 #: Share of an agent's run budget at which its coordinators get a budget_alert wakeup.
 BUDGET_ALERT_PCT = 80
+#: Self-wakes an agent may ask for in 24 h (docs/office.md): one that wakes itself at the end of
+#: every run would otherwise run, and spend, for ever; past it the wake is refused (429).
+SELF_WAKES_PER_DAY = 48
 #: Time limit of an Office run whose agent profile names none.
 OFFICE_RUN_TIMEOUT_S = 3600
 #: Comments of its task an Office prompt shows (the newest).
@@ -481,6 +484,10 @@ class IdempotencyKeyRequired(OutpostError):
 
 class PreconditionRequired(OutpostError):
     status, code, title = 428, "precondition_required", "If-Match header required"
+
+
+class SelfWakeLimit(OutpostError):
+    status, code, title = 429, "self_wake_limit", "Too many self-wakes"
 
 
 class StoreUnavailable(OutpostError):
@@ -8620,6 +8627,13 @@ class OfficeStore(StorePart):
         a = self.agent_row(agent_id)
         if workspace_id is not None and a.workspace_id != workspace_id:
             raise NotFound(f"no agent {agent_id}")
+        if source == WakeupSource.SELF:
+            self_wakes = self.db.select(
+                f'SELECT COUNT(*) FROM "Wakeup" WHERE agent_id = $a AND source = \'{WakeupSource.SELF}\' '
+                'AND requested_at > $since', {"a": a.id, "since": sql_time(now - timedelta(days=1))})[0]
+            if self_wakes >= SELF_WAKES_PER_DAY:
+                raise SelfWakeLimit(f"agent {a.name} woke itself {self_wakes} times in the last 24 hours, the most "
+                                    "an agent may; a person's wake, a comment or a routine still wakes it")
         return wakeup_view(self.db.Wakeup[self.wakeups.enqueue_wakeup(a.workspace_id, a.id, source, payload, now,
                                                                       reason=reason, wake_at=wake_at)])
 

@@ -894,6 +894,26 @@ async def test_agent_self_wake(office_api):
     assert (await office_api.get(f"/api/office/runs/{delayed_run}")).body["wakeup_id"] == later["id"]
 
 
+async def test_an_agent_that_wakes_itself_without_end_is_stopped_at_the_daily_limit(office_api, monkeypatch):
+    """docs/office.md, self-wakes: at most SELF_WAKES_PER_DAY in 24 h; the next is refused (429,
+    saying why) and nothing is queued; a day later it may again, and a person may wake it any time."""
+    monkeypatch.setattr(outpost, "SELF_WAKES_PER_DAY", 3)
+    agent, _, run_id, token = await office_api.running()
+    wakes = [await office_api.as_run(token, "POST", "/api/agent/wake", {"reason": f"again {i}", "delay_sec": 600 * i})
+             for i in (1, 2, 3)]
+    assert [w.status for w in wakes] == [202] * 3 and len({w.body["id"] for w in wakes}) == 3
+    queued = (await office_api.get(f"/api/office/wakeups?agent_id={agent['id']}")).body
+    refused = await office_api.as_run(token, "POST", "/api/agent/wake", {"reason": "and again", "delay_sec": 4000})
+    assert_problem(refused, 429, "self_wake_limit")
+    assert "3 times in the last 24 hours" in refused.body["detail"]
+    assert (await office_api.get(f"/api/office/wakeups?agent_id={agent['id']}")).body == queued
+    by_a_person = await office_api.post(f"/api/office/agents/{agent['id']}/wake", {"context": "look now"})
+    assert by_a_person.status in (200, 201, 202), by_a_person.body
+    office_api.clock.at = office_api.clock.now() + timedelta(days=1, seconds=1)
+    again = await office_api.as_run(token, "POST", "/api/agent/wake", {"reason": "next day", "delay_sec": 600})
+    assert again.status == 202, again.body
+
+
 ###############################################################################
 # 3. Workspaces: everything is per workspace, nothing crosses.
 ###############################################################################
