@@ -232,6 +232,10 @@ ERROR_TAIL_BYTES = 2000
 #: Output an agent report is read from: the first lines and the last bytes of stdout.
 OUTPUT_HEAD_LINES = 200
 OUTPUT_TAIL_BYTES = 8 * 1024 * 1024
+#: Longest stdout line the readers get: a CLI's longest real event (a tool's whole output in one) is
+#: far shorter. The rest of a longer line is dropped (so it reads as text): a line that never ends
+#: holds neither the memory nor the event loop.
+OUTPUT_LINE_BYTES = 4 * 1024 * 1024
 #: Interval shorter than this draws a compose warning (a typical agent run takes longer).
 SHORT_INTERVAL_S = 300
 #: How far ahead compose looks for DST transitions.
@@ -10618,18 +10622,28 @@ class LiveRuns:
 class OutputLines:
     """The stdout lines a preset's reader gets: the whole stream when it is small, else the
     first OUTPUT_HEAD_LINES (a CLI names its session first) and the last OUTPUT_TAIL_BYTES (its
-    result comes last), in order. Memory stays bounded however long a run talks."""
+    result comes last), in order, each line cut at OUTPUT_LINE_BYTES. Memory stays bounded however
+    long a run talks, and each chunk costs its own length: only it is searched for a newline,
+    never the line so far."""
 
     def __init__(self) -> None:
         self.head: list[str] = []
         self.tail: collections.deque[str] = collections.deque()
         self.tail_bytes = 0
-        self.pending = b""
+        self.pending = bytearray()   # the line being printed, up to OUTPUT_LINE_BYTES
 
     def feed(self, chunk: bytes) -> None:
-        *lines, self.pending = (self.pending + chunk).split(b"\n")
-        for line in lines:
-            self._add(line)
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self._keep(chunk, start, end)
+            self._add(bytes(self.pending))
+            self.pending.clear()
+            start = end + 1
+        self._keep(chunk, start, len(chunk))
+
+    def _keep(self, chunk: bytes, start: int, end: int) -> None:
+        room = max(0, OUTPUT_LINE_BYTES - len(self.pending))
+        self.pending += chunk[start:min(end, start + room)]
 
     def _add(self, raw: bytes) -> None:
         line = raw.decode(errors="replace")
@@ -10643,8 +10657,8 @@ class OutputLines:
 
     def lines(self) -> list[str]:
         if self.pending:
-            self._add(self.pending)
-            self.pending = b""
+            self._add(bytes(self.pending))
+            self.pending.clear()
         return self.head + list(self.tail)
 
 

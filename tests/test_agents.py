@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -1100,3 +1101,20 @@ def test_a_run_over_its_max_cost_is_marked_over_budget(store, git_repo):
         "claude-code", verdict="succeeded", cost_usd=0.0123)), T0)
     view = call(store, store.runs.get_run, run_id)
     assert (view["max_cost_usd"], view["cost_usd"], view["over_budget"]) == (0.01, 0.0123, True)
+
+
+###############################################################################
+# What an agent prints is untrusted (docs/security.md): no line of it takes a run or the daemon down
+###############################################################################
+
+
+def test_400_mb_without_a_newline_is_read_in_linear_time_and_kept_to_a_bound():
+    lines, chunk = outpost.OutputLines(), b"x" * 65536
+    started = time.monotonic()
+    for _ in range(400 * 1024 * 1024 // len(chunk)):
+        lines.feed(chunk)
+        assert time.monotonic() - started < 5, "the event loop would stall: each chunk copies the line so far"
+    lines.feed(b'\n{"status": "succeeded"}\n')
+    first, last = lines.lines()
+    assert len(first.encode()) == outpost.OUTPUT_LINE_BYTES
+    assert last == '{"status": "succeeded"}'
