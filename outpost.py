@@ -844,13 +844,14 @@ class Reading:
     permission_denials: list[Any] = dataclasses.field(default_factory=list)
     limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
     failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
+    session_refused: str | None = None    # why the session id it reported is not kept (Preset.read)
     result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
     ends_with_result: bool = False        # its CLI always ends with a terminal event (Preset.read): none is no result
     tools_error: str | None = None        # Outpost's own MCP server did not start (Claude's init event says)
 
 
 REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cost_usd", "input_tokens",
-                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials")
+                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials", "session_refused")
 
 
 def json_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
@@ -1553,6 +1554,13 @@ def gemini_tools(argv: list[str], server: ToolServer) -> ToolWiring:
                       {"gemini-policies/.keep": ""}, gemini_settings(server))
 
 
+#: The session ids a CLI may report, since each goes on the command line of a resume: Claude Code,
+#: Codex (its thread id, a UUIDv7) and Gemini CLI name sessions by UUID (tests/fakes/recorded);
+#: another command by a word that cannot be read as an option (no leading "-", no space).
+UUID_SESSION = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.IGNORECASE | re.ASCII)
+WORD_SESSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}", re.ASCII)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preset:
     """How Outpost drives one agent CLI: its command lines (the prompt always on stdin), the
@@ -1561,10 +1569,12 @@ class Preset:
     version, and what shows it is logged in: a variable set, a file in HOME, or what its own
     ``logins`` check finds. The executor reads a run with ``read``; ``outpost doctor`` checks
     the CLI with ``doctor``. ``name`` is the preset's name in outpost.toml and the report's
-    ``format``; the limits and login failures a CLI's structured fields name are its reader's."""
+    ``format``; the limits and login failures a CLI's structured fields name are its reader's.
+    ``session_shape``: what a session id it reports must be to be resumed."""
     name: str
     command: tuple[str, ...]
     resume: tuple[str, ...] = ()
+    session_shape: re.Pattern[str] = WORD_SESSION
     reader: Callable[[list[str]], Reading] = read_generic
     ends_with_result: bool = False
     #: Its log's events as transcript entries (the run pages); None: the log reads raw.
@@ -1582,10 +1592,19 @@ class Preset:
     tools: Callable[[list[str], ToolServer], ToolWiring] | None = None
 
     def read(self, lines: list[str]) -> Reading:
-        """What the CLI said about its run, from the lines it printed."""
+        """What the CLI said about its run, from the lines it printed. A session id not of its
+        shape is not kept: a resume would put it on the command line, where ``--yolo`` is an option."""
         reading = self.reader(lines)
         reading.ends_with_result = self.ends_with_result
+        if reading.session_id is not None and not self.resumes(reading.session_id):
+            reading.session_refused = (f"the agent reported session {clip(reading.session_id, 100)!r}, which is not "
+                                       f"a {self.name} session id: not kept, the next run starts fresh")
+            reading.session_id = None
         return reading
+
+    def resumes(self, session_id: str) -> bool:
+        """Whether ``session_id`` may go on its resume command line."""
+        return bool(self.session_shape.fullmatch(session_id))
 
     def doctor(self, binary: str, env: dict[str, str]) -> tuple[bool, str]:
         """``outpost doctor``'s check of the CLI at ``binary`` under a run's ``env``: it answers
@@ -1628,6 +1647,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         resume=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
                 "--resume", "{session_id}"),
         reader=read_claude, ends_with_result=True, transcriber=_claude_entries, model_flag="--model",
+        session_shape=UUID_SESSION,
         budget_flag="--max-budget-usd",
         version=("claude", "--version"),
         login_env=("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN"), login_files=(".claude/.credentials.json",),
@@ -1639,6 +1659,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         resume=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "resume",
                 "{session_id}", "-"),
         reader=read_codex, ends_with_result=True, transcriber=_codex_entries, model_flag="--model",
+        session_shape=UUID_SESSION,
         version=("codex", "--version"),
         login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",), logins=codex_logins, tools=codex_tools,
         login="run `codex login` (or `printenv OPENAI_API_KEY | codex login --with-api-key`), or give "
@@ -1649,6 +1670,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         resume=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--resume",
                 "{session_id}"),
         reader=read_gemini, ends_with_result=True, transcriber=_gemini_entries, model_flag="--model",
+        session_shape=UUID_SESSION,
         env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")), version=("gemini", "--version"),
         login_env=("GEMINI_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA"),
         login_files=(".gemini/oauth_creds.json",), logins=gemini_logins, tools=gemini_tools,
@@ -3217,6 +3239,8 @@ def profile_argv(profile: AgentProfile, *, model: str | None, run_id: str, sessi
                  prompt_file: str | None, max_cost_usd: float | None) -> list[str]:
     """The command line of one run of ``profile``: its resume form when a session continues,
     plus the model and budget flags of its preset when those are set."""
+    if session_id and not profile.kind.resumes(session_id):   # stored before Outpost checked it (Preset.read)
+        session_id = None
     argv = fill_command(profile.resume if session_id else profile.command, model=model, run_id=run_id,
                         session_id=session_id, prompt_file=prompt_file)
     if model and profile.model_flag and "{model}" not in " ".join(profile.resume if session_id else profile.command):
@@ -9059,6 +9083,11 @@ class PipelineStore(StorePart):
                                          run_id=r.id, updated_at=naive(now))
                 else:
                     row.set(session_id=session_id, run_id=r.id, updated_at=naive(now))
+            if o.task_id and (refused := (r.agent_report or {}).get("session_refused")):
+                self.db.execute('DELETE FROM "AgentSession" WHERE agent_id = $a AND task_id = $t',
+                                {"a": o.agent_id, "t": o.task_id})   # what it resumes now is unknown: fresh
+                self.core._activity("session_refused", w.workspace_id, now, agent_id=o.agent_id, task_id=o.task_id,
+                                    wakeup_id=w.id, run_id=r.id, reason=refused)
             if not o.task_id and status == RunStatus.SUCCEEDED:   # every chain this run carried advances
                 wakeup_id = w.id
                 merged = self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.task_id is None)

@@ -1118,3 +1118,67 @@ def test_400_mb_without_a_newline_is_read_in_linear_time_and_kept_to_a_bound():
     first, last = lines.lines()
     assert len(first.encode()) == outpost.OUTPUT_LINE_BYTES
     assert last == '{"status": "succeeded"}'
+
+
+def read_as_the_executor_does(preset: str, lines: list[str], exit_code: int = 0) -> outpost.Outcome:
+    reading = outpost.PRESETS[preset].read(lines)
+    return outpost.run_outcome(reading, exit_code, "", now=T0, tz=CHICAGO)
+
+
+UUID = "ea2574c0-46e8-4c1d-adb8-23ae63f3de4e"
+
+
+@pytest.mark.parametrize(("preset", "session"), [
+    ("claude-code", "--dangerously-skip-permissions"), ("claude-code", "-r"), ("claude-code", f"{UUID} --x"),
+    ("codex", "--dangerously-bypass-approvals-and-sandbox"), ("codex", "not-a-thread"),
+    ("gemini", "--yolo"), ("gemini", UUID + "\n"),
+    ("generic", "--help"), ("generic", "-"), ("generic", "a session; rm -rf ~"),
+])
+def test_a_session_id_not_of_the_clis_shape_is_never_resumed(preset, session):
+    kind = {"claude-code": "system", "codex": "thread.started", "gemini": "init", "generic": None}[preset]
+    field = "thread_id" if preset == "codex" else "session_id"
+    first = {"type": kind, "subtype": "init", field: session} if kind else {"status": "succeeded", field: session}
+    outcome = read_as_the_executor_does(preset, [json.dumps(first)])
+    report = outcome.report()
+    assert report["session_id"] is None
+    assert "starts fresh" in report["session_refused"]
+    # one stored before Outpost checked: the next run starts fresh all the same
+    profile = preset_profile(preset, **({"command": ["my-agent"], "resume": ["my-agent", "--resume", "{session_id}"]}
+                                        if preset == "generic" else {}))
+    argv = outpost.profile_argv(profile, model=None, run_id="out_1", session_id=session, prompt_file=None,
+                                max_cost_usd=None)
+    assert session not in argv and argv == outpost.profile_argv(profile, model=None, run_id="out_1", session_id=None,
+                                                                prompt_file=None, max_cost_usd=None)
+
+
+@pytest.mark.parametrize(("preset", "session"), [
+    ("claude-code", UUID), ("codex", "01a23257-d9e9-72f3-9736-8dc10144da9f"), ("generic", "demo-0123456789abcdef")])
+def test_a_session_id_of_the_clis_shape_is_kept(preset, session):
+    kind = {"claude-code": "system", "codex": "thread.started", "generic": None}[preset]
+    field = "thread_id" if preset == "codex" else "session_id"
+    first = {"type": kind, "subtype": "init", field: session} if kind else {"status": "succeeded", field: session}
+    report = read_as_the_executor_does(preset, [json.dumps(first)]).report()
+    assert (report["session_id"], report["session_refused"]) == (session, None)
+
+
+async def test_a_session_id_shaped_like_an_option_never_reaches_the_resume(autojump_clock, fakes_on_path, store,
+                                                                          git_repo):
+    result = {"type": "result", "subtype": "success", "is_error": False, "result": "Done.",
+              "session_id": "--dangerously-skip-permissions"}
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    worker, tid, (first,) = await office_session(deps, git_repo, f"fake:lines\nfake-line: {json.dumps(result)}")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
+            call(store, store.office.add_comment, tid, "fake:success please go on", deps.clock.now())
+            deps.claim_wake.poke()
+            comment = only(conftest.wakeups(store, worker, source="comment"))
+            await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
+            nursery.cancel_scope.cancel()
+    second = conftest.office_run(store, conftest.wakeup(store, comment["id"])["run_id"])
+    assert second["status"] == "succeeded" and second["resumed"] is False
+    argvs = [c["argv"] for c in calls(fakes_on_path, "claude")]
+    assert len(argvs) == 2 and not any("--resume" in a or "--dangerously-skip-permissions" in a for a in argvs)
+    refused = conftest.activity(store, "session_refused")   # the brief prints it again in the second run
+    assert refused and all("'--dangerously-skip-permissions'" in a["data"]["reason"] for a in refused)
