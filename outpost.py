@@ -717,7 +717,16 @@ def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int
 
 def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     """When a limit message says the limit resets (docs/agent-clis.md), or None when it names no time.
-    A wall time without a zone is in ``tz`` (the profile's timezone)."""
+    A wall time without a zone is in ``tz`` (the profile's timezone). A reset past MAX_YEAR ("try
+    again in 10^400 seconds") names none: no calendar holds it, and the text is an agent's to write."""
+    try:
+        at = _named_reset(text, now, tz)
+    except OverflowError:
+        return None
+    return at if at is None or at.year <= MAX_YEAR else None
+
+
+def _named_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     if m := re.search(r"\|(\d{10})\b|reset_time\W{0,3}(\d{9,11})\b", text, re.IGNORECASE):
         return max(datetime.fromtimestamp(int(m[1] or m[2]), UTC), now)
     if m := re.search(r"resets?_in_seconds\W{0,3}(\d+(?:\.\d+)?)", text, re.IGNORECASE):
@@ -822,6 +831,17 @@ def is_auth_failure(text: str) -> bool:
 
 #: Longest final message a report keeps.
 FINAL_MESSAGE_CHARS = 4096
+#: Deepest nesting of JSON read from an agent's output: the CLIs' events nest a handful of levels
+#: (a tool's input a few more). What is kept is written out again later (the store, the API), so it
+#: must stay far from Python's recursion limit wherever that happens; deeper output reads as text.
+AGENT_JSON_DEPTH = 64
+#: Largest cost one run may report: the costliest real runs cost tens of dollars. A larger figure
+#: (or a negative one, NaN, Infinity) is no amount of money, and it would swamp every sum it enters
+#: (budgets, the Agent CLIs page, the runs chart): it is not kept.
+MAX_RUN_COST_USD = 100_000.0
+#: Largest token or turn count one run may report: a trillion tokens would cost millions. A larger
+#: figure is no count (and past 2**53 a browser's JSON would not even read it exactly): not kept.
+MAX_RUN_COUNT = 10**12
 
 
 @dataclasses.dataclass(slots=True)
@@ -854,15 +874,50 @@ REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cos
                  "output_tokens", "cache_read_tokens", "final_message", "permission_denials", "session_refused")
 
 
+def _finite(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+#: JSON as an agent's output is read: NaN and Infinity (which are no JSON) and a number past a float
+#: (1e400) become null, so what is kept is JSON every reader after reads (the API, a browser).
+AGENT_JSON = json.JSONDecoder(parse_float=_finite, parse_constant=lambda _: None)
+#: A JSON escape of half a UTF-16 pair with no other half (Node writes one for a string it cut in a
+#: pair): as a string no database can write it. Escaped backslashes and whole pairs match first, kept.
+LONE_SURROGATE = re.compile(r"(\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _nests_within(value: Any, depth: int) -> bool:
+    level = [value]
+    for _ in range(depth + 1):
+        level = [v for c in level if isinstance(c, dict | list) for v in (c.values() if isinstance(c, dict) else c)]
+        if not level:
+            return True
+    return False
+
+
+def agent_json(text: str, *, prefix: bool = False) -> Any:
+    """``text``, printed by an agent, as JSON (``prefix``: more text may follow it), or None when
+    it is none Outpost keeps: not JSON, nested past AGENT_JSON_DEPTH or past the recursion limit, an
+    int past Python's 4300 digits. Never an exception: what an agent prints is no reason to fail."""
+    if "\\u" in text:
+        text = LONE_SURROGATE.sub(lambda m: m[1] or "\\ufffd", text)
+    try:
+        value, end = AGENT_JSON.raw_decode(text)
+    except (ValueError, RecursionError):
+        return None
+    if not prefix and text[end:].strip():
+        return None
+    return value if _nests_within(value, AGENT_JSON_DEPTH) else None
+
+
 def json_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     """Every line of the output that is one JSON object."""
     for line in lines:
         line = line.strip()
-        if line.startswith("{"):
-            with contextlib.suppress(ValueError):
-                value = json.loads(line)
-                if isinstance(value, dict):
-                    yield value
+        if line.startswith("{") and isinstance(value := agent_json(line), dict):
+            yield value
 
 
 def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
@@ -875,19 +930,25 @@ def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
 def _whole_json(lines: list[str]) -> Any:
     """The output as one JSON document (a pretty-printed object, or an array), else None."""
     text = "\n".join(lines).strip()
-    if not text.startswith(("{", "[")):
-        return None
-    with contextlib.suppress(ValueError):
-        return json.loads(text)
+    return agent_json(text) if text.startswith(("{", "[")) else None
+
+
+def _amount(value: Any, most: float) -> float | None:
+    """A figure an agent reported, when it is a number from 0 to ``most`` (never NaN); else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= most:
+        return float(value)
     return None
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def _count(value: Any) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+    """A count an agent reported, when it is a whole number from 0 to MAX_RUN_COUNT; else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RUN_COUNT else None
+
+
+def _epoch(value: Any) -> datetime | None:
+    """Epoch seconds an agent reported as an instant, when they name one before MAX_YEAR; else None."""
+    seconds = _amount(value, datetime(MAX_YEAR, 1, 1, tzinfo=UTC).timestamp())
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 
 def _string(value: Any) -> str | None:
@@ -934,19 +995,20 @@ def read_claude(lines: list[str]) -> Reading:
                 reading.tools_error = f"Outpost's tools did not start (MCP server outpost: {status})"
         elif kind == "assistant":
             content = (e.get("message") or {}).get("content") if isinstance(e.get("message"), dict) else None
-            texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
+            texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"] if (
+                isinstance(content, list)) else []
             if any(isinstance(t, str) and t for t in texts):
                 reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
             if isinstance(e.get("error"), str):   # authentication_failed, billing_error, rate_limit, ...
                 reading.failure_hint = CLAUDE_ERROR_HINTS.get(e["error"], reading.failure_hint)
         elif kind == "rate_limit_event":
             info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
-            resets = _number(info.get("resetsAt"))
+            resets = _epoch(info.get("resetsAt"))
             if info.get("status") not in ("allowed", "allowed_warning"):
                 if info.get("rateLimitType") == "overage" and info.get("overageDisabledReason") in CLAUDE_SPEND_CAPS:
                     reading.failure_hint, reading.limit_reset = "billing", None   # resetsAt is another window's
                 elif resets is not None:
-                    reading.limit_reset = datetime.fromtimestamp(resets, UTC)
+                    reading.limit_reset = resets
         elif kind == "result":
             reading.result = e
             reading.session_id = _string(e.get("session_id")) or reading.session_id
@@ -961,7 +1023,7 @@ def read_claude(lines: list[str]) -> Reading:
                 if reading.failure_hint is None or STATUS_HINTS.get(status) in ("auth", "overloaded"):
                     reading.failure_hint = STATUS_HINTS.get(status, reading.failure_hint)
             reading.final_message = _final(text) or reading.final_message
-            reading.cost_usd = _number(e.get("total_cost_usd"))
+            reading.cost_usd = _amount(e.get("total_cost_usd"), MAX_RUN_COST_USD)
             reading.turns = _count(e.get("num_turns"))
             usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
             reading.input_tokens = _count(usage.get("input_tokens"))
@@ -1029,15 +1091,15 @@ def _google_hint(message: str) -> str | None:
     """What a Gemini CLI error says: the Google API error it quotes ("[API Error: {...}]": its
     ``code``, ``status`` and ErrorInfo ``reason``), or the CLI's own quota and overload texts."""
     start = message.find("{")
-    with contextlib.suppress(ValueError):
-        body = json.JSONDecoder().raw_decode(message[start:])[0] if start >= 0 else None
-        error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
-        if error is not None:
-            reasons = {d.get("reason") for d in error.get("details") or [] if isinstance(d, dict)}
-            if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-                return "auth"
-            status = _count(error.get("code"))
-            return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
+    body = agent_json(message[start:], prefix=True) if start >= 0 else None
+    error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+    if error is not None:
+        details = error.get("details") if isinstance(error.get("details"), list) else []
+        reasons = [d.get("reason") for d in details if isinstance(d, dict)]
+        if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return "auth"
+        status = _count(error.get("code"))
+        return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
     if "exhausted your daily quota" in message:   # resets by itself (at midnight Pacific): nobody must act
         return "usage_limit"
     if re.search(r"model is overloaded", message, re.IGNORECASE):
@@ -1051,7 +1113,8 @@ def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
     models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
     if named and not named.startswith("auto") or not models:
         return named
-    answering = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
+    answering = [m for m, s in models.items() if isinstance(s, dict) and isinstance(s.get("roles"), dict | list)
+                 and "main" in s["roles"]]
     if answering:
         return answering[0]
 
@@ -1119,6 +1182,10 @@ LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth",
                  "ServiceUnavailableError": "overloaded", "APIConnectionError": "overloaded"}
 
 
+#: A figure in aider's Tokens line: "2,300", "12.3" (a longer one is inf as a float, and not kept).
+_FIGURE = r"(\d[\d,]*(?:\.\d+)?)"
+
+
 def read_aider(lines: list[str]) -> Reading:
     """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
     ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run (the error's class
@@ -1136,15 +1203,15 @@ def read_aider(lines: list[str]) -> Reading:
             reading.agent_version = m[1]
         elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
             reading.model = m[1]
-        if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
-                         r"(?:Cost:\s*\$([\d.]+)\s+message|$)", line):   # no cost part: litellm knows no price
-            sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
-            received = float(m[3].replace(",", "")) * (1000 if m[4] else 1)
-            reading.input_tokens = (reading.input_tokens or 0) + round(sent)
-            reading.output_tokens = (reading.output_tokens or 0) + round(received)
+        if m := re.match(rf"\s*Tokens:\s*{_FIGURE}(k?)\s+sent.*?{_FIGURE}(k?)\s+received\.\s*"
+                         rf"(?:Cost:\s*\${_FIGURE}\s+message|$)", line):   # no cost part: litellm knows no price
+            sent, received = (_amount(float(n.replace(",", "")) * (1000 if k else 1), MAX_RUN_COUNT) or 0.0
+                              for n, k in ((m[1], m[2]), (m[3], m[4])))
+            reading.input_tokens = _count((reading.input_tokens or 0) + round(sent))
+            reading.output_tokens = _count((reading.output_tokens or 0) + round(received))
             if m[5] is not None:
-                cost += float(m[5])
-                reading.cost_usd = round(cost, 6)
+                cost += _amount(float(m[5].replace(",", "")), MAX_RUN_COST_USD) or 0.0
+                reading.cost_usd = _amount(round(cost, 6), MAX_RUN_COST_USD)
             tokens_at = i
     if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
         reading.verdict = "failed"
@@ -1182,7 +1249,7 @@ def read_generic(lines: list[str]) -> Reading:
         reading.verdict = "succeeded"
     reading.session_id = _string(result.get("session_id"))
     reading.final_message = _final(result.get("summary"))
-    reading.cost_usd = _number(result.get("cost_usd"))
+    reading.cost_usd = _amount(result.get("cost_usd"), MAX_RUN_COST_USD)
     return reading
 
 
@@ -1361,7 +1428,7 @@ def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {"kind": "result", "error": e.get("is_error") is True or e.get("subtype", "success") != "success",
                "text": clip(e.get("result") if isinstance(e.get("result"), str) else e.get("subtype"),
                             TRANSCRIPT_MESSAGE_CHARS),
-               "cost_usd": _number(e.get("total_cost_usd")), "turns": _count(e.get("num_turns")),
+               "cost_usd": _amount(e.get("total_cost_usd"), MAX_RUN_COST_USD), "turns": _count(e.get("num_turns")),
                "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
 
 
@@ -1444,10 +1511,7 @@ def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
     used = cut = events = 0
     for line in text.splitlines():
         stripped = line.strip()
-        event = None
-        if stripped.startswith("{"):
-            with contextlib.suppress(ValueError, RecursionError):
-                event = json.loads(stripped)
+        event = agent_json(stripped) if stripped.startswith("{") else None
         if isinstance(event, dict):
             events += 1
             found = list(reader(event))
@@ -2969,7 +3033,7 @@ def normalize_limits(limits: dict[str, Any]) -> dict[str, Any]:
     with errors.check():
         out["timeout_seconds"] = _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S)
     if (cap := limits.get("max_cost_usd")) is not None:   # only when set: older confirmations stay valid
-        if _number(cap) is None or not 0.01 <= cap <= 10000:
+        if _amount(cap, 10000) is None or cap < 0.01:
             errors.errors.append({"field": "limits.max_cost_usd",
                                   "message": "must be a number of US dollars from 0.01 to 10000, or null"})
         else:
@@ -4070,7 +4134,7 @@ def budget_fields(raw: dict, runs_max: int) -> dict[str, Any]:
     for key in ("budget_usd_per_day", "budget_usd_per_month"):
         value = raw.get(key)
         with errors.check():
-            if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
+            if value is not None and (_amount(value, 1_000_000) is None or value < 0.01):
                 raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
             budget[key] = None if value is None else float(value)
     errors.raise_any()
