@@ -232,6 +232,10 @@ ERROR_TAIL_BYTES = 2000
 #: Output an agent report is read from: the first lines and the last bytes of stdout.
 OUTPUT_HEAD_LINES = 200
 OUTPUT_TAIL_BYTES = 8 * 1024 * 1024
+#: Longest stdout line the readers get: a CLI's longest real event (a tool's whole output in one) is
+#: far shorter. The rest of a longer line is dropped (so it reads as text): a line that never ends
+#: holds neither the memory nor the event loop.
+OUTPUT_LINE_BYTES = 4 * 1024 * 1024
 #: Interval shorter than this draws a compose warning (a typical agent run takes longer).
 SHORT_INTERVAL_S = 300
 #: How far ahead compose looks for DST transitions.
@@ -741,7 +745,16 @@ def _next_date(now: datetime, tz: tzinfo, year: int | None, month: int, day: int
 
 def limit_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     """When a limit message says the limit resets (docs/agent-clis.md), or None when it names no time.
-    A wall time without a zone is in ``tz`` (the profile's timezone)."""
+    A wall time without a zone is in ``tz`` (the profile's timezone). A reset past MAX_YEAR ("try
+    again in 10^400 seconds") names none: no calendar holds it, and the text is an agent's to write."""
+    try:
+        at = _named_reset(text, now, tz)
+    except OverflowError:
+        return None
+    return at if at is None or at.year <= MAX_YEAR else None
+
+
+def _named_reset(text: str, now: datetime, tz: ZoneInfo) -> datetime | None:
     if m := re.search(r"\|(\d{10})\b|reset_time\W{0,3}(\d{9,11})\b", text, re.IGNORECASE):
         return max(datetime.fromtimestamp(int(m[1] or m[2]), UTC), now)
     if m := re.search(r"resets?_in_seconds\W{0,3}(\d+(?:\.\d+)?)", text, re.IGNORECASE):
@@ -846,6 +859,17 @@ def is_auth_failure(text: str) -> bool:
 
 #: Longest final message a report keeps.
 FINAL_MESSAGE_CHARS = 4096
+#: Deepest nesting of JSON read from an agent's output: the CLIs' events nest a handful of levels
+#: (a tool's input a few more). What is kept is written out again later (the store, the API), so it
+#: must stay far from Python's recursion limit wherever that happens; deeper output reads as text.
+AGENT_JSON_DEPTH = 64
+#: Largest cost one run may report: the costliest real runs cost tens of dollars. A larger figure
+#: (or a negative one, NaN, Infinity) is no amount of money, and it would swamp every sum it enters
+#: (budgets, the Agent CLIs page, the runs chart): it is not kept.
+MAX_RUN_COST_USD = 100_000.0
+#: Largest token or turn count one run may report: a trillion tokens would cost millions. A larger
+#: figure is no count (and past 2**53 a browser's JSON would not even read it exactly): not kept.
+MAX_RUN_COUNT = 10**12
 
 
 @dataclasses.dataclass(slots=True)
@@ -868,24 +892,60 @@ class Reading:
     permission_denials: list[Any] = dataclasses.field(default_factory=list)
     limit_reset: datetime | None = None   # an exact reset an event gave (Claude's rate_limit_event)
     failure_hint: str | None = None       # what the CLI's structured fields say a failure was (LIMIT_HINTS, auth)
+    session_refused: str | None = None    # why the session id it reported is not kept (Preset.read)
     result: dict[str, Any] | None = None  # the run's ``result``: the last JSON object printed
     ends_with_result: bool = False        # its CLI always ends with a terminal event (Preset.read): none is no result
     tools_error: str | None = None        # Outpost's own MCP server did not start (Claude's init event says)
 
 
 REPORT_FIELDS = ("format", "session_id", "model", "agent_version", "turns", "cost_usd", "input_tokens",
-                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials")
+                 "output_tokens", "cache_read_tokens", "final_message", "permission_denials", "session_refused")
+
+
+def _finite(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+#: JSON as an agent's output is read: NaN and Infinity (which are no JSON) and a number past a float
+#: (1e400) become null, so what is kept is JSON every reader after reads (the API, a browser).
+AGENT_JSON = json.JSONDecoder(parse_float=_finite, parse_constant=lambda _: None)
+#: A JSON escape of half a UTF-16 pair with no other half (Node writes one for a string it cut in a
+#: pair): as a string no database can write it. Escaped backslashes and whole pairs match first, kept.
+LONE_SURROGATE = re.compile(r"(\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _nests_within(value: Any, depth: int) -> bool:
+    level = [value]
+    for _ in range(depth + 1):
+        level = [v for c in level if isinstance(c, dict | list) for v in (c.values() if isinstance(c, dict) else c)]
+        if not level:
+            return True
+    return False
+
+
+def agent_json(text: str, *, prefix: bool = False) -> Any:
+    """``text``, printed by an agent, as JSON (``prefix``: more text may follow it), or None when
+    it is none Outpost keeps: not JSON, nested past AGENT_JSON_DEPTH or past the recursion limit, an
+    int past Python's 4300 digits. Never an exception: what an agent prints is no reason to fail."""
+    if "\\u" in text:
+        text = LONE_SURROGATE.sub(lambda m: m[1] or "\\ufffd", text)
+    try:
+        value, end = AGENT_JSON.raw_decode(text)
+    except (ValueError, RecursionError):
+        return None
+    if not prefix and text[end:].strip():
+        return None
+    return value if _nests_within(value, AGENT_JSON_DEPTH) else None
 
 
 def json_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     """Every line of the output that is one JSON object."""
     for line in lines:
         line = line.strip()
-        if line.startswith("{"):
-            with contextlib.suppress(ValueError):
-                value = json.loads(line)
-                if isinstance(value, dict):
-                    yield value
+        if line.startswith("{") and isinstance(value := agent_json(line), dict):
+            yield value
 
 
 def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
@@ -898,19 +958,25 @@ def last_json_object(lines: Iterable[str]) -> dict[str, Any] | None:
 def _whole_json(lines: list[str]) -> Any:
     """The output as one JSON document (a pretty-printed object, or an array), else None."""
     text = "\n".join(lines).strip()
-    if not text.startswith(("{", "[")):
-        return None
-    with contextlib.suppress(ValueError):
-        return json.loads(text)
+    return agent_json(text) if text.startswith(("{", "[")) else None
+
+
+def _amount(value: Any, most: float) -> float | None:
+    """A figure an agent reported, when it is a number from 0 to ``most`` (never NaN); else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= most:
+        return float(value)
     return None
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def _count(value: Any) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+    """A count an agent reported, when it is a whole number from 0 to MAX_RUN_COUNT; else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RUN_COUNT else None
+
+
+def _epoch(value: Any) -> datetime | None:
+    """Epoch seconds an agent reported as an instant, when they name one before MAX_YEAR; else None."""
+    seconds = _amount(value, datetime(MAX_YEAR, 1, 1, tzinfo=UTC).timestamp())
+    return None if seconds is None else datetime.fromtimestamp(seconds, UTC)
 
 
 def _string(value: Any) -> str | None:
@@ -957,19 +1023,20 @@ def read_claude(lines: list[str]) -> Reading:
                 reading.tools_error = f"Outpost's tools did not start (MCP server outpost: {status})"
         elif kind == "assistant":
             content = (e.get("message") or {}).get("content") if isinstance(e.get("message"), dict) else None
-            texts = [c.get("text") for c in content or [] if isinstance(c, dict) and c.get("type") == "text"]
+            texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"] if (
+                isinstance(content, list)) else []
             if any(isinstance(t, str) and t for t in texts):
                 reading.final_message = _final("\n".join(t for t in texts if isinstance(t, str)))
             if isinstance(e.get("error"), str):   # authentication_failed, billing_error, rate_limit, ...
                 reading.failure_hint = CLAUDE_ERROR_HINTS.get(e["error"], reading.failure_hint)
         elif kind == "rate_limit_event":
             info = e.get("rate_limit_info") if isinstance(e.get("rate_limit_info"), dict) else {}
-            resets = _number(info.get("resetsAt"))
+            resets = _epoch(info.get("resetsAt"))
             if info.get("status") not in ("allowed", "allowed_warning"):
                 if info.get("rateLimitType") == "overage" and info.get("overageDisabledReason") in CLAUDE_SPEND_CAPS:
                     reading.failure_hint, reading.limit_reset = "billing", None   # resetsAt is another window's
                 elif resets is not None:
-                    reading.limit_reset = datetime.fromtimestamp(resets, UTC)
+                    reading.limit_reset = resets
         elif kind == "result":
             reading.result = e
             reading.session_id = _string(e.get("session_id")) or reading.session_id
@@ -984,7 +1051,7 @@ def read_claude(lines: list[str]) -> Reading:
                 if reading.failure_hint is None or STATUS_HINTS.get(status) in ("auth", "overloaded"):
                     reading.failure_hint = STATUS_HINTS.get(status, reading.failure_hint)
             reading.final_message = _final(text) or reading.final_message
-            reading.cost_usd = _number(e.get("total_cost_usd"))
+            reading.cost_usd = _amount(e.get("total_cost_usd"), MAX_RUN_COST_USD)
             reading.turns = _count(e.get("num_turns"))
             usage = e.get("usage") if isinstance(e.get("usage"), dict) else {}
             reading.input_tokens = _count(usage.get("input_tokens"))
@@ -1052,15 +1119,15 @@ def _google_hint(message: str) -> str | None:
     """What a Gemini CLI error says: the Google API error it quotes ("[API Error: {...}]": its
     ``code``, ``status`` and ErrorInfo ``reason``), or the CLI's own quota and overload texts."""
     start = message.find("{")
-    with contextlib.suppress(ValueError):
-        body = json.JSONDecoder().raw_decode(message[start:])[0] if start >= 0 else None
-        error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
-        if error is not None:
-            reasons = {d.get("reason") for d in error.get("details") or [] if isinstance(d, dict)}
-            if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-                return "auth"
-            status = _count(error.get("code"))
-            return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
+    body = agent_json(message[start:], prefix=True) if start >= 0 else None
+    error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
+    if error is not None:
+        details = error.get("details") if isinstance(error.get("details"), list) else []
+        reasons = [d.get("reason") for d in details if isinstance(d, dict)]
+        if "API_KEY_INVALID" in reasons or error.get("status") in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return "auth"
+        status = _count(error.get("code"))
+        return "limit" if error.get("status") == "RESOURCE_EXHAUSTED" else STATUS_HINTS.get(status)
     if "exhausted your daily quota" in message:   # resets by itself (at midnight Pacific): nobody must act
         return "usage_limit"
     if re.search(r"model is overloaded", message, re.IGNORECASE):
@@ -1074,7 +1141,8 @@ def _gemini_model(stats: dict[str, Any], named: str | None) -> str | None:
     models = stats.get("models") if isinstance(stats.get("models"), dict) else {}
     if named and not named.startswith("auto") or not models:
         return named
-    answering = [m for m, s in models.items() if isinstance(s, dict) and "main" in (s.get("roles") or {})]
+    answering = [m for m, s in models.items() if isinstance(s, dict) and isinstance(s.get("roles"), dict | list)
+                 and "main" in s["roles"]]
     if answering:
         return answering[0]
 
@@ -1142,6 +1210,10 @@ LITELLM_HINTS = {"AuthenticationError": "auth", "PermissionDeniedError": "auth",
                  "ServiceUnavailableError": "overloaded", "APIConnectionError": "overloaded"}
 
 
+#: A figure in aider's Tokens line: "2,300", "12.3" (a longer one is inf as a float, and not kept).
+_FIGURE = r"(\d[\d,]*(?:\.\d+)?)"
+
+
 def read_aider(lines: list[str]) -> Reading:
     """aider (plain text): it exits 0 even when its model call failed (aider#5552), so a
     ``litellm.*Error`` line with no ``Tokens:`` line after it fails the run (the error's class
@@ -1159,15 +1231,15 @@ def read_aider(lines: list[str]) -> Reading:
             reading.agent_version = m[1]
         elif m := re.match(r"(?:Main model|Model): (\S+) with ", line):
             reading.model = m[1]
-        if m := re.match(r"\s*Tokens:\s*([\d.,]+)(k?)\s+sent.*?([\d.,]+)(k?)\s+received\.\s*"
-                         r"(?:Cost:\s*\$([\d.]+)\s+message|$)", line):   # no cost part: litellm knows no price
-            sent = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
-            received = float(m[3].replace(",", "")) * (1000 if m[4] else 1)
-            reading.input_tokens = (reading.input_tokens or 0) + round(sent)
-            reading.output_tokens = (reading.output_tokens or 0) + round(received)
+        if m := re.match(rf"\s*Tokens:\s*{_FIGURE}(k?)\s+sent.*?{_FIGURE}(k?)\s+received\.\s*"
+                         rf"(?:Cost:\s*\${_FIGURE}\s+message|$)", line):   # no cost part: litellm knows no price
+            sent, received = (_amount(float(n.replace(",", "")) * (1000 if k else 1), MAX_RUN_COUNT) or 0.0
+                              for n, k in ((m[1], m[2]), (m[3], m[4])))
+            reading.input_tokens = _count((reading.input_tokens or 0) + round(sent))
+            reading.output_tokens = _count((reading.output_tokens or 0) + round(received))
             if m[5] is not None:
-                cost += float(m[5])
-                reading.cost_usd = round(cost, 6)
+                cost += _amount(float(m[5].replace(",", "")), MAX_RUN_COST_USD) or 0.0
+                reading.cost_usd = _amount(round(cost, 6), MAX_RUN_COST_USD)
             tokens_at = i
     if errors_at is not None and (tokens_at is None or errors_at > tokens_at):
         reading.verdict = "failed"
@@ -1205,7 +1277,7 @@ def read_generic(lines: list[str]) -> Reading:
         reading.verdict = "succeeded"
     reading.session_id = _string(result.get("session_id"))
     reading.final_message = _final(result.get("summary"))
-    reading.cost_usd = _number(result.get("cost_usd"))
+    reading.cost_usd = _amount(result.get("cost_usd"), MAX_RUN_COST_USD)
     return reading
 
 
@@ -1384,7 +1456,7 @@ def _claude_entries(e: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {"kind": "result", "error": e.get("is_error") is True or e.get("subtype", "success") != "success",
                "text": clip(e.get("result") if isinstance(e.get("result"), str) else e.get("subtype"),
                             TRANSCRIPT_MESSAGE_CHARS),
-               "cost_usd": _number(e.get("total_cost_usd")), "turns": _count(e.get("num_turns")),
+               "cost_usd": _amount(e.get("total_cost_usd"), MAX_RUN_COST_USD), "turns": _count(e.get("num_turns")),
                "input_tokens": _count(usage.get("input_tokens")), "output_tokens": _count(usage.get("output_tokens"))}
 
 
@@ -1467,10 +1539,7 @@ def transcript(text: str, fmt: str | None) -> dict[str, Any] | None:
     used = cut = events = 0
     for line in text.splitlines():
         stripped = line.strip()
-        event = None
-        if stripped.startswith("{"):
-            with contextlib.suppress(ValueError, RecursionError):
-                event = json.loads(stripped)
+        event = agent_json(stripped) if stripped.startswith("{") else None
         if isinstance(event, dict):
             events += 1
             found = list(reader(event))
@@ -1577,6 +1646,13 @@ def gemini_tools(argv: list[str], server: ToolServer) -> ToolWiring:
                       {"gemini-policies/.keep": ""}, gemini_settings(server))
 
 
+#: The session ids a CLI may report, since each goes on the command line of a resume: Claude Code,
+#: Codex (its thread id, a UUIDv7) and Gemini CLI name sessions by UUID (tests/fakes/recorded);
+#: another command by a word that cannot be read as an option (no leading "-", no space).
+UUID_SESSION = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.IGNORECASE | re.ASCII)
+WORD_SESSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}", re.ASCII)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Preset:
     """How Outpost drives one agent CLI: its command lines (the prompt always on stdin), the
@@ -1585,10 +1661,12 @@ class Preset:
     version, and what shows it is logged in: a variable set, a file in HOME, or what its own
     ``logins`` check finds. The executor reads a run with ``read``; ``outpost doctor`` checks
     the CLI with ``doctor``. ``name`` is the preset's name in outpost.toml and the report's
-    ``format``; the limits and login failures a CLI's structured fields name are its reader's."""
+    ``format``; the limits and login failures a CLI's structured fields name are its reader's.
+    ``session_shape``: what a session id it reports must be to be resumed."""
     name: str
     command: tuple[str, ...]
     resume: tuple[str, ...] = ()
+    session_shape: re.Pattern[str] = WORD_SESSION
     reader: Callable[[list[str]], Reading] = read_generic
     ends_with_result: bool = False
     #: Its log's events as transcript entries (the run pages); None: the log reads raw.
@@ -1608,10 +1686,19 @@ class Preset:
     home_state: str | None = None
 
     def read(self, lines: list[str]) -> Reading:
-        """What the CLI said about its run, from the lines it printed."""
+        """What the CLI said about its run, from the lines it printed. A session id not of its
+        shape is not kept: a resume would put it on the command line, where ``--yolo`` is an option."""
         reading = self.reader(lines)
         reading.ends_with_result = self.ends_with_result
+        if reading.session_id is not None and not self.resumes(reading.session_id):
+            reading.session_refused = (f"the agent reported session {clip(reading.session_id, 100)!r}, which is not "
+                                       f"a {self.name} session id: not kept, the next run starts fresh")
+            reading.session_id = None
         return reading
+
+    def resumes(self, session_id: str) -> bool:
+        """Whether ``session_id`` may go on its resume command line."""
+        return bool(self.session_shape.fullmatch(session_id))
 
     def doctor(self, binary: str, env: dict[str, str]) -> tuple[bool, str]:
         """``outpost doctor``'s check of the CLI at ``binary`` under a run's ``env``: it answers
@@ -1654,6 +1741,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         resume=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
                 "--resume", "{session_id}"),
         reader=read_claude, ends_with_result=True, transcriber=_claude_entries, model_flag="--model",
+        session_shape=UUID_SESSION,
         budget_flag="--max-budget-usd",
         version=("claude", "--version"),
         login_env=("ANTHROPIC_API_KEY", "CLAUDE_CODE_OAUTH_TOKEN"), login_files=(".claude/.credentials.json",),
@@ -1665,6 +1753,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         resume=("codex", "exec", "--json", "--sandbox", "workspace-write", "--skip-git-repo-check", "resume",
                 "{session_id}", "-"),
         reader=read_codex, ends_with_result=True, transcriber=_codex_entries, model_flag="--model",
+        session_shape=UUID_SESSION,
         version=("codex", "--version"),
         login_env=("CODEX_API_KEY",), login_files=(".codex/auth.json",), logins=codex_logins, tools=codex_tools,
         home_state=".codex",
@@ -1676,6 +1765,7 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
         resume=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--resume",
                 "{session_id}"),
         reader=read_gemini, ends_with_result=True, transcriber=_gemini_entries, model_flag="--model",
+        session_shape=UUID_SESSION,
         env=(("GEMINI_CLI_TRUST_WORKSPACE", "true"), ("NO_COLOR", "1")), version=("gemini", "--version"),
         login_env=("GEMINI_API_KEY", "GOOGLE_GENAI_USE_VERTEXAI", "GOOGLE_GENAI_USE_GCA"),
         login_files=(".gemini/oauth_creds.json",), logins=gemini_logins, tools=gemini_tools, home_state=".gemini",
@@ -2976,7 +3066,7 @@ def normalize_limits(limits: dict[str, Any]) -> dict[str, Any]:
     with errors.check():
         out["timeout_seconds"] = _int(limits.get("timeout_seconds", HOUR_S), "limits.timeout_seconds", 1, DAY_S)
     if (cap := limits.get("max_cost_usd")) is not None:   # only when set: older confirmations stay valid
-        if _number(cap) is None or not 0.01 <= cap <= 10000:
+        if _amount(cap, 10000) is None or cap < 0.01:
             errors.errors.append({"field": "limits.max_cost_usd",
                                   "message": "must be a number of US dollars from 0.01 to 10000, or null"})
         else:
@@ -3246,6 +3336,8 @@ def profile_argv(profile: AgentProfile, *, model: str | None, run_id: str, sessi
                  prompt_file: str | None, max_cost_usd: float | None) -> list[str]:
     """The command line of one run of ``profile``: its resume form when a session continues,
     plus the model and budget flags of its preset when those are set."""
+    if session_id and not profile.kind.resumes(session_id):   # stored before Outpost checked it (Preset.read)
+        session_id = None
     argv = fill_command(profile.resume if session_id else profile.command, model=model, run_id=run_id,
                         session_id=session_id, prompt_file=prompt_file)
     if model and profile.model_flag and "{model}" not in " ".join(profile.resume if session_id else profile.command):
@@ -4075,7 +4167,7 @@ def budget_fields(raw: dict, runs_max: int) -> dict[str, Any]:
     for key in ("budget_usd_per_day", "budget_usd_per_month"):
         value = raw.get(key)
         with errors.check():
-            if value is not None and (_number(value) is None or not 0.01 <= value <= 1_000_000):
+            if value is not None and (_amount(value, 1_000_000) is None or value < 0.01):
                 raise invalid(key, "must be a number of US dollars from 0.01 to 1,000,000, or null (no budget)")
             budget[key] = None if value is None else float(value)
     errors.raise_any()
@@ -9095,6 +9187,11 @@ class PipelineStore(StorePart):
                                          run_id=r.id, updated_at=naive(now))
                 else:
                     row.set(session_id=session_id, run_id=r.id, updated_at=naive(now))
+            if o.task_id and (refused := (r.agent_report or {}).get("session_refused")):
+                self.db.execute('DELETE FROM "AgentSession" WHERE agent_id = $a AND task_id = $t',
+                                {"a": o.agent_id, "t": o.task_id})   # what it resumes now is unknown: fresh
+                self.core._activity("session_refused", w.workspace_id, now, agent_id=o.agent_id, task_id=o.task_id,
+                                    wakeup_id=w.id, run_id=r.id, reason=refused)
             if not o.task_id and status == RunStatus.SUCCEEDED:   # every chain this run carried advances
                 wakeup_id = w.id
                 merged = self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id and q.task_id is None)
@@ -10713,18 +10810,28 @@ class LiveRuns:
 class OutputLines:
     """The stdout lines a preset's reader gets: the whole stream when it is small, else the
     first OUTPUT_HEAD_LINES (a CLI names its session first) and the last OUTPUT_TAIL_BYTES (its
-    result comes last), in order. Memory stays bounded however long a run talks."""
+    result comes last), in order, each line cut at OUTPUT_LINE_BYTES. Memory stays bounded however
+    long a run talks, and each chunk costs its own length: only it is searched for a newline,
+    never the line so far."""
 
     def __init__(self) -> None:
         self.head: list[str] = []
         self.tail: collections.deque[str] = collections.deque()
         self.tail_bytes = 0
-        self.pending = b""
+        self.pending = bytearray()   # the line being printed, up to OUTPUT_LINE_BYTES
 
     def feed(self, chunk: bytes) -> None:
-        *lines, self.pending = (self.pending + chunk).split(b"\n")
-        for line in lines:
-            self._add(line)
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self._keep(chunk, start, end)
+            self._add(bytes(self.pending))
+            self.pending.clear()
+            start = end + 1
+        self._keep(chunk, start, len(chunk))
+
+    def _keep(self, chunk: bytes, start: int, end: int) -> None:
+        room = max(0, OUTPUT_LINE_BYTES - len(self.pending))
+        self.pending += chunk[start:min(end, start + room)]
 
     def _add(self, raw: bytes) -> None:
         line = raw.decode(errors="replace")
@@ -10738,8 +10845,8 @@ class OutputLines:
 
     def lines(self) -> list[str]:
         if self.pending:
-            self._add(self.pending)
-            self.pending = b""
+            self._add(bytes(self.pending))
+            self.pending.clear()
         return self.head + list(self.tail)
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -15,6 +18,8 @@ import conftest
 import pytest
 import trio
 from conftest import T0, YEARLY, call, make_deps, only, until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import outpost
 
@@ -1100,3 +1105,251 @@ def test_a_run_over_its_max_cost_is_marked_over_budget(store, git_repo):
         "claude-code", verdict="succeeded", cost_usd=0.0123)), T0)
     view = call(store, store.runs.get_run, run_id)
     assert (view["max_cost_usd"], view["cost_usd"], view["over_budget"]) == (0.01, 0.0123, True)
+
+
+###############################################################################
+# What an agent prints is untrusted (docs/security.md): no line of it takes a run or the daemon down
+###############################################################################
+
+
+def test_400_mb_without_a_newline_is_read_in_linear_time_and_kept_to_a_bound():
+    lines, chunk = outpost.OutputLines(), b"x" * 65536
+    started = time.monotonic()
+    for _ in range(400 * 1024 * 1024 // len(chunk)):
+        lines.feed(chunk)
+        assert time.monotonic() - started < 5, "the event loop would stall: each chunk copies the line so far"
+    lines.feed(b'\n{"status": "succeeded"}\n')
+    first, last = lines.lines()
+    assert len(first.encode()) == outpost.OUTPUT_LINE_BYTES
+    assert last == '{"status": "succeeded"}'
+
+
+def read_as_the_executor_does(preset: str, lines: list[str], exit_code: int = 0) -> outpost.Outcome:
+    reading = outpost.PRESETS[preset].read(lines)
+    return outpost.run_outcome(reading, exit_code, "", now=T0, tz=CHICAGO)
+
+
+UUID = "ea2574c0-46e8-4c1d-adb8-23ae63f3de4e"
+
+
+@pytest.mark.parametrize(("preset", "session"), [
+    ("claude-code", "--dangerously-skip-permissions"), ("claude-code", "-r"), ("claude-code", f"{UUID} --x"),
+    ("codex", "--dangerously-bypass-approvals-and-sandbox"), ("codex", "not-a-thread"),
+    ("gemini", "--yolo"), ("gemini", UUID + "\n"),
+    ("generic", "--help"), ("generic", "-"), ("generic", "a session; rm -rf ~"),
+])
+def test_a_session_id_not_of_the_clis_shape_is_never_resumed(preset, session):
+    kind = {"claude-code": "system", "codex": "thread.started", "gemini": "init", "generic": None}[preset]
+    field = "thread_id" if preset == "codex" else "session_id"
+    first = {"type": kind, "subtype": "init", field: session} if kind else {"status": "succeeded", field: session}
+    outcome = read_as_the_executor_does(preset, [json.dumps(first)])
+    report = outcome.report()
+    assert report["session_id"] is None
+    assert "starts fresh" in report["session_refused"]
+    # one stored before Outpost checked: the next run starts fresh all the same
+    profile = preset_profile(preset, **({"command": ["my-agent"], "resume": ["my-agent", "--resume", "{session_id}"]}
+                                        if preset == "generic" else {}))
+    argv = outpost.profile_argv(profile, model=None, run_id="out_1", session_id=session, prompt_file=None,
+                                max_cost_usd=None)
+    assert session not in argv and argv == outpost.profile_argv(profile, model=None, run_id="out_1", session_id=None,
+                                                                prompt_file=None, max_cost_usd=None)
+
+
+@pytest.mark.parametrize(("preset", "session"), [
+    ("claude-code", UUID), ("codex", "01a23257-d9e9-72f3-9736-8dc10144da9f"), ("generic", "demo-0123456789abcdef")])
+def test_a_session_id_of_the_clis_shape_is_kept(preset, session):
+    kind = {"claude-code": "system", "codex": "thread.started", "generic": None}[preset]
+    field = "thread_id" if preset == "codex" else "session_id"
+    first = {"type": kind, "subtype": "init", field: session} if kind else {"status": "succeeded", field: session}
+    report = read_as_the_executor_does(preset, [json.dumps(first)]).report()
+    assert (report["session_id"], report["session_refused"]) == (session, None)
+
+
+async def test_a_session_id_shaped_like_an_option_never_reaches_the_resume(autojump_clock, fakes_on_path, store,
+                                                                          git_repo):
+    result = {"type": "result", "subtype": "success", "is_error": False, "result": "Done.",
+              "session_id": "--dangerously-skip-permissions"}
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    worker, tid, (first,) = await office_session(deps, git_repo, f"fake:lines\nfake-line: {json.dumps(result)}")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
+            call(store, store.office.add_comment, tid, "fake:success please go on", deps.clock.now())
+            deps.claim_wake.poke()
+            comment = only(conftest.wakeups(store, worker, source="comment"))
+            await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
+            nursery.cancel_scope.cancel()
+    second = conftest.office_run(store, conftest.wakeup(store, comment["id"])["run_id"])
+    assert second["status"] == "succeeded" and second["resumed"] is False
+    argvs = [c["argv"] for c in calls(fakes_on_path, "claude")]
+    assert len(argvs) == 2 and not any("--resume" in a or "--dangerously-skip-permissions" in a for a in argvs)
+    refused = conftest.activity(store, "session_refused")   # the brief prints it again in the second run
+    assert refused and all("'--dangerously-skip-permissions'" in a["data"]["reason"] for a in refused)
+
+
+#: A line nested past Python's recursion limit, a number past a float, a reset past any calendar.
+DEEP = '{"a":' * 100_000 + "1" + "}" * 100_000
+HUGE = "1" + "0" * 400
+#: Lines no reader can hold, each with the line it would be with sane figures in it.
+HOSTILE_LINES = {
+    "nested too deep": (DEEP, '{"a": 1}'),
+    "an array nested too deep": ("[" * 100_000 + "]" * 100_000, "[]"),
+    "a cost past a float": tuple(
+        '{"type": "result", "subtype": "success", "is_error": false, "result": "Done.", '
+        f'"total_cost_usd": {n}, "cost_usd": {n}, "num_turns": {n}}}' for n in (HUGE, "1")),
+    "a reset past any calendar": tuple(
+        '{"type": "rate_limit_event", "rate_limit_info": {"status": "rejected", '
+        f'"resetsAt": {n}, "rateLimitType": "five_hour"}}}}' for n in ("1e20", "1796115600")),
+    "NaN and Infinity": ('{"type": "turn.completed", "usage": {"input_tokens": NaN, "output_tokens": Infinity}, '
+                         '"stats": {"input_tokens": -Infinity}}',
+                         '{"type": "turn.completed", "usage": {}, "stats": {}}'),
+    "no object": ("[1, 2, 3]", "[1, 2, 3]"),
+}
+
+
+def success_lines(preset: str) -> list[str]:
+    """What the CLI printed in a successful run: its recording (the demo agent's line for generic)."""
+    if preset == "generic":
+        return ['{"status": "succeeded", "summary": "done", "session_id": "demo-0123456789abcdef"}']
+    name = {"claude-code": "claude-success", "codex": "codex-success", "gemini": "gemini-success-auto",
+            "aider": "aider-success"}[preset]
+    return recording(name)["stdout"].splitlines()
+
+
+def strict_json(outcome: outpost.Outcome) -> str:
+    """The report and result as the store keeps them and the API serves them: JSON a browser reads."""
+    return json.dumps([outcome.report(), outcome.reading.result], allow_nan=False)
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE_LINES))
+@pytest.mark.parametrize("preset", sorted(outpost.PRESETS))
+def test_a_line_no_reader_can_hold_leaves_the_run_as_the_rest_of_its_output_says(preset, hostile):
+    line, sane = HOSTILE_LINES[hostile]
+    expected = read_as_the_executor_does(preset, [*success_lines(preset), sane])
+    outcome = read_as_the_executor_does(preset, [*success_lines(preset), line])
+    assert (outcome.status, outcome.error) == (expected.status, expected.error)
+    strict_json(outcome)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "-1", "-0.5", "1e300", "1e400", HUGE])
+def test_a_cost_that_is_no_amount_of_money_is_not_kept(value):
+    claude = read_as_the_executor_does("claude-code", [
+        f'{{"type": "result", "subtype": "success", "is_error": false, "result": "Done.", "total_cost_usd": {value}}}'])
+    generic = read_as_the_executor_does("generic", [f'{{"status": "succeeded", "cost_usd": {value}}}'])
+    for outcome in (claude, generic):
+        assert outcome.status == outpost.RunStatus.SUCCEEDED
+        assert outcome.report()["cost_usd"] is None
+        strict_json(outcome)
+
+
+@pytest.mark.parametrize("value", ["NaN", "-5", "1.5", "1e400", HUGE, "true"])
+def test_a_token_count_that_is_no_count_is_not_kept(value):
+    usage = f'{{"input_tokens": {value}, "output_tokens": {value}, "cache_read_input_tokens": {value}}}'
+    outcomes = [
+        read_as_the_executor_does("claude-code", [f'{{"type": "result", "subtype": "success", "is_error": false, '
+                                                  f'"num_turns": {value}, "usage": {usage}}}']),
+        read_as_the_executor_does("codex", [f'{{"type": "turn.completed", "usage": {usage}}}']),
+        read_as_the_executor_does("gemini", [f'{{"type": "result", "status": "success", "stats": {usage}}}'])]
+    for outcome in outcomes:
+        report = outcome.report()
+        assert (report["input_tokens"], report["output_tokens"], report["cache_read_tokens"]) == (None, None, None)
+        assert report["turns"] in (None, 1)   # codex counts its turn.completed events itself
+        strict_json(outcome)
+
+
+def test_a_reset_past_any_calendar_is_a_limit_with_no_reset():
+    outcome = read_as_the_executor_does("claude-code", [
+        HOSTILE_LINES["a reset past any calendar"][0],
+        '{"type": "result", "subtype": "success", "is_error": true, "result": "Claude AI usage limit reached"}'], 1)
+    assert (outcome.status, outcome.failure_kind, outcome.limit.resets_at) == (outpost.RunStatus.FAILED, "limit", None)
+
+
+@pytest.mark.parametrize("text", [
+    f"usage limit reached, resets_in_seconds: {HUGE}",
+    "rate limit reached, try again in 99999999999999 days",
+    "usage limit reached; try again at 9999-12-31T23:59:59-05:00",
+    "You've hit your weekly limit · resets Dec 31, 9999, 11pm (America/Chicago)",
+])
+def test_a_limit_text_naming_a_reset_past_any_calendar_names_none(text):
+    limit = outpost.find_limit(text, T0, CHICAGO)
+    assert limit is not None and limit.resets_at is None
+    assert outpost.limit_wait(limit, 0, T0, 0.0) > T0
+
+
+@pytest.mark.parametrize("preset", ["claude-code", "gemini", "generic"])
+def test_a_lone_surrogate_in_an_error_is_kept_as_text_the_store_can_write(preset):
+    line = {"claude-code": '{"type": "result", "subtype": "success", "is_error": true, "result": "\\ud800 broke"}',
+            "gemini": '{"type": "result", "status": "error", "error": {"message": "\\ud800 broke"}}',
+            "generic": '{"status": "failed", "error": "\\ud800 broke"}'}[preset]
+    outcome = read_as_the_executor_does(preset, [line])
+    assert outcome.status == outpost.RunStatus.FAILED and "broke" in outcome.error
+    outcome.error.encode()   # what SQLite and PostgreSQL are given is UTF-8
+    json.dumps(outcome.reading.result, ensure_ascii=False).encode()
+
+
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+#: Field names and values the readers look at, so a random event reaches their branches.
+FIELDS = st.sampled_from(["type", "subtype", "session_id", "thread_id", "total_cost_usd", "cost_usd", "usage",
+                          "input_tokens", "num_turns", "stats", "models", "roles", "tokens", "rate_limit_info",
+                          "resetsAt", "status", "message", "content", "error", "errors", "item", "text", "result",
+                          "is_error", "api_error_status", "mcp_servers", "permission_denials", "delta", "response"])
+KINDS = st.sampled_from(["system", "init", "assistant", "user", "result", "rate_limit_event", "thread.started",
+                         "item.completed", "turn.completed", "turn.failed", "error", "message", "agent_message"])
+NUMBERS = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e400", "-1e400", HUGE, "-" + HUGE, "1e300", "-1"])
+EVENT = st.recursive(
+    st.one_of(ANY_JSON, KINDS),
+    lambda inner: st.dictionaries(FIELDS | st.text(max_size=4), inner, max_size=6) | st.lists(inner, max_size=3),
+    max_leaves=30)
+
+
+def hostile_line(draw) -> str:
+    line = json.dumps(draw(EVENT))   # NaN and Infinity come out as Python writes them
+    if draw(st.booleans()):   # a number no float holds, where a number was
+        line = re.sub(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?", draw(NUMBERS), line, count=1)
+    return draw(st.sampled_from([line, line.replace('"', '"\\ud800', 1), DEEP, "[" * 5000, line[:-1],
+                                 f'{{"type": "result", "result": "{"x" * 10_000}"}}', "Tokens: 1.2.3 sent",
+                                 f"Tokens: {HUGE} sent, 1 received. Cost: ${HUGE} message, $1 session."]))
+
+
+@st.composite
+def hostile_output(draw) -> list[str]:
+    return [hostile_line(draw) for _ in range(draw(st.integers(1, 6)))]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lines=hostile_output(), preset=st.sampled_from(sorted(outpost.PRESETS)))
+def test_no_output_makes_a_reader_raise_and_every_number_kept_is_finite(lines, preset):
+    outcome = read_as_the_executor_does(preset, lines, exit_code=0)
+    report = outcome.report()
+    strict_json(outcome)
+    json.dumps(report, ensure_ascii=False).encode()
+    for field in ("cost_usd", "turns", "input_tokens", "output_tokens", "cache_read_tokens"):
+        assert report[field] is None or 0 <= report[field] < math.inf
+    assert outcome.limit is None or outcome.limit.resets_at is None or outcome.limit.resets_at.year <= outpost.MAX_YEAR
+
+
+async def test_an_agent_that_prints_hostile_lines_fails_with_its_reason_and_the_daemon_serves_on(
+        autojump_clock, fakes_on_path, store, git_repo):
+    result = {"type": "result", "subtype": "success", "is_error": True, "result": "the tests failed",
+              "session_id": "--dangerously-skip-permissions"}
+    deep = '{"a":' * 3000 + "1" + "}" * 3000   # past the recursion limit, within a brief's length
+    printed = [deep, HOSTILE_LINES["a reset past any calendar"][0],
+               json.dumps(result)[:-1] + f', "total_cost_usd": {HUGE}, "num_turns": NaN, "usage": '
+                                         '{"input_tokens": Infinity, "output_tokens": -1}}']
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    hostile = dispatch_run(deps, git_repo, "claude", "fake:lines\n" + "".join(f"fake-line: {p}\n" for p in printed))
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            settled = await until(lambda: (r := run(deps, hostile))["status"] not in ("queued", "running") and r)
+            after = dispatch_run(deps, git_repo, "claude", "fake:success")
+            deps.claim_wake.poke()
+            await ended_as(deps, after, "succeeded")
+            nursery.cancel_scope.cancel()
+    assert (settled["status"], settled["failure_kind"], settled["error"]) == ("failed", "agent", "the tests failed")
+    assert settled["cost_usd"] is None and settled["agent_report"]["session_id"] is None
+    json.dumps([run(deps, hostile), call(store, store.runs.list_runs, None, None, 50, None),
+                call(store, store.runs.profile_states, ["claude"], deps.clock.now())], allow_nan=False)
