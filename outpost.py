@@ -10204,7 +10204,7 @@ async def bring_back(repository: str, workspace: Path, branch: str, start: str |
     await git(repository, "-c", "fetch.fsckObjects=true", "-c", "protocol.file.allow=always", "fetch", "--quiet",
               "--no-tags", "--no-write-fetch-head", f"--upload-pack={upload_pack}", "--", str(workspace),
               f"+refs/heads/{branch}:refs/heads/{branch}")
-    await trio.to_thread.run_sync(bring_back_lfs, repository, workspace)
+    await trio.to_thread.run_sync(bring_back_lfs, repository, workspace, branch, start)
 
 
 def loose_ref(workspace: Path, branch: str) -> str | None:
@@ -10217,41 +10217,95 @@ def loose_ref(workspace: Path, branch: str) -> str | None:
         return None
 
 
-def bring_back_lfs(repository: str, workspace: Path) -> int:
-    """The git-lfs objects the agent added (its worktree keeps its own; the repository's it reads
-    through alternates), copied into the repository's store so that its result branch checks out
-    there: only regular files named by the SHA-256 of their content, never through a link. How many."""
-    source = workspace / ".git" / "lfs" / "objects"
-    if any(p.is_symlink() for p in (workspace / ".git", source.parent, source)) or not source.is_dir():
+#: A git-lfs pointer file: its oid (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md).
+LFS_POINTER = re.compile(rb"version https://git-lfs\.github\.com/spec/v1\n(?:[a-z0-9.-]+ [^\n]*\n)*?"
+                         rb"oid sha256:([0-9a-f]{64})\n")
+#: The spec's bound on a pointer file: larger blobs are never pointers.
+LFS_POINTER_MAX_BYTES = 1024
+
+
+def lfs_pointer_oids(batch: bytes) -> set[str]:
+    """The oids named by the LFS pointer files among the objects of
+    ``git cat-file --batch='%(objecttype) %(objectsize)'``'s output."""
+    oids, at = set(), 0
+    while (end := batch.find(b"\n", at)) != -1:
+        header = batch[at:end].split(b" ")
+        if len(header) != 2 or not header[1].isdigit():   # "<object> missing"
+            at = end + 1
+            continue
+        size = int(header[1])
+        if header[0] == b"blob" and (pointer := LFS_POINTER.match(batch, end + 1, end + 1 + size)):
+            oids.add(pointer[1].decode())
+        at = end + 2 + size
+    return oids
+
+
+def lfs_objects_of(repository: str, branch: str, start: str | None) -> set[str]:
+    """The git-lfs objects the result branch's new commits point to (those since ``start``), read
+    from the pointer files among their blobs in the repository, where the fetch brought them."""
+    def run(*args: str, stdin: bytes = b"") -> bytes:
+        done = subprocess.run(["git", "-C", repository, *GIT_NO_HOOKS, *args], input=stdin, capture_output=True,
+                              check=False)
+        if done.returncode:
+            raise LaunchError(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
+        return done.stdout
+    listed = run("rev-list", "--objects", "--no-object-names", f"--filter=blob:limit={LFS_POINTER_MAX_BYTES}",
+                 f"refs/heads/{branch}", *([f"^{start}"] if start else []), "--")
+    return lfs_pointer_oids(run("cat-file", "--batch=%(objecttype) %(objectsize)", stdin=listed))
+
+
+def lfs_object_fd(workspace: Path, oid: str) -> int | None:
+    """The worktree's own LFS object ``oid``, opened, when it is a regular file reached through
+    no link; else None."""
+    try:
+        folder = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        for part in (".git", "lfs", "objects", oid[:2], oid[2:4]):
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+        fd = os.open(oid, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)   # no link, and no FIFO's wait
+    except OSError:
+        return None
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def bring_back_lfs(repository: str, workspace: Path, branch: str, start: str | None) -> int:
+    """The git-lfs objects the result branch's new commits point to, copied from the run's
+    worktree (it keeps its own; the repository's it reads through alternates) into the
+    repository's store, so that the branch checks out there. Only those: whatever else the agent
+    left in its LFS store stays behind; only regular files whose content hashes to their name,
+    never through a link. How many."""
+    oids = lfs_objects_of(repository, branch, start)
+    if not oids:
         return 0
     common = Path(repository, subprocess.run(["git", "-C", repository, "rev-parse", "--git-common-dir"],
                                              capture_output=True, text=True, check=False).stdout.strip())
     copied = 0
-    for folder, _dirs, names in os.walk(source):   # never follows a linked folder
-        for name in names:
-            path = Path(folder, name)
-            target = common / "lfs" / "objects" / name[:2] / name[2:4] / name
-            if (not re.fullmatch(r"[0-9a-f]{64}", name) or path.relative_to(source).parts[:2] != (name[:2], name[2:4])
-                    or target.exists()):
-                continue
+    for oid in sorted(oids):
+        target = common / "lfs" / "objects" / oid[:2] / oid[2:4] / oid
+        if target.exists() or (fd := lfs_object_fd(workspace, oid)) is None:
+            continue
+        digest, part = hashlib.sha256(), target.with_name(f".{oid}.outpost-{secrets.token_hex(4)}")
+        with os.fdopen(fd, "rb") as src:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)   # no link, and no FIFO's wait
-            except OSError:
-                continue
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                continue
-            digest, part = hashlib.sha256(), target.with_name(f".{name}.outpost-{secrets.token_hex(4)}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with os.fdopen(fd, "rb") as src, open(part, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
-            if digest.hexdigest() == name:
-                os.replace(part, target)
-                copied += 1
-            else:
-                part.unlink()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(part, "wb") as out:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+                if digest.hexdigest() == oid:
+                    os.replace(part, target)
+                    copied += 1
+            finally:
+                part.unlink(missing_ok=True)   # a forged object, or a copy a full disk cut short
     return copied
 
 

@@ -8,6 +8,7 @@ secret leaves, nothing it planted runs outside, the user's repository is unchang
 result branch, and the daemon keeps serving."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -406,8 +407,9 @@ def test_a_sandbox_keeps_the_data_dir_hidden_and_the_worktree_writable(tmp_path)
 @pytest.mark.skipif(shutil.which("git-lfs") is None, reason="git-lfs is not installed (.ci/run installs it)")
 def test_git_lfs_files_come_back_with_the_result_branch(base):
     """A repository with git-lfs: the worktree checks its files out (read through alternates), the
-    agent's new LFS file reaches the repository's LFS store with the branch, and an object the agent
-    forged (its name not the hash of its content) does not."""
+    agent's new LFS file reaches the repository's LFS store with the branch, and neither an object
+    the agent forged (its name not the hash of its content) nor the genuine ones it dropped in its
+    LFS store that no commit of the branch points to do."""
     data, home = base / "data", base / "home"
     for folder in (data, home):
         folder.mkdir()
@@ -421,9 +423,12 @@ def test_git_lfs_files_come_back_with_the_result_branch(base):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "lfs"],
                    env=env, check=True)
     forged = "0" * 64
+    dropped = [hashlib.sha256(f"dropped {n}\n".encode()).hexdigest() for n in range(50)]
+    drop = " && ".join(f"mkdir -p {o[:2]}/{o[2:4]} && echo dropped {n} > {o[:2]}/{o[2:4]}/{o}"
+                       for n, o in enumerate(dropped))
     script = (f"cat old.bin > seen.txt && echo new large file > new.bin && mkdir -p .git/lfs/objects/00/00 && "
-              f"echo forged > .git/lfs/objects/00/00/{forged} && git add seen.txt new.bin && "
-              "git -c user.name=a -c user.email=a@a commit -q -m new")
+              f"echo forged > .git/lfs/objects/00/00/{forged} && (cd .git/lfs/objects && {drop}) && "
+              "git add seen.txt new.bin && git -c user.name=a -c user.email=a@a commit -q -m new")
     (data / "outpost.toml").write_text(f'[agents.lfs]\ncommand = ["sh", "-c", {json.dumps(script)}]\n')
     server = Server(data, env={"HOME": str(home)}).start()
     try:
@@ -436,7 +441,9 @@ def test_git_lfs_files_come_back_with_the_result_branch(base):
                        env=env, check=True, capture_output=True)
         assert (checkout / "seen.txt").read_text() == "old large file\n"
         assert (checkout / "new.bin").read_text() == "new large file\n"
-        assert not list((repo / ".git" / "lfs" / "objects").rglob(forged))
+        stored = {p.name for p in (repo / ".git" / "lfs" / "objects").rglob("*") if p.is_file()}
+        assert forged not in stored
+        assert not stored & set(dropped), "an object no commit of the branch points to came back"
     finally:
         server.stop()
 
