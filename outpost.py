@@ -10342,12 +10342,66 @@ async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """``rm -rf``, also of folders an agent made unwritable (links are removed, never followed)."""
-    def writable_then_again(function, name, _exc) -> None:
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(name), 0o700)
-            function(name)
-    shutil.rmtree(path, onerror=writable_then_again)
+    """``rm -rf`` of a tree an agent wrote, however deep: each folder met is first moved up into
+    the top one, so nothing recurses and no path grows past two names (a chain of 1,500 folders
+    is 1,500 moves); folders it made unwritable are made writable first; links are removed,
+    never followed. OSError when something cannot be removed."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+        return
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        os.fchmod(top, 0o700)
+        moved, tag = itertools.count(), secrets.token_hex(6)   # names the agent cannot have taken
+        folders = [""]   # to empty and remove, by name in the top folder ("": the top folder)
+        while folders:
+            name = folders.pop()
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top) if name else top
+            try:
+                for entry in list(os.scandir(fd)):
+                    if not entry.is_dir(follow_symlinks=False):
+                        os.unlink(entry.name, dir_fd=fd)
+                        continue
+                    os.chmod(entry.name, 0o700, dir_fd=fd)   # to read it, and to move it (its "..")
+                    if fd == top:
+                        folders.append(entry.name)
+                    else:
+                        folders.append(f".outpost-removing-{tag}-{next(moved)}")
+                        os.rename(entry.name, folders[-1], src_dir_fd=fd, dst_dir_fd=top)
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if name:
+                os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    path.rmdir()
+
+
+def tree_bytes(path: Path) -> int:
+    """Disk use of a folder, links never followed (``du``-like, by file sizes), however deep (a
+    walk without recursion). A file that vanishes mid-walk (a run settling) is not counted, nor
+    a folder that cannot be read (its path too long for the system, say): logged."""
+    total, folders, unread = 0, [os.fspath(path)], 0
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+                    else:
+                        with contextlib.suppress(OSError):
+                            total += entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+        except OSError:
+            unread += 1
+    if unread:
+        log.warning("size of %s: %d folder(s) could not be read and are not counted", path, unread)
+    return total
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -11069,19 +11123,12 @@ def disk_usage(data_dir: Path, database: Path | None) -> dict[str, int]:
     """Bytes on disk by what holds them: the SQLite database with its WAL (when there is one),
     the run logs, the worktrees and the mirrors. Blocking (it walks folders): call it off the
     event loop. A file that vanishes mid-walk (a run settling) is simply not counted."""
-    def size(path: Path) -> int:
-        total = 0
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(root, name)).st_size
-        return total
     sizes = {}
     if database is not None:
         sizes["database"] = sum(os.lstat(p).st_size for p in (database, Path(f"{database}-wal"))
                                 if os.path.lexists(p))
     for what, folder in (("logs", "runs"), ("worktrees", "worktrees"), ("mirrors", "mirrors")):
-        sizes[what] = size(data_dir / folder)
+        sizes[what] = tree_bytes(data_dir / folder)
     return sizes
 
 
@@ -11836,7 +11883,10 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         settled = True
     finally:
         deps.live.discard(run_id)
-        shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
+        try:
+            remove_tree(deps.private_dir(run_id))
+        except OSError as exc:
+            rlog.warning("run %s: its private folder could not be removed: %s", run_id, exc)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
                 await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None, live.steps)
@@ -11851,7 +11901,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     run_id = plan.run_id
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
-    kept, back_at = None, None
+    kept, kept_title, back_at = None, "uncommitted changes kept in its worktree", None
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "
@@ -11860,13 +11910,18 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
         if workspace.exists() and Path(local).is_dir():
             await bring_back(local, workspace, plan.result_branch, commit, sandbox)
             back_at = deps.clock.now()
-    except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
+    except (LaunchError, OSError) as exc:   # the edits stay where they are: never deleted, never called a success
         kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
-        log.getChild("run").warning("run %s: %s", run_id, kept)
-        outcome = failed(kept, "agent", outcome.reading)
     commits = await count_commits(local, commit, plan.result_branch) if commit else 0
     if kept is None:
-        await remove_worktree(workspace, sandbox)
+        try:
+            await remove_worktree(workspace, sandbox)
+        except OSError as exc:   # what the agent left there cannot be removed: the daemon serves on
+            kept = f"the run's worktree could not be removed ({exc}); what is left is in {workspace}"
+            kept_title = "its worktree could not be removed"
+    if kept is not None:
+        log.getChild("run").warning("run %s: %s", run_id, kept)
+        outcome = failed(kept, "agent", outcome.reading)
     unpushed = None
     if commits and is_repository_url(plan.repository):   # docs/fleet.md: the result goes back where it came from
         try:
@@ -11883,7 +11938,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if (kept is None and not commits and commit and not plan.continues_branch
             and outcome.status != RunStatus.NEEDS_YOU):
         await drop_branch_of(run_id, local, plan.result_branch, commit)
-    if steps is not None and commits and kept is None and unpushed is None and back_at is not None:
+    if steps is not None and commits and unpushed is None and back_at is not None:
         steps = {**steps, "branch_back": instant_ms(back_at)}   # where its user fetches it: the mirror, or pushed
     now = deps.clock.now()
     hint = login_hint(plan.profile) if plan.profile else ""
@@ -11896,7 +11951,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
                                         schedule_id=plan.schedule_id, run_id=run_id)
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
-                                        f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
+                                        f"Run {run_id}: {kept_title}", kept, now,
                                         schedule_id=plan.schedule_id, run_id=run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
@@ -11967,16 +12022,6 @@ def file_bytes(paths: Iterable[Path], *, remove: bool) -> int:
             total += path.lstat().st_size
             if remove:
                 path.unlink()
-    return total
-
-
-def tree_bytes(path: Path) -> int:
-    """Disk use of a folder, links never followed (``du``-like, by file sizes)."""
-    total = 0
-    for folder, _dirs, names in os.walk(path):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
     return total
 
 

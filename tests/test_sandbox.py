@@ -8,6 +8,7 @@ secret leaves, nothing it planted runs outside, the user's repository is unchang
 result branch, and the daemon keeps serving."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -133,7 +134,8 @@ def base():
     path = Path(tempfile.mkdtemp(prefix="outpost-sandbox-", dir="/var/tmp"))
     os.chmod(path, 0o755)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        outpost.remove_tree(path)   # what a test's agent left too, however deep
 
 
 def git(repo: Path, *args: str) -> str:
@@ -493,3 +495,94 @@ def test_a_link_an_agent_left_in_its_cli_folder_never_directs_the_daemons_writes
     assert not (tmp_path / "target-of-a-dangling-link").exists() and not (tmp_path / "another-dangling-target").exists()
     assert precious.read_text() == "the user's own file\n"
     assert (home / ".gemini" / "settings.json").read_text() == "{}\n"   # made where nothing was
+
+
+#: An agent that leaves 1,500-level folder chains (brief: "commit", "keep" or "stall"): one in its
+#: LFS store, one committed in its tree; "keep" also swaps its .git for a file (the worktree is
+#: kept), "stall" waits to be killed with its daemon.
+DEEP = r'''
+import os, sys, time
+mode = sys.stdin.read().strip()
+
+def chain(top):
+    os.makedirs(top, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    with open(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+        f.write("deep\n")
+
+chain(".git/lfs/objects/aa")
+chain("deep")
+if mode == "keep":
+    os.rename(".git", ".git-moved")
+    open(".git", "w").write("gitdir: /nowhere\n")
+if mode == "stall":
+    open("ready", "w").close()
+    time.sleep(60)
+print('{"status": "succeeded", "summary": "deep"}')
+'''
+
+
+def deep_server(base: Path) -> tuple[Path, Path, Server]:
+    data = base / "data"
+    data.mkdir()
+    repo = make_repo(base / "repo")
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    (data / "outpost.toml").write_text(f'[agents.deep]\ncommand = [{json.dumps(python)}, "-c", {json.dumps(DEEP)}]\n')
+    return data, repo, Server(data, env={"HOME": str(base)}).start()
+
+
+def test_deep_folder_chains_an_agent_leaves_never_take_the_daemon_down(base):
+    """A 1,500-level chain in its LFS store and one committed: the run succeeds with its commit
+    and its worktree goes; kept in a worktree, the chain is counted by /metrics and the Settings
+    page like any folder."""
+    data, repo, server = deep_server(base)
+    try:
+        with server.client() as client:
+            run = settled(client, post(client, "/v1/outpost/dispatches",
+                                       {"brief": "commit", "repository": str(repo), "agent": "deep"}).json()["run_id"])
+            assert (run["status"], run["changes"]["commits"]) == ("succeeded", 1), run["error"]
+            assert git(repo, "show", f"{run['result_branch']}:deep/{'d/' * 1500}leaf") == "deep"
+            assert not (data / "worktrees" / run["id"]).exists()
+            kept = settled(client, post(client, "/v1/outpost/dispatches",
+                                        {"brief": "keep", "repository": str(repo), "agent": "deep"}).json()["run_id"])
+            assert kept["status"] == "failed" and "kept in" in kept["error"], kept
+            assert (data / "worktrees" / kept["id"]).is_dir()
+            metrics = client.get("/metrics")
+            assert metrics.status_code == 200, metrics.text[:300]
+            assert 'outpost_disk_bytes{what="worktrees"}' in metrics.text
+        with httpx.Client(base_url=server.url, timeout=30, follow_redirects=True) as browser:
+            page = browser.post("/signin", data={"token": server.token, "next": "/settings"})
+            assert page.status_code == 200 and 'data-disk="worktrees"' in page.text, page.text[:300]
+        assert server.proc.poll() is None
+        assert "Traceback" not in server.logs()
+    finally:
+        server.stop()
+
+
+def test_a_deep_folder_chain_left_by_a_run_killed_with_its_daemon_lets_the_next_start_serve(base):
+    """The next start settles the run and removes its worktree, chain and all, and serves on."""
+    data, repo, server = deep_server(base)
+    try:
+        with server.client() as client:
+            run_id = post(client, "/v1/outpost/dispatches",
+                          {"brief": "stall", "repository": str(repo), "agent": "deep"}).json()["run_id"]
+            wait_for(lambda: (data / "worktrees" / run_id / "ready").exists(), timeout_s=60)
+        server.stop(9)
+        again = Server(data, env={"HOME": str(base)}).start()
+        try:
+            with again.client() as client:
+                run = settled(client, run_id)
+                assert (run["status"], run["error"]) == ("failed", "interrupted")
+                assert client.get("/healthz").json()["ok"]
+            assert not (data / "worktrees" / run_id).exists()
+            assert again.proc.poll() is None
+            assert "Traceback" not in again.logs()
+        finally:
+            again.stop()
+    finally:
+        server.stop()
