@@ -467,6 +467,11 @@ class StoreUnavailable(OutpostError):
     status, code, title = 503, "unavailable", "Temporarily unavailable"
 
 
+class DiskFull(StoreUnavailable):
+    """The database's disk is full: nothing can be recorded until space is freed there."""
+    status, code, title = 503, "disk_full", "Disk full"
+
+
 class CrossSiteRefused(OutpostError):
     status, code, title = 403, "forbidden", "Request refused"
 
@@ -5458,7 +5463,15 @@ def cannot_write(error: Exception | None) -> bool:
     if not isinstance(error, orm.dbapiprovider.OperationalError | orm.CommitException):
         return False
     text = str(error).lower()   # SQLite's lock and disk; PostgreSQL's lost or refused connection
-    return any(word in text for word in ("locked", "busy", "full", "disk", "connect", "terminating"))
+    return any(word in text for word in ("locked", "busy", "full", "disk", "no space left", "connect", "terminating"))
+
+
+def disk_full(error: Exception | None) -> bool:
+    """Whether an error says the disk is full: SQLite's SQLITE_FULL, ENOSPC (PostgreSQL's, a
+    file's), git's words for it; for a store error that ``cannot_write``, not a lock or a lost
+    connection."""
+    text = str(error).lower()
+    return any(words in text for words in ("disk is full", "no space left", "out of diskspace"))
 
 
 def _run_group(db: orm.Database, calls: list[Callable[[], Any]]) -> list[Any]:
@@ -10184,8 +10197,9 @@ def worktree_intact(path: Path) -> bool:
 async def save_leftovers(workspace: Path, run_id: str, sandbox: Sandbox | None) -> None:
     """Commit what the agent left uncommitted to the result branch: never lost. Outpost's own
     identity, no signing and no hooks: the user's git config must not decide whether it works.
-    In the run's sandbox: the agent may have planted a filter or an fsmonitor in its worktree."""
-    if not workspace.exists() or not await git(workspace, "status", "--porcelain", check=False, sandbox=sandbox):
+    In the run's sandbox: the agent may have planted a filter or an fsmonitor in its worktree.
+    A status that fails is LaunchError, never taken for a clean worktree."""
+    if not workspace.exists() or not await git(workspace, "status", "--porcelain", sandbox=sandbox):
         return
     await git(workspace, "add", "-A", sandbox=sandbox)
     await git(workspace, *GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m",
@@ -10332,10 +10346,10 @@ async def drop_branch(repository: str, branch: str, expected: str) -> bool:
 
 async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
     """Remove a run's worktree once its changes are on the result branch. One that still holds
-    uncommitted changes is never removed."""
+    uncommitted changes is never removed, nor one whose status fails (LaunchError)."""
     if not path.exists():
         return
-    if await git(path, "status", "--porcelain", check=False, sandbox=sandbox):
+    if await git(path, "status", "--porcelain", sandbox=sandbox):
         log.getChild("run").warning("worktree %s holds uncommitted changes: kept", path)
         return
     await trio.to_thread.run_sync(remove_tree, path)
@@ -11107,6 +11121,27 @@ class CronWatch:
         return None
 
 
+#: Free space on the database's disk at which /healthz takes a full disk for freed (the next
+#: write tells for sure).
+DISK_ROOM_BYTES = 1 << 20
+
+
+@dataclasses.dataclass
+class DiskWatch:
+    """Whether the database's disk was full at its latest write: set by a write that failed for
+    a full disk, cleared by one that went through or, while nothing writes, by room on that
+    disk again (``full_now``, when /healthz looks). A measurement for /healthz."""
+    full: str | None = None   # why the latest write failed, while the disk is full
+
+    def full_now(self, database: Path | None) -> str | None:
+        if self.full is not None and database is not None:
+            with contextlib.suppress(OSError):
+                room = os.statvfs(database.parent)
+                if room.f_bavail * room.f_frsize >= DISK_ROOM_BYTES:
+                    self.full = None
+        return self.full
+
+
 #: Buckets of outpost_fire_lag_seconds: a fire is on time within a second (CRON_ON_TIME_S).
 FIRE_LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 #: Buckets of outpost_store_transaction_seconds: one fsync is a few milliseconds.
@@ -11261,6 +11296,7 @@ class Deps:
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
+    disk: DiskWatch = dataclasses.field(default_factory=DiskWatch)
     refs: Refs = dataclasses.field(default_factory=Refs)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)   # GET /metrics: this appliance's registry
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
@@ -11298,12 +11334,17 @@ class Deps:
             self.metrics.transactions.observe(time.perf_counter() - began)
         else:
             written = await self.writer.run(call)
+        if disk_full(written.error) and cannot_write(written.error):
+            where = self.store.dialect.database_file(self.store.database)
+            self.disk.full = f"the disk{f' of {where}' if where else ' of the database'} is full ({written.error})"
+            raise DiskFull(f"{self.disk.full}: nothing was changed; free space there and retry") from None
         if cannot_write(written.error):
             raise StoreUnavailable(f"the database cannot be written now ({written.error}); nothing was "
                                    "changed, retry shortly") from None
         if written.error is not None:
             raise written.error
         if written.wrote:
+            self.disk.full = None
             self.hub.poke()
         if self.store.notify.take_queued():   # committed outbox rows, whoever's call queued them
             self.notify_wake.poke()
@@ -11911,12 +11952,13 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
             await bring_back(local, workspace, plan.result_branch, commit, sandbox)
             back_at = deps.clock.now()
     except (LaunchError, OSError) as exc:   # the edits stay where they are: never deleted, never called a success
-        kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
+        full = "the disk is full, so " if disk_full(exc) else ""
+        kept = f"{full}the agent's changes could not be saved ({exc}); they are kept in {workspace}"
     commits = await count_commits(local, commit, plan.result_branch) if commit else 0
     if kept is None:
         try:
             await remove_worktree(workspace, sandbox)
-        except OSError as exc:   # what the agent left there cannot be removed: the daemon serves on
+        except (LaunchError, OSError) as exc:   # what the agent left there cannot be removed: the daemon serves on
             kept = f"the run's worktree could not be removed ({exc}); what is left is in {workspace}"
             kept_title = "its worktree could not be removed"
     if kept is not None:
@@ -13355,13 +13397,18 @@ def format_usd(value: float | None) -> str:
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
     """Answered by the event loop alone (it stays up while another process locks the database):
-    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim
-    actor has been in one pass that long, whether or not it knew of a due fire (docs/schedules.md)."""
+    503 when the database's disk was full at the latest write and still has no room, when the
+    cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim actor has
+    been in one pass that long, whether or not it knew of a due fire (docs/schedules.md)."""
     from quart import jsonify
     lag = round(web.deps.cron_watch.lag_s(web.now), 1)
     stuck = web.deps.cron_watch.stuck(web.now)
+    full = web.deps.disk.full_now(web.store.dialect.database_file(web.store.database))
     body = {"status": "ok", "ok": True, "cron_lag_seconds": lag, "live_runs": len(web.deps.live)}
-    if lag > MISFIRE_GRACE_S:
+    if full is not None:   # first: it is why the actors below would be held
+        body |= {"status": "disk_full", "ok": False,
+                 "reason": f"{full}: runs cannot settle and nothing can be recorded until space is freed"}
+    elif lag > MISFIRE_GRACE_S:
         body |= {"status": "cron_lagging", "ok": False,
                  "reason": f"the cron actor is {lag:.0f} s behind a due fire"}
     elif stuck is not None:
