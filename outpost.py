@@ -3500,6 +3500,22 @@ def valid_idempotency_key(key: str) -> bool:
     return 1 <= len(key) <= 255 and key == key.strip() and all(32 <= ord(c) < 127 for c in key)
 
 
+#: What a terminal obeys rather than shows: C0 controls but tab, newline and the CR of a CRLF;
+#: DEL; C1 controls (a lone 0x9b is a CSI to some terminals).
+TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]|\r(?!\n)")
+#: The same in a one-line field (a log line, a table cell): newlines and CRs too.
+ONE_LINE_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def visible(text: str, *, lines: bool = True) -> str:
+    """Text an agent controls, made safe to print to a terminal or a log line: its control
+    characters shown as ``\\x1b`` (an OSC title, a clear screen, a bell are seen, not obeyed);
+    plain text and UTF-8 as they are. ``lines=False``: newlines too, for a one-line field."""
+    def shown(match: re.Match[str]) -> str:
+        return "".join(f"\\x{ord(c):02x}" for c in match[0])
+    return (TERMINAL_CONTROLS if lines else ONE_LINE_CONTROLS).sub(shown, text)
+
+
 def parse_count(text: str | None) -> int | None:
     """A non-negative integer of ASCII digits (not '²', not 5,000 digits), else None."""
     return int(text) if text and re.fullmatch(r"[0-9]{1,18}", text) else None
@@ -15767,7 +15783,16 @@ async def run_until_signal(deps: Deps) -> None:
     forget_address(deps.config.data_dir)
 
 
-class JournalFormatter(logging.Formatter):
+class LogFormatter(logging.Formatter):
+    """One record, one line: what a message carries from an agent (its stderr in a run's error,
+    git's words) shows its control characters and newlines as ``\\x1b`` and ``\\x0a`` rather than
+    driving the operator's terminal or forging a line; a traceback after it prints as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return visible(super().formatMessage(record), lines=False)
+
+
+class JournalFormatter(LogFormatter):
     """journald adds the time; a ``<N>`` prefix gives it the level (sd-daemon(3))."""
     PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -15780,7 +15805,7 @@ def setup_logging(verbose: bool = False) -> None:
     if os.environ.get("JOURNAL_STREAM"):
         handler.setFormatter(JournalFormatter("%(levelname)s %(name)s: %(message)s"))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
 
@@ -15957,7 +15982,7 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
                   "No runs yet. Fire a schedule with `outpost schedules fire NAME`.")
             return
         print_table([[r["id"], r["status"], r["trigger"], r["queued_at"], str(r["changes"]["commits"]),
-                      (r["error"] or "")[:50]] for r in page["runs"]],
+                      visible((r["error"] or "")[:50], lines=False)] for r in page["runs"]],
                     ["ID", "STATUS", "TRIGGER", "QUEUED", "COMMITS", "ERROR"])
         return
     if args.target is None:
@@ -15967,12 +15992,12 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps(run, indent=2))
             return
-        for key, value in run.items():
-            print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else value}")
+        for key, value in run.items():   # JSON escapes what a dict holds; a string is the agent's words
+            print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else visible(str(value), lines=False)}")
     elif args.action == "log" and args.follow:
         follow_log(client, args.target)
     elif args.action == "log":
-        sys.stdout.write(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True))
+        sys.stdout.write(visible(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True)))
     elif args.action == "cancel":
         run = client.call("POST", f"/v1/outpost/runs/{args.target}/control", {"action": "cancel"}, idempotent=True)
         print(json.dumps(run, indent=2) if args.json else f"Run {run['id']} is {run['status']}"
@@ -15986,7 +16011,7 @@ def follow_log(client: Client, run_id: str) -> None:
     while True:
         status = client.call("GET", f"/v1/outpost/runs/{run_id}")["status"]
         text, headers = client.exchange("GET", f"/v1/outpost/runs/{run_id}/log?offset={offset}")
-        sys.stdout.write(text.decode(errors="replace"))
+        sys.stdout.write(visible(text.decode(errors="replace")))
         sys.stdout.flush()
         offset = int(headers.get("X-Log-Size") or offset)
         if status not in ACTIVE_RUN_STATUSES:

@@ -762,3 +762,33 @@ def test_a_full_disk_is_named_at_healthz_and_dispatch_and_all_recovers_once_spac
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+# --- what an agent prints, where a person reads it ------------------------------------------------
+
+def test_escape_sequences_an_agent_prints_are_shown_not_obeyed_in_the_daemons_log_and_the_cli(server_factory,
+                                                                                              git_repo):
+    """An OSC title, a clear screen and a bell in the agent's output and in its error: the serve
+    log and ``outpost runs show`` / ``runs log`` print them as ``\\x1b``, never the bytes a terminal
+    obeys; plain text, line breaks and UTF-8 stay as they are."""
+    data = git_repo.parent / "data"
+    data.mkdir()
+    noisy = (r'printf "\033]0;pwned\007\033[2Jout \303\251\nline two\n"; '
+             r'printf "\033]0;pwned\007\033[2Jerr \303\251\n" >&2; exit 1')
+    (data / "outpost.toml").write_text(f'[agents.noisy]\ncommand = ["sh", "-c", {json.dumps(noisy)}]\n')
+    server = server_factory(data_dir=data)
+    with server.client() as client:
+        run_id = client.post("/v1/outpost/dispatches", headers=key(), json={
+            "brief": "go", "repository": str(git_repo), "agent": "noisy"}).json()["run_id"]
+        run = wait_status(client, run_id)
+    assert run["status"] == "failed" and "\x1b]0;pwned\x07" in run["error"]   # the API keeps the agent's words
+    port = port_of(server)
+    shown = cli(data, "runs", "show", run_id, port=port)
+    logged = cli(data, "runs", "log", run_id, port=port)
+    server.stop()
+    settled_line = next(line for line in server.logs().splitlines() if f"run {run_id} settled" in line)
+    for printed in (shown.stdout, logged.stdout, settled_line):
+        assert "\x1b" not in printed and "\x07" not in printed, repr(printed)
+        assert "\\x1b]0;pwned\\x07\\x1b[2J" in printed, printed
+    assert "err é" in shown.stdout and "err é" in settled_line
+    assert "\\x1b[2Jout é\nline two\n" in logged.stdout
