@@ -35,7 +35,7 @@ The process (``serve``, in the supervisor section, builds it)::
 Shutdown: the web server stops through its trigger, then the actors are cancelled; run
 supervisors end their agents' process groups and record them ``interrupted``; the store
 closes last. A database locked by another process or a full disk answers 503 at the API
-while the actors wait it out.
+(``unavailable``, ``disk_full``; /healthz says ``disk_full`` too) while the actors wait it out.
 
 Where to look:
 
@@ -10247,10 +10247,10 @@ def loose_ref(workspace: Path, branch: str) -> str | None:
         return None
 
 
-#: A git-lfs pointer file: its oid (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md).
+#: A git-lfs pointer file (its version line, then keys in order): its oid.
 LFS_POINTER = re.compile(rb"version https://git-lfs\.github\.com/spec/v1\n(?:[a-z0-9.-]+ [^\n]*\n)*?"
                          rb"oid sha256:([0-9a-f]{64})\n")
-#: The spec's bound on a pointer file: larger blobs are never pointers.
+#: git-lfs's bound on a pointer file: larger blobs are never pointers.
 LFS_POINTER_MAX_BYTES = 1024
 
 
