@@ -35,7 +35,7 @@ The process (``serve``, in the supervisor section, builds it)::
 Shutdown: the web server stops through its trigger, then the actors are cancelled; run
 supervisors end their agents' process groups and record them ``interrupted``; the store
 closes last. A database locked by another process or a full disk answers 503 at the API
-while the actors wait it out.
+(``unavailable``, ``disk_full``; /healthz says ``disk_full`` too) while the actors wait it out.
 
 Where to look:
 
@@ -497,6 +497,11 @@ class SelfWakeLimit(OutpostError):
 class StoreUnavailable(OutpostError):
     """The database cannot take a write now (locked by another process, disk full): retry."""
     status, code, title = 503, "unavailable", "Temporarily unavailable"
+
+
+class DiskFull(StoreUnavailable):
+    """The database's disk is full: nothing can be recorded until space is freed there."""
+    status, code, title = 503, "disk_full", "Disk full"
 
 
 class CrossSiteRefused(OutpostError):
@@ -3620,6 +3625,22 @@ def valid_idempotency_key(key: str) -> bool:
     return 1 <= len(key) <= 255 and key == key.strip() and all(32 <= ord(c) < 127 for c in key)
 
 
+#: What a terminal obeys rather than shows: C0 controls but tab, newline and the CR of a CRLF;
+#: DEL; C1 controls (a lone 0x9b is a CSI to some terminals).
+TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]|\r(?!\n)")
+#: The same in a one-line field (a log line, a table cell): newlines and CRs too.
+ONE_LINE_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def visible(text: str, *, lines: bool = True) -> str:
+    """Text an agent controls, made safe to print to a terminal or a log line: its control
+    characters shown as ``\\x1b`` (an OSC title, a clear screen, a bell are seen, not obeyed);
+    plain text and UTF-8 as they are. ``lines=False``: newlines too, for a one-line field."""
+    def shown(match: re.Match[str]) -> str:
+        return "".join(f"\\x{ord(c):02x}" for c in match[0])
+    return (TERMINAL_CONTROLS if lines else ONE_LINE_CONTROLS).sub(shown, text)
+
+
 def parse_count(text: str | None) -> int | None:
     """A non-negative integer of ASCII digits (not '²', not 5,000 digits), else None."""
     return int(text) if text and re.fullmatch(r"[0-9]{1,18}", text) else None
@@ -5583,7 +5604,15 @@ def cannot_write(error: Exception | None) -> bool:
     if not isinstance(error, orm.dbapiprovider.OperationalError | orm.CommitException):
         return False
     text = str(error).lower()   # SQLite's lock and disk; PostgreSQL's lost or refused connection
-    return any(word in text for word in ("locked", "busy", "full", "disk", "connect", "terminating"))
+    return any(word in text for word in ("locked", "busy", "full", "disk", "no space left", "connect", "terminating"))
+
+
+def disk_full(error: Exception | None) -> bool:
+    """Whether an error says the disk is full: SQLite's SQLITE_FULL, ENOSPC (PostgreSQL's, a
+    file's), git's words for it; for a store error that ``cannot_write``, not a lock or a lost
+    connection."""
+    text = str(error).lower()
+    return any(words in text for words in ("disk is full", "no space left", "out of diskspace"))
 
 
 def _run_group(db: orm.Database, calls: list[Callable[[], Any]]) -> list[Any]:
@@ -10392,8 +10421,9 @@ def worktree_intact(path: Path) -> bool:
 async def save_leftovers(workspace: Path, run_id: str, sandbox: Sandbox | None) -> None:
     """Commit what the agent left uncommitted to the result branch: never lost. Outpost's own
     identity, no signing and no hooks: the user's git config must not decide whether it works.
-    In the run's sandbox: the agent may have planted a filter or an fsmonitor in its worktree."""
-    if not workspace.exists() or not await git(workspace, "status", "--porcelain", check=False, sandbox=sandbox):
+    In the run's sandbox: the agent may have planted a filter or an fsmonitor in its worktree.
+    A status that fails is LaunchError, never taken for a clean worktree."""
+    if not workspace.exists() or not await git(workspace, "status", "--porcelain", sandbox=sandbox):
         return
     await git(workspace, "add", "-A", sandbox=sandbox)
     await git(workspace, *GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m",
@@ -10412,7 +10442,7 @@ async def bring_back(repository: str, workspace: Path, branch: str, start: str |
     await git(repository, "-c", "fetch.fsckObjects=true", "-c", "protocol.file.allow=always", "fetch", "--quiet",
               "--no-tags", "--no-write-fetch-head", f"--upload-pack={upload_pack}", "--", str(workspace),
               f"+refs/heads/{branch}:refs/heads/{branch}")
-    await trio.to_thread.run_sync(bring_back_lfs, repository, workspace)
+    await trio.to_thread.run_sync(bring_back_lfs, repository, workspace, branch, start)
 
 
 def loose_ref(workspace: Path, branch: str) -> str | None:
@@ -10425,41 +10455,95 @@ def loose_ref(workspace: Path, branch: str) -> str | None:
         return None
 
 
-def bring_back_lfs(repository: str, workspace: Path) -> int:
-    """The git-lfs objects the agent added (its worktree keeps its own; the repository's it reads
-    through alternates), copied into the repository's store so that its result branch checks out
-    there: only regular files named by the SHA-256 of their content, never through a link. How many."""
-    source = workspace / ".git" / "lfs" / "objects"
-    if any(p.is_symlink() for p in (workspace / ".git", source.parent, source)) or not source.is_dir():
+#: A git-lfs pointer file (its version line, then keys in order): its oid.
+LFS_POINTER = re.compile(rb"version https://git-lfs\.github\.com/spec/v1\n(?:[a-z0-9.-]+ [^\n]*\n)*?"
+                         rb"oid sha256:([0-9a-f]{64})\n")
+#: git-lfs's bound on a pointer file: larger blobs are never pointers.
+LFS_POINTER_MAX_BYTES = 1024
+
+
+def lfs_pointer_oids(batch: bytes) -> set[str]:
+    """The oids named by the LFS pointer files among the objects of
+    ``git cat-file --batch='%(objecttype) %(objectsize)'``'s output."""
+    oids, at = set(), 0
+    while (end := batch.find(b"\n", at)) != -1:
+        header = batch[at:end].split(b" ")
+        if len(header) != 2 or not header[1].isdigit():   # "<object> missing"
+            at = end + 1
+            continue
+        size = int(header[1])
+        if header[0] == b"blob" and (pointer := LFS_POINTER.match(batch, end + 1, end + 1 + size)):
+            oids.add(pointer[1].decode())
+        at = end + 2 + size
+    return oids
+
+
+def lfs_objects_of(repository: str, branch: str, start: str | None) -> set[str]:
+    """The git-lfs objects the result branch's new commits point to (those since ``start``), read
+    from the pointer files among their blobs in the repository, where the fetch brought them."""
+    def run(*args: str, stdin: bytes = b"") -> bytes:
+        done = subprocess.run(["git", "-C", repository, *GIT_NO_HOOKS, *args], input=stdin, capture_output=True,
+                              check=False)
+        if done.returncode:
+            raise LaunchError(done.stderr.decode(errors="replace").strip() or f"git {args[0]} failed")
+        return done.stdout
+    listed = run("rev-list", "--objects", "--no-object-names", f"--filter=blob:limit={LFS_POINTER_MAX_BYTES}",
+                 f"refs/heads/{branch}", *([f"^{start}"] if start else []), "--")
+    return lfs_pointer_oids(run("cat-file", "--batch=%(objecttype) %(objectsize)", stdin=listed))
+
+
+def lfs_object_fd(workspace: Path, oid: str) -> int | None:
+    """The worktree's own LFS object ``oid``, opened, when it is a regular file reached through
+    no link; else None."""
+    try:
+        folder = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        for part in (".git", "lfs", "objects", oid[:2], oid[2:4]):
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+        fd = os.open(oid, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)   # no link, and no FIFO's wait
+    except OSError:
+        return None
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def bring_back_lfs(repository: str, workspace: Path, branch: str, start: str | None) -> int:
+    """The git-lfs objects the result branch's new commits point to, copied from the run's
+    worktree (it keeps its own; the repository's it reads through alternates) into the
+    repository's store, so that the branch checks out there. Only those: whatever else the agent
+    left in its LFS store stays behind; only regular files whose content hashes to their name,
+    never through a link. How many."""
+    oids = lfs_objects_of(repository, branch, start)
+    if not oids:
         return 0
     common = Path(repository, subprocess.run(["git", "-C", repository, "rev-parse", "--git-common-dir"],
                                              capture_output=True, text=True, check=False).stdout.strip())
     copied = 0
-    for folder, _dirs, names in os.walk(source):   # never follows a linked folder
-        for name in names:
-            path = Path(folder, name)
-            target = common / "lfs" / "objects" / name[:2] / name[2:4] / name
-            if (not re.fullmatch(r"[0-9a-f]{64}", name) or path.relative_to(source).parts[:2] != (name[:2], name[2:4])
-                    or target.exists()):
-                continue
+    for oid in sorted(oids):
+        target = common / "lfs" / "objects" / oid[:2] / oid[2:4] / oid
+        if target.exists() or (fd := lfs_object_fd(workspace, oid)) is None:
+            continue
+        digest, part = hashlib.sha256(), target.with_name(f".{oid}.outpost-{secrets.token_hex(4)}")
+        with os.fdopen(fd, "rb") as src:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)   # no link, and no FIFO's wait
-            except OSError:
-                continue
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                continue
-            digest, part = hashlib.sha256(), target.with_name(f".{name}.outpost-{secrets.token_hex(4)}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with os.fdopen(fd, "rb") as src, open(part, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
-            if digest.hexdigest() == name:
-                os.replace(part, target)
-                copied += 1
-            else:
-                part.unlink()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(part, "wb") as out:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+                if digest.hexdigest() == oid:
+                    os.replace(part, target)
+                    copied += 1
+            finally:
+                part.unlink(missing_ok=True)   # a forged object, or a copy a full disk cut short
     return copied
 
 
@@ -10486,22 +10570,76 @@ async def drop_branch(repository: str, branch: str, expected: str) -> bool:
 
 async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
     """Remove a run's worktree once its changes are on the result branch. One that still holds
-    uncommitted changes is never removed."""
+    uncommitted changes is never removed, nor one whose status fails (LaunchError)."""
     if not path.exists():
         return
-    if await git(path, "status", "--porcelain", check=False, sandbox=sandbox):
+    if await git(path, "status", "--porcelain", sandbox=sandbox):
         log.getChild("run").warning("worktree %s holds uncommitted changes: kept", path)
         return
     await trio.to_thread.run_sync(remove_tree, path)
 
 
 def remove_tree(path: Path) -> None:
-    """``rm -rf``, also of folders an agent made unwritable (links are removed, never followed)."""
-    def writable_then_again(function, name, _exc) -> None:
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(name), 0o700)
-            function(name)
-    shutil.rmtree(path, onerror=writable_then_again)
+    """``rm -rf`` of a tree an agent wrote, however deep: each folder met is first moved up into
+    the top one, so nothing recurses and no path grows past two names (a chain of 1,500 folders
+    is 1,500 moves); folders it made unwritable are made writable first; links are removed,
+    never followed. OSError when something cannot be removed."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+        return
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        os.fchmod(top, 0o700)
+        moved, tag = itertools.count(), secrets.token_hex(6)   # names the agent cannot have taken
+        folders = [""]   # to empty and remove, by name in the top folder ("": the top folder)
+        while folders:
+            name = folders.pop()
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top) if name else top
+            try:
+                for entry in list(os.scandir(fd)):
+                    if not entry.is_dir(follow_symlinks=False):
+                        os.unlink(entry.name, dir_fd=fd)
+                        continue
+                    os.chmod(entry.name, 0o700, dir_fd=fd)   # to read it, and to move it (its "..")
+                    if fd == top:
+                        folders.append(entry.name)
+                    else:
+                        folders.append(f".outpost-removing-{tag}-{next(moved)}")
+                        os.rename(entry.name, folders[-1], src_dir_fd=fd, dst_dir_fd=top)
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if name:
+                os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    path.rmdir()
+
+
+def tree_bytes(path: Path) -> int:
+    """Disk use of a folder, links never followed (``du``-like, by file sizes), however deep (a
+    walk without recursion). A file that vanishes mid-walk (a run settling) is not counted, nor
+    a folder that cannot be read (its path too long for the system, say): logged."""
+    total, folders, unread = 0, [os.fspath(path)], 0
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+                    else:
+                        with contextlib.suppress(OSError):
+                            total += entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+        except OSError:
+            unread += 1
+    if unread:
+        log.warning("size of %s: %d folder(s) could not be read and are not counted", path, unread)
+    return total
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -11191,6 +11329,27 @@ class CronWatch:
         return None
 
 
+#: Free space on the database's disk at which /healthz takes a full disk for freed (the next
+#: write tells for sure).
+DISK_ROOM_BYTES = 1 << 20
+
+
+@dataclasses.dataclass
+class DiskWatch:
+    """Whether the database's disk was full at its latest write: set by a write that failed for
+    a full disk, cleared by one that went through or, while nothing writes, by room on that
+    disk again (``full_now``, when /healthz looks). A measurement for /healthz."""
+    full: str | None = None   # why the latest write failed, while the disk is full
+
+    def full_now(self, database: Path | None) -> str | None:
+        if self.full is not None and database is not None:
+            with contextlib.suppress(OSError):
+                room = os.statvfs(database.parent)
+                if room.f_bavail * room.f_frsize >= DISK_ROOM_BYTES:
+                    self.full = None
+        return self.full
+
+
 #: Buckets of outpost_fire_lag_seconds: a fire is on time within a second (CRON_ON_TIME_S).
 FIRE_LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 #: Buckets of outpost_store_transaction_seconds: one fsync is a few milliseconds.
@@ -11207,19 +11366,12 @@ def disk_usage(data_dir: Path, database: Path | None) -> dict[str, int]:
     """Bytes on disk by what holds them: the SQLite database with its WAL (when there is one),
     the run logs, the worktrees and the mirrors. Blocking (it walks folders): call it off the
     event loop. A file that vanishes mid-walk (a run settling) is simply not counted."""
-    def size(path: Path) -> int:
-        total = 0
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(root, name)).st_size
-        return total
     sizes = {}
     if database is not None:
         sizes["database"] = sum(os.lstat(p).st_size for p in (database, Path(f"{database}-wal"))
                                 if os.path.lexists(p))
     for what, folder in (("logs", "runs"), ("worktrees", "worktrees"), ("mirrors", "mirrors")):
-        sizes[what] = size(data_dir / folder)
+        sizes[what] = tree_bytes(data_dir / folder)
     return sizes
 
 
@@ -11352,6 +11504,7 @@ class Deps:
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
+    disk: DiskWatch = dataclasses.field(default_factory=DiskWatch)
     refs: Refs = dataclasses.field(default_factory=Refs)
     metrics: Metrics = dataclasses.field(default_factory=Metrics)   # GET /metrics: this appliance's registry
     writer: GroupCommit = None   # type: ignore[assignment]   # one per store; kept by dataclasses.replace
@@ -11389,12 +11542,17 @@ class Deps:
             self.metrics.transactions.observe(time.perf_counter() - began)
         else:
             written = await self.writer.run(call)
+        if disk_full(written.error) and cannot_write(written.error):
+            where = self.store.dialect.database_file(self.store.database)
+            self.disk.full = f"the disk{f' of {where}' if where else ' of the database'} is full ({written.error})"
+            raise DiskFull(f"{self.disk.full}: nothing was changed; free space there and retry") from None
         if cannot_write(written.error):
             raise StoreUnavailable(f"the database cannot be written now ({written.error}); nothing was "
                                    "changed, retry shortly") from None
         if written.error is not None:
             raise written.error
         if written.wrote:
+            self.disk.full = None
             self.hub.poke()
         if self.store.notify.take_queued():   # committed outbox rows, whoever's call queued them
             self.notify_wake.poke()
@@ -11976,7 +12134,10 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
         settled = True
     finally:
         deps.live.discard(run_id)
-        shutil.rmtree(deps.private_dir(run_id), ignore_errors=True)
+        try:
+            remove_tree(deps.private_dir(run_id))
+        except OSError as exc:
+            rlog.warning("run %s: its private folder could not be removed: %s", run_id, exc)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
                 await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None, live.steps)
@@ -11991,7 +12152,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     run_id = plan.run_id
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
-    kept, back_at = None, None
+    kept, kept_title, back_at = None, "uncommitted changes kept in its worktree", None
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "
@@ -12000,13 +12161,19 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
         if workspace.exists() and Path(local).is_dir():
             await bring_back(local, workspace, plan.result_branch, commit, sandbox)
             back_at = deps.clock.now()
-    except LaunchError as exc:   # the edits stay where they are: never deleted, never called a success
-        kept = f"the agent's changes could not be saved ({exc}); they are kept in {workspace}"
-        log.getChild("run").warning("run %s: %s", run_id, kept)
-        outcome = failed(kept, "agent", outcome.reading)
+    except (LaunchError, OSError) as exc:   # the edits stay where they are: never deleted, never called a success
+        full = "the disk is full, so " if disk_full(exc) else ""
+        kept = f"{full}the agent's changes could not be saved ({exc}); they are kept in {workspace}"
     commits = await count_commits(local, commit, plan.result_branch) if commit else 0
     if kept is None:
-        await remove_worktree(workspace, sandbox)
+        try:
+            await remove_worktree(workspace, sandbox)
+        except (LaunchError, OSError) as exc:   # what the agent left there cannot be removed: the daemon serves on
+            kept = f"the run's worktree could not be removed ({exc}); what is left is in {workspace}"
+            kept_title = "its worktree could not be removed"
+    if kept is not None:
+        log.getChild("run").warning("run %s: %s", run_id, kept)
+        outcome = failed(kept, "agent", outcome.reading)
     unpushed = None
     if commits and is_repository_url(plan.repository):   # docs/fleet.md: the result goes back where it came from
         try:
@@ -12023,7 +12190,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     if (kept is None and not commits and commit and not plan.continues_branch
             and outcome.status != RunStatus.NEEDS_YOU):
         await drop_branch_of(run_id, local, plan.result_branch, commit)
-    if steps is not None and commits and kept is None and unpushed is None and back_at is not None:
+    if steps is not None and commits and unpushed is None and back_at is not None:
         steps = {**steps, "branch_back": instant_ms(back_at)}   # where its user fetches it: the mirror, or pushed
     now = deps.clock.now()
     hint = login_hint(plan.profile) if plan.profile else ""
@@ -12036,7 +12203,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
                                         schedule_id=plan.schedule_id, run_id=run_id)
     if kept is not None:
         await deps.transaction_retrying(deps.store.raise_attention, "worktree_kept",
-                                        f"Run {run_id}: uncommitted changes kept in its worktree", kept, now,
+                                        f"Run {run_id}: {kept_title}", kept, now,
                                         schedule_id=plan.schedule_id, run_id=run_id)
     log.getChild("run").info("run %s settled %s%s", run_id, outcome.status,
                              f" ({outcome.error})" if outcome.error else "")
@@ -12107,16 +12274,6 @@ def file_bytes(paths: Iterable[Path], *, remove: bool) -> int:
             total += path.lstat().st_size
             if remove:
                 path.unlink()
-    return total
-
-
-def tree_bytes(path: Path) -> int:
-    """Disk use of a folder, links never followed (``du``-like, by file sizes)."""
-    total = 0
-    for folder, _dirs, names in os.walk(path):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
     return total
 
 
@@ -13450,13 +13607,18 @@ def format_usd(value: float | None) -> str:
 @api.get("/healthz", auth=Auth.PUBLIC)
 async def api_healthz(web: Web):
     """Answered by the event loop alone (it stays up while another process locks the database):
-    503 when the cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim
-    actor has been in one pass that long, whether or not it knew of a due fire (docs/schedules.md)."""
+    503 when the database's disk was full at the latest write and still has no room, when the
+    cron actor is more than MISFIRE_GRACE_S behind a due fire, or the cron or claim actor has
+    been in one pass that long, whether or not it knew of a due fire (docs/schedules.md)."""
     from quart import jsonify
     lag = round(web.deps.cron_watch.lag_s(web.now), 1)
     stuck = web.deps.cron_watch.stuck(web.now)
+    full = web.deps.disk.full_now(web.store.dialect.database_file(web.store.database))
     body = {"status": "ok", "ok": True, "cron_lag_seconds": lag, "live_runs": len(web.deps.live)}
-    if lag > MISFIRE_GRACE_S:
+    if full is not None:   # first: it is why the actors below would be held
+        body |= {"status": "disk_full", "ok": False,
+                 "reason": f"{full}: runs cannot settle and nothing can be recorded until space is freed"}
+    elif lag > MISFIRE_GRACE_S:
         body |= {"status": "cron_lagging", "ok": False,
                  "reason": f"the cron actor is {lag:.0f} s behind a due fire"}
     elif stuck is not None:
@@ -15815,7 +15977,16 @@ async def run_until_signal(deps: Deps) -> None:
     forget_address(deps.config.data_dir)
 
 
-class JournalFormatter(logging.Formatter):
+class LogFormatter(logging.Formatter):
+    """One record, one line: what a message carries from an agent (its stderr in a run's error,
+    git's words) shows its control characters and newlines as ``\\x1b`` and ``\\x0a`` rather than
+    driving the operator's terminal or forging a line; a traceback after it prints as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return visible(super().formatMessage(record), lines=False)
+
+
+class JournalFormatter(LogFormatter):
     """journald adds the time; a ``<N>`` prefix gives it the level (sd-daemon(3))."""
     PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -15828,7 +15999,7 @@ def setup_logging(verbose: bool = False) -> None:
     if os.environ.get("JOURNAL_STREAM"):
         handler.setFormatter(JournalFormatter("%(levelname)s %(name)s: %(message)s"))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
 
@@ -16005,7 +16176,7 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
                   "No runs yet. Fire a schedule with `outpost schedules fire NAME`.")
             return
         print_table([[r["id"], r["status"], r["trigger"], r["queued_at"], str(r["changes"]["commits"]),
-                      (r["error"] or "")[:50]] for r in page["runs"]],
+                      visible((r["error"] or "")[:50], lines=False)] for r in page["runs"]],
                     ["ID", "STATUS", "TRIGGER", "QUEUED", "COMMITS", "ERROR"])
         return
     if args.target is None:
@@ -16015,12 +16186,12 @@ def cli_runs(client: Client, args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps(run, indent=2))
             return
-        for key, value in run.items():
-            print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else value}")
+        for key, value in run.items():   # JSON escapes what a dict holds; a string is the agent's words
+            print(f"{key:>16}: {json.dumps(value) if isinstance(value, dict) else visible(str(value), lines=False)}")
     elif args.action == "log" and args.follow:
         follow_log(client, args.target)
     elif args.action == "log":
-        sys.stdout.write(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True))
+        sys.stdout.write(visible(client.call("GET", f"/v1/outpost/runs/{args.target}/log", raw=True)))
     elif args.action == "cancel":
         run = client.call("POST", f"/v1/outpost/runs/{args.target}/control", {"action": "cancel"}, idempotent=True)
         print(json.dumps(run, indent=2) if args.json else f"Run {run['id']} is {run['status']}"
@@ -16034,7 +16205,7 @@ def follow_log(client: Client, run_id: str) -> None:
     while True:
         status = client.call("GET", f"/v1/outpost/runs/{run_id}")["status"]
         text, headers = client.exchange("GET", f"/v1/outpost/runs/{run_id}/log?offset={offset}")
-        sys.stdout.write(text.decode(errors="replace"))
+        sys.stdout.write(visible(text.decode(errors="replace")))
         sys.stdout.flush()
         offset = int(headers.get("X-Log-Size") or offset)
         if status not in ACTIVE_RUN_STATUSES:

@@ -731,3 +731,13 @@ def test_if_match_that_names_no_revision_is_refused(header):
 ])
 def test_host_allowed(host, allowed, ok):
     assert outpost.host_allowed(host, allowed) is ok
+
+
+@pytest.mark.parametrize(("text", "lines", "shown"), [
+    ("\x1b]0;pwned\x07\x1b[2Jdone", True, "\\x1b]0;pwned\\x07\\x1b[2Jdone"),
+    ("plain, tabbed\there\r\nnext line é ✓\n", True, "plain, tabbed\there\r\nnext line é ✓\n"),
+    ("over\rwritten \x9b31m \x7f \x00", True, "over\\x0dwritten \\x9b31m \\x7f \\x00"),
+    ("two\nlines\r\n", False, "two\\x0alines\\x0d\\x0a"),
+])
+def test_what_an_agent_prints_is_shown_not_obeyed(text, lines, shown):
+    assert outpost.visible(text, lines=lines) == shown

@@ -9,6 +9,7 @@ result branch, and the daemon keeps serving."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -134,7 +135,8 @@ def base():
     path = Path(tempfile.mkdtemp(prefix="outpost-sandbox-", dir="/var/tmp"))
     os.chmod(path, 0o755)
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        outpost.remove_tree(path)   # what a test's agent left too, however deep
 
 
 def git(repo: Path, *args: str) -> str:
@@ -616,8 +618,9 @@ def test_a_sandbox_keeps_the_data_dir_hidden_and_the_worktree_writable(tmp_path)
 @pytest.mark.skipif(shutil.which("git-lfs") is None, reason="git-lfs is not installed (.ci/run installs it)")
 def test_git_lfs_files_come_back_with_the_result_branch(base):
     """A repository with git-lfs: the worktree checks its files out (read through alternates), the
-    agent's new LFS file reaches the repository's LFS store with the branch, and an object the agent
-    forged (its name not the hash of its content) does not."""
+    agent's new LFS file reaches the repository's LFS store with the branch, and neither an object
+    the agent forged (its name not the hash of its content) nor the genuine ones it dropped in its
+    LFS store that no commit of the branch points to do."""
     data, home = base / "data", base / "home"
     for folder in (data, home):
         folder.mkdir()
@@ -631,9 +634,12 @@ def test_git_lfs_files_come_back_with_the_result_branch(base):
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "lfs"],
                    env=env, check=True)
     forged = "0" * 64
+    dropped = [hashlib.sha256(f"dropped {n}\n".encode()).hexdigest() for n in range(50)]
+    drop = " && ".join(f"mkdir -p {o[:2]}/{o[2:4]} && echo dropped {n} > {o[:2]}/{o[2:4]}/{o}"
+                       for n, o in enumerate(dropped))
     script = (f"cat old.bin > seen.txt && echo new large file > new.bin && mkdir -p .git/lfs/objects/00/00 && "
-              f"echo forged > .git/lfs/objects/00/00/{forged} && git add seen.txt new.bin && "
-              "git -c user.name=a -c user.email=a@a commit -q -m new")
+              f"echo forged > .git/lfs/objects/00/00/{forged} && (cd .git/lfs/objects && {drop}) && "
+              "git add seen.txt new.bin && git -c user.name=a -c user.email=a@a commit -q -m new")
     (data / "outpost.toml").write_text(f'[agents.lfs]\ncommand = ["sh", "-c", {json.dumps(script)}]\n')
     server = Server(data, env={"HOME": str(home)}).start()
     try:
@@ -646,7 +652,9 @@ def test_git_lfs_files_come_back_with_the_result_branch(base):
                        env=env, check=True, capture_output=True)
         assert (checkout / "seen.txt").read_text() == "old large file\n"
         assert (checkout / "new.bin").read_text() == "new large file\n"
-        assert not list((repo / ".git" / "lfs" / "objects").rglob(forged))
+        stored = {p.name for p in (repo / ".git" / "lfs" / "objects").rglob("*") if p.is_file()}
+        assert forged not in stored
+        assert not stored & set(dropped), "an object no commit of the branch points to came back"
     finally:
         server.stop()
 
@@ -710,3 +718,94 @@ def test_a_link_an_agent_left_in_its_cli_folder_never_directs_the_daemons_writes
     assert not (tmp_path / "target-of-a-dangling-link").exists() and not (tmp_path / "another-dangling-target").exists()
     assert precious.read_text() == "the user's own file\n"
     assert (home / ".gemini" / "settings.json").read_text() == "{}\n"   # made where nothing was
+
+
+#: An agent that leaves 1,500-level folder chains (brief: "commit", "keep" or "stall"): one in its
+#: LFS store, one committed in its tree; "keep" also swaps its .git for a file (the worktree is
+#: kept), "stall" waits to be killed with its daemon.
+DEEP = r'''
+import os, sys, time
+mode = sys.stdin.read().strip()
+
+def chain(top):
+    os.makedirs(top, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    with open(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+        f.write("deep\n")
+
+chain(".git/lfs/objects/aa")
+chain("deep")
+if mode == "keep":
+    os.rename(".git", ".git-moved")
+    open(".git", "w").write("gitdir: /nowhere\n")
+if mode == "stall":
+    open("ready", "w").close()
+    time.sleep(60)
+print('{"status": "succeeded", "summary": "deep"}')
+'''
+
+
+def deep_server(base: Path) -> tuple[Path, Path, Server]:
+    data = base / "data"
+    data.mkdir()
+    repo = make_repo(base / "repo")
+    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    (data / "outpost.toml").write_text(f'[agents.deep]\ncommand = [{json.dumps(python)}, "-c", {json.dumps(DEEP)}]\n')
+    return data, repo, Server(data, env={"HOME": str(base)}).start()
+
+
+def test_deep_folder_chains_an_agent_leaves_never_take_the_daemon_down(base):
+    """A 1,500-level chain in its LFS store and one committed: the run succeeds with its commit
+    and its worktree goes; kept in a worktree, the chain is counted by /metrics and the Settings
+    page like any folder."""
+    data, repo, server = deep_server(base)
+    try:
+        with server.client() as client:
+            run = settled(client, post(client, "/v1/outpost/dispatches",
+                                       {"brief": "commit", "repository": str(repo), "agent": "deep"}).json()["run_id"])
+            assert (run["status"], run["changes"]["commits"]) == ("succeeded", 1), run["error"]
+            assert git(repo, "show", f"{run['result_branch']}:deep/{'d/' * 1500}leaf") == "deep"
+            assert not (data / "worktrees" / run["id"]).exists()
+            kept = settled(client, post(client, "/v1/outpost/dispatches",
+                                        {"brief": "keep", "repository": str(repo), "agent": "deep"}).json()["run_id"])
+            assert kept["status"] == "failed" and "kept in" in kept["error"], kept
+            assert (data / "worktrees" / kept["id"]).is_dir()
+            metrics = client.get("/metrics")
+            assert metrics.status_code == 200, metrics.text[:300]
+            assert 'outpost_disk_bytes{what="worktrees"}' in metrics.text
+        with httpx.Client(base_url=server.url, timeout=30, follow_redirects=True) as browser:
+            page = browser.post("/signin", data={"token": server.token, "next": "/settings"})
+            assert page.status_code == 200 and 'data-disk="worktrees"' in page.text, page.text[:300]
+        assert server.proc.poll() is None
+        assert "Traceback" not in server.logs()
+    finally:
+        server.stop()
+
+
+def test_a_deep_folder_chain_left_by_a_run_killed_with_its_daemon_lets_the_next_start_serve(base):
+    """The next start settles the run and removes its worktree, chain and all, and serves on."""
+    data, repo, server = deep_server(base)
+    try:
+        with server.client() as client:
+            run_id = post(client, "/v1/outpost/dispatches",
+                          {"brief": "stall", "repository": str(repo), "agent": "deep"}).json()["run_id"]
+            wait_for(lambda: (data / "worktrees" / run_id / "ready").exists(), timeout_s=60)
+        server.stop(9)
+        again = Server(data, env={"HOME": str(base)}).start()
+        try:
+            with again.client() as client:
+                run = settled(client, run_id)
+                assert (run["status"], run["error"]) == ("failed", "interrupted")
+                assert client.get("/healthz").json()["ok"]
+            assert not (data / "worktrees" / run_id).exists()
+            assert again.proc.poll() is None
+            assert "Traceback" not in again.logs()
+        finally:
+            again.stop()
+    finally:
+        server.stop()

@@ -693,3 +693,102 @@ def test_a_second_serve_on_the_same_data_dir_exits_2_naming_the_running_one(serv
         assert str(recorded["pid"]) in second.stderr and first.url in second.stderr
         assert json.loads((first.data_dir / "serve.json").read_text()) == recorded, "only its writer removes it"
     assert first.client().get("/healthz").status_code == 200
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A data dir on its own 16 MiB tmpfs (root can mount one; elsewhere the test skips)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(data)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield data
+    subprocess.run(["umount", "-l", str(data)], check=False)
+
+
+def fill(folder: Path) -> Path:
+    """A file that takes what space is left on ``folder``'s disk."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 16, 1 << 12, 1):   # down to the last byte
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * size)
+    return filler
+
+
+def test_a_full_disk_is_named_at_healthz_and_dispatch_and_all_recovers_once_space_is_back(small_disk, git_repo):
+    """The data dir's disk fills while a run's agent works: the run waits unsettled (never lost),
+    /healthz and a dispatch say the disk is full; once space is freed, without a restart, the run
+    settles failed with the reason (its work kept in its worktree), /healthz is ok and a new run
+    succeeds."""
+    data = small_disk
+    waiter = ('echo work > work.txt; if grep -q wait; then touch hold; while [ -e hold ]; do sleep 0.05; done; fi; '
+              'echo \'{"status": "succeeded"}\'')
+    (data / "outpost.toml").write_text(f'[agents.waiter]\ncommand = ["sh", "-c", {json.dumps(waiter)}]\n')
+    server = Server(data).start()
+    try:
+        with server.client() as client:
+            def run_waiter(brief: str) -> str:
+                return client.post("/v1/outpost/dispatches", headers=key(), json={
+                    "brief": brief, "repository": str(git_repo), "agent": "waiter"}).json()["run_id"]
+
+            def settled(run_id: str) -> dict:
+                return wait_for(lambda: (r := client.get(f"/v1/outpost/runs/{run_id}").json())["status"] in SETTLED
+                                and r)
+            run_id = run_waiter("work, then wait")
+            hold = data / "worktrees" / run_id / "hold"
+            wait_for(hold.exists)
+            filler = fill(data)
+            hold.unlink()   # the agent ends; what it left cannot be saved, nor its run settled
+            refused = client.post("/v1/outpost/dispatches", headers=key(), json={
+                "brief": "more", "repository": str(git_repo), "agent": "waiter"})
+            assert refused.status_code == 503 and refused.headers["Content-Type"] == "application/problem+json"
+            assert refused.json()["code"] == "disk_full" and "is full" in refused.json()["detail"], refused.json()
+            health = wait_for(lambda: (h := client.get("/healthz")).status_code == 503 and h.json())
+            assert health["status"] == "disk_full" and "is full" in health["reason"], health
+            wait_for(lambda: "settle_run: the disk" in server.logs())   # its settlement waits for space
+            assert client.get(f"/v1/outpost/runs/{run_id}").json()["status"] == "running"
+
+            filler.unlink()
+            run = settled(run_id)
+            assert run["status"] == "failed" and run["error"].startswith("the disk is full, so "), run
+            assert (data / "worktrees" / run_id / "work.txt").read_text() == "work\n"
+            assert wait_for(lambda: client.get("/healthz").json()["ok"])
+            after = settled(run_waiter("work"))
+            assert (after["status"], after["changes"]["commits"]) == ("succeeded", 1), after
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+# --- what an agent prints, where a person reads it ------------------------------------------------
+
+def test_escape_sequences_an_agent_prints_are_shown_not_obeyed_in_the_daemons_log_and_the_cli(server_factory,
+                                                                                              git_repo):
+    """An OSC title, a clear screen and a bell in the agent's output and in its error: the serve
+    log and ``outpost runs show`` / ``runs log`` print them as ``\\x1b``, never the bytes a terminal
+    obeys; plain text, line breaks and UTF-8 stay as they are."""
+    data = git_repo.parent / "data"
+    data.mkdir()
+    noisy = (r'printf "\033]0;pwned\007\033[2Jout \303\251\nline two\n"; '
+             r'printf "\033]0;pwned\007\033[2Jerr \303\251\n" >&2; exit 1')
+    (data / "outpost.toml").write_text(f'[agents.noisy]\ncommand = ["sh", "-c", {json.dumps(noisy)}]\n')
+    server = server_factory(data_dir=data)
+    with server.client() as client:
+        run_id = client.post("/v1/outpost/dispatches", headers=key(), json={
+            "brief": "go", "repository": str(git_repo), "agent": "noisy"}).json()["run_id"]
+        run = wait_status(client, run_id)
+    assert run["status"] == "failed" and "\x1b]0;pwned\x07" in run["error"]   # the API keeps the agent's words
+    port = port_of(server)
+    shown = cli(data, "runs", "show", run_id, port=port)
+    logged = cli(data, "runs", "log", run_id, port=port)
+    server.stop()
+    settled_line = next(line for line in server.logs().splitlines() if f"run {run_id} settled" in line)
+    for printed in (shown.stdout, logged.stdout, settled_line):
+        assert "\x1b" not in printed and "\x07" not in printed, repr(printed)
+        assert "\\x1b]0;pwned\\x07\\x1b[2J" in printed, printed
+    assert "err é" in shown.stdout and "err é" in settled_line
+    assert "\\x1b[2Jout é\nline two\n" in logged.stdout
