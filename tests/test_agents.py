@@ -715,13 +715,10 @@ async def office_session(deps: outpost.Deps, repo: Path, description: str) -> tu
     return worker, tid, conftest.wakeups(deps.store, worker)
 
 
-async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(autojump_clock, fakes_on_path, store,
-                                                                             git_repo):
-    """docs/agent-clis.md: the runs of one (agent, task) share one worktree path and branch, each
-    continuing from the branch's head, so the resumed CLI finds its session (by directory)
-    and its earlier edits."""
-    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
-    worker, tid, (first,) = await office_session(deps, git_repo, "fake:success\nfake-write: notes.txt first draft")
+async def first_then_a_comment(deps: outpost.Deps, worker: str, tid: str, first: dict) -> dict:
+    """Runs the first wakeup of an office_session to its end, then a comment on the task ("go on")
+    to its own: the comment's wakeup."""
+    store = deps.store
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
             await actors(deps, nursery)
@@ -731,6 +728,17 @@ async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(aut
             comment = only(conftest.wakeups(store, worker, source="comment"))
             await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
             nursery.cancel_scope.cancel()
+    return comment
+
+
+async def test_office_task_sessions_share_one_worktree_and_branch_and_resume(autojump_clock, fakes_on_path, store,
+                                                                             git_repo):
+    """docs/agent-clis.md: the runs of one (agent, task) share one worktree path and branch, each
+    continuing from the branch's head, so the resumed CLI finds its session (by directory)
+    and its earlier edits."""
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    worker, tid, (first,) = await office_session(deps, git_repo, "fake:success\nfake-write: notes.txt first draft")
+    comment = await first_then_a_comment(deps, worker, tid, first)
     run1 = conftest.office_run(store, conftest.wakeup(store, first["id"])["run_id"])
     run2 = conftest.office_run(store, conftest.wakeup(store, comment["id"])["run_id"])
     assert run1["status"] == run2["status"] == "succeeded"
@@ -1171,15 +1179,7 @@ async def test_a_session_id_shaped_like_an_option_never_reaches_the_resume(autoj
               "session_id": "--dangerously-skip-permissions"}
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
     worker, tid, (first,) = await office_session(deps, git_repo, f"fake:lines\nfake-line: {json.dumps(result)}")
-    with trio.fail_after(600):
-        async with trio.open_nursery() as nursery:
-            await actors(deps, nursery)
-            await until(lambda: conftest.wakeup(store, first["id"])["status"] == "finished")
-            call(store, store.office.add_comment, tid, "fake:success please go on", deps.clock.now())
-            deps.claim_wake.poke()
-            comment = only(conftest.wakeups(store, worker, source="comment"))
-            await until(lambda: conftest.wakeup(store, comment["id"])["status"] == "finished")
-            nursery.cancel_scope.cancel()
+    comment = await first_then_a_comment(deps, worker, tid, first)
     second = conftest.office_run(store, conftest.wakeup(store, comment["id"])["run_id"])
     assert second["status"] == "succeeded" and second["resumed"] is False
     argvs = [c["argv"] for c in calls(fakes_on_path, "claude")]

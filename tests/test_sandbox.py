@@ -30,14 +30,8 @@ import outpost
 pytestmark = pytest.mark.skipif(not outpost.agent_isolation("auto").active,
                                 reason="bubblewrap does not work here (.ci/run installs the bubblewrap package)")
 
-#: The hostile agent: reads its plan (JSON) on stdin, tries each route, and leaves what it found in
-#: report.json, uncommitted (Outpost's own git saves it, and so meets what the agent planted).
-HOSTILE = r'''
-import json, os, signal, subprocess, sys
-plan = json.loads(sys.stdin.read())
-data, repo, marks = plan["data"], plan["repo"], plan["marks"]
-found = {}
-
+#: What both hostile agents below try things with: each attempt's result, or how it was refused.
+ATTEMPTS = '''
 def attempt(name, fn):
     try:
         found[name] = repr(fn())[:2000]
@@ -47,7 +41,17 @@ def attempt(name, fn):
 def read(path):
     with open(path, "rb") as f:
         return f.read(4096).decode(errors="replace")
+'''
 
+#: The hostile agent: reads its plan (JSON) on stdin, tries each route, and leaves what it found in
+#: report.json, uncommitted (Outpost's own git saves it, and so meets what the agent planted).
+HOSTILE = r'''
+import json, os, signal, subprocess, sys
+plan = json.loads(sys.stdin.read())
+data, repo, marks = plan["data"], plan["repo"], plan["marks"]
+found = {}
+
+'''+ATTEMPTS+r'''
 def sh(*argv):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if done.returncode:
@@ -274,16 +278,7 @@ import fcntl, json, os, socket, subprocess, sys, termios
 plan = json.loads(sys.stdin.read())
 home, found = os.environ["HOME"], {}
 
-def attempt(name, fn):
-    try:
-        found[name] = repr(fn())[:300]
-    except BaseException as exc:
-        found[name] = f"refused: {type(exc).__name__}: {exc}"[:300]
-
-def read(path):
-    with open(path, "rb") as f:
-        return f.read(200).decode(errors="replace")
-
+'''+ATTEMPTS+r'''
 def same_value_back(path):   # proves it writable, changes nothing
     value = read(path)
     with open(path, "w") as f:
@@ -489,6 +484,19 @@ def test_sandboxed_runs_that_start_together_all_outlive_10_s(base):
         server.stop()
 
 
+def started_run(client: httpx.Client, repo: Path, agent: str) -> str:
+    """A dispatch to ``agent``, once its log says "started": the run's id."""
+    run_id = post(client, "/v1/outpost/dispatches", {"brief": "go", "repository": str(repo), "agent": agent}).json()[
+        "run_id"]
+    wait_for(lambda: "started" in client.get(f"/v1/outpost/runs/{run_id}/log").text)
+    return run_id
+
+
+def processes_named(mark: str) -> list[int]:
+    """The processes whose command line holds ``mark``."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and mark in cmdline(int(p))]
+
+
 def test_a_cancelled_sandboxed_agent_gets_its_grace(base):
     """SIGTERM reaches the agent inside, not bubblewrap (which would take the sandbox down at once):
     an agent that cleans up on SIGTERM gets to."""
@@ -500,9 +508,7 @@ def test_a_cancelled_sandboxed_agent_gets_its_grace(base):
     server = Server(data, env={"HOME": str(base)}).start()
     try:
         with server.client() as client:
-            run_id = post(client, "/v1/outpost/dispatches",
-                          {"brief": "go", "repository": str(repo), "agent": "graceful"}).json()["run_id"]
-            wait_for(lambda: "started" in client.get(f"/v1/outpost/runs/{run_id}/log").text)
+            run_id = started_run(client, repo, "graceful")
             post(client, f"/v1/outpost/runs/{run_id}/control", {"action": "cancel"})
             run = settled(client, run_id)
         assert run["status"] == "cancelled"
@@ -524,19 +530,17 @@ def test_a_paused_sandboxed_run_stops_also_what_left_its_process_group(base):
     server = Server(data, env={"HOME": str(base)}).start()
     try:
         with server.client() as client:
-            run_id = post(client, "/v1/outpost/dispatches",
-                          {"brief": "go", "repository": str(repo), "agent": "escaper"}).json()["run_id"]
-            wait_for(lambda: "started" in client.get(f"/v1/outpost/runs/{run_id}/log").text)
-            escaped = wait_for(lambda: [p for p in os.listdir("/proc") if p.isdigit() and mark in cmdline(int(p))])
+            run_id = started_run(client, repo, "escaper")
+            escaped = wait_for(lambda: processes_named(mark))
             assert post(client, f"/v1/outpost/runs/{run_id}/control", {"action": "pause"}).status_code == 200
-            wait_for(lambda: all((outpost.process_stat(int(p)) or ["T"])[0] == "T" for p in escaped))
+            wait_for(lambda: all((outpost.process_stat(p) or ["T"])[0] == "T" for p in escaped))
             post(client, f"/v1/outpost/runs/{run_id}/control", {"action": "cancel"})
             assert settled(client, run_id)["status"] == "cancelled"
-        assert not [p for p in os.listdir("/proc") if p.isdigit() and mark in cmdline(int(p))]
+        assert not processes_named(mark)
     finally:
         server.stop()
-        for pid in [p for p in os.listdir("/proc") if p.isdigit() and mark in cmdline(int(p))]:
-            os.kill(int(pid), 9)
+        for pid in processes_named(mark):
+            os.kill(pid, 9)
 
 
 def test_a_sandbox_s_tmp_holds_no_more_than_its_profile_s_tmp_mb(base):
@@ -689,7 +693,7 @@ async def test_a_planted_fsmonitor_that_never_answers_cannot_hold_the_settlement
     assert run["status"] == "failed" and "did not finish within 3 s" in run["error"], run["error"]
     assert (deps.worktree(run_id) / "left.txt").read_text() == "left\n"
     assert (deps.worktree(run_id) / "late.txt").exists(), "the planted daemon ran"
-    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and mark in cmdline(int(pid))]
+    assert not processes_named(mark)
     store.close()
 
 
