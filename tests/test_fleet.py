@@ -354,7 +354,7 @@ def test_kill_9_of_a_node_the_survivor_settles_its_runs_and_the_restart_leaves_t
     starts = [r for w, r, _ in ledger_lines(ledger) if w == "start"]
     assert sorted(starts) == sorted([long_run, waiting])                # nothing started twice
     assert not any(w == "end" and r == long_run for w, r, _ in ledger_lines(ledger))
-    assert "ending its surviving process group" in b.server.logs()
+    assert "ending its surviving processes" in b.server.logs()
 
 
 
