@@ -267,19 +267,23 @@ AGENT_HOME_STATE = (".claude", ".codex", ".gemini", ".aider")
 #: command or an instruction for the next run, or for the user's own CLI outside.
 AGENT_HOME_SETTINGS = {
     ".claude/settings.json": "{}\n", ".claude/CLAUDE.md": "", ".claude/commands": None, ".claude/agents": None,
-    ".claude/skills": None, ".claude/plugins": None, ".claude/output-styles": None,
+    ".claude/skills": None, ".claude/plugins": None, ".claude/output-styles": None, ".claude/rules": None,
     ".codex/config.toml": "", ".codex/AGENTS.md": "", ".codex/AGENTS.override.md": "", ".codex/prompts": None,
-    ".codex/skills": None, ".codex/agents": None,
+    ".codex/skills": None, ".codex/agents": None, ".codex/.env": "", ".codex/rules": None, ".codex/policy": None,
     ".gemini/settings.json": "{}\n", ".gemini/GEMINI.md": "", ".gemini/.env": "", ".gemini/commands": None,
-    ".gemini/extensions": None}
+    ".gemini/extensions": None, ".gemini/policies": None, ".gemini/skills": None, ".gemini/agents": None,
+    ".gemini/trustedFolders.json": "{}\n", ".aider/oauth-keys.env": ""}
 #: Credentials in HOME no agent needs, hidden from every sandbox (folders become empty, files
 #: empty): the keys and tokens that reach the user's other machines and accounts. Outpost's own
 #: git and ssh use them outside the sandbox; an agent's commit is never signed with them.
 HOME_SECRETS = (".ssh", ".gnupg", ".git-credentials", ".config/git/credentials", ".netrc", ".pgpass", ".aws",
                 ".azure", ".config/gcloud", ".config/gh", ".docker", ".kube", ".npmrc", ".pypirc", ".claude.json")
-#: A sandbox's /tmp, in MiB, unless its profile says (``tmp_mb``): a tmpfs is memory, and an agent
-#: that fills it must meet "no space left" long before the machine runs out of memory.
+#: A sandbox's /tmp and /dev/shm, each, in MiB, unless its profile says (``tmp_mb``): a tmpfs is
+#: memory, and an agent that fills it must meet "no space left" long before the machine runs out.
 SANDBOX_TMP_MB = 1024
+#: Each tmpfs that only hides something (the data dir, /run, another CLI's folder, a secret):
+#: room for the mount points shown in it, no more.
+HIDING_TMPFS_BYTES = 1 << 20
 #: The system's secrets, hidden too: they matter when the daemon runs as root, which owns them.
 SYSTEM_SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssh", "/etc/sudoers",
                   "/etc/sudoers.d", "/root/.ssh")
@@ -10072,10 +10076,15 @@ class Sandbox:
             path = path.resolve()
             return [how, str(path), str(path)]
 
-        args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "--proc", "/proc",
+        def hide(path: Path | str) -> list[str]:
+            return ["--size", str(HIDING_TMPFS_BYTES), "--tmpfs", str(path)]
+
+        room = str(self.tmp_mb << 20)
+        args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--size", room, "--tmpfs", "/dev/shm",
+                "--remount-ro", "/dev", "--unshare-pid", "--proc", "/proc",
                 *(a for knob in PROC_HOST_KNOBS for a in ("--ro-bind-try", knob, knob)),
                 "--unshare-ipc", "--unshare-uts", "--new-session",   # no terminal of the daemon's to write to
-                "--size", str(self.tmp_mb << 20), "--tmpfs", "/tmp", "--tmpfs", "/run"]
+                "--size", room, "--tmpfs", "/tmp", *hide("/run")]
         # Under the emptied folders, what the command needs stays visible, read-only: HOME, the
         # folders of PATH and of the command, Outpost itself (the demo agent), and the resolver's
         # file (/etc/resolv.conf is often a link into /run).
@@ -10091,15 +10100,15 @@ class Sandbox:
                 if name in self.home_state and present(folder):
                     args += shown(folder, "--bind")
                 elif present(folder):   # another CLI's login and sessions
-                    args += ["--tmpfs", str(folder.resolve())]
+                    args += hide(folder.resolve())
             for name in AGENT_HOME_SETTINGS:
                 if name.partition("/")[0] in self.home_state and present(self.home / name):
                     args += shown(self.home / name, "--ro-bind")
         secrets = [*(self.home / name for name in HOME_SECRETS if self.home is not None), *map(Path, SYSTEM_SECRETS)]
         for path in filter(present, secrets):   # a folder made empty, a file made /dev/null
             where = str(path.resolve())
-            args += ["--tmpfs", where] if path.is_dir() else ["--ro-bind", "/dev/null", where]
-        args += ["--tmpfs", str(hidden[-1])]
+            args += hide(where) if path.is_dir() else ["--ro-bind", "/dev/null", where]
+        args += hide(hidden[-1])
         if any(self.repository.resolve().is_relative_to(h) for h in hidden):
             args += shown(self.repository, "--ro-bind")
         args += [*shown(self.worktree, "--bind"), "--ro-bind-try", str(self.private), str(self.private)]
@@ -10118,6 +10127,9 @@ class Sandbox:
         for name, empty in AGENT_HOME_SETTINGS.items():
             if name.partition("/")[0] not in self.home_state:
                 continue
+            if (self.home / name).is_symlink() and not present(self.home / name):   # a link to nothing yet,
+                with contextlib.suppress(OSError):                                 # which the agent could make
+                    (self.home / name).unlink()
             if empty is None:
                 with contextlib.suppress(OSError):
                     (self.home / name).mkdir(mode=0o700, exist_ok=True)
@@ -10141,6 +10153,12 @@ def process_stat(pid: int) -> list[str] | None:
         return None
 
 
+def process_start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat: with the pid, names one process across pid reuse."""
+    stat = process_stat(pid)
+    return stat[19] if stat else None
+
+
 def pid_namespace(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")
@@ -10148,23 +10166,38 @@ def pid_namespace(pid: int) -> str | None:
         return None
 
 
-def run_members(leader: int) -> list[int]:
-    """A run's processes: its leader, the process group it heads and, when the leader is a
-    sandbox's bubblewrap, every process of the sandbox's PID namespace, also one that left the
-    group (a setsid, the sandbox's own new session): a pause, a cancel or a time limit reaches
-    all of them, and none outlives its run."""
-    stats = {int(e.name): stat for e in os.scandir("/proc") if e.name.isdigit() and (stat := process_stat(int(e.name)))}
+#: A sandbox's process 1 (bubblewrap's reaper, its PID namespace's init): its pid and start time.
+SandboxInit = tuple[int, str]
+
+
+def sandbox_init(leader: int) -> SandboxInit | None:
+    """The process 1 of the sandbox whose outer bubblewrap is ``leader``, while that one lives."""
     ours = pid_namespace(os.getpid())
-    sandboxes = {ns for pid, stat in stats.items() if stat[1] == str(leader)
-                 and (ns := pid_namespace(pid)) is not None and ns != ours}
-    return [pid for pid, stat in stats.items()
-            if pid == leader or stat[2] == str(leader) or (sandboxes and pid_namespace(pid) in sandboxes)]
+    for entry in os.scandir("/proc"):
+        stat = process_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat and stat[1] == str(leader) and pid_namespace(int(entry.name)) not in (None, ours):
+            return int(entry.name), stat[19]
+    return None
 
 
-def signal_run(leader: int, sig: int) -> bool:
+def run_members(leader: int, init: SandboxInit | None = None) -> list[int]:
+    """A run's processes: its leader, the process group it heads and, for a sandbox, every
+    descendant of its process 1 (``init``, else found under a living leader): also one that left
+    the group (a setsid, the sandbox's own new session) or made a PID namespace of its own, as
+    orphans of a PID namespace become its init's. A pause, a cancel or a time limit reaches all
+    of them, and none outlives its run."""
+    stats = {int(e.name): stat for e in os.scandir("/proc") if e.name.isdigit() and (stat := process_stat(int(e.name)))}
+    init = init or sandbox_init(leader)
+    inside = {init[0]} if init and init[0] in stats and stats[init[0]][19] == init[1] else set()
+    while grown := {pid for pid, stat in stats.items() if int(stat[1]) in inside} - inside:
+        inside |= grown
+    return [pid for pid, stat in stats.items() if pid == leader or stat[2] == str(leader) or pid in inside]
+
+
+def signal_run(leader: int, sig: int, init: SandboxInit | None = None) -> bool:
     """``sig`` to every process of the run (run_members); whether any was there to get it."""
     sent = False
-    for pid in run_members(leader):
+    for pid in run_members(leader, init):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
             sent = True
@@ -10174,13 +10207,13 @@ def signal_run(leader: int, sig: int) -> bool:
 async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox | None = None) -> str:
     """Run git with an argument list (never a shell), hooks off; stdout, or LaunchError with
     stderr. In ``sandbox``: on a path an agent has written (docs/security.md)."""
-    argv, env = ["git", "-C", str(repo), *GIT_NO_HOOKS, *args], None
-    if sandbox is not None:
-        argv, env = sandbox.argv(argv), Sandbox.env(dict(os.environ))
+    argv = ["git", "-C", str(repo), *GIT_NO_HOOKS, *args]
     try:
-        with trio.fail_after(SANDBOXED_GIT_S if sandbox is not None else math.inf):
-            done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"",
-                                          env=env, deliver_cancel=end_sandbox if sandbox is not None else None)
+        if sandbox is None:
+            done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"")
+        else:
+            with trio.fail_after(SANDBOXED_GIT_S):
+                done = await run_sandboxed_git(sandbox.argv(argv), Sandbox.env(dict(os.environ)))
     except OSError as exc:
         raise LaunchError(f"could not run git: {exc}") from None
     except trio.TooSlowError:
@@ -10191,10 +10224,56 @@ async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox
     return done.stdout.decode(errors="replace").strip()
 
 
-async def end_sandbox(process: trio.Process) -> None:
-    """A sandboxed git cancelled (its time limit): all of its sandbox ends with it, also what it
-    started there that left its group (a planted fsmonitor's daemon)."""
-    signal_run(process.pid, signal.SIGKILL)
+class SandboxInfo:
+    """bubblewrap's ``--info-fd``: the pipe through which it names its sandbox's process 1, so the
+    sandbox can be ended after its outer bubblewrap has exited (which it does as soon as the
+    command does, while what the command left running lives on under process 1)."""
+
+    def __init__(self, argv: list[str]):
+        self.read_end, self.write_end = os.pipe()
+        self.argv = [argv[0], "--info-fd", str(self.write_end), *argv[1:]]
+
+    async def init(self) -> SandboxInit | None:
+        """Process 1, once bubblewrap has written it (None: it failed before). Call after the spawn."""
+        os.close(self.write_end)
+        text = b""
+        async with trio.lowlevel.FdStream(self.read_end) as info:
+            while chunk := await info.receive_some():
+                text += chunk
+        with contextlib.suppress(ValueError, TypeError):
+            pid = int(json.loads(text)["child-pid"])
+            started = process_start_time(pid)
+            return (pid, started) if started else None
+        return None
+
+    def close(self) -> None:
+        """The spawn failed: no process will write."""
+        os.close(self.read_end)
+        os.close(self.write_end)
+
+
+async def run_sandboxed_git(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Outpost's own git in a run's sandbox: when git exits, or is cancelled (its time limit),
+    the whole sandbox ends with it, also what it started there (a planted fsmonitor's daemon,
+    which would otherwise hold its output open, and write into the worktree, for ever)."""
+    info = SandboxInfo(argv)
+    init: SandboxInit | None = None
+    done: list[subprocess.CompletedProcess] = []
+
+    async def end_sandbox(process: trio.Process) -> None:
+        signal_run(process.pid, signal.SIGKILL, init)
+
+    async def git_process(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        done.append(await trio.run_process(info.argv, capture_stdout=True, capture_stderr=True, check=False,
+                                           stdin=b"", env=env, pass_fds=(info.write_end,),
+                                           deliver_cancel=end_sandbox, task_status=task_status))
+
+    async with trio.open_nursery() as nursery:
+        process = await nursery.start(git_process)
+        init = await info.init()
+        await process.wait()
+        signal_run(process.pid, signal.SIGKILL, init)   # what it left running holds its output open
+    return done[0]
 
 
 async def resolve_ref(repository: str, ref: str) -> str:
@@ -10684,12 +10763,6 @@ def ensure_embedded_repository(path: Path) -> None:
 # 14. Running an agent: its process group, output capture, logs, the demo agent.
 ###############################################################################
 
-def process_start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat: with the pid, names one process across pid reuse."""
-    stat = process_stat(pid)
-    return stat[19] if stat else None
-
-
 def this_process() -> str:
     """Names this process across machines, boots and pid reuse (who holds a node's name)."""
     try:
@@ -10849,6 +10922,7 @@ class LiveRun:
     run_id: str
     scope: trio.CancelScope
     pid: int | None = None
+    init: SandboxInit | None = None      # its sandbox's process 1 (SandboxInfo)
     cancelled: bool = False
     paused: bool = False                 # a pause is recorded: stopped, or stopped the moment it exists
     remaining_s: float | None = None     # of the timeout, while paused
@@ -10879,7 +10953,7 @@ class LiveRun:
             return
         self.paused = True
         if self.pid:
-            signal_run(self.pid, signal.SIGSTOP)
+            signal_run(self.pid, signal.SIGSTOP, self.init)
             self.remaining_s = self.scope.deadline - trio.current_time()
             self.scope.deadline = math.inf
 
@@ -10890,13 +10964,13 @@ class LiveRun:
         if self.pid and self.remaining_s is not None:
             self.scope.deadline = trio.current_time() + self.remaining_s
             self.remaining_s = None
-            signal_run(self.pid, signal.SIGCONT)
+            signal_run(self.pid, signal.SIGCONT, self.init)
 
-    def spawned(self, pid: int, timeout_s: float) -> None:
+    def spawned(self, pid: int, timeout_s: float, init: SandboxInit | None) -> None:
         """The process exists: its timeout starts, or, paused before, it is stopped at once (docs/http-api.md)."""
-        self.pid = pid
+        self.pid, self.init = pid, init
         if self.paused:
-            signal_run(pid, signal.SIGSTOP)
+            signal_run(pid, signal.SIGSTOP, init)
             self.remaining_s, self.scope.deadline = timeout_s, math.inf
         else:
             self.scope.deadline = trio.current_time() + timeout_s
@@ -10996,24 +11070,25 @@ class ProcessResult:
     timed_out: bool
 
 
-async def terminate_group(proc: trio.Process, grace_s: float) -> None:
+async def terminate_group(proc: trio.Process, grace_s: float, init: SandboxInit | None = None) -> None:
     """SIGTERM the run's processes (run_members), SIGKILL them after the grace. The grace is all
     of theirs, not only the leader's. The leader of an isolated agent is bubblewrap, which would
     die at SIGTERM at once while the agent inside goes on: it is spared the SIGTERM and ends with
     the agent, so the run's exit status is the agent's. Shielded: runs during shutdown."""
     with trio.CancelScope(shield=True):
         sandboxed = proc.args[0] == "bwrap"
-        for pid in run_members(proc.pid):
+        init = init or sandbox_init(proc.pid)   # found before its leader goes (a survivor's)
+        for pid in run_members(proc.pid, init):
             if pid != proc.pid or not sandboxed:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGTERM)
-        signal_run(proc.pid, signal.SIGCONT)   # a stopped (paused) process must wake to die
+        signal_run(proc.pid, signal.SIGCONT, init)   # a stopped (paused) process must wake to die
         with trio.move_on_after(grace_s):
             await proc.wait()
-            while signal_run(proc.pid, 0):   # signal 0: is anyone of the run left?
+            while signal_run(proc.pid, 0, init):   # signal 0: is anyone of the run left?
                 await trio.sleep(0.05)
             return
-        signal_run(proc.pid, signal.SIGKILL)
+        signal_run(proc.pid, signal.SIGKILL, init)
         await proc.wait()
 
 
@@ -11028,15 +11103,19 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
     sink = LogSink(log_path, now)
     stdout_lines = OutputLines()
     stderr_tail = bytearray()
+    info = SandboxInfo(argv) if argv[0] == "bwrap" else None
     try:
         try:
             proc = await trio.lowlevel.open_process(
-                argv, cwd=str(cwd), env=env, start_new_session=True,
+                info.argv if info else argv, cwd=str(cwd), env=env, start_new_session=True,
                 stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info.write_end,) if info else ())
         except OSError as exc:
+            if info:
+                info.close()
             raise LaunchError(f"could not start agent command {argv[0]!r}: {exc.strerror or exc}") from None
-        live.spawned(proc.pid, timeout_s)
+        init = await info.init() if info else None
+        live.spawned(proc.pid, timeout_s, init)
         live.step("agent_started")
         await on_spawn(proc.pid)
 
@@ -11066,12 +11145,15 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
                     nursery.start_soon(pump_stdout)
                     nursery.start_soon(pump_stderr)
                     await proc.wait()
+                    # The agent ended: so does what it left running (background children, a daemon
+                    # under the sandbox's process 1), which would hold its output open for ever.
+                    signal_run(proc.pid, signal.SIGKILL, init)
             timed_out = live.timed_out
         finally:
             if proc.returncode is None:
-                await terminate_group(proc, grace_s)
+                await terminate_group(proc, grace_s, init)
             else:
-                signal_run(proc.pid, signal.SIGKILL)   # leftovers of the run (background children)
+                signal_run(proc.pid, signal.SIGKILL, init)
             live.step("agent_exited")
         return ProcessResult(proc.returncode, stdout_lines.lines(), stderr_tail.decode(errors="replace"), timed_out)
     finally:
@@ -11213,12 +11295,13 @@ async def end_survivor(deps: Deps, run_id: str, pid: int | None, started: str | 
     still the same process (a pid alone may have been reused)."""
     if pid and started and process_start_time(pid) == started:
         log.getChild("recovery").warning("run %s: ending its surviving processes (leader %d)", run_id, pid)
-        signal_run(pid, signal.SIGTERM)
-        signal_run(pid, signal.SIGCONT)
+        init = sandbox_init(pid)   # found while its leader lives: what it leaves is ended after it
+        signal_run(pid, signal.SIGTERM, init)
+        signal_run(pid, signal.SIGCONT, init)
         with trio.move_on_after(deps.grace_s):
             while process_start_time(pid) == started:
                 await trio.sleep(0.05)
-        signal_run(pid, signal.SIGKILL)
+        signal_run(pid, signal.SIGKILL, init)
 
 
 ###############################################################################

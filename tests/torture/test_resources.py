@@ -91,12 +91,14 @@ def test_a_full_disk_gives_503_corrupts_nothing_and_recovers(small_disk, git_rep
     statuses = [r.status_code for r in replies if r is not None]
     assert set(statuses) <= {202, 503}, (statuses, server.logs()[-6000:].replace("\\n", "\n"))
     assert 503 in statuses, f"a full disk must refuse intake with 503, got {statuses}"
-    assert httpx.get(server.url + "/healthz", timeout=2).status_code == 200
+    health = httpx.get(server.url + "/healthz", timeout=2)   # alive, and saying what is wrong
+    assert (health.status_code, health.json()["status"]) == (503, "disk_full"), health.text
     acked = {r.json()["run_id"] for r in replies if r is not None and r.status_code == 202}
 
     filler.unlink()   # space is back: work resumes
     again = dispatch(api, git_repo, "room-again")
     assert again.status_code == 202
+    assert httpx.get(server.url + "/healthz", timeout=2).status_code == 200
     wait_for(lambda: api.get(f"/v1/outpost/runs/{again.json()['run_id']}").json()["status"] == "succeeded")
     assert server.stop() == 0
     assert acked | {again.json()["run_id"]} <= stored_runs(data_dir)
