@@ -12236,6 +12236,9 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
     kept, kept_title, back_at = None, "uncommitted changes kept in its worktree", None
+    if steps is not None and "worktree_ready" not in steps:   # ended while its worktree was being made:
+        with contextlib.suppress(OSError):                     # no agent ran there, nothing to save
+            await trio.to_thread.run_sync(remove_tree, workspace)
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "

@@ -586,6 +586,34 @@ async def actors(deps: outpost.Deps, nursery) -> None:
     nursery.start_soon(outpost.notification_actor, deps)
 
 
+async def test_a_shutdown_while_a_worktree_is_being_made_settles_the_run_interrupted(autojump_clock, fakes_on_path,
+                                                                                      store, git_repo, monkeypatch):
+    """No agent ran yet, so nothing is to be saved: the half-made worktree goes and the run is
+    `interrupted` (its Office wakeup is taken up again at the restart), never failed with
+    "changes could not be saved" and a worktree kept for a human."""
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    making = trio.Event()
+
+    async def slow_worktree(deps: outpost.Deps, plan: outpost.RunPlan, workspace: Path) -> str:
+        (workspace / ".git").mkdir(parents=True)   # as far as a clone gets before the shutdown
+        making.set()
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(outpost, "prepare_worktree", slow_worktree)
+    run_id = dispatch_run(deps, git_repo, "claude", "fake:success")
+    with trio.move_on_after(600):   # not fail_after: the shielded settlement does real I/O past it
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            deps.claim_wake.poke()
+            await making.wait()
+            nursery.cancel_scope.cancel()   # the daemon stops
+    assert making.is_set()
+    ended = run(deps, run_id)
+    assert (ended["status"], ended["error"]) == ("failed", "interrupted"), ended["error"]
+    assert not deps.worktree(run_id).exists()
+    assert not call(store, store.list_attention, True)
+
+
 async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak_stands(
         autojump_clock, fakes_on_path, store, git_repo):
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
