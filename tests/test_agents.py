@@ -586,8 +586,8 @@ async def actors(deps: outpost.Deps, nursery) -> None:
     nursery.start_soon(outpost.notification_actor, deps)
 
 
-async def test_a_shutdown_while_a_worktree_is_being_made_settles_the_run_interrupted(autojump_clock, fakes_on_path,
-                                                                                      store, git_repo, monkeypatch):
+async def test_a_shutdown_while_a_worktree_is_being_made_settles_the_run_interrupted(fakes_on_path, store, git_repo,
+                                                                                      monkeypatch):
     """No agent ran yet, so nothing is to be saved: the half-made worktree goes and the run is
     `interrupted` (its Office wakeup is taken up again at the restart), never failed with
     "changes could not be saved" and a worktree kept for a human."""
@@ -601,13 +601,12 @@ async def test_a_shutdown_while_a_worktree_is_being_made_settles_the_run_interru
 
     monkeypatch.setattr(outpost, "prepare_worktree", slow_worktree)
     run_id = dispatch_run(deps, git_repo, "claude", "fake:success")
-    with trio.move_on_after(600):   # not fail_after: the shielded settlement does real I/O past it
+    with trio.fail_after(60):   # real time: the shielded settlement does real I/O (a mock clock would jump past it)
         async with trio.open_nursery() as nursery:
             await actors(deps, nursery)
             deps.claim_wake.poke()
             await making.wait()
             nursery.cancel_scope.cancel()   # the daemon stops
-    assert making.is_set()
     ended = run(deps, run_id)
     assert (ended["status"], ended["error"]) == ("failed", "interrupted"), ended["error"]
     assert not deps.worktree(run_id).exists()
