@@ -3660,10 +3660,8 @@ def check_revision(schedule_id: str, current: int, given: int) -> None:
 def parse_if_match(value: str | None) -> int:
     if value is None or not value.strip():
         raise PreconditionRequired("send If-Match: \"<revision>\" (GET the schedule for its ETag)")
-    text = value.strip()
-    if text.startswith("W/"):
-        text = text[2:]
-    revision = parse_count(text.strip('"'))
+    tag = re.fullmatch(r'(?:W/)?("?)([^"]*)\1', value.strip())   # "3", W/"3" or 3; never a quote left open
+    revision = parse_count(tag[2]) if tag else None
     if revision is None:
         raise PreconditionRequired("If-Match must name one revision, e.g. If-Match: \"3\"")
     return revision

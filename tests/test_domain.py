@@ -741,3 +741,11 @@ def test_host_allowed(host, allowed, ok):
 ])
 def test_what_an_agent_prints_is_shown_not_obeyed(text, lines, shown):
     assert outpost.visible(text, lines=lines) == shown
+
+
+@pytest.mark.parametrize("value", ['"1', '1"', '"1\t\t\t', 'W/"1', '"1", "2"', '""', "*"])
+def test_an_if_match_that_names_no_one_revision_is_refused_whatever_the_revision_is(value):
+    """docs/http-api.md: If-Match is "N" (or W/"N", or N); a quote left open names nothing, so it
+    can never match the schedule's revision by chance."""
+    with pytest.raises(outpost.PreconditionRequired):
+        outpost.parse_if_match(value)
