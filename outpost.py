@@ -273,14 +273,17 @@ AGENT_HOME_SETTINGS = {
     ".gemini/settings.json": "{}\n", ".gemini/GEMINI.md": "", ".gemini/.env": "", ".gemini/commands": None,
     ".gemini/extensions": None, ".gemini/policies": None, ".gemini/skills": None, ".gemini/agents": None,
     ".gemini/trustedFolders.json": "{}\n", ".aider/oauth-keys.env": ""}
-#: Credentials in HOME no agent needs, hidden from every sandbox (folders become empty, files
-#: empty): the keys and tokens that reach the user's other machines and accounts. Outpost's own
-#: git and ssh use them outside the sandbox; an agent's commit is never signed with them.
+#: Credentials in HOME no agent needs, hidden from every sandbox (a folder becomes empty, a file
+#: /dev/null, which cannot be opened there): the keys and tokens that reach the user's other
+#: machines and accounts. Outpost's own git and ssh use them outside the sandbox; an agent's
+#: commit is never signed with them.
 HOME_SECRETS = (".ssh", ".gnupg", ".git-credentials", ".config/git/credentials", ".netrc", ".pgpass", ".aws",
                 ".azure", ".config/gcloud", ".config/gh", ".docker", ".kube", ".npmrc", ".pypirc", ".claude.json")
 #: A sandbox's /tmp and /dev/shm, each, in MiB, unless its profile says (``tmp_mb``): a tmpfs is
 #: memory, and an agent that fills it must meet "no space left" long before the machine runs out.
 SANDBOX_TMP_MB = 1024
+#: How long bubblewrap may take to name its sandbox's process 1 (it does so at once, as it starts).
+SANDBOX_START_S = 30.0
 #: Each tmpfs that only hides something (the data dir, /run, another CLI's folder, a secret):
 #: room for the mount points shown in it, no more.
 HIDING_TMPFS_BYTES = 1 << 20
@@ -1804,7 +1807,7 @@ class AgentProfile:
     items may hold {model}, {run_id}, {prompt_file} and (resume) {session_id}; the prompt goes on
     stdin. ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says;
     ``max_running`` caps this profile's runs at once; ``timezone`` reads reset times its CLI
-    prints without a zone; ``tmp_mb`` sizes its sandbox's /tmp."""
+    prints without a zone; ``tmp_mb`` sizes its sandbox's /tmp and /dev/shm."""
     name: str
     command: tuple[str, ...]
     timeout_seconds: int | None = None
@@ -10064,7 +10067,7 @@ class Sandbox:
     private: Path        # the run's prompt file
     home: Path | None
     home_state: tuple[str, ...] = ()   # of AGENT_HOME_STATE, the folders of the run's own CLI
-    tmp_mb: int = SANDBOX_TMP_MB        # its /tmp's size: memory, as /tmp is a tmpfs
+    tmp_mb: int = SANDBOX_TMP_MB        # its /tmp's and /dev/shm's size each: memory, as they are tmpfs
 
     def argv(self, argv: list[str], cwd: Path | None = None) -> list[str]:
         emptied = (Path("/tmp"), Path("/run"))   # host sockets live there (D-Bus, Docker, agents')
@@ -10232,12 +10235,14 @@ class SandboxInfo:
         self.argv = [argv[0], "--info-fd", str(self.write_end), *argv[1:]]
 
     async def init(self) -> SandboxInit | None:
-        """Process 1, once bubblewrap has written it (None: it failed before). Call after the spawn."""
+        """Process 1, once bubblewrap has written it (None: it failed before, or took past
+        SANDBOX_START_S). Call after the spawn. Shielded: the caller ends what it started."""
         os.close(self.write_end)
         text = b""
         async with trio.lowlevel.FdStream(self.read_end) as info:
-            while chunk := await info.receive_some():
-                text += chunk
+            with trio.move_on_after(SANDBOX_START_S, shield=True):
+                while chunk := await info.receive_some():
+                    text += chunk
         with contextlib.suppress(ValueError, TypeError):
             pid = int(json.loads(text)["child-pid"])
             started = process_start_time(pid)
@@ -10267,7 +10272,11 @@ async def run_sandboxed_git(argv: list[str], env: dict[str, str]) -> subprocess.
                                            deliver_cancel=end_sandbox, task_status=task_status))
 
     async with trio.open_nursery() as nursery:
-        process = await nursery.start(git_process)
+        try:
+            process = await nursery.start(git_process)
+        except OSError:
+            info.close()
+            raise
         init = await info.init()
         await process.wait()
         signal_run(process.pid, signal.SIGKILL, init)   # what it left running holds its output open
@@ -12153,6 +12162,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
     if plan.paused:   # paused between its admission and now
         live.pause()
     workspace = run_workspace(deps, plan)
+    made_here = not workspace.exists()   # else kept by an earlier run of its session, with its changes
     commit, settled, exit_code = plan.resolved_commit, False, None
     try:
         try:
@@ -12221,6 +12231,9 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
             rlog.warning("run %s: its private folder could not be removed: %s", run_id, exc)
         if not settled:
             with trio.move_on_after(CLEANUP_S, shield=True):
+                if made_here and "worktree_ready" not in live.steps:   # stopped while making it: no agent ran
+                    with contextlib.suppress(OSError):                 # there, so nothing is to be saved
+                        await trio.to_thread.run_sync(remove_tree, workspace)
                 await finish_run(deps, plan, commit, failed(INTERRUPTED, "interrupted"), None, live.steps)
 
 
@@ -12234,9 +12247,6 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
     kept, kept_title, back_at = None, "uncommitted changes kept in its worktree", None
-    if steps is not None and "worktree_ready" not in steps:   # ended while its worktree was being made:
-        with contextlib.suppress(OSError):                     # no agent ran there, nothing to save
-            await trio.to_thread.run_sync(remove_tree, workspace)
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "

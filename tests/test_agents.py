@@ -613,6 +613,31 @@ async def test_a_shutdown_while_a_worktree_is_being_made_settles_the_run_interru
     assert not call(store, store.list_attention, True)
 
 
+async def test_a_shutdown_before_the_agent_starts_never_removes_a_worktree_kept_from_before(fakes_on_path, store,
+                                                                                            git_repo, monkeypatch):
+    """A worktree an earlier run of the session left, kept with its changes for a human, is not
+    this run's to remove: a shutdown while the run prepares it leaves it as it was."""
+    deps = fake_deps(fakes_on_path, store, claude(name="claude"))
+    preparing = trio.Event()
+
+    async def slow_worktree(deps: outpost.Deps, plan: outpost.RunPlan, workspace: Path) -> str:
+        preparing.set()
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(outpost, "prepare_worktree", slow_worktree)
+    run_id = dispatch_run(deps, git_repo, "claude", "fake:success")
+    kept = deps.worktree(run_id)
+    kept.mkdir(parents=True)
+    (kept / "unsaved.txt").write_text("a human's to look at\n")
+    with trio.fail_after(60):   # real time, as above
+        async with trio.open_nursery() as nursery:
+            await actors(deps, nursery)
+            deps.claim_wake.poke()
+            await preparing.wait()
+            nursery.cancel_scope.cancel()
+    assert (kept / "unsaved.txt").read_text() == "a human's to look at\n"
+
+
 async def test_a_limit_holds_that_profiles_runs_while_others_pass_and_the_streak_stands(
         autojump_clock, fakes_on_path, store, git_repo):
     deps = fake_deps(fakes_on_path, store, claude(name="claude"))
