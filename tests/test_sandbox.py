@@ -549,25 +549,33 @@ def test_a_paused_sandboxed_run_stops_also_what_left_its_process_group(base):
             os.kill(pid, 9)
 
 
-def test_what_an_agent_leaves_running_ends_when_it_does(base):
-    """docs/security.md: the agent exits, leaving a daemon that ignores SIGTERM and holds its
-    output open: the run settles at once, as the agent ended, and the daemon is gone."""
+def one_run(base: Path, script: str, settings: str = "") -> tuple[dict, Path]:
+    """One dispatch to a sh ``script`` agent (its profile's other ``settings`` lines), on a real
+    server with isolation: the settled run and the repository."""
     data = base / "data"
     data.mkdir()
     repo = make_repo(base / "repo")
-    mark = f"left-{uuid.uuid4().hex[:8]}"
-    script = f"setsid sh -c \"trap '' TERM; while :; do date >> ticks; sleep 0.1; done; : {mark}\" & echo started"
-    (data / "outpost.toml").write_text(f'[agents.leaver]\ncommand = ["sh", "-c", {json.dumps(script)}]\n'
-                                       "timeout_seconds = 600\n")
+    (data / "outpost.toml").write_text(f'[agents.script]\ncommand = ["sh", "-c", {json.dumps(script)}]\n{settings}')
     server = Server(data, env={"HOME": str(base)}).start()
     try:
         with server.client() as client:
-            run = settled(client, post(client, "/v1/outpost/dispatches",
-                                       {"brief": "go", "repository": str(repo), "agent": "leaver"}).json()["run_id"])
+            run_id = post(client, "/v1/outpost/dispatches",
+                          {"brief": "go", "repository": str(repo), "agent": "script"}).json()["run_id"]
+            return settled(client, run_id), repo
+    finally:
+        server.stop()
+
+
+def test_what_an_agent_leaves_running_ends_when_it_does(base):
+    """docs/security.md: the agent exits, leaving a daemon that ignores SIGTERM and holds its
+    output open: the run settles at once, as the agent ended, and the daemon is gone."""
+    mark = f"left-{uuid.uuid4().hex[:8]}"
+    script = f"setsid sh -c \"trap '' TERM; while :; do date >> ticks; sleep 0.1; done; : {mark}\" & echo started"
+    try:
+        run, _ = one_run(base, script, "timeout_seconds = 600\n")
         assert (run["status"], run["exit_code"]) == ("succeeded", 0), run["error"]
         assert not processes_named(mark)
     finally:
-        server.stop()
         for pid in processes_named(mark):
             os.kill(pid, 9)
 
@@ -575,23 +583,13 @@ def test_what_an_agent_leaves_running_ends_when_it_does(base):
 def test_a_sandbox_s_tmp_holds_no_more_than_its_profile_s_tmp_mb(base):
     """docs/configuration.md, tmp_mb: /tmp inside is memory; an agent that fills it meets "no space
     left" at its profile's size, and its run goes on to say so."""
-    data = base / "data"
-    data.mkdir()
-    repo = make_repo(base / "repo")
     script = ("head -c 40000000 /dev/zero > /tmp/fill 2> err.txt; echo exit $? >> err.txt; "
               "ls -l /tmp/fill | cut -d' ' -f5 > size.txt; git add err.txt size.txt; "
               "git -c user.name=a -c user.email=a@a commit -q -m filled")
-    (data / "outpost.toml").write_text(f'[agents.filler]\ncommand = ["sh", "-c", {json.dumps(script)}]\ntmp_mb = 16\n')
-    server = Server(data, env={"HOME": str(base)}).start()
-    try:
-        with server.client() as client:
-            run = settled(client, post(client, "/v1/outpost/dispatches",
-                                       {"brief": "fill", "repository": str(repo), "agent": "filler"}).json()["run_id"])
-        assert run["status"] == "succeeded", run["error"]
-        assert "No space left" in git(repo, "show", f"{run['result_branch']}:err.txt")
-        assert int(git(repo, "show", f"{run['result_branch']}:size.txt")) <= 16 << 20
-    finally:
-        server.stop()
+    run, repo = one_run(base, script, "tmp_mb = 16\n")
+    assert run["status"] == "succeeded", run["error"]
+    assert "No space left" in git(repo, "show", f"{run['result_branch']}:err.txt")
+    assert int(git(repo, "show", f"{run['result_branch']}:size.txt")) <= 16 << 20
 
 
 def test_the_users_own_git_setup_keeps_working(base):
