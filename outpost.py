@@ -122,7 +122,7 @@ import urllib.parse
 import urllib.request
 import zlib
 import zoneinfo
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -282,6 +282,14 @@ HOME_SECRETS = (".ssh", ".gnupg", ".git-credentials", ".config/git/credentials",
 #: A sandbox's /tmp and /dev/shm, each, in MiB, unless its profile says (``tmp_mb``): a tmpfs is
 #: memory, and an agent that fills it must meet "no space left" long before the machine runs out.
 SANDBOX_TMP_MB = 1024
+#: A run's processes and threads at once, unless its profile says (``max_processes``): a fork
+#: bomb meets it, a parallel build (make -j, a test runner's workers, Node's threads) does not.
+RUN_MAX_PROCESSES = 1024
+#: A run's memory in MiB, its /tmp's included, unless its profile says (``memory_mb``). Without a
+#: cgroup it caps each process's data instead (prlimit), where Node's CLIs need 1024 to start.
+RUN_MEMORY_MB = 4096
+#: Where the kernel's cgroup hierarchies are mounted: the unified one (v2), or one per controller (v1).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: How long bubblewrap may take to name its sandbox's process 1 (it does so at once, as it starts).
 SANDBOX_START_S = 30.0
 #: Each tmpfs that only hides something (the data dir, /run, another CLI's folder, a secret):
@@ -1802,12 +1810,21 @@ PRESETS: dict[str, Preset] = {preset.name: preset for preset in (
 # --- profiles, settings and the Config ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ResourceCaps:
+    """What one run's processes are held to together: its profile's ``max_processes`` (threads
+    count) and ``memory_mb`` (docs/security.md "Resource caps")."""
+    processes: int = RUN_MAX_PROCESSES
+    memory_mb: int = RUN_MEMORY_MB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class AgentProfile:
     """How to start one kind of agent: a preset's command lines, or the profile's own. Command
     items may hold {model}, {run_id}, {prompt_file} and (resume) {session_id}; the prompt goes on
     stdin. ``timeout_seconds`` caps every run of this agent, whatever a schedule's limit says;
     ``max_running`` caps this profile's runs at once; ``timezone`` reads reset times its CLI
-    prints without a zone; ``tmp_mb`` sizes its sandbox's /tmp and /dev/shm."""
+    prints without a zone; ``tmp_mb`` sizes its sandbox's /tmp and /dev/shm; ``max_processes``
+    and ``memory_mb`` cap each of its runs (docs/security.md "Resource caps")."""
     name: str
     command: tuple[str, ...]
     timeout_seconds: int | None = None
@@ -1819,6 +1836,12 @@ class AgentProfile:
     max_running: int | None = None
     timezone: str | None = None
     tmp_mb: int = SANDBOX_TMP_MB
+    max_processes: int = RUN_MAX_PROCESSES
+    memory_mb: int = RUN_MEMORY_MB
+
+    @property
+    def caps(self) -> ResourceCaps:
+        return ResourceCaps(self.max_processes, self.memory_mb)
 
     @property
     def kind(self) -> Preset:
@@ -2023,7 +2046,8 @@ def _zone_name(value: Any) -> str | None:
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
     "preset": _one_of(*PRESETS), "command": _strings(empty=False), "resume": _strings(empty=True),
     "timeout_seconds": _whole(1, DAY_S), "env": _string_table, "pass_env": _strings(empty=True),
-    "model": _text_value, "max_running": _whole(1, 1000), "timezone": _zone_name, "tmp_mb": _whole(16, 1 << 20)}
+    "model": _text_value, "max_running": _whole(1, 1000), "timezone": _zone_name, "tmp_mb": _whole(16, 1 << 20),
+    "max_processes": _whole(16, 1 << 22), "memory_mb": _whole(64, 1 << 24)}
 
 
 def agent_profile(path: Path, name: str, spec: dict[str, Any]) -> AgentProfile:
@@ -2043,7 +2067,8 @@ def agent_profile(path: Path, name: str, spec: dict[str, Any]) -> AgentProfile:
                         tuple(spec.get("pass_env", DEFAULT_PASS_ENV)),
                         tuple(spec.get("resume", preset.resume if "command" not in spec else ())),
                         spec.get("preset", "generic"), spec.get("model"), spec.get("max_running"),
-                        spec.get("timezone"), spec.get("tmp_mb", SANDBOX_TMP_MB))
+                        spec.get("timezone"), spec.get("tmp_mb", SANDBOX_TMP_MB),
+                        spec.get("max_processes", RUN_MAX_PROCESSES), spec.get("memory_mb", RUN_MEMORY_MB))
 
 
 def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[[Any], str | None]]) -> dict:
@@ -3587,6 +3612,15 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
             limit = dataclasses.replace(limit, resets_at=max(reading.limit_reset, now))
         return Outcome(RunStatus.FAILED, error[-ERROR_TAIL_BYTES:], "limit", limit, reading=reading)
     return failed(error[-ERROR_TAIL_BYTES:], kind, reading)
+
+
+def capped(outcome: Outcome, cap_met: str | None) -> Outcome:
+    """A failed run that met a resource cap (Held.met) says so first: the cap, not what it did to
+    the agent (a kill, a refused fork), is the reason. One that succeeded anyway stays a success."""
+    if cap_met is None or outcome.status != RunStatus.FAILED:
+        return outcome
+    rest = (outcome.error or "")[-(ERROR_TAIL_BYTES - len(cap_met) - 2):]
+    return dataclasses.replace(outcome, error=f"{cap_met}; {rest}" if rest else cap_met)
 
 
 def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: str | None = None) -> list[str]:
@@ -10068,6 +10102,8 @@ class Sandbox:
     home: Path | None
     home_state: tuple[str, ...] = ()   # of AGENT_HOME_STATE, the folders of the run's own CLI
     tmp_mb: int = SANDBOX_TMP_MB        # its /tmp's and /dev/shm's size each: memory, as they are tmpfs
+    cgroups: Cgroups | None = None      # what holds each of its process trees to ``caps``
+    caps: ResourceCaps = ResourceCaps()
 
     def argv(self, argv: list[str], cwd: Path | None = None) -> list[str]:
         emptied = (Path("/tmp"), Path("/run"))   # host sockets live there (D-Bus, Docker, agents')
@@ -10205,6 +10241,201 @@ def signal_run(leader: int, sig: int, init: SandboxInit | None = None) -> bool:
     return sent
 
 
+# --- resource caps: a cgroup per process tree, else prlimit ----------------------------------------
+
+#: The shell that puts itself in a cgroup (each ``cgroup.procs`` before ``--``), then becomes the
+#: command: what the command starts is born inside, none escapes before it is held.
+CGROUP_ENTER = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+#: What one cap's cgroup files say when it was met, and the sentence that names it.
+CAP_EVENTS = {("memory.events", "oom_kill"): "memory", ("memory.oom_control", "oom_kill"): "memory",
+              ("pids.events", "max"): "processes"}
+
+
+def cgroup_counts(path: Path) -> dict[str, int]:
+    """A cgroup's "key value" file (memory.events, pids.events...), or nothing when unreadable."""
+    counts = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                counts[key] = int(value)
+    return counts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """One process tree held to its ResourceCaps: in its own cgroup (``folders``, one per
+    hierarchy), or by prlimit's ``limits`` on each of its processes, or not at all."""
+    caps: ResourceCaps
+    folders: tuple[Path, ...] = ()
+    limits: tuple[str, ...] = ()
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        if self.folders:
+            return ["/bin/sh", "-c", CGROUP_ENTER, "outpost-cgroup",
+                    *(str(f / "cgroup.procs") for f in self.folders), "--", *argv]
+        return ["prlimit", *self.limits, "--", *argv] if self.limits else argv
+
+    def met(self) -> str | None:
+        """The cap the tree met, said as its run's failure reason, or None (also: not known)."""
+        met = {cap for f in self.folders for (name, key), cap in CAP_EVENTS.items()
+               if cgroup_counts(f / name).get(key, 0) > 0}
+        if "memory" in met:
+            return (f"the run went over its memory cap (memory_mb = {self.caps.memory_mb}) and the kernel ended "
+                    "it; raise memory_mb in its agent profile if it needs more")
+        if "processes" in met:
+            return (f"the run met its process cap (max_processes = {self.caps.processes}, threads count): "
+                    "the kernel refused it more; raise max_processes in its agent profile if it needs more")
+        return None
+
+    async def release(self) -> None:
+        """Its cgroups removed, once what is left in them is ended (a cgroup with a process in it
+        cannot be removed). One left behind, busy past a second, goes at the next start."""
+        for folder in self.folders:
+            with contextlib.suppress(OSError):
+                (folder / "cgroup.kill").write_text("1")   # v2: the whole tree at once
+            for _ in range(100):
+                with contextlib.suppress(OSError, ValueError):
+                    for pid in (folder / "cgroup.procs").read_text().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    await trio.sleep(0.01)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cgroups:
+    """How this machine holds a run to its caps, found once at start (find_cgroups): a cgroup of
+    its own under each of ``parents`` (v2: the daemon's delegated cgroup; v1: the daemon's pids
+    and memory cgroups), else prlimit, else nothing; ``message`` says which (start line, Settings)."""
+    version: int            # 2 or 1; 0: no cgroup of ours to make runs' in
+    parents: tuple[Path, ...]
+    message: str
+    prlimit: bool = False   # without a cgroup: prlimit's caps on each process
+
+    @contextlib.asynccontextmanager
+    async def hold(self, caps: ResourceCaps) -> AsyncIterator[Held]:
+        """A process tree's cgroup for as long as the block lasts (the tree ends before it goes)."""
+        held = self.held(caps)
+        try:
+            yield held
+        finally:
+            with trio.CancelScope(shield=True):
+                await held.release()
+
+    def held(self, caps: ResourceCaps) -> Held:
+        if not self.version:
+            return Held(caps, limits=prlimit_options(caps) if self.prlimit else ())
+        name = f"outpost-{os.getpid()}-{secrets.token_hex(4)}"
+        folders = tuple(parent / name for parent in self.parents)
+        memory = str(caps.memory_mb << 20)
+        settings = {"pids.max": str(caps.processes), "memory.max": memory, "memory.swap.max": "0",
+                    "memory.oom.group": "1", "memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory}
+        try:
+            for folder in folders:
+                folder.mkdir()
+                for file, value in settings.items():
+                    if (folder / file).exists():
+                        (folder / file).write_text(value)
+        except OSError as exc:
+            for folder in folders:   # made just now: nothing is in it yet
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise LaunchError(f"could not make the run's cgroup: {exc}") from None
+        return Held(caps, folders=folders)
+
+
+#: Runs held to nothing: where no probe was made (tests' own Deps), or outside a run.
+NO_CGROUPS = Cgroups(0, (), "runs are not held to max_processes and memory_mb (no probe was made)")
+#: The leaf cgroup a v2 daemon moves itself into, so that its own may hold runs' (a cgroup v2
+#: with controllers for its children holds no process itself).
+CGROUP_DAEMON_LEAF = "outpost-daemon"
+
+
+def find_cgroups(root: Path = CGROUP_ROOT, membership: str | None = None) -> Cgroups:
+    """Where this daemon can make its runs' cgroups: the v1 pids and memory hierarchies' cgroups
+    it is in, when it may write there (root, mostly); else its v2 cgroup, when delegated to it
+    (``Delegate=yes`` in outpost.service): it moves itself into a leaf (CGROUP_DAEMON_LEAF) and
+    gives its cgroup's children the pids and memory controllers. Else prlimit, where installed.
+    Cgroups an earlier daemon left (its runs ended with it) are removed."""
+    if membership is None:
+        try:
+            membership = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            membership = ""
+    lines = [line.split(":", 2) for line in membership.splitlines() if line.count(":") >= 2]
+    v1 = {c: (root / controllers / path.lstrip("/")) for _, controllers, path in lines for c in controllers.split(",")}
+    unified = next((path for number, controllers, path in lines if number == "0" and not controllers), None)
+    if "pids" in v1 and "memory" in v1:
+        parents = (v1["pids"], v1["memory"])
+        problem = None if all(os.access(p, os.W_OK) for p in parents) else (
+            f"its cgroups {parents[0]} and {parents[1]} are not this user's to write")
+        version = 1
+    elif unified is not None and (root / "cgroup.controllers").exists():
+        own = root / unified.lstrip("/")
+        parents = (own.parent if own.name == CGROUP_DAEMON_LEAF else own,)
+        problem, version = delegated(parents[0]), 2
+    else:
+        parents, problem, version = (), f"the machine has no cgroup hierarchy mounted under {root}", 0
+    if problem is None:
+        for parent in parents:
+            sweep_cgroups(parent)
+        return Cgroups(version, parents, f"each run is held to its profile's max_processes and memory_mb "
+                                         f"in a cgroup of its own (cgroup v{version})")
+    if shutil.which("prlimit"):
+        return Cgroups(0, (), f"runs are held to max_processes and memory_mb by prlimit (per process; the "
+                              f"process count is the service user's), not by a cgroup: {problem}", prlimit=True)
+    return Cgroups(0, (), f"runs are not held to max_processes and memory_mb: {problem}, and prlimit is missing")
+
+
+def delegated(own: Path) -> str | None:
+    """Makes the daemon's v2 cgroup ``own`` one that holds its runs' cgroups; what stops it, or None."""
+    try:
+        available = (own / "cgroup.controllers").read_text().split()
+        if not {"pids", "memory"} <= set(available):
+            return f"its cgroup {own} has no pids and memory controllers (Delegate=yes in outpost.service gives them)"
+        if {"pids", "memory"} <= set((own / "cgroup.subtree_control").read_text().split()):
+            return None
+        if not os.access(own / "cgroup.subtree_control", os.W_OK):
+            return f"its cgroup {own} is not delegated to it (Delegate=yes in outpost.service does that)"
+        (own / CGROUP_DAEMON_LEAF).mkdir(exist_ok=True)
+        (own / CGROUP_DAEMON_LEAF / "cgroup.procs").write_text(str(os.getpid()))
+        (own / "cgroup.subtree_control").write_text("+pids +memory")
+    except OSError as exc:   # EBUSY: other processes share the daemon's cgroup
+        return f"its cgroup {own} cannot hold runs' cgroups: {exc.strerror or exc}"
+    return None
+
+
+def sweep_cgroups(parent: Path) -> None:
+    """The cgroups of daemons that are gone: empty now (their runs ended with them, or by
+    end_survivor, which leaves the folder), removed."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            owner = entry.name.split("-")[1] if entry.name.startswith("outpost-") else ""
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                with contextlib.suppress(OSError):
+                    os.rmdir(entry.path)
+
+
+def prlimit_options(caps: ResourceCaps) -> tuple[str, ...]:
+    """prlimit's caps where no cgroup can be made: each process's data to ``memory_mb``; and, for
+    a daemon that is not root (root is never held to it), the service user's processes and
+    threads to those it has now plus ``max_processes``: the count is the user's, shared by its runs."""
+    data = (f"--data={caps.memory_mb << 20}",)
+    if os.geteuid() == 0:
+        return data
+    mine = 0
+    for entry in os.scandir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and entry.stat().st_uid == os.geteuid():
+                mine += len(os.listdir(f"/proc/{entry.name}/task"))
+    return (*data, f"--nproc={mine + caps.processes}")
+
+
 async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox | None = None) -> str:
     """Run git with an argument list (never a shell), hooks off; stdout, or LaunchError with
     stderr. In ``sandbox``: on a path an agent has written (docs/security.md)."""
@@ -10214,7 +10445,8 @@ async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox
             done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, stdin=b"")
         else:
             with trio.fail_after(SANDBOXED_GIT_S):
-                done = await run_sandboxed_git(sandbox.argv(argv), Sandbox.env(dict(os.environ)))
+                async with (sandbox.cgroups or NO_CGROUPS).hold(sandbox.caps) as held:
+                    done = await run_sandboxed_git(sandbox.argv(argv), Sandbox.env(dict(os.environ)), held)
     except OSError as exc:
         raise LaunchError(f"could not run git: {exc}") from None
     except trio.TooSlowError:
@@ -10255,10 +10487,11 @@ class SandboxInfo:
         os.close(self.write_end)
 
 
-async def run_sandboxed_git(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Outpost's own git in a run's sandbox: when git exits, or is cancelled (its time limit),
-    the whole sandbox ends with it, also what it started there (a planted fsmonitor's daemon,
-    which would otherwise hold its output open, and write into the worktree, for ever)."""
+async def run_sandboxed_git(argv: list[str], env: dict[str, str], held: Held) -> subprocess.CompletedProcess:
+    """Outpost's own git in a run's sandbox, ``held`` to the run's caps: when git exits, or is
+    cancelled (its time limit), the whole sandbox ends with it, also what it started there (a
+    planted fsmonitor's daemon, which would otherwise hold its output open, and write into the
+    worktree, for ever)."""
     info = SandboxInfo(argv)
     init: SandboxInit | None = None
     done: list[subprocess.CompletedProcess] = []
@@ -10267,7 +10500,7 @@ async def run_sandboxed_git(argv: list[str], env: dict[str, str]) -> subprocess.
         signal_run(process.pid, signal.SIGKILL, init)
 
     async def git_process(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        done.append(await trio.run_process(info.argv, capture_stdout=True, capture_stderr=True, check=False,
+        done.append(await trio.run_process(held.wrap(info.argv), capture_stdout=True, capture_stderr=True, check=False,
                                            stdin=b"", env=env, pass_fds=(info.write_end,),
                                            deliver_cancel=end_sandbox, task_status=task_status))
 
@@ -11077,13 +11310,13 @@ class ProcessResult:
     timed_out: bool
 
 
-async def terminate_group(proc: trio.Process, grace_s: float, init: SandboxInit | None = None) -> None:
+async def terminate_group(proc: trio.Process, grace_s: float, init: SandboxInit | None = None, *,
+                          sandboxed: bool = False) -> None:
     """SIGTERM the run's processes (run_members), SIGKILL them after the grace. The grace is all
     of theirs, not only the leader's. The leader of an isolated agent is bubblewrap, which would
     die at SIGTERM at once while the agent inside goes on: it is spared the SIGTERM and ends with
     the agent, so the run's exit status is the agent's. Shielded: runs during shutdown."""
     with trio.CancelScope(shield=True):
-        sandboxed = proc.args[0] == "bwrap"
         init = init or sandbox_init(proc.pid)   # found before its leader goes (a survivor's)
         for pid in run_members(proc.pid, init):
             if pid != proc.pid or not sandboxed:
@@ -11101,20 +11334,23 @@ async def terminate_group(proc: trio.Process, grace_s: float, init: SandboxInit 
 
 async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin_text: str | None,
                             timeout_s: float, log_path: Path, now: Callable[[], datetime], live: LiveRun,
-                            on_spawn: Callable[[int], Awaitable[None]], grace_s: float = GRACE_S) -> ProcessResult:
+                            on_spawn: Callable[[int], Awaitable[None]], grace_s: float = GRACE_S,
+                            held: Held | None = None) -> ProcessResult:
     """Start the agent in its own process group, capture its output, enforce the timeout.
 
     Resource handling: the process group is always ended (SIGTERM, then SIGKILL) before
     this returns or raises, cancellation included. Error handling: a launch failure is
-    a LaunchError; everything the process does is reported in ProcessResult."""
+    a LaunchError; everything the process does is reported in ProcessResult. ``held``: the
+    cgroup (or prlimit) it starts in."""
     sink = LogSink(log_path, now)
     stdout_lines = OutputLines()
     stderr_tail = bytearray()
     info = SandboxInfo(argv) if argv[0] == "bwrap" else None
     try:
         try:
+            spawned = info.argv if info else argv
             proc = await trio.lowlevel.open_process(
-                info.argv if info else argv, cwd=str(cwd), env=env, start_new_session=True,
+                held.wrap(spawned) if held else spawned, cwd=str(cwd), env=env, start_new_session=True,
                 stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(info.write_end,) if info else ())
         except OSError as exc:
@@ -11158,7 +11394,7 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
             timed_out = live.timed_out
         finally:
             if proc.returncode is None:
-                await terminate_group(proc, grace_s, init)
+                await terminate_group(proc, grace_s, init, sandboxed=info is not None)
             else:
                 signal_run(proc.pid, signal.SIGKILL, init)
             live.step("agent_exited")
@@ -11592,6 +11828,7 @@ class Deps:
     hub: Hub = dataclasses.field(default_factory=Hub)
     live: LiveRuns = dataclasses.field(default_factory=LiveRuns)
     isolation: Isolation = Isolation(False, "agents are not isolated (no bubblewrap probe was made)")
+    cgroups: Cgroups = NO_CGROUPS
     versions: dict[str, str | None] = dataclasses.field(default_factory=dict)   # a CLI's --version, by profile
     cron_watch: CronWatch = dataclasses.field(default_factory=CronWatch)
     disk: DiskWatch = dataclasses.field(default_factory=DiskWatch)
@@ -12070,7 +12307,8 @@ def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     state = plan.profile.kind.home_state if plan.profile is not None else None
     return Sandbox(deps.config.data_dir, run_workspace(deps, plan), Path(deps.mirrors.path(plan.repository)),
                    deps.private_dir(plan.run_id), Path(home) if home else None, (state,) if state else (),
-                   plan.profile.tmp_mb if plan.profile is not None else SANDBOX_TMP_MB)
+                   plan.profile.tmp_mb if plan.profile is not None else SANDBOX_TMP_MB, deps.cgroups,
+                   plan.profile.caps if plan.profile is not None else ResourceCaps())
 
 
 async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:
@@ -12201,15 +12439,18 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                     rlog.warning("run %s is no longer this node's (declared lost): ending its agent", run_id)
                     live.cancel()
 
-            done = await log_shipped(deps, run_id, functools.partial(
-                run_agent_process, argv, cwd=cwd, env=env, stdin_text=plan.prompt, timeout_s=plan.timeout_seconds,
-                log_path=deps.log_path(run_id), now=deps.clock.now, live=live, on_spawn=on_spawn, grace_s=deps.grace_s))
+            async with deps.cgroups.hold(profile.caps) as held:
+                done = await log_shipped(deps, run_id, functools.partial(
+                    run_agent_process, argv, cwd=cwd, env=env, stdin_text=plan.prompt,
+                    timeout_s=plan.timeout_seconds, log_path=deps.log_path(run_id), now=deps.clock.now, live=live,
+                    on_spawn=on_spawn, grace_s=deps.grace_s, held=held))
+                cap_met = held.met()
             exit_code = done.exit_code
             reading = profile.kind.read(done.lines)
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
                 reading.agent_version = await agent_version(deps, profile, env, sandbox)
-            outcome = run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
-                                  cancelled=live.cancelled, now=deps.clock.now(), tz=profile.zone)
+            outcome = capped(run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
+                                         cancelled=live.cancelled, now=deps.clock.now(), tz=profile.zone), cap_met)
         except (LaunchError, OSError) as exc:   # OSError: a file of the run (worktree, prompt) cannot be made
             if isinstance(exc, RepositoryUnreachable) and await left_to_another_node(deps, plan, exc):
                 settled = True   # nothing ran: back in the queue, not settled
@@ -15420,7 +15661,8 @@ async def settings_page(web: Web, status: int = 200, **form: Any):
                           channels=await web.call(web.store.channels.states), disk=await disk_use(web.deps),
                           last_pass=await web.call(web.store.housekeeping.last_pass),
                           keep_days=web.deps.config.keep_days, attention_kinds=ATTENTION_KINDS,
-                          default_kinds=NOTIFY_DEFAULT_KINDS, **form)
+                          default_kinds=NOTIFY_DEFAULT_KINDS, cgroups=web.deps.cgroups,
+                          default_caps=ResourceCaps(), **form)
 
 
 @pages.post("/settings/notify/test", auth=Auth.SESSION, nudges=(Actor.NOTIFY,))
@@ -15982,7 +16224,7 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     store.notify.configure(config.notify, config.channels)
     store.transaction(store.channels.sync, config.channels, datetime.now(UTC))
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
-                isolation=agent_isolation(config.isolate_agents))
+                isolation=agent_isolation(config.isolate_agents), cgroups=find_cgroups())
 
 
 async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -16063,7 +16305,7 @@ async def run_until_signal(deps: Deps) -> None:
                 print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
-                print(f"Agents: {deps.isolation.message}", flush=True)
+                print(f"Agents: {deps.isolation.message}; {deps.cgroups.message}", flush=True)
                 if os.geteuid() == 0:
                     print("Running as root: a dedicated user is safer (see docs/security.md): an agent's "
                           "sandbox is all that stands between it and the whole machine", flush=True)

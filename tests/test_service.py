@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import OUTPOST_PY, wait_for
 
+import outpost
+
 UNIT = Path(__file__).resolve().parent.parent / "outpost.service"
 
 
@@ -101,7 +103,11 @@ def test_the_unit_keeps_the_agents_home_out_of_the_data_dir_and_allows_bubblewra
     (the sandbox's fresh /proc)."""
     unit = UNIT.read_text()
     assert "--home-dir /home/outpost" in unit and "--home-dir /var/lib/outpost" not in unit
-    assert "RestrictNamespaces=user mnt pid ipc" in unit and "RestrictNamespaces=yes" not in unit
+    allowed = set(unit.split("\nRestrictNamespaces=")[1].split("\n")[0].split())
+    sandbox = outpost.Sandbox(Path("/nonexistent/data"), Path("/nonexistent/w"), Path("/nonexistent/r"),
+                              Path("/nonexistent/p"), None)
+    unshared = {arg.removeprefix("--unshare-") for arg in sandbox.argv(["true"]) if arg.startswith("--unshare-")}
+    assert unshared and {"user", "mnt"} | unshared <= allowed, f"bubblewrap unshares {unshared}"
     assert "/home/outpost" in unit.split("ReadWritePaths=")[1].split("\n")[0]
     assert "\nProtectKernelTunables=" not in unit
 
@@ -113,7 +119,8 @@ def test_the_unit_file_declares_notify_watchdog_and_hardening():
                       "ProtectSystem=strict", "ReadWritePaths=", "PrivateTmp=yes", "PrivateDevices=yes",
                       "CapabilityBoundingSet=\n", "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "UMask=0077"):
         assert directive in unit, directive
-    for explained in ("MemoryDenyWriteExecute", "ProtectHome", "ProtectKernelTunables"):
+    assert "\nDelegate=pids memory\n" in unit   # docs/security.md "Resource caps": a cgroup per run
+    for explained in ("MemoryDenyWriteExecute", "ProtectHome", "ProtectKernelTunables", "ProtectControlGroups"):
         assert f"# - {explained}" in unit, f"the unit must say why {explained} is left off"
     stop_s = int(unit.split("TimeoutStopSec=")[1].split()[0])
     assert stop_s > 5 + 5, "TimeoutStopSec must outlast the agents' grace plus settlement"
