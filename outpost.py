@@ -290,6 +290,10 @@ RUN_MAX_PROCESSES = 1024
 RUN_MEMORY_MB = 4096
 #: Where the kernel's cgroup hierarchies are mounted: the unified one (v2), or one per controller (v1).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: The namespaces of a sandbox's own (with the mount one bubblewrap always makes): its processes,
+#: IPC and hostname. The start's probe asks for the same, so a service manager that forbids one
+#: (systemd's RestrictNamespaces=) is found then, not at each run.
+SANDBOX_NAMESPACES = ("--unshare-pid", "--unshare-ipc", "--unshare-uts")
 #: How long bubblewrap may take to name its sandbox's process 1 (it does so at once, as it starts).
 SANDBOX_START_S = 30.0
 #: Each tmpfs that only hides something (the data dir, /run, another CLI's folder, a secret):
@@ -10118,9 +10122,9 @@ class Sandbox:
 
         room = str(self.tmp_mb << 20)
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--size", room, "--tmpfs", "/dev/shm",
-                "--remount-ro", "/dev", "--unshare-pid", "--proc", "/proc",
+                "--remount-ro", "/dev", *SANDBOX_NAMESPACES, "--proc", "/proc",
                 *(a for knob in PROC_HOST_KNOBS for a in ("--ro-bind-try", knob, knob)),
-                "--unshare-ipc", "--unshare-uts", "--new-session",   # no terminal of the daemon's to write to
+                "--new-session",   # no terminal of the daemon's to write to
                 "--size", room, "--tmpfs", "/tmp", *hide("/run")]
         # Under the emptied folders, what the command needs stays visible, read-only: HOME, the
         # folders of PATH and of the command, Outpost itself (the demo agent), and the resolver's
@@ -10974,7 +10978,7 @@ def agent_isolation(mode: str) -> Isolation:
     if mode == "never":
         return Isolation(False, "agents are not isolated (isolate_agents = \"never\"): they can read the data dir")
     try:
-        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--unshare-pid", "--proc", "/proc", "true"],
+        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", *SANDBOX_NAMESPACES, "--proc", "/proc", "true"],
                                capture_output=True, timeout=10)
         problem = None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[:200]
     except (OSError, subprocess.TimeoutExpired) as exc:

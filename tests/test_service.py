@@ -3,6 +3,7 @@ socket, secrets kept out of agents' environments, journald log lines, and the un
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -136,3 +137,18 @@ def test_systemd_analyze_verify_passes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "outpost.service" not in done.stderr, done.stderr
 
+
+
+def test_a_service_manager_that_forbids_a_namespace_of_the_sandbox_is_found_at_start(tmp_path, monkeypatch):
+    """A unit whose RestrictNamespaces= lacks one the sandbox unshares (uts was missing) makes every
+    sandboxed run fail to start: the start's probe asks for the same namespaces, and says so."""
+    fake = tmp_path / "bin" / "bwrap"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nfor a; do [ "$a" = --unshare-uts ] && { echo "bwrap: Creating new namespace '
+                    'failed: Operation not permitted" >&2; exit 1; }; done; exit 0\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    isolation = outpost.agent_isolation("auto")
+    assert not isolation.active and "Creating new namespace failed" in isolation.message, isolation
+    with pytest.raises(outpost.ConfigError, match="bubblewrap does not work here"):
+        outpost.agent_isolation("always")
