@@ -90,6 +90,7 @@ import contextlib
 import dataclasses
 import difflib
 import enum
+import errno
 import fcntl
 import functools
 import hashlib
@@ -11336,6 +11337,16 @@ async def terminate_group(proc: trio.Process, grace_s: float, init: SandboxInit 
         await proc.wait()
 
 
+def check_startable(program: str, cwd: Path, env: dict[str, str]) -> None:
+    """Raise what exec would for a program that cannot start. A wrapper (the cgroup's shell,
+    prlimit) starts in its place and would fail to exec it only later, in words of its own."""
+    found = program if "/" in program else shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None or not (cwd / found).is_file():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    if not os.access(cwd / found, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+
+
 async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], stdin_text: str | None,
                             timeout_s: float, log_path: Path, now: Callable[[], datetime], live: LiveRun,
                             on_spawn: Callable[[int], Awaitable[None]], grace_s: float = GRACE_S,
@@ -11353,6 +11364,8 @@ async def run_agent_process(argv: list[str], *, cwd: Path, env: dict[str, str], 
     try:
         try:
             spawned = info.argv if info else argv
+            if held and held.wrap(spawned) != spawned:
+                check_startable(spawned[0], cwd, env)
             proc = await trio.lowlevel.open_process(
                 held.wrap(spawned) if held else spawned, cwd=str(cwd), env=env, start_new_session=True,
                 stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,

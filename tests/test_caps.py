@@ -12,9 +12,11 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import trio
 from conftest import OUTPOST_PY, SETTLED, Server, make_repo, wait_for
 
 import outpost
@@ -192,3 +194,28 @@ def test_a_held_command_is_in_its_cgroup_before_it_starts_anything(tmp_path):
     folders[1].rmdir()   # a cgroup it cannot enter: the command never runs
     refused = subprocess.run(held.wrap(["sh", "-c", "echo ran"]), capture_output=True, text=True)
     assert (refused.returncode, refused.stdout) == (125, "")
+
+
+@pytest.mark.parametrize("hold", ["cgroup", "prlimit"])
+@pytest.mark.parametrize("program, reason", [("/nonexistent/agent", "No such file or directory"),
+                                             ("no-such-agent-cli", "No such file or directory"),
+                                             ("./agent.txt", "Permission denied")])
+async def test_a_held_agent_that_cannot_start_is_a_launch_failure_as_unheld(tmp_path, hold, program, reason):
+    """The wrapper (the cgroup's shell, prlimit) would start and only then fail to exec, so its own
+    words would stand as the run's error: the run says, as without caps, that its command could not start."""
+    if hold == "prlimit" and not Path("/usr/bin/prlimit").exists():
+        pytest.skip("no prlimit here")
+    (tmp_path / "agent.txt").write_text("not a program\n")
+    (tmp_path / "cgroup.procs").write_text("")
+    held = (outpost.Held(outpost.ResourceCaps(), folders=(tmp_path,)) if hold == "cgroup"
+            else outpost.Held(outpost.ResourceCaps(), limits=("--nproc=4096",)))
+
+    async def no_op(pid: int) -> None:
+        pass
+
+    with pytest.raises(outpost.LaunchError) as failed:
+        await outpost.run_agent_process(
+            [program], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, stdin_text=None, timeout_s=5,
+            log_path=tmp_path / "run.log", now=lambda: datetime.now(UTC), held=held,
+            live=outpost.LiveRun("out_x", trio.CancelScope()), on_spawn=no_op)
+    assert str(failed.value) == f"could not start agent command {program!r}: {reason}"
