@@ -1979,30 +1979,35 @@ def demo_profile() -> AgentProfile:
     return AgentProfile("demo", command, timeout_seconds=600, resume=(*command, "--resume", "{session_id}"))
 
 
+def as_written(value: Any) -> str:
+    """A value as outpost.toml would say it (``true``, not Python's ``True``), for an error that quotes it."""
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
 def _whole(lo: int, hi: int) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
-        return None if ok else f"must be a whole number from {lo} to {hi}, not {value!r}"
+        return None if ok else f"must be a whole number from {lo} to {hi}, not {as_written(value)}"
     return check
 
 
 def _strings(*, empty: bool) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value) and (empty or value)
-        return None if ok else f"must be a {'' if empty else 'non-empty '}list of strings, not {value!r}"
+        return None if ok else f"must be a {'' if empty else 'non-empty '}list of strings, not {as_written(value)}"
     return check
 
 
 def _string_table(value: Any) -> str | None:
     ok = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
-    return None if ok else f"must be a table of strings (NAME = \"value\"), not {value!r}"
+    return None if ok else f"must be a table of strings (NAME = \"value\"), not {as_written(value)}"
 
 
 #: Every key ``outpost.toml`` may hold, with its check: a typo or a wrong type stops ``serve``
 #: at start with one line naming the key, never a crash at the first run.
 def _one_of(*choices: str) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
-        return None if value in choices else f"must be one of {', '.join(choices)}, not {value!r}"
+        return None if value in choices else f"must be one of {', '.join(choices)}, not {as_written(value)}"
     return check
 
 
@@ -2013,11 +2018,11 @@ def is_postgres_url(database: Path | str) -> bool:
 def _database_url(value: Any) -> str | None:
     if isinstance(value, str) and is_postgres_url(value):
         return None
-    return f"must be a postgresql:// URL (SQLite in the data dir is the default), not {value!r}"
+    return f"must be a postgresql:// URL (SQLite in the data dir is the default), not {as_written(value)}"
 
 
 def _text_value(value: Any) -> str | None:
-    return None if isinstance(value, str) and value.strip() else f"must be a non-empty string, not {value!r}"
+    return None if isinstance(value, str) and value.strip() else f"must be a non-empty string, not {as_written(value)}"
 
 
 def _metrics_token(value: Any) -> str | None:
@@ -2029,7 +2034,7 @@ def _metrics_token(value: Any) -> str | None:
 
 def _api_url(value: Any) -> str | None:
     ok = isinstance(value, str) and re.fullmatch(r"https?://[^\s/?#]+(?:/[^\s?#]*)?", value) is not None
-    return None if ok else f"must be an http(s) URL such as https://slack.com/api, not {value!r}"
+    return None if ok else f"must be an http(s) URL such as https://slack.com/api, not {as_written(value)}"
 
 
 SETTINGS_KEYS: dict[str, Callable[[Any], str | None]] = {
@@ -2045,7 +2050,7 @@ def _zone_name(value: Any) -> str | None:
         return None
     except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):   # OSError: "Europe" is a folder of zones
         return f"must be an IANA timezone name: {zone_problem(value)}" if isinstance(value, str) else (
-            f"must be an IANA timezone name such as \"America/Chicago\", not {value!r}")
+            f"must be an IANA timezone name such as \"America/Chicago\", not {as_written(value)}")
 
 
 AGENT_KEYS: dict[str, Callable[[Any], str | None]] = {
@@ -2090,7 +2095,7 @@ def _checked_table(path: Path, where: str, table: Any, keys: dict[str, Callable[
 
 def _notify_kinds(value: Any) -> str | None:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        return f"must be a non-empty list of attention kinds, not {value!r}"
+        return f"must be a non-empty list of attention kinds, not {as_written(value)}"
     unknown = [v for v in value if v not in ATTENTION_KINDS]
     return f"names {unknown[0]!r}, not an attention kind (known: {', '.join(ATTENTION_KINDS)})" if unknown else None
 
@@ -2098,7 +2103,8 @@ def _notify_kinds(value: Any) -> str | None:
 def _digest_time(value: Any) -> str | None:
     m = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)(?: (\S+))?", value) if isinstance(value, str) else None
     if m is None:
-        return f"must be a time of day with an optional IANA zone, such as \"08:00 Europe/Berlin\", not {value!r}"
+        return ("must be a time of day with an optional IANA zone, such as \"08:00 Europe/Berlin\", "
+                f"not {as_written(value)}")
     return _zone_name(m[3]) if m[3] else None
 
 
@@ -3619,13 +3625,25 @@ def run_outcome(reading: Reading, exit_code: int | None, stderr_tail: str, *, ti
     return failed(error[-ERROR_TAIL_BYTES:], kind, reading)
 
 
-def capped(outcome: Outcome, cap_met: str | None) -> Outcome:
-    """A failed run that met a resource cap (Held.met) says so first: the cap, not what it did to
-    the agent (a kill, a refused fork), is the reason. One that succeeded anyway stays a success."""
-    if cap_met is None or outcome.status != RunStatus.FAILED:
+@dataclasses.dataclass(frozen=True, slots=True)
+class CapMet:
+    """A resource cap a run's processes met (Held.met): which, and the run's failure reason."""
+    cap: Literal["memory", "processes"]
+    reason: str
+
+
+def capped(outcome: Outcome, cap_met: CapMet | None) -> Outcome:
+    """A run that met a resource cap says so first: the cap, not what it did to the agent (a
+    kill, a refused fork), is the reason, followed by the last line the run said. Past its memory
+    cap the kernel killed some of its processes (cgroup v1 kills one, not the whole run), so its
+    work cannot be whole: it fails. One that met its process cap and succeeded anyway (a refused
+    fork it handled) stays a success."""
+    if cap_met is None or outcome.status == RunStatus.CANCELLED or (
+            outcome.status != RunStatus.FAILED and cap_met.cap != "memory"):
         return outcome
-    rest = (outcome.error or "")[-(ERROR_TAIL_BYTES - len(cap_met) - 2):]
-    return dataclasses.replace(outcome, error=f"{cap_met}; {rest}" if rest else cap_met)
+    last = next((line.strip() for line in reversed((outcome.error or "").splitlines()) if line.strip()), "")
+    said = f"; its last line: {last[-300:]}" if last and outcome.status == RunStatus.FAILED else ""
+    return dataclasses.replace(outcome, status=RunStatus.FAILED, error=cap_met.reason + said, question=None)
 
 
 def attention_kinds(notify: str, status: RunStatus, commits: int, failure_kind: str | None = None) -> list[str]:
@@ -10281,16 +10299,18 @@ class Held:
                     *(str(f / "cgroup.procs") for f in self.folders), "--", *argv]
         return ["prlimit", *self.limits, "--", *argv] if self.limits else argv
 
-    def met(self) -> str | None:
-        """The cap the tree met, said as its run's failure reason, or None (also: not known)."""
+    def met(self) -> CapMet | None:
+        """The cap the tree met, with its run's failure reason, or None (also: not known)."""
         met = {cap for f in self.folders for (name, key), cap in CAP_EVENTS.items()
                if cgroup_counts(f / name).get(key, 0) > 0}
         if "memory" in met:
-            return (f"the run went over its memory cap (memory_mb = {self.caps.memory_mb}) and the kernel ended "
-                    "it; raise memory_mb in its agent profile if it needs more")
+            return CapMet("memory", f"the run went over its memory cap (memory_mb = {self.caps.memory_mb}, "
+                                    "files in its /tmp count) and the kernel ended it; raise memory_mb in its "
+                                    "agent profile if it needs more")
         if "processes" in met:
-            return (f"the run met its process cap (max_processes = {self.caps.processes}, threads count): "
-                    "the kernel refused it more; raise max_processes in its agent profile if it needs more")
+            return CapMet("processes", f"the run met its process cap (max_processes = {self.caps.processes}, "
+                                       "threads count): the kernel refused it more; raise max_processes in its "
+                                       "agent profile if it needs more")
         return None
 
     async def release(self) -> None:
@@ -10321,6 +10341,7 @@ class Cgroups:
     parents: tuple[Path, ...]
     message: str
     prlimit: bool = False   # without a cgroup: prlimit's caps on each process
+    owner: str = ""         # the data dir's mark in its cgroups' names (cgroup_owner)
 
     @contextlib.asynccontextmanager
     async def hold(self, caps: ResourceCaps) -> AsyncIterator[Held]:
@@ -10335,7 +10356,7 @@ class Cgroups:
     def held(self, caps: ResourceCaps) -> Held:
         if not self.version:
             return Held(caps, limits=prlimit_options(caps) if self.prlimit else ())
-        name = f"outpost-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"outpost-{self.owner}-{os.getpid()}-{secrets.token_hex(4)}"
         folders = tuple(parent / name for parent in self.parents)
         memory = str(caps.memory_mb << 20)
         settings = {"pids.max": str(caps.processes), "memory.max": memory, "memory.swap.max": "0",
@@ -10353,6 +10374,18 @@ class Cgroups:
             raise LaunchError(f"could not make the run's cgroup: {exc}") from None
         return Held(caps, folders=folders)
 
+    async def sweep(self) -> None:
+        """The cgroups an earlier daemon of this data dir left (killed, its runs' survivors ended
+        by now: end_survivor): what is still in them ended, and they are removed. Another data
+        dir's, or another PID namespace's (a container's), are never touched."""
+        mine = f"outpost-{self.owner}-"
+        for parent in self.parents:
+            with contextlib.suppress(OSError):
+                left = [Path(e.path) for e in os.scandir(parent) if e.name.startswith(mine)
+                        and e.name.split("-")[2] != str(os.getpid()) and e.is_dir()]
+                for folder in left:
+                    await Held(ResourceCaps(), folders=(folder,)).release()
+
 
 #: Runs held to nothing: where no probe was made (tests' own Deps), or outside a run.
 NO_CGROUPS = Cgroups(0, (), "runs are not held to max_processes and memory_mb (no probe was made)")
@@ -10361,12 +10394,17 @@ NO_CGROUPS = Cgroups(0, (), "runs are not held to max_processes and memory_mb (n
 CGROUP_DAEMON_LEAF = "outpost-daemon"
 
 
-def find_cgroups(root: Path = CGROUP_ROOT, membership: str | None = None) -> Cgroups:
+def cgroup_owner(data_dir: Path) -> str:
+    """A data dir's mark in the names of its runs' cgroups: one daemon's sweep takes only its own."""
+    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def find_cgroups(owner: str, root: Path = CGROUP_ROOT, membership: str | None = None) -> Cgroups:
     """Where this daemon can make its runs' cgroups: the v1 pids and memory hierarchies' cgroups
     it is in, when it may write there (root, mostly); else its v2 cgroup, when delegated to it
-    (``Delegate=yes`` in outpost.service): it moves itself into a leaf (CGROUP_DAEMON_LEAF) and
+    (``Delegate=pids memory`` in outpost.service): it moves itself into a leaf (CGROUP_DAEMON_LEAF) and
     gives its cgroup's children the pids and memory controllers. Else prlimit, where installed.
-    Cgroups an earlier daemon left (its runs ended with it) are removed."""
+    ``owner``: the data dir's mark (cgroup_owner) in its runs' cgroups' names."""
     if membership is None:
         try:
             membership = Path("/proc/self/cgroup").read_text()
@@ -10387,10 +10425,12 @@ def find_cgroups(root: Path = CGROUP_ROOT, membership: str | None = None) -> Cgr
     else:
         parents, problem, version = (), f"the machine has no cgroup hierarchy mounted under {root}", 0
     if problem is None:
-        for parent in parents:
-            sweep_cgroups(parent)
         return Cgroups(version, parents, f"each run is held to its profile's max_processes and memory_mb "
-                                         f"in a cgroup of its own (cgroup v{version})")
+                                         f"in a cgroup of its own (cgroup v{version})", owner=owner)
+    if shutil.which("prlimit") and os.geteuid() == 0:   # root is never held to a process count
+        return Cgroups(0, (), f"runs are held to memory_mb by prlimit (per process), and not to max_processes "
+                              f"(a daemon running as root is never held to a process count), not by a cgroup: "
+                              f"{problem}", prlimit=True)
     if shutil.which("prlimit"):
         return Cgroups(0, (), f"runs are held to max_processes and memory_mb by prlimit (per process; the "
                               f"process count is the service user's), not by a cgroup: {problem}", prlimit=True)
@@ -10402,28 +10442,18 @@ def delegated(own: Path) -> str | None:
     try:
         available = (own / "cgroup.controllers").read_text().split()
         if not {"pids", "memory"} <= set(available):
-            return f"its cgroup {own} has no pids and memory controllers (Delegate=yes in outpost.service gives them)"
+            return (f"its cgroup {own} has no pids and memory controllers "
+                    "(Delegate=pids memory in outpost.service gives them)")
         if {"pids", "memory"} <= set((own / "cgroup.subtree_control").read_text().split()):
             return None
         if not os.access(own / "cgroup.subtree_control", os.W_OK):
-            return f"its cgroup {own} is not delegated to it (Delegate=yes in outpost.service does that)"
+            return f"its cgroup {own} is not delegated to it (Delegate=pids memory in outpost.service does that)"
         (own / CGROUP_DAEMON_LEAF).mkdir(exist_ok=True)
         (own / CGROUP_DAEMON_LEAF / "cgroup.procs").write_text(str(os.getpid()))
         (own / "cgroup.subtree_control").write_text("+pids +memory")
     except OSError as exc:   # EBUSY: other processes share the daemon's cgroup
         return f"its cgroup {own} cannot hold runs' cgroups: {exc.strerror or exc}"
     return None
-
-
-def sweep_cgroups(parent: Path) -> None:
-    """The cgroups of daemons that are gone: empty now (their runs ended with them, or by
-    end_survivor, which leaves the folder), removed."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(parent):
-            owner = entry.name.split("-")[1] if entry.name.startswith("outpost-") else ""
-            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-                with contextlib.suppress(OSError):
-                    os.rmdir(entry.path)
 
 
 def prlimit_options(caps: ResourceCaps) -> tuple[str, ...]:
@@ -10715,12 +10745,36 @@ async def check_repository(definition: dict[str, Any], deps: Deps) -> str:
                       f"{repo} is not an existing git repository on this machine") from None
 
 
+async def concurrently(*calls: Callable[[], Awaitable[Any]]) -> list[Any]:
+    """Each call's result, the calls run at once (git commands that do not depend on each other:
+    a run starts sooner). The first failure is raised as itself, the others cancelled."""
+    results: list[Any] = [None] * len(calls)
+    failures: list[BaseException] = []
+
+    async def one(i: int, call: Callable[[], Awaitable[Any]], cancel: trio.CancelScope) -> None:
+        try:
+            results[i] = await call()
+        except Exception as exc:
+            failures.append(exc)
+            cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for i, call in enumerate(calls):
+            nursery.start_soon(one, i, call, nursery.cancel_scope)
+    if failures:
+        raise failures[0]
+    return results
+
+
 async def add_worktree(repository: str, commit: str, branch: str, path: Path) -> None:
     """A run's worktree: a private clone on ``branch`` at ``commit`` that borrows the repository's
     objects read-only (alternates), never a ``git worktree`` of it: an agent that can write a
     worktree's ``.git`` could write the repository's config, hooks and refs (docs/security.md). Made
     before the agent runs, so git here obeys only the user's own configuration."""
-    common = Path(repository, await git(repository, "rev-parse", "--git-common-dir")).resolve()
+    common, hooks = await concurrently(   # the repository first: one that is gone leaves no worktree
+        functools.partial(git, repository, "rev-parse", "--git-common-dir"),
+        functools.partial(git, repository, "config", "--show-scope", "--get-all", "core.hooksPath", check=False))
+    common = Path(repository, common).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     await git(path.parent, "init", "--quiet", "--template=", f"--initial-branch={branch}", str(path))
     (path / ".git" / "objects" / "info").mkdir(parents=True, exist_ok=True)
@@ -10728,12 +10782,12 @@ async def add_worktree(repository: str, commit: str, branch: str, path: Path) ->
     # The user's hooks check the agent's commits as they check the user's own (inside the sandbox,
     # read-only): the repository's own core.hooksPath, else a global one (the clone reads it too),
     # else its hooks folder. Outpost's own git never runs them (GIT_NO_HOOKS).
-    scoped = dict(line.split("\t", 1) for line in (await git(
-        repository, "config", "--show-scope", "--get-all", "core.hooksPath", check=False)).splitlines() if "\t" in line)
+    scoped = dict(line.split("\t", 1) for line in hooks.splitlines() if "\t" in line)
+    steps = [functools.partial(git, path, "reset", "--quiet", "--hard", commit)]   # the unborn branch, at commit
     if "local" in scoped or not scoped.keys() & {"global", "system"}:
-        await git(path, "config", "core.hooksPath", scoped.get("local", str(common / "hooks")))
-    await git(path, "update-ref", f"refs/heads/{branch}", commit)
-    await git(path, "reset", "--quiet", "--hard")
+        hooks_path = scoped.get("local", str(common / "hooks"))
+        steps.append(functools.partial(git, path, "config", "core.hooksPath", hooks_path))
+    await concurrently(*steps)
 
 
 def worktree_intact(path: Path) -> bool:
@@ -12356,8 +12410,9 @@ async def prepare_worktree(deps: Deps, plan: RunPlan, workspace: Path) -> str:
     if not head:
         commit = plan.resolved_commit or await deps.refs.resolve(repository, plan.source_ref)
         commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, plan.run_id, commit)
-        await git(repository, "update-ref", f"refs/heads/{branch}", commit)   # the run's own: a retried start redoes it
-        await add_worktree(repository, commit, branch, workspace)
+        await concurrently(   # the run's own branch (a retried start redoes it), and its worktree
+            functools.partial(git, repository, "update-ref", f"refs/heads/{branch}", commit),
+            functools.partial(add_worktree, repository, commit, branch, workspace))
         return commit
     commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, plan.run_id, head)
     if workspace.exists():   # kept by an earlier run of the session (its changes could not be saved)
@@ -12599,6 +12654,7 @@ async def recover_at_boot(deps: Deps) -> None:
         plan = run_plan(deps, await deps.transaction_retrying(deps.store.runs.launch_info, run_id))
         await end_survivor(deps, run_id, plan.pid, plan.pid_started)
         await finish_run(deps, plan, plan.resolved_commit, failed(INTERRUPTED, "interrupted"), None)
+    await deps.cgroups.sweep()   # what its survivors were held in
 
 
 async def recovery_actor(deps: Deps, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -15679,7 +15735,7 @@ async def settings_page(web: Web, status: int = 200, **form: Any):
                           last_pass=await web.call(web.store.housekeeping.last_pass),
                           keep_days=web.deps.config.keep_days, attention_kinds=ATTENTION_KINDS,
                           default_kinds=NOTIFY_DEFAULT_KINDS, cgroups=web.deps.cgroups,
-                          default_caps=ResourceCaps(), **form)
+                          default_caps=ResourceCaps(), default_tmp_mb=SANDBOX_TMP_MB, **form)
 
 
 @pages.post("/settings/notify/test", auth=Auth.SESSION, nudges=(Actor.NOTIFY,))
@@ -16241,7 +16297,8 @@ def open_deps(config: Config, clock: Clock | None = None) -> Deps:
     store.notify.configure(config.notify, config.channels)
     store.transaction(store.channels.sync, config.channels, datetime.now(UTC))
     return Deps(config=config, store=store, clock=clock or WallClock(), token=token,
-                isolation=agent_isolation(config.isolate_agents), cgroups=find_cgroups())
+                isolation=agent_isolation(config.isolate_agents),
+                cgroups=find_cgroups(cgroup_owner(config.data_dir)))
 
 
 async def serve(deps: Deps, shutdown: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -16322,7 +16379,7 @@ async def run_until_signal(deps: Deps) -> None:
                 print(f"Outpost is listening: dashboard and API on {base}/", flush=True)
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
-                print(f"Agents: {deps.isolation.message}; {deps.cgroups.message}", flush=True)
+                print(f"Sandbox: {deps.isolation.message}; {deps.cgroups.message}", flush=True)
                 if os.geteuid() == 0:
                     print("Running as root: a dedicated user is safer (see docs/security.md): an agent's "
                           "sandbox is all that stands between it and the whole machine", flush=True)

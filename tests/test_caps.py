@@ -6,6 +6,7 @@ cap it met, and the daemon keeps serving."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from conftest import OUTPOST_PY, SETTLED, Server, make_repo, wait_for
 
 import outpost
 
-CGROUPS = outpost.find_cgroups()
+CGROUPS = outpost.find_cgroups("tests")
 needs_cgroups = pytest.mark.skipif(not CGROUPS.version, reason=f"no cgroup here to test with: {CGROUPS.message}")
 
 #: An agent that forks until the kernel refuses, each child sleeping: how many it got, and why it stopped.
@@ -77,7 +78,7 @@ def one_run(base: Path, script: str, settings: str, runner: tuple[str, ...] = ()
             log = client.get(f"/v1/outpost/runs/{run_id}/log").text
             assert client.get("/healthz").status_code == 200   # the daemon serves on
             assert not [d for p in CGROUPS.parents for d in os.listdir(p)   # its cgroup went with it
-                        if d.startswith(f"outpost-{server.proc.pid}-")]
+                        if d.startswith(f"outpost-{outpost.cgroup_owner(data)}-")]
             return run, log
     finally:
         server.stop()
@@ -100,7 +101,52 @@ def test_an_agent_that_takes_memory_without_end_is_ended_at_its_profile_s_memory
     run, log = one_run(base, MEMORY_HOG, "memory_mb = 64\n")
     assert "held 300" not in log
     assert run["status"] == "failed"
-    assert run["error"].startswith("the run went over its memory cap (memory_mb = 64)"), run["error"]
+    assert run["error"].startswith("the run went over its memory cap (memory_mb = 64,"), run["error"]
+
+
+#: An agent whose child takes memory without end, and which then ends well itself.
+CHILD_HOG = f"""
+import subprocess, sys
+child = subprocess.run([sys.executable, "-c", {MEMORY_HOG!r}])
+print("child ended", child.returncode, "and the agent goes on", flush=True)
+"""
+
+
+@needs_cgroups
+def test_a_run_whose_child_the_kernel_ended_at_its_memory_cap_fails_though_the_agent_ended_well(base):
+    """cgroup v1 kills the one process that asked for more; the agent may go on and end well: its
+    work is not whole, so the run fails, naming the cap."""
+    run, log = one_run(base, CHILD_HOG, "memory_mb = 64\n")
+    assert "held 300" not in log
+    assert run["status"] == "failed", (run, log)
+    assert run["error"].startswith("the run went over its memory cap (memory_mb = 64,"), run["error"]
+
+
+def test_a_run_that_met_a_cap_says_the_cap_then_only_its_last_line():
+    """A fork bomb's stderr repeats one complaint a thousand times: the error is the cap and the last line."""
+    said = "bomb.sh: fork: retry: Resource temporarily unavailable\n" * 60 + "bomb.sh: gave up\n\n"
+    outcome = outpost.Outcome(outpost.RunStatus.FAILED, said, failure_kind=None)
+    met = outpost.CapMet("processes", "the run met its process cap (max_processes = 40, threads count)")
+    assert outpost.capped(outcome, met).error == met.reason + "; its last line: bomb.sh: gave up"
+    handled = outpost.Outcome(outpost.RunStatus.SUCCEEDED, None)
+    assert outpost.capped(handled, met) == handled   # a refused fork it handled: still a success
+    memory = outpost.CapMet("memory", "the run went over its memory cap (memory_mb = 64)")
+    assert (outpost.capped(handled, memory).status, outpost.capped(handled, memory).error) == (
+        outpost.RunStatus.FAILED, memory.reason)
+    cancelled = outpost.Outcome(outpost.RunStatus.CANCELLED, "cancelled")
+    assert outpost.capped(cancelled, memory) == cancelled
+
+
+@pytest.mark.parametrize("euid, says", [
+    (0, "runs are held to memory_mb by prlimit (per process), and not to max_processes"),
+    (1000, "runs are held to max_processes and memory_mb by prlimit (per process; the process count is the")])
+def test_where_no_cgroup_can_be_made_prlimit_is_named_for_what_it_holds(tmp_path, monkeypatch, euid, says):
+    """prlimit never holds root to a process count: a root daemon must not claim it does."""
+    if not Path("/usr/bin/prlimit").exists():
+        pytest.skip("no prlimit here")
+    monkeypatch.setattr(outpost.os, "geteuid", lambda: euid)
+    found = outpost.find_cgroups("tests", tmp_path, "0::/\n")
+    assert found.prlimit and found.message.startswith(says), found.message
 
 
 @needs_cgroups
@@ -136,38 +182,52 @@ def fake_v2(root: Path, own: str, controllers: str = "cpu io memory pids") -> Pa
 
 def test_a_delegated_v2_cgroup_holds_runs_after_the_daemon_moves_into_a_leaf(tmp_path):
     own = fake_v2(tmp_path, "/system.slice/outpost.service")
-    found = outpost.find_cgroups(tmp_path, "0::/system.slice/outpost.service\n")
+    found = outpost.find_cgroups("tests", tmp_path, "0::/system.slice/outpost.service\n")
     assert (found.version, found.parents) == (2, (own,))
     assert (own / "outpost-daemon" / "cgroup.procs").read_text() == str(os.getpid())
     assert (own / "cgroup.subtree_control").read_text() == "+pids +memory"
     # started again inside its leaf: its runs still go beside the leaf
-    again = outpost.find_cgroups(tmp_path, "0::/system.slice/outpost.service/outpost-daemon\n")
+    again = outpost.find_cgroups("tests", tmp_path, "0::/system.slice/outpost.service/outpost-daemon\n")
     assert again.parents == (own,)
 
 
 def test_a_v2_cgroup_without_the_controllers_falls_back_to_prlimit_saying_why(tmp_path):
     fake_v2(tmp_path, "/user.slice/session-1.scope", controllers="cpu io")
-    found = outpost.find_cgroups(tmp_path, "0::/user.slice/session-1.scope\n")
+    found = outpost.find_cgroups("tests", tmp_path, "0::/user.slice/session-1.scope\n")
     assert found.version == 0 and found.prlimit
-    assert "has no pids and memory controllers (Delegate=yes" in found.message
+    assert "has no pids and memory controllers (Delegate=pids memory" in found.message
 
 
 def test_v1_hierarchies_hold_runs_in_the_daemon_s_own_pids_and_memory_cgroups(tmp_path):
     for folder in ("pids", "memory/process_api/abc", "cpu,cpuacct"):
         (tmp_path / folder).mkdir(parents=True)
     membership = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu,cpuacct:/\n0::/\n"
-    found = outpost.find_cgroups(tmp_path, membership)
+    found = outpost.find_cgroups("tests", tmp_path, membership)
     assert (found.version, found.parents) == (1, (tmp_path / "pids", tmp_path / "memory/process_api/abc"))
 
 
-def test_cgroups_of_daemons_that_are_gone_are_swept_and_live_ones_kept(tmp_path):
-    own = fake_v2(tmp_path, "/outpost.service")
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    for name in (f"outpost-{gone.stdout.strip()}-aa", f"outpost-{os.getpid()}-bb", "user-folder"):
-        (own / name).mkdir()
-    outpost.find_cgroups(tmp_path, "0::/outpost.service\n")
-    assert sorted(p.name for p in own.iterdir() if p.is_dir()) == sorted(
-        [f"outpost-{os.getpid()}-bb", "outpost-daemon", "user-folder"])
+@needs_cgroups
+async def test_the_sweep_ends_and_removes_only_its_own_data_dir_s_leftover_cgroups():
+    """Another daemon's cgroups (another data dir, or another PID namespace's whose pids mean
+    nothing here) are never touched; an earlier daemon of this data dir's are, with what is in them."""
+    mine, other = (dataclasses.replace(CGROUPS, owner=outpost.cgroup_owner(Path(d))) for d in ("/a", "/b"))
+    leftover = dataclasses.replace(mine, owner=mine.owner).held(outpost.ResourceCaps())
+    names = [(f.parent, f.name.replace(f"-{os.getpid()}-", "-999999-")) for f in leftover.folders]
+    for folder, (parent, name) in zip(leftover.folders, names, strict=True):
+        folder.rename(parent / name)   # as an earlier daemon (pid 999999) of the same data dir named it
+    stray = subprocess.Popen(outpost.Held(outpost.ResourceCaps(), folders=tuple(p / n for p, n in names)).wrap(
+        ["sleep", "60"]))
+    theirs, own_now = other.held(outpost.ResourceCaps()), mine.held(outpost.ResourceCaps())
+    try:
+        wait_for(lambda: all((p / n / "cgroup.procs").read_text().strip() for p, n in names), timeout_s=10)
+        await mine.sweep()
+        assert stray.wait(timeout=10) == -9                         # what was left in it is ended
+        assert not [n for p, n in names if (p / n).exists()]        # and its cgroups are gone
+        assert all(f.exists() for f in (*theirs.folders, *own_now.folders))   # the others' and its own stay
+    finally:
+        stray.kill()
+        await theirs.release()
+        await own_now.release()
 
 
 def test_the_cap_a_tree_met_is_read_from_its_cgroup_s_events(tmp_path):
@@ -177,9 +237,11 @@ def test_the_cap_a_tree_met_is_read_from_its_cgroup_s_events(tmp_path):
     held = outpost.Held(caps, folders=(tmp_path,))
     assert held.met() is None   # the memory cap pressed (max 12) but killed nothing: not met
     (tmp_path / "pids.events").write_text("max 3\n")
-    assert held.met().startswith("the run met its process cap (max_processes = 40")
+    assert held.met().cap == "processes"
+    assert held.met().reason.startswith("the run met its process cap (max_processes = 40")
     (tmp_path / "memory.events").write_text("oom_kill 1\n")
-    assert held.met().startswith("the run went over its memory cap (memory_mb = 64)")
+    assert held.met().cap == "memory"
+    assert held.met().reason.startswith("the run went over its memory cap (memory_mb = 64")
 
 
 def test_a_held_command_is_in_its_cgroup_before_it_starts_anything(tmp_path):

@@ -262,6 +262,9 @@ def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_rep
         assert run["started_at"] == started_at
         assert not process_running(pid, start), "the orphaned agent was ended"
         assert not group_running(pid)
+        owner = outpost.cgroup_owner(server.data_dir)   # and the cgroups it was held in are gone
+        assert not [d for p in outpost.find_cgroups(owner).parents for d in os.listdir(p)
+                    if d.startswith(f"outpost-{owner}-{server.proc.pid}-")]
         # Its uncommitted edit is kept on the result branch.
         assert git(git_repo, "show", f"{run['result_branch']}:wip.txt") == "x"
 

@@ -33,9 +33,9 @@ import outpost  # noqa: E402
 
 #: The store methods whose time the wakeup drain's section reports (a method's time includes
 #: the methods it calls, and the flush of the Pony changes made before its first query).
-TIMED = ("enqueue_wakeup", "dispatch_wakeups", "_claimable_wakeups", "process_wakeup", "_task_facts",
-         "_office_prompt", "_queue_run", "settle_run", "_settle_office_run", "_release_checkout",
-         "_end_wakeup", "_active_sessions", "admit_ready")
+TIMED = ("enqueue_wakeup", "dispatch_wakeups", "_claimable_wakeups", "process_wakeup", "task_facts",
+         "office_prompt", "queue_run", "settle_run", "_settle_office_run", "release_checkout",
+         "end_wakeup", "active_sessions", "admit_ready")
 
 
 def statement_kind(sql: str) -> str:
