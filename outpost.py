@@ -230,8 +230,9 @@ SIGNIN_CODE_TTL_S = 15 * 60
 AUTO_PAUSE_STREAK = 3
 #: Bytes of stderr kept as a failed run's error text.
 ERROR_TAIL_BYTES = 2000
-#: Output an agent report is read from: the first lines and the last bytes of stdout.
+#: Output an agent report is read from: the first lines (up to so many bytes) and the last bytes of stdout.
 OUTPUT_HEAD_LINES = 200
+OUTPUT_HEAD_BYTES = 1024 * 1024
 OUTPUT_TAIL_BYTES = 8 * 1024 * 1024
 #: Longest stdout line the readers get: a CLI's longest real event (a tool's whole output in one) is
 #: far shorter. The rest of a longer line is dropped (so it reads as text): a line that never ends
@@ -888,6 +889,11 @@ FINAL_MESSAGE_CHARS = 4096
 #: (a tool's input a few more). What is kept is written out again later (the store, the API), so it
 #: must stay far from Python's recursion limit wherever that happens; deeper output reads as text.
 AGENT_JSON_DEPTH = 64
+#: JSON that is mostly brackets (past AGENT_JSON_CONTAINERS of them, one in AGENT_JSON_SPARSE
+#: characters or more) is not parsed: each becomes a Python object of 50-100 bytes, so 4 MiB of
+#: "[]," would take 100 MB of the daemon's memory and seconds of its time. A real event is mostly text.
+AGENT_JSON_CONTAINERS = 10_000
+AGENT_JSON_SPARSE = 8
 #: Largest cost one run may report: the costliest real runs cost tens of dollars. A larger figure
 #: (or a negative one, NaN, Infinity) is no amount of money, and it would swamp every sum it enters
 #: (budgets, the Agent CLIs page, the runs chart): it is not kept.
@@ -954,6 +960,9 @@ def agent_json(text: str, *, prefix: bool = False) -> Any:
     """``text``, printed by an agent, as JSON (``prefix``: more text may follow it), or None when
     it is none Outpost keeps: not JSON, nested past AGENT_JSON_DEPTH or past the recursion limit, an
     int past Python's 4300 digits. Never an exception: what an agent prints is no reason to fail."""
+    containers = text.count("[") + text.count("{")
+    if containers > AGENT_JSON_CONTAINERS and containers * AGENT_JSON_SPARSE > len(text):
+        return None
     if "\\u" in text:
         text = LONE_SURROGATE.sub(lambda m: m[1] or "\\ufffd", text)
     try:
@@ -11320,13 +11329,14 @@ class LiveRuns:
 
 class OutputLines:
     """The stdout lines a preset's reader gets: the whole stream when it is small, else the
-    first OUTPUT_HEAD_LINES (a CLI names its session first) and the last OUTPUT_TAIL_BYTES (its
-    result comes last), in order, each line cut at OUTPUT_LINE_BYTES. Memory stays bounded however
-    long a run talks, and each chunk costs its own length: only it is searched for a newline,
-    never the line so far."""
+    first OUTPUT_HEAD_LINES within OUTPUT_HEAD_BYTES (a CLI names its session first) and the last
+    OUTPUT_TAIL_BYTES (its result comes last), in order, each line cut at OUTPUT_LINE_BYTES. Memory
+    stays bounded however long a run talks (about 13 MiB at most), and each chunk costs its own
+    length: only it is searched for a newline, never the line so far."""
 
     def __init__(self) -> None:
         self.head: list[str] = []
+        self.head_bytes = 0
         self.tail: collections.deque[str] = collections.deque()
         self.tail_bytes = 0
         self.pending = bytearray()   # the line being printed, up to OUTPUT_LINE_BYTES
@@ -11346,8 +11356,9 @@ class OutputLines:
 
     def _add(self, raw: bytes) -> None:
         line = raw.decode(errors="replace")
-        if len(self.head) < OUTPUT_HEAD_LINES:
+        if len(self.head) < OUTPUT_HEAD_LINES and self.head_bytes + len(raw) <= OUTPUT_HEAD_BYTES and not self.tail:
             self.head.append(line)
+            self.head_bytes += len(raw)
             return
         self.tail.append(line)
         self.tail_bytes += len(raw)
@@ -12518,7 +12529,7 @@ async def run_supervisor(deps: Deps, run_id: str) -> None:
                     on_spawn=on_spawn, grace_s=deps.grace_s, held=held))
                 cap_met = held.met()
             exit_code = done.exit_code
-            reading = profile.kind.read(done.lines)
+            reading = await trio.to_thread.run_sync(profile.kind.read, done.lines)   # off the event loop
             if reading.agent_version is None and profile.kind.version:   # a CLI that does not print it
                 reading.agent_version = await agent_version(deps, profile, env, sandbox)
             outcome = capped(run_outcome(reading, done.exit_code, done.stderr_tail, timed_out=done.timed_out,
@@ -12571,7 +12582,11 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     except (LaunchError, OSError) as exc:   # the edits stay where they are: never deleted, never called a success
         full = "the disk is full, so " if disk_full(exc) else ""
         kept = f"{full}the agent's changes could not be saved ({exc}); they are kept in {workspace}"
-    commits = await count_commits(local, commit, plan.result_branch) if commit else 0
+    try:
+        commits = await count_commits(local, commit, plan.result_branch) if commit else 0
+    except LaunchError as exc:   # git could not start (the machine's processes at their limit): kept, uncounted
+        commits = 0
+        kept = kept or f"the run's commits could not be counted ({exc}); its worktree is kept in {workspace}"
     if kept is None:
         try:
             await remove_worktree(workspace, sandbox)

@@ -726,6 +726,32 @@ async def test_run_repository_deleted_after_queueing(real_deps, git_repo, tmp_pa
     assert str(doomed) in second["error"]
 
 
+async def test_git_that_cannot_start_at_settlement_fails_its_run_and_not_the_daemon(real_deps, git_repo,
+                                                                                      monkeypatch):
+    """Found by attack: with the machine's processes at their limit (another run's fork bomb under a
+    shared TasksMax), the git that counts a run's commits could not fork; its LaunchError left the
+    run supervisor and took the claim actor, and the daemon, down. The run is failed, its worktree
+    kept, and the next run starts."""
+    deps = real_deps()
+    real = outpost.count_commits
+    failing = {"left": 1}
+
+    async def count_commits(*args):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise outpost.LaunchError("could not run git: [Errno 11] Resource temporarily unavailable")
+        return await real(*args)
+    monkeypatch.setattr(outpost, "count_commits", count_commits)
+    with trio.fail_after(30):
+        starved = await queue_dispatch(deps, git_repo, "@edit notes.txt x")
+        async with actor_running(outpost.claim_actor, deps):
+            run = await until_status(deps, starved)
+            after = await until_status(deps, await queue_dispatch(deps, git_repo, "@print next"))
+    assert run["status"] == "failed"
+    assert run["error"].startswith("the run's commits could not be counted (could not run git: [Errno 11]")
+    assert after["status"] == "succeeded"
+
+
 async def test_run_source_ref_deleted_after_queueing(real_deps, git_repo):
     deps = real_deps()
     git(git_repo, "branch", "feature")

@@ -1184,6 +1184,65 @@ def test_400_mb_without_a_newline_is_read_in_linear_time_and_kept_to_a_bound():
     assert last == '{"status": "succeeded"}'
 
 
+def test_what_is_kept_of_stdout_stays_bounded_however_many_long_lines_a_run_prints():
+    """Found by attack: the first 200 lines were kept whole, each up to 4 MiB: 800 MiB of one run."""
+    lines, long_line = outpost.OutputLines(), b"y" * (outpost.OUTPUT_LINE_BYTES - 1) + b"\n"
+    lines.feed(b'{"type": "system", "subtype": "init", "session_id": "s-1"}\n')
+    for _ in range(30):
+        lines.feed(long_line)
+    lines.feed(b'{"status": "succeeded"}\n')
+    kept = lines.lines()
+    assert sum(len(line) for line in kept) <= outpost.OUTPUT_HEAD_BYTES + outpost.OUTPUT_TAIL_BYTES
+    assert (kept[0], kept[-1]) == ('{"type": "system", "subtype": "init", "session_id": "s-1"}',
+                                   '{"status": "succeeded"}')   # the session first, the result last
+
+
+#: What an agent's CLI really prints, at its largest: a long session's events in one JSON array
+#: (Claude's ``--output-format json --verbose``), mostly text between the brackets.
+LONG_SESSION = json.dumps([{"type": "assistant", "message": {"id": f"msg_{i}", "content": [
+    {"type": "tool_use", "id": f"toolu_{i}", "name": "Bash", "input": {"command": f"ls -la src/{i}"}}]}}
+    for i in range(20_000)] + [{"type": "result", "subtype": "success", "is_error": False, "result": "Done."}])
+
+
+def test_json_that_is_mostly_brackets_is_read_as_text_and_real_events_as_json():
+    """4 MiB of "[]," is 1.4 million Python lists (about 100 MB of the daemon's memory): not parsed."""
+    brackets = '{"a": [' + "[]," * 1_400_000 + "[]]}"
+    assert outpost.agent_json(brackets) is None
+    assert outpost.agent_json('{"a": [' + "[]," * 1000 + "[]]}") == {"a": [[]] * 1001}   # a few are JSON
+    assert outpost.agent_json(LONG_SESSION)[-1]["result"] == "Done."
+    outcome = read_as_the_executor_does("claude-code", LONG_SESSION.splitlines())
+    assert outcome.status == outpost.RunStatus.SUCCEEDED
+
+
+def test_an_agent_that_prints_long_lines_of_brackets_leaves_the_daemon_s_memory_bounded(server_factory, git_repo,
+                                                                                        tmp_path):
+    """Found by attack: 30 lines of 4 MiB of JSON brackets took a daemon to 3.2 GB and held its
+    event loop for 38 s; its watchdog would have killed it and every other run with it."""
+    script = ("import sys\nline = b'{\"a\":[' + b'[],' * ((4 << 20) // 3 - 10) + b'[]]}\\n'\n"
+              "for _ in range(30):\n    sys.stdout.buffer.write(line)\n"
+              "print('{\"type\": \"result\", \"subtype\": \"success\", \"is_error\": false, \"result\": \"Done.\"}')\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "outpost.toml").write_text(f'[agents.brackets]\ncommand = ["python3", "-c", {json.dumps(script)}]\n'
+                                       'preset = "claude-code"\n')
+    server = server_factory(data_dir=data)
+    with server.client() as client:
+        before = peak_memory_kib(server.proc.pid)
+        run_id = client.post("/v1/outpost/dispatches", headers={"Idempotency-Key": "brackets"}, json={
+            "brief": "go", "repository": str(git_repo), "agent": "brackets"}).json()["run_id"]
+        run = conftest.wait_for(lambda: (r := client.get(f"/v1/outpost/runs/{run_id}").json())["finished_at"] and r,
+                                timeout_s=120)
+        assert run["status"] == "succeeded", (run["error"], run.get("agent_report"))
+        assert client.get("/healthz").status_code == 200
+        grew_mib = (peak_memory_kib(server.proc.pid) - before) / 1024
+    assert grew_mib < 200, f"the daemon's peak memory grew {grew_mib:.0f} MiB for one run's output"
+
+
+def peak_memory_kib(pid: int) -> int:
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(status["VmHWM"].split()[0])
+
+
 def read_as_the_executor_does(preset: str, lines: list[str], exit_code: int = 0) -> outpost.Outcome:
     reading = outpost.PRESETS[preset].read(lines)
     return outpost.run_outcome(reading, exit_code, "", now=T0, tz=CHICAGO)
