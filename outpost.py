@@ -106,6 +106,7 @@ import math
 import os
 import random
 import re
+import resource
 import secrets
 import shlex
 import shutil
@@ -10314,8 +10315,8 @@ class Held:
                if cgroup_counts(f / name).get(key, 0) > 0}
         if "memory" in met:
             return CapMet("memory", f"the run went over its memory cap (memory_mb = {self.caps.memory_mb}, "
-                                    "files in its /tmp count) and the kernel ended it; raise memory_mb in its "
-                                    "agent profile if it needs more")
+                                    "files in its /tmp count), and the kernel killed what went over; raise "
+                                    "memory_mb in its agent profile if it needs more")
         if "processes" in met:
             return CapMet("processes", f"the run met its process cap (max_processes = {self.caps.processes}, "
                                        "threads count): the kernel refused it more; raise max_processes in its "
@@ -10383,6 +10384,22 @@ class Cgroups:
             raise LaunchError(f"could not make the run's cgroup: {exc}") from None
         return Held(caps, folders=folders)
 
+    def room_short(self, config: Config) -> str | None:
+        """Whether the cgroup the daemon shares with its runs' (v2: its service's, TasksMax; v1: its
+        own) has room for every run at its process cap beside the daemon's own processes: if not,
+        runs at their caps starve the daemon's git for the others. What to change, or None."""
+        try:
+            room = int((self.parents[0] / "pids.max").read_text()) if self.version else None
+        except (OSError, ValueError, IndexError):   # "max": no limit
+            room = None
+        widest = max((a.caps.processes for a in config.agents), default=ResourceCaps().processes)
+        needed = config.max_running * widest + DAEMON_TASKS
+        if room is None or room >= needed:
+            return None
+        return (f"the daemon's cgroup allows {room} processes, fewer than max_running x max_processes "
+                f"({config.max_running} x {widest}) plus the daemon's own {DAEMON_TASKS}: runs at their caps "
+                "would leave the daemon none; raise TasksMax in outpost.service or lower max_processes")
+
     async def sweep(self) -> None:
         """The cgroups an earlier daemon of this data dir left (killed, its runs' survivors ended
         by now: end_survivor): what is still in them ended, and they are removed. Another data
@@ -10396,6 +10413,8 @@ class Cgroups:
                     await Held(ResourceCaps(), folders=(folder,)).release()
 
 
+#: Processes and threads the daemon needs of its own beside its runs' (its threads, its git).
+DAEMON_TASKS = 64
 #: Runs held to nothing: where no probe was made (tests' own Deps), or outside a run.
 NO_CGROUPS = Cgroups(0, (), "runs are not held to max_processes and memory_mb (no probe was made)")
 #: The leaf cgroup a v2 daemon moves itself into, so that its own may hold runs' (a cgroup v2
@@ -10468,8 +10487,14 @@ def delegated(own: Path) -> str | None:
 def prlimit_options(caps: ResourceCaps) -> tuple[str, ...]:
     """prlimit's caps where no cgroup can be made: each process's data to ``memory_mb``; and, for
     a daemon that is not root (root is never held to it), the service user's processes and
-    threads to those it has now plus ``max_processes``: the count is the user's, shared by its runs."""
-    data = (f"--data={caps.memory_mb << 20}",)
+    threads to those it has now plus ``max_processes``: the count is the user's, shared by its runs.
+    Never past the daemon's own hard limits, which prlimit may not raise (it would refuse to start
+    the run)."""
+    def within(limit: int, value: int) -> int:
+        hard = resource.getrlimit(limit)[1]
+        return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+    data = (f"--data={within(resource.RLIMIT_DATA, caps.memory_mb << 20)}",)
     if os.geteuid() == 0:
         return data
     mine = 0
@@ -10477,7 +10502,7 @@ def prlimit_options(caps: ResourceCaps) -> tuple[str, ...]:
         with contextlib.suppress(OSError):
             if entry.name.isdigit() and entry.stat().st_uid == os.geteuid():
                 mine += len(os.listdir(f"/proc/{entry.name}/task"))
-    return (*data, f"--nproc={mine + caps.processes}")
+    return (*data, f"--nproc={within(resource.RLIMIT_NPROC, mine + caps.processes)}")
 
 
 async def git(repo: str | Path, *args: str, check: bool = True, sandbox: Sandbox | None = None) -> str:
@@ -16210,13 +16235,24 @@ async def page_office_settings_save(web: Web):
 
 # --- the app: every table installed ---------------------------------------------------------------
 
+#: Where outpost.py is, with the dashboard's templates and static files beside it.
+INSTALLED = Path(__file__).resolve().parent
+
+
+def check_installed() -> None:
+    """The dashboard's files are beside outpost.py (an install made with ``pip install -e``): a
+    plain ``pip install`` copies outpost.py alone, and every page would answer 500."""
+    if not (INSTALLED / "templates").is_dir() or not (INSTALLED / "static").is_dir():
+        raise ConfigError(f"the dashboard's templates/ and static/ are not beside {INSTALLED / 'outpost.py'}: "
+                          "install Outpost from its checkout with pip install -e (README.md, Quickstart)")
+
+
 def create_app(deps: Deps):
     """The Quart-Trio application: installs the route tables through ``endpoint``."""
     from quart import g, request
     from quart_trio import QuartTrio
 
-    app = QuartTrio("outpost", template_folder=str(Path(__file__).parent / "templates"),
-                    static_folder=str(Path(__file__).parent / "static"))
+    app = QuartTrio("outpost", template_folder=str(INSTALLED / "templates"), static_folder=str(INSTALLED / "static"))
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.jinja_env.filters.update(TEMPLATE_FILTERS)
     app.jinja_env.globals.update(TEMPLATE_GLOBALS)
@@ -16395,6 +16431,8 @@ async def run_until_signal(deps: Deps) -> None:
                 print(f"Sign in once (link valid 15 minutes, one use): {base}/signin/{code}", flush=True)
                 print(f"API token: `outpost token --data-dir {deps.config.data_dir}`", flush=True)
                 print(f"Sandbox: {deps.isolation.message}; {deps.cgroups.message}", flush=True)
+                if short := deps.cgroups.room_short(deps.config):
+                    print(f"Warning: {short}", flush=True)
                 if os.geteuid() == 0:
                     print("Running as root: a dedicated user is safer (see docs/security.md): an agent's "
                           "sandbox is all that stands between it and the whole machine", flush=True)
@@ -17397,6 +17435,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 config = load_config(data_dir, host=args.host, port=args.port, max_running=args.max_running,
                                      database=args.database)
+                check_installed()
                 lock = hold_serve_lock(config.data_dir)   # held until the store is closed
                 deps = open_deps(config)
             except (ConfigError, SchemaTooNew, orm.dbapiprovider.DatabaseError) as exc:

@@ -1239,7 +1239,7 @@ def test_an_agent_that_prints_long_lines_of_brackets_leaves_the_daemon_s_memory_
 
 
 def peak_memory_kib(pid: int) -> int:
-    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(status["VmHWM"].split()[0])
 
 

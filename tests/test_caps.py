@@ -281,3 +281,32 @@ async def test_a_held_agent_that_cannot_start_is_a_launch_failure_as_unheld(tmp_
             log_path=tmp_path / "run.log", now=lambda: datetime.now(UTC), held=held,
             live=outpost.LiveRun("out_x", trio.CancelScope()), on_spawn=no_op)
     assert str(failed.value) == f"could not start agent command {program!r}: {reason}"
+
+
+def test_prlimit_never_asks_past_the_daemon_s_own_hard_limits(monkeypatch):
+    """Found by attack: a daemon under a hard process limit asked prlimit for more than it may
+    give (the user's tasks + max_processes), so every run failed before its agent ran."""
+    import resource
+    hard = {resource.RLIMIT_NPROC: 110, resource.RLIMIT_DATA: 512 << 20}
+    monkeypatch.setattr(outpost.resource, "getrlimit", lambda limit: (hard[limit], hard[limit]))
+    monkeypatch.setattr(outpost.os, "geteuid", lambda: 65534)
+    options = outpost.prlimit_options(outpost.ResourceCaps(processes=1024, memory_mb=4096))
+    assert options == (f"--data={512 << 20}", "--nproc=110")
+
+
+def test_a_cgroup_too_small_for_every_run_at_its_cap_beside_the_daemon_is_said_at_start(tmp_path):
+    """Found by attack: under a TasksMax of 150, three fork bombs left the daemon no process for its
+    own git. Each run's cap holds, but not their sum: the start says what to change."""
+    own = fake_v2(tmp_path, "/system.slice/outpost.service")
+    found = outpost.find_cgroups("tests", tmp_path, "0::/system.slice/outpost.service\n")
+    config = outpost.Config(data_dir=tmp_path, max_running=4, agents=(
+        outpost.AgentProfile("wide", ("sh",), max_processes=2048), outpost.AgentProfile("narrow", ("sh",))))
+    (own / "pids.max").write_text("4915\n")   # systemd's DefaultTasksMax on a 2-core machine
+    assert found.room_short(config) == (
+        "the daemon's cgroup allows 4915 processes, fewer than max_running x max_processes (4 x 2048) plus the "
+        "daemon's own 64: runs at their caps would leave the daemon none; raise TasksMax in outpost.service or "
+        "lower max_processes")
+    (own / "pids.max").write_text("max\n")
+    assert found.room_short(config) is None
+    (own / "pids.max").write_text("9000\n")
+    assert found.room_short(config) is None

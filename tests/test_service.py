@@ -152,3 +152,17 @@ def test_a_service_manager_that_forbids_a_namespace_of_the_sandbox_is_found_at_s
     assert not isolation.active and "Creating new namespace failed" in isolation.message, isolation
     with pytest.raises(outpost.ConfigError, match="bubblewrap does not work here"):
         outpost.agent_isolation("always")
+
+
+def test_an_install_without_the_dashboard_s_files_refuses_to_serve_saying_how_to_install(tmp_path):
+    """Found by review: ``pip install /opt/outpost`` (not ``-e``, as the unit's comment said) copied
+    outpost.py alone, and every dashboard page answered 500."""
+    alone = tmp_path / "site-packages"
+    alone.mkdir()
+    shutil.copy(OUTPOST_PY, alone / "outpost.py")
+    done = subprocess.run([sys.executable, str(alone / "outpost.py"), "serve", "--data-dir", str(tmp_path / "data"),
+                           "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "templates/ and static/ are not beside" in done.stderr and "pip install -e" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "pip install -e /opt/outpost" in (OUTPOST_PY.parent / "outpost.service").read_text()
