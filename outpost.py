@@ -10805,7 +10805,7 @@ async def add_worktree(repository: str, commit: str, branch: str, path: Path) ->
     objects read-only (alternates), never a ``git worktree`` of it: an agent that can write a
     worktree's ``.git`` could write the repository's config, hooks and refs (docs/security.md). Made
     before the agent runs, so git here obeys only the user's own configuration."""
-    common, hooks = await concurrently(   # the repository first: one that is gone leaves no worktree
+    common, hooks_config = await concurrently(   # the repository first: one that is gone leaves no worktree
         functools.partial(git, repository, "rev-parse", "--git-common-dir"),
         functools.partial(git, repository, "config", "--show-scope", "--get-all", "core.hooksPath", check=False))
     common = Path(repository, common).resolve()
@@ -10816,7 +10816,7 @@ async def add_worktree(repository: str, commit: str, branch: str, path: Path) ->
     # The user's hooks check the agent's commits as they check the user's own (inside the sandbox,
     # read-only): the repository's own core.hooksPath, else a global one (the clone reads it too),
     # else its hooks folder. Outpost's own git never runs them (GIT_NO_HOOKS).
-    scoped = dict(line.split("\t", 1) for line in hooks.splitlines() if "\t" in line)
+    scoped = dict(line.split("\t", 1) for line in hooks_config.splitlines() if "\t" in line)
     steps = [functools.partial(git, path, "reset", "--quiet", "--hard", commit)]   # the unborn branch, at commit
     if "local" in scoped or not scoped.keys() & {"global", "system"}:
         hooks_path = scoped.get("local", str(common / "hooks"))
