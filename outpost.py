@@ -10805,23 +10805,31 @@ async def add_worktree(repository: str, commit: str, branch: str, path: Path) ->
     objects read-only (alternates), never a ``git worktree`` of it: an agent that can write a
     worktree's ``.git`` could write the repository's config, hooks and refs (docs/security.md). Made
     before the agent runs, so git here obeys only the user's own configuration."""
-    common, hooks_config = await concurrently(   # the repository first: one that is gone leaves no worktree
-        functools.partial(git, repository, "rev-parse", "--git-common-dir"),
-        functools.partial(git, repository, "config", "--show-scope", "--get-all", "core.hooksPath", check=False))
-    common = Path(repository, common).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    await git(path.parent, "init", "--quiet", "--template=", f"--initial-branch={branch}", str(path))
-    (path / ".git" / "objects" / "info").mkdir(parents=True, exist_ok=True)
-    (path / ".git" / "objects" / "info" / "alternates").write_text(f"{common / 'objects'}\n")
-    # The user's hooks check the agent's commits as they check the user's own (inside the sandbox,
-    # read-only): the repository's own core.hooksPath, else a global one (the clone reads it too),
-    # else its hooks folder. Outpost's own git never runs them (GIT_NO_HOOKS).
-    scoped = dict(line.split("\t", 1) for line in hooks_config.splitlines() if "\t" in line)
-    steps = [functools.partial(git, path, "reset", "--quiet", "--hard", commit)]   # the unborn branch, at commit
-    if "local" in scoped or not scoped.keys() & {"global", "system"}:
-        hooks_path = scoped.get("local", str(common / "hooks"))
-        steps.append(functools.partial(git, path, "config", "core.hooksPath", hooks_path))
-    await concurrently(*steps)
+    fresh = not path.exists()
+    try:
+        common, hooks_config, _ = await concurrently(
+            functools.partial(git, repository, "rev-parse", "--git-common-dir"),
+            functools.partial(git, repository, "config", "--show-scope", "--get-all", "core.hooksPath", check=False),
+            functools.partial(git, path.parent, "init", "--quiet", "--template=", f"--initial-branch={branch}",
+                              str(path)))
+        common = Path(repository, common).resolve()
+        (path / ".git" / "objects" / "info").mkdir(parents=True, exist_ok=True)
+        (path / ".git" / "objects" / "info" / "alternates").write_text(f"{common / 'objects'}\n")
+        # The user's hooks check the agent's commits as they check the user's own (inside the sandbox,
+        # read-only): the repository's own core.hooksPath, else a global one (the clone reads it too),
+        # else its hooks folder. Outpost's own git never runs them (GIT_NO_HOOKS).
+        scoped = dict(line.split("\t", 1) for line in hooks_config.splitlines() if "\t" in line)
+        steps = [functools.partial(git, path, "reset", "--quiet", "--hard", commit)]   # the unborn branch, at commit
+        if "local" in scoped or not scoped.keys() & {"global", "system"}:
+            hooks_path = scoped.get("local", str(common / "hooks"))
+            steps.append(functools.partial(git, path, "config", "core.hooksPath", hooks_path))
+        await concurrently(*steps)
+    except BaseException:   # half made (the repository gone, a cancel): no worktree, whose "changes" would be kept
+        if fresh:   # nothing of an agent's is in it yet
+            with trio.CancelScope(shield=True), contextlib.suppress(OSError):
+                await trio.to_thread.run_sync(remove_tree, path)
+        raise
 
 
 def worktree_intact(path: Path) -> bool:
@@ -12443,9 +12451,9 @@ async def prepare_worktree(deps: Deps, plan: RunPlan, workspace: Path) -> str:
             if plan.continues_branch and Path(repository).is_dir() else "")
     if plan.handover_branch and Path(repository).is_dir() and not workspace.exists():
         head = await take_over(repository, branch, plan.handover_branch, head)
-    if not head:
-        commit = plan.resolved_commit or await deps.refs.resolve(repository, plan.source_ref)
-        commit = await deps.transaction_retrying(deps.store.runs.set_resolved_commit, plan.run_id, commit)
+    if not head:   # most runs' commit was recorded when they were queued: nothing to write
+        commit = plan.resolved_commit or await deps.transaction_retrying(
+            deps.store.runs.set_resolved_commit, plan.run_id, await deps.refs.resolve(repository, plan.source_ref))
         await concurrently(   # the run's own branch (a retried start redoes it), and its worktree
             functools.partial(git, repository, "update-ref", f"refs/heads/{branch}", commit),
             functools.partial(add_worktree, repository, commit, branch, workspace))
