@@ -8983,11 +8983,25 @@ class PipelineStore(StorePart):
         """The dispatcher: every queued wakeup that may be claimed now, oldest first, through
         process_wakeup, in one transaction. Returns (runs queued, wakeups processed)."""
         queued, processed = [], 0
-        for wakeup_id in self._claimable_wakeups(now, limit):
+        claimable = self._claimable_wakeups(now, limit)
+        self._load_batch(claimable)
+        for wakeup_id in claimable:
             outcome = self.process_wakeup(wakeup_id, now, profiles)
             processed += outcome.claimed
             queued += [outcome.run_id] if outcome.run_id else []
         return queued, processed
+
+    def _load_batch(self, wakeup_ids: list[str]) -> None:
+        """The rows process_wakeup reads first of each wakeup of a batch (the wakeup, its agent, its
+        task), loaded in three statements for the batch, not three per wakeup: Pony keeps them for
+        the transaction, so each wakeup's own reads find them."""
+        if len(wakeup_ids) < 2:
+            return
+        wakeups = self.db.Wakeup.select(lambda w: w.id in wakeup_ids)[:]
+        agent_ids, task_ids = list({w.agent_id for w in wakeups}), list({w.task_id for w in wakeups if w.task_id})
+        self.db.Agent.select(lambda a: a.id in agent_ids)[:]
+        if task_ids:
+            self.db.Task.select(lambda t: t.id in task_ids)[:]
 
     def fail_first_claimable(self, now: datetime, error: str) -> str | None:
         """After process_wakeup raised on its own (a bug, not a store error): the wakeup that
@@ -9165,7 +9179,8 @@ class PipelineStore(StorePart):
                           context_snapshot=w.context_snapshot, resumed=resumed,
                           session_id=session.session_id if resumed else None, queued_at=naive(now))
         w.run_id = run_id
-        self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run_id, "w": w.id})
+        if w.coalesced_count > 1:   # the requests merged into it ride its run
+            self.db.execute('UPDATE "Wakeup" SET run_id = $run WHERE coalesced_into = $w', {"run": run_id, "w": w.id})
         return run_id
 
     def _budget_block(self, w, agent, ws, blocked: str, now: datetime) -> None:
