@@ -9103,8 +9103,16 @@ class PipelineStore(StorePart):
             if idle_skip_applies(w.source, w.payload, agent.skip_idle_wakeups, actionable):
                 olog.info("wakeup_idle_skipped wakeup_id=%s agent_instance_id=%s agent_name=%s "
                           "reason=no_actionable_tasks", w.id, agent.id, agent.name)
-                # Only the routine's own part is skipped: a user, self or event wake that merged
-                # into it (into its pending retry) is queued again and runs.
+                # Only what the idle skip would end on its own is skipped (the routine's fires, its
+                # own and those merged into it): a user, self or event wake that merged into it
+                # (into its pending retry) is queued again and runs.
+                wakeup_id = w.id
+                for q in self.db.Wakeup.select(lambda q: q.coalesced_into == wakeup_id
+                                               and q.status == WakeupStatus.COALESCED):
+                    if not q.task_id and idle_skip_applies(q.source, q.payload, agent.skip_idle_wakeups, actionable):
+                        q.coalesced_into, w.coalesced_count = None, w.coalesced_count - 1
+                        self.wakeups.end_wakeup(q, WakeupStatus.FINISHED, now, note="no actionable tasks (idle skip)",
+                                                fire=RoutineRunStatus.SKIPPED)
                 self.wakeups.end_wakeup(w, WakeupStatus.FINISHED, now, note="no actionable tasks (idle skip)",
                                         fire=RoutineRunStatus.SKIPPED)
                 self.core._activity("wakeup_idle_skipped", w.workspace_id, now, agent_id=agent.id, wakeup_id=w.id,

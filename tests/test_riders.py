@@ -40,7 +40,7 @@ from conftest import (
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_office import edit_agent, edit_task, enqueue, fail_and_reschedule, move, retry_due, routine_wake
-from test_routines import fire, new_routine
+from test_routines import fire, new_routine, routine_runs
 
 import outpost
 
@@ -512,3 +512,19 @@ class Interleavings(RuleBasedStateMachine):
 Interleavings.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_random_interleavings_leave_no_rider_behind = Interleavings.TestCase
+
+
+def test_routine_fires_merged_into_an_idle_skipped_wakeup_are_skipped_with_it_in_one_pass(office):
+    """Found by the intake benchmark: an idle-skipped routine wakeup that carried k merged fires of
+    its routine queued the k again, and each pass skipped one and queued the rest: 1,500 webhook
+    fires took over a minute to drain. A fire the idle skip would end on its own ends with the
+    carrier, skipped, in the same pass."""
+    worker = new_agent(office, "Worker", cooldown_sec=0)   # a worker skips idle wakeups by default
+    r = new_routine(office, worker, name="Poll upstream", concurrency_policy="always_enqueue")
+    for _ in range(20):   # a burst of webhook fires, within one coalescing window
+        fire(office, r["id"], at(0))
+    assert sorted(w["status"] for w in wakeups(office, worker)) == ["coalesced"] * 19 + ["queued"]
+    call(office, office.pipeline.dispatch_wakeups, at(60), PROFILES)    # one pass of the dispatcher
+    assert [w["status"] for w in wakeups(office, worker, status="queued")] == []
+    runs = routine_runs(office, r["id"])
+    assert len(runs) == 20 and {x["status"] for x in runs} == {"skipped"}
