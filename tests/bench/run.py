@@ -1750,11 +1750,13 @@ def bench_year(q: bool, work: Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def throwaway_postgres():
+def throwaway_postgres(netns: str | None = None, host: str = "127.0.0.1"):
     """$OUTPOST_BENCH_POSTGRES_URL (an admin URL), else a cluster of Debian's postgresql started
     here (initdb as the postgres user in a temp dir it can reach, a free port), stopped and
-    removed at the end."""
-    if url := os.environ.get("OUTPOST_BENCH_POSTGRES_URL"):
+    removed at the end. ``netns``: the server runs in that network namespace, listening on
+    ``host`` (an address of the namespace; NETNS_HOST, this side of the link, is trusted), never
+    the environment's URL."""
+    if (url := os.environ.get("OUTPOST_BENCH_POSTGRES_URL")) and netns is None:
         yield url
         return
     bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
@@ -1762,22 +1764,165 @@ def throwaway_postgres():
         raise RuntimeError("no PostgreSQL: apt-get install postgresql, or set $OUTPOST_BENCH_POSTGRES_URL")
     pgbin, data = bins[-1].parent, Path(tempfile.mkdtemp(prefix="outpost-bench-pg-"))   # not under ``work``: 0700
     as_postgres = ["runuser", "-u", "postgres", "--"] if os.getuid() == 0 else []
+    inside = ["ip", "netns", "exec", netns] if netns else []
     if os.getuid() == 0:
         shutil.chown(data, "postgres")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    if netns:
+        port = 5432   # the namespace's own port space: nothing else listens there
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
     subprocess.run([*as_postgres, str(pgbin / "initdb"), "-D", str(data / "data"), "-A", "trust", "-U", "postgres"],
                    check=True, capture_output=True)
-    subprocess.run([*as_postgres, str(pgbin / "pg_ctl"), "-D", str(data / "data"), "-l", str(data / "log"), "-w",
-                    "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],   # fsync on, as deployed
+    if netns:   # initdb trusts loopback only; the bench connects from this side of the veth pair
+        with open(data / "data" / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {NETNS_HOST}/32 trust\n")
+    subprocess.run([*inside, *as_postgres, str(pgbin / "pg_ctl"), "-D", str(data / "data"), "-l", str(data / "log"),
+                    "-w", "-o", f"-p {port} -k {data} -c listen_addresses={host}", "start"],   # fsync on, as deployed
                    check=True, capture_output=True)
     try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        yield f"postgresql://postgres@{host}:{port}/postgres"
     finally:
         subprocess.run([*as_postgres, str(pgbin / "pg_ctl"), "-D", str(data / "data"), "-m", "fast", "stop"],
                        capture_output=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+#: The link the latency rows put between the nodes and PostgreSQL: a veth pair, this side and
+#: the namespace's side of a /30 that exists only inside this machine.
+NETNS_PREFIX, NETNS_HOST, NETNS_PEER = "outpost-bench-", "10.200.38.1", "10.200.38.2"
+
+
+def remove_stale_namespaces() -> None:
+    """Namespaces an earlier bench made and could not remove (it was killed): its pid is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        if name.startswith(NETNS_PREFIX) and name[len(NETNS_PREFIX):].isdigit() \
+                and not Path(f"/proc/{name[len(NETNS_PREFIX):]}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def network_namespace(delay_ms: float):
+    """A network namespace of this bench, ``outpost-bench-<pid>``, joined to this one by a veth
+    pair (``NETNS_HOST`` here, ``NETNS_PEER`` there), with ``delay_ms`` of netem delay on both
+    ends when the kernel has netem. Yields (namespace, whether netem holds the delay). Removed at
+    the end, always (and the veth pair with it)."""
+    if os.getuid() != 0 or not shutil.which("ip"):
+        raise RuntimeError("the latency rows need root and iproute2 (apt-get install iproute2)")
+    remove_stale_namespaces()
+    ns, here, there = f"{NETNS_PREFIX}{os.getpid()}", f"obh{os.getpid()}", f"obn{os.getpid()}"
+
+    def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+    ip("netns", "add", ns)
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", ns)
+        ip("addr", "add", f"{NETNS_HOST}/30", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", ns, "addr", "add", f"{NETNS_PEER}/30", "dev", there)
+        ip("-n", ns, "link", "set", there, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        netem = [subprocess.run([*pre, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{delay_ms:g}ms"],
+                                capture_output=True).returncode == 0
+                 for pre, dev in (([], here), (["ip", "netns", "exec", ns], there))]
+        if not all(netem):   # a kernel without sch_netem (CONFIG_NET_SCH_NETEM): the relay holds the delay
+            subprocess.run(["tc", "qdisc", "del", "dev", here, "root"], capture_output=True)
+        yield ns, all(netem)
+    finally:
+        ip("link", "del", here, check=False)
+        ip("netns", "del", ns, check=False)
+
+
+def delay_relay(target: tuple[str, int], delay: float, ports: Any, stop: Any) -> None:
+    """In a process of its own: a TCP relay on 127.0.0.1 that holds every chunk it reads for
+    ``delay`` seconds before writing it on, each direction on its own (reads go on meanwhile, so
+    a stream is delayed, not slowed), as netem's delay on both ends of a link does. Puts its port
+    on ``ports``; ends when ``stop`` is set."""
+    import queue
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    ports.put(listener.getsockname()[1])
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        held: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read() -> None:
+            with contextlib.suppress(OSError):
+                while data := src.recv(65536):
+                    held.put((time.monotonic() + delay, data))
+            held.put((0.0, b""))
+
+        def write() -> None:
+            try:
+                while (item := held.get())[1]:
+                    if (wait := item[0] - time.monotonic()) > 0:
+                        time.sleep(wait)
+                    dst.sendall(item[1])
+            except OSError:
+                pass
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=write, daemon=True).start()
+    while not stop.is_set():
+        try:
+            client, _ = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            upstream = socket.create_connection(target, timeout=10)
+        except OSError:
+            client.close()
+            continue
+        for s in (client, upstream):
+            s.settimeout(None)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pipe(client, upstream)
+        pipe(upstream, client)
+
+
+@contextlib.contextmanager
+def postgres_behind_latency(delay_ms: float = 1.0):
+    """A throwaway PostgreSQL in a network namespace of its own, ``delay_ms`` away each way, as
+    across a real network: netem on both ends of the veth pair where the kernel has it, else
+    (this machine's kernel has no sch_netem) a relay here that holds each chunk ``delay_ms``
+    each way before it crosses the veth pair. Yields (admin URL, how the delay is made)."""
+    import multiprocessing
+    with network_namespace(delay_ms) as (ns, netem), throwaway_postgres(netns=ns, host=NETNS_PEER) as direct:
+        if netem:
+            yield direct, f"netem delay {delay_ms:g} ms on both ends of the veth pair"
+            return
+        ctx = multiprocessing.get_context("spawn")
+        ports, stop = ctx.Queue(), ctx.Event()
+        relay = ctx.Process(target=delay_relay, args=((NETNS_PEER, 5432), delay_ms / 1000, ports, stop), daemon=True)
+        relay.start()
+        try:
+            port = ports.get(timeout=30)
+            yield (f"postgresql://postgres@127.0.0.1:{port}/postgres",
+                   f"a relay holding each chunk {delay_ms:g} ms each way, then the veth pair (no netem in this kernel)")
+        finally:
+            stop.set()
+            relay.join(5)
+            if relay.is_alive():
+                relay.kill()
+                relay.join(5)
+
+
+def select_one_ms(url: str, n: int = 200) -> float:
+    """Median round trip of ``SELECT 1`` on one connection: what the link adds to every statement."""
+    import psycopg2
+    with contextlib.closing(psycopg2.connect(url)) as connection, connection.cursor() as cursor:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
 
 
 def new_database(admin: str, name: str) -> str:
@@ -1869,7 +2014,7 @@ def bench_fleet(q: bool, work: Path) -> list[dict[str, Any]]:
 SLEEPER_TOML = """
 [settings]
 node_name = "{node}"
-
+{settings}
 [agents.sleeper]
 command = ["/bin/sh", "-c",
            's=$(/bin/date +%s.%N); /bin/sleep {seconds}; echo "agent-times {node} $s $(/bin/date +%s.%N)"']
@@ -1907,6 +2052,26 @@ def settled_runs(url: str) -> int:
         return cursor.fetchone()[0]
 
 
+def start_nodes(servers: list[Server], timeout: float = 60) -> None:
+    """Start every node at once (each start waits for its own listening line)."""
+    errors: list[BaseException] = []
+
+    def one(server: Server) -> None:
+        try:
+            server.start(timeout=timeout)
+        except BaseException as exc:   # noqa: BLE001 - raised below, after every start ended
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+
+
 def fleet_agents_busy(admin: str, d: Path, repo: Path, nodes: int, per_node: int, waves: int,
                       seconds: float) -> dict[str, Any]:
     """``nodes`` real ``outpost serve`` processes on one new PostgreSQL database, each with
@@ -1915,12 +2080,11 @@ def fleet_agents_busy(admin: str, d: Path, repo: Path, nodes: int, per_node: int
     and the nodes' claim actors take them from the shared queue. Measured from the agents' own
     start and end times once every run has settled."""
     url = new_database(admin, f"agents_{nodes}_{time.time_ns()}")
-    servers = []
+    servers = [Server(d / f"node{i}", max_running=per_node, args=("--database", url),
+                      toml=SLEEPER_TOML.format(node=f"node{i}", seconds=f"{seconds:g}", settings=""))
+               for i in range(nodes)]
     try:
-        for i in range(nodes):
-            toml = SLEEPER_TOML.format(node=f"node{i}", seconds=f"{seconds:g}")
-            servers.append(Server(d / f"node{i}", max_running=per_node, toml=toml,
-                                  args=("--database", url)).start(timeout=60))
+        start_nodes(servers)
         n = waves * nodes * per_node
         store = outpost.Store(url, data_dir=d)
         queue_dispatches(store, dispatch_payload(repo, "sleeper", ("demo", "sleeper")), n)
@@ -1936,31 +2100,206 @@ def fleet_agents_busy(admin: str, d: Path, repo: Path, nodes: int, per_node: int
     return {"busy": busy, "peak": peak, "window": window, "per_node": dict(sorted(per.items()))}
 
 
+#: The node counts of the agents rows: one (the peer) and each larger fleet.
+FLEET_SIZES = (1, 2, 3, 4)
+
+
 def bench_fleet_agents(q: bool, work: Path) -> list[dict[str, Any]]:
+    """Agents kept busy at once by 1, 2, 3 and 4 nodes, on a PostgreSQL on loopback and on one
+    1 ms away each way (a network namespace); each rep measures every set-up once, in turn."""
     per_node, waves, seconds = (4, 2, 2.0) if q else (4, 3, 3.0)
     repo = make_repo(work / "repo")
-    one, two, notes = [], [], []
+    links = ("loopback", "1 ms")
+    busy: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    peaks: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+    spreads: dict[tuple[str, int], list[dict[str, int]]] = collections.defaultdict(list)
+    with throwaway_postgres() as local, postgres_behind_latency(1.0) as (far, how):
+        rtt = {"loopback": select_one_ms(local), "1 ms": select_one_ms(far)}
+        log(f"fleet agents: SELECT 1 round trip {rtt['loopback']:.2f} ms on loopback, {rtt['1 ms']:.2f} ms "
+            f"through the namespace ({how})")
+        for rep in range(REPS):
+            for link, admin in zip(links, (local, far), strict=True):
+                for nodes in FLEET_SIZES:
+                    d = work / f"rep{rep}" / link.replace(" ", "") / f"n{nodes}"
+                    r = fleet_agents_busy(admin, d, repo, nodes, per_node, waves, seconds)
+                    busy[link, nodes].append(r["busy"])
+                    peaks[link, nodes].append(r["peak"])
+                    spreads[link, nodes].append(r["per_node"])
+                    log(f"fleet agents rep {rep}, {link}: {nodes} node(s) {r['busy']:.2f} busy on average (peak "
+                        f"{r['peak']}, {r['window']:.1f} s, runs per node {r['per_node']})")
+    med = {k: statistics.median(v) for k, v in busy.items()}
+    setup = (f"Each node a real `outpost serve --max-running {per_node}` with its own data dir, all on one "
+             f"PostgreSQL 15 (fsync on) on this {os.cpu_count()}-core machine; {waves} waves of dispatches "
+             f"({waves} x nodes x {per_node}, queued in one transaction once every node is up) to a generic agent "
+             f"that sleeps {seconds:g} s and prints its own start and end; busy = the agents' summed running time / "
+             f"(last end - first start)")
+    rows = []
+    for link in links:
+        where = ("PostgreSQL on loopback" if link == "loopback" else
+                 f"PostgreSQL in a network namespace 1 ms away each way ({how})")
+        for nodes in FLEET_SIZES[1:]:
+            ratio = med[link, nodes] / med[link, 1]
+            suffix = "" if link == "loopback" else ", 1 ms to PostgreSQL"
+            rows.append(row(f"agents busy at once, {nodes} nodes{suffix} (max_running {per_node} each)",
+                            med[link, nodes], "agents", f">= {0.9 * nodes:.1f}x one node", ratio >= 0.9 * nodes,
+                            vals=busy[link, nodes], peer=f"one node, same link ({link})", peer_value=med[link, 1],
+                            peer_vals=busy[link, 1],
+                            note=f"ratio {ratio:.2f}x; {where}; SELECT 1 round trip {rtt[link]:.2f} ms. "
+                                 f"{nodes * per_node} slots in the fleet; peaks {peaks[link, nodes]} (one node "
+                                 f"{peaks[link, 1]}); runs per node {spreads[link, nodes]}. {setup}"))
+    ratio = med["1 ms", 1] / med["loopback", 1]
+    rows.append(row(f"agents busy at once, one node, 1 ms to PostgreSQL (max_running {per_node})", med["1 ms", 1],
+                    "agents", ">= 0.9x on loopback", ratio >= 0.9, vals=busy["1 ms", 1],
+                    peer="one node, PostgreSQL on loopback", peer_value=med["loopback", 1],
+                    peer_vals=busy["loopback", 1],
+                    note=f"ratio {ratio:.2f}x; SELECT 1 round trip {rtt['1 ms']:.2f} ms vs {rtt['loopback']:.2f} ms "
+                         f"({how}). {setup}"))
+    return rows
+
+
+#: The failover row's agent: it says when it started (the bench reads when the queued runs
+#: started elsewhere from the runs' own agent_started steps) and sleeps past the measurement.
+FAILOVER_SECONDS = 60
+
+
+def pg_rows(url: str, sql: str, params: tuple = ()) -> list[tuple]:
+    import psycopg2
+    with contextlib.closing(psycopg2.connect(url)) as connection, connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+
+
+def utc_ts(value: Any) -> float:
+    """A naive UTC datetime (a column) or an RFC 3339 text (a run's step) as a Unix time."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+
+
+def started_elsewhere(url: str, node: str, after: float) -> list[float]:
+    """When each run admitted by ``node`` started its agent (its agent_started step), if after ``after``."""
+    rows = pg_rows(url, 'SELECT steps FROM "Run" WHERE node = %s AND steps IS NOT NULL', (node,))
+    starts = []
+    for (steps,) in rows:
+        steps = json.loads(steps) if isinstance(steps, str) else steps
+        if steps.get("agent_started") and utc_ts(steps["agent_started"]) > after:
+            starts.append(utc_ts(steps["agent_started"]))
+    return sorted(starts)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def fleet_failover(admin: str, d: Path, repo: Path, slots: int) -> dict[str, Any]:
+    """Two nodes, ``fleet_max_running = slots`` for the fleet and ``--max-running slots`` each:
+    node0 starts alone and takes the fleet's slots with ``slots`` agents that sleep
+    FAILOVER_SECONDS; node1 starts, and ``slots`` more dispatches wait in the shared queue for a
+    slot of the fleet. Then ``kill -9`` node0 and, polling the database every 20 ms, measure from
+    the kill to (a) node0's runs settled failed/interrupted (by node1's node actor: its heartbeat
+    is NODE_LOST_S old) and (b) the queued runs' agents started on node1. Then node0 is started
+    again under its name (it ends the agents it left behind, as after a crash) and both stop."""
+    url = new_database(admin, f"failover_{time.time_ns()}")
+    settings = f"fleet_max_running = {slots}\n"
+
+    def node(i: int) -> Server:
+        return Server(d / f"node{i}", max_running=slots, args=("--database", url),
+                      toml=SLEEPER_TOML.format(node=f"node{i}", seconds=FAILOVER_SECONDS, settings=settings))
+    first, second = node(0), node(1)
+    payload = dispatch_payload(repo, "sleeper", ("demo", "sleeper"))
+    try:
+        start_nodes([first])
+        store = outpost.Store(url, data_dir=d)
+        queue_dispatches(store, payload, slots)
+        wait_until(lambda: len(started_elsewhere(url, "node0", 0)) >= slots, 60, 0.05)
+        start_nodes([second])
+        queue_dispatches(store, payload, slots)
+        store.close()
+        time.sleep(2 * outpost.NODE_HEARTBEAT_S)   # node1 beating, and its claim actor has looked at the queue
+        queued = pg_rows(url, "SELECT COUNT(*) FROM \"Run\" WHERE status = 'queued'")[0][0]
+        assert queued == slots, f"{queued} of {slots} dispatches wait for a slot of the fleet"
+        pids = [p for (p,) in pg_rows(url, "SELECT pid FROM \"Run\" WHERE node = 'node0' AND status = 'running'")]
+        (age,) = pg_rows(url, "SELECT EXTRACT(EPOCH FROM (clock_timestamp() AT TIME ZONE 'UTC') - heartbeat_at) FROM \"Node\" WHERE name = 'node0'")[0]
+        killed = time.time()
+        assert first.proc is not None
+        first.proc.kill()   # SIGKILL: no shutdown, no release of its name, its heartbeat just stops
+        first.proc.wait(10)
+
+        def settled() -> list[float] | None:
+            rows = pg_rows(url, "SELECT status, failure_kind, finished_at FROM \"Run\" WHERE node = 'node0'")
+            done = [utc_ts(f) for s, k, f in rows if s == "failed" and k == "interrupted" and f is not None]
+            return done if len(done) == len(rows) else None
+
+        def moved() -> list[float] | None:
+            starts = started_elsewhere(url, "node1", killed)
+            return starts if len(starts) >= slots else None
+        deadline = killed + 60
+        ended, elsewhere, lost_at = None, None, None
+        while time.time() < deadline and not (ended and elsewhere):
+            ended = ended or settled()
+            elsewhere = elsewhere or moved()
+            if lost_at is None and pg_rows(url, "SELECT status FROM \"Node\" WHERE name = 'node0'")[0][0] == "lost":
+                lost_at = time.time()
+            time.sleep(0.02)
+        if not (ended and elsewhere):
+            raise TimeoutError(f"failover not done 60 s after the kill (settled {ended}, moved {elsewhere})")
+        alive_after_kill = sum(pid_alive(p) for p in pids if p)
+        start_nodes([first])   # back under its name: it ends the agents its killed process left behind
+        try:
+            wait_until(lambda: not any(pid_alive(p) for p in pids if p), 30, 0.1)
+            orphans_ended = True
+        except TimeoutError:
+            orphans_ended = False
+    finally:
+        for server in (first, second):
+            server.stop()
+    return {"settled": max(ended) - killed, "started": max(elsewhere) - killed,
+            "first_started": min(elsewhere) - killed, "lost_seen": (lost_at or float("nan")) - killed,
+            "heartbeat_age": float(age), "agents_alive_after_kill": alive_after_kill, "orphans_ended": orphans_ended}
+
+
+def bench_fleet_failover(q: bool, work: Path) -> list[dict[str, Any]]:
+    slots = 4
+    repo = make_repo(work / "repo")
+    results = []
     with throwaway_postgres() as admin:
         for rep in range(REPS):
-            d = work / f"rep{rep}"
-            a = fleet_agents_busy(admin, d / "one", repo, 1, per_node, waves, seconds)
-            b = fleet_agents_busy(admin, d / "two", repo, 2, per_node, waves, seconds)
-            one.append(a["busy"])
-            two.append(b["busy"])
-            notes.append((a["peak"], b["peak"], b["per_node"]))
-            log(f"fleet agents rep {rep}: one node {a['busy']:.2f} busy on average (peak {a['peak']}, "
-                f"{a['window']:.1f} s), two nodes {b['busy']:.2f} (peak {b['peak']}, {b['window']:.1f} s, "
-                f"runs per node {b['per_node']})")
-    ratio = statistics.median(two) / statistics.median(one)
-    return [row(f"agents busy at once, two nodes (max_running {per_node} each)", statistics.median(two), "agents",
-                ">= 1.8x one node", ratio >= 1.8, vals=two, peer="one node, same database server",
-                peer_value=statistics.median(one), peer_vals=one,
-                note=f"ratio {ratio:.2f}x; slots {per_node} per node ({2 * per_node} in the fleet). Each node a "
-                     f"real `outpost serve --max-running {per_node}` on one PostgreSQL (fsync on) on this "
-                     f"machine; {waves} waves of dispatches ({waves} x nodes x {per_node}) to a generic agent "
-                     f"that sleeps {seconds:g} s and prints its own start and end; busy = the agents' summed "
-                     f"running time / (last end - first start). Peaks one node / two nodes: "
-                     f"{[p[:2] for p in notes]}; runs per node (two nodes): {[p[2] for p in notes]}")]
+            r = fleet_failover(admin, work / f"rep{rep}", repo, slots)
+            results.append(r)
+            log(f"fleet failover rep {rep}: node0's heartbeat {r['heartbeat_age']:.2f} s old at the kill; "
+                f"lost seen {r['lost_seen']:.2f} s, its {slots} runs settled interrupted {r['settled']:.2f} s, the "
+                f"{slots} queued runs started on node1 {r['first_started']:.2f}..{r['started']:.2f} s after the "
+                f"kill; its agents alive after the kill {r['agents_alive_after_kill']}, ended by its restart "
+                f"{r['orphans_ended']}")
+    settled = [r["settled"] for r in results]
+    started = [r["started"] for r in results]
+    ages = [round(r["heartbeat_age"], 2) for r in results]
+    limit = f"NODE_LOST_S = {outpost.NODE_LOST_S} s, heartbeats every NODE_HEARTBEAT_S = {outpost.NODE_HEARTBEAT_S:g} s"
+    setup = (f"Two real `outpost serve` nodes on one PostgreSQL on loopback, `fleet_max_running = {slots}` and "
+             f"`--max-running {slots}` each: node0 started alone and runs the fleet's {slots} agents (they sleep "
+             f"{FAILOVER_SECONDS} s), node1 started after it, and {slots} more dispatches wait in the shared queue for "
+             f"a slot of the fleet (a queued run belongs to no node: only the fleet cap keeps them from node1). "
+             f"`kill -9` node0, then the database polled every 20 ms. node0's heartbeat was {ages} s old at the kill. "
+             f"A node is lost when its heartbeat is NODE_LOST_S old, and a survivor's node actor looks every "
+             f"NODE_HEARTBEAT_S ({limit}; constants in outpost.py, no setting), so the settlement comes "
+             f"NODE_LOST_S - age to NODE_LOST_S - age + NODE_HEARTBEAT_S after the kill. Agents of node0 still "
+             f"alive after the kill: {[r['agents_alive_after_kill'] for r in results]} of {slots}; ended when node0 "
+             f"was started again under its name: {[r['orphans_ended'] for r in results]}")
+    return [
+        row("failover: kill -9 of a node -> its running runs settled interrupted (2 nodes)", statistics.median(settled),
+            "s", "< 10 s", statistics.median(settled) < 10, vals=settled,
+            note=f"the last of node0's {slots} runs settled failed/interrupted by node1 (its finished_at). {setup}"),
+        row("failover: kill -9 of a node -> the queued runs started on the other node", statistics.median(started),
+            "s", "< 10 s", statistics.median(started) < 10, vals=started,
+            note=f"the last of the {slots} queued runs' agents started on node1 (their agent_started step); the "
+                 f"first at {[round(r['first_started'], 2) for r in results]} s. {setup}"),
+    ]
 
 
 BENCHES: dict[str, Callable[[bool, Path], list[dict[str, Any]]]] = {
@@ -1975,6 +2314,7 @@ BENCHES: dict[str, Callable[[bool, Path], list[dict[str, Any]]]] = {
     "dashboard": bench_dashboard,
     "fleet": bench_fleet,
     "fleet_agents": bench_fleet_agents,
+    "fleet_failover": bench_fleet_failover,
     "year": bench_year,
 }
 
