@@ -2089,6 +2089,7 @@ def fleet_agents_busy(admin: str, d: Path, repo: Path, nodes: int, per_node: int
         store = outpost.Store(url, data_dir=d)
         queue_dispatches(store, dispatch_payload(repo, "sleeper", ("demo", "sleeper")), n)
         store.close()
+        queued_at = time.time()
         wait_until(lambda: settled_runs(url) >= n, timeout=waves * seconds * 4 + 60, step=0.2)
     finally:
         for server in servers:
@@ -2097,7 +2098,29 @@ def fleet_agents_busy(admin: str, d: Path, repo: Path, nodes: int, per_node: int
     assert len(times) == n, f"{len(times)} of {n} agents reported their times"
     busy, peak, window = busy_average(times)
     per = collections.Counter(node for node, _, _ in times)
-    return {"busy": busy, "peak": peak, "window": window, "per_node": dict(sorted(per.items()))}
+    return {"busy": busy, "peak": peak, "window": window, "per_node": dict(sorted(per.items())),
+            **busy_breakdown(times, queued_at, per_node)}
+
+
+def busy_breakdown(times: list[tuple[str, float, float]], queued_at: float, per_node: int) -> dict[str, float]:
+    """Where the slots' time went besides agents: ``lead``, the latest of the nodes' first agent
+    start after the queue's commit (a node finds dispatches queued elsewhere by looking, every
+    FLEET_POLL_S); ``handover``, the median time from an agent's end to the start of the one
+    taking its slot on the same node (the n-th end paired with the (n + per_node)-th start:
+    settlement, admission, worktree, spawn); ``tail``, the median time a node's slots stood idle
+    at the end while another node's last agents ran on."""
+    by_node: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for node, start, end in times:
+        by_node[node].append((start, end))
+    last = max(e for _, _, e in times)
+    leads, gaps, tails = [], [], []
+    for runs in by_node.values():
+        starts, ends = sorted(s for s, _ in runs), sorted(e for _, e in runs)
+        leads.append(starts[0] - queued_at)
+        gaps += [starts[i + per_node] - ends[i] for i in range(len(starts) - per_node)]
+        tails.append(last - ends[-1])
+    return {"lead": max(leads), "handover": statistics.median(gaps) if gaps else float("nan"),
+            "tail": statistics.median(tails)}
 
 
 #: The node counts of the agents rows: one (the peer) and each larger fleet.
@@ -2113,6 +2136,7 @@ def bench_fleet_agents(q: bool, work: Path) -> list[dict[str, Any]]:
     busy: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     peaks: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
     spreads: dict[tuple[str, int], list[dict[str, int]]] = collections.defaultdict(list)
+    parts: dict[tuple[str, int], list[dict[str, Any]]] = collections.defaultdict(list)
     with throwaway_postgres() as local, postgres_behind_latency(1.0) as (far, how):
         rtt = {"loopback": select_one_ms(local), "1 ms": select_one_ms(far)}
         log(f"fleet agents: SELECT 1 round trip {rtt['loopback']:.2f} ms on loopback, {rtt['1 ms']:.2f} ms "
@@ -2125,14 +2149,22 @@ def bench_fleet_agents(q: bool, work: Path) -> list[dict[str, Any]]:
                     busy[link, nodes].append(r["busy"])
                     peaks[link, nodes].append(r["peak"])
                     spreads[link, nodes].append(r["per_node"])
+                    parts[link, nodes].append(r)
                     log(f"fleet agents rep {rep}, {link}: {nodes} node(s) {r['busy']:.2f} busy on average (peak "
-                        f"{r['peak']}, {r['window']:.1f} s, runs per node {r['per_node']})")
+                        f"{r['peak']}, {r['window']:.1f} s, runs per node {r['per_node']}; lead {r['lead']:.2f} s, "
+                        f"handover {r['handover']:.2f} s, tail {r['tail']:.2f} s)")
     med = {k: statistics.median(v) for k, v in busy.items()}
     setup = (f"Each node a real `outpost serve --max-running {per_node}` with its own data dir, all on one "
              f"PostgreSQL 15 (fsync on) on this {os.cpu_count()}-core machine; {waves} waves of dispatches "
              f"({waves} x nodes x {per_node}, queued in one transaction once every node is up) to a generic agent "
              f"that sleeps {seconds:g} s and prints its own start and end; busy = the agents' summed running time / "
              f"(last end - first start)")
+
+    def breakdown(key: tuple[str, int]) -> str:
+        return ("first agent start after the queue's commit, latest node, median over reps "
+                f"{statistics.median(r['lead'] for r in parts[key]):.2f} s; an agent's end to the next start in its "
+                f"slot {statistics.median(r['handover'] for r in parts[key]):.2f} s; a node's slots idle at the end "
+                f"while others ran on {statistics.median(r['tail'] for r in parts[key]):.2f} s")
     rows = []
     for link in links:
         where = ("PostgreSQL on loopback" if link == "loopback" else
@@ -2146,7 +2178,8 @@ def bench_fleet_agents(q: bool, work: Path) -> list[dict[str, Any]]:
                             peer_vals=busy[link, 1],
                             note=f"ratio {ratio:.2f}x; {where}; SELECT 1 round trip {rtt[link]:.2f} ms. "
                                  f"{nodes * per_node} slots in the fleet; peaks {peaks[link, nodes]} (one node "
-                                 f"{peaks[link, 1]}); runs per node {spreads[link, nodes]}. {setup}"))
+                                 f"{peaks[link, 1]}); runs per node {spreads[link, nodes]}. Where the slots' time "
+                                 f"went: {breakdown((link, nodes))} (one node: {breakdown((link, 1))}). {setup}"))
     ratio = med["1 ms", 1] / med["loopback", 1]
     rows.append(row(f"agents busy at once, one node, 1 ms to PostgreSQL (max_running {per_node})", med["1 ms", 1],
                     "agents", ">= 0.9x on loopback", ratio >= 0.9, vals=busy["1 ms", 1],
@@ -2225,7 +2258,8 @@ def fleet_failover(admin: str, d: Path, repo: Path, slots: int) -> dict[str, Any
         queued = pg_rows(url, "SELECT COUNT(*) FROM \"Run\" WHERE status = 'queued'")[0][0]
         assert queued == slots, f"{queued} of {slots} dispatches wait for a slot of the fleet"
         pids = [p for (p,) in pg_rows(url, "SELECT pid FROM \"Run\" WHERE node = 'node0' AND status = 'running'")]
-        (age,) = pg_rows(url, "SELECT EXTRACT(EPOCH FROM (clock_timestamp() AT TIME ZONE 'UTC') - heartbeat_at) FROM \"Node\" WHERE name = 'node0'")[0]
+        (age,) = pg_rows(url, "SELECT EXTRACT(EPOCH FROM (clock_timestamp() AT TIME ZONE 'UTC') - heartbeat_at) "
+                              "FROM \"Node\" WHERE name = 'node0'")[0]   # on the database's clock, as the nodes
         killed = time.time()
         assert first.proc is not None
         first.proc.kill()   # SIGKILL: no shutdown, no release of its name, its heartbeat just stops
