@@ -5,7 +5,8 @@ Usage (from the checkout)::
     .venv/bin/pip install -e '.[bench]'        # Huey, APScheduler 3, httpx, psutil, pyinstrument
     .venv/bin/python tests/bench/run.py          # full sizes (about 10 minutes on 2 cores, and the
                                                  # year row 3 more, 3 to make its data the first time)
-    .venv/bin/python tests/bench/run.py --quick  # shrunk sizes, every row kept (under 3 minutes)
+    .venv/bin/python tests/bench/run.py --quick  # shrunk sizes, every row kept (under 3 minutes, and
+                                                 # about 8 more for the three fleet rows)
     .venv/bin/python tests/bench/run.py --only intake,dashboard   # a subset of the rows
 
 It prints a table and writes ``tests/bench/results.json``: a list of
@@ -19,7 +20,9 @@ Rules every row follows: each figure is the median of at least 3 repetitions and
 machine, right next to the figure. Outpost is driven through its real code paths: in-process
 (``outpost.Store``, ``outpost.Deps``, ``cron_actor``, ``claim_actor``) or a real ``outpost serve``
 subprocess over loopback HTTP. Everything lives in a temporary directory and talks only to
-127.0.0.1; every loop is bounded and every wait has a deadline, so the script always ends.
+127.0.0.1, and the latency rows to a PostgreSQL in a network namespace the bench makes (a veth
+pair with NETNS_HOST on this side, NETNS_PEER on the other, removed at the end, also after
+SIGTERM); every loop is bounded and every wait has a deadline, so the script always ends.
 
 Rows: fire lag (vs a trio ``sleep_until`` + raw sqlite3 limit and APScheduler 3), due -> agent
 process started, durable intake, queue drain (vs SqliteHuey), wakeup drain (the Office wakeup
@@ -28,9 +31,12 @@ dashboard, year (a year of history: 1 M runs, 10 M events, 100 schedules and the
 generated once into ``~/.cache/outpost-bench`` or ``$OUTPOST_BENCH_CACHE``, keyed by the schema
 version; pages and lists, claim latency vs an empty database, start time, one housekeeping pass
 under a polling client and the space it gives back); on PostgreSQL (a throwaway cluster, or
-``$OUTPOST_BENCH_POSTGRES_URL``): fleet (queue drain with two nodes vs one, fire lag vs SQLite) and
-fleet_agents (agents kept busy at once by two ``outpost serve`` nodes vs one, from the agents' own
-start and end times).
+``$OUTPOST_BENCH_POSTGRES_URL``): fleet (queue drain with two nodes vs one, fire lag vs SQLite),
+fleet_agents (agents kept busy at once by 2, 3 and 4 ``outpost serve`` nodes vs one, from the
+agents' own start and end times, with PostgreSQL on loopback and again 1 ms away each way in a
+network namespace: root, iproute2 and Debian's postgresql, never the URL) and fleet_failover
+(``kill -9`` of one of two nodes: to its runs settled interrupted, and to the queued runs started
+on the other).
 """
 
 from __future__ import annotations
@@ -2388,6 +2394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated rows: " + ",".join(BENCHES))
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args(argv)
+    # SIGTERM ends the run as an exception would: the finally clauses stop the servers and
+    # PostgreSQL and remove the network namespace.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chosen = [b.strip() for b in args.only.split(",") if b.strip()] or list(BENCHES)
     unknown = set(chosen) - set(BENCHES)
     if unknown:
