@@ -2254,6 +2254,7 @@ def fleet_failover(admin: str, d: Path, repo: Path, slots: int) -> dict[str, Any
                       toml=SLEEPER_TOML.format(node=f"node{i}", seconds=FAILOVER_SECONDS, settings=settings))
     first, second = node(0), node(1)
     payload = dispatch_payload(repo, "sleeper", ("demo", "sleeper"))
+    pids: list[int] = []
     try:
         start_nodes([first])
         store = outpost.Store(url, data_dir=d)
@@ -2301,6 +2302,10 @@ def fleet_failover(admin: str, d: Path, repo: Path, slots: int) -> dict[str, Any
     finally:
         for server in (first, second):
             server.stop()
+        for pid in pids:   # node0's agents, if the bench failed between the kill and node0's restart
+            with contextlib.suppress(OSError):
+                if pid and pid_alive(pid) and b"sleep" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
     return {"settled": max(ended) - killed, "started": max(elsewhere) - killed,
             "first_started": min(elsewhere) - killed, "lost_seen": (lost_at or float("nan")) - killed,
             "heartbeat_age": float(age), "agents_alive_after_kill": alive_after_kill, "orphans_ended": orphans_ended}
