@@ -4,9 +4,10 @@ requests that stop at different depths.
 
 Usage::
 
-    .venv/bin/python tests/bench/profile_misses.py [wakeup_drain,intake,fire_lag,housekeeping,housekeeping_full]
+    .venv/bin/python tests/bench/profile_misses.py \
+        [wakeup_drain,intake,webhook_fires,fire_lag,housekeeping,housekeeping_full]
 
-Prints one section per row. About a minute; only 127.0.0.1; bounded.
+Prints one section per row. About two minutes and a half; only 127.0.0.1; bounded.
 """
 
 from __future__ import annotations
@@ -242,8 +243,47 @@ def housekeeping(work: Path, full: bool = False) -> None:
     con.close()
 
 
-SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "fire_lag": fire_lag, "housekeeping": housekeeping,
-            "housekeeping_full": functools.partial(housekeeping, full=True)}
+def webhook_fires(work: Path) -> None:
+    """The webhook-fires row's agent three ways, each on a server of its own with the one slot held
+    (as in the row): 4 x 400 signed fires, 6 s apart, then /healthz. ``merged``: skip_idle_wakeups
+    off, the fires merge into one wakeup claimed into a run queued behind the slot (the row's set-up);
+    ``paused``: the agent paused, the fires merge into a queued wakeup (the coalescing window) that
+    waits for it to be resumed; ``idle skip``: the dispatcher ends each wakeup by its idle skip,
+    while the fires arrive, queuing again what merged into it."""
+    import httpx
+    for label, skip_idle, pause in (("merged", False, False), ("paused", True, True), ("idle skip", True, False)):
+        d = work / label.replace(" ", "-")
+        repo = B.make_repo(d / "repo")
+        body = json.dumps({"brief": "x", "repository": str(repo), "agent": "hold"}).encode()
+        with B.Server(d / "data", max_running=1, toml=B.HOLD_TOML) as srv:
+            asyncio.run(B.http_load(srv.port, "POST", "/v1/outpost/dispatches", srv.headers(), [body] * 5, 2, "w"))
+            with httpx.Client(base_url=srv.url, headers=srv.headers(), timeout=30) as c:
+                c.patch("/api/office/settings", json={"repository": str(repo)}).raise_for_status()
+                agent = c.post("/api/office/agents", json={"name": "hook", "executor": "demo",
+                                                           "skip_idle_wakeups": skip_idle}).json()["id"]
+                routine = c.post("/api/office/routines", json={
+                    "name": "w", "assignee_agent_id": agent, "concurrency_policy": "always_enqueue",
+                    "variables": [{"name": "n", "type": "text"}],
+                    "triggers": [{"kind": "webhook", "signing_mode": "hmac_sha256"}]}).json()
+                if pause:
+                    c.patch(f"/api/office/agents/{agent}", json={"status": "paused"}).raise_for_status()
+            trigger = routine["triggers"][0]
+            rates = []
+            for i in range(4):
+                bodies, sigs = B.signed_deliveries(trigger["secret"], str(i), 400)
+                el, _ = asyncio.run(B.http_load(srv.port, "POST", trigger["fire_path"], {}, bodies, 16, None, sigs))
+                rates.append(400 / el)
+                time.sleep(6)
+            hel, _ = asyncio.run(B.http_load(srv.port, "GET", "/healthz", {}, [b""] * 1500, 16, None))
+            print(f"  {label:10} fires/s {[round(r) for r in rates]}, median {statistics.median(rates):.0f}; "
+                  f"/healthz {1500 / hel:.0f}/s; wakeups still queued {B.queued_wakeups(srv)}")
+    print("  A merge into the claimed wakeup builds its queued run's prompt again (office_prompt, Run.prompt);\n"
+          "  the idle skip's drain (release_riders: k merged fires queued again, then k - 1, ...) runs beside\n"
+          "  the fires, one wakeup per transaction.")
+
+
+SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "webhook_fires": webhook_fires, "fire_lag": fire_lag,
+            "housekeeping": housekeeping, "housekeeping_full": functools.partial(housekeeping, full=True)}
 
 
 def main() -> int:
