@@ -278,8 +278,8 @@ def webhook_fires(work: Path) -> None:
             print(f"  {label:10} fires/s {[round(r) for r in rates]}, median {statistics.median(rates):.0f}; "
                   f"/healthz {1500 / hel:.0f}/s; wakeups still queued {B.queued_wakeups(srv)}")
     print("  A merge into the claimed wakeup builds its queued run's prompt again (office_prompt, Run.prompt);\n"
-          "  the idle skip's drain (release_riders: k merged fires queued again, then k - 1, ...) runs beside\n"
-          "  the fires, one wakeup per transaction.")
+          "  the idle skip's drain runs beside the fires, one wakeup per transaction (before 2483253 each\n"
+          "  skip queued again the k fires merged into it: ~n^2/2 writes for a burst of n).")
 
 
 SECTIONS = {"wakeup_drain": wakeup_drain, "intake": intake, "webhook_fires": webhook_fires, "fire_lag": fire_lag,

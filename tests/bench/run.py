@@ -593,12 +593,11 @@ def webhook_routine(srv: Server, repo: Path) -> tuple[str, str]:
     The first fire's wakeup is claimed into a run that queues behind the slot the dispatch rows'
     sleeping agent holds, and every later fire merges into that wakeup (its run has not
     started), so nothing is left to drain between reps and no agent process competes with the
-    fires. Not the idle skip: an idle skip that ends a wakeup carrying k merged fires queues
-    the k again, one of them first with the others merged into it, so a burst of n costs
-    ~n^2/2 row writes to drain, done while the next fires arrive (1,500 fires: 30 to 45 s per rep
-    on an idle machine, 68 fires/s measured; under CI's load 292 still merged 62 s later, past
-    the rep's 60 s wait), and a paused agent's wakeups wait, queued, until it is resumed.
-    Returns (fire path, secret)."""
+    fires. Not the idle skip: its drain runs beside the fires (and before 2483253 an idle skip
+    that ended a wakeup carrying k merged fires queued the k again, so a burst of n cost ~n^2/2
+    row writes: 1,500 fires took 30 to 45 s per rep on an idle machine, 68 fires/s measured, and
+    under CI's load 292 were still merged 62 s later, past the rep's 60 s wait); and a paused
+    agent's wakeups wait, queued, until it is resumed. Returns (fire path, secret)."""
     import httpx
     with httpx.Client(base_url=srv.url, headers=srv.headers(), timeout=30) as c:
         c.patch("/api/office/settings", json={"repository": str(repo)}).raise_for_status()
