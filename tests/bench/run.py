@@ -49,6 +49,7 @@ import functools
 import json
 import os
 import py_compile
+import random
 import shutil
 import signal
 import socket
@@ -2263,6 +2264,9 @@ def fleet_failover(admin: str, d: Path, repo: Path, slots: int) -> dict[str, Any
         queue_dispatches(store, payload, slots)
         store.close()
         time.sleep(2 * outpost.NODE_HEARTBEAT_S)   # node1 beating, and its claim actor has looked at the queue
+        # a kill at a fixed time after node1's start meets node1's node actor at the same phase of its
+        # beat every rep (it then measured the latest end of the range, 10.02 s, each time): any phase
+        time.sleep(random.uniform(0, outpost.NODE_HEARTBEAT_S))
         queued = pg_rows(url, "SELECT COUNT(*) FROM \"Run\" WHERE status = 'queued'")[0][0]
         assert queued == slots, f"{queued} of {slots} dispatches wait for a slot of the fleet"
         pids = [p for (p,) in pg_rows(url, "SELECT pid FROM \"Run\" WHERE node = 'node0' AND status = 'running'")]
