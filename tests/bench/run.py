@@ -2135,6 +2135,10 @@ def busy_breakdown(times: list[tuple[str, float, float]], queued_at: float, per_
 FLEET_SIZES = (1, 2, 3, 4)
 
 
+#: Agents busy with n nodes against one: issue 38's two-node target (1.9x), per node.
+FLEET_SCALING = 0.95
+
+
 def bench_fleet_agents(q: bool, work: Path) -> list[dict[str, Any]]:
     """Agents kept busy at once by 1, 2, 3 and 4 nodes, on a PostgreSQL on loopback and on one
     1 ms away each way (a network namespace); each rep measures every set-up once, in turn."""
@@ -2181,7 +2185,8 @@ def bench_fleet_agents(q: bool, work: Path) -> list[dict[str, Any]]:
             ratio = med[link, nodes] / med[link, 1]
             suffix = "" if link == "loopback" else ", 1 ms to PostgreSQL"
             rows.append(row(f"agents busy at once, {nodes} nodes{suffix} (max_running {per_node} each)",
-                            med[link, nodes], "agents", f">= {0.9 * nodes:.1f}x one node", ratio >= 0.9 * nodes,
+                            med[link, nodes], "agents", f">= {FLEET_SCALING * nodes:.2f}x one node",
+                            ratio >= FLEET_SCALING * nodes,
                             vals=busy[link, nodes], peer=f"one node, same link ({link})", peer_value=med[link, 1],
                             peer_vals=busy[link, 1],
                             note=f"ratio {ratio:.2f}x; {where}; SELECT 1 round trip {rtt[link]:.2f} ms. "
