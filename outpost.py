@@ -293,6 +293,10 @@ RUN_MAX_PROCESSES = 1024
 RUN_MEMORY_MB = 4096
 #: Where the kernel's cgroup hierarchies are mounted: the unified one (v2), or one per controller (v1).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: This file (the demo agent and Outpost's tools run it), and its folder: the dashboard's
+#: templates and static files are beside it.
+OUTPOST_PY = Path(__file__).resolve()
+INSTALLED = OUTPOST_PY.parent
 #: The namespaces of a sandbox's own (with the mount one bubblewrap always makes): its processes,
 #: IPC and hostname. The start's probe asks for the same, so a service manager that forbids one
 #: (systemd's RestrictNamespaces=) is found then, not at each run.
@@ -1985,7 +1989,7 @@ def default_data_dir() -> Path:
 
 def demo_profile() -> AgentProfile:
     """The built-in profile: this very file's simulated agent (section 6)."""
-    command = (sys.executable, str(Path(__file__).resolve()), "demo-agent")
+    command = (sys.executable, str(OUTPOST_PY), "demo-agent")
     return AgentProfile("demo", command, timeout_seconds=600, resume=(*command, "--resume", "{session_id}"))
 
 
@@ -10181,7 +10185,7 @@ class Sandbox:
         # Under the emptied folders, what the command needs stays visible, read-only: HOME, the
         # folders of PATH and of the command, Outpost itself (the demo agent), and the resolver's
         # file (/etc/resolv.conf is often a link into /run).
-        needed = [self.home, Path(sys.prefix), Path(__file__).parent, Path(shutil.which(argv[0]) or argv[0]).parent,
+        needed = [self.home, Path(sys.prefix), INSTALLED, Path(shutil.which(argv[0]) or argv[0]).parent,
                   *(Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p),
                   Path("/etc/resolv.conf").resolve().parent]
         for path in dict.fromkeys(p.resolve() for p in needed if p is not None):
@@ -12351,7 +12355,7 @@ def run_workspace(deps: Deps, plan: RunPlan) -> Path:
 def outpost_tool_server(api_url: str, folder: Path) -> ToolServer:
     """``outpost mcp`` as a run's CLI starts it: this Python in isolated mode (``-I``: no
     PYTHONPATH or user site a project's config could set), this outpost.py."""
-    return ToolServer(sys.executable, ("-I", str(Path(__file__).resolve()), "mcp"), api_url, folder)
+    return ToolServer(sys.executable, ("-I", str(OUTPOST_PY), "mcp"), api_url, folder)
 
 
 #: The most of a CLI config file Outpost reads to learn the MCP servers it names.
@@ -16265,10 +16269,6 @@ async def page_office_settings_save(web: Web):
 
 
 # --- the app: every table installed ---------------------------------------------------------------
-
-#: Where outpost.py is, with the dashboard's templates and static files beside it.
-INSTALLED = Path(__file__).resolve().parent
-
 
 def check_installed() -> None:
     """The dashboard's files are beside outpost.py (an install made with ``pip install -e``): a
