@@ -181,11 +181,11 @@ MISFIRE_GRACE_S = 60.0
 #: Longest single sleep of the cron actor, so a wall-clock jump (suspend, NTP) is noticed.
 CRON_MAX_SLEEP_S = 300.0
 #: A fleet (docs/fleet.md): heartbeats every NODE_HEARTBEAT_S on the database's clock; a node silent
-#: for NODE_LOST_S is lost; the claim actor and the event streams of every node look at the shared
-#: store every FLEET_POLL_S (the nudges of another node's requests do not reach them), the cron
-#: actor every CRON_FLEET_POLL_S (the node that changed a schedule fires it on time itself; the
-#: others only take over its fires when it is gone).
-NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 10, 1.0, 10.0
+#: for NODE_LOST_S (four beats: one beat late under load is no loss) is lost; the claim actor and the
+#: event streams of every node look at the shared store every FLEET_POLL_S (the nudges of another
+#: node's requests do not reach them), the cron actor every CRON_FLEET_POLL_S (the node that changed
+#: a schedule fires it on time itself; the others only take over its fires when it is gone).
+NODE_HEARTBEAT_S, NODE_LOST_S, FLEET_POLL_S, CRON_FLEET_POLL_S = 2.0, 8, 1.0, 10.0
 
 
 class NodeStatus(enum.StrEnum):
@@ -5869,6 +5869,10 @@ class Dialect:
         nodes of a fleet share."""
         return f"strftime('%Y-%m-%d %H:%M:%f', 'now', '{seconds} seconds')"
 
+    def age_s(self, column: str) -> str:
+        """SQL for the seconds from the instant in ``column`` to now, on the database's clock."""
+        return f"((julianday('now') - julianday({column})) * 86400.0)"
+
     def json_text(self, column: str, *path: str) -> str:
         """SQL for the text at ``path`` in a JSON column."""
         return f"json_extract({column}, '$$.{'.'.join(path)}')"
@@ -5995,6 +5999,9 @@ class PostgresDialect(Dialect):
     def db_now(self, seconds: int = 0) -> str:
         # clock_timestamp: when the statement runs, not when its transaction began (or began its first attempt)
         return f"(clock_timestamp() AT TIME ZONE 'UTC' + INTERVAL '{seconds} seconds')"
+
+    def age_s(self, column: str) -> str:
+        return f"EXTRACT(EPOCH FROM (clock_timestamp() AT TIME ZONE 'UTC' - {column}))"
 
     def json_text(self, column: str, *path: str) -> str:
         return f"{column} #>> '{{{','.join(path)}}}'"
@@ -7728,6 +7735,13 @@ class NodeStore(StorePart):
             self.core.emit("node.lost", {"node": name, "settled": mine, "requeued": requeued}, now)
             settled += mine
         return settled
+
+    def next_loss_in(self) -> float | None:
+        """Seconds until the oldest heartbeat of another node up is NODE_LOST_S old (None: no
+        other node is up), so a survivor settles a dead node's runs then, not up to a beat later."""
+        oldest = self.db.select(f"SELECT MAX({self.dialect.age_s('heartbeat_at')}) FROM \"Node\" "
+                                f"WHERE status = '{NodeStatus.UP}' AND name <> $me", {"me": self.core.node})[0]
+        return None if oldest is None else NODE_LOST_S - float(oldest)
 
     def other_nodes_up(self) -> bool:
         """Another node of the fleet is up (its heartbeat younger than NODE_LOST_S)."""
@@ -12149,7 +12163,8 @@ async def left_to_another_node(deps: Deps, plan: RunPlan, exc: RepositoryUnreach
 async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
     """A fleet (docs/fleet.md): this node's heartbeat, on the database's clock, every
     NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
-    started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes). A
+    started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes), as
+    soon as its heartbeat comes of age (next_loss_in). A
     node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
     runs are no longer its to settle, and comes back up; if another process took its name
     meanwhile, this one stops (``shutdown``). Ends when cancelled."""
@@ -12175,7 +12190,9 @@ async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
             for run_id in settled:
                 deps.settled.announce(run_id)
             deps.nudge(Actor.CLAIM)
-        await trio.sleep(NODE_HEARTBEAT_S)
+        loss_in = await deps.transaction_retrying(deps.store.nodes.next_loss_in)
+        # a beat early when another node is about to be lost: the loop's next pass settles it
+        await trio.sleep(NODE_HEARTBEAT_S if loss_in is None else min(NODE_HEARTBEAT_S, max(loss_in, 0) + 0.05))
 
 
 def acquire_node_name(store: Store) -> None:

@@ -89,14 +89,16 @@ def test_a_lost_node_s_runs_are_settled_or_requeued_and_its_writes_are_fenced(no
     started, unstarted = queue(a, git_repo, 2)
     assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW)] == [started, unstarted]
     assert call(b, b.runs.mark_spawned, started, 4242, "1", ("b", 1))
-    silence(a, "b", 9)
-    assert call(a, a.nodes.settle_lost_nodes, NOW) == []               # 9 s of silence is not lost yet
-    silence(a, "b", 11)
+    silence(a, "b", outpost.NODE_LOST_S - 3)
+    assert call(a, a.nodes.settle_lost_nodes, NOW) == []               # not lost yet
+    assert 2.5 < call(a, a.nodes.next_loss_in) <= 3                   # a looks again when it will be
+    silence(a, "b", outpost.NODE_LOST_S + 1)
     assert call(a, a.nodes.settle_lost_nodes, NOW) == [started]
     settled = run_row(a, started)
     assert (settled["status"], settled["error"], settled["failure_kind"]) == ("failed", "interrupted", "interrupted")
     assert (run_row(a, unstarted)["status"], run_row(a, unstarted)["node"]) == ("queued", None)
     assert {n["name"]: n["status"] for n in call(a, a.nodes.list_nodes)} == {"a": "up", "b": "lost"}
+    assert call(a, a.nodes.next_loss_in) is None                       # no other node up: nothing to look for
     # b comes back: it learns it was lost, cannot start or settle what it admitted before
     assert call(b, b.nodes.node_heartbeat) is False
     assert call(b, b.runs.mark_spawned, unstarted, 4343, "1", ("b", 1)) is False

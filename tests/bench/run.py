@@ -2341,9 +2341,9 @@ def bench_fleet_failover(q: bool, work: Path) -> list[dict[str, Any]]:
              f"{FAILOVER_SECONDS} s), node1 started after it, and {slots} more dispatches wait in the shared queue for "
              f"a slot of the fleet (a queued run belongs to no node: only the fleet cap keeps them from node1). "
              f"`kill -9` node0, then the database polled every 20 ms. node0's heartbeat was {ages} s old at the kill. "
-             f"A node is lost when its heartbeat is NODE_LOST_S old, and a survivor's node actor looks every "
-             f"NODE_HEARTBEAT_S ({limit}; constants in outpost.py, no setting), so the settlement comes "
-             f"NODE_LOST_S - age to NODE_LOST_S - age + NODE_HEARTBEAT_S after the kill. Agents of node0 still "
+             f"A node is lost when its heartbeat is NODE_LOST_S old, and a survivor's node actor looks when the "
+             f"oldest heartbeat comes of age ({limit}; constants in outpost.py, no setting), so the settlement "
+             f"comes NODE_LOST_S - age after the kill, plus its own transaction. Agents of node0 still "
              f"alive after the kill: {[r['agents_alive_after_kill'] for r in results]} of {slots}; ended when node0 "
              f"was started again under its name: {[r['orphans_ended'] for r in results]}")
     return [
