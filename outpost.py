@@ -10879,16 +10879,18 @@ def worktree_intact(path: Path) -> bool:
     return (path / ".git").is_dir() and not (path / ".git").is_symlink()
 
 
-async def save_leftovers(workspace: Path, run_id: str, sandbox: Sandbox | None) -> None:
+async def save_leftovers(workspace: Path, run_id: str, sandbox: Sandbox | None) -> bool:
     """Commit what the agent left uncommitted to the result branch: never lost. Outpost's own
     identity, no signing and no hooks: the user's git config must not decide whether it works.
     In the run's sandbox: the agent may have planted a filter or an fsmonitor in its worktree.
-    A status that fails is LaunchError, never taken for a clean worktree."""
+    A status that fails is LaunchError, never taken for a clean worktree. Returns whether
+    there was anything to save."""
     if not workspace.exists() or not await git(workspace, "status", "--porcelain", sandbox=sandbox):
-        return
+        return False
     await git(workspace, "add", "-A", sandbox=sandbox)
     await git(workspace, *GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m",
               f"outpost: save uncommitted changes of run {run_id}", sandbox=sandbox)
+    return True
 
 
 async def bring_back(repository: str, workspace: Path, branch: str, start: str | None,
@@ -11029,12 +11031,15 @@ async def drop_branch(repository: str, branch: str, expected: str) -> bool:
     return True
 
 
-async def remove_worktree(path: Path, sandbox: Sandbox | None) -> None:
+async def remove_worktree(path: Path, sandbox: Sandbox | None, *, seen_clean: bool = False) -> None:
     """Remove a run's worktree once its changes are on the result branch. One that still holds
-    uncommitted changes is never removed, nor one whose status fails (LaunchError)."""
+    uncommitted changes is never removed, nor one whose status fails (LaunchError).
+    ``seen_clean``: its status was clean after its agent ended (save_leftovers had nothing to
+    save), so it is not asked again; after a save it is (an embedded repository's own changes
+    are not committed by the save, and stay)."""
     if not path.exists():
         return
-    if await git(path, "status", "--porcelain", sandbox=sandbox):
+    if not seen_clean and await git(path, "status", "--porcelain", sandbox=sandbox):
         log.getChild("run").warning("worktree %s holds uncommitted changes: kept", path)
         return
     await trio.to_thread.run_sync(remove_tree, path)
@@ -12647,12 +12652,12 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
     run_id = plan.run_id
     workspace, sandbox = run_workspace(deps, plan), run_sandbox(deps, plan)
     local = deps.mirrors.path(plan.repository)
-    kept, kept_title, back_at = None, "uncommitted changes kept in its worktree", None
+    kept, kept_title, back_at, saved = None, "uncommitted changes kept in its worktree", None, True
     try:
         if workspace.exists() and not worktree_intact(workspace):
             raise LaunchError("the agent replaced the worktree's .git, so git would work on another repository; "
                               "nothing was brought back")
-        await save_leftovers(workspace, run_id, sandbox)
+        saved = await save_leftovers(workspace, run_id, sandbox)
         if workspace.exists() and Path(local).is_dir():
             await bring_back(local, workspace, plan.result_branch, commit, sandbox)
             back_at = deps.clock.now()
@@ -12666,7 +12671,7 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
         kept = kept or f"the run's commits could not be counted ({exc}); its worktree is kept in {workspace}"
     if kept is None:
         try:
-            await remove_worktree(workspace, sandbox)
+            await remove_worktree(workspace, sandbox, seen_clean=not saved)
         except (LaunchError, OSError) as exc:   # what the agent left there cannot be removed: the daemon serves on
             kept = f"the run's worktree could not be removed ({exc}); what is left is in {workspace}"
             kept_title = "its worktree could not be removed"

@@ -279,6 +279,35 @@ def test_kill_9_while_running_recovers_at_the_next_start(server_factory, git_rep
     assert "Traceback" not in again.logs()
 
 
+EMBEDDED_AGENT = ("G='git -c user.name=agent -c user.email=agent@example.invalid'; "
+                  "mkdir inner && cd inner && git init -q && echo one > notes && git add notes && "
+                  "$G commit -qm inner && echo two >> notes")
+
+
+def test_a_worktree_whose_embedded_repository_holds_changes_is_kept_and_a_clean_one_goes(
+        server_factory, git_repo, tmp_path):
+    """The save commits what git can (the embedded repository as a gitlink), not the embedded
+    repository's own uncommitted edit: the worktree is asked again after a save and kept. A run
+    that changed nothing has its worktree removed."""
+    data = tmp_path / "embedded-data"
+    data.mkdir()
+    (data / "outpost.toml").write_text(f'[agents.embedder]\ncommand = ["sh", "-c", {json.dumps(EMBEDDED_AGENT)}]\n'
+                                       '[agents.idle]\ncommand = ["true"]\n')
+    server = server_factory(data_dir=data)
+    with server.client() as client:
+        ids = {}
+        for agent in ("embedder", "idle"):
+            response = client.post("/v1/outpost/dispatches", headers=key(),
+                                   json={"brief": "b", "repository": str(git_repo), "agent": agent})
+            assert response.status_code == 202, response.text
+            ids[agent] = response.json()["run_id"]
+        runs = {agent: wait_status(client, run_id) for agent, run_id in ids.items()}
+    assert runs["idle"]["status"] == "succeeded" and not (data / "worktrees" / ids["idle"]).exists()
+    kept = data / "worktrees" / ids["embedder"] / "inner" / "notes"
+    assert kept.read_text() == "one\ntwo\n"   # its uncommitted edit is where the agent left it
+    assert git(git_repo, "ls-tree", runs["embedder"]["result_branch"], "inner").split()[1] == "commit"
+
+
 def test_idempotency_key_survives_a_restart(server_factory, git_repo):
     server = server_factory()
     with server.client() as client:
