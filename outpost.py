@@ -7694,19 +7694,30 @@ class NodeStore(StorePart):
         self.db.execute('UPDATE "Node" SET process = NULL WHERE name = $name AND process = $me',
                         {"name": self.core.node, "me": self.core.process})
 
-    def node_heartbeat(self) -> bool:
-        """On the database's clock. False once a survivor has declared this node lost (the runs
-        it was running are settled and no longer its own), or another process holds its name."""
-        return bool(self.core.returning(f'UPDATE "Node" SET heartbeat_at = {self.dialect.db_now()} WHERE name = $name '
-                                        f"AND status = '{NodeStatus.UP}' AND process = $me RETURNING name",
-                                        {"name": self.core.node, "me": self.core.process}))
+    def node_heartbeat(self) -> float | None:
+        """On the database's clock; returns the seconds since this node's previous heartbeat. None
+        once a survivor has declared this node lost (the runs it was running are settled and no
+        longer its own), or another process holds its name."""
+        mine = {"name": self.core.node, "me": self.core.process}
+        gap = self.db.select(f"SELECT {self.dialect.age_s('heartbeat_at')} FROM \"Node\" WHERE name = $name "
+                             f"AND status = '{NodeStatus.UP}' AND process = $me", mine)
+        if not gap or not self.core.returning(f'UPDATE "Node" SET heartbeat_at = {self.dialect.db_now()} '
+                                              f"WHERE name = $name AND status = '{NodeStatus.UP}' AND process = $me "
+                                              "RETURNING name", mine):
+            return None
+        return float(gap[0])
 
-    def settle_lost_nodes(self, now: datetime) -> list[str]:
+    def settle_lost_nodes(self, now: datetime, beat_gap_s: float) -> list[str]:
         """The nodes silent for NODE_LOST_S are lost. Their runs that never started go back to
         the queue (a later admission's attempt fences the lost one's writes); their in-flight
         Idempotency-Keys are forgotten; their started runs are settled failed/interrupted,
         never started again (docs/fleet.md): nothing here can reach their processes. Returns the
-        runs it settled."""
+        runs it settled. Only a node that has been beating itself declares another lost
+        (``beat_gap_s``: the time from its previous beat to its last, under NODE_LOST_S -
+        NODE_HEARTBEAT_S): after the database was out of every node's reach, the first node back
+        cannot tell a dead node from one that could not beat either, and looks again a beat later."""
+        if beat_gap_s >= NODE_LOST_S - NODE_HEARTBEAT_S:
+            return []
         lost = self.core.returning(f"UPDATE \"Node\" SET status = '{NodeStatus.LOST}' WHERE status = '{NodeStatus.UP}' "
                                    "AND name <> $me "
                                    f"AND heartbeat_at < {self.dialect.db_now(-NODE_LOST_S)} RETURNING name",
@@ -12169,13 +12180,14 @@ async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
     """A fleet (docs/fleet.md): this node's heartbeat, on the database's clock, every
     NODE_HEARTBEAT_S; and every survivor's duty: a node silent for NODE_LOST_S is lost, its
     started runs settled interrupted and its unstarted ones queued again (settle_lost_nodes), as
-    soon as its heartbeat comes of age (next_loss_in). A
+    soon as its heartbeat comes of age (next_loss_in), by a survivor that has been beating itself. A
     node that finds itself declared lost (a long stall, a partition) ends its own agents, whose
     runs are no longer its to settle, and comes back up; if another process took its name
     meanwhile, this one stops (``shutdown``). Ends when cancelled."""
     flog = log.getChild("fleet")
     while True:
-        if not await deps.transaction_retrying(deps.store.nodes.node_heartbeat):
+        if (beat_gap := await deps.transaction_retrying(deps.store.nodes.node_heartbeat)) is None:
+            beat_gap = math.inf   # back from a stall: not the one to judge the others' silence now
             ended = deps.live.cancel_all()
             try:
                 orphans = await deps.transaction_retrying(deps.store.nodes.register_node, deps.config.max_running)
@@ -12190,7 +12202,8 @@ async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
         if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
             for run_id in await deps.transaction_retrying(deps.store.runs.cancels_requested, live):
                 deps.live.signal(run_id, "cancel")
-        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now()):
+        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now(),
+                                                       beat_gap):
             flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
             for run_id in settled:
                 deps.settled.announce(run_id)
@@ -12671,7 +12684,8 @@ async def finish_run(deps: Deps, plan: RunPlan, commit: str | None, outcome: Out
         kept = kept or f"the run's commits could not be counted ({exc}); its worktree is kept in {workspace}"
     if kept is None:
         try:
-            await remove_worktree(workspace, sandbox, seen_clean=not saved)
+            # after a restart (no steps) processes the agent left may live until the cgroups' sweep
+            await remove_worktree(workspace, sandbox, seen_clean=not saved and steps is not None)
         except (LaunchError, OSError) as exc:   # what the agent left there cannot be removed: the daemon serves on
             kept = f"the run's worktree could not be removed ({exc}); what is left is in {workspace}"
             kept_title = "its worktree could not be removed"

@@ -35,6 +35,7 @@ import outpost
 pytestmark = needs_postgres
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 PASSWORD = "fleet-password-never-printed"
+BEAT = outpost.NODE_HEARTBEAT_S   # a survivor's time since its own previous beat, beating steadily
 
 
 @pytest.fixture
@@ -90,17 +91,17 @@ def test_a_lost_node_s_runs_are_settled_or_requeued_and_its_writes_are_fenced(no
     assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW)] == [started, unstarted]
     assert call(b, b.runs.mark_spawned, started, 4242, "1", ("b", 1))
     silence(a, "b", outpost.NODE_LOST_S - 3)
-    assert call(a, a.nodes.settle_lost_nodes, NOW) == []               # not lost yet
+    assert call(a, a.nodes.settle_lost_nodes, NOW, BEAT) == []               # not lost yet
     assert 2.5 < call(a, a.nodes.next_loss_in) <= 3                   # a looks again when it will be
     silence(a, "b", outpost.NODE_LOST_S + 1)
-    assert call(a, a.nodes.settle_lost_nodes, NOW) == [started]
+    assert call(a, a.nodes.settle_lost_nodes, NOW, BEAT) == [started]
     settled = run_row(a, started)
     assert (settled["status"], settled["error"], settled["failure_kind"]) == ("failed", "interrupted", "interrupted")
     assert (run_row(a, unstarted)["status"], run_row(a, unstarted)["node"]) == ("queued", None)
     assert {n["name"]: n["status"] for n in call(a, a.nodes.list_nodes)} == {"a": "up", "b": "lost"}
     assert call(a, a.nodes.next_loss_in) is None                       # no other node up: nothing to look for
     # b comes back: it learns it was lost, cannot start or settle what it admitted before
-    assert call(b, b.nodes.node_heartbeat) is False
+    assert call(b, b.nodes.node_heartbeat) is None
     assert call(b, b.runs.mark_spawned, unstarted, 4343, "1", ("b", 1)) is False
     done = outpost.Outcome(outpost.RunStatus.SUCCEEDED, None)
     assert call(b, b.runs.settle_run, started, done, NOW, fence=("b", 1)) is False
@@ -111,7 +112,26 @@ def test_a_lost_node_s_runs_are_settled_or_requeued_and_its_writes_are_fenced(no
     assert call(a, a.runs.settle_run, unstarted, done, NOW, fence=("a", 2)) is True
     # b's restart: up again, and the agent it left behind is named for ending
     assert call(b, b.nodes.register_node, 2) == [(started, 4242, "1")]
-    assert call(b, b.nodes.node_heartbeat) is True
+    assert call(b, b.nodes.node_heartbeat) is not None
+
+
+def test_after_the_database_was_out_of_every_node_s_reach_the_first_node_back_declares_none_lost(nodes, git_repo):
+    a, b = nodes
+    started = queue(a, git_repo, 1)[0]
+    assert [r for r, _ in call(b, b.runs.admit_ready, 1, NOW)] == [started]
+    assert call(b, b.runs.mark_spawned, started, 4242, "1", ("b", 1))
+    for node in ("a", "b"):   # neither could beat for 20 s
+        silence(a, node, 20)
+    gap = call(a, a.nodes.node_heartbeat)
+    assert 19 < gap < 21                                               # a is back first, after its own 20 s
+    assert call(a, a.nodes.settle_lost_nodes, NOW, gap) == []          # b's silence proves nothing yet
+    assert call(b, b.nodes.node_heartbeat) is not None                 # b is alive: it beats too
+    silence(a, "a", BEAT)
+    assert call(a, a.nodes.settle_lost_nodes, NOW, call(a, a.nodes.node_heartbeat)) == []
+    assert {n["name"]: n["status"] for n in call(a, a.nodes.list_nodes)} == {"a": "up", "b": "up"}
+    assert run_row(a, started)["status"] == "running"
+    silence(a, "b", outpost.NODE_LOST_S + 1)                           # now b is silent while a beats
+    assert call(a, a.nodes.settle_lost_nodes, NOW, BEAT) == [started]
 
 
 def test_two_nodes_claim_a_due_slot_once(nodes, git_repo):
@@ -223,7 +243,7 @@ async def test_a_node_whose_name_was_taken_while_it_was_silent_stops(database, t
     newcomer = outpost.Store(database, data_dir=tmp_path, node="same", process="host-b pid 2")
     assert call(newcomer, newcomer.nodes.claim_node_name) is None
     call(newcomer, newcomer.nodes.register_node, 2)
-    assert call(stalled, stalled.nodes.node_heartbeat) is False              # the name is another process's now
+    assert call(stalled, stalled.nodes.node_heartbeat) is None              # the name is another process's now
     with pytest.raises(outpost.NodeNameTaken):
         call(stalled, stalled.nodes.register_node, 2)
     shutdown = trio.Event()
@@ -231,7 +251,7 @@ async def test_a_node_whose_name_was_taken_while_it_was_silent_stops(database, t
     with trio.fail_after(30):
         await outpost.node_actor(deps, shutdown)                        # it stops instead of coming back up
     assert shutdown.is_set()
-    assert call(newcomer, newcomer.nodes.node_heartbeat) is True
+    assert call(newcomer, newcomer.nodes.node_heartbeat) is not None
     for store in (stalled, newcomer):
         store.close()
 
@@ -466,7 +486,7 @@ async def test_the_nodes_panel_shows_a_lost_node_and_a_run_its_node(nodes, tmp_p
     call(b, b.runs.admit_ready, 1, NOW)
     assert call(b, b.runs.mark_spawned, run_id, 999_999, "1", ("b", 1))   # started on b: settled, not requeued
     silence(a, "b", 11)
-    call(a, a.nodes.settle_lost_nodes, NOW)
+    call(a, a.nodes.settle_lost_nodes, NOW, BEAT)
     deps = make_deps(tmp_path, store=a)
     client = outpost.create_app(deps).test_client()
     sign_in_client(client, a, NOW)
