@@ -12202,8 +12202,7 @@ async def node_actor(deps: Deps, shutdown: trio.Event) -> None:
         if live := deps.live.ids():   # a cancel sent to another node reaches this node's agent here
             for run_id in await deps.transaction_retrying(deps.store.runs.cancels_requested, live):
                 deps.live.signal(run_id, "cancel")
-        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now(),
-                                                       beat_gap):
+        if settled := await deps.transaction_retrying(deps.store.nodes.settle_lost_nodes, deps.clock.now(), beat_gap):
             flog.warning("settled %d run(s) of lost node(s) interrupted: %s", len(settled), " ".join(settled))
             for run_id in settled:
                 deps.settled.announce(run_id)
