@@ -386,13 +386,14 @@
   async function refresh(always) {
     const main = document.getElementById("main");
     if (!main || (!main.dataset.live && !always)) return;
-    // never wipe what is being typed or a selection being made
-    if (!always && main.querySelector("form[data-dirty], form :focus, input[name=ids]:checked")) return;
+    // never wipe what is being typed or a selection being made, before the fetch or while it was on its way
+    const busy = () => !always && main.querySelector("form[data-dirty], form :focus, input[name=ids]:checked");
+    if (busy()) return;
     const reply = await fetch(location.href, { credentials: "same-origin", headers: { Accept: "text/html" } });
     if (!reply.ok || reply.redirected) return;
     const page = new DOMParser().parseFromString(await reply.text(), "text/html");
     const fresh = page.getElementById("main");
-    if (!fresh) return;
+    if (!fresh || busy()) return;
     const searching = document.activeElement?.id === "log-search";   // typing in it goes on
     main.innerHTML = fresh.innerHTML;
     main.dataset.live = fresh.dataset.live || "";

@@ -224,6 +224,31 @@ def test_live_updates_resume_after_the_daemon_restarts(browser, repo, tmp_path_f
         context.close()
 
 
+def test_what_is_typed_while_a_live_refresh_is_on_its_way_is_kept(page, server, repo):
+    """A live page's refresh asks for the page, then swaps it in: a search typed into the page
+    while that answer was on its way is not wiped by the swap."""
+    import urllib.parse
+    sign_in(page, server)
+    page.goto(server.url + "/runs")
+    held = []
+    page.route(lambda url: urllib.parse.urlsplit(url).path == "/runs",
+               lambda route: held.append(route) if route.request.resource_type == "fetch" else route.continue_())
+    # the page's own fetch, whose answer it has read: the swap follows in the same task
+    page.evaluate("""() => { const fetched = window.fetch; window.fetch = async (...args) => {
+        const reply = await fetched(...args), text = reply.text.bind(reply);
+        reply.text = async () => { const body = await text(); window.__refreshRead = true; return body; };
+        return reply; }; }""")
+    with page.expect_request(lambda r: r.resource_type == "fetch"), api_client(server) as api:
+        api.post("/v1/outpost/dispatches", headers=keyed(),   # an event: the page refreshes
+                 json={"brief": "@print typed", "repository": str(repo)}).raise_for_status()
+    page.fill("#run-filters input[name=q]", "nightly")   # while the refresh's answer is held
+    held[0].continue_()
+    from conftest import wait_for
+    # polled from here: the page's CSP refuses wait_for_function's eval
+    wait_for(lambda: page.evaluate("window.__refreshRead === true"), 15)
+    assert page.input_value("#run-filters input[name=q]") == "nightly"
+
+
 # --- Office: the user journey of issue 4, from the dashboard alone --------------------------------
 
 def wait_for_text(page, selector: str, text: str, timeout_s: float = 30) -> None:
