@@ -91,7 +91,7 @@ def test_a_lost_node_s_runs_are_settled_or_requeued_and_its_writes_are_fenced(no
     assert [r for r, _ in call(b, b.runs.admit_ready, 2, NOW)] == [started, unstarted]
     assert call(b, b.runs.mark_spawned, started, 4242, "1", ("b", 1))
     silence(a, "b", outpost.NODE_LOST_S - 3)
-    assert call(a, a.nodes.settle_lost_nodes, NOW, BEAT) == []               # not lost yet
+    assert call(a, a.nodes.settle_lost_nodes, NOW, BEAT) == []        # not lost yet
     assert 2.5 < call(a, a.nodes.next_loss_in) <= 3                   # a looks again when it will be
     silence(a, "b", outpost.NODE_LOST_S + 1)
     assert call(a, a.nodes.settle_lost_nodes, NOW, BEAT) == [started]

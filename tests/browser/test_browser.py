@@ -231,14 +231,17 @@ def test_what_is_typed_while_a_live_refresh_is_on_its_way_is_kept(page, server, 
     sign_in(page, server)
     page.goto(server.url + "/runs")
     held = []
+
+    def the_refresh(request) -> bool:
+        return request.resource_type == "fetch" and urllib.parse.urlsplit(request.url).path == "/runs"
     page.route(lambda url: urllib.parse.urlsplit(url).path == "/runs",
-               lambda route: held.append(route) if route.request.resource_type == "fetch" else route.continue_())
+               lambda route: held.append(route) if the_refresh(route.request) else route.continue_())
     # the page's own fetch, whose answer it has read: the swap follows in the same task
     page.evaluate("""() => { const fetched = window.fetch; window.fetch = async (...args) => {
         const reply = await fetched(...args), text = reply.text.bind(reply);
         reply.text = async () => { const body = await text(); window.__refreshRead = true; return body; };
         return reply; }; }""")
-    with page.expect_request(lambda r: r.resource_type == "fetch"), api_client(server) as api:
+    with page.expect_request(the_refresh), api_client(server) as api:
         api.post("/v1/outpost/dispatches", headers=keyed(),   # an event: the page refreshes
                  json={"brief": "@print typed", "repository": str(repo)}).raise_for_status()
     page.fill("#run-filters input[name=q]", "nightly")   # while the refresh's answer is held
