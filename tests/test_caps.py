@@ -245,17 +245,32 @@ def test_the_cap_a_tree_met_is_read_from_its_cgroup_s_events(tmp_path):
 
 
 def test_a_held_command_is_in_its_cgroup_before_it_starts_anything(tmp_path):
-    """The shell enters each cgroup, then becomes the command (same pid): nothing it starts is outside."""
+    """The shell enters each cgroup (0: itself), then becomes the command (same pid): nothing it
+    starts is outside."""
     folders = (tmp_path / "pids", tmp_path / "memory")
     for folder in folders:
         folder.mkdir()
-    held = outpost.Held(outpost.ResourceCaps(), folders=folders)
-    done = subprocess.run(held.wrap(["sh", "-c", "echo $$"]), capture_output=True, text=True, check=True)
-    assert [(f / "cgroup.procs").read_text().strip() for f in folders] == [done.stdout.strip()] * 2
-    (folders[1] / "cgroup.procs").unlink()
+    held = outpost.Held(outpost.ResourceCaps(), folders=folders, entry="tasks")
+    shell = subprocess.Popen(held.wrap(["sh", "-c", "echo $$"]), stdout=subprocess.PIPE, text=True)
+    assert shell.communicate(timeout=10)[0].strip() == str(shell.pid)
+    assert [(f / "tasks").read_text().strip() for f in folders] == ["0", "0"]
+    (folders[1] / "tasks").unlink()
     folders[1].rmdir()   # a cgroup it cannot enter: the command never runs
     refused = subprocess.run(held.wrap(["sh", "-c", "echo ran"]), capture_output=True, text=True)
     assert (refused.returncode, refused.stdout) == (125, "")
+
+
+@needs_cgroups
+async def test_a_held_command_and_what_it_starts_are_in_the_run_s_own_cgroups():
+    held = CGROUPS.held(outpost.ResourceCaps())
+    try:
+        done = subprocess.run(held.wrap(["sh", "-c", "cat /proc/self/cgroup; sh -c 'cat /proc/self/cgroup'"]),
+                              capture_output=True, text=True, check=True, timeout=10)
+        joined = ("pids", "memory") if CGROUPS.version == 1 else ("",)   # v2: the one unified line
+        names = [line.rsplit("/", 1)[-1] for line in done.stdout.splitlines() if line.split(":")[1] in joined]
+        assert names == [held.folders[0].name] * 2 * len(joined)   # the shell's command, and its child
+    finally:
+        await held.release()
 
 
 @pytest.mark.parametrize("hold", ["cgroup", "prlimit"])
