@@ -301,6 +301,10 @@ INSTALLED = OUTPOST_PY.parent
 #: IPC and hostname. The start's probe asks for the same, so a service manager that forbids one
 #: (systemd's RestrictNamespaces=) is found then, not at each run.
 SANDBOX_NAMESPACES = ("--unshare-pid", "--unshare-ipc", "--unshare-uts")
+#: A user namespace of the sandbox's own, in which it can make no other: in a new one an agent
+#: would hold every capability there, enough to mount its cgroup hierarchy and lift its own
+#: max_processes and memory_mb. Bubblewrap 0.8 or newer; with an older one the start says so.
+SANDBOX_NO_USERNS = ("--unshare-user", "--disable-userns")
 #: How long bubblewrap may take to name its sandbox's process 1 (it does so at once, as it starts).
 SANDBOX_START_S = 30.0
 #: Each tmpfs that only hides something (the data dir, /run, another CLI's folder, a secret):
@@ -10189,6 +10193,7 @@ class Sandbox:
     tmp_mb: int = SANDBOX_TMP_MB        # its /tmp's and /dev/shm's size each: memory, as they are tmpfs
     cgroups: Cgroups | None = None      # what holds each of its process trees to ``caps``
     caps: ResourceCaps = ResourceCaps()
+    no_userns: bool = True              # SANDBOX_NO_USERNS (False only with a bubblewrap before 0.8)
 
     def argv(self, argv: list[str], cwd: Path | None = None) -> list[str]:
         emptied = (Path("/tmp"), Path("/run"))   # host sockets live there (D-Bus, Docker, agents')
@@ -10203,7 +10208,8 @@ class Sandbox:
 
         room = str(self.tmp_mb << 20)
         args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--size", room, "--tmpfs", "/dev/shm",
-                "--remount-ro", "/dev", *SANDBOX_NAMESPACES, "--proc", "/proc",
+                "--remount-ro", "/dev", *SANDBOX_NAMESPACES, *(SANDBOX_NO_USERNS if self.no_userns else ()),
+                "--proc", "/proc",
                 *(a for knob in PROC_HOST_KNOBS for a in ("--ro-bind-try", knob, knob)),
                 "--new-session",   # no terminal of the daemon's to write to
                 "--size", room, "--tmpfs", "/tmp", *hide("/run")]
@@ -11128,6 +11134,17 @@ class Isolation:
     """Whether agents run inside bubblewrap, and the sentence that says so (start line, dashboard)."""
     active: bool
     message: str
+    no_userns: bool = False   # its sandboxes make no user namespace (SANDBOX_NO_USERNS)
+
+
+def bubblewrap_problem(namespaces: tuple[str, ...]) -> str | None:
+    """Why a sandbox with these namespaces cannot start here, or None."""
+    try:
+        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", *namespaces, "--proc", "/proc", "true"],
+                               capture_output=True, timeout=10)
+        return None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[:200]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap is not installed ({exc.__class__.__name__})"
 
 
 def agent_isolation(mode: str) -> Isolation:
@@ -11135,14 +11152,13 @@ def agent_isolation(mode: str) -> Isolation:
     the daemon's user, so without it an agent could read the API token and the database."""
     if mode == "never":
         return Isolation(False, "agents are not isolated (isolate_agents = \"never\"): they can read the data dir")
-    try:
-        probe = subprocess.run(["bwrap", "--ro-bind", "/", "/", *SANDBOX_NAMESPACES, "--proc", "/proc", "true"],
-                               capture_output=True, timeout=10)
-        problem = None if probe.returncode == 0 else probe.stderr.decode(errors="replace").strip()[:200]
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        problem = f"bwrap is not installed ({exc.__class__.__name__})"
-    if problem is None:
-        return Isolation(True, "agents run isolated by bubblewrap: the data dir is hidden from them")
+    if (problem := bubblewrap_problem((*SANDBOX_NAMESPACES, *SANDBOX_NO_USERNS))) is None:
+        return Isolation(True, "agents run isolated by bubblewrap: the data dir is hidden from them", no_userns=True)
+    if (older := bubblewrap_problem(SANDBOX_NAMESPACES)) is None:
+        return Isolation(True, "agents run isolated by bubblewrap: the data dir is hidden from them, but an agent "
+                               f"can make a user namespace and in it lift its own caps ({problem}; bubblewrap 0.8 "
+                               "or newer blocks that)")
+    problem = older
     if mode == "always":
         raise ConfigError(f'isolate_agents = "always", but bubblewrap does not work here: {problem}')
     return Isolation(False, f"agents are not isolated: bubblewrap does not work here ({problem}); "
@@ -12488,7 +12504,7 @@ def run_sandbox(deps: Deps, plan: RunPlan) -> Sandbox | None:
     return Sandbox(deps.config.data_dir, run_workspace(deps, plan), Path(deps.mirrors.path(plan.repository)),
                    deps.private_dir(plan.run_id), Path(home) if home else None, (state,) if state else (),
                    plan.profile.tmp_mb if plan.profile is not None else SANDBOX_TMP_MB, deps.cgroups,
-                   plan.profile.caps if plan.profile is not None else ResourceCaps())
+                   plan.profile.caps if plan.profile is not None else ResourceCaps(), deps.isolation.no_userns)
 
 
 async def take_over(repository: str, branch: str, left_on: str, head: str) -> str:

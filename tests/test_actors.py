@@ -951,6 +951,20 @@ def test_without_isolation_the_start_line_says_agents_are_not_isolated(monkeypat
         outpost.agent_isolation("always")
 
 
+def test_with_a_bubblewrap_that_cannot_block_user_namespaces_the_start_says_what_an_agent_can_do(monkeypatch):
+    """Bubblewrap before 0.8 has no --disable-userns: agents stay isolated, and the start line
+    says that an agent can lift its own caps."""
+    monkeypatch.setattr(outpost, "bubblewrap_problem",
+                        lambda namespaces: "bwrap: Unknown option --disable-userns" if "--disable-userns" in namespaces
+                        else None)
+    older = outpost.agent_isolation("auto")
+    assert older.active and not older.no_userns and "lift its own caps" in older.message
+    assert "Unknown option --disable-userns" in older.message
+    sandbox = outpost.Sandbox(Path("/d"), Path("/w"), Path("/r"), Path("/p"), None, no_userns=older.no_userns)
+    assert "--unshare-user" not in sandbox.argv(["true"]) and "--unshare-pid" in sandbox.argv(["true"])
+    assert "--disable-userns" in outpost.Sandbox(Path("/d"), Path("/w"), Path("/r"), Path("/p"), None).argv(["true"])
+
+
 async def test_paused_time_does_not_count_against_the_timeout(autojump_clock, tmp_path):
     """Defect 2: paused at once with a 3 s timeout, a run was failed "timeout" while still
     paused. Paused time is not run time: the timeout fires 3 s of running after the resume."""

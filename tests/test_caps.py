@@ -104,6 +104,34 @@ def test_an_agent_that_takes_memory_without_end_is_ended_at_its_profile_s_memory
     assert run["error"].startswith("the run went over its memory cap (memory_mb = 64,"), run["error"]
 
 
+#: An agent that makes a user namespace of its own (and cgroup and mount ones), where it would hold
+#: every capability, mounts its own pids cgroup there and lifts its cap; then forks as FORK_BOMB.
+LIFTS_ITS_CAP = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x10000000 | 0x00020000 | 0x02000000) != 0:   # CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWCGROUP
+    print("no user namespace:", os.strerror(ctypes.get_errno()), flush=True)
+else:
+    libc.mount(None, b"/", None, (1 << 18) | (1 << 14), None)   # MS_PRIVATE | MS_REC
+    os.makedirs("/tmp/pids", exist_ok=True)
+    if libc.mount(b"none", b"/tmp/pids", b"cgroup", 0, b"pids") != 0:
+        libc.mount(b"none", b"/tmp/pids", b"cgroup2", 0, None)
+    with open("/tmp/pids/pids.max", "w") as cap:
+        cap.write("max")
+    print("lifted its cap", flush=True)
+''' + FORK_BOMB
+
+
+@needs_cgroups
+def test_an_agent_cannot_lift_its_own_cap_from_a_user_namespace_of_its_own(base):
+    """Adversary review: in a user namespace of its own an agent held every capability, mounted
+    its cgroup and wrote pids.max = max (and the memory limits); its sandbox now makes no user
+    namespace."""
+    run, log = one_run(base, LIFTS_ITS_CAP, "max_processes = 40\n")
+    assert "no user namespace: No space left on device" in log and "lifted" not in log, log
+    assert run["error"].startswith("the run met its process cap (max_processes = 40"), run["error"]
+
+
 #: An agent whose child takes memory without end, and which then ends well itself.
 CHILD_HOG = f"""
 import subprocess, sys

@@ -1442,7 +1442,7 @@ def year_history(q: bool) -> Path:
                          [tuple(o[c] for c in occ_cols) for o in occs])
         conn.executemany('INSERT INTO "Event" (cursor, type, at, data) VALUES (?, ?, ?, ?)', events)
         conn.executemany('INSERT INTO "Attention" (id, kind, schedule_id, run_id, title, detail, created_at, '
-                         "acknowledged_at, times) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)", atts)   # Pony's default is its own
+                         "acknowledged_at, times) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)", atts)   # Pony makes no column DEFAULT
         conn.execute("COMMIT")
         counts["runs"] += len(runs)
         counts["events"] += len(events)
