@@ -1441,8 +1441,9 @@ def year_history(q: bool) -> Path:
         conn.executemany(f'INSERT INTO "Occurrence" ({",".join(occ_cols)}) VALUES ({",".join("?" * len(occ_cols))})',
                          [tuple(o[c] for c in occ_cols) for o in occs])
         conn.executemany('INSERT INTO "Event" (cursor, type, at, data) VALUES (?, ?, ?, ?)', events)
+        # times: Pony makes no column DEFAULT, so a plain INSERT names it
         conn.executemany('INSERT INTO "Attention" (id, kind, schedule_id, run_id, title, detail, created_at, '
-                         "acknowledged_at, times) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)", atts)   # Pony makes no column DEFAULT
+                         "acknowledged_at, times) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1)", atts)
         conn.execute("COMMIT")
         counts["runs"] += len(runs)
         counts["events"] += len(events)
