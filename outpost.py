@@ -10177,8 +10177,9 @@ class Sandbox:
     but its worktree (a private clone, see add_worktree) and its CLIs' state in HOME; the data
     dir (API token, database, other runs) and /tmp replaced by empty ones, of which only the
     worktree, its prompt file and the repository it borrows objects from (read-only) are shown;
-    its own PID, IPC and mount view (a fresh /proc: no daemon, no other run to see, signal or
-    read), no capabilities when the daemon is root. No ``--die-with-parent``: its parent is the
+    its own PID, IPC, user and mount view (a fresh /proc: no daemon, no other run to see, signal or
+    read; no user namespace of its own to make, SANDBOX_NO_USERNS), no capabilities when the
+    daemon is root. No ``--die-with-parent``: its parent is the
     thread that spawned it, and trio spawns from worker threads that end when idle (a sandbox
     would be killed 10 s into its run); one that outlives the daemon is ended at the next start
     (end_survivor), as any agent is. Outpost's own
