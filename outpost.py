@@ -11153,13 +11153,12 @@ def agent_isolation(mode: str) -> Isolation:
     the daemon's user, so without it an agent could read the API token and the database."""
     if mode == "never":
         return Isolation(False, "agents are not isolated (isolate_agents = \"never\"): they can read the data dir")
-    if (problem := bubblewrap_problem((*SANDBOX_NAMESPACES, *SANDBOX_NO_USERNS))) is None:
+    if (unblocked := bubblewrap_problem((*SANDBOX_NAMESPACES, *SANDBOX_NO_USERNS))) is None:
         return Isolation(True, "agents run isolated by bubblewrap: the data dir is hidden from them", no_userns=True)
-    if (older := bubblewrap_problem(SANDBOX_NAMESPACES)) is None:
+    if (problem := bubblewrap_problem(SANDBOX_NAMESPACES)) is None:
         return Isolation(True, "agents run isolated by bubblewrap: the data dir is hidden from them, but an agent "
-                               f"can make a user namespace and in it lift its own caps ({problem}; bubblewrap 0.8 "
+                               f"can make a user namespace and in it lift its own caps ({unblocked}; bubblewrap 0.8 "
                                "or newer blocks that)")
-    problem = older
     if mode == "always":
         raise ConfigError(f'isolate_agents = "always", but bubblewrap does not work here: {problem}')
     return Isolation(False, f"agents are not isolated: bubblewrap does not work here ({problem}); "

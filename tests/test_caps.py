@@ -123,6 +123,8 @@ else:
 
 
 @needs_cgroups
+@pytest.mark.skipif(not outpost.agent_isolation("auto").no_userns,
+                    reason="no bubblewrap here that blocks user namespaces (0.8 or newer)")
 def test_an_agent_cannot_lift_its_own_cap_from_a_user_namespace_of_its_own(base):
     """Adversary review: in a user namespace of its own an agent held every capability, mounted
     its cgroup and wrote pids.max = max (and the memory limits); its sandbox now makes no user
@@ -297,6 +299,30 @@ async def test_a_held_command_and_what_it_starts_are_in_the_run_s_own_cgroups():
         joined = ("pids", "memory") if CGROUPS.version == 1 else ("",)   # v2: the one unified line
         names = [line.rsplit("/", 1)[-1] for line in done.stdout.splitlines() if line.split(":")[1] in joined]
         assert names == [held.folders[0].name] * 2 * len(joined)   # the shell's command, and its child
+    finally:
+        await held.release()
+
+
+def writable_cgroup2() -> Path | None:
+    """A cgroup v2 mount this test may make a cgroup in (a hybrid machine's /sys/fs/cgroup/unified, as root)."""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, where, kind, *_ = line.split()
+        if kind == "cgroup2" and os.access(where, os.W_OK):
+            return Path(where)
+    return None
+
+
+@pytest.mark.skipif(writable_cgroup2() is None, reason="no cgroup v2 mount here this user may write")
+async def test_on_cgroup_v2_a_held_command_joins_through_cgroup_procs():
+    """0 written into v2's cgroup.procs moves the writing process, as a pid did."""
+    folder = writable_cgroup2() / f"outpost-tests-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    held = outpost.Held(outpost.ResourceCaps(), folders=(folder,))
+    try:
+        done = subprocess.run(held.wrap(["sh", "-c", "cat /proc/self/cgroup"]), capture_output=True, text=True,
+                              check=True, timeout=10)
+        unified = next(line for line in done.stdout.splitlines() if line.startswith("0::"))
+        assert unified.endswith("/" + folder.name)
     finally:
         await held.release()
 
